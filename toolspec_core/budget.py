@@ -1,0 +1,100 @@
+"""Hardware-aware draft budget: a measured verify-cost curve and the pruning rule built on it.
+
+``cost(k)`` is the time of one target forward of ``k`` new tokens over a cached prefix,
+relative to ``k = 1`` (plain decoding). A tree is cut to the node set maximising expected
+tokens per unit cost (see :func:`toolspec_core.tree.prune_to_budget`), so the same rule applies
+to every tree method and a step never costs more than it is expected to gain.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .tree import DraftTree, prune_to_budget
+
+# Measured on the 2-core dev CPU, Qwen2.5-0.5B fp32, ~500-token prefix (NOTES.md).
+CPU_REFERENCE_CURVE = {1: 1.0, 2: 2.2, 4: 2.4, 8: 2.7, 16: 3.5, 32: 4.6, 64: 6.6}
+DEFAULT_KS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def interpolate(points: dict[int, float], max_k: int) -> list[float]:
+    """Dense cost list ``c[0..max_k]`` (c[0] unused = 0) from measured points, linear in k."""
+    ks = sorted(points)
+    xs = np.arange(max_k + 1)
+    cs = np.interp(xs, ks, [points[k] for k in ks], right=np.nan)
+    # extrapolate past the last point with the last segment's slope
+    if max_k > ks[-1]:
+        k0, k1 = ks[-2], ks[-1]
+        slope = (points[k1] - points[k0]) / (k1 - k0)
+        tail = xs > k1
+        cs[tail] = points[k1] + slope * (xs[tail] - k1)
+    # a forward of more tokens never costs less: make the curve monotone
+    cs = np.maximum.accumulate(np.nan_to_num(cs, nan=float(points[ks[-1]])))
+    cs[0] = 0.0
+    return cs.tolist()
+
+
+@dataclass
+class CostModel:
+    points: dict[int, float]
+    max_nodes: int = 63  # tree size cap (forward of root + 63 = 64 tokens)
+    source: str = "reference"
+
+    def __post_init__(self):
+        self.curve = interpolate(self.points, self.max_nodes + 1)
+
+    def prune(self, tree: DraftTree) -> DraftTree:
+        return prune_to_budget(tree, self.curve, self.max_nodes)
+
+    def step_cost(self, tree_size: int) -> float:
+        return self.curve[min(tree_size + 1, len(self.curve) - 1)]
+
+    def to_dict(self) -> dict:
+        return {"points": {str(k): v for k, v in self.points.items()}, "max_nodes": self.max_nodes, "source": self.source}
+
+    @classmethod
+    def cpu_reference(cls, max_nodes: int = 63) -> "CostModel":
+        return cls(dict(CPU_REFERENCE_CURVE), max_nodes, "reference")
+
+    @classmethod
+    def flat(cls, max_nodes: int = 63) -> "CostModel":
+        """An idealised accelerator: verifying k tokens costs as much as one (upper bound)."""
+        return cls({1: 1.0, max_nodes + 1: 1.0}, max_nodes, "flat")
+
+
+def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 3) -> dict[int, float]:
+    """Time one forward of k tree tokens (chain mask) over a ``prefix_len`` cache, relative to k=1.
+
+    Uses the same code path as decoding (hidden states + lm_head on all rows, float mask for
+    k > 1, KV commit of one row), on random token ids (timing does not depend on values).
+    """
+    from .engine import verify_step
+    from .sampling import SamplingParams
+
+    vocab = target.model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, prefix_len), generator=g)
+    cache = target.new_cache()
+    target.hidden(ids, torch.arange(prefix_len)[None], None, cache)
+    times: dict[int, float] = {}
+    greedy = SamplingParams()
+    for k in ks:
+        tree = DraftTree()
+        tree.add_path(torch.randint(0, vocab, (k - 1,), generator=g).tolist(), 0.5, "probe")
+        best = float("inf")
+        for _ in range(repeats + 1):  # first run warms up
+            t0 = time.perf_counter()
+            verify_step(target, tree, 0, cache, greedy, None)
+            best = min(best, time.perf_counter() - t0)
+            cache.crop(-(cache.get_seq_length() - prefix_len))
+        times[k] = best
+    return {k: times[k] / times[1] for k in ks}
+
+
+def measure_cost_model(target, prefix_len: int = 500, max_nodes: int = 63, repeats: int = 3) -> CostModel:
+    ks = tuple(k for k in DEFAULT_KS if k <= max_nodes + 1)
+    return CostModel(measure_cost_points(target, prefix_len, ks, repeats), max_nodes, "measured")

@@ -1,0 +1,130 @@
+"""The drafter protocol and the two basic drafters (none, prompt lookup).
+
+A drafter returns a draft tree, never a decision: the engine prunes it to the budget, the
+target verifies it, and the outcome comes back through ``feedback``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from .tree import DraftTree
+from .verify import VerifyResult
+
+
+@dataclass
+class DraftContext:
+    """What a drafter sees at a step. ``tokens[-1]`` is the root (committed, KV not cached yet)."""
+
+    tokens: list[int]
+    prompt_len: int
+    max_depth: int  # never draft deeper than this (remaining max_new_tokens - 1)
+    root_probs: dict[int, float] = field(default_factory=dict)  # top of p(root | before), for ranking
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+class Drafter(Protocol):
+    def propose(self, ctx: DraftContext) -> DraftTree: ...
+
+    def feedback(self, tree: DraftTree, result: VerifyResult) -> None: ...
+
+
+DrafterFactory = Callable[..., Drafter]
+
+
+class LabelRates:
+    """Online acceptance rate per draft label: P(node accepted | parent accepted).
+
+    A Beta prior keeps early estimates sane; rates are shared across the requests of a drafter
+    factory so a server learns its own hardware/model behaviour.
+    """
+
+    def __init__(self, prior: dict[str, float] | None = None, strength: float = 4.0):
+        self.prior = dict(prior or {})
+        self.strength = strength
+        self.hits: dict[str, float] = {}
+        self.tries: dict[str, float] = {}
+
+    def rate(self, label: str, default: float = 0.5) -> float:
+        p = self.prior.get(label, default)
+        return (self.hits.get(label, 0.0) + p * self.strength) / (self.tries.get(label, 0.0) + self.strength)
+
+    def update(self, tree: DraftTree, result: VerifyResult) -> None:
+        """Count every node whose parent was accepted (it had its chance)."""
+        accepted = set(result.path)
+        reached = {-1} | accepted
+        for i, p in enumerate(tree.parents):
+            if p in reached:
+                lab = tree.labels[i]
+                self.tries[lab] = self.tries.get(lab, 0.0) + 1.0
+                if i in accepted:
+                    self.hits[lab] = self.hits.get(lab, 0.0) + 1.0
+
+
+class NoDrafter:
+    """Plain autoregressive decoding through the same loop and cache (the baseline)."""
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        return DraftTree()
+
+    def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
+        return None
+
+
+def ngram_continuations(
+    tokens: list[int], max_ngram: int, min_ngram: int, length: int, max_matches: int, search_from: int = 0
+) -> list[list[int]]:
+    """Continuations that followed earlier occurrences of the longest matching suffix n-gram.
+
+    Like HF's prompt lookup: try n = max_ngram .. min_ngram; for the first n with matches, return
+    up to ``max_matches`` distinct continuations (most recent first) of up to ``length`` tokens.
+    """
+    n_tok = len(tokens)
+    for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
+        suffix = tokens[n_tok - n :]
+        out: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        first = suffix[0]
+        for start in range(n_tok - n - 1, search_from - 1, -1):
+            if tokens[start] != first or tokens[start : start + n] != suffix:
+                continue
+            cont = tokens[start + n : start + n + length]
+            key = tuple(cont[:4])
+            if cont and key not in seen:
+                seen.add(key)
+                out.append(cont)
+                if len(out) >= max_matches:
+                    break
+        if out:
+            return out
+    return []
+
+
+class PromptLookupDrafter:
+    """N-gram match over the context (prompt + generated), like HF ``prompt_lookup_num_tokens``.
+
+    Proposes up to ``branches`` continuations as a tree; node confidence comes from the online
+    acceptance rate of label ``"pld"`` so the engine's budget can drop drafts that do not pay.
+    """
+
+    label = "pld"
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, length: int = 10, branches: int = 1, rates: LabelRates | None = None):
+        self.max_ngram, self.min_ngram, self.length, self.branches = max_ngram, min_ngram, length, branches
+        self.rates = rates or LabelRates({self.label: 0.6})
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        tree = DraftTree()
+        conts = ngram_continuations(ctx.tokens, self.max_ngram, self.min_ngram, min(self.length, ctx.max_depth), self.branches)
+        rate = self.rates.rate(self.label)
+        for rank, cont in enumerate(conts):
+            first = rate / (rank + 1)
+            tree.add_path(cont, [first] + [rate] * (len(cont) - 1), self.label)
+        return tree
+
+    def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
+        self.rates.update(tree, result)

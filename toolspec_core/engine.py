@@ -1,0 +1,259 @@
+"""The decode loop: prefill once, then propose -> verify -> commit until a stop condition."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .budget import CostModel
+from .drafting import DraftContext, Drafter, NoDrafter
+from .errors import ContextLengthError, InvalidRequestError
+from .sampling import SamplingParams, sample, target_probs
+from .target import Target
+from .tree import DraftTree, depths, select
+from .verify import VerifyResult, commit_kv, greedy_walk, kv_rows, sample_walk, tree_inputs
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    sampling: SamplingParams = SamplingParams()
+
+    def __post_init__(self):
+        m = self.max_new_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
+            raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {m!r}", "max_tokens")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop must be non-empty strings", "stop")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    forwards: int = 0  # decode-phase target forward passes
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per step
+    drafted: list[int] = field(default_factory=list)  # tree size per step (after budget)
+    step_labels: list[str] = field(default_factory=list)  # state of the step (label of its first node)
+    label_drafted: dict[str, int] = field(default_factory=dict)
+    label_accepted: dict[str, int] = field(default_factory=dict)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    commit_s: float = 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return self.draft_s + self.verify_s + self.commit_s
+
+    @property
+    def mat(self) -> float:
+        """Mean tokens per decode forward, bonus included (emitted tokens only)."""
+        decoded = self.generated_tokens - 1  # the first token comes from prefill
+        return decoded / self.forwards if self.forwards else 1.0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "forwards": self.forwards,
+            "mat": self.mat,
+            "drafted_tokens": sum(self.drafted),
+            "accepted_tokens": sum(self.accepted),
+            "accepted_per_step": self.accepted,
+            "drafted_per_step": self.drafted,
+            "step_labels": self.step_labels,
+            "label_drafted": self.label_drafted,
+            "label_accepted": self.label_accepted,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "commit_s": self.commit_s,
+        }
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated tokens (stop string / EOS token included)
+    text: str  # decoded text, cut before a stop string; EOS not included
+    finish_reason: str  # "stop" | "length"
+    stats: GenerationStats
+
+
+@dataclass
+class Prefilled:
+    """A prompt whose KV is cached; ``logits`` [V] predict the first generated token."""
+
+    prompt_ids: list[int]
+    cache: object
+    logits: torch.Tensor
+    hidden: torch.Tensor  # [H] last-layer state of the final prompt token (retrieval key)
+    seconds: float = 0.0
+
+
+def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int = 1) -> None:
+    if not prompt_ids:
+        raise InvalidRequestError("prompt is empty", "messages")
+    if len(prompt_ids) + max_new_tokens > target.max_context:
+        raise ContextLengthError(
+            f"prompt of {len(prompt_ids)} tokens + max_tokens {max_new_tokens} exceeds the context window "
+            f"of {target.max_context} tokens",
+            "messages",
+        )
+
+
+def prefill(target: Target, prompt_ids: list[int], prefix: Prefilled | None = None, chunk: int = 512) -> Prefilled:
+    """Run the prompt (or its part past a cached ``prefix``) through the target."""
+    from .target import clone_cache
+
+    check_prompt(target, prompt_ids)
+    t0 = time.perf_counter()
+    start, cache = 0, target.new_cache()
+    if prefix is not None and len(prefix.prompt_ids) < len(prompt_ids) and prompt_ids[: len(prefix.prompt_ids)] == prefix.prompt_ids:
+        start, cache = len(prefix.prompt_ids), clone_cache(prefix.cache)
+    hidden = None
+    for s in range(start, len(prompt_ids), chunk):
+        ids = torch.tensor([prompt_ids[s : s + chunk]], dtype=torch.long)
+        pos = torch.arange(s, s + ids.shape[1]).unsqueeze(0)
+        hidden = target.hidden(ids, pos, None, cache)
+    last = hidden[-1]
+    return Prefilled(list(prompt_ids), cache, target.logits(last[None])[0], last, time.perf_counter() - t0)
+
+
+class _Stopper:
+    """EOS / max_new_tokens / stop strings, checked after every emitted token."""
+
+    def __init__(self, tokenizer, eos_ids, cfg: DecodeConfig):
+        self.tok, self.eos, self.cfg = tokenizer, set(eos_ids), cfg
+        self.window = max((len(s) for s in cfg.stop), default=0) + 8
+
+    def done(self, generated: list[int]) -> str | None:
+        if generated[-1] in self.eos:
+            return "stop"
+        if self.cfg.stop:
+            tail = self.tok.decode(generated[-self.window :], skip_special_tokens=False)
+            if any(s in tail for s in self.cfg.stop):
+                return "stop"
+        if len(generated) >= self.cfg.max_new_tokens:
+            return "length"
+        return None
+
+    def text(self, generated: list[int]) -> str:
+        ids = generated[:-1] if generated and generated[-1] in self.eos else generated
+        text = self.tok.decode(ids, skip_special_tokens=False)
+        cuts = [text.find(s) for s in self.cfg.stop if s in text]
+        return text[: min(cuts)] if cuts else text
+
+
+def _top_probs(logits: torch.Tensor, params: SamplingParams, k: int = 8) -> dict[int, float]:
+    probs = torch.softmax(logits.float(), -1) if params.greedy else target_probs(logits, params)
+    p, i = torch.topk(probs, k)
+    return dict(zip(i.tolist(), p.tolist()))
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, gen) -> int:
+    return int(torch.argmax(logits)) if params.greedy else sample(target_probs(logits, params), gen)
+
+
+def cap_depth(tree: DraftTree, max_depth: int) -> DraftTree:
+    if not tree.tokens or max_depth <= 0:
+        return DraftTree()
+    d = depths(tree.parents)
+    if max(d) <= max_depth:
+        return tree
+    return select(tree, [i for i, x in enumerate(d) if x <= max_depth])
+
+
+def _record(stats: GenerationStats, tree: DraftTree, result: VerifyResult) -> None:
+    stats.forwards += 1
+    stats.accepted.append(len(result.path))
+    stats.drafted.append(len(tree))
+    first = result.path[0] if result.path else (0 if tree.tokens else -1)
+    stats.step_labels.append(tree.labels[first] if first >= 0 else "none")
+    for lab in tree.labels:
+        stats.label_drafted[lab] = stats.label_drafted.get(lab, 0) + 1
+    for i in result.path:
+        lab = tree.labels[i]
+        stats.label_accepted[lab] = stats.label_accepted.get(lab, 0) + 1
+
+
+def verify_step(target: Target, tree: DraftTree, root: int, cache, params: SamplingParams, gen):
+    """One target forward over root + tree.
+
+    Returns the accepted path + the target's token, and the logits row [V] it was chosen from.
+    """
+    kv_len = cache.get_seq_length()
+    ids, pos, mask = tree_inputs(root, tree, kv_len, target.dtype)
+    hidden = target.hidden(ids, pos, mask if tree.tokens else None, cache)
+    logits = target.logits(hidden)  # [T+1, V]
+    if params.greedy:
+        result = greedy_walk(tree, torch.argmax(logits, -1).tolist())
+    else:
+        result = sample_walk(tree, logits, params, gen)
+    commit_kv(cache, kv_len, kv_rows(result.path))
+    return result, logits[result.path[-1] + 1 if result.path else 0]
+
+
+def decode(
+    target: Target,
+    pre: Prefilled,
+    drafter: Drafter | None = None,
+    cfg: DecodeConfig = DecodeConfig(),
+    cost: CostModel | None = None,
+    own_cache: bool = False,
+) -> GenerationResult:
+    """Decode after ``pre``. The prefix cache is cloned unless ``own_cache`` (then it is consumed)."""
+    from .target import clone_cache
+
+    check_prompt(target, pre.prompt_ids, cfg.max_new_tokens)
+    drafter = drafter or NoDrafter()
+    cache = pre.cache if own_cache else clone_cache(pre.cache)
+    gen = cfg.sampling.generator()
+    stats = GenerationStats(prompt_tokens=len(pre.prompt_ids), prefill_s=pre.seconds)
+    stopper = _Stopper(target.tokenizer, target.eos_ids, cfg)
+    tokens = list(pre.prompt_ids) + [choose(pre.logits, cfg.sampling, gen)]
+    generated = tokens[len(pre.prompt_ids) :]
+    root_probs = _top_probs(pre.logits, cfg.sampling)
+    reason = stopper.done(generated)
+    while reason is None:
+        t0 = time.perf_counter()
+        ctx = DraftContext(tokens, len(pre.prompt_ids), cfg.max_new_tokens - len(generated) - 1, root_probs)
+        tree = cap_depth(drafter.propose(ctx), ctx.max_depth)
+        if cost is not None:
+            tree = cost.prune(tree)
+        t1 = time.perf_counter()
+        result, last_logits = verify_step(target, tree, tokens[-1], cache, cfg.sampling, gen)
+        root_probs = _top_probs(last_logits, cfg.sampling)
+        t2 = time.perf_counter()
+        drafter.feedback(tree, result)
+        _record(stats, tree, result)
+        for tok in [tree.tokens[i] for i in result.path] + [result.token]:
+            tokens.append(tok)
+            generated.append(tok)
+            reason = stopper.done(generated)
+            if reason:
+                break
+        t3 = time.perf_counter()
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.commit_s += t3 - t2
+    stats.generated_tokens = len(generated)
+    return GenerationResult(generated, stopper.text(generated), reason, stats)
+
+
+def generate(
+    target: Target,
+    prompt_ids: list[int],
+    drafter: Drafter | None = None,
+    cfg: DecodeConfig = DecodeConfig(),
+    cost: CostModel | None = None,
+) -> GenerationResult:
+    check_prompt(target, list(prompt_ids), cfg.max_new_tokens)
+    pre = prefill(target, list(prompt_ids))
+    return decode(target, pre, drafter, cfg, cost, own_cache=True)

@@ -1,0 +1,110 @@
+"""The target model: one small protocol over an HF causal LM (single process or tensor-parallel)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from .embedded import EMBEDDED_MODEL_NAME, ModelFileError, embedded_model_dir
+
+
+class Forward(Protocol):
+    """What the decode loop needs from a model: hidden states for new tokens given a cache."""
+
+    def __call__(self, input_ids, position_ids, mask, cache) -> torch.Tensor: ...
+
+
+@dataclass
+class Target:
+    """An HF causal LM plus its tokenizer. ``forward`` may be swapped (e.g. tensor-parallel)."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str = "model"
+    eos_ids: tuple[int, ...] = ()
+    max_context: int = 32768
+    forward_fn: Forward | None = field(default=None, repr=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def hidden(self, input_ids, position_ids, mask, cache) -> torch.Tensor:
+        """input_ids/position_ids: [1, T]; mask: [1, 1, T, S] additive or None (causal).
+
+        Returns last-layer hidden states [T, H]; the cache grows by T rows.
+        """
+        if self.forward_fn is not None:
+            return self.forward_fn(input_ids, position_ids, mask, cache)
+        with torch.inference_mode():
+            out = self.model.model(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True
+            )
+        return out.last_hidden_state[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] -> logits [T, V] (fp32)."""
+        with torch.inference_mode():
+            return self.model.lm_head(hidden).float()
+
+
+def clone_cache(cache):
+    """Independent copy of a (small, per-request) KV cache: a prefix cache shared by methods/requests."""
+    return copy.deepcopy(cache)
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    # Chat models end a turn with <|im_end|> even when generation_config does not say so.
+    for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok) if hasattr(tokenizer, "convert_tokens_to_ids") else None
+        if isinstance(tid, int) and tid >= 0 and tid != getattr(tokenizer, "unk_token_id", None):
+            ids.add(tid)
+    return tuple(sorted(ids))
+
+
+def from_model(model, tokenizer, name: str = "model") -> Target:
+    """Wrap an already-built HF model (tests build tiny random ones)."""
+    model.eval()
+    ctx = getattr(model.config, "max_position_embeddings", None) or 32768
+    return Target(model=model, tokenizer=tokenizer, name=name, eos_ids=_eos_ids(model, tokenizer), max_context=ctx)
+
+
+def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32, threads: int | None = None) -> Target:
+    """Load a local HF model directory, or the embedded default when ``path`` is None/"embedded".
+
+    Both go through the same ``from_pretrained`` code path; SDPA attention is required because
+    the tree mask is 4D.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    if path in (None, "", "embedded"):
+        path, name = embedded_model_dir(), EMBEDDED_MODEL_NAME
+    else:
+        path = Path(path)
+        name = path.name
+        if not (path / "config.json").is_file():
+            raise ModelFileError(f"{path} is not an HF model directory (no config.json)")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(f"could not load model from {path}: {exc}") from exc
+    return from_model(model, tok, name=name)
