@@ -197,6 +197,7 @@ def verify_step(target: Target, tree: DraftTree, root: int, cache, params: Sampl
     else:
         result = sample_walk(tree, logits, params, gen)
     commit_kv(cache, kv_len, kv_rows(result.path))
+    result.logits = logits  # for drafters that learn from the target (token recycling)
     return result, logits[result.path[-1] + 1 if result.path else 0]
 
 

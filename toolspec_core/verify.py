@@ -7,7 +7,7 @@ the target (the bonus/correction token).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,7 @@ from .tree import ROOT, DraftTree, depths
 class VerifyResult:
     path: list[int]  # accepted node indices, root's child first
     token: int  # the one token chosen by the target after the path
+    logits: torch.Tensor | None = field(default=None, repr=False)  # [T+1, V] target logits per row
 
 
 def tree_inputs(root_token: int, tree: DraftTree, prefix_len: int, dtype=torch.float32):

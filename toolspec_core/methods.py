@@ -1,0 +1,82 @@
+"""Decoding methods by name: one place that the benchmark, the server and the tests share.
+
+A *method* holds what lives across requests (online acceptance rates, a history of past
+outputs, a token-recycling matrix, a handle to the call library) and makes a fresh drafter
+per request. ``observe`` feeds a finished request back (online learning) -- never the request
+being decoded, so history methods cannot peek at their own answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .drafting import Drafter, LabelRates, NoDrafter, PromptLookupDrafter
+
+
+@dataclass
+class RequestInfo:
+    """Everything a method may use about one request (all optional but the prompt)."""
+
+    prompt_ids: list[int]
+    tools: list[dict] = field(default_factory=list)
+    tenant: str = "default"
+    embedding: Any = None  # e.g. last-layer hidden state of the final prompt token
+    remember: bool = True  # False: never store this request's output in any history
+    retrieved: Any = None  # past calls fetched for this request (retrieval methods)
+
+
+class Method(Protocol):
+    name: str
+
+    def drafter(self, req: RequestInfo) -> Drafter: ...
+
+    def observe(self, req: RequestInfo, output_ids: list[int], text: str) -> None: ...
+
+
+class AutoregressiveMethod:
+    name = "ar"
+
+    def drafter(self, req: RequestInfo) -> Drafter:
+        return NoDrafter()
+
+    def observe(self, req: RequestInfo, output_ids: list[int], text: str) -> None:
+        return None
+
+
+class PromptLookupMethod:
+    name = "pld"
+
+    def __init__(self, tokenizer=None, **opts):
+        self.opts = opts
+        self.rates = LabelRates({"pld": 0.6})
+
+    def drafter(self, req: RequestInfo) -> Drafter:
+        return PromptLookupDrafter(rates=self.rates, **self.opts)
+
+    def observe(self, req: RequestInfo, output_ids: list[int], text: str) -> None:
+        return None
+
+
+# name -> "module:factory"; factory(tokenizer, **options) -> Method
+REGISTRY: dict[str, str] = {
+    "ar": "toolspec_core.methods:AutoregressiveMethod",
+    "pld": "toolspec_core.methods:PromptLookupMethod",
+    "suffix": "toolspec_core.baselines:SuffixMethod",
+    "token_recycling": "toolspec_core.baselines:TokenRecyclingMethod",
+    "toolspec_schema": "toolspec_core.schema_drafter:SchemaMethod",
+    "toolspec_retrieval": "toolspec_core.schema_drafter:RetrievalMethod",
+    "toolspec": "toolspec_core.schema_drafter:ToolSpecMethod",
+}
+
+
+def make_method(name: str, tokenizer=None, **options) -> Method:
+    """Build the method ``name`` (see ``REGISTRY``)."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(REGISTRY)}")
+    module, attr = REGISTRY[name].split(":")
+    factory = getattr(importlib.import_module(module), attr)
+    if name == "ar":
+        return factory()
+    return factory(tokenizer, **options)
