@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -208,8 +209,13 @@ def decode(
     cfg: DecodeConfig = DecodeConfig(),
     cost: CostModel | None = None,
     own_cache: bool = False,
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
 ) -> GenerationResult:
-    """Decode after ``pre``. The prefix cache is cloned unless ``own_cache`` (then it is consumed)."""
+    """Decode after ``pre``. The prefix cache is cloned unless ``own_cache`` (then it is consumed).
+
+    ``on_tokens(new_ids)`` is called after each commit with the newly emitted tokens (streaming);
+    returning ``False`` cancels the request (finish_reason "cancelled").
+    """
     from .target import clone_cache
 
     check_prompt(target, pre.prompt_ids, cfg.max_new_tokens)
@@ -222,6 +228,8 @@ def decode(
     generated = tokens[len(pre.prompt_ids) :]
     root_probs = _top_probs(pre.logits, cfg.sampling)
     reason = stopper.done(generated)
+    if on_tokens is not None and on_tokens(list(generated)) is False:
+        reason = reason or "cancelled"
     while reason is None:
         t0 = time.perf_counter()
         ctx = DraftContext(tokens, len(pre.prompt_ids), cfg.max_new_tokens - len(generated) - 1, root_probs)
@@ -234,12 +242,15 @@ def decode(
         t2 = time.perf_counter()
         drafter.feedback(tree, result)
         _record(stats, tree, result)
+        emitted = len(generated)
         for tok in [tree.tokens[i] for i in result.path] + [result.token]:
             tokens.append(tok)
             generated.append(tok)
             reason = stopper.done(generated)
             if reason:
                 break
+        if on_tokens is not None and on_tokens(generated[emitted:]) is False:
+            reason = reason or "cancelled"
         t3 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
