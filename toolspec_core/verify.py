@@ -98,10 +98,15 @@ def commit_kv(cache, prefix_len: int, rows: list[int]) -> None:
     keep = len(rows)
     if rows != list(range(keep)):
         src = torch.tensor([prefix_len + r for r in rows], dtype=torch.long)
-        for layer in cache.layers:
-            # keys/values: [B, H_kv, S, D]
-            layer.keys[:, :, prefix_len : prefix_len + keep] = layer.keys.index_select(2, src)
-            layer.values[:, :, prefix_len : prefix_len + keep] = layer.values.index_select(2, src)
+        with torch.inference_mode():  # cache tensors are inference tensors
+            _gather_rows(cache, prefix_len, keep, src)
     drop = total - (prefix_len + keep)
     if drop > 0:
         cache.crop(-drop)
+
+
+def _gather_rows(cache, prefix_len: int, keep: int, src: torch.Tensor) -> None:
+    for layer in cache.layers:
+        # keys/values: [B, H_kv, S, D]
+        layer.keys[:, :, prefix_len : prefix_len + keep] = layer.keys.index_select(2, src)
+        layer.values[:, :, prefix_len : prefix_len + keep] = layer.values.index_select(2, src)

@@ -1,0 +1,208 @@
+"""Request keys for the history library.
+
+* ``HiddenStateEmbedder`` — the target's own last-layer hidden state of the final prompt token
+  (what ToolSpec's research code uses). Free at serving time: the engine computes it in prefill
+  (``Prefilled.hidden``); ``from_hidden`` turns it into a key.
+* ``LexicalEmbedder`` — hashed word / char n-gram TF of the last user message + the offered tool
+  names. No model, deterministic across processes (crc32, not Python's salted ``hash``).
+* ``HFEmbedder`` — any local HF model directory, mean- (or last-token-) pooled; the slot for a
+  dedicated Qwen embedding model in production.
+
+Which key wins is measured, not assumed: ``benchmarks/retrieval_key_eval.py`` ->
+``benchmarks/results/retrieval-key-eval.json``. Keys from different embedders live in different
+vector spaces (and dims): use one collection per embedder.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    name: str
+    dim: int
+
+    def embed(self, x: Any) -> np.ndarray:
+        """A unit float32 vector [dim] for prompt token ids or text (what each embedder accepts)."""
+        ...
+
+    def embed_request(self, messages: list[dict], tools: list[dict] | None = None) -> np.ndarray: ...
+
+
+def normalise(v) -> np.ndarray:
+    """float32 [D] with unit L2 norm (a zero vector stays zero; the store rejects it)."""
+    if hasattr(v, "detach"):
+        v = v.detach().cpu().float().numpy()
+    v = np.asarray(v, dtype=np.float32).reshape(-1)
+    n = float(np.linalg.norm(v))
+    return v / n if n > 0 and np.isfinite(n) else v
+
+
+def from_hidden(hidden) -> np.ndarray:
+    """``Prefilled.hidden`` ([H], or [T, H] -> last row) to a retrieval key."""
+    if hasattr(hidden, "detach"):
+        hidden = hidden.detach().cpu().float().numpy()
+    h = np.asarray(hidden, dtype=np.float32)
+    return normalise(h[-1] if h.ndim == 2 else h)
+
+
+def _content(m: dict) -> str:
+    c = m.get("content")
+    if isinstance(c, list):
+        return " ".join(p.get("text", "") for p in c if isinstance(p, dict))
+    return c if isinstance(c, str) else ""
+
+
+def tool_names(tools: Sequence[dict] | None) -> list[str]:
+    out = []
+    for t in tools or []:
+        fn = t.get("function", t) if isinstance(t, dict) else {}
+        if isinstance(fn.get("name"), str):
+            out.append(fn["name"])
+    return out
+
+
+def last_user_message(messages: Sequence[dict]) -> str:
+    for m in reversed(list(messages or [])):
+        if isinstance(m, dict) and m.get("role") == "user":
+            return _content(m)
+    return ""
+
+
+def request_text(messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+    """The text a text embedder keys on: last user message, then the offered tool names."""
+    names = tool_names(tools)
+    text = last_user_message(messages)
+    return f"{text}\nTools: {', '.join(names)}" if names else text
+
+
+# ----------------------------------------------------------------------------- hidden state
+
+
+class HiddenStateEmbedder:
+    """Target hidden state of the final prompt token. ``embed`` runs a prefill (offline use, e.g.
+    warming a library); at serving time use ``from_hidden(prefilled.hidden)`` instead."""
+
+    name = "hidden_last"
+
+    def __init__(self, target):
+        self.target = target
+        self.dim = int(target.model.config.hidden_size)
+
+    from_hidden = staticmethod(from_hidden)
+
+    def embed(self, x) -> np.ndarray:
+        from toolspec_core.engine import prefill
+
+        ids = self.target.tokenizer(x, add_special_tokens=False)["input_ids"] if isinstance(x, str) else list(x)
+        return from_hidden(prefill(self.target, ids).hidden)
+
+    def embed_request(self, messages, tools=None) -> np.ndarray:
+        from toolspec_core.prompting import render_prompt
+
+        return self.embed(render_prompt(self.target.tokenizer, list(messages), list(tools or []) or None))
+
+
+# ----------------------------------------------------------------------------- lexical
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def lexical_features(text: str, names: Sequence[str] = (), char_n: tuple[int, ...] = (3, 4)) -> dict[str, float]:
+    """Word unigrams + bigrams, char n-grams inside words, and whole tool names (weighted x2: the
+    tool set says most about which calls are likely)."""
+    words = _WORD.findall(text.lower())
+    feats: dict[str, float] = {}
+
+    def put(f: str, w: float = 1.0) -> None:
+        feats[f] = feats.get(f, 0.0) + w
+
+    for i, w in enumerate(words):
+        put("w:" + w)
+        if i:
+            put(f"b:{words[i - 1]} {w}")
+        padded = f"#{w}#"
+        for n in char_n:
+            for j in range(max(0, len(padded) - n + 1)):
+                put(f"c{n}:{padded[j:j + n]}", 0.5)
+    for name in names:
+        put("t:" + name, 2.0)
+    return feats
+
+
+class LexicalEmbedder:
+    """Signed feature hashing into ``dim`` buckets, sublinear TF, unit norm."""
+
+    name = "lexical"
+
+    def __init__(self, dim: int = 1024):
+        if dim <= 0:
+            raise ValueError("dim must be positive")
+        self.dim = int(dim)
+
+    def vector(self, feats: dict[str, float]) -> np.ndarray:
+        v = np.zeros(self.dim, np.float32)
+        for f, tf in feats.items():
+            h = zlib.crc32(f.encode("utf-8"))
+            v[h % self.dim] += (1.0 if (h >> 31) & 1 else -1.0) * (1.0 + np.log(tf) if tf >= 1 else tf)
+        return normalise(v)
+
+    def embed(self, x) -> np.ndarray:
+        """Text, or a request dict ``{"messages": [...], "tools": [...]}``."""
+        if isinstance(x, dict):
+            return self.embed_request(x.get("messages") or [], x.get("tools"))
+        if not isinstance(x, str):
+            raise TypeError("LexicalEmbedder embeds text or a {'messages', 'tools'} dict, not token ids")
+        return self.vector(lexical_features(x))
+
+    def embed_request(self, messages, tools=None) -> np.ndarray:
+        return self.vector(lexical_features(last_user_message(messages), tool_names(tools)))
+
+
+# ----------------------------------------------------------------------------- any HF model
+
+
+class HFEmbedder:
+    """Pooled last hidden state of a local HF model directory (e.g. a Qwen embedding model).
+
+    ``pooling="mean"`` averages over real tokens; ``"last"`` takes the final token (what
+    Qwen3-Embedding is trained for, with ``prefix`` set to its query instruction).
+    """
+
+    def __init__(self, model_dir: str, pooling: str = "mean", max_length: int = 512, prefix: str = "", threads: int | None = None):
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        if pooling not in ("mean", "last"):
+            raise ValueError("pooling must be 'mean' or 'last'")
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+            self.model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"could not load an embedding model from {model_dir}: {exc}") from exc
+        self.pooling, self.max_length, self.prefix = pooling, max_length, prefix
+        self.dim = int(self.model.config.hidden_size)
+        self.name = f"hf:{getattr(self.model.config, '_name_or_path', model_dir)}:{pooling}"
+
+    def embed(self, x) -> np.ndarray:
+        import torch
+
+        if isinstance(x, str):
+            ids = self.tokenizer(self.prefix + x, truncation=True, max_length=self.max_length)["input_ids"]
+        else:
+            ids = list(x)[-self.max_length :]
+        if not ids:
+            raise ValueError("nothing to embed")
+        with torch.inference_mode():
+            h = self.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        return normalise(h.mean(0) if self.pooling == "mean" else h[-1])
+
+    def embed_request(self, messages, tools=None) -> np.ndarray:
+        return self.embed(request_text(messages, tools))

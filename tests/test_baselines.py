@@ -1,0 +1,134 @@
+"""Baseline drafters (suffix, token recycling) on tiny random Qwen2 models: greedy equality
+with plain decoding and HF generate, drafts actually accepted, structures behave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny import hf_greedy, tiny_target
+from toolspec_core.baselines import (
+    SuffixMethod, SuffixTrie, TokenRecyclingMethod, bfs_template, node_paths, suffix_key,
+)
+from toolspec_core.budget import CostModel
+from toolspec_core.drafting import DraftContext
+from toolspec_core.engine import DecodeConfig, decode, prefill
+from toolspec_core.methods import RequestInfo, make_method
+from toolspec_core.tree import ROOT, DraftTree, depths
+from toolspec_core.verify import VerifyResult
+
+PATTERN = [5, 9, 13, 17, 21, 25, 29, 33]
+PROMPTS = [PATTERN * 4 + [5, 9], [3, 1, 4, 1, 5, 9, 2, 6] * 3 + [3, 1, 4]]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_target(vocab=128)
+
+
+@pytest.fixture(scope="module")
+def refs(tiny):
+    return [hf_greedy(tiny, p, N) for p in PROMPTS]
+
+
+def run(tiny, method, prompt, cost):
+    req = RequestInfo(prompt_ids=list(prompt))
+    res = decode(tiny, prefill(tiny, list(prompt)), method.drafter(req), DecodeConfig(max_new_tokens=N), cost)
+    method.observe(req, res.tokens, res.text)
+    return res
+
+
+@pytest.mark.parametrize("name", ["suffix", "token_recycling"])
+@pytest.mark.parametrize("curve", ["flat", "cpu", "nobudget"])
+def test_greedy_equality_and_acceptance(tiny, refs, name, curve):
+    cost = {"flat": CostModel.flat(), "cpu": CostModel.cpu_reference(), "nobudget": None}[curve]
+    method = make_method(name, None, vocab_size=128) if name == "token_recycling" else make_method(name, None)
+    accepted = 0
+    for rnd in range(2):  # the second round uses history / the recycled matrix
+        for prompt, ref in zip(PROMPTS, refs):
+            res = run(tiny, method, prompt, cost)
+            plain = decode(tiny, prefill(tiny, list(prompt)), None, DecodeConfig(max_new_tokens=N))
+            assert res.tokens == ref == plain.tokens, (name, rnd)
+            assert res.stats.generated_tokens == N
+            accepted += sum(res.stats.accepted)
+            assert set(res.stats.step_labels) <= {name, "none"}
+    if curve != "cpu":  # the steep CPU curve may rightly decide to draft little
+        assert accepted > 0, f"{name} never had a draft accepted"
+
+
+def test_suffix_history_drafts_whole_repeat(tiny, refs):
+    """After observing an output, the same request is drafted almost entirely from history."""
+    method = SuffixMethod()
+    first = run(tiny, method, PROMPTS[1], CostModel.flat())
+    again = run(tiny, method, PROMPTS[1], CostModel.flat())
+    assert again.tokens == first.tokens == refs[1]
+    assert again.stats.forwards < first.stats.forwards
+    assert again.stats.mat >= 4.0
+
+
+def test_suffix_trie_counts_and_matches():
+    t = SuffixTrie(depth=4)
+    t.add_document([1, 2, 3, 1, 2, 4])
+    assert t.count[t.walk([1, 2])] == 2
+    assert t.walk([3, 1, 2, 4]) >= 0 and t.walk([2, 3, 1, 2, 4]) == -1  # depth limit
+    node, m = t.longest_match([9, 3, 1, 2], max_match=8)
+    assert m == 3 and sorted(t.kids[node]) == [4]
+    assert t.longest_match([7, 7], 8) == (-1, 0)
+    # documents do not run into each other
+    t.add_document([7])
+    assert t.walk([4, 7]) == -1
+    # the active match of the current document excludes its own (continuation-less) occurrence
+    c = SuffixTrie(depth=8)
+    c.extend([1, 2, 3, 9, 1, 2])
+    node, m = c.active_match(8)
+    assert m == 2 and list(c.kids[node]) == [3]
+
+
+def test_suffix_drafter_prefers_frequent_continuation():
+    m = SuffixMethod()
+    m.observe(RequestInfo(prompt_ids=[50]), [1, 2, 3, 4], "")
+    m.observe(RequestInfo(prompt_ids=[50]), [1, 2, 3, 4], "")
+    m.observe(RequestInfo(prompt_ids=[50]), [1, 2, 7, 8], "")
+    d = m.drafter(RequestInfo(prompt_ids=[60, 1, 2]))
+    tree = d.propose(DraftContext([60, 1, 2], 3, 10))
+    kids = {tree.tokens[i]: tree.conf[i] for i in tree.children(ROOT)}
+    assert set(kids) == {3, 7} and kids[3] > kids[7]
+    assert all(lab == "suffix" for lab in tree.labels)
+    assert suffix_key(0.9, 5) == "suffix:hi:l" and suffix_key(0.3, 1) == "suffix:lo:s"
+
+
+def test_rates_follow_pruned_tree_by_path():
+    """feedback() sees a pruned, re-indexed tree; rate keys must still line up (by token path)."""
+    m = SuffixMethod()
+    m.observe(RequestInfo(prompt_ids=[50]), [1, 2, 3, 4, 5], "")
+    d = m.drafter(RequestInfo(prompt_ids=[1, 2]))
+    tree = d.propose(DraftContext([1, 2], 2, 10))
+    pruned = DraftTree()
+    pruned.add_path([3, 4], 0.8, "suffix")
+    d.feedback(pruned, VerifyResult(path=[0], token=9))
+    assert m.rates.tries == {"suffix:hi:s": 1.0, "suffix:hi:l": 1.0}
+    assert m.rates.hits == {"suffix:hi:s": 1.0}
+
+
+def test_token_recycling_template_and_matrix():
+    tpl = bfs_template(80)
+    assert len(tpl) == 80 and all(p < i for i, (p, _) in enumerate(tpl))
+    assert sum(1 for p, _ in tpl if p == ROOT) == 8
+    assert max(depths([p for p, _ in tpl])) >= 4
+    m = TokenRecyclingMethod(vocab_size=16)
+    d = m.drafter(RequestInfo(prompt_ids=[1]))
+    assert len(d.propose(DraftContext([1, 2], 1, 10))) == 0  # nothing seen yet
+    logits = torch.zeros(2, 16)  # rows: root 2, node 5
+    logits[0, 5], logits[0, 6], logits[1, 7] = 3.0, 2.0, 3.0
+    tree = DraftTree()
+    tree.add_path([5], 0.5, "token_recycling")
+    d.feedback(tree, VerifyResult(path=[0], token=7, logits=logits))
+    assert m.matrix[2, :2].tolist() == [5, 6] and m.matrix[5, 0].item() == 7
+    tree = m.drafter(RequestInfo(prompt_ids=[1])).propose(DraftContext([1, 2], 1, 10))
+    assert {p: tree.tokens[i] for i, p in enumerate(node_paths(tree)) if len(p) == 1}[(5,)] == 5
+    assert (5, 7) in node_paths(tree)
+    assert tree.labels[0] == "token_recycling" and tree.conf[0] > tree.conf[1]
+    # depth cap honoured
+    short = m.drafter(RequestInfo(prompt_ids=[1])).propose(DraftContext([1, 2], 1, 1))
+    assert max(depths(short.parents)) == 1

@@ -1,0 +1,303 @@
+"""Core engine on tiny random Qwen2 models: tree verification, KV commit, losslessness, stops, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny import hf_greedy, tiny_target
+from toolspec_core.budget import CostModel, interpolate
+from toolspec_core.drafting import DraftContext, NoDrafter, PromptLookupDrafter, ngram_continuations
+from toolspec_core.engine import DecodeConfig, decode, generate, prefill
+from toolspec_core.errors import ContextLengthError, InvalidRequestError
+from toolspec_core.sampling import SamplingParams
+from toolspec_core.tree import DraftTree, depths, path_probs, prune_to_budget, select
+from toolspec_core.verify import commit_kv, greedy_walk, kv_rows, tree_inputs
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    return hf_greedy(tiny, PROMPT, N)
+
+
+class ScriptedDrafter:
+    """Drafts from a function of the generated-so-far tokens (oracle / garbage / branching)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.accepted = []
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        return self.fn(ctx)
+
+    def feedback(self, tree, result):
+        self.accepted.append(len(result.path))
+
+
+def oracle(ref):
+    def fn(ctx):
+        done = len(ctx.generated)
+        tree = DraftTree()
+        tree.add_path(ref[done : done + 6], 0.9, "oracle")
+        return tree
+
+    return fn
+
+
+def garbage(ref):
+    def fn(ctx):
+        done = len(ctx.generated)
+        tree = DraftTree()
+        want = ref[done] if done < len(ref) else 0
+        tree.add_path([(want + 1) % 96, 5, 6, 7], 0.9, "garbage")
+        return tree
+
+    return fn
+
+
+def branching(ref):
+    """Two wrong branches first, the true continuation as the third branch, plus a wrong sub-branch."""
+
+    def fn(ctx):
+        done = len(ctx.generated)
+        true = ref[done : done + 5]
+        tree = DraftTree()
+        if not true:
+            return tree
+        tree.add_path([(true[0] + 1) % 96, 3, 4], 0.5, "b0")
+        tree.add_path([(true[0] + 2) % 96, 9], 0.5, "b1")
+        node = tree.add_path(true[:2], 0.5, "b2")
+        tree.add_path([(true[2] + 7) % 96 if len(true) > 2 else 1], 0.5, "b3", parent=node)
+        tree.add_path(true[2:], 0.5, "b2", parent=node)
+        return tree
+
+    return fn
+
+
+def test_tree_encoding_and_mask():
+    tree = DraftTree()
+    a = tree.add_path([10, 11, 12], 0.9, "x")
+    b = tree.add_path([10, 13], 0.5, "y")  # shares the first node
+    assert tree.tokens == [10, 11, 12, 13] and tree.parents == [-1, 0, 1, 0]
+    assert (a, b) == (2, 3)
+    assert depths(tree.parents) == [1, 2, 3, 2]
+    ids, pos, mask = tree_inputs(7, tree, prefix_len=5)
+    assert ids.tolist() == [[7, 10, 11, 12, 13]]
+    assert pos.tolist() == [[5, 6, 7, 8, 7]]
+    visible = (mask[0, 0] == 0).int()
+    assert visible[:, :5].all()  # everyone sees the prefix
+    assert visible[:, 5:].tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 1],
+    ]
+
+
+def test_greedy_walk_takes_longest_matching_path():
+    tree = DraftTree()
+    tree.add_path([10, 11, 12], 1.0, "x")
+    tree.add_path([10, 13, 14], 1.0, "x")
+    # choice per row: root->10, node0(10)->13, node1(11)->.., node2(12)->.., node3(13)->14, node4(14)->99
+    res = greedy_walk(tree, [10, 13, 0, 0, 14, 99])
+    assert res.path == [0, 3, 4] and res.token == 99
+    res = greedy_walk(tree, [42, 0, 0, 0, 0, 0])
+    assert res.path == [] and res.token == 42
+
+
+def test_prune_to_budget_keeps_what_pays():
+    curve = interpolate({1: 1.0, 2: 2.2, 4: 2.4, 8: 2.7, 16: 3.5, 32: 4.6, 64: 6.6}, 64)
+    sure = DraftTree()
+    sure.add_path(list(range(10, 20)), 0.99, "schema")
+    assert len(prune_to_budget(sure, curve)) == 10
+    unsure = DraftTree()
+    unsure.add_path([5, 6], 0.3, "guess")
+    assert len(prune_to_budget(unsure, curve)) == 0  # a 1-2 token guess never pays on this curve
+    flat = interpolate({1: 1.0, 64: 1.0}, 64)
+    assert len(prune_to_budget(unsure, flat)) == 2
+    # the kept set is closed under parents and ordered by path probability
+    wide = DraftTree()
+    for t in range(20):
+        wide.add_path([100 + t, 200 + t, 300 + t], [0.05, 0.99, 0.99], "name")
+    kept = prune_to_budget(wide, curve)
+    assert all(p == -1 or p < i for i, p in enumerate(kept.parents))
+    assert max(path_probs(kept), default=0) <= 0.05
+
+
+def test_select_reindexes():
+    tree = DraftTree()
+    tree.add_path([1, 2, 3], 0.9, "a")
+    tree.add_path([4, 5], 0.9, "b")
+    sub = select(tree, [0, 1, 3])
+    assert sub.tokens == [1, 2, 4] and sub.parents == [-1, 0, -1]
+
+
+def test_tree_forward_equals_per_branch_runs(tiny):
+    """Logits of every tree node equal those of running its branch alone (SDPA + float mask)."""
+    pre = prefill(tiny, PROMPT)
+    tree = DraftTree()
+    tree.add_path([10, 11, 12], 1.0, "x")
+    tree.add_path([10, 13], 1.0, "x")
+    tree.add_path([20, 21], 1.0, "x")
+    cache = pre.cache
+    kv = cache.get_seq_length()
+    ids, pos, mask = tree_inputs(PROMPT[-1], tree, kv)
+    logits = tiny.logits(tiny.hidden(ids, pos, mask, cache))
+    for node in range(len(tree)):
+        branch = [tree.tokens[i] for i in tree.path_to(node)]
+        full = torch.tensor([PROMPT + [PROMPT[-1]] + branch])
+        ref = tiny.model(full).logits[0, -1]
+        assert torch.allclose(logits[node + 1], ref, atol=2e-5), node
+
+
+def test_eager_attention_with_our_float_mask_is_right():
+    """A bool 4D mask is silently misread under eager attention; our float mask must not be."""
+    tg = tiny_target(attn="eager")
+    pre = prefill(tg, PROMPT)
+    tree = DraftTree()
+    tree.add_path([10, 11], 1.0, "x")
+    tree.add_path([20, 21], 1.0, "x")
+    kv = pre.cache.get_seq_length()
+    ids, pos, mask = tree_inputs(PROMPT[-1], tree, kv)
+    assert mask.dtype == torch.float32
+    logits = tg.logits(tg.hidden(ids, pos, mask, pre.cache))
+    branch = [20, 21]
+    ref = tg.model(torch.tensor([PROMPT + [PROMPT[-1]] + branch])).logits[0, -1]
+    assert torch.allclose(logits[4], ref, atol=2e-5)
+
+
+def test_commit_kv_keeps_exactly_the_accepted_rows(tiny):
+    pre = prefill(tiny, PROMPT)
+    cache = pre.cache
+    kv = cache.get_seq_length()
+    tree = DraftTree()
+    tree.add_path([30, 31], 1.0, "x")
+    tree.add_path([40, 41, 42], 1.0, "x")
+    ids, pos, mask = tree_inputs(PROMPT[-1], tree, kv)
+    tiny.hidden(ids, pos, mask, cache)
+    path = [2, 3]  # tokens 40, 41
+    commit_kv(cache, kv, kv_rows(path))
+    assert cache.get_seq_length() == kv + 3
+    ref = tiny.new_cache()
+    seq = PROMPT + [PROMPT[-1], 40, 41]
+    tiny.hidden(torch.tensor([seq]), torch.arange(len(seq))[None], None, ref)
+    for a, b in zip(cache.layers, ref.layers):
+        assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [oracle, garbage, branching], ids=["oracle", "garbage", "branching"])
+def test_greedy_equals_plain_greedy(tiny, reference, make):
+    drafter = ScriptedDrafter(make(reference))
+    res = generate(tiny, PROMPT, drafter, DecodeConfig(max_new_tokens=N))
+    assert res.tokens == reference
+    assert res.finish_reason == "length"
+    if make is garbage:
+        assert sum(drafter.accepted) == 0 and res.stats.forwards == N - 1
+    else:
+        assert sum(drafter.accepted) > N // 2  # drafts really were accepted
+        assert res.stats.forwards < N - 1
+        assert res.stats.mat > 1.5
+
+
+def test_no_drafter_and_prompt_lookup_equal_hf(tiny, reference):
+    assert generate(tiny, PROMPT, NoDrafter(), DecodeConfig(max_new_tokens=N)).tokens == reference
+    res = generate(tiny, PROMPT, PromptLookupDrafter(min_ngram=1), DecodeConfig(max_new_tokens=N), CostModel.flat())
+    assert res.tokens == reference
+
+
+def test_prompt_lookup_continuations():
+    toks = [1, 2, 3, 9, 9, 1, 2, 3, 7, 7, 1, 2, 3]
+    assert ngram_continuations(toks, 3, 2, 2, 4) == [[7, 7], [9, 9]]
+    assert ngram_continuations([1, 2, 3], 3, 2, 4, 4) == []
+
+
+def test_max_new_tokens_inside_an_accepted_draft(tiny, reference):
+    for n in (1, 2, 5, 7):
+        res = generate(tiny, PROMPT, ScriptedDrafter(oracle(reference)), DecodeConfig(max_new_tokens=n))
+        assert res.tokens == reference[:n] and res.finish_reason == "length"
+
+
+def test_eos_inside_an_accepted_draft(reference):
+    eos = reference[6]
+    tg = tiny_target(eos=eos)
+    assert eos in tg.eos_ids
+    res = generate(tg, PROMPT, ScriptedDrafter(oracle(reference)), DecodeConfig(max_new_tokens=N))
+    assert res.tokens == reference[: reference.index(eos) + 1]
+    assert res.finish_reason == "stop"
+    assert res.text == tg.tokenizer.decode(reference[: reference.index(eos)])
+
+
+def test_stop_string_inside_an_accepted_draft(tiny, reference):
+    text = tiny.tokenizer.decode(reference)
+    stop = text[12:16]  # a stop string that completes mid-draft
+    plain = generate(tiny, PROMPT, NoDrafter(), DecodeConfig(max_new_tokens=N, stop=(stop,)))
+    spec = generate(tiny, PROMPT, ScriptedDrafter(oracle(reference)), DecodeConfig(max_new_tokens=N, stop=(stop,)))
+    assert spec.tokens == plain.tokens and spec.text == plain.text
+    assert spec.finish_reason == "stop" and stop not in spec.text
+    assert text.startswith(spec.text) and len(spec.tokens) < N
+
+
+def test_streaming_callback_sees_every_token_once(tiny, reference):
+    seen = []
+    res = decode(tiny, prefill(tiny, PROMPT), ScriptedDrafter(branching(reference)), DecodeConfig(max_new_tokens=N),
+                 on_tokens=lambda ids: seen.extend(ids))
+    assert seen == res.tokens == reference
+    stop_after = []
+    res = decode(tiny, prefill(tiny, PROMPT), None, DecodeConfig(max_new_tokens=N),
+                 on_tokens=lambda ids: stop_after.extend(ids) or len(stop_after) < 3)
+    assert res.finish_reason == "cancelled" and len(res.tokens) == 3
+
+
+def test_prefill_with_prefix_reuse_is_identical(tiny, reference):
+    prefix = prefill(tiny, PROMPT[:8])
+    pre = prefill(tiny, PROMPT, prefix=prefix)
+    assert pre.cache.get_seq_length() == len(PROMPT)
+    assert decode(tiny, pre, None, DecodeConfig(max_new_tokens=N)).tokens == reference
+    assert prefix.cache.get_seq_length() == 8  # the shared prefix is not consumed
+
+
+def test_stats_arithmetic(tiny, reference):
+    res = generate(tiny, PROMPT, ScriptedDrafter(oracle(reference)), DecodeConfig(max_new_tokens=N))
+    st = res.stats
+    assert st.generated_tokens == N
+    assert sum(st.accepted) + st.forwards == N - 1  # every decode step emits accepted + 1
+    assert st.mat == pytest.approx((N - 1) / st.forwards)
+    assert st.label_accepted["oracle"] == sum(st.accepted)
+    d = st.to_dict()
+    assert d["accepted_tokens"] == sum(st.accepted) and d["forwards"] == st.forwards
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(max_new_tokens=1.5), dict(stop=("",))],
+)
+def test_bad_decode_config(kwargs):
+    with pytest.raises(InvalidRequestError):
+        DecodeConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(temperature=-1), dict(temperature=float("nan")), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1), dict(seed="x")],
+)
+def test_bad_sampling_params(kwargs):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts(tiny):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        generate(tiny, [], None, DecodeConfig(max_new_tokens=4))
+    with pytest.raises(ContextLengthError, match="context window"):
+        generate(tiny, [1] * 600, None, DecodeConfig(max_new_tokens=4))
+    with pytest.raises(ContextLengthError):
+        generate(tiny, [1] * 500, None, DecodeConfig(max_new_tokens=100))
