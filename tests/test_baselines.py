@@ -29,7 +29,11 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def refs(tiny):
-    return [hf_greedy(tiny, p, N) for p in PROMPTS]
+    """HF generate(do_sample=False) == our loop with no drafter, per prompt."""
+    out = [hf_greedy(tiny, p, N) for p in PROMPTS]
+    for p, ref in zip(PROMPTS, out):
+        assert decode(tiny, prefill(tiny, list(p)), None, DecodeConfig(max_new_tokens=N)).tokens == ref
+    return out
 
 
 def run(tiny, method, prompt, cost):
@@ -48,8 +52,7 @@ def test_greedy_equality_and_acceptance(tiny, refs, name, curve):
     for rnd in range(2):  # the second round uses history / the recycled matrix
         for prompt, ref in zip(PROMPTS, refs):
             res = run(tiny, method, prompt, cost)
-            plain = decode(tiny, prefill(tiny, list(prompt)), None, DecodeConfig(max_new_tokens=N))
-            assert res.tokens == ref == plain.tokens, (name, rnd)
+            assert res.tokens == ref, (name, rnd)
             assert res.stats.generated_tokens == N
             accepted += sum(res.stats.accepted)
             assert set(res.stats.step_labels) <= {name, "none"}

@@ -1,0 +1,110 @@
+"""``toolspec bench``: run the side-by-side benchmark, or rebuild its report.
+
+    toolspec bench --data ../shared/data/api_bank.dev.jsonl --data ../shared/data/bfcl_v3.dev.jsonl \\
+        --limit 60 --methods ar,pld,suffix,token_recycling,toolspec --library online --out runs/cpu
+    toolspec bench report --out runs/cpu --name cpu-embedded      # no decoding
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .cost import RESULTS
+from .data import LAYOUTS
+from .runner import ALL_METHODS, LIBRARIES, RunConfig
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="toolspec bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", action="append", default=[], help="JSONL file in the common format (repeatable)")
+    ap.add_argument("--out", default="runs/bench", help="run directory (items.jsonl; a rerun resumes)")
+    ap.add_argument("--name", default=None, help="report name: benchmarks/results/<name>.json (default: out dir name)")
+    ap.add_argument("--results-dir", default=str(RESULTS))
+    ap.add_argument("--methods", type=_csv, default=list(ALL_METHODS), help=f"comma list of {','.join(ALL_METHODS)}")
+    ap.add_argument("--library", type=_csv, default=["online"], help=f"comma list of {','.join(LIBRARIES)} (history methods)")
+    ap.add_argument("--warm-file", action="append", default=[], help="JSONL whose gold calls fill the warm library")
+    ap.add_argument("--warm-layout", choices=LAYOUTS, default="fence")
+    ap.add_argument("--no-warm-embed", action="store_true", help="do not prefill warm items for retrieval keys")
+    ap.add_argument("--limit", type=int, default=None, help="items per data file")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed for --limit; -1 = the first N items")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--cost", default="measured", help="measured | reference | flat | path to a cost JSON")
+    ap.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-report", action="store_true")
+    return ap
+
+
+def _check(args, ap) -> None:
+    bad = [m for m in args.methods if m not in ALL_METHODS]
+    if bad:
+        ap.error(f"unknown method(s) {', '.join(bad)}; known: {', '.join(ALL_METHODS)}")
+    bad = [lib for lib in args.library if lib not in LIBRARIES]
+    if bad:
+        ap.error(f"unknown library {', '.join(bad)}; known: {', '.join(LIBRARIES)}")
+    if "warm" in args.library and not args.warm_file:
+        ap.error("--library warm needs --warm-file")
+    if not args.data:
+        ap.error("give at least one --data FILE")
+    for p in args.data + args.warm_file:
+        if not Path(p).is_file():
+            ap.error(f"no such file: {p}")
+
+
+def report_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="toolspec bench report", description="rebuild report + plots from <out>/items.jsonl")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--name", default=None)
+    ap.add_argument("--results-dir", default=str(RESULTS))
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    if not (Path(args.out) / "items.jsonl").exists():
+        ap.error(f"{args.out}/items.jsonl does not exist")
+    from .report import build_report
+
+    rep = build_report(Path(args.out), args.name, Path(args.results_dir), plots=not args.no_plots)
+    _print_summary(rep, Path(args.results_dir))
+    return 0
+
+
+def _print_summary(rep: dict, results_dir: Path) -> None:
+    print((results_dir / f"{rep['name']}.md").read_text())
+    print(f"wrote {results_dir / rep['name']}.json / .md / _plots/")
+    if rep["mismatches"]:
+        print(f"!!! {len(rep['mismatches'])} EXACT-MATCH FAILURES (see the report)", file=sys.stderr)
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "report":
+        return report_main(argv[1:])
+    ap = _parser()
+    args = ap.parse_args(argv)
+    _check(args, ap)
+    from .runner import run
+
+    cfg = RunConfig(
+        data=args.data, out=args.out, methods=args.methods, libraries=args.library, limit=args.limit,
+        seed=None if args.seed < 0 else args.seed, warm_files=args.warm_file, warm_layout=args.warm_layout,
+        warm_embed=not args.no_warm_embed, max_new_tokens=args.max_new_tokens, cost=args.cost, model=args.model,
+        threads=args.threads,
+    )
+    runner = run(cfg)
+    if runner.pool.unavailable:
+        print("skipped methods: " + "; ".join(f"{k} ({v})" for k, v in runner.pool.unavailable.items()), file=sys.stderr)
+    if not args.no_report:
+        from .report import build_report
+
+        rep = build_report(Path(args.out), args.name, Path(args.results_dir))
+        _print_summary(rep, Path(args.results_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(bench_main())

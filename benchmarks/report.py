@@ -1,0 +1,201 @@
+"""Build the report (JSON + Markdown + PNG plots) from a run directory's items.jsonl alone."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from .cost import RESULTS, load_curves
+from .metrics import first_mismatch, summarize
+from .runner import ALL_METHODS, item_store
+
+BASELINES = ("pld", "suffix", "token_recycling")
+PRIOR_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 2, "2"), (3, 4, "3-4"), (5, 9, "5-9"), (10, 10**9, "10+"))
+
+
+def run_label(method: str, library: str | None) -> str:
+    return method if library is None else f"{method}/{library}"
+
+
+def _method_order(m: str) -> int:
+    return ALL_METHODS.index(m) if m in ALL_METHODS else len(ALL_METHODS)
+
+
+def load_records(out: Path) -> tuple[list[dict], dict[str, dict]]:
+    """(every successful record, plain-greedy record by item) with exact match recomputed."""
+    recs = list(item_store(Path(out)).records.values())
+    ar = {r["item"]: r for r in recs if r["method"] == "ar"}
+    for r in recs:
+        if r["item"] in ar:
+            r["first_mismatch"] = first_mismatch(r["tokens"], ar[r["item"]]["tokens"])
+            r["exact_match"] = r["first_mismatch"] is None
+    return recs, ar
+
+
+def prior_tool_calls(ar: dict[str, dict], items_tools: dict[str, str | None]) -> dict[str, int]:
+    """Per item: how many calls of the same tool plain greedy made on earlier items of its
+    benchmark stream (what an online library has seen of this tool)."""
+    out: dict[str, int] = {}
+    by_bench: dict[str, list[dict]] = defaultdict(list)
+    for r in ar.values():
+        by_bench[r["benchmark"]].append(r)
+    for recs in by_bench.values():
+        seen: dict[str, int] = defaultdict(int)
+        for r in sorted(recs, key=lambda x: x["index"]):
+            tool = r["calls"][0]["name"] if r["calls"] else items_tools.get(r["item"])
+            out[r["item"]] = seen[tool] if tool else 0
+            for c in r["calls"]:
+                seen[c["name"]] += 1
+    return out
+
+
+def _bucket(n: int) -> str:
+    return next(lab for lo, hi, lab in PRIOR_BUCKETS if lo <= n <= hi)
+
+
+def build_runs(recs: list[dict], ar: dict[str, dict], curves: dict) -> list[dict]:
+    """One run entry per (benchmark, method, library, subset) in the issue-5 format + extras."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in recs:
+        if r["item"] in ar:
+            groups[(r["benchmark"], r["method"], r["library"])].append(r)
+    runs = []
+    for (bench, method, lib), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], _method_order(kv[0][1]), kv[0][2] or "")):
+        for subset in ("all", "calls"):
+            sub = rs if subset == "all" else [r for r in rs if ar[r["item"]]["has_call"]]
+            if not sub:
+                continue
+            s = summarize(sub, ar, curves)
+            runs.append({
+                "benchmark": bench, "method": method, "library": lib, "items": s.pop("items"), "mat": s.pop("mat"),
+                "decode_speedup": s.pop("decode_speedup"), "exact_match": s.pop("exact_match"), "subset": subset, **s,
+            })
+    return runs
+
+
+def headline(runs: list[dict]) -> list[dict]:
+    """Per benchmark and subset: full ToolSpec vs plain greedy and vs the best baseline."""
+    out = []
+    keyed = defaultdict(list)
+    for r in runs:
+        keyed[(r["benchmark"], r["subset"])].append(r)
+    for (bench, subset), rs in sorted(keyed.items()):
+        base = [r for r in rs if r["method"] in BASELINES and r["decode_speedup"]]
+        best = max(base, key=lambda r: r["decode_speedup"], default=None)
+        for r in rs:
+            if r["method"] != "toolspec" or not r["decode_speedup"]:
+                continue
+            out.append({
+                "benchmark": bench, "subset": subset, "library": r["library"], "items": r["items"],
+                "toolspec_speedup": r["decode_speedup"], "toolspec_mat": r["mat"],
+                "best_baseline": run_label(best["method"], best["library"]) if best else None,
+                "best_baseline_speedup": best["decode_speedup"] if best else None,
+                "over_best_baseline": r["decode_speedup"] / best["decode_speedup"] if best else None,
+            })
+    return out
+
+
+def mat_vs_prior(recs: list[dict], ar: dict[str, dict], prior: dict[str, int]) -> dict:
+    """MAT per (method, library) by bucket of earlier calls of the same tool."""
+    acc: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0, 0]))
+    for r in recs:
+        if r["item"] not in prior or r["method"] == "ar":
+            continue
+        cell = acc[run_label(r["method"], r["library"])][_bucket(prior[r["item"]])]
+        cell[0] += 1
+        cell[1] += r["generated_tokens"] - 1
+        cell[2] += r["forwards"]
+    order = [lab for _, _, lab in PRIOR_BUCKETS]
+    return {
+        label: {b: {"items": c[0], "mat": c[1] / c[2] if c[2] else None} for b, c in sorted(cells.items(), key=lambda kv: order.index(kv[0]))}
+        for label, cells in acc.items()
+    }
+
+
+def build_report(out: Path, name: str | None = None, results_dir: Path = RESULTS, plots: bool = True) -> dict:
+    """Write ``<results_dir>/<name>.json`` / ``.md`` and ``<name>_plots/*.png``; return the JSON."""
+    out = Path(out)
+    name = name or out.name
+    cfg = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
+    cost = json.loads((out / "cost.json").read_text()) if (out / "cost.json").exists() else None
+    recs, ar = load_records(out)
+    curves = load_curves(results_dir)
+    if cost:
+        from .cost import curve_from_points
+
+        curves = {"run": curve_from_points(cost["points"]), **curves}
+    gold_tool = _gold_tools(cfg.get("data", []))
+    prior = prior_tool_calls(ar, gold_tool)
+    runs = build_runs(recs, ar, curves)
+    report = {
+        "name": name,
+        "model": cfg.get("target", "unknown"),
+        "hardware": cfg.get("hardware", "unknown"),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "cost_model": cost,
+        "projection_curves": sorted(curves),
+        "config": {k: cfg.get(k) for k in ("data", "limit", "seed", "methods", "libraries", "max_new_tokens", "warm_files", "warm_layout", "cost")},
+        "runs": runs,
+        "headline": headline(runs),
+        "mismatches": [
+            {"item": r["item"], "method": r["method"], "library": r["library"], "first_mismatch": r["first_mismatch"]}
+            for r in recs if r["item"] in ar and not r["exact_match"]
+        ],
+        "mat_vs_prior_calls": mat_vs_prior(recs, ar, prior),
+    }
+    results_dir = Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / f"{name}.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
+    (results_dir / f"{name}.md").write_text(markdown(report))
+    if plots and runs:
+        from .plots import write_plots
+
+        write_plots(report, recs, results_dir / f"{name}_plots")
+    return report
+
+
+def _gold_tools(paths: list[str]) -> dict[str, str | None]:
+    from .data import load_items
+
+    out = {}
+    for p in paths:
+        if Path(p).exists():
+            for it in load_items(p):
+                out[it["id"]] = it["gold_calls"][0]["name"] if it.get("gold_calls") else None
+    return out
+
+
+def _fmt(x, spec=".2f", suffix="") -> str:
+    return "–" if x is None else f"{x:{spec}}{suffix}"
+
+
+def markdown(report: dict) -> str:
+    """benchmark × method table per subset: MAT, speedups, exact match, validity, projections."""
+    proj = [c for c in report["projection_curves"] if c != "cpu_reference"]
+    lines = [f"# Benchmark report: {report['name']}", "",
+             f"- model: {report['model']}", f"- hardware: {report['hardware']}",
+             f"- decode speedup = Σ plain-greedy decode time / Σ method decode time on the same items (same loop, cache, process); "
+             "per-item = mean of per-item ratios; projected = Σ plain-greedy step cost / Σ method step cost under another cost curve "
+             "(the method's actual trees; drafting time ignored)", ""]
+    if report["mismatches"]:
+        lines += [f"**EXACT-MATCH FAILURES: {len(report['mismatches'])}** — "
+                  + ", ".join(f"{m['item']} ({run_label(m['method'], m['library'])}, token {m['first_mismatch']})" for m in report["mismatches"][:20]), ""]
+    for h in report["headline"]:
+        lines.append(f"- **{h['benchmark']} / {h['subset']}** ({h['items']} items): toolspec/{h['library']} {h['toolspec_speedup']:.2f}× "
+                     f"(MAT {h['toolspec_mat']:.2f}); best baseline {h['best_baseline']} {_fmt(h['best_baseline_speedup'])}× "
+                     f"→ {_fmt(h['over_best_baseline'])}× over it")
+    for subset, title in (("all", "All items"), ("calls", "Items whose plain-greedy output contains a tool call")):
+        rows = [r for r in report["runs"] if r["subset"] == subset]
+        if not rows:
+            continue
+        head = ["benchmark", "method", "items", "MAT", "speedup", "per-item", "e2e", "exact", "valid", "gold"] + [f"proj. {c}" for c in proj]
+        lines += ["", f"## {title} (subset `{subset}`)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rows:
+            cells = [r["benchmark"], run_label(r["method"], r["library"]), str(r["items"]), _fmt(r["mat"]), _fmt(r["decode_speedup"], ".2f", "×"),
+                     _fmt(r["mean_item_speedup"], ".2f", "×"), _fmt(r["e2e_speedup"], ".2f", "×"), _fmt(100 * r["exact_match"], ".0f", "%"),
+                     _fmt(None if r["validity"] is None else 100 * r["validity"], ".0f", "%"), _fmt(100 * r["gold_agreement"], ".0f", "%")]
+            cells += [_fmt(r.get("projected_speedup", {}).get(c), ".2f", "×") for c in proj]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

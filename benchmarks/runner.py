@@ -1,0 +1,366 @@
+"""The side-by-side run: every method in the same decode loop, KV cache and process.
+
+Per item: render the prompt, prefill ONCE, then decode with each method from its own copy of
+the prefix cache (``decode`` clones it), plain greedy first as the reference. One JSON line per
+(item, method, library) goes to ``<out>/items.jsonl`` as soon as it is done, so a rerun skips
+finished pairs and continues where an interrupted run stopped.
+
+Library protocol for history methods (HISTORY_METHODS):
+  cold    a fresh method per item: nothing carries over (no history, no matrix, no rates);
+  online  one method per benchmark; after each item it observes its OWN output (stream order);
+  warm    one method per benchmark, first observing the gold calls of a separate warm file
+          (items being evaluated are dropped from it); never observes evaluated items.
+Other methods keep one instance per benchmark (their online acceptance rates carry over, as
+in a server) and are reported with library null.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from toolspec_core.budget import CostModel, measure_cost_model
+from toolspec_core.engine import DecodeConfig, decode, prefill
+from toolspec_core.errors import ToolSpecError
+from toolspec_core.methods import RequestInfo, make_method
+
+from .data import load_items, load_stream, prompt_ids, warm_documents
+from .metrics import call_metrics, first_mismatch
+
+ALL_METHODS = ("ar", "pld", "suffix", "token_recycling", "toolspec_schema", "toolspec_retrieval", "toolspec")
+HISTORY_METHODS = {"suffix", "token_recycling", "toolspec_retrieval", "toolspec"}
+LIBRARIES = ("cold", "online", "warm")
+
+
+@dataclass
+class RunConfig:
+    data: list[str]
+    out: str
+    methods: list[str] = field(default_factory=lambda: list(ALL_METHODS))
+    libraries: list[str] = field(default_factory=lambda: ["online"])
+    limit: int | None = None
+    seed: int | None = 0
+    warm_files: list[str] = field(default_factory=list)
+    warm_layout: str = "fence"
+    warm_embed: bool = True
+    max_new_tokens: int = 256
+    cost: str = "measured"  # measured | reference | flat | path to a cost JSON
+    model: str | None = None  # None/"embedded" or an HF directory
+    threads: int | None = None
+
+
+def run_pairs(cfg: RunConfig) -> list[tuple[str, str | None]]:
+    """(method, library) pairs in decode order; plain greedy first (it is the reference)."""
+    out: list[tuple[str, str | None]] = [("ar", None)]
+    for m in cfg.methods:
+        if m == "ar":
+            continue
+        out.extend((m, lib) for lib in cfg.libraries) if m in HISTORY_METHODS else out.append((m, None))
+    return out
+
+
+def pair_key(item_id: str, method: str, library: str | None) -> str:
+    return f"{item_id}\t{method}\t{library or '-'}"
+
+
+# --------------------------------------------------------------------------- stores
+
+
+class JsonlStore:
+    """Append-only JSONL keyed records; a torn last line (killed mid-write) is ignored."""
+
+    def __init__(self, path: Path, key):
+        self.path, self.key = Path(path), key
+        self.records: dict[str, dict] = {}
+        if self.path.exists():
+            with open(self.path, "rb+") as f:  # end a torn last line so the next append starts clean
+                if f.seek(0, 2) > 0:
+                    f.seek(-1, 2)
+                    if f.read(1) != b"\n":
+                        f.write(b"\n")
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if not rec.get("error"):
+                    self.records[key(rec)] = rec
+
+    def append(self, rec: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.flush()
+        if not rec.get("error"):
+            self.records[self.key(rec)] = rec
+
+
+def item_store(out: Path) -> JsonlStore:
+    return JsonlStore(out / "items.jsonl", lambda r: pair_key(r["item"], r["method"], r["library"]))
+
+
+def encode_hidden(h: torch.Tensor) -> str:
+    return base64.b64encode(h.detach().float().contiguous().numpy().tobytes()).decode()
+
+
+def decode_hidden(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.float32).clone()  # [H]
+
+
+class PrefillCache:
+    """Prefill time and retrieval key (last prompt hidden state) per item, so a resumed online
+    run can replay ``observe`` without prefilling finished items again."""
+
+    def __init__(self, path: Path):
+        self.store = JsonlStore(path, lambda r: r["item"])
+
+    def get(self, item_id: str) -> dict | None:
+        return self.store.records.get(item_id)
+
+    def put(self, item_id: str, pre) -> dict:
+        rec = {"item": item_id, "prompt_tokens": len(pre.prompt_ids), "prefill_s": pre.seconds, "hidden": encode_hidden(pre.hidden)}
+        self.store.append(rec)
+        return rec
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+def resolve_cost(spec: str, target, out: Path) -> CostModel:
+    """The one CostModel every tree method uses; saved in the run directory and reused on resume."""
+    saved = out / "cost.json"
+    if saved.exists():
+        d = json.loads(saved.read_text())
+        cm = CostModel({int(k): v for k, v in d["points"].items()}, d["max_nodes"], d["source"])
+        if spec not in (d.get("spec"), None):
+            log(f"note: reusing this run's saved cost model ({d.get('spec')}), not --cost {spec}")
+        return cm
+    if spec == "reference":
+        cm = CostModel.cpu_reference()
+    elif spec == "flat":
+        cm = CostModel.flat()
+    elif spec == "measured":
+        log("measuring the verify-cost curve of this target ...")
+        cm = measure_cost_model(target)
+    else:
+        d = json.loads(Path(spec).read_text())
+        cm = CostModel({int(k): v for k, v in d["points"].items()}, source=f"file:{Path(spec).name}")
+    out.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps({**cm.to_dict(), "spec": spec}, indent=2) + "\n")
+    log("cost curve c(k): " + ", ".join(f"{k}:{v:.2f}" for k, v in sorted(cm.points.items())))
+    return cm
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def log(msg: str) -> None:
+    try:
+        from tqdm import tqdm
+
+        tqdm.write(msg, file=sys.stderr)
+    except ImportError:
+        print(msg, file=sys.stderr, flush=True)
+
+
+class MethodPool:
+    """Method instances per (benchmark, method, library), following the library protocol."""
+
+    def __init__(self, tokenizer, warm_docs=None):
+        self.tok = tokenizer
+        self.warm_docs = warm_docs  # benchmark -> [(RequestInfo, ids, text)] (lazy)
+        self.instances: dict[tuple, object] = {}
+        self.unavailable: dict[str, str] = {}
+
+    def _make(self, name: str):
+        try:
+            return make_method(name, self.tok)
+        except (ImportError, AttributeError) as exc:
+            self.unavailable[name] = f"{type(exc).__name__}: {exc}"
+            log(f"skipping method {name!r}: {self.unavailable[name]}")
+            return None
+
+    def get(self, bench: str, name: str, library: str | None):
+        if name in self.unavailable:
+            return None
+        if library == "cold":
+            return self._make(name)
+        key = (bench, name, library)
+        if key not in self.instances:
+            method = self._make(name)
+            if method is not None and library == "warm":
+                for req, ids, text in self.warm_docs(bench):
+                    method.observe(req, ids, text)
+            self.instances[key] = method
+        return self.instances[key]
+
+    def after_item(self, bench: str, name: str, library: str | None, req: RequestInfo, rec: dict) -> None:
+        """Online library: the method learns from its own finished output (never before)."""
+        if library == "online" and name not in self.unavailable:
+            method = self.get(bench, name, library)
+            if method is not None:
+                method.observe(req, rec["tokens"], rec["text"])
+
+
+# --------------------------------------------------------------------------- one decode
+
+
+def decode_record(target, pre, method, req: RequestInfo, dcfg: DecodeConfig, cost: CostModel) -> dict:
+    """Decode with ``method`` and return the timing / acceptance part of a record.
+
+    decode_s = drafter setup (e.g. retrieval) + the loop's draft/verify/commit time; the prefix
+    cache clone is excluded (identical for every method, including plain greedy).
+    """
+    t0 = time.perf_counter()
+    drafter = method.drafter(req)
+    setup = time.perf_counter() - t0
+    res = decode(target, pre, drafter, dcfg, cost)
+    stats = res.stats.to_dict()
+    stats["decode_s"] += setup
+    return {"tokens": res.tokens, "text": res.text, "finish_reason": res.finish_reason, "setup_s": setup, **stats}
+
+
+def finish_record(rec: dict, item: dict, ar: dict | None) -> dict:
+    """Add exact match vs plain greedy, per-item speedup and tool-call metrics."""
+    rec.update(call_metrics(rec["text"], item))
+    if ar is None:  # this is plain greedy itself
+        rec.update(exact_match=True, first_mismatch=None, ar_decode_s=rec["decode_s"], speedup=1.0)
+        return rec
+    diff = first_mismatch(rec["tokens"], ar["tokens"])
+    rec.update(exact_match=diff is None, first_mismatch=diff, ar_decode_s=ar["decode_s"],
+               speedup=ar["decode_s"] / rec["decode_s"] if rec["decode_s"] > 0 else None)
+    if diff is not None:
+        log(f"!!! EXACT-MATCH FAILURE: item {item['id']} method {rec['method']}/{rec['library']}: output differs "
+            f"from plain greedy at token {diff} (got {rec['tokens'][diff:diff + 5]}, greedy {ar['tokens'][diff:diff + 5]})")
+    return rec
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class Runner:
+    def __init__(self, cfg: RunConfig, target=None):
+        self.cfg, self.out = cfg, Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        if target is None:
+            from toolspec_core.target import load_target
+
+            target = load_target(cfg.model)
+        self.target = target
+        self.stream = load_stream(cfg.data, cfg.limit, cfg.seed)
+        self.pairs = run_pairs(cfg)
+        self.store = item_store(self.out)
+        self.prefills = PrefillCache(self.out / "prefill.jsonl")
+        self.warm_prefills = PrefillCache(self.out / "warm_prefill.jsonl")
+        self.pool = MethodPool(target.tokenizer, self.warm_docs)
+        self.dcfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens)
+        self._warm: dict[str, list] = {}
+        self._write_config()
+        self.cost = resolve_cost(cfg.cost, target, self.out)
+
+    def _write_config(self) -> None:
+        path = self.out / "config.json"
+        now = {**asdict(self.cfg), "target": self.target.name}
+        if path.exists():
+            old = json.loads(path.read_text())
+            changed = [k for k in ("data", "limit", "seed", "max_new_tokens", "target", "warm_files") if old.get(k) != now.get(k)]
+            if changed:
+                log(f"WARNING: resuming {self.out} with different {', '.join(changed)} than the original run")
+        from .cost import hardware_string
+
+        path.write_text(json.dumps({**now, "hardware": hardware_string()}, indent=2) + "\n")
+
+    def warm_docs(self, bench: str) -> list:
+        """Warm-file items of this benchmark, minus every item being evaluated."""
+        if bench not in self._warm:
+            evaluated = {it["id"] for it in self.stream}
+            items = [it for p in self.cfg.warm_files for it in load_items(p)]
+            items = [it for it in items if it["benchmark"] == bench and it["id"] not in evaluated]
+            embed = self._warm_embedding if self.cfg.warm_embed else None
+            self._warm[bench] = warm_documents(self.target.tokenizer, items, self.target.eos_ids, self.cfg.warm_layout, embed)
+            log(f"warm library for {bench}: {len(self._warm[bench])} documents")
+        return self._warm[bench]
+
+    def _warm_embedding(self, item: dict, ids: list[int]) -> torch.Tensor:
+        rec = self.warm_prefills.get(item["id"])
+        if rec is None:
+            rec = self.warm_prefills.put(item["id"], prefill(self.target, ids))
+        return decode_hidden(rec["hidden"])
+
+    def todo(self, item: dict) -> list[tuple[str, str | None]]:
+        return [(m, lib) for m, lib in self.pairs if pair_key(item["id"], m, lib) not in self.store.records]
+
+    def run(self, max_items: int | None = None) -> None:
+        """Decode every pending pair; ``max_items`` stops early (tests simulate interruption)."""
+        from tqdm import tqdm
+
+        total = len(self.stream) * len(self.pairs)
+        done = sum(1 for it in self.stream for m, lib in self.pairs if pair_key(it["id"], m, lib) in self.store.records)
+        index: dict[str, int] = {}
+        with tqdm(total=total, initial=done, unit="decode", dynamic_ncols=True, file=sys.stderr) as bar:
+            for n, item in enumerate(self.stream):
+                if max_items is not None and n >= max_items:
+                    break
+                pos = index[item["benchmark"]] = index.get(item["benchmark"], -1) + 1
+                self.run_item(item, pos, bar)
+
+    def run_item(self, item: dict, pos: int, bar) -> None:
+        bench, pending = item["benchmark"], self.todo(item)
+        ids = prompt_ids(self.target.tokenizer, item)
+        pre, pinfo = None, self.prefills.get(item["id"])
+        if pending:
+            try:
+                pre = prefill(self.target, ids)
+            except ToolSpecError as exc:
+                log(f"skipping item {item['id']}: {exc}")
+                bar.update(len(pending))
+                return
+            pinfo = pinfo or self.prefills.put(item["id"], pre)
+        emb = pre.hidden if pre is not None else (decode_hidden(pinfo["hidden"]) if pinfo else None)
+        req = RequestInfo(prompt_ids=ids, tools=item.get("tools") or [], embedding=emb)
+        ar = self.store.records.get(pair_key(item["id"], "ar", None))
+        for name, lib in self.pairs:
+            rec = self.store.records.get(pair_key(item["id"], name, lib))
+            if rec is None and ar is None and name != "ar":
+                log(f"skipping {name}/{lib or '-'} on item {item['id']}: no plain-greedy reference")
+                bar.update(1)
+                continue
+            if rec is None:
+                bar.set_postfix_str(f"{item['id'][:40]} {name}/{lib or '-'}", refresh=False)
+                rec = self.decode_pair(item, pos, pre, req, name, lib, ar)
+                bar.update(1)
+            if rec is None:
+                continue
+            if name == "ar":
+                ar = rec
+            self.pool.after_item(bench, name, lib, req, rec)
+
+    def decode_pair(self, item, pos, pre, req, name, lib, ar) -> dict | None:
+        method = self.pool.get(item["benchmark"], name, lib)
+        if method is None:
+            return None
+        head = {"item": item["id"], "benchmark": item["benchmark"], "index": pos, "method": name, "library": lib}
+        try:
+            rec = {**head, **decode_record(self.target, pre, method, req, self.dcfg, self.cost)}
+        except Exception as exc:  # a broken method must not stop the other methods' run
+            log(f"!!! method {name}/{lib} failed on item {item['id']}: {type(exc).__name__}: {exc}")
+            self.store.append({**head, "error": f"{type(exc).__name__}: {exc}"})
+            return None
+        rec["prefill_s"] = pre.seconds
+        rec = finish_record(rec, item, None if name == "ar" else ar)
+        self.store.append(rec)
+        return rec
+
+
+def run(cfg: RunConfig, target=None, max_items: int | None = None) -> Runner:
+    runner = Runner(cfg, target)
+    runner.run(max_items)
+    return runner

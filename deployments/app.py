@@ -1,0 +1,113 @@
+"""Ray Serve application: ``Ingress`` (OpenAI HTTP API) -> ``Replica`` (engine) -> ``Retrieval``.
+
+``build_app(args)`` is the application builder (``serve run deployments.app:build_app`` and the
+RayService ``import_path``): it validates :class:`~deployments.config.ServeAppConfig` once and
+composes the deployments with handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import logging
+from pathlib import Path
+
+from ray import serve
+
+from .config import ServeAppConfig
+from .retrieval import RetrievalServer
+
+log = logging.getLogger("toolspec.serve")
+
+
+@serve.deployment(name="Retrieval", max_ongoing_requests=256, health_check_period_s=5)
+class Retrieval(RetrievalServer):
+    """One owner of the call library; every engine replica asks it (time-bounded)."""
+
+    def __init__(self, cfg: ServeAppConfig, dim: int):
+        super().__init__(cfg.store_config(dim))
+
+
+@serve.deployment(name="Replica")
+class Replica:
+    """Hosts the engine. Heavy start-up runs off the event loop; requests stream events."""
+
+    async def __init__(self, cfg: ServeAppConfig, retrieval=None):
+        from .engine_host import EngineHost
+        from .retrieval import RetrievalClient
+
+        client = RetrievalClient(retrieval, cfg.retrieval) if retrieval is not None else None
+        self.host = await asyncio.to_thread(EngineHost.build, cfg, client)
+
+    async def stream(self, req: dict):
+        async for ev in self.host.stream(req):
+            yield ev
+
+    async def generate(self, req: dict) -> dict:
+        return await self.host.generate(req)
+
+    async def info(self) -> dict:
+        return self.host.info()
+
+    def __del__(self):
+        host = getattr(self, "host", None)
+        if host is not None:
+            host.close()
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress()
+class Ingress:
+    """The OpenAI-compatible HTTP front; routes requests to engine replicas."""
+
+    def __init__(self, replica, cfg: ServeAppConfig):
+        from .http import HandleBackend
+
+        self.backend, self.cfg = HandleBackend(replica), cfg
+
+    def __serve_build_asgi_app__(self):
+        from .http import make_api
+
+        return make_api(self.backend, self.cfg)
+
+
+def retrieval_dim(cfg: ServeAppConfig) -> int:
+    """Size of the retrieval key: the lexical hash size, or the target's hidden size."""
+    if cfg.retrieval.key == "lexical":
+        return cfg.retrieval.lexical_dim
+    if cfg.model in ("", "embedded"):
+        from toolspec_core.embedded import cache_root
+
+        path = cache_root() / "embedded" / "qwen2.5-coder-0.5b-instruct-f32" / "config.json"
+        return json.loads(path.read_text())["hidden_size"] if path.is_file() else 896
+    cfg_json = json.loads((Path(cfg.model) / "config.json").read_text())
+    return int(cfg_json.get("hidden_size") or cfg_json["text_config"]["hidden_size"])
+
+
+def check_method(name: str) -> None:
+    """Fail at build time, with a clear message, when the method cannot be imported."""
+    from toolspec_core.methods import REGISTRY
+
+    if name not in REGISTRY:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(REGISTRY)}")
+    module, attr = REGISTRY[name].split(":")
+    try:
+        getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"method {name!r} is not available in this install ({exc}); pass method=pld or ar") from exc
+
+
+def build_app(args: dict | ServeAppConfig | None = None):
+    """The Serve application for ``args`` (validated once, here)."""
+    cfg = args if isinstance(args, ServeAppConfig) else ServeAppConfig.model_validate(dict(args or {}))
+    check_method(cfg.method)
+    retrieval = None
+    if cfg.retrieval.enabled:
+        retrieval = Retrieval.options(
+            num_replicas=cfg.retrieval.num_replicas, ray_actor_options={"num_cpus": cfg.retrieval.num_cpus}
+        ).bind(cfg, retrieval_dim(cfg))
+    replica = Replica.options(**cfg.deployment_options()).bind(cfg, retrieval)
+    return Ingress.options(
+        max_ongoing_requests=max(64, 4 * cfg.max_ongoing_requests), ray_actor_options={"num_cpus": cfg.ingress_num_cpus}
+    ).bind(replica, cfg)

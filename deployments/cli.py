@@ -1,0 +1,162 @@
+"""``toolspec serve`` and ``toolspec demo``: run the Ray Serve app locally on embedded defaults."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+DEMO_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_current_weather",
+            "description": "Get the current weather in a given city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "City name, e.g. Paris"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    }
+]
+DEMO_MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant. Use the tools when they help."},
+    {"role": "user", "content": "What's the weather like in Paris right now, in celsius?"},
+]
+
+
+def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=doc)
+    p.add_argument("--config", help="JSON or YAML file with ServeAppConfig keys (flags override it)")
+    p.add_argument("--model", help='HF model directory, or "embedded" (default)')
+    p.add_argument("--method", help="decoding method (default: toolspec)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    p.add_argument("--tensor-parallel-size", type=int, dest="tensor_parallel_size")
+    p.add_argument("--cost-model", dest="cost_model", choices=["measure", "reference", "flat", "none"])
+    p.add_argument("--no-retrieval", action="store_true", help="serve without the call library")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="any other config key, e.g. --set max_ongoing_requests=4")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace):
+    """ServeAppConfig from --config, then flags (validated once, here)."""
+    from .config import ServeAppConfig
+
+    args: dict = {}
+    if ns.config:
+        with open(ns.config) as f:
+            text = f.read()
+        if ns.config.endswith((".yaml", ".yml")):
+            import yaml
+
+            args = yaml.safe_load(text) or {}
+        else:
+            args = json.loads(text)
+    for key in ("model", "method", "host", "port", "tensor_parallel_size", "cost_model"):
+        if getattr(ns, key, None) is not None:
+            args[key] = getattr(ns, key)
+    if ns.no_retrieval:
+        args.setdefault("retrieval", {})["enabled"] = False
+    for item in ns.set:
+        key, _, value = item.partition("=")
+        try:
+            args[key] = json.loads(value)
+        except json.JSONDecodeError:
+            args[key] = value
+    return ServeAppConfig.model_validate(args)
+
+
+def start_server(cfg, app_name: str = "toolspec", quiet: bool = False) -> str:
+    """Start Ray (a fresh local instance unless RAY_ADDRESS is set) and the app; returns its URL."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from .app import build_app
+
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS") or "local"
+        kwargs = {"include_dashboard": False, "log_to_driver": not quiet}
+        if address == "local":
+            kwargs["num_cpus"] = max(2, os.cpu_count() or 2)
+        ray.init(address=address, **kwargs)
+    if quiet:
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.run(build_app(cfg), name=app_name, route_prefix=cfg.route_prefix, blocking=False)
+    return f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}"
+
+
+def stop_server(graceful: bool = True) -> None:
+    """Stop the app and the local Ray instance (``graceful=False``: just end Ray, quietly)."""
+    import ray
+    from ray import serve
+
+    try:
+        if graceful:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """Start the OpenAI-compatible server and block until Ctrl-C."""
+    ns = _parser("toolspec serve", serve_main.__doc__).parse_args(argv)
+    cfg = config_from_args(ns)
+    t0 = time.time()
+    url = start_server(cfg)
+    print(f"ToolSpec is serving {cfg.model} (method {cfg.method}) at {url}/v1 after {time.time() - t0:.0f} s; Ctrl-C stops it.", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_server()
+    return 0
+
+
+def demo_main(argv: list[str] | None = None) -> int:
+    """Start the server, make one real tool call with the openai client, print it, stop."""
+    ns = _parser("toolspec demo", demo_main.__doc__).parse_args(argv)
+    cfg = config_from_args(ns)
+    from .config import served_name
+
+    t0 = time.time()
+    print(f"starting ToolSpec ({cfg.model}, method {cfg.method}) on Ray Serve ...", flush=True)
+    url = start_server(cfg, quiet=True)
+    try:
+        import openai
+
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=cfg.resolved_api_key() or "none")
+        print(f"server ready at {url}/v1 after {time.time() - t0:.0f} s\n")
+        request = {"model": served_name(cfg), "messages": DEMO_MESSAGES, "tools": DEMO_TOOLS, "temperature": 0, "max_tokens": 128}
+        print("request (openai.chat.completions.create):")
+        print(json.dumps(request, indent=2))
+        t1 = time.time()
+        resp = client.chat.completions.create(**request)
+        choice = resp.choices[0]
+        print(f"\nresponse after {time.time() - t1:.1f} s: finish_reason={choice.finish_reason!r}")
+        if choice.message.tool_calls:
+            for call in choice.message.tool_calls:
+                args = json.loads(call.function.arguments)
+                print(f"tool call: {call.function.name}({json.dumps(args)})  id={call.id}")
+        else:
+            print(f"no tool call; content: {choice.message.content!r}")
+        stats = (resp.model_extra or {}).get("toolspec", {})
+        print(f"toolspec stats: MAT {stats.get('mat', 0):.2f}, drafted {stats.get('drafted_tokens')}, accepted {stats.get('accepted_tokens')}, forwards {stats.get('forwards')}")
+        return 0 if choice.message.tool_calls else 1
+    finally:
+        stop_server(graceful=False)
+
+
+if __name__ == "__main__":
+    sys.exit(demo_main())

@@ -1,0 +1,152 @@
+"""The one serving configuration, validated once by ``build_app`` and handed to every deployment.
+
+Keys mirror ``serve run deployments.app:build_app key=value`` / a RayService ``args:`` block, so
+string values from the command line are coerced (``tensor_parallel_size=2``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+
+class AutoscalingConfig(BaseModel):
+    """Ray Serve autoscaling on queue length (ongoing requests per replica)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(2.0, gt=0)
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(120.0, ge=0)
+
+    @model_validator(mode="after")
+    def _order(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling.min_replicas must be <= max_replicas")
+        return self
+
+    def to_serve(self) -> dict:
+        return self.model_dump()
+
+
+class RetrievalConfig(BaseModel):
+    """The shared call library (``retrieval_service``) as its own deployment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    # StoreConfig kwargs: backend ("memory" | "edge" | "qdrant_local" | "qdrant_url"), path, url, ...
+    store: dict[str, Any] = Field(default_factory=dict)
+    # "lexical": key from the request text, so the search overlaps prefill; "hidden": the
+    # target's last-layer state of the final prompt token (needs the prefill first).
+    key: Literal["lexical", "hidden"] = "lexical"
+    lexical_dim: int = Field(1024, gt=0, le=65536)
+    timeout_s: float = Field(0.25, gt=0, le=30)
+    top_k: int = Field(10, ge=1, le=100)
+    cache_entries: int = Field(256, ge=0)  # replica-local cache of recent search results
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.0, ge=0)
+
+
+class ServeAppConfig(BaseModel):
+    """Everything ``build_app`` needs; see deployments/README.md for a commented example."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = "embedded"  # HF directory, or "embedded" (Qwen2.5-Coder-0.5B-Instruct)
+    served_model_name: str | None = None  # default: the model directory's name
+    method: str = "toolspec"  # toolspec_core.methods.REGISTRY name; fails fast if it cannot be built
+    method_options: dict[str, Any] = Field(default_factory=dict)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when the replica sees a GPU
+    threads: int | None = Field(None, ge=1)  # torch intra-op threads per replica
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    tp_worker_num_cpus: float = Field(0.0, ge=0)
+    tp_worker_num_gpus: float | None = Field(None, ge=0)  # None: 1 per TP worker on cuda, else 0
+    cost_model: Literal["measure", "reference", "flat", "none"] = "measure"
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    route_prefix: str = "/"
+    api_key: SecretStr | None = None
+    api_key_env: str | None = "TOOLSPEC_API_KEY"
+
+    num_replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(8, ge=1, le=1024)
+    autoscaling: AutoscalingConfig | None = None
+    replica_num_cpus: float = Field(1.0, ge=0)
+    replica_num_gpus: float = Field(0.0, ge=0)
+    ingress_num_cpus: float = Field(0.0, ge=0)
+
+    retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
+    # shortcuts for a remote Qdrant (what the k8s manifests set): retrieval.store backend qdrant_url
+    qdrant_url: str | None = None
+    qdrant_api_key_env: str | None = None
+    prefix_cache_entries: int = Field(8, ge=0, le=1024)
+    max_tokens_default: int = Field(512, ge=1)
+    max_tokens_limit: int = Field(4096, ge=1)
+    # temperature when a request sends none (OpenAI's is 1.0; greedy keeps tool calls deterministic)
+    default_temperature: float = Field(0.0, ge=0, le=2)
+
+    @field_validator("route_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError("route_prefix must start with '/'")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServeAppConfig":
+        if self.max_tokens_default > self.max_tokens_limit:
+            raise ValueError("max_tokens_default must be <= max_tokens_limit")
+        if self.device == "cpu" and self.dtype == "float16":
+            raise ValueError("float16 is not supported on cpu; use float32 or bfloat16")
+        if self.qdrant_url and self.retrieval.store.get("backend", "qdrant_url") != "qdrant_url":
+            raise ValueError("qdrant_url conflicts with retrieval.store.backend")
+        return self
+
+    def store_config(self, dim: int) -> dict:
+        """StoreConfig kwargs for the retrieval deployment (``dim`` = the retrieval key's size)."""
+        store = dict(self.retrieval.store)
+        if self.qdrant_url:
+            store.setdefault("backend", "qdrant_url")
+            store.setdefault("url", self.qdrant_url)
+            if self.qdrant_api_key_env and os.environ.get(self.qdrant_api_key_env):
+                store.setdefault("api_key", os.environ[self.qdrant_api_key_env])
+        store.setdefault("dim", dim)
+        return store
+
+    def resolved_api_key(self) -> str | None:
+        """The bearer token clients must send: ``api_key`` or the env var ``api_key_env``."""
+        if self.api_key is not None and self.api_key.get_secret_value():
+            return self.api_key.get_secret_value()
+        if self.api_key_env:
+            return os.environ.get(self.api_key_env) or None
+        return None
+
+    def deployment_options(self) -> dict:
+        """Ray Serve options of the engine replica deployment."""
+        opts: dict[str, Any] = {
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": self.replica_num_cpus, "num_gpus": self.replica_num_gpus},
+        }
+        if self.autoscaling is not None:
+            opts["autoscaling_config"] = self.autoscaling.to_serve()
+        else:
+            opts["num_replicas"] = self.num_replicas
+        return opts
+
+
+def served_name(cfg: ServeAppConfig) -> str:
+    """The model id clients send and /v1/models lists."""
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    if cfg.model in ("", "embedded"):
+        from toolspec_core.embedded import EMBEDDED_MODEL_NAME
+
+        return EMBEDDED_MODEL_NAME
+    return os.path.basename(os.path.normpath(cfg.model))

@@ -1,0 +1,418 @@
+"""The engine inside one replica: target, method, prefix KV cache, request pipeline.
+
+No Ray here (the replica deployment wraps it; unit tests drive it directly). Every heavy call
+(tokenise, prefill, decode) runs in a worker thread, so the event loop keeps accepting and
+streaming; each request owns its KV cache (the shared prefix entry is cloned, never mutated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from toolspec_core.errors import InvalidRequestError
+
+from .config import ServeAppConfig, served_name
+
+log = logging.getLogger("toolspec.serve")
+
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def error_event(exc: InvalidRequestError) -> dict:
+    from toolspec_core.errors import ContextLengthError
+
+    code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
+    return {"event": "error", "status": 400, "error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": code}}
+
+
+class TextStreamer:
+    """Safe-to-send text of a growing token list: exactly a prefix of the engine's final text.
+
+    Holds back an unfinished UTF-8 character and, with stop strings, the tail that could still
+    become a stop string (the final text is cut before it).
+    """
+
+    def __init__(self, tokenizer, eos_ids, stop: list[str]):
+        self.tok, self.eos, self.stop = tokenizer, set(eos_ids), list(stop)
+        self.ids: list[int] = []
+        self.sent = ""
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+
+    def feed(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        ids = self.ids[:-1] if self.ids and self.ids[-1] in self.eos else self.ids
+        text = self.tok.decode(ids, skip_special_tokens=False)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        if cuts:
+            text = text[: min(cuts)]
+        elif self.hold:
+            text = text[: max(0, len(text) - self.hold)]
+        while text.endswith("\ufffd"):
+            text = text[:-1]
+        return self._delta(text)
+
+    def _delta(self, text: str) -> str:
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        out, self.sent = text[len(self.sent):], text
+        return out
+
+    def finish(self, final_text: str) -> str:
+        if not final_text.startswith(self.sent):
+            log.warning("streamed text diverged from the final text")
+            return ""
+        return self._delta(final_text)
+
+
+class PrefixCache:
+    """Small LRU of prefilled shared prefixes (system prompt + tools), keyed by token ids."""
+
+    def __init__(self, entries: int):
+        self.entries = entries
+        self._d: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key: tuple):
+        with self._lock:
+            pre = self._d.get(key)
+            if pre is not None:
+                self._d.move_to_end(key)
+                self.hits += 1
+            else:
+                self.misses += 1
+            return pre
+
+    def put(self, key: tuple, pre) -> None:
+        if self.entries <= 0:
+            return
+        with self._lock:
+            self._d[key] = pre
+            self._d.move_to_end(key)
+            while len(self._d) > self.entries:
+                self._d.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def shared_prefix_len(prompt_ids: list[int], turn_end_ids: set[int]) -> int:
+    """Length of the first turn (e.g. system prompt + tools) incl. its end token, 0 if none.
+
+    Never the whole prompt: the suffix must leave at least one token to prefill.
+    """
+    for i, t in enumerate(prompt_ids):
+        if t in turn_end_ids:
+            return i + 1 if i + 1 < len(prompt_ids) else 0
+    return 0
+
+
+def forced_prefix(tool_choice, tools: list[dict]) -> str:
+    """Text that opens a call (Hermes/Qwen layout) when the caller demands one and no grammar
+    constraint is available: the model continues from it; the result is still verified/parsed."""
+    if isinstance(tool_choice, dict):
+        return '<tool_call>\n{"name": "' + tool_choice["function"]["name"] + '", "arguments":'
+    if tool_choice == "required":
+        return '<tool_call>\n{"name":'
+    return ""
+
+
+def _constraint_factory():
+    """``toolspec_core.constrain.make_tool_constraint`` when the core has it (and decode takes it)."""
+    try:
+        from toolspec_core import constrain
+        from toolspec_core.engine import decode
+    except ImportError:
+        return None
+    if "constraint" not in inspect.signature(decode).parameters:
+        return None
+    return getattr(constrain, "make_tool_constraint", None)
+
+
+@dataclass
+class Prepared:
+    prompt_ids: list[int]
+    forced_text: str
+    forced_ids: list[int]
+    max_new_tokens: int
+    constraint: Any = None
+    prefix_len: int = 0
+
+
+@dataclass
+class HostStats:
+    requests: int = 0
+    errors: int = 0
+    cancelled: int = 0
+    prefix_hit_tokens: int = 0
+    counters: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------- host
+
+
+class EngineHost:
+    """Target + method + caches of one replica. ``build`` does the heavy start-up work."""
+
+    def __init__(self, cfg: ServeAppConfig, target, method, cost=None, library=None, retrieval=None, embedder=None):
+        self.cfg, self.target, self.method, self.cost = cfg, target, method, cost
+        self.library, self.retrieval, self.embedder = library, retrieval, embedder
+        self.pool = ThreadPoolExecutor(max_workers=cfg.max_ongoing_requests + 1, thread_name_prefix="toolspec-decode")
+        self.prefixes = PrefixCache(cfg.prefix_cache_entries)
+        tok = target.tokenizer
+        ids = {tok.convert_tokens_to_ids(t) for t in TURN_END_TOKENS}
+        self.turn_end = {i for i in ids if isinstance(i, int) and i >= 0 and i != getattr(tok, "unk_token_id", None)}
+        self.make_constraint = _constraint_factory()
+        self.stats = HostStats()
+        self.name = served_name(cfg)
+
+    # ------------------------------------------------------------------ start-up
+    @classmethod
+    def build(cls, cfg: ServeAppConfig, retrieval=None) -> "EngineHost":
+        """Load the target (or start TP workers), build the method, measure the cost model."""
+        import torch
+
+        from toolspec_core.budget import CostModel, measure_cost_model
+        from toolspec_core.methods import make_method
+
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        target = load_serving_target(cfg)
+        library = None
+        if retrieval is not None:
+            from .retrieval import ServeLibrary
+
+            library = ServeLibrary(retrieval)
+        opts = dict(cfg.method_options)
+        if library is not None and cfg.method.startswith("toolspec"):
+            opts.setdefault("library", library)
+        try:
+            method = make_method(cfg.method, target.tokenizer, **opts)
+        except Exception as exc:
+            raise RuntimeError(f"cannot build decoding method {cfg.method!r}: {exc}") from exc
+        cost = {
+            "measure": lambda: measure_cost_model(target),
+            "reference": CostModel.cpu_reference,
+            "flat": CostModel.flat,
+            "none": lambda: None,
+        }[cfg.cost_model]()
+        embedder = None
+        if retrieval is not None and cfg.retrieval.key == "lexical":
+            from retrieval_service.embedding import LexicalEmbedder
+
+            embedder = LexicalEmbedder(cfg.retrieval.lexical_dim)
+        return cls(cfg, target, method, cost, library, retrieval, embedder)
+
+    def info(self) -> dict:
+        return {
+            "model": self.name, "max_context": self.target.max_context, "method": getattr(self.method, "name", self.cfg.method),
+            "tensor_parallel_size": self.cfg.tensor_parallel_size, "prefix_cache": len(self.prefixes),
+            "prefix_hits": self.prefixes.hits, "prefix_misses": self.prefixes.misses,
+            "retrieval": self.retrieval.counters() if self.retrieval is not None else None,
+        }
+
+    # ------------------------------------------------------------------ blocking steps (threads)
+    def _prepare(self, req: dict) -> Prepared:
+        from toolspec_core.engine import check_prompt
+        from toolspec_core.prompting import render_prompt
+
+        tok = self.target.tokenizer
+        tools = req["tools"] if req["tool_choice"] != "none" else []
+        prompt = render_prompt(tok, req["messages"], tools or None)
+        constraint, forced = None, ""
+        if tools and req["tool_choice"] not in ("auto", "none"):
+            if self.make_constraint is not None:
+                constraint = self.make_constraint(tok, tools, req["tool_choice"])
+            else:
+                forced = forced_prefix(req["tool_choice"], tools)
+        forced_ids = tok(forced, add_special_tokens=False)["input_ids"] if forced else []
+        room = self.target.max_context - len(prompt) - len(forced_ids)
+        if req["max_tokens"] is None:
+            if room < 1:
+                check_prompt(self.target, prompt + forced_ids, 1)
+            max_new = min(self.cfg.max_tokens_default, room)
+        else:
+            max_new = max(1, req["max_tokens"] - len(forced_ids))  # the forced opener counts as completion
+        check_prompt(self.target, prompt + forced_ids, max_new)
+        return Prepared(prompt + forced_ids, forced, forced_ids, max_new, constraint)
+
+    def _prefill(self, prep: Prepared):
+        from toolspec_core.engine import prefill
+
+        ids = prep.prompt_ids
+        n = shared_prefix_len(ids, self.turn_end) if self.cfg.prefix_cache_entries else 0
+        prefix = None
+        if n:
+            key = tuple(ids[:n])
+            prefix = self.prefixes.get(key)
+            if prefix is None:
+                prefix = prefill(self.target, list(key))
+                self.prefixes.put(key, prefix)
+            else:
+                prep.prefix_len = n
+                self.stats.prefix_hit_tokens += n
+        return prefill(self.target, ids, prefix)
+
+    def _decode(self, req: dict, prep: Prepared, pre, info, on_tokens):
+        from toolspec_core.engine import DecodeConfig, decode
+        from toolspec_core.sampling import SamplingParams
+
+        temperature = req["temperature"] if req["temperature"] is not None else self.cfg.default_temperature
+        sampling = SamplingParams(temperature, req["top_p"], req["top_k"], req["seed"])
+        cfg = DecodeConfig(prep.max_new_tokens, tuple(req["stop"]), sampling)
+        kwargs = {"constraint": prep.constraint} if prep.constraint is not None else {}
+        drafter = self.method.drafter(info)
+        result = decode(self.target, pre, drafter, cfg, self.cost, own_cache=True, on_tokens=on_tokens, **kwargs)
+        if result.finish_reason != "cancelled":
+            try:
+                self.method.observe(info, result.tokens, prep.forced_text + result.text)
+            except Exception:  # learning must never fail a finished request
+                log.exception("method.observe failed")
+        return result
+
+    # ------------------------------------------------------------------ async pipeline
+    async def _retrieve(self, req: dict, embedding) -> tuple[list | None, dict]:
+        if self.retrieval is None or embedding is None:
+            return None, {"status": "disabled"}
+        names = [t["function"]["name"] for t in req["tools"]]
+        return await self.retrieval.search(req["tenant"], embedding, names)
+
+    async def stream(self, req: dict) -> AsyncIterator[dict]:
+        """Events: ``start`` | ``error`` first, then ``text`` deltas, then ``done`` (the result)."""
+        from toolspec_core.methods import RequestInfo
+
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        self.stats.requests += 1
+        try:
+            prep = await loop.run_in_executor(self.pool, self._prepare, req)
+        except InvalidRequestError as exc:
+            self.stats.errors += 1
+            yield error_event(exc)
+            return
+        yield {"event": "start", "prompt_tokens": len(prep.prompt_ids) - len(prep.forced_ids)}
+        # retrieval keyed on the request text runs while the prompt is prefilled
+        search = None
+        embedding = None
+        if self.retrieval is not None and self.embedder is not None and req["tools"] and req["tool_choice"] != "none":
+            embedding = self.embedder.embed_request(req["messages"], req["tools"])
+            search = asyncio.ensure_future(self._retrieve(req, embedding))
+        pre = await loop.run_in_executor(self.pool, self._prefill, prep)
+        if self.retrieval is not None and self.embedder is None and req["tools"] and req["tool_choice"] != "none":
+            from retrieval_service.embedding import from_hidden
+
+            embedding = from_hidden(pre.hidden)
+            search = asyncio.ensure_future(self._retrieve(req, embedding))
+        retrieved, rinfo = (await search) if search is not None else (None, {"status": "disabled"})
+        if self.library is not None:
+            self.library.note_tools(req["tenant"], req["tools"])
+        info = RequestInfo(
+            list(prep.prompt_ids), list(req["tools"]), req["tenant"],
+            embedding.tolist() if embedding is not None else None, req["remember"],
+            retrieved if retrieved is not None else ([] if self.retrieval is not None else None),
+        )
+        streamer = TextStreamer(self.target.tokenizer, self.target.eos_ids, req["stop"])
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        done = object()
+
+        def on_tokens(ids: list[int]):
+            loop.call_soon_threadsafe(queue.put_nowait, list(ids))
+            return not cancel.is_set()
+
+        def run():
+            try:
+                return self._decode(req, prep, pre, info, on_tokens)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, done)
+
+        fut = loop.run_in_executor(self.pool, run)
+        if prep.forced_text:
+            yield {"event": "text", "delta": prep.forced_text}
+        try:
+            while True:
+                item = await queue.get()
+                if item is done:
+                    break
+                delta = streamer.feed(item)
+                if delta:
+                    yield {"event": "text", "delta": delta}
+            result = await fut
+        except (asyncio.CancelledError, GeneratorExit):
+            cancel.set()
+            self.stats.cancelled += 1
+            raise
+        finally:
+            cancel.set()
+        tail = streamer.finish(result.text)
+        if tail:
+            yield {"event": "text", "delta": tail}
+        stats = result.stats.to_dict()
+        extra = {
+            "method": getattr(self.method, "name", self.cfg.method),
+            "prefix_cached_tokens": prep.prefix_len,
+            "retrieval": rinfo,
+            "latency_s": time.perf_counter() - t0,
+            "constrained": prep.constraint is not None,
+        }
+        yield {
+            "event": "done",
+            "text": prep.forced_text + result.text,
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": len(prep.prompt_ids) - len(prep.forced_ids),
+            "completion_tokens": len(prep.forced_ids) + len(result.tokens),
+            "stats": {k: v for k, v in stats.items() if not k.endswith("_per_step") and k != "step_labels"},
+            "extra": extra,
+        }
+
+    async def generate(self, req: dict) -> dict:
+        """Non-streaming: the ``error`` or ``done`` event."""
+        last: dict = {}
+        async for ev in self.stream(req):
+            if ev["event"] in ("error", "done"):
+                last = ev
+        return last
+
+    def close(self) -> None:
+        group = getattr(self.target, "group", None)
+        if group is not None:
+            group.shutdown()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def load_serving_target(cfg: ServeAppConfig):
+    """Single-process target, or a tensor-parallel one whose workers are Ray actors."""
+    import torch
+
+    from toolspec_core.target import load_target
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    device = resolve_device(cfg.device)
+    if cfg.tensor_parallel_size > 1:
+        from .tp import start_tp_target
+
+        gpus = cfg.tp_worker_num_gpus if cfg.tp_worker_num_gpus is not None else (1.0 if device == "cuda" else 0.0)
+        return start_tp_target(cfg.model, cfg.tensor_parallel_size, cfg.dtype, device, cfg.tp_worker_num_cpus, gpus, cfg.threads)
+    target = load_target(cfg.model, dtypes[cfg.dtype])
+    if device == "cuda":
+        target.model.to("cuda")
+    return target
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

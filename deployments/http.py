@@ -1,0 +1,187 @@
+"""The FastAPI app of the ingress: OpenAI routes, auth, errors, SSE, /health, /metrics.
+
+``make_api(backend, cfg)`` takes any backend with async ``stream(req)`` (an async iterator of
+replica events), ``generate(req)`` and ``info()`` -- a Serve handle in production
+(:class:`HandleBackend`), an in-process ``EngineHost`` in unit tests (:class:`LocalBackend`).
+"""
+
+
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+
+from .config import ServeAppConfig, served_name
+from .metrics import Metrics
+from .protocol import APIError, StreamShaper, chat_completion, engine_request, parse_request, parses_tools, sse
+
+log = logging.getLogger("toolspec.serve")
+
+
+class HandleBackend:
+    """Engine replicas behind a Ray Serve deployment handle."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def stream(self, req: dict):
+        async for ev in self.handle.options(stream=True).stream.remote(req):
+            yield ev
+
+    async def generate(self, req: dict) -> dict:
+        return await self.handle.generate.remote(req)
+
+    async def info(self) -> dict:
+        return await self.handle.info.remote()
+
+
+class LocalBackend:
+    """An ``EngineHost`` in this process (tests, single-process use)."""
+
+    def __init__(self, host):
+        self.host = host
+
+    def stream(self, req: dict):
+        return self.host.stream(req)
+
+    async def generate(self, req: dict) -> dict:
+        return await self.host.generate(req)
+
+    async def info(self) -> dict:
+        return self.host.info()
+
+
+def _error(exc: APIError):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
+    """Build the app (no ``from __future__ import annotations`` here: FastAPI reads the
+    handlers' annotations, and ``Request`` is imported lazily in this scope)."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title="ToolSpec", docs_url=None, redoc_url=None)
+    metrics = metrics or Metrics()
+    model = served_name(cfg)
+    api_key = cfg.resolved_api_key()
+    app.state.metrics = metrics
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if api_key and "/v1/" in request.url.path + "/":
+            sent = request.headers.get("authorization", "")
+            token = sent[7:] if sent.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                return _error(APIError("Incorrect API key provided.", 401, param=None, code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(APIError(str(exc.detail), exc.status_code, type=kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation(request: Request, exc: RequestValidationError):
+        return _error(APIError(str(exc), 400))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        log.exception("unhandled error")
+        return _error(APIError(f"internal error: {type(exc).__name__}", 500, type="server_error"))
+
+    @app.get("/health")
+    async def health():
+        try:
+            info = await asyncio.wait_for(backend.info(), 10.0)
+        except Exception as exc:
+            return JSONResponse({"status": "unavailable", "error": type(exc).__name__}, status_code=503)
+        return {"status": "ok", "model": model, "engine": info}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "toolspec"}]}
+
+    @app.get("/v1/models/{name}")
+    async def model_info(name: str):
+        if name != model:
+            raise APIError(f"The model '{name}' does not exist", 404, type="invalid_request_error", param="model", code="model_not_found")
+        return {"id": model, "object": "model", "created": 0, "owned_by": "toolspec"}
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return _error(exc)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        t0 = time.perf_counter()
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            metrics.observe_error(False)
+            raise APIError("We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP library correctly.)", 400, code="invalid_json")
+        try:
+            req = parse_request(body, model, cfg.max_tokens_limit)
+        except APIError:
+            metrics.observe_error(bool(isinstance(body, dict) and body.get("stream") is True))
+            raise
+        ereq = engine_request(req)
+        parse = parses_tools(ereq)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if not req.stream:
+            result = await backend.generate(ereq)
+            if result.get("event") == "error":
+                metrics.observe_error(False)
+                return JSONResponse({"error": result["error"]}, status_code=result.get("status", 400))
+            metrics.observe_done(result, False, time.perf_counter() - t0)
+            return JSONResponse(chat_completion(result, parse, model))
+
+        events = backend.stream(ereq).__aiter__()
+        first = await events.__anext__()
+        if first["event"] == "error":
+            metrics.observe_error(True)
+            await events.aclose()
+            return JSONResponse({"error": first["error"]}, status_code=first.get("status", 400))
+
+        async def body_iter():
+            shaper = StreamShaper(model, parse, include_usage)
+            metrics.inflight.inc()
+            first_delta = True
+            try:
+                yield sse(shaper.start())
+                async for ev in events:
+                    if ev["event"] == "text":
+                        for ch in shaper.feed(ev["delta"]):
+                            if first_delta:
+                                metrics.ttft.observe(time.perf_counter() - t0)
+                                first_delta = False
+                            yield sse(ch)
+                    elif ev["event"] == "done":
+                        for ch in shaper.finish(ev):
+                            yield sse(ch)
+                        if shaper.mismatch:
+                            log.warning("stream deltas diverged from the final parse (request %s)", shaper.id)
+                        metrics.observe_done(ev, True, time.perf_counter() - t0)
+            except Exception as exc:  # mid-stream failure: tell the client in-band, then end
+                log.exception("stream failed")
+                metrics.observe_error(True)
+                yield sse(APIError(f"internal error: {type(exc).__name__}", 500, type="server_error").body())
+            finally:
+                metrics.inflight.dec()
+            yield sse("[DONE]")
+
+        return StreamingResponse(body_iter(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    return app

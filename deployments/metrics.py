@@ -1,0 +1,77 @@
+"""Prometheus metrics of the API, recorded by the ingress from each finished request's stats.
+
+One registry per app instance (not the global one), so several apps in one process (tests)
+never collide.
+"""
+
+from __future__ import annotations
+
+
+class Metrics:
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("toolspec_requests", "Chat completion requests", ["status", "stream"], registry=r)
+        self.latency = Histogram(
+            "toolspec_request_latency_seconds", "End-to-end latency of a chat completion", registry=r,
+            buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128),
+        )
+        self.ttft = Histogram(
+            "toolspec_time_to_first_token_seconds", "Time to the first streamed delta", registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
+        )
+        self.tokens_per_s = Histogram(
+            "toolspec_tokens_per_second", "Completion tokens per second of decode time, per request", registry=r,
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+        )
+        self.prompt_tokens = Counter("toolspec_prompt_tokens", "Prompt tokens", registry=r)
+        self.completion_tokens = Counter("toolspec_completion_tokens", "Completion tokens", registry=r)
+        self.prefix_cached = Counter("toolspec_prefix_cached_tokens", "Prompt tokens served from the prefix KV cache", registry=r)
+        self.mat = Histogram(
+            "toolspec_mean_accepted_tokens", "Mean tokens per decode forward (MAT), per request", registry=r,
+            buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 16),
+        )
+        self.drafted = Counter("toolspec_draft_tokens", "Drafted tokens by drafting state", ["state"], registry=r)
+        self.accepted = Counter("toolspec_accepted_tokens", "Accepted draft tokens by drafting state", ["state"], registry=r)
+        self.acceptance = Gauge("toolspec_acceptance_rate", "Accepted / drafted tokens so far, by state", ["state"], registry=r)
+        self.retrieval = Counter("toolspec_retrieval_requests", "Library searches by outcome", ["status"], registry=r)
+        self.fallbacks = Counter("toolspec_retrieval_fallbacks", "Requests served without the library (slow or down)", registry=r)
+        self.inflight = Gauge("toolspec_requests_in_flight", "Requests in flight at this ingress", registry=r)
+        self._totals: dict[str, list[float]] = {}
+
+    def observe_error(self, stream: bool) -> None:
+        self.requests.labels("error", str(stream).lower()).inc()
+
+    def observe_done(self, result: dict, stream: bool, latency_s: float) -> None:
+        status = "cancelled" if result.get("finish_reason") == "cancelled" else "ok"
+        self.requests.labels(status, str(stream).lower()).inc()
+        self.latency.observe(latency_s)
+        self.prompt_tokens.inc(result.get("prompt_tokens", 0))
+        self.completion_tokens.inc(result.get("completion_tokens", 0))
+        stats, extra = result.get("stats", {}), result.get("extra", {})
+        decode_s = stats.get("decode_s", 0.0)
+        if decode_s > 0:
+            self.tokens_per_s.observe(result.get("completion_tokens", 0) / decode_s)
+        if stats.get("forwards"):
+            self.mat.observe(stats.get("mat", 1.0))
+        self.prefix_cached.inc(extra.get("prefix_cached_tokens", 0))
+        accepted = stats.get("label_accepted", {})
+        for state, n in stats.get("label_drafted", {}).items():
+            a = accepted.get(state, 0)
+            self.drafted.labels(state).inc(n)
+            self.accepted.labels(state).inc(a)
+            tot = self._totals.setdefault(state, [0.0, 0.0])
+            tot[0] += n
+            tot[1] += a
+            self.acceptance.labels(state).set(tot[1] / tot[0] if tot[0] else 0.0)
+        r = extra.get("retrieval") or {}
+        if r.get("status"):
+            self.retrieval.labels(r["status"]).inc()
+            if r["status"] == "fallback":
+                self.fallbacks.inc()
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

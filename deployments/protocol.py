@@ -1,0 +1,421 @@
+"""OpenAI chat-completions wire format: request validation, responses, streaming chunks.
+
+Pure Python (no Ray, no torch) so it is unit-tested directly. Bad input raises
+:class:`APIError`, which the HTTP layer turns into OpenAI's error JSON with a 4xx status.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Any, Iterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from toolspec_core.toolcalls import ParsedOutput, ToolCall, parse_tool_calls
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error the client caused (or a server condition) in OpenAI's shape."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def from_body(cls, body: dict, status: int) -> "APIError":
+        e = body.get("error", {})
+        return cls(e.get("message", "error"), status, e.get("type", "invalid_request_error"), e.get("param"), e.get("code"))
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "is-instance", "constrained-float", "constrained-int"}
+
+
+def _loc(loc: tuple) -> str:
+    """pydantic's error location as OpenAI's ``param`` (``messages[0].role``), minus the union
+    branch tags pydantic inserts (``float``, ``literal[...]``, model class names)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        p = str(part)
+        if p in _TYPE_TAGS or "[" in p or p[:1].isupper():
+            continue
+        out += ("." if out else "") + p
+    return out
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    err = exc.errors()[0]
+    param = _loc(err["loc"]) or None
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = f"Unrecognized request argument supplied: {param}"
+    else:
+        msg = f"Invalid value for '{param}': {msg}" if param else msg
+    return APIError(msg, 400, param=param, code="invalid_value" if err["type"] != "missing" else "missing_required_parameter")
+
+
+# ---------------------------------------------------------------------------------------- request
+
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class FunctionDef(_Strict):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] = "{}"
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # e.g. "refusal", "audio": ignored
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[dict[str, Any]] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class ToolSpecOptions(_Strict):
+    remember: StrictBool = True  # False: this request's calls are never stored in the library
+
+
+Number = StrictFloat | StrictInt
+
+
+class ChatRequest(_Strict):
+    """The fields of OpenAI's chat-completions request we accept (unknown fields are rejected)."""
+
+    model: StrictStr | None = None
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    temperature: Number | None = Field(None, ge=0, le=2)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=0)  # vLLM-style extension
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    n: StrictInt = Field(1, ge=1, le=1)
+    toolspec: ToolSpecOptions | None = None
+    # accepted for compatibility, no effect on a greedy/sampled single choice:
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    logprobs: StrictBool | None = None
+    response_format: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+
+
+def _check_json_schema(schema: dict, param: str) -> None:
+    """A function's ``parameters`` must be a JSON-schema object (OpenAI requires type object)."""
+    if schema.get("type", "object") != "object":
+        raise APIError(f"Invalid schema for function parameters: top-level type must be 'object', got {schema.get('type')!r}", param=param, code="invalid_function_parameters")
+    props = schema.get("properties", {})
+    if not isinstance(props, dict) or any(not isinstance(v, dict) for v in props.values()):
+        raise APIError("Invalid schema for function parameters: 'properties' must map names to schemas", param=param, code="invalid_function_parameters")
+    req = schema.get("required", [])
+    if not isinstance(req, list) or any(not isinstance(r, str) for r in req):
+        raise APIError("Invalid schema for function parameters: 'required' must be a list of strings", param=param, code="invalid_function_parameters")
+    missing = [r for r in req if "properties" in schema and r not in props]
+    if missing:
+        raise APIError(f"Invalid schema for function parameters: required {missing} not in properties", param=param, code="invalid_function_parameters")
+    try:
+        from jsonschema import Draft202012Validator
+        from jsonschema.exceptions import SchemaError
+    except ImportError:
+        return
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        raise APIError(f"Invalid schema for function parameters: {exc.message}", param=param, code="invalid_function_parameters") from None
+
+
+def parse_request(body: Any, served_model: str, max_tokens_limit: int) -> ChatRequest:
+    """Validate a decoded JSON body; raises :class:`APIError` (4xx) for anything malformed."""
+    if not isinstance(body, dict):
+        raise APIError("The request body must be a JSON object.", code="invalid_json")
+    try:
+        req = ChatRequest.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    if req.model not in (None, "", served_model):
+        raise APIError(f"The model '{req.model}' does not exist", 404, param="model", code="model_not_found")
+    names: list[str] = []
+    for i, tool in enumerate(req.tools or []):
+        name = tool.function.name
+        if not _NAME.match(name):
+            raise APIError(f"Invalid 'tools[{i}].function.name': must match ^[a-zA-Z0-9_-]{{1,64}}$", param=f"tools[{i}].function.name", code="invalid_value")
+        if name in names:
+            raise APIError(f"Duplicate tool name {name!r}", param=f"tools[{i}].function.name", code="invalid_value")
+        names.append(name)
+        if tool.function.parameters is not None:
+            _check_json_schema(tool.function.parameters, f"tools[{i}].function.parameters")
+    choice = req.tool_choice
+    if choice is not None and choice not in ("none", "auto") and not names:
+        raise APIError("tool_choice requires tools to be specified", param="tool_choice", code="invalid_value")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise APIError(f"tool_choice names function {choice.function.name!r}, which is not in tools", param="tool_choice", code="invalid_value")
+    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+        raise APIError("Set either max_tokens or max_completion_tokens, not both with different values", param="max_tokens")
+    for field in ("max_tokens", "max_completion_tokens"):
+        v = getattr(req, field)
+        if v is not None and not 1 <= v <= max_tokens_limit:
+            raise APIError(f"Invalid '{field}': must be between 1 and {max_tokens_limit}, got {v}", param=field, code="invalid_value")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > 4 or any(not s for s in stops):
+        raise APIError("'stop' takes up to 4 non-empty strings", param="stop", code="invalid_value")
+    if req.logprobs:
+        raise APIError("logprobs are not supported", param="logprobs", code="unsupported_value")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError("only response_format {'type': 'text'} is supported; use tools for structured output", param="response_format", code="unsupported_value")
+    return req
+
+
+def engine_request(req: ChatRequest) -> dict:
+    """The plain dict the engine replica gets (JSON-able, everything already validated)."""
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        choice = {"type": "function", "function": {"name": choice.function.name}}
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    if choice is None:
+        choice = "auto" if tools else "none"
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return {
+        "messages": messages,
+        "tools": tools,
+        "tool_choice": choice,
+        "max_tokens": req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+        "temperature": float(req.temperature) if req.temperature is not None else None,  # None: server default
+        "top_p": float(req.top_p) if req.top_p is not None else 1.0,
+        "top_k": req.top_k or 0,
+        "seed": req.seed,
+        "stop": stops,
+        "tenant": req.user or "default",
+        "remember": req.toolspec.remember if req.toolspec else True,
+    }
+
+
+def parses_tools(ereq: dict) -> bool:
+    return bool(ereq["tools"]) and ereq["tool_choice"] != "none"
+
+
+# ---------------------------------------------------------------------------------------- responses
+
+
+def completion_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex[:24]
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def tool_call_dict(call: ToolCall, cid: str | None = None) -> dict:
+    return {"id": cid or call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments_json()}}
+
+
+def split_output(text: str, parse: bool) -> ParsedOutput:
+    return parse_tool_calls(text) if parse else ParsedOutput(text, [])
+
+
+def finish_reason(engine_reason: str, has_calls: bool) -> str:
+    if engine_reason == "length":
+        return "length"
+    return "tool_calls" if has_calls else "stop"
+
+
+def stats_extra(stats: dict, extra: dict | None = None) -> dict:
+    """The ``toolspec`` field: MAT, drafted/accepted tokens, per-state acceptance, timings."""
+    drafted, accepted = stats.get("label_drafted", {}), stats.get("label_accepted", {})
+    per_state = {
+        lab: {"drafted": n, "accepted": accepted.get(lab, 0), "rate": accepted.get(lab, 0) / n if n else 0.0}
+        for lab, n in sorted(drafted.items())
+    }
+    out = {
+        "mat": stats.get("mat", 1.0),
+        "drafted_tokens": stats.get("drafted_tokens", 0),
+        "accepted_tokens": stats.get("accepted_tokens", 0),
+        "forwards": stats.get("forwards", 0),
+        "acceptance": per_state,
+        "prefill_s": stats.get("prefill_s", 0.0),
+        "decode_s": stats.get("decode_s", 0.0),
+    }
+    out.update(extra or {})
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_completion(result: dict, parse: bool, model: str, cid: str | None = None, created: int | None = None) -> dict:
+    """A full (non-streaming) response from the replica's result dict."""
+    parsed = split_output(result["text"], parse)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content if parsed.calls else (parsed.content or "")}
+    if parsed.calls:
+        message["tool_calls"] = [tool_call_dict(c) for c in parsed.calls]
+    return {
+        "id": cid or completion_id(),
+        "object": "chat.completion",
+        "created": created or int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(result["finish_reason"], bool(parsed.calls))}],
+        "usage": usage(result["prompt_tokens"], result["completion_tokens"]),
+        "toolspec": stats_extra(result.get("stats", {}), result.get("extra")),
+    }
+
+
+# ---------------------------------------------------------------------------------------- streaming
+
+_CALL_OPENERS = ("<tool_call>", "```", "{", "[")
+
+
+def _hold_from(text: str) -> int:
+    """Index from which text might belong to a tool call (held back until it is parsed)."""
+    cut = len(text)
+    for op in _CALL_OPENERS:
+        i = text.find(op)
+        if i >= 0:
+            cut = min(cut, i)
+        # a partial opener at the very end ("<tool", "``")
+        for k in range(min(len(op) - 1, len(text)), 0, -1):
+            if text.endswith(op[:k]):
+                cut = min(cut, len(text) - k)
+                break
+    return cut
+
+
+class StreamShaper:
+    """Turns replica events into OpenAI ``chat.completion.chunk`` dicts.
+
+    Content is streamed as it is generated, except text that may start a tool call; calls are
+    emitted (id/type/name first, then the arguments) as soon as a ``<tool_call>`` block closes,
+    and the rest at the end -- always consistent with the full-text parse the non-streaming
+    response uses, so the deltas reassemble to the same message.
+    """
+
+    def __init__(self, model: str, parse: bool, include_usage: bool = False, cid: str | None = None):
+        self.model, self.parse, self.include_usage = model, parse, include_usage
+        self.id, self.created = cid or completion_id(), int(time.time())
+        self.text = ""
+        self.sent_content = ""
+        self.sent_calls: list[ToolCall] = []
+        self.mismatch = False
+
+    def chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
+        out = {
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        out.update(extra)
+        return out
+
+    def start(self) -> dict:
+        return self.chunk({"role": "assistant", "content": ""})
+
+    def _content_delta(self, content: str) -> Iterator[dict]:
+        if content.startswith(self.sent_content):
+            new = content[len(self.sent_content):]
+            if new:
+                self.sent_content = content
+                yield self.chunk({"content": new})
+        else:
+            self.mismatch = True
+
+    def _call_deltas(self, calls: list[ToolCall]) -> Iterator[dict]:
+        for call in calls[len(self.sent_calls):]:
+            index = len(self.sent_calls)
+            self.sent_calls.append(call)
+            args = call.arguments_json()
+            yield self.chunk({"tool_calls": [{"index": index, "id": call_id(), "type": "function", "function": {"name": call.name, "arguments": ""}}]})
+            for j in range(0, len(args), 16):
+                yield self.chunk({"tool_calls": [{"index": index, "function": {"arguments": args[j:j + 16]}}]})
+
+    def feed(self, delta: str) -> Iterator[dict]:
+        self.text += delta
+        if not self.parse:
+            yield from self._content_delta(self.text)
+            return
+        visible = self.text[: _hold_from(self.text)].strip()
+        yield from self._content_delta(visible)
+        closed = self.text.rfind("</tool_call>")
+        if closed >= 0 and not self.mismatch:
+            calls = parse_tool_calls(self.text[: closed + len("</tool_call>")]).calls
+            if len(calls) > len(self.sent_calls):
+                yield from self._call_deltas(calls)
+
+    def finish(self, result: dict) -> Iterator[dict]:
+        """Flush against the authoritative full text; then the finish (and usage) chunks."""
+        text = result["text"]
+        if text.startswith(self.text) and len(text) > len(self.text):
+            self.text = text
+        parsed = split_output(text, self.parse)
+        if parsed.calls[: len(self.sent_calls)] != self.sent_calls:
+            self.mismatch = True
+        else:
+            yield from self._call_deltas(parsed.calls)
+        yield from self._content_delta(parsed.content or "")
+        reason = finish_reason(result["finish_reason"], bool(parsed.calls))
+        extra = {"toolspec": stats_extra(result.get("stats", {}), result.get("extra"))}
+        yield self.chunk({}, reason, **extra)
+        if self.include_usage:
+            u = self.chunk({}, None, usage=usage(result["prompt_tokens"], result["completion_tokens"]))
+            u["choices"] = []
+            yield u
+
+
+def sse(obj: dict | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()

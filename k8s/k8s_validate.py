@@ -1,0 +1,365 @@
+"""Validate the rendered manifests offline, before any cluster sees them.
+
+Checks, per rendered overlay:
+- core kinds against the Kubernetes OpenAPI schemas with ``kubernetes-validate`` (strict:
+  unknown fields are errors);
+- the RayService against KubeRay's CRD schema with ``jsonschema``, made strict the way the API
+  server's strict field validation is (unknown fields are errors instead of being pruned);
+- ``serveConfigV2`` with ``ray.serve.schema.ServeDeploySchema`` plus a check for unknown keys
+  (the pydantic model ignores them, Serve would too, silently);
+- cross references a schema cannot see: secrets/claims/env vars/services named in one object
+  exist in another, probes hit the Serve port, GPU sizing matches tensor parallelism.
+``resolve_import_path`` and ``validate_app_args`` check the app builder itself (tests call
+them once ``deployments.app`` exists).
+
+Usage: python k8s/k8s_validate.py [OVERLAY_DIR ...]   (default: every overlay)
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import k8s_render  # noqa: E402  (sibling module; k8s/ is not a package)
+
+K8S_DIR = Path(__file__).resolve().parent
+OVERLAYS_DIR = K8S_DIR / "overlays"
+CRD_CANDIDATES = (K8S_DIR.parent.parent / "shared" / "k8s" / "ray.io_rayservices.yaml",
+                  K8S_DIR.parent / "shared" / "k8s" / "ray.io_rayservices.yaml")
+KUBERNETES_VERSION = "1.31.0"
+SERVE_PORT_NAME = "serve"
+HEALTH_PATH = "/health"
+DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def find_crd() -> Path:
+    """KubeRay's RayService CRD: $TOOLSPEC_RAYSERVICE_CRD, else ../shared/k8s or shared/k8s."""
+    env = os.environ.get("TOOLSPEC_RAYSERVICE_CRD")
+    for path in ([Path(env)] if env else []) + list(CRD_CANDIDATES):
+        if path.is_file():
+            return path
+    raise FileNotFoundError("ray.io_rayservices.yaml not found; set TOOLSPEC_RAYSERVICE_CRD "
+                            f"(looked in {[str(p) for p in CRD_CANDIDATES]})")
+
+
+class ManifestError(ValueError):
+    """One or more manifests are invalid; the message lists every problem found."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+def overlays() -> list[Path]:
+    return sorted(p for p in OVERLAYS_DIR.iterdir() if (p / "kustomization.yaml").is_file())
+
+
+def _label(doc: dict) -> str:
+    return f"{doc.get('kind')}/{(doc.get('metadata') or {}).get('name')}"
+
+
+# ---------------------------------------------------------------- core kinds
+
+def validate_core(doc: dict, version: str = KUBERNETES_VERSION) -> None:
+    """Strict OpenAPI validation of a built-in kind; raises kubernetes_validate.ValidationError."""
+    import kubernetes_validate
+
+    kubernetes_validate.validate(doc, version, strict=True)
+
+
+# ---------------------------------------------------------------- RayService
+
+def strict_schema(schema: Any) -> Any:
+    """Copy of a CRD schema where objects with declared properties reject unknown fields."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_schema(v) for k, v in schema.items()}
+    if ("properties" in out and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def crd_validator(path: str | None = None, version: str = "v1"):
+    """A jsonschema validator for the RayService CRD's served *version*, strict."""
+    import jsonschema
+
+    path = path or str(find_crd())
+    crd = yaml.safe_load(Path(path).read_text())
+    for v in crd["spec"]["versions"]:
+        if v["name"] == version:
+            schema = strict_schema(v["schema"]["openAPIV3Schema"])
+            cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
+            return cls(schema)
+    raise ManifestError([f"CRD {path} has no version {version}"])
+
+
+def validate_rayservice(doc: dict, crd_path: str | None = None) -> dict:
+    """Validate against the CRD and the Serve schema; returns the parsed serve config."""
+    problems = []
+    api_version = doc.get("apiVersion", "")
+    if api_version != "ray.io/v1":
+        problems.append(f"{_label(doc)}: apiVersion {api_version!r}, expected ray.io/v1")
+    name = (doc.get("metadata") or {}).get("name", "")
+    if not DNS_1123.match(name or "") or len(name) > 63:
+        problems.append(f"{_label(doc)}: metadata.name {name!r} is not a DNS-1123 label")
+    validator = crd_validator(crd_path)
+    for err in sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path)):
+        where = "/".join(str(p) for p in err.absolute_path)
+        problems.append(f"{_label(doc)}: {where}: {err.message}")
+    serve = None
+    try:
+        serve = validate_serve_config(doc.get("spec", {}).get("serveConfigV2"))
+    except ManifestError as exc:
+        problems.extend(f"{_label(doc)}: serveConfigV2: {p}" for p in exc.problems)
+    if problems:
+        raise ManifestError(problems)
+    return serve
+
+
+def validate_serve_config(text: Any) -> dict:
+    """serveConfigV2 must be YAML that ServeDeploySchema accepts, with no unknown keys."""
+    from pydantic import ValidationError
+    from ray.serve.schema import HTTPOptionsSchema, ServeApplicationSchema, ServeDeploySchema
+
+    if not isinstance(text, str):
+        raise ManifestError([f"must be a YAML string, got {type(text).__name__}"])
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ManifestError([f"not valid YAML: {exc}"]) from exc
+    if not isinstance(config, dict):
+        raise ManifestError(["must be a YAML mapping"])
+    try:
+        ServeDeploySchema.model_validate(config)
+    except ValidationError as exc:
+        raise ManifestError([f"ServeDeploySchema: {exc}"]) from exc
+    problems = _unknown_keys(config, ServeDeploySchema, "")
+    problems += _unknown_keys(config.get("http_options") or {}, HTTPOptionsSchema, "http_options.")
+    for n, app in enumerate(config.get("applications") or []):
+        problems += _unknown_keys(app, ServeApplicationSchema, f"applications[{n}].")
+    if problems:
+        raise ManifestError(problems)
+    return config
+
+
+def _unknown_keys(data: dict, model, prefix: str) -> list[str]:
+    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    return [f"unknown key {prefix}{k}" for k in data if k not in known]
+
+
+# ---------------------------------------------------------------- the app builder
+
+def resolve_import_path(import_path: str):
+    """Import 'pkg.module:attr' (or 'pkg.module.attr') the way Serve does; must be callable."""
+    if ":" in import_path:
+        module_name, _, attr = import_path.partition(":")
+    else:
+        module_name, _, attr = import_path.rpartition(".")
+    if not module_name or not attr:
+        raise ImportError(f"bad import path {import_path!r}")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{import_path} is not callable")
+    return obj
+
+
+def validate_app_args(args: dict, config_path: str = "deployments.config:ServeAppConfig"):
+    """Validate the application args with the builder's own pydantic config."""
+    module_name, _, attr = config_path.partition(":")
+    model = getattr(importlib.import_module(module_name), attr)
+    return model.model_validate(args)
+
+
+def applications(rayservice: dict) -> list[dict]:
+    config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    return list(config.get("applications") or [])
+
+
+# ---------------------------------------------------------------- cross references
+
+def _pod_specs(doc: dict) -> list[tuple[str, dict]]:
+    if doc["kind"] == "RayService":
+        rc = doc["spec"]["rayClusterConfig"]
+        out = [("head", rc["headGroupSpec"]["template"]["spec"])]
+        out += [(g["groupName"], g["template"]["spec"]) for g in rc.get("workerGroupSpecs") or []]
+        return out
+    spec = (doc.get("spec") or {}).get("template", {}).get("spec")
+    return [("pod", spec)] if spec else []
+
+
+def _quantity(value: Any) -> int:
+    return int(str(value)) if value is not None else 0
+
+
+def check_references(docs: list[dict]) -> list[str]:
+    """Problems no single schema sees: dangling names and mismatched sizing."""
+    problems: list[str] = []
+    secrets = {d["metadata"]["name"]: set((d.get("stringData") or {}) | (d.get("data") or {}))
+               for d in docs if d["kind"] == "Secret"}
+    claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    services = {d["metadata"]["name"]: {p["port"] for p in d["spec"].get("ports", [])}
+                for d in docs if d["kind"] == "Service"}
+    for doc in docs:
+        for group, pod in _pod_specs(doc):
+            template_claims = {t["metadata"]["name"]
+                               for t in (doc.get("spec") or {}).get("volumeClaimTemplates") or []}
+            volumes = {v["name"] for v in pod.get("volumes") or []} | template_claims
+            for v in pod.get("volumes") or []:
+                claim = (v.get("persistentVolumeClaim") or {}).get("claimName")
+                if claim and claim not in claims:
+                    problems.append(f"{_label(doc)} {group}: volume {v['name']} claims missing PVC {claim}")
+            for c in pod.get("containers") or []:
+                for m in c.get("volumeMounts") or []:
+                    if m["name"] not in volumes:
+                        problems.append(f"{_label(doc)} {group}/{c['name']}: mount of undefined volume {m['name']}")
+                for e in c.get("env") or []:
+                    ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+                    if ref and ref["key"] not in secrets.get(ref["name"], set()):
+                        problems.append(f"{_label(doc)} {group}/{c['name']}: env {e['name']} "
+                                        f"needs secret {ref['name']}/{ref['key']}")
+    for doc in docs:
+        if doc["kind"] == "RayService":
+            problems += _check_rayservice(doc, services)
+    return problems
+
+
+def _check_rayservice(doc: dict, services: dict) -> list[str]:
+    problems: list[str] = []
+    label = _label(doc)
+    serve = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    port = (serve.get("http_options") or {}).get("port", 8000)
+    rc = doc["spec"]["rayClusterConfig"]
+    if not rc.get("enableInTreeAutoscaling"):
+        problems.append(f"{label}: enableInTreeAutoscaling must be true")
+    pods = _pod_specs(doc)
+    for group, pod in pods:
+        for c in pod["containers"]:
+            if c.get("image", "").split(":")[0] == "toolspec":
+                problems.append(f"{label} {group}/{c['name']}: image is the unset placeholder 'toolspec'")
+            ports = {p.get("name"): p["containerPort"] for p in c.get("ports") or []}
+            if ports.get(SERVE_PORT_NAME) != port:
+                problems.append(f"{label} {group}/{c['name']}: container port '{SERVE_PORT_NAME}' "
+                                f"must be the Serve HTTP port {port}")
+            env = {e["name"] for e in c.get("env") or []}
+            for app in serve.get("applications") or []:
+                args = app.get("args") or {}
+                for key in ("api_key_env", "qdrant_api_key_env"):
+                    if args.get(key) and args[key] not in env:
+                        problems.append(f"{label} {group}/{c['name']}: env {args[key]} ({key}) not set")
+    head = rc["headGroupSpec"]["template"]["spec"]["containers"][0]
+    if (head.get("readinessProbe") or {}).get("httpGet", {}).get("path") == HEALTH_PATH:
+        problems.append(f"{label}: the head must not gate readiness on {HEALTH_PATH}: KubeRay "
+                        "deploys serveConfigV2 only after the head is Ready")
+    idle = (rc.get("autoscalerOptions") or {}).get("idleTimeoutSeconds", 60)
+    for group in rc.get("workerGroupSpecs") or []:
+        name = group["groupName"]
+        c = group["template"]["spec"]["containers"][0]
+        for probe in ("readinessProbe", "livenessProbe"):
+            get = (c.get(probe) or {}).get("httpGet") or {}
+            if get.get("path") != HEALTH_PATH or get.get("port") not in (SERVE_PORT_NAME, port):
+                problems.append(f"{label} {name}: {probe} must GET {HEALTH_PATH} on the Serve port")
+        live = c.get("livenessProbe") or {}
+        window = live.get("periodSeconds", 10) * live.get("failureThreshold", 3)
+        if window <= idle:
+            problems.append(f"{label} {name}: liveness window {window}s must exceed the "
+                            f"autoscaler idle timeout {idle}s")
+        if not group["minReplicas"] <= group.get("replicas", group["minReplicas"]) <= group["maxReplicas"]:
+            problems.append(f"{label} {name}: replicas outside [minReplicas, maxReplicas]")
+        gpus = _quantity((c.get("resources") or {}).get("limits", {}).get("nvidia.com/gpu"))
+        for app in serve.get("applications") or []:
+            args = app.get("args") or {}
+            tp = int(args.get("tensor_parallel_size", 1))
+            scaling = args.get("autoscaling") or {}
+            if gpus:
+                if gpus % tp:
+                    problems.append(f"{label} {name}: {gpus} GPUs per pod is not a multiple of "
+                                    f"tensor_parallel_size {tp}")
+                elif scaling.get("max_replicas", 1) > group["maxReplicas"] * (gpus // tp):
+                    problems.append(f"{label} {name}: Serve max_replicas {scaling['max_replicas']} "
+                                    f"cannot fit in {group['maxReplicas']} pods of {gpus} GPUs")
+            elif tp > 1 and args.get("model") != "embedded":
+                problems.append(f"{label} {name}: tensor_parallel_size {tp} without GPUs")
+            host, _, qport = str(args.get("qdrant_url", "")).split("://")[-1].partition(":")
+            if args.get("qdrant_url") and (host.split(".")[0] not in services
+                                           or int(qport or 80) not in services[host.split(".")[0]]):
+                problems.append(f"{label}: qdrant_url {args['qdrant_url']} names no rendered Service port")
+    return problems
+
+
+# ---------------------------------------------------------------- everything
+
+def validate_documents(docs: list[dict], version: str = KUBERNETES_VERSION,
+                       crd_path: str | None = None) -> list[dict]:
+    """Validate every document; raise one ManifestError listing all problems."""
+    import kubernetes_validate
+
+    problems: list[str] = []
+    for doc in docs:
+        if not isinstance(doc, dict) or "kind" not in doc:
+            problems.append(f"not a Kubernetes object: {str(doc)[:80]}")
+            continue
+        if doc["kind"] == "RayService":
+            try:
+                validate_rayservice(doc, crd_path)
+            except ManifestError as exc:
+                problems.extend(exc.problems)
+            continue
+        try:
+            validate_core(doc, version)
+        except kubernetes_validate.SchemaNotFoundError:
+            problems.append(f"{_label(doc)}: no schema for {doc.get('apiVersion')} {doc['kind']}")
+        except kubernetes_validate.ValidationError as exc:
+            where = "/".join(str(p) for p in exc.absolute_path)
+            problems.append(f"{_label(doc)}: {where}: {exc.message}")
+    if not problems:
+        problems = check_references(docs)
+    if problems:
+        raise ManifestError(problems)
+    return docs
+
+
+def validate_overlay(path: str | Path, **kw) -> list[dict]:
+    """Render *path* with the offline renderer and validate the result."""
+    return validate_documents(k8s_render.render(path), **kw)
+
+
+def mutated(docs: list[dict], kind: str, fn) -> list[dict]:
+    """Deep copy of *docs* with *fn* applied to the first document of *kind* (for planted errors)."""
+    docs = copy.deepcopy(docs)
+    fn(next(d for d in docs if d["kind"] == kind))
+    return docs
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    targets = [Path(a) for a in argv] or overlays()
+    failed = 0
+    for target in targets:
+        try:
+            docs = validate_overlay(target)
+        except (ManifestError, k8s_render.KustomizeError) as exc:
+            failed += 1
+            print(f"FAIL {target}\n  " + str(exc).replace("\n", "\n  "))
+            continue
+        kinds = ", ".join(_label(d) for d in docs)
+        print(f"ok   {target}: {kinds}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,411 @@
+"""The HTTP API without Ray: wire-format validation, streaming reassembly, and the real FastAPI app
+over an in-process engine (tiny random Qwen2), called with the official openai client via ASGI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from serve_fixtures import TOOLS, WEATHER_MESSAGES, tiny_model_dir  # noqa: F401  (fixture)
+from deployments.config import ServeAppConfig
+from deployments.engine_host import EngineHost, PrefixCache, TextStreamer, shared_prefix_len
+from deployments.protocol import APIError, StreamShaper, chat_completion, engine_request, parse_request
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+# ---------------------------------------------------------------------------------------- protocol
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": MSG, "temperature": "0"}, "temperature"),
+        ({"messages": MSG, "temperature": 5}, "temperature"),
+        ({"messages": MSG, "max_tokens": 0}, "max_tokens"),
+        ({"messages": MSG, "max_tokens": 10**6}, "max_tokens"),
+        ({"messages": MSG, "max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"messages": MSG, "stream": "yes"}, "stream"),
+        ({"messages": MSG, "bogus_field": 1}, "bogus_field"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"messages": MSG, "n": 2}, "n"),
+        ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "array"}}}]}, "tools[0].function.parameters"),
+        ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}}}}]}, "tools[0].function.parameters"),
+        ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {}, "required": ["x"]}}}]}, "tools[0].function.parameters"),
+        ({"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
+        ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": MSG, "tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"messages": MSG, "toolspec": {"remember": "no"}}, "toolspec.remember"),
+        ({"messages": MSG, "logprobs": True}, "logprobs"),
+    ],
+)
+def test_bad_requests_are_openai_errors(body, param):
+    with pytest.raises(APIError) as err:
+        parse_request(body, "m", 4096)
+    e = err.value
+    assert 400 <= e.status < 500
+    assert e.body()["error"]["type"] == "invalid_request_error"
+    assert e.param == param
+
+
+def test_wrong_model_is_404_and_body_must_be_object():
+    with pytest.raises(APIError) as err:
+        parse_request({"model": "gpt-4", "messages": MSG}, "m", 10)
+    assert err.value.status == 404 and err.value.code == "model_not_found"
+    with pytest.raises(APIError):
+        parse_request([1, 2], "m", 10)
+
+
+def test_engine_request_normalises():
+    req = parse_request(
+        {"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "send_email"}},
+         "max_completion_tokens": 7, "stop": "x", "user": "acme", "toolspec": {"remember": False}, "seed": 3},
+        "m", 100,
+    )
+    e = engine_request(req)
+    assert e["tool_choice"] == {"type": "function", "function": {"name": "send_email"}}
+    assert e["max_tokens"] == 7 and e["stop"] == ["x"] and e["tenant"] == "acme" and e["remember"] is False
+    assert e["temperature"] is None and e["seed"] == 3
+    assert engine_request(parse_request({"messages": MSG, "tools": TOOLS}, "m", 10))["tool_choice"] == "auto"
+    assert engine_request(parse_request({"messages": MSG}, "m", 10))["tool_choice"] == "none"
+
+
+CALL = '{"name": "get_current_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+LAYOUTS = {
+    "hermes": f"<tool_call>\n{CALL}\n</tool_call>",
+    "hermes_two": f"Let me check.\n<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n" + '{"name": "send_email", "arguments": {"to": "a@b.c", "subject": "hi"}}' + "\n</tool_call>",
+    "fence": '```json\n{\n  "name": "get_current_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+    "bare": CALL,
+    "list": "[" + CALL + ", " + CALL + "]",
+    "text_with_braces": "Use a dict like {a: 1} or [x] here, not a call.",
+    "plain": "The weather in Paris is sunny.   ",
+    "unclosed": "<tool_call>\n{\"name\": \"get_current_weather\", \"arguments\": {\"city\": \"Par",
+}
+
+
+def reassemble(chunks: list[dict]) -> dict:
+    """What an OpenAI client builds from a stream: content, tool calls by index, finish reason."""
+    content, calls, finish, role = "", {}, None, None
+    for ch in chunks:
+        for c in ch["choices"]:
+            d = c["delta"]
+            role = d.get("role", role)
+            content += d.get("content") or ""
+            for tc in d.get("tool_calls") or []:
+                slot = calls.setdefault(tc["index"], {"id": None, "name": "", "arguments": ""})
+                slot["id"] = tc.get("id") or slot["id"]
+                fn = tc.get("function") or {}
+                slot["name"] += fn.get("name") or ""
+                slot["arguments"] += fn.get("arguments") or ""
+            finish = c.get("finish_reason") or finish
+    return {"role": role, "content": content, "calls": [calls[i] for i in sorted(calls)], "finish": finish}
+
+
+def non_stream_view(text: str, parse: bool, reason: str = "stop") -> dict:
+    resp = chat_completion({"text": text, "finish_reason": reason, "prompt_tokens": 1, "completion_tokens": 1}, parse, "m")
+    msg = resp["choices"][0]["message"]
+    calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg.get("tool_calls", [])]
+    return {"content": msg["content"] or "", "calls": calls, "finish": resp["choices"][0]["finish_reason"]}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_stream_deltas_reassemble_to_the_non_streaming_message(layout, step):
+    text = LAYOUTS[layout]
+    for parse in (True, False):
+        sh = StreamShaper("m", parse, include_usage=True)
+        chunks = [sh.start()]
+        for i in range(0, len(text), step):
+            chunks += list(sh.feed(text[i : i + step]))
+        chunks += list(sh.finish({"text": text, "finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": 2}))
+        got = reassemble(chunks)
+        want = non_stream_view(text, parse)
+        assert not sh.mismatch
+        assert got["role"] == "assistant" and got["finish"] == want["finish"]
+        assert got["content"] == want["content"]
+        assert [(c["name"], c["arguments"]) for c in got["calls"]] == [(c["name"], c["arguments"]) for c in want["calls"]]
+        assert all(c["id"].startswith("call_") for c in got["calls"])
+        assert chunks[-1]["usage"]["total_tokens"] == 3 and chunks[-1]["choices"] == []
+
+
+def test_hermes_calls_stream_before_generation_ends():
+    sh = StreamShaper("m", True)
+    out = list(sh.feed(LAYOUTS["hermes_two"][: LAYOUTS["hermes_two"].index("</tool_call>") + 12]))
+    assert any("tool_calls" in c["choices"][0]["delta"] for c in out)
+    assert reassemble(out)["content"] == "Let me check."
+
+
+class _CharTok:
+    """Byte-level toy tokenizer: multi-byte characters span several tokens."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def test_text_streamer_holds_partial_chars_and_stop_strings():
+    text = "héllo wörld STOP tail"
+    ids = list(text.encode())
+    s = TextStreamer(_CharTok(), eos_ids=[999], stop=["STOP"])
+    sent = "".join(s.feed([i]) for i in ids)
+    assert "\ufffd" not in sent and "STOP" not in sent
+    final = "héllo wörld "
+    assert final.startswith(sent)
+    assert sent + s.finish(final) == final
+    s2 = TextStreamer(_CharTok(), eos_ids=[999], stop=[])
+    assert "".join(s2.feed([i]) for i in list("ab".encode()) + [999]) == "ab"
+
+
+def test_shared_prefix_is_the_first_turn_and_never_the_whole_prompt():
+    assert shared_prefix_len([5, 6, 9, 7, 8], {9}) == 3
+    assert shared_prefix_len([5, 6, 9], {9}) == 0
+    assert shared_prefix_len([5, 6, 7], {9}) == 0
+    lru = PrefixCache(2)
+    for k in range(3):
+        lru.put((k,), k)
+    assert lru.get((0,)) is None and lru.get((2,)) == 2 and len(lru) == 2
+
+
+# ---------------------------------------------------------------------------------------- config
+
+
+def test_config_validates_once_and_accepts_the_k8s_args():
+    from deployments.app import build_app, check_method
+
+    cfg = ServeAppConfig.model_validate({
+        "model": "/models/Qwen2.5-72B-Instruct", "tensor_parallel_size": "8", "dtype": "bfloat16",
+        "qdrant_url": "http://qdrant:6333", "qdrant_api_key_env": "QDRANT_API_KEY", "api_key_env": "TOOLSPEC_API_KEY",
+        "max_ongoing_requests": 8, "autoscaling": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 4},
+        "retrieval": {"enabled": True},
+    })
+    assert cfg.tensor_parallel_size == 8
+    assert cfg.store_config(1024)["backend"] == "qdrant_url"
+    assert cfg.deployment_options()["autoscaling_config"]["max_replicas"] == 4
+    for bad in ({"tensor_parallel_size": 0}, {"autoscaling": {"min_replicas": 3, "max_replicas": 1}}, {"unknown": 1},
+                {"max_tokens_default": 10, "max_tokens_limit": 5}, {"device": "cpu", "dtype": "float16"}):
+        with pytest.raises(ValueError):
+            ServeAppConfig.model_validate(bad)
+    with pytest.raises(ValueError, match="unknown method"):
+        check_method("nope")
+    with pytest.raises(ValueError):
+        build_app({"method": "nope"})
+
+
+def test_api_key_from_env(monkeypatch):
+    monkeypatch.setenv("MY_KEY", "s3cret")
+    assert ServeAppConfig(api_key_env="MY_KEY").resolved_api_key() == "s3cret"
+    assert ServeAppConfig(api_key="k", api_key_env="MY_KEY").resolved_api_key() == "k"
+    monkeypatch.delenv("MY_KEY")
+    assert ServeAppConfig(api_key_env="MY_KEY").resolved_api_key() is None
+
+
+# ---------------------------------------------------------------------------------------- app over ASGI
+
+
+class FakeHandle:
+    """A Serve handle stand-in over an in-process RetrievalServer; ``down`` makes calls fail."""
+
+    def __init__(self, server):
+        self.server, self.down, self.adds = server, False, 0
+        outer = self
+
+        class _M:
+            def __init__(self, name):
+                self.name = name
+
+            def remote(self, *a, **kw):
+                async def call():
+                    if outer.down:
+                        raise ConnectionError("retrieval replica died")
+                    if self.name == "add":
+                        outer.adds += 1
+                    return await getattr(outer.server, self.name)(*a, **kw)
+
+                return call()
+
+        self.search, self.add = _M("search"), _M("add")
+
+
+@pytest.fixture(scope="module")
+def local(tiny_model_dir):  # noqa: F811
+    from deployments.http import LocalBackend, make_api
+    from deployments.retrieval import RetrievalClient, RetrievalServer
+
+    cfg = ServeAppConfig(
+        model=tiny_model_dir, method="toolspec", cost_model="reference", max_tokens_default=20, served_model_name="tiny",
+        retrieval={"store": {"backend": "memory"}, "timeout_s": 2.0},
+    )
+    handle = FakeHandle(RetrievalServer(cfg.store_config(cfg.retrieval.lexical_dim)))
+    host = EngineHost.build(cfg, RetrievalClient(handle, cfg.retrieval))
+    app = make_api(LocalBackend(host), cfg)
+    yield host, app, cfg, handle
+    host.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def aclient(app, api_key: str = "unused"):
+    import httpx
+    import openai
+
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key=api_key, http_client=http, max_retries=0)
+
+
+def engine_greedy(host, messages, tools, n):
+    from toolspec_core.drafting import NoDrafter
+    from toolspec_core.engine import DecodeConfig, generate
+    from toolspec_core.prompting import render_prompt
+
+    ids = render_prompt(host.target.tokenizer, messages, tools or None)
+    return generate(host.target, ids, NoDrafter(), DecodeConfig(max_new_tokens=n)).text
+
+
+def test_greedy_through_the_api_equals_plain_greedy(local):
+    host, app, _, _ = local
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+
+    async def go():
+        c = aclient(app)
+        r1 = await c.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=20)
+        r2 = await c.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=20)  # prefix hit
+        return r1, r2
+
+    r1, r2 = run(go())
+    want = engine_greedy(host, messages, None, 20)
+    assert r1.choices[0].message.content == want == r2.choices[0].message.content
+    assert r2.model_extra["toolspec"]["prefix_cached_tokens"] > 0
+    assert r1.usage.completion_tokens == 20 and r1.choices[0].finish_reason == "length"
+
+
+def test_concurrent_requests_are_independent(local):
+    _, app, _, _ = local
+    prompts = [[{"role": "system", "content": "S"}, {"role": "user", "content": f"question number {i} " * (i + 1)}] for i in range(5)]
+
+    async def one(c, m):
+        r = await c.chat.completions.create(model="tiny", messages=m, tools=TOOLS, temperature=0, max_tokens=16)
+        return r.choices[0].message.content, [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []]
+
+    async def go():
+        c = aclient(app)
+        single = [await one(c, m) for m in prompts]
+        together = await asyncio.gather(*(one(c, m) for m in prompts))
+        return single, list(together)
+
+    single, together = run(go())
+    assert single == together
+    assert len(set(map(str, single))) > 1
+
+
+def test_stream_matches_non_stream(local):
+    _, app, _, _ = local
+
+    async def go():
+        c = aclient(app)
+        full = await c.chat.completions.create(model="tiny", messages=WEATHER_MESSAGES, tools=TOOLS, temperature=0, max_tokens=20)
+        stream = await c.chat.completions.create(
+            model="tiny", messages=WEATHER_MESSAGES, tools=TOOLS, temperature=0, max_tokens=20, stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [ch.model_dump() async for ch in stream]
+        return full, chunks
+
+    full, chunks = run(go())
+    got = reassemble(chunks)
+    msg = full.choices[0].message
+    assert got["content"] == (msg.content or "")
+    assert [(c["name"], c["arguments"]) for c in got["calls"]] == [(t.function.name, t.function.arguments) for t in msg.tool_calls or []]
+    assert got["finish"] == full.choices[0].finish_reason
+    assert chunks[-1]["usage"]["completion_tokens"] == full.usage.completion_tokens
+
+
+def test_bad_input_gets_4xx_and_the_engine_keeps_serving(local):
+    import httpx
+
+    host, app, cfg, _ = local
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        out = []
+        out.append(await http.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}))
+        out.append(await http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": "ten"}))
+        out.append(await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 2100}]}))
+        out.append(await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 2100}], "stream": True}))
+        out.append(await http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2040}))  # prompt + max_tokens > context
+        out.append(await http.post("/v1/chat/completions", json={"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}))
+        ok = await http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 3})
+        return out, ok
+
+    out, ok = run(go())
+    for r in out:
+        assert 400 <= r.status_code < 500, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert out[2].json()["error"]["code"] == "context_length_exceeded"
+    assert out[3].json()["error"]["code"] == "context_length_exceeded"
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_models_health_metrics(local):
+    import httpx
+
+    _, app, _, _ = local
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        await http.post("/v1/chat/completions", json={"messages": WEATHER_MESSAGES, "tools": TOOLS, "max_tokens": 8})
+        return [await http.get(p) for p in ("/v1/models", "/health", "/metrics", "/v1/models/other")]
+
+    models, health, metrics, missing = run(go())
+    assert models.json()["data"][0]["id"] == "tiny"
+    assert health.json()["status"] == "ok"
+    text = metrics.text
+    for name in ("toolspec_requests_total", "toolspec_request_latency_seconds_bucket", "toolspec_tokens_per_second",
+                 "toolspec_mean_accepted_tokens", "toolspec_draft_tokens_total", "toolspec_retrieval_fallbacks_total"):
+        assert name in text, name
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_bearer_auth(tiny_model_dir, local):  # noqa: F811
+    import openai
+
+    from deployments.http import LocalBackend, make_api
+
+    host, _, cfg, _ = local
+    app = make_api(LocalBackend(host), ServeAppConfig.model_validate({**cfg.model_dump(), "api_key": "s3cret"}))
+
+    async def go(key):
+        return await aclient(app, key).chat.completions.create(model="tiny", messages=MSG, max_tokens=2)
+
+    with pytest.raises(openai.AuthenticationError) as err:
+        run(go("wrong"))
+    assert err.value.status_code == 401
+    assert run(go("s3cret")).usage.completion_tokens == 2
+
+
+def test_retrieval_down_falls_back_and_is_counted(local):
+    host, app, _, handle = local
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "weather in Rome please"}]
+
+    async def go(tag):
+        c = aclient(app)
+        r = await c.chat.completions.create(model="tiny", messages=msgs[:1] + [{"role": "user", "content": tag}], tools=TOOLS, temperature=0, max_tokens=12, user="acme")
+        return r
+
+    up = run(go("weather in Rome please"))
+    assert up.model_extra["toolspec"]["retrieval"]["status"] == "ok"
+    handle.down = True
+    try:
+        down = run(go("weather in Oslo please"))
+    finally:
+        handle.down = False
+    assert down.model_extra["toolspec"]["retrieval"]["status"] == "fallback"
+    assert host.retrieval.counters()["fallback"] >= 1
+    assert down.choices[0].finish_reason in ("length", "stop", "tool_calls")

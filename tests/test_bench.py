@@ -1,0 +1,214 @@
+"""Benchmark harness: metrics arithmetic on a hand-made trace, gold/validity checks, a resumable
+run on a tiny random model with a 3-item synthetic JSONL, report format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import runner as runner_mod
+from benchmarks.cli import bench_main
+from benchmarks.cost import curve_from_points, projected_speedup, steps_cost
+from benchmarks.data import gold_output_text, load_stream, select_items
+from benchmarks.metrics import call_metrics, first_mismatch, summarize
+from benchmarks.report import build_report, build_runs, prior_tool_calls
+from benchmarks.runner import RunConfig, Runner, run_pairs
+from tiny import tiny_model
+from toolspec_core import methods as methods_mod
+from toolspec_core.target import from_model
+
+# --------------------------------------------------------------------------- hand-made trace
+
+
+def rec(item, method, gen, acc, drafted, decode_s, prefill_s, labels=None, has_call=False, lib=None):
+    return {
+        "item": item, "benchmark": "b", "index": 0 if item == "A" else 1, "method": method, "library": lib,
+        "generated_tokens": gen, "forwards": len(acc), "mat": (gen - 1) / len(acc), "decode_s": decode_s, "prefill_s": prefill_s,
+        "accepted_per_step": acc, "drafted_per_step": drafted, "step_labels": labels or ["none"] * len(acc),
+        "label_drafted": {}, "label_accepted": {}, "exact_match": True, "has_call": has_call, "valid": has_call,
+        "gold_name_match": has_call, "gold_match": False, "calls": [{"name": "t", "arguments": {}}] if has_call else [],
+    }
+
+
+@pytest.fixture
+def trace():
+    # item A: 11 tokens (10 decoded); greedy 10 steps in 1.0 s, method 4 steps [3,3,0,0] in 0.5 s
+    # item B: 5 tokens (4 decoded); greedy 4 steps in 0.4 s, method 2 steps [2,0] in 0.4 s
+    ar = {"A": rec("A", "ar", 11, [0] * 10, [0] * 10, 1.0, 0.5, has_call=True), "B": rec("B", "ar", 5, [0] * 4, [0] * 4, 0.4, 0.3)}
+    me = [rec("A", "m", 11, [3, 3, 0, 0], [4, 4, 2, 0], 0.5, 0.5, ["x", "x", "y", "none"], True),
+          rec("B", "m", 5, [2, 0], [2, 1], 0.4, 0.3, ["x", "y"])]
+    return ar, me
+
+
+def test_metrics_hand_computed(trace):
+    ar, me = trace
+    linear = [0.0] + [float(k) for k in range(1, 65)]  # c(k) = k
+    s = summarize(me, ar, {"linear": linear, "flat": curve_from_points({1: 1, 64: 1})})
+    assert s["items"] == 2
+    assert s["mat"] == pytest.approx(14 / 6)  # (10 + 4) decoded / (4 + 2) forwards
+    assert s["decode_speedup"] == pytest.approx(1.4 / 0.9)  # total-time ratio
+    assert s["mean_item_speedup"] == pytest.approx((2.0 + 1.0) / 2)
+    assert s["geomean_item_speedup"] == pytest.approx(2 ** 0.5)
+    assert s["e2e_speedup"] == pytest.approx((1.5 + 0.7) / (1.0 + 0.7))
+    assert s["exact_match"] == 1.0 and s["validity"] == 1.0 and s["gold_name_agreement"] == 0.5
+    # projected: greedy 14 steps of c(1)=1; method trees 4,4,2,0,2,1 -> c(5)+c(5)+c(3)+c(1)+c(3)+c(2)=19
+    assert s["projected_speedup"]["linear"] == pytest.approx(14 / 19)
+    assert s["projected_speedup"]["flat"] == pytest.approx(14 / 6)
+    assert steps_cost([0, 3], linear) == 5.0
+    assert s["per_state"]["x"]["steps"] == 3 and s["per_state"]["x"]["mean_accepted"] == pytest.approx(8 / 3)
+    assert s["per_state"]["y"]["mean_accepted"] == 0.0
+    ar_s = summarize(list(ar.values()), ar)
+    assert ar_s["mat"] == 1.0 and ar_s["decode_speedup"] == 1.0
+
+
+def test_build_runs_subsets(trace):
+    ar, me = trace
+    runs = build_runs(list(ar.values()) + me, ar, {"flat": curve_from_points({1: 1, 64: 1})})
+    got = {(r["method"], r["subset"]): r for r in runs}
+    assert set(got) == {("ar", "all"), ("ar", "calls"), ("m", "all"), ("m", "calls")}
+    calls = got[("m", "calls")]
+    assert calls["items"] == 1 and calls["mat"] == pytest.approx(10 / 4) and calls["decode_speedup"] == pytest.approx(2.0)
+    assert projected_speedup([ar["A"]], [me[0]], curve_from_points({1: 1, 64: 1})) == pytest.approx(2.5)
+    assert prior_tool_calls(ar, {"B": "t"}) == {"A": 0, "B": 1}
+
+
+def test_call_metrics_and_gold():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {}, "b": {}}, "required": ["a"]}}}]
+    item = {"tools": tools, "gold_calls": [{"name": "f", "arguments": {"a": 1}}]}
+    m = call_metrics('```json\n{"name": "f", "arguments": {"a": 1.0}}\n```', item)
+    assert m["has_call"] and m["valid"] and m["complete"] and m["gold_name_match"] and m["gold_match"]
+    m = call_metrics('<tool_call>\n{"name": "f", "arguments": {"c": 1}}\n</tool_call>', item)
+    assert m["has_call"] and not m["valid"] and m["gold_name_match"] and not m["gold_match"]
+    assert not call_metrics("no call here", item)["has_call"]
+    bfcl = {**item, "gold_alternatives": [{"name": "f", "arguments": {"a": [1, 2], "b": ["", "x"]}}]}
+    assert call_metrics('{"name": "f", "arguments": {"a": 2}}', bfcl)["gold_match"]
+    assert not call_metrics('{"name": "f", "arguments": {"a": 3}}', bfcl)["gold_match"]
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None and first_mismatch([1, 5], [1, 2, 3]) == 1 and first_mismatch([1], [1, 2]) == 1
+
+
+# --------------------------------------------------------------------------- tiny end-to-end run
+
+
+class AsciiTokenizer:
+    """Character tokenizer (vocab 128) with a minimal chat template."""
+
+    eos_token_id = None
+    unk_token_id = None
+
+    def __len__(self):
+        return 128
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 128 for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(int(i)) for i in ids)
+
+    def convert_tokens_to_ids(self, tok):
+        return None
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, tokenize=True, **kw):
+        text = "[" + ",".join(t["function"]["name"] for t in tools or []) + "]"
+        for m in messages:
+            text += f"<{m['role'][0]}>{m.get('content') or ''}" + "".join(json.dumps(tc["function"]) for tc in m.get("tool_calls") or [])
+        text += "<a>" if add_generation_prompt else ""
+        return self.encode(text) if tokenize else text
+
+
+def _item(i, bench="syn", tool="get_x"):
+    tools = [{"type": "function", "function": {"name": tool, "parameters": {"properties": {"q": {"type": "string"}}}}}]
+    return {"id": f"{bench}-{i}", "benchmark": bench, "tools": tools,
+            "messages": [{"role": "user", "content": f"abcabc {i} abcabc"}], "gold_calls": [{"name": tool, "arguments": {"q": str(i)}}]}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return from_model(tiny_model(vocab=128), AsciiTokenizer(), name="tiny-qwen2")
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "syn.jsonl"
+    path.write_text("".join(json.dumps(_item(i)) + "\n" for i in range(3)))
+    warm = tmp_path / "warm.jsonl"
+    warm.write_text("".join(json.dumps(_item(i)) + "\n" for i in (2, 7, 8)))  # syn-2 is evaluated: dropped
+    return path, warm
+
+
+def _cfg(data, tmp_path, **kw):
+    path, warm = data
+    base = dict(data=[str(path)], out=str(tmp_path / "run"), methods=["ar", "pld", "suffix", "token_recycling", "toolspec"],
+                libraries=["cold", "online", "warm"], warm_files=[str(warm)], max_new_tokens=12, cost="reference")
+    return RunConfig(**{**base, **kw})
+
+
+def test_resumable_run_and_report(tiny, data, tmp_path, monkeypatch):
+    monkeypatch.setitem(methods_mod.REGISTRY, "toolspec", "toolspec_core.no_such_module:X")  # unavailable -> skipped
+    calls = []
+    real = runner_mod.decode_record
+    monkeypatch.setattr(runner_mod, "decode_record", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = _cfg(data, tmp_path)
+    pairs = run_pairs(cfg)
+    assert pairs[0] == ("ar", None) and len(pairs) == 1 + 1 + 3 + 3 + 3  # ar, pld, 3 libs x 3 history methods
+    first = Runner(cfg, tiny)
+    first.run(max_items=2)  # "interrupted" after two items
+    per_item = len(pairs) - 3  # toolspec skipped cleanly
+    assert len(calls) == 2 * per_item and "toolspec" in first.pool.unavailable
+    with open(tmp_path / "run" / "items.jsonl", "a") as f:
+        f.write('{"item": "syn-2", "meth')  # torn line from a kill mid-write
+    warm = first.warm_docs("syn")
+    assert [r.prompt_ids for r, _, _ in warm] and len(warm) == 2  # syn-2 excluded
+    assert warm[0][2] == '```json\n{\n  "name": "get_x",\n  "arguments": {\n    "q": "7"\n  }\n}\n```'
+
+    calls.clear()
+    second = Runner(cfg, tiny)
+    second.run()
+    assert len(calls) == per_item  # only the third item was decoded
+    recs = list(second.store.records.values())
+    assert len(recs) == 3 * per_item and all(r["exact_match"] for r in recs)
+    assert {r["library"] for r in recs if r["method"] == "suffix"} == {"cold", "online", "warm"}
+    assert {r["library"] for r in recs if r["method"] == "pld"} == {None}
+    assert all(r["tokens"] == next(a["tokens"] for a in recs if a["method"] == "ar" and a["item"] == r["item"]) for r in recs)
+
+    results = tmp_path / "results"
+    rep = build_report(tmp_path / "run", "tiny", results)
+    assert set(rep) >= {"model", "hardware", "runs"} and rep["model"] == "tiny-qwen2" and isinstance(rep["hardware"], str)
+    for r in rep["runs"]:
+        assert r["benchmark"] == "syn" and r["subset"] in ("all", "calls") and r["items"] == 3
+        assert r["method"] in ("ar", "pld", "suffix", "token_recycling") and r["library"] in (None, "cold", "online", "warm")
+        assert isinstance(r["mat"], float) and isinstance(r["decode_speedup"], float) and r["exact_match"] == 1.0
+        assert {"flat", "run", "cpu_reference"} <= set(r["projected_speedup"])
+    assert not rep["mismatches"]
+    on_disk = json.loads((results / "tiny.json").read_text())
+    assert on_disk["runs"] == json.loads(json.dumps(rep["runs"]))
+    md = (results / "tiny.md").read_text()
+    assert "| syn | suffix/online |" in md
+    assert (results / "tiny_plots" / "speedup.png").stat().st_size > 1000
+    assert (results / "tiny_plots" / "accepted_by_state.png").exists()
+    # the report subcommand rebuilds without decoding
+    calls.clear()
+    assert bench_main(["report", "--out", str(tmp_path / "run"), "--name", "again", "--results-dir", str(results), "--no-plots"]) == 0
+    assert not calls and json.loads((results / "again.json").read_text())["runs"] == on_disk["runs"]
+
+
+def test_online_replay_on_resume(tiny, data, tmp_path):
+    """A resumed online run rebuilds history by replaying observe() with recorded outputs."""
+    cfg = _cfg(data, tmp_path, methods=["ar", "suffix"], libraries=["online"])
+    Runner(cfg, tiny).run(max_items=2)
+    resumed = Runner(cfg, tiny)
+    resumed.run()
+    hist = resumed.pool.instances[("syn", "suffix", "online")].history
+    assert hist.length > 0  # items 0 and 1 replayed (+ item 2 observed)
+
+
+def test_stream_selection(data, tmp_path):
+    path, _ = data
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(_item(i, bench="oth")) + "\n" for i in range(2)))
+    assert [it["id"] for it in load_stream([str(path), str(other)], None, None)] == ["syn-0", "oth-0", "syn-1", "oth-1", "syn-2"]
+    items = [_item(i) for i in range(10)]
+    picked = select_items(items, 4, seed=0)
+    assert len(picked) == 4 and picked == sorted(picked, key=lambda it: int(it["id"].split("-")[1]))
+    assert select_items(items, 4, seed=None) == items[:4]
+    assert gold_output_text(AsciiTokenizer(), _item(1), "template").startswith('{"name": "get_x"')

@@ -1,0 +1,114 @@
+"""Request embedders. Model-backed ones run on a tiny random Qwen2 built here (no weights)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from retrieval_service.embedding import (
+    Embedder,
+    HFEmbedder,
+    HiddenStateEmbedder,
+    LexicalEmbedder,
+    from_hidden,
+    last_user_message,
+    request_text,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = [{"type": "function", "function": {"name": "GetWeather", "parameters": {}}}, {"type": "function", "function": {"name": "BookHotel"}}]
+MSGS = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "What is the weather in Paris tomorrow?"},
+    {"role": "assistant", "content": "Which unit?"},
+]
+
+
+def test_request_text_uses_last_user_message_and_tools():
+    assert last_user_message(MSGS) == "What is the weather in Paris tomorrow?"
+    assert request_text(MSGS, TOOLS) == "What is the weather in Paris tomorrow?\nTools: GetWeather, BookHotel"
+    assert request_text([{"role": "user", "content": [{"type": "text", "text": "hi"}]}]) == "hi"
+
+
+def test_lexical_is_unit_deterministic_and_similarity_ordered():
+    lex = LexicalEmbedder(256)
+    assert isinstance(lex, Embedder)
+    a = lex.embed_request(MSGS, TOOLS)
+    assert a.shape == (256,) and a.dtype == np.float32 and np.linalg.norm(a) == pytest.approx(1.0, abs=1e-5)
+    near = lex.embed_request([{"role": "user", "content": "weather in Paris on Friday?"}], TOOLS)
+    far = lex.embed_request([{"role": "user", "content": "open a bank account for user1"}], [{"name": "OpenBankAccount"}])
+    assert float(a @ near) > float(a @ far)
+    assert np.array_equal(lex.embed({"messages": MSGS, "tools": TOOLS}), a)
+    with pytest.raises(TypeError):
+        lex.embed([1, 2, 3])
+    # crc32 hashing: the same vector in another process (Python's str hash is salted per process)
+    code = (
+        "import sys; sys.path.insert(0, %r); from retrieval_service.embedding import LexicalEmbedder;"
+        "print(LexicalEmbedder(256).embed('weather in Paris').tolist())" % str(ROOT)
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert np.allclose(eval(out.stdout), lex.embed("weather in Paris"))
+
+
+def test_from_hidden_normalises_tensors_and_takes_last_row():
+    torch = pytest.importorskip("torch")
+    h = torch.tensor([[3.0, 4.0], [0.0, 2.0]])
+    assert np.allclose(from_hidden(h[0]), [0.6, 0.8])
+    assert np.allclose(from_hidden(h), [0.0, 1.0])
+    assert from_hidden(h).dtype == np.float32
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    # byte-level BPE like Qwen's (AutoTokenizer maps a qwen2 config to Qwen2Tokenizer, which
+    # rebuilds a byte-level BPE from tokenizer.json's vocab + merges)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["user assistant weather in paris hotel tools : ?"] * 4, vocab_size=300, special_tokens=["<s>", "[PAD]"])
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, pad_token="[PAD]", eos_token="<s>")
+    hf_tok.chat_template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}assistant :"
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=320, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=128)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    d = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(d)
+    hf_tok.save_pretrained(d)
+    return d
+
+
+def test_hidden_state_embedder_matches_prefill(tiny_model_dir):
+    from toolspec_core.engine import prefill
+    from toolspec_core.target import load_target
+
+    target = load_target(tiny_model_dir)
+    emb = HiddenStateEmbedder(target)
+    assert emb.dim == 16 and isinstance(emb, Embedder)
+    ids = [3, 10, 5, 6, 7, 11]
+    v = emb.embed(ids)
+    assert np.allclose(v, from_hidden(prefill(target, ids).hidden), atol=1e-6)
+    assert np.linalg.norm(v) == pytest.approx(1.0, abs=1e-5)
+    r = emb.embed_request([{"role": "user", "content": "weather in paris ?"}])
+    assert r.shape == (16,) and np.isfinite(r).all()
+
+
+def test_hf_embedder_mean_and_last_pooling(tiny_model_dir):
+    mean = HFEmbedder(str(tiny_model_dir), pooling="mean")
+    last = HFEmbedder(str(tiny_model_dir), pooling="last")
+    assert mean.dim == 16
+    a, b = mean.embed("weather in paris"), last.embed("weather in paris")
+    assert a.shape == b.shape == (16,) and not np.allclose(a, b)
+    assert np.allclose(mean.embed(mean.tokenizer("weather in paris")["input_ids"]), a, atol=1e-5)  # ids or text
+    assert mean.embed_request(MSGS, TOOLS).shape == (16,)
+    with pytest.raises(ValueError):
+        HFEmbedder(str(tiny_model_dir), pooling="max")
+    with pytest.raises(ValueError):
+        HFEmbedder(str(tiny_model_dir / "missing"))

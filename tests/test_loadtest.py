@@ -1,0 +1,338 @@
+"""The load-test tool (issue 7) against a small OpenAI-compatible server in this process.
+
+The server (FastAPI + uvicorn on 127.0.0.1, in a thread) answers every chat completion with a
+deterministic tool call; the path prefix picks its behaviour: /fast, /delay (50 ms), /slow
+(30 s), /flaky (every third request is a 500), /badcall (a call to an unknown tool with broken
+JSON arguments).
+"""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks import loadtest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(120)
+
+
+# ------------------------------------------------------------------ the fake server
+
+def _make_app(state: dict):
+    # (no `from __future__ import annotations` here: FastAPI resolves these annotations at runtime)
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/{mode}/v1/models")
+    async def models(mode: str):
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.post("/{mode}/v1/chat/completions")
+    async def chat(mode: str, request: Request):
+        body = await request.json()
+        counts = state.setdefault(mode, {"received": 0, "failed": 0})
+        counts["received"] += 1
+        state.setdefault("bodies", []).append(body)
+        if mode == "delay":
+            await asyncio.sleep(0.05)
+        elif mode == "slow":  # until the client gives up (then note that it hung up)
+            for _ in range(600):
+                if await request.is_disconnected():
+                    counts["abandoned"] = counts.get("abandoned", 0) + 1
+                    return JSONResponse({}, status_code=499)
+                await asyncio.sleep(0.05)
+        if mode == "flaky" and counts["received"] % 3 == 0:
+            counts["failed"] += 1
+            return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, status_code=500)
+        name = body["tools"][0]["function"]["name"]
+        user = [m["content"] for m in body["messages"] if m["role"] == "user"][-1]
+        args = json.dumps({"query": user[:12]})
+        if mode == "badcall":
+            name, args = "no_such_tool", "{not json"
+        call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": args}}
+        usage = {"prompt_tokens": 20, "completion_tokens": 7, "total_tokens": 27}
+        if body.get("stream"):
+            return StreamingResponse(_sse(call, usage, body), media_type="text/event-stream")
+        return {"id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
+                "choices": [{"index": 0, "finish_reason": "tool_calls",
+                             "message": {"role": "assistant", "content": None, "tool_calls": [call]}}],
+                "usage": usage, "toolspec": {"mat": 2.5}}
+
+    return app
+
+
+async def _sse(call: dict, usage: dict, body: dict):
+    def chunk(delta, finish=None, **extra):
+        return "data: " + json.dumps({"object": "chat.completion.chunk", "choices": [
+            {"index": 0, "delta": delta, "finish_reason": finish}], **extra}) + "\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    await asyncio.sleep(0.01)
+    fn = call["function"]
+    yield chunk({"tool_calls": [{"index": 0, "id": call["id"], "type": "function",
+                                 "function": {"name": fn["name"], "arguments": ""}}]})
+    half = len(fn["arguments"]) // 2
+    for part in (fn["arguments"][:half], fn["arguments"][half:]):
+        await asyncio.sleep(0.01)
+        yield chunk({"tool_calls": [{"index": 0, "function": {"arguments": part}}]})
+    yield chunk({}, "tool_calls", toolspec={"mat": 3.0})
+    if (body.get("stream_options") or {}).get("include_usage"):
+        yield "data: " + json.dumps({"object": "chat.completion.chunk", "choices": [], "usage": usage}) + "\n\n"
+    yield "data: [DONE]\n\n"
+
+
+@pytest.fixture(scope="module")
+def server():
+    import uvicorn
+
+    state: dict = {}
+    config = uvicorn.Config(_make_app(state), host="127.0.0.1", port=0, log_level="warning",
+                            lifespan="off", timeout_graceful_shutdown=1)
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not srv.started:
+        assert time.time() < deadline, "fake server did not start"
+        time.sleep(0.02)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    yield {"base": f"http://127.0.0.1:{port}", "state": state}
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "mini.jsonl"
+    tools = [{"type": "function", "function": {"name": "search", "description": "find things",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "query": {"type": "string"}}, "required": ["query"]}}},
+             {"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}}}}}]
+    rows = [{"id": f"item-{i}", "benchmark": "mini", "tools": tools,
+             "messages": [{"role": "system", "content": "Use the tools."},
+                          {"role": "user", "content": f"question number {i}"}],
+             "gold_calls": [{"name": "search", "arguments": {"query": f"q{i}"}}], "meta": {}}
+            for i in range(5)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path, dataset, *extra) -> tuple[int, dict, Path]:
+    out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
+    code = loadtest.main(["--dataset", str(dataset), "--out", str(out), "--quiet", *extra])
+    files = sorted(out.glob("loadtest-*.json"))
+    report = json.loads(files[-1].read_text()) if files else {}
+    return code, report, out
+
+
+# ------------------------------------------------------------------ arithmetic and plumbing
+
+def test_percentiles_on_fixed_set():
+    values = [float(v) for v in range(1, 101)]
+    assert loadtest.percentile(values, 50) == pytest.approx(50.5)
+    assert loadtest.percentile(values, 95) == pytest.approx(95.05)
+    assert loadtest.percentile(values, 99) == pytest.approx(99.01)
+    odd = [12.0, 3.0, 7.0, 250.0, 41.0, 8.0, 9.5]
+    for q in (0, 10, 50, 90, 95, 99, 100):
+        assert loadtest.percentile(odd, q) == pytest.approx(np.percentile(odd, q))
+    assert loadtest.percentile([4.0], 99) == 4.0
+    assert loadtest.percentile([], 50) is None
+
+
+def test_urls_and_endpoints():
+    assert loadtest.chat_url("http://h:8000/v1") == "http://h:8000/v1/chat/completions"
+    assert loadtest.chat_url("http://h:8000/") == "http://h:8000/v1/chat/completions"
+    assert loadtest.chat_url("http://h/x/v1/chat/completions") == "http://h/x/v1/chat/completions"
+    assert loadtest.parse_endpoint("toolspec=http://127.0.0.1:8000/v1") == ("toolspec", "http://127.0.0.1:8000/v1")
+    assert loadtest.parse_endpoint("http://127.0.0.1:9/v1")[0] == "127.0.0.1:9"
+
+
+def test_tool_call_validity_rules():
+    names = ["search"]
+    good = [{"function": {"name": "search", "arguments": '{"query": "x"}'}}]
+    assert loadtest.check_tool_calls(good, names)
+    assert not loadtest.check_tool_calls([{"function": {"name": "other", "arguments": "{}"}}], names)
+    assert not loadtest.check_tool_calls([{"function": {"name": "search", "arguments": "{bad"}}], names)
+    assert not loadtest.check_tool_calls([{"function": {"name": "search", "arguments": "[1]"}}], names)
+
+
+def test_split_jobs_and_merge():
+    jobs = loadtest.level_jobs([{"id": "a"}, {"id": "b"}, {"id": "c"}], 10)
+    assert [i for i, _ in jobs] == list(range(10)) and jobs[4][1]["id"] == "b"
+    parts = loadtest.split_jobs(jobs, concurrency=4, tasks=3)
+    assert [share for _, share in parts] == [2, 1, 1]
+    assert sorted(i for part, _ in parts for i, _ in part) == list(range(10))
+    assert [len(part) for part, _ in parts] == [5, 3, 2]
+    assert len(loadtest.split_jobs(jobs, concurrency=2, tasks=8)) == 2
+    assert len(loadtest.split_jobs(jobs[:1], concurrency=4, tasks=4)) == 1
+    outs = [{"records": [{"index": 3}, {"index": 1}], "started": 10.0, "finished": 12.0, "node": "b",
+             "timed_out": False, "unsent": 0},
+            {"records": [{"index": 2}], "started": 9.5, "finished": 11.0, "node": "a",
+             "timed_out": True, "unsent": 2}]
+    merged = loadtest.merge_slices(outs)
+    assert [r["index"] for r in merged["records"]] == [1, 2, 3]
+    assert (merged["started"], merged["finished"], merged["nodes"]) == (9.5, 12.0, ["a", "b"])
+    assert merged["timed_out"] and merged["unsent"] == 2
+
+
+def test_cli_dispatch_and_bad_arguments(dataset):
+    from toolspec_core import cli
+
+    assert cli.main(["loadtest", "--help"]) == 0
+    assert loadtest.main(["--dataset", str(dataset)]) == 2  # no endpoint
+    assert loadtest.main(["--dataset", str(dataset), "--endpoint", "x=ftp://h", "--quiet"]) == 2
+    assert loadtest.main(["--dataset", "/nonexistent.jsonl", "--endpoint", "x=http://127.0.0.1:9/v1"]) == 2
+
+
+# ------------------------------------------------------------------ end to end
+
+def test_counts_add_up_and_reports_written(server, dataset, tmp_path):
+    state = server["state"]
+    before = dict(state.get("flaky", {"received": 0, "failed": 0}))
+    code, report, out = _run(tmp_path, dataset, "--endpoint", f"flaky={server['base']}/flaky/v1",
+                             "--concurrency", "1,3", "--requests-per-level", "7", "--max-tokens", "32")
+    assert code == 0
+    levels = report["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 3]
+    for lv in levels:
+        assert lv["requests"] == 7 == lv["ok"] + lv["errors"]
+        assert set(lv["error_kinds"]) <= {"http_500"} and sum(lv["error_kinds"].values()) == lv["errors"]
+        assert lv["tool_call_validity"] == 1.0 and lv["tool_call_responses"] == lv["ok"]
+        assert lv["gold_name_match"] == 1.0
+        assert lv["p50_ms"] <= lv["p95_ms"] <= lv["p99_ms"]
+        assert lv["throughput_rps"] > 0 and lv["tokens_per_s"] > 0 and lv["completion_tokens"] == 7 * lv["ok"]
+        assert lv["mean_ttft_ms"] is None  # not streaming
+        assert lv["mean_mat"] == 2.5  # the server's own statistics, when it sends them
+    sent = state["flaky"]["received"] - before["received"]
+    failed = state["flaky"]["failed"] - before["failed"]
+    assert sent == 14 and sum(lv["errors"] for lv in levels) == failed == 14 // 3
+    assert report["endpoints"][0]["model"] == "fake-model"
+    body = state["bodies"][-1]
+    assert body["temperature"] == 0 and body["max_tokens"] == 32 and body["tools"] and body["messages"]
+    stem = next(out.glob("loadtest-*.json")).with_suffix("")
+    for suffix in (".json", ".md", ".png"):
+        assert (out / (stem.name + suffix)).is_file()
+    assert (out / (stem.name + ".png")).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / (stem.name + ".md")).read_text()
+    assert "| flaky | 3 | 7 |" in md and "http_500" in md
+
+
+def test_two_endpoints_side_by_side(server, dataset, tmp_path):
+    code, report, out = _run(tmp_path, dataset, "--endpoint", f"fast={server['base']}/fast/v1",
+                             "--endpoint", f"delayed={server['base']}/delay/v1",
+                             "--concurrency", "1,2", "--requests-per-level", "6", "--model", "m")
+    assert code == 0 and report["baseline"] == "delayed"
+    assert [(lv["endpoint"], lv["concurrency"]) for lv in report["levels"]] == [
+        ("fast", 1), ("delayed", 1), ("fast", 2), ("delayed", 2)]
+    for lv in report["levels"]:  # the fields the committed report must carry, with their types
+        assert isinstance(lv["endpoint"], str) and isinstance(lv["concurrency"], int)
+        assert isinstance(lv["requests"], int) and lv["errors"] == 0
+        for key in ("p50_ms", "p95_ms", "p99_ms", "throughput_rps"):
+            assert isinstance(lv[key], float)
+    rows = report["speedup"]
+    assert [(r["endpoint"], r["concurrency"]) for r in rows] == [("fast", 1), ("fast", 2)]
+    for row in rows:
+        assert row["throughput_speedup"] > 1 and row["p50_latency_speedup"] > 1
+        assert row["identical_outputs"] == row["compared_outputs"] == 6
+    md = next(out.glob("*.md")).read_text()
+    assert "Speedup vs `delayed`" in md
+
+
+def test_max_seconds_bounds_each_level(server, dataset, tmp_path):
+    t0 = time.monotonic()
+    code, report, out = _run(tmp_path, dataset, "--endpoint", f"slow={server['base']}/slow/v1",
+                             "--concurrency", "1,2", "--requests-per-level", "10", "--max-seconds", "1",
+                             "--model", "m")
+    elapsed = time.monotonic() - t0
+    assert "stopped at the 1.0 s limit, 8 requests unsent" in next(out.glob("*.md")).read_text()
+    assert code == 0 and elapsed < 8, f"took {elapsed:.1f}s for two 1-second levels"
+    deadline = time.time() + 5  # the cancelled requests really hung up on the server
+    while server["state"]["slow"].get("abandoned", 0) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert server["state"]["slow"]["abandoned"] == 3
+    for lv in report["levels"]:
+        assert lv["stopped_by_time"] and lv["wall_s"] < 2.5
+        assert lv["requests"] == lv["concurrency"] == lv["errors"]  # in flight at the limit
+        assert lv["error_kinds"] == {"deadline": lv["concurrency"]}
+        assert lv["unsent"] == 10 - lv["concurrency"]
+
+
+def test_errors_counted_when_nothing_listens(dataset, tmp_path):
+    port = _free_port()
+    t0 = time.monotonic()
+    code, report, _ = _run(tmp_path, dataset, "--endpoint", f"nothing=http://127.0.0.1:{port}/v1",
+                           "--concurrency", "1,2", "--requests-per-level", "5")
+    assert code == 0 and time.monotonic() - t0 < 30
+    for lv in report["levels"]:
+        assert lv["requests"] == lv["errors"] == 5 and lv["ok"] == 0
+        assert lv["error_kinds"] == {"connect": 5}
+        assert lv["p50_ms"] is None and lv["throughput_rps"] == 0
+    assert report["endpoints"][0]["model"] == "default"
+
+
+def test_streaming_measures_ttft_and_reassembles_calls(server, dataset, tmp_path):
+    code, report, _ = _run(tmp_path, dataset, "--endpoint", f"fast={server['base']}/fast/v1",
+                           "--concurrency", "2", "--requests-per-level", "4", "--stream")
+    assert code == 0
+    (lv,) = report["levels"]
+    assert lv["errors"] == 0 and lv["tool_call_validity"] == 1.0 and lv["gold_name_match"] == 1.0
+    assert 0 < lv["mean_ttft_ms"] < lv["mean_ms"] and lv["mean_mat"] == 3.0
+    assert lv["completion_tokens"] == 4 * 7  # from the final usage chunk
+    code, report, _ = _run(tmp_path, dataset, "--endpoint", f"fast={server['base']}/fast/v1",
+                           "--concurrency", "1", "--requests-per-level", "2", "--stream", "--no-stream-usage")
+    assert report["levels"][0]["completion_tokens"] == 2 * 3  # counted streamed chunks instead
+
+
+def test_invalid_tool_calls_are_reported(server, dataset, tmp_path):
+    code, report, _ = _run(tmp_path, dataset, "--endpoint", f"bad={server['base']}/badcall/v1",
+                           "--concurrency", "1", "--requests-per-level", "3")
+    (lv,) = report["levels"]
+    assert code == 0 and lv["errors"] == 0 and lv["tool_call_validity"] == 0.0
+    assert lv["gold_name_match"] == 0.0
+
+
+def test_api_key_sent_but_not_written(server, dataset, tmp_path):
+    code, report, out = _run(tmp_path, dataset, "--endpoint", f"fast={server['base']}/fast/v1",
+                             "--concurrency", "1", "--requests-per-level", "1", "--api-key", "sekrit-123")
+    assert code == 0 and report["config"]["api_key"] == "set"
+    assert "sekrit-123" not in "".join(p.read_text() for p in out.glob("*.json"))
+    assert "sekrit-123" not in "".join(p.read_text() for p in out.glob("*.md"))
+
+
+def test_ray_fanout_runs_slices_as_tasks(server, dataset, tmp_path):
+    """--ray local: a throwaway 2-CPU Ray; each level is split over 2 tasks in other processes."""
+    out = tmp_path / "ray"
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.loadtest", "--dataset", str(dataset), "--out", str(out),
+         "--endpoint", f"flaky={server['base']}/flaky/v1", "--concurrency", "2,4",
+         "--requests-per-level", "9", "--ray", "local", "--ray-tasks", "2", "--ray-local-cpus", "2",
+         "--ray-task-cpus", "0.5"],
+        capture_output=True, text=True, timeout=110, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(next(out.glob("loadtest-*.json")).read_text())
+    assert report["runner"].startswith("ray")
+    for lv in report["levels"]:
+        assert lv["requests"] == 9 == lv["ok"] + lv["errors"]
+        assert set(lv["error_kinds"]) <= {"http_500"}
+        assert len(lv["nodes"]) == 2  # two task processes ran client slices

@@ -1,0 +1,211 @@
+"""End to end: the real Ray Serve app (one shared cluster), called with the official openai client.
+
+Most tests use the tiny random model (fast); the embedded Qwen2.5-Coder-0.5B is used where a
+real tool call is needed. The retrieval-kill test runs last: it leaves the library degraded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+
+import httpx
+import pytest
+
+from serve_fixtures import (  # noqa: F401  (fixtures)
+    TOOLS, WEATHER_MESSAGES, client, ray_cluster, real_app, serve_port, tiny_app, tiny_model_dir, wait_until,
+)
+from toolspec_core.toolcalls import ToolCall, validate_call
+
+pytestmark = [pytest.mark.serve, pytest.mark.timeout(600)]
+
+
+def calls_of(resp) -> list[tuple[str, dict]]:
+    return [(t.function.name, json.loads(t.function.arguments)) for t in resp.choices[0].message.tool_calls or []]
+
+
+def reassemble(stream) -> dict:
+    content, calls, finish, extra = "", {}, None, None
+    for ch in stream:
+        for c in ch.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                slot["id"] = tc.id or slot["id"]
+                if tc.function:
+                    slot["name"] += tc.function.name or ""
+                    slot["arguments"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+        extra = (ch.model_extra or {}).get("toolspec", extra)
+    return {"content": content, "calls": [calls[i] for i in sorted(calls)], "finish": finish, "toolspec": extra}
+
+
+# ---------------------------------------------------------------------------------------- real model
+
+
+@pytest.fixture(scope="module")
+def weather_call(real_app):
+    return client(real_app).chat.completions.create(
+        model="real", messages=WEATHER_MESSAGES, tools=TOOLS, temperature=0, max_tokens=96
+    )
+
+
+def test_real_tool_call_comes_back_parsed(weather_call):
+    choice = weather_call.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (name, args), = calls_of(weather_call)
+    assert name == "get_current_weather" and args["city"] == "Paris"
+    assert choice.message.tool_calls[0].id.startswith("call_") and choice.message.tool_calls[0].type == "function"
+    stats = weather_call.model_extra["toolspec"]
+    assert stats["method"] == "toolspec" and stats["forwards"] > 0 and stats["mat"] >= 1.0
+    assert weather_call.usage.prompt_tokens > 100 and weather_call.usage.completion_tokens > 5
+
+
+def test_streamed_deltas_reassemble_to_the_same_call(real_app, weather_call):
+    stream = client(real_app).chat.completions.create(
+        model="real", messages=WEATHER_MESSAGES, tools=TOOLS, temperature=0, max_tokens=96, stream=True
+    )
+    got = reassemble(stream)
+    assert got["finish"] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in got["calls"]] == calls_of(weather_call)
+    assert [c["arguments"] for c in got["calls"]] == [t.function.arguments for t in weather_call.choices[0].message.tool_calls]
+    assert got["content"] == (weather_call.choices[0].message.content or "")
+    assert got["toolspec"]["mat"] >= 1.0
+
+
+def test_server_greedy_equals_engine_greedy_real(real_app, weather_call):
+    """The served (speculative) output is exactly the target's plain greedy output."""
+    from toolspec_core.drafting import NoDrafter
+    from toolspec_core.engine import DecodeConfig, generate
+    from toolspec_core.prompting import render_prompt
+    from toolspec_core.target import load_target
+    from toolspec_core.toolcalls import parse_tool_calls
+
+    target = load_target("embedded")
+    ids = render_prompt(target.tokenizer, WEATHER_MESSAGES, TOOLS)
+    ref = generate(target, ids, NoDrafter(), DecodeConfig(max_new_tokens=96))
+    parsed = parse_tool_calls(ref.text)
+    assert [(c.name, c.arguments) for c in parsed.calls] == calls_of(weather_call)
+    assert weather_call.usage.completion_tokens == len(ref.tokens)
+
+
+@pytest.mark.parametrize(
+    "tool_choice,want",
+    [("required", None), ({"type": "function", "function": {"name": "send_email"}}, "send_email")],
+    ids=["required", "named"],
+)
+def test_required_and_named_tool_choice_yield_a_valid_call(real_app, tool_choice, want):
+    msgs = [{"role": "user", "content": "Tell Bob (bob@example.com) that the meeting moved to 3pm."}]
+    r = client(real_app).chat.completions.create(
+        model="real", messages=msgs, tools=TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=96
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    calls = calls_of(r)
+    assert calls, r.choices[0].message.content
+    for name, args in calls:
+        assert validate_call(ToolCall(name, args), TOOLS) == [], (name, args)
+    if want:
+        assert calls[0][0] == want
+
+
+# ---------------------------------------------------------------------------------------- tiny model
+
+
+def test_server_greedy_equals_engine_greedy_tiny(tiny_app, tiny_model_dir):
+    from toolspec_core.drafting import NoDrafter
+    from toolspec_core.engine import DecodeConfig, generate
+    from toolspec_core.prompting import render_prompt
+    from toolspec_core.target import load_target
+
+    target = load_target(tiny_model_dir)
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Write anything."}]
+    want = generate(target, render_prompt(target.tokenizer, msgs, None), NoDrafter(), DecodeConfig(max_new_tokens=24)).text
+    c = client(tiny_app)
+    for _ in range(2):  # the second request reuses the cached system-prompt KV
+        r = c.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=24)
+        assert r.choices[0].message.content == want
+    assert r.model_extra["toolspec"]["prefix_cached_tokens"] > 0
+
+
+def test_concurrent_requests_complete_with_independent_outputs(tiny_app):
+    c = client(tiny_app)
+    prompts = [
+        [{"role": "system", "content": "Shared system prompt."}, {"role": "user", "content": f"request {i}: " + "go " * i}]
+        for i in range(6)
+    ]
+
+    def one(i):
+        r = c.chat.completions.create(model="tiny", messages=prompts[i], tools=TOOLS, temperature=0, max_tokens=20, user=f"t{i % 2}")
+        return r.choices[0].message.content, [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []], r.usage.completion_tokens
+
+    single = [one(i) for i in range(len(prompts))]
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(one, range(len(prompts))))
+    assert together == single
+    assert len({str(s) for s in single}) == len(single)
+
+
+def test_bad_input_is_4xx_openai_error_and_the_replica_keeps_serving(tiny_app):
+    url = tiny_app + "/chat/completions"
+    good = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    bad = [
+        (b'{"messages": [}', None),
+        (None, {**good, "temperature": "hot"}),
+        (None, {**good, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}),
+        (None, {**good, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+        (None, {**good, "messages": [{"role": "user", "content": "token " * 2100}]}),
+        (None, {**good, "max_tokens": 100000}),
+        (None, {**good, "max_tokens": -3}),
+    ]
+    with httpx.Client(timeout=120) as http:
+        for raw, body in bad:
+            r = http.post(url, content=raw, headers={"content-type": "application/json"}) if raw else http.post(url, json=body)
+            assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and err["message"] and set(err) == {"message", "type", "param", "code"}
+        ok = http.post(url, json=good)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_models_health_metrics_over_http(tiny_app):
+    root = tiny_app[: -len("/v1")]
+    with httpx.Client(timeout=60) as http:
+        assert http.get(tiny_app + "/models").json()["data"][0]["id"] == "tiny"
+        h = http.get(root + "/health").json()
+        assert h["status"] == "ok" and h["engine"]["method"] == "toolspec"
+        m = http.get(root + "/metrics").text
+    for name in ("toolspec_requests_total", "toolspec_request_latency_seconds_bucket", "toolspec_mean_accepted_tokens_bucket",
+                 "toolspec_acceptance_rate", "toolspec_retrieval_fallbacks_total"):
+        assert name in m
+
+
+def _retrieval_actor(ray):
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if "tiny#Retrieval" in a["name"]:
+            return ray.get_actor(a["name"], namespace=a["namespace"])
+    return None
+
+
+def test_retrieval_killed_mid_run_requests_still_succeed(tiny_app, ray_cluster):
+    """Kill the Retrieval replica while requests are in flight; every request must succeed."""
+    ray = ray_cluster
+    c = client(tiny_app)
+
+    def one(i):
+        msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": f"weather in city number {i}"}]
+        r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, temperature=0, max_tokens=12, user="acme")
+        return r.model_extra["toolspec"]["retrieval"]["status"], r.choices[0].finish_reason
+
+    assert one(0)[0] in ("ok", "cache")
+    actor = _retrieval_actor(ray)
+    assert actor is not None
+    with cf.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(one, i) for i in range(1, 4)]
+        ray.kill(actor, no_restart=True)
+        after = [pool.submit(one, i) for i in range(4, 8)]
+        results = [f.result() for f in futures + after]
+    assert all(finish in ("length", "stop", "tool_calls") for _, finish in results)
+    assert any(status == "fallback" for status, _ in results), results
+    metrics = httpx.get(tiny_app[: -len("/v1")] + "/metrics", timeout=30).text
+    line = next(ln for ln in metrics.splitlines() if ln.startswith("toolspec_retrieval_fallbacks_total"))
+    assert float(line.split()[-1]) >= 1

@@ -1,0 +1,270 @@
+"""Tool-call FSM: where in a tool call the committed text stands.
+
+A character-level JSON follower, fed only committed text, so its state is a pure function of
+that text (rejected drafts never touch it; re-feeding the same text gives the same state).
+It knows the call structure: free text -> (opener) -> call object {"name": <tool name>,
+"arguments": {<argument name>: <value typed by the schema>, ...}} -> closer -> next call. It
+follows whatever layout and whitespace the model writes (tags, fence, bare; compact or pretty,
+key order included) and records that style so drafts continue in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .layouts import LAYOUTS, Layout
+
+# FSM states (also the labels of per-state statistics)
+TEXT = "text"
+CALL_KEY = "schema"  # structure / fixed keys of the call object
+TOOL_NAME = "tool_name"
+ARG_NAME = "arg_name"
+VALUE = "value"
+BETWEEN = "between_args"
+END = "end_of_call"
+
+
+@dataclass
+class Frame:
+    kind: str  # "obj" | "arr"
+    role: str  # "calls" (array of calls) | "call" | "args" | "value"
+    indent: int  # leading spaces of the line where the container opened
+    schema: dict | None = None  # JSON schema of the container (args: the tool's parameters)
+    expect: str = "key"  # obj: key | colon | value | next ; arr: value | next
+    key: str | None = None
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ToolIndex:
+    """The request's tools, prepared once: name -> parameters schema."""
+
+    names: list[str]
+    params: dict[str, dict]
+
+    @classmethod
+    def from_tools(cls, tools: list[dict]) -> "ToolIndex":
+        names, params = [], {}
+        for t in tools or []:
+            fn = t.get("function", t) if isinstance(t, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                continue
+            names.append(fn["name"])
+            p = fn.get("parameters") or {}
+            params[fn["name"]] = p if isinstance(p, dict) else {}
+        return cls(names, params)
+
+    def properties(self, name: str | None) -> dict:
+        return (self.params.get(name or "", {}) or {}).get("properties") or {}
+
+    def required(self, name: str | None) -> list[str]:
+        return list((self.params.get(name or "", {}) or {}).get("required") or [])
+
+
+class CallTracker:
+    """Incremental, deterministic parser of the assistant's output."""
+
+    def __init__(self, tools: ToolIndex):
+        self.tools = tools
+        self.text = ""
+        self.stack: list[Frame] = []
+        self.in_str: str | None = None  # None | "key" | "value"
+        self.buf = ""  # current string (raw) or scalar
+        self.esc = False
+        self.in_scalar = False
+        self.since = ""  # raw text since the last structural event
+        self.line_indent = 0
+        self.at_line_start = True
+        self.layout: Layout | None = None  # layout of the current / last call
+        self.calls: list[dict] = []  # finished calls: {"name", "keys"}
+        self.name: str | None = None  # tool name of the current call
+        self.pretty: bool | None = None
+        self.indent_unit = 2
+        self.kv_sep = ": "
+        self.item_sep = ", "
+        self.event = ""  # last structural character seen in JSON
+        self.after_json = False  # a call (or list of calls) just closed; closer may follow
+        self.text_since_json = ""
+
+    # ---- feeding ----
+    def feed(self, text: str) -> None:
+        for ch in text:
+            self._char(ch)
+        self.text += text
+
+    def _char(self, ch: str) -> None:
+        if ch == "\n":
+            self.line_indent, self.at_line_start = 0, True
+        elif ch == " " and self.at_line_start:
+            self.line_indent += 1
+        else:
+            self.at_line_start = False
+        if not self.stack:
+            self._text_char(ch)
+            return
+        if self.in_str is not None:
+            self._str_char(ch)
+            return
+        if self.in_scalar:
+            if ch in ",}] \n\t\r":
+                self._end_value()
+            else:
+                self.buf += ch
+                return
+        self._json_char(ch)
+
+    def _text_char(self, ch: str) -> None:
+        if ch in "{[" and self._json_may_start():
+            self.layout = self._detect_layout()
+            self.after_json = False
+            self._open(ch)
+            return
+        self.text_since_json += ch
+        self.since += ch
+
+    def _json_may_start(self) -> bool:
+        before = self.text_since_json
+        stripped = before.rstrip(" \t")
+        return stripped == "" or stripped.endswith("\n") or stripped.endswith("<tool_call>")
+
+    def _detect_layout(self) -> Layout:
+        before = self.text_since_json.rstrip()
+        if before.endswith("<tool_call>"):
+            return LAYOUTS[0]
+        if before.endswith("```json") or before.endswith("```"):
+            return LAYOUTS[1]
+        return LAYOUTS[3]
+
+    def _str_char(self, ch: str) -> None:
+        if self.esc:
+            self.esc = False
+            self.buf += ch
+        elif ch == "\\":
+            self.esc = True
+            self.buf += ch
+        elif ch == '"':
+            kind, s = self.in_str, self.buf
+            self.in_str, self.buf = None, ""
+            top = self.stack[-1]
+            if kind == "key":
+                top.key = s
+                top.keys.append(s)
+                top.expect = "colon"
+            else:
+                if top.role == "call" and top.key == "name":
+                    self.name = s
+                self._end_value(already=True)
+            self.since = ""
+        else:
+            self.buf += ch
+
+    def _json_char(self, ch: str) -> None:
+        top = self.stack[-1]
+        if ch in " \n\t\r":
+            self.since += ch
+            return
+        if ch == '"':
+            self._learn_style(top)
+            if top.kind == "obj" and top.expect == "key":
+                self.in_str = "key"
+            else:
+                self.in_str = "value"
+                self._note_value_start()
+            self.buf, self.since = "", ""
+        elif ch == ":":
+            self.event = ":"
+            top.expect = "value"
+            self.since = ""
+        elif ch == ",":
+            self.event = ","
+            top.expect = "key" if top.kind == "obj" else "value"
+            top.key = None if top.kind == "obj" else top.key
+            self.since = ""
+        elif ch in "{[":
+            self._note_value_start()
+            self._open(ch)
+        elif ch in "}]":
+            self._close()
+        else:
+            self._note_value_start()
+            self.in_scalar, self.buf = True, ch
+            self.since = ""
+
+    def _learn_style(self, top: Frame) -> None:
+        """Whitespace after '{' / ',' tells pretty vs compact, the indent unit and separators."""
+        if self.event in "{[" and top.role in ("call", "args"):
+            if "\n" in self.since:
+                self.pretty = True
+                self.indent_unit = max(1, len(self.since.split("\n")[-1]) - top.indent)
+            else:
+                self.pretty = False
+        elif self.event == "," and not self.pretty and top.role in ("call", "args"):
+            self.item_sep = "," + self.since
+
+    def _note_value_start(self) -> None:
+        if self.since and self.stack and self.stack[-1].expect == "value" and self.stack[-1].kind == "obj":
+            self.kv_sep = ":" + self.since
+
+    def _open(self, ch: str) -> None:
+        parent = self.stack[-1] if self.stack else None
+        kind = "obj" if ch == "{" else "arr"
+        if parent is None:
+            role = "call" if kind == "obj" else "calls"
+        elif parent.role == "calls" and kind == "obj":
+            role = "call"
+        elif parent.role == "call" and parent.key in ("arguments", "parameters") and kind == "obj":
+            role = "args"
+        else:
+            role = "value"
+        schema = None
+        if role == "args":
+            schema = self.tools.params.get(self.name or "", {})
+        elif parent is not None and parent.role in ("args", "value") and parent.schema is not None:
+            ps = parent.schema
+            schema = (ps.get("properties") or {}).get(parent.key or "") if parent.kind == "obj" else ps.get("items")
+        if role == "call":
+            self.name = None
+        self.stack.append(Frame(kind, role, self.line_indent, schema, "key" if kind == "obj" else "value"))
+        self.since, self.event = "", ch
+
+    def _close(self) -> None:
+        frame = self.stack.pop()
+        if frame.role == "call":
+            self.calls.append({"name": self.name, "keys": list(frame.keys)})
+        if self.stack:
+            self.stack[-1].expect = "next"
+        else:
+            self.after_json, self.text_since_json = True, ""
+        self.since = ""
+        if self.pretty is None and frame.role in ("call", "args"):
+            self.pretty = False
+
+    def _end_value(self, already: bool = False) -> None:
+        self.in_scalar, self.buf = False, ""
+        if self.stack:
+            self.stack[-1].expect = "next"
+        self.since = ""
+
+    # ---- derived state ----
+    def frame(self, role: str) -> Frame | None:
+        for f in reversed(self.stack):
+            if f.role == role:
+                return f
+        return None
+
+    @property
+    def state(self) -> str:
+        if not self.stack:
+            return END if self.after_json else TEXT
+        top = self.stack[-1]
+        if top.role == "call":
+            if self.in_str == "value" and top.key == "name":
+                return TOOL_NAME
+            return CALL_KEY
+        if top.role == "args":
+            if self.in_str == "key" or top.expect == "key":
+                return ARG_NAME
+            if top.expect == "next":
+                return BETWEEN
+            return VALUE if self.in_str or self.in_scalar else CALL_KEY
+        return VALUE if top.role == "value" else CALL_KEY

@@ -1,0 +1,321 @@
+"""Schema-aware continuations: from an FSM position, every text the tool schemas allow next.
+
+``continuations`` returns candidate continuations, each a list of segments (text or raw token
+ids, with the FSM state as label) and a probability. Shared prefixes are merged later, when the
+candidates are tokenized into one draft tree. Fixed text (braces, keys, separators, closers)
+has probability 1 inside a candidate; branch points (which tool, which argument, which enum
+value, close or continue) split the probability.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .fsm import ARG_NAME, CALL_KEY, END, TOOL_NAME, VALUE, CallTracker, Frame, ToolIndex
+from .layouts import LAYOUTS, Layout
+
+OPENER = "opener"
+
+Seg = tuple  # (text: str | list[int], label: str)
+
+
+@dataclass
+class Cand:
+    segs: list[Seg]
+    prob: float
+
+
+@dataclass
+class Priors:
+    """Branch probabilities learned across requests (tool and layout frequencies)."""
+
+    tool_counts: dict[str, float] = field(default_factory=dict)
+    layout_counts: dict[str, float] = field(default_factory=dict)
+    call_start: float = 0.5  # P(output starts with a call | start of output)
+
+    def tool_weights(self, names: list[str]) -> list[float]:
+        w = [1.0 + self.tool_counts.get(n, 0.0) for n in names]
+        s = sum(w)
+        return [x / s for x in w]
+
+    def layout_weights(self, layouts: list[Layout]) -> list[float]:
+        w = [1.0 + self.layout_counts.get(lay.name, 0.0) for lay in layouts]
+        s = sum(w)
+        return [x / s for x in w]
+
+
+class _Builder:
+    """Expands continuations for one tracker position; small recursive helpers, one per structure."""
+
+    def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int, max_cands: int):
+        self.tr, self.tools, self.priors, self.eos = tr, tools, priors, eos
+        self.levels, self.max_cands = levels, max_cands
+
+    # ---- style ----
+    def pretty(self, layout: Layout | None) -> bool:
+        if self.tr.pretty is not None:
+            return self.tr.pretty
+        return bool(layout and layout.pretty)
+
+    def ws_in(self, indent: int, layout=None) -> str:
+        return "\n" + " " * (indent + self.tr.indent_unit) if self.pretty(layout) else ""
+
+    def ws_close(self, indent: int, layout=None) -> str:
+        return "\n" + " " * indent if self.pretty(layout) else ""
+
+    def sep(self, indent: int, layout=None) -> str:
+        return "," + ("\n" + " " * (indent + self.tr.indent_unit) if self.pretty(layout) else self.tr.item_sep[1:])
+
+    @staticmethod
+    def rest(expected_ws: str, since: str) -> str:
+        return expected_ws[len(since):] if expected_ws.startswith(since) else ""
+
+    # ---- structures (each returns list[Cand]) ----
+    def seq(self, segs: list[Seg], tails: list[Cand] | None, prob: float = 1.0) -> list[Cand]:
+        if not tails:
+            return [Cand(list(segs), prob)]
+        return [Cand(list(segs) + t.segs, prob * t.prob) for t in tails]
+
+    def call_body(self, layout: Layout, call_indent: int, lv: int) -> list[Cand]:
+        """From just after the call's '{': "name": "<tool>", "arguments": {...}."""
+        head = [(self.ws_in(call_indent, layout) + '"name"' + self.tr.kv_sep + '"', CALL_KEY)]
+        return self.seq(head, self.tool_names("", layout, call_indent, lv))
+
+    def tool_names(self, prefix: str, layout: Layout, call_indent: int, lv: int) -> list[Cand]:
+        names = [n for n in self.tools.names if n.startswith(prefix)]
+        if not names:
+            return []
+        out = []
+        for name, w in zip(names, self.priors.tool_weights(names)):
+            segs = [(name[len(prefix):] + '"', TOOL_NAME)]
+            tail = self.after_name(name, layout, call_indent, lv - 1) if lv > 0 else None
+            out += self.seq(segs, tail, w)
+        return out
+
+    def after_name(self, name: str, layout: Layout, call_indent: int, lv: int, since: str = "") -> list[Cand]:
+        key = layout.args_key if layout else "arguments"
+        text = self.rest(self.sep(call_indent, layout)[1:], since) if since else self.sep(call_indent, layout)
+        segs = [(text + '"' + key + '"' + self.tr.kv_sep + "{", CALL_KEY)]
+        return self.seq(segs, self.args_open(name, layout, call_indent + self.tr.indent_unit if self.pretty(layout) else 0, lv))
+
+    def args_open(self, name: str, layout: Layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
+        props = self.tools.properties(name)
+        if not props:
+            return [Cand([("}", CALL_KEY)] + self.close_call(layout, lv).segs, 1.0)] if lv >= 0 else []
+        ws = self.rest(self.ws_in(args_indent, layout), since)
+        return self.seq([(ws + '"', CALL_KEY)], self.arg_names(name, [], "", layout, args_indent, lv))
+
+    def arg_weights(self, name: str, used: list[str], cands: list[str]) -> list[float]:
+        props = list(self.tools.properties(name))
+        req = set(self.tools.required(name))
+        last = props.index(used[-1]) if used and used[-1] in props else -1
+        w = []
+        for a in cands:
+            x = 3.0 if a in req else 1.0
+            if a in props and props.index(a) > last:
+                x *= 2.0  # models tend to keep the schema's order
+            w.append(x)
+        s = sum(w)
+        return [x / s for x in w]
+
+    def arg_names(self, name: str, used: list[str], prefix: str, layout, args_indent: int, lv: int) -> list[Cand]:
+        props = self.tools.properties(name)
+        cands = [a for a in props if a not in used and a.startswith(prefix)]
+        out = []
+        for a, w in zip(cands, self.arg_weights(name, used, cands)):
+            segs = [(a[len(prefix):] + '"' + self.tr.kv_sep, ARG_NAME)]
+            tail = self.value_start(name, used + [a], props.get(a) or {}, layout, args_indent, lv - 1) if lv > 0 else None
+            out += self.seq(segs, tail, w)
+        return out
+
+    def value_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
+        """Typed value openings: enum values, booleans, null, the quote of a string."""
+        typ = schema.get("type")
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum and all(isinstance(e, (str, int, float, bool)) for e in enum):
+            vals = [_json_scalar(e) for e in enum]
+            w = 1.0 / len(vals)
+            out = []
+            for v in vals:
+                out += self.seq([(v, VALUE)], self.after_value(name, used, layout, args_indent, lv - 1), w)
+            return out
+        if typ == "boolean":
+            return [c for v in ("true", "false") for c in self.seq([(v, VALUE)], self.after_value(name, used, layout, args_indent, lv - 1), 0.5)]
+        if typ == "null":
+            return self.seq([("null", VALUE)], self.after_value(name, used, layout, args_indent, lv - 1))
+        if typ == "string":
+            return [Cand([('"', VALUE)], 1.0)]
+        if typ == "array":
+            return [Cand([("[", VALUE)], 0.9)]
+        if typ == "object":
+            return [Cand([("{", VALUE)], 0.9)]
+        return []
+
+    def after_value(self, name, used, layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
+        """After an argument value: the next argument, or close arguments + call + layout."""
+        if lv < 0:
+            return []
+        props = self.tools.properties(name)
+        req = set(self.tools.required(name))
+        left = [a for a in props if a not in used]
+        missing_req = any(a in req for a in left)
+        p_more = 0.0 if not left else (0.9 if missing_req else 0.35)
+        out = []
+        if p_more > 0:
+            sep = self.sep(args_indent, layout)
+            sep = "," + self.rest(sep[1:], since) if since else sep
+            out += self.seq([(sep + '"', CALL_KEY)], self.arg_names(name, used, "", layout, args_indent, lv), p_more)
+        if p_more < 1:
+            ws = self.rest(self.ws_close(args_indent, layout), since)
+            close = self.close_call(layout, lv)
+            out.append(Cand([(ws + "}", END)] + close.segs, (1 - p_more) * close.prob))
+        return out
+
+    def close_call(self, layout: Layout | None, lv: int) -> Cand:
+        """From after the arguments' '}': the call's '}', the layout closer, then end of turn."""
+        call = self.tr.frame("call")
+        call_indent = call.indent if call is not None else 0
+        text = self.ws_close(call_indent, layout) + "}"
+        if self.tr.frame("calls") is None and layout is not None:
+            text += layout.closer
+            return Cand([(text, END), (list(self.eos[:1]), END)], 1.0)
+        return Cand([(text, END)], 1.0)
+
+    # ---- entry: from the tracker's current position ----
+    def build(self) -> list[Cand]:
+        tr = self.tr
+        if not tr.stack:
+            return self.closer() if tr.after_json else self.opener()
+        top = tr.stack[-1]
+        if top.role == "call":
+            return self.in_call(top)
+        if top.role == "args":
+            return self.in_args(top)
+        return []
+
+    def opener(self) -> list[Cand]:
+        text = self.tr.text_since_json
+        at_line_start = text == "" or text.endswith("\n")
+        out = []
+        layouts = [lay for lay in LAYOUTS if lay.name in ("hermes", "fence", "bare_pretty", "bare")]
+        for lay, w in zip(layouts, self.priors.layout_weights(layouts)):
+            full = lay.opener + "{"
+            j = _overlap(text, full) if lay.opener else 0
+            if j == 0 and not (at_line_start and (not lay.opener or text == "")):
+                continue
+            if lay.opener and j == 0 and text != "":
+                continue
+            segs = [(full[j:], OPENER)]
+            p = w * (self.priors.call_start if text == "" else (1.0 if j > 0 else 0.15))
+            out += self.seq(segs, self.call_body(lay, 0, self.levels), p)
+        return out
+
+    def closer(self) -> list[Cand]:
+        lay = self.tr.layout
+        if lay is None:
+            return []
+        written = self.tr.text_since_json
+        if lay.closer.startswith(written):
+            rest = lay.closer[len(written):]
+            return [Cand([(rest, END), (list(self.eos[:1]), END)], 0.9)] if rest or written else [Cand([(list(self.eos[:1]), END)], 0.7)]
+        return []
+
+    def in_call(self, f: Frame) -> list[Cand]:
+        tr, lay = self.tr, self.tr.layout
+        lv = self.levels
+        if tr.in_str == "key":
+            need = "name" if "name" not in f.keys else (lay.args_key if lay else "arguments")
+            if not need.startswith(tr.buf):
+                return []
+            if need == "name":
+                return self.seq([(need[len(tr.buf):] + '"' + tr.kv_sep + '"', CALL_KEY)], self.tool_names("", lay, f.indent, lv))
+            return self.seq([(need[len(tr.buf):] + '"' + tr.kv_sep + "{", CALL_KEY)], self.args_open(tr.name, lay, self._args_indent(f, lay), lv))
+        if tr.in_str == "value" and f.key == "name":
+            return self.tool_names(tr.buf, lay, f.indent, lv)
+        if f.expect == "key" and "name" not in f.keys:
+            ws = self.rest(self.ws_in(f.indent, lay), tr.since)
+            return self.seq([(ws + '"name"' + tr.kv_sep + '"', CALL_KEY)], self.tool_names("", lay, f.indent, lv))
+        if f.expect in ("colon", "value") and f.key == "name":
+            pre = tr.kv_sep if f.expect == "colon" else ""
+            return self.seq([(pre + '"', CALL_KEY)] if f.expect == "colon" or not tr.since == "" or True else [], self.tool_names("", lay, f.indent, lv))
+        if f.expect == "next" and f.key == "name":
+            return self.after_name(tr.name or "", lay, f.indent, lv, since=tr.since)
+        if f.expect in ("colon", "value") and f.key in ("arguments", "parameters"):
+            pre = tr.kv_sep if f.expect == "colon" else ""
+            return self.seq([(pre + "{", CALL_KEY)], self.args_open(tr.name, lay, self._args_indent(f, lay), lv))
+        if f.expect == "next":
+            return [self.close_call(lay, lv)] if self.tr.frame("args") is None else []
+        return []
+
+    def _args_indent(self, call: Frame, lay) -> int:
+        return call.indent + self.tr.indent_unit if self.pretty(lay) else 0
+
+    def in_args(self, f: Frame) -> list[Cand]:
+        tr, lay, lv = self.tr, self.tr.layout, self.levels
+        name = tr.name or ""
+        used = [k for k in f.keys if k is not None]
+        if tr.in_str == "key":
+            return self.arg_names(name, used[:-1] if f.key is None else used, tr.buf, lay, f.indent, lv)
+        if f.expect == "key":
+            ws = self.rest(self.ws_in(f.indent, lay), tr.since)
+            first = self.seq([(ws + '"', CALL_KEY)], self.arg_names(name, used, "", lay, f.indent, lv))
+            if not used and tr.event == "{":
+                return first
+            return first
+        schema = self.tools.properties(name).get(f.key or "") or {}
+        if f.expect == "colon":
+            return self.seq([(tr.kv_sep, CALL_KEY)], self.value_start(name, used, schema, lay, f.indent, lv))
+        if f.expect == "value" and not tr.in_str and not tr.in_scalar:
+            return self.value_start(name, used, schema, lay, f.indent, lv)
+        if tr.in_str == "value":
+            return self.string_value(name, used, schema, lay, f.indent, lv)
+        if tr.in_scalar:
+            return self.scalar_value(name, used, schema, lay, f.indent, lv)
+        if f.expect == "next":
+            return self.after_value(name, used, lay, f.indent, lv, since=tr.since)
+        return []
+
+    def string_value(self, name, used, schema, lay, indent, lv) -> list[Cand]:
+        buf = self.tr.buf
+        enum = schema.get("enum")
+        if isinstance(enum, list):
+            vals = [e for e in enum if isinstance(e, str) and e.startswith(buf)]
+            out = []
+            for v in vals:
+                out += self.seq([(v[len(buf):] + '"', VALUE)], self.after_value(name, used, lay, indent, lv - 1), 1.0 / len(vals))
+            return out
+        # the string may end here: closing quote + what follows (low prior; the budget decides)
+        return self.seq([('"', VALUE)], self.after_value(name, used, lay, indent, lv - 1), 0.15)
+
+    def scalar_value(self, name, used, schema, lay, indent, lv) -> list[Cand]:
+        buf = self.tr.buf
+        for word in ("true", "false", "null"):
+            if word.startswith(buf) and word != buf:
+                return self.seq([(word[len(buf):], VALUE)], self.after_value(name, used, lay, indent, lv - 1))
+        return [Cand(c.segs, c.prob * 0.3) for c in self.after_value(name, used, lay, indent, lv - 1)]
+
+
+def _json_scalar(v) -> str:
+    import json
+
+    return json.dumps(v, ensure_ascii=False)
+
+
+def _overlap(text: str, full: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``full``."""
+    for j in range(min(len(text), len(full) - 1), 0, -1):
+        if text.endswith(full[:j]):
+            return j
+    return 0
+
+
+def continuations(tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int = 3, max_cands: int = 64) -> list[Cand]:
+    """Candidate continuations from the tracker's position, most probable first."""
+    cands = _Builder(tr, tools, priors, eos, levels, max_cands).build()
+    cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
+    cands.sort(key=lambda c: -c.prob)
+    return cands[:max_cands]
+
+
+def state_of(tr: CallTracker) -> str:
+    return tr.state

@@ -1,0 +1,279 @@
+"""ToolSpec drafters: schema tree (FSM) + generic value drafting + retrieved past calls, one tree.
+
+Per step: the FSM follows the committed text, ``continuations`` lists what the schemas allow
+next, each candidate is tokenized at the boundary into the tree (probability mass per node ->
+conditional confidence), prompt-lookup and retrieval drafts are trie-merged into the same tree,
+and the engine's cost-aware budget keeps what pays.
+"""
+
+from __future__ import annotations
+
+from .boundary import BoundaryTokenizer
+from .drafting import DraftContext, LabelRates, PromptLookupDrafter
+from .fsm import CallTracker, ToolIndex
+from .library import CallLibrary, MemoryLibrary, PastCall
+from .methods import RequestInfo
+from .schema import Cand, Priors, continuations
+from .toolcalls import parse_tool_calls
+from .tree import ROOT, DraftTree
+from .verify import VerifyResult
+
+RETRIEVAL = "retrieval"
+DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9, RETRIEVAL: 0.6, "pld": 0.5}
+DET = 0.99  # a node whose share of its parent's mass is at least this is "deterministic"
+
+
+def candidates_to_tree(bt: BoundaryTokenizer, committed: list[int], cands: list[Cand], rates: LabelRates, max_tokens: int = 96) -> DraftTree:
+    """Tokenize each candidate after ``committed`` and merge them into one tree.
+
+    Node mass = sum of the probabilities of the candidates through it; conf = mass share of the
+    parent times the learned rate of the node's label (how often the model keeps to the schema).
+    """
+    tree = DraftTree()
+    mass: list[float] = []
+    for cand in cands:
+        ids, labels = _tokens(bt, committed, cand)
+        node = ROOT
+        for tid, lab in zip(ids[:max_tokens], labels):
+            nxt = tree.child(node, tid)
+            if nxt < 0:
+                nxt = tree.add(node, tid, 1.0, lab)
+                mass.append(0.0)
+            mass[nxt] += cand.prob
+            node = nxt
+    for i, p in enumerate(tree.parents):
+        share = mass[i] / (1.0 if p == ROOT else max(mass[p], 1e-12))
+        tree.conf[i] = min(1.0, share) * rates.rate(tree.labels[i])
+    return tree
+
+
+def _tokens(bt: BoundaryTokenizer, committed: list[int], cand: Cand) -> tuple[list[int], list[str]]:
+    """Token ids of a candidate (text segments tokenized together) with a label per token."""
+    ids: list[int] = []
+    labels: list[str] = []
+    text, text_labels = "", []  # pending text and (end offset, label) per segment
+    for seg, lab in cand.segs + [(None, None)]:
+        if isinstance(seg, str):
+            text += seg
+            text_labels.append((len(text), lab))
+            continue
+        if text:
+            toks = bt.continuation(committed + ids, text)
+            ids += toks
+            labels += _label_tokens(bt, toks, text_labels)
+            text, text_labels = "", []
+        if seg:  # raw token ids (end of turn)
+            ids += list(seg)
+            labels += [lab] * len(seg)
+    return ids, labels
+
+
+def _label_tokens(bt: BoundaryTokenizer, toks: list[int], text_labels: list[tuple[int, str]]) -> list[str]:
+    out, pos = [], 0
+    for t in toks:
+        lab = next((lab for end, lab in text_labels if pos < end), text_labels[-1][1])
+        out.append(lab)
+        pos += len(bt._decode((t,)))
+    return out
+
+
+class RetrievalDrafter:
+    """Suffix match of the tokens written so far against retrieved past calls (a small trie).
+
+    Once the FSM knows the tool, only that tool's calls are used. The longest suffix of the
+    output that occurs in a past call decides; its continuation is drafted whole.
+    """
+
+    def __init__(self, calls: list[PastCall], rates: LabelRates, max_ngram: int = 8, length: int = 48, branches: int = 3):
+        self.calls, self.rates = calls, rates
+        self.max_ngram, self.length, self.branches = max_ngram, length, branches
+
+    def tree(self, ctx: DraftContext, tool: str | None) -> DraftTree:
+        tree = DraftTree()
+        gen = ctx.generated
+        calls = [c for c in self.calls if tool is None or c.tool_name == tool] or ([] if tool else self.calls)
+        if not calls or not gen:
+            return tree
+        best: list[tuple[int, float, list[int]]] = []
+        for c in calls:
+            n, cont = _longest_suffix_match(gen, c.token_ids, self.max_ngram, min(self.length, ctx.max_depth))
+            if n and cont:
+                best.append((n, c.score, cont))
+        if not best:
+            return tree
+        best.sort(key=lambda x: (-x[0], -x[1]))
+        top_n = best[0][0]
+        seen = set()
+        rate = self.rates.rate(RETRIEVAL)
+        conts = []
+        for n, _, cont in best:
+            if n < top_n or tuple(cont[:3]) in seen:
+                continue
+            seen.add(tuple(cont[:3]))
+            conts.append(cont)
+            if len(conts) >= self.branches:
+                break
+        # branch mass: votes of the past calls agreeing on the first tokens
+        for cont in conts:
+            votes = sum(1 for n, _, c in best if n == top_n and c[:1] == cont[:1])
+            share = votes / sum(1 for n, _, _ in best if n == top_n)
+            tree.add_path(cont, [rate * share] + [rate] * (len(cont) - 1), RETRIEVAL)
+        return tree
+
+
+def _longest_suffix_match(gen: list[int], seq: list[int], max_n: int, length: int) -> tuple[int, list[int]]:
+    """(n, continuation) for the longest n <= max_n with gen[-n:] occurring in seq (last occurrence)."""
+    last = gen[-1]
+    best_n, best_pos = 0, -1
+    for pos in range(len(seq) - 1, -1, -1):
+        if seq[pos] != last:
+            continue
+        n = 1
+        while n < max_n and n < len(gen) and pos - n >= 0 and seq[pos - n] == gen[-1 - n]:
+            n += 1
+        if n > best_n:
+            best_n, best_pos = n, pos
+            if n == max_n:
+                break
+    if best_pos < 0:
+        return 0, []
+    return best_n, seq[best_pos + 1 : best_pos + 1 + length]
+
+
+class SchemaDrafter:
+    """The ToolSpec drafter for one request."""
+
+    def __init__(self, bt: BoundaryTokenizer, tools: ToolIndex, priors: Priors, rates: LabelRates, eos: list[int],
+                 pld: PromptLookupDrafter | None = None, retrieval: RetrievalDrafter | None = None, schema: bool = True):
+        self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
+        self.pld, self.retrieval, self.schema = pld, retrieval, schema
+        self.tracker = CallTracker(tools)
+        self._fed: list[int] = []
+
+    def _sync(self, generated: list[int]) -> None:
+        """Feed the tracker the committed text (re-created if a decode boundary shifted)."""
+        text = self.bt.tok.decode(generated, skip_special_tokens=True)
+        if text.startswith(self.tracker.text) and "\ufffd" not in text[len(self.tracker.text):]:
+            self.tracker.feed(text[len(self.tracker.text):])
+        elif not text.startswith(self.tracker.text):
+            self.tracker = CallTracker(self.tools)
+            self.tracker.feed(text)
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        self._sync(ctx.generated)
+        tree = DraftTree()
+        if self.schema and self.tools.names:
+            cands = continuations(self.tracker, self.tools, self.priors, self.eos)
+            tree = candidates_to_tree(self.bt, ctx.tokens, cands, self.rates)
+        if self.retrieval is not None:
+            tree.merge(self.retrieval.tree(ctx, self.tracker.name))
+        if self.pld is not None:
+            tree.merge(self.pld.propose(ctx))
+        return tree
+
+    def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
+        """Learn label rates from deterministic nodes only (branch losers are expected)."""
+        accepted = set(result.path)
+        reached = {ROOT} | accepted
+        for i, p in enumerate(tree.parents):
+            if p not in reached:
+                continue
+            lab = tree.labels[i]
+            if lab not in ("pld", RETRIEVAL) and tree.conf[i] < DET * self.rates.rate(lab):
+                continue
+            self.rates.tries[lab] = self.rates.tries.get(lab, 0.0) + 1.0
+            if i in accepted:
+                self.rates.hits[lab] = self.rates.hits.get(lab, 0.0) + 1.0
+
+
+class SchemaMethod:
+    """``toolspec_schema``: schema drafting + prompt lookup for values; no history."""
+
+    name = "toolspec_schema"
+    use_schema, use_retrieval, use_pld = True, False, True
+
+    def __init__(self, tokenizer, library: CallLibrary | None = None, retrieve_k: int = 8, eos_ids: list[int] | None = None, **pld_opts):
+        self.tok = tokenizer
+        self.bt = BoundaryTokenizer(tokenizer)
+        self.rates = LabelRates(DEFAULT_RATES)
+        self.priors = Priors()
+        self.library = library if library is not None else (MemoryLibrary() if self.use_retrieval else None)
+        self.retrieve_k = retrieve_k
+        self.pld_opts = {"max_ngram": 4, "min_ngram": 2, "length": 12, **pld_opts}
+        self.eos = list(eos_ids) if eos_ids else _eos_from(tokenizer)
+        self._tools_cache: dict[str, ToolIndex] = {}
+
+    def _tools(self, tools: list[dict]) -> ToolIndex:
+        import json
+
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._tools_cache:
+            self._tools_cache[key] = ToolIndex.from_tools(tools)
+        return self._tools_cache[key]
+
+    def drafter(self, req: RequestInfo) -> SchemaDrafter:
+        pld = PromptLookupDrafter(rates=self.rates, **self.pld_opts) if self.use_pld else None
+        retrieval = None
+        if self.use_retrieval:
+            calls = req.retrieved
+            if calls is None and self.library is not None:
+                names = [t["function"]["name"] for t in req.tools or [] if "function" in t]
+                calls = self.library.search(req.tenant, req.embedding, names or None, self.retrieve_k)
+            retrieval = RetrievalDrafter([_as_past_call(c) for c in calls or []], self.rates)
+        return SchemaDrafter(self.bt, self._tools(req.tools), self.priors, self.rates, self.eos, pld, retrieval, self.use_schema)
+
+    def observe(self, req: RequestInfo, output_ids: list[int], text: str) -> None:
+        """Learn tool/layout frequencies; remember the calls in the library (unless told not to)."""
+        parsed = parse_tool_calls(text)
+        if not parsed.calls:
+            return
+        for c in parsed.calls:
+            self.priors.tool_counts[c.name] = self.priors.tool_counts.get(c.name, 0.0) + 1.0
+        lay = _layout_of(text)
+        self.priors.layout_counts[lay] = self.priors.layout_counts.get(lay, 0.0) + 1.0
+        if self.library is not None and req.remember:
+            for c in parsed.calls:
+                self.library.add(req.tenant, PastCall(c.name, list(output_ids), text, c.arguments), req.embedding, req.remember)
+
+
+class RetrievalMethod(SchemaMethod):
+    """``toolspec_retrieval``: drafts from retrieved past calls (+ prompt lookup), no schema FSM."""
+
+    name = "toolspec_retrieval"
+    use_schema, use_retrieval, use_pld = False, True, True
+
+
+class ToolSpecMethod(SchemaMethod):
+    """``toolspec``: schema + retrieval + prompt lookup, merged into one tree."""
+
+    name = "toolspec"
+    use_schema, use_retrieval, use_pld = True, True, True
+
+
+def _as_past_call(c) -> PastCall:
+    if isinstance(c, PastCall):
+        return c
+    return PastCall(c.get("tool_name", ""), list(c.get("token_ids") or []), c.get("text", ""), c.get("arguments") or {}, float(c.get("score", 0.0)))
+
+
+def _layout_of(text: str) -> str:
+    s = text.lstrip()
+    if s.startswith("<tool_call>"):
+        return "hermes"
+    if s.startswith("```"):
+        return "fence"
+    return "bare_pretty" if s.startswith("{\n") else "bare"
+
+
+def _eos_from(tokenizer) -> list[int]:
+    ids = []
+    for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        try:
+            i = tokenizer.convert_tokens_to_ids(t)
+        except Exception:
+            i = None
+        if isinstance(i, int) and i >= 0 and i != getattr(tokenizer, "unk_token_id", None):
+            ids.append(i)
+    if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return ids

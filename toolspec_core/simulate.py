@@ -1,0 +1,58 @@
+"""Drafting along a known output (no model): how much of it a drafter would get accepted.
+
+Used by tests (tokenization at boundaries, FSM coverage) and to study drafters offline: the
+"target" is replaced by the known tokens, so a step accepts the longest tree path that agrees.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .drafting import DraftContext
+from .tree import ROOT, DraftTree
+from .verify import VerifyResult
+
+
+def oracle_walk(tree: DraftTree, truth: list[int]) -> VerifyResult:
+    node, path = ROOT, []
+    for tok in truth:
+        nxt = tree.child(node, tok)
+        if nxt < 0:
+            break
+        path.append(nxt)
+        node = nxt
+    bonus = truth[len(path)] if len(path) < len(truth) else -1
+    return VerifyResult(path, bonus)
+
+
+def simulate(drafter, prompt_ids: list[int], output_ids: list[int], cost=None, trace: list | None = None) -> dict:
+    """Steps/MAT of ``drafter`` if the target wrote ``output_ids`` (the first comes from prefill)."""
+    tokens = list(prompt_ids) + output_ids[:1]
+    steps, accepted = 0, 0
+    while len(tokens) - len(prompt_ids) < len(output_ids):
+        done = len(tokens) - len(prompt_ids)
+        ctx = DraftContext(tokens, len(prompt_ids), len(output_ids) - done - 1)
+        tree = drafter.propose(ctx)
+        if cost is not None:
+            tree = cost.prune(tree)
+        res = oracle_walk(tree, output_ids[done:])
+        drafter.feedback(tree, res)
+        if trace is not None:
+            trace.append((done, len(tree), len(res.path), tree.labels[res.path[0]] if res.path else None))
+        steps += 1
+        accepted += len(res.path)
+        tokens += [tree.tokens[i] for i in res.path] + ([res.token] if res.token >= 0 else [])
+    n = len(output_ids) - 1
+    return {"tokens": len(output_ids), "steps": steps, "accepted": accepted, "mat": n / steps if steps else 1.0}
+
+
+def render_gold(calls: list[dict], layout: str) -> str:
+    """Gold calls written the way models write them (for offline studies and warm libraries)."""
+    if layout == "hermes":
+        return "\n".join("<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False) + "\n</tool_call>" for c in calls)
+    if layout == "fence":
+        body = [json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False, indent=2) for c in calls]
+        return "\n".join("```json\n" + b + "\n```" for b in body)
+    if layout == "bare":
+        return "\n".join(json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False) for c in calls)
+    raise ValueError(layout)
