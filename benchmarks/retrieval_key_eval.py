@@ -2,21 +2,23 @@
 
 API-Bank dev in online order: item i queries a library holding the gold calls of items 0..i-1
 (never its own), stored exactly as the service stores them (``MemoryStore``: one record per
-distinct call, tenant-scoped, cosine). For every key we report, over the top-k:
+distinct call, tenant-scoped, cosine). Three searches per item and key, as the service sees them:
+``unfiltered``, ``offered`` (restricted to the request's offered tools — what the serving layer
+sends before decoding) and ``tool`` (restricted to the gold tool — once the FSM has the name).
+Over the top-k:
 
-* ``tool_hit``: a retrieved call has the gold tool name (unfiltered search: the library's guess
-  before the FSM knows the tool);
+* ``tool_hit``: a retrieved call has the gold tool name;
 * ``value_recall``: fraction of the gold argument values found among the arguments of retrieved
-  calls *of the gold tool* — what retrieval drafting can reuse (unfiltered, and filtered to the
-  gold tool: the query the service gets once the FSM has the tool name);
+  calls *of the gold tool* — what retrieval drafting can reuse;
 * ``exact``: a retrieved call equals the gold call (the whole call draftable in one step).
 
 Baselines: ``recent`` (the k latest calls, no key) and ``oracle`` (every earlier call of the gold
 tool: the ceiling any key can reach). Keys: ``hidden_last`` (``Prefilled.hidden``, the default
 Qwen key), ``hidden_mean`` (mean last-layer state over the prompt, from the same prefill),
-``lexical`` (``LexicalEmbedder``), ``hidden_last+lexical`` (mean of both cosines).
+``lexical`` (``LexicalEmbedder``), ``X+lexical`` (mean of both cosines). Differences to lexical
+come with 95% paired bootstrap intervals (eligible items: the gold tool was called before).
 
-Phase 1 runs the embedded model once per item (prefill only, ~1-3 s on CPU) and caches the keys;
+Phase 1 runs the embedded model once per item (prefill only, 3-10 s on this shared CPU) and caches the keys;
 phase 2 is instant. Run in the background:
 
     nohup python -m benchmarks.retrieval_key_eval > /tmp/key_eval.log 2>&1 &
@@ -32,12 +34,14 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval_service.embedding import LexicalEmbedder, normalise
+from retrieval_service.embedding import HiddenStateEmbedder, LexicalEmbedder, normalise
 from retrieval_service.records import CallRecord, schema_hash
 from retrieval_service.store import MemoryStore
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "api_bank.dev.jsonl"
-KEYS = ("hidden_last", "hidden_mean", "lexical", "hidden_last+lexical")
+KEYS = ("hidden_last", "hidden_mean", "lexical", "hidden_last+lexical", "hidden_mean+lexical")
+# (column, metric) pairs the verdict compares, with paired bootstrap CIs vs the lexical key
+HEADLINE = (("unfiltered@1", "tool_hit"), ("offered@1", "tool_hit"), ("offered@1", "exact"), ("tool@1", "value_recall"), ("tool@1", "exact"))
 
 
 def load_items(path: Path, stride: int, limit: int) -> list[dict]:
@@ -58,9 +62,6 @@ def _v(x) -> str:
 
 def compute_hidden_keys(items: list[dict], cache: Path, threads: int, log_every: int = 10) -> dict[str, np.ndarray]:
     """hidden_last / hidden_mean per item, resumable through ``cache`` (npz)."""
-    import torch
-
-    from toolspec_core.engine import prefill
     from toolspec_core.prompting import render_prompt
     from toolspec_core.target import load_target
 
@@ -72,23 +73,15 @@ def compute_hidden_keys(items: list[dict], cache: Path, threads: int, log_every:
     todo = [it for it in items if it["id"] not in done]
     if todo:
         t0 = time.time()
-        target = load_target(threads=threads)
-        print(f"loaded {target.name} in {time.time() - t0:.1f}s; {len(todo)} items to prefill", flush=True)
-        captured: list[torch.Tensor] = []
-        hook = target.model.model.register_forward_hook(lambda m, i, o: captured.append(o.last_hidden_state[0].float()))
-        try:
-            for n, it in enumerate(todo, 1):
-                captured.clear()
-                ids = render_prompt(target.tokenizer, it["messages"], it["tools"])
-                pre = prefill(target, ids)
-                states = torch.cat(captured, 0)
-                done[it["id"]] = {"hidden_last": pre.hidden.float().numpy(), "hidden_mean": states.mean(0).numpy()}
-                if n % log_every == 0 or n == len(todo):
-                    _save(cache, done)
-                    el = time.time() - t0
-                    print(f"{n}/{len(todo)} prompt_tokens={len(ids)} prefill_s={pre.seconds:.2f} elapsed={el:.0f}s", flush=True)
-        finally:
-            hook.remove()
+        emb = HiddenStateEmbedder(load_target(threads=threads))
+        print(f"loaded {emb.target.name} in {time.time() - t0:.1f}s; {len(todo)} items to prefill", flush=True)
+        for n, it in enumerate(todo, 1):
+            ids = render_prompt(emb.target.tokenizer, it["messages"], it["tools"])
+            pre, states = emb.states(ids)
+            done[it["id"]] = {"hidden_last": pre.hidden.float().numpy(), "hidden_mean": states.mean(0).numpy()}
+            if n % log_every == 0 or n == len(todo):
+                _save(cache, done)
+                print(f"{n}/{len(todo)} prompt_tokens={len(ids)} prefill_s={pre.seconds:.2f} elapsed={time.time() - t0:.0f}s", flush=True)
         _save(cache, done)
     return {k: np.stack([done[it["id"]][k] for it in items]) for k in ("hidden_last", "hidden_mean")}
 
@@ -108,7 +101,8 @@ def all_keys(items: list[dict], hidden: dict[str, np.ndarray]) -> dict[str, np.n
         "hidden_mean": np.stack([normalise(v) for v in hidden["hidden_mean"]]),
         "lexical": np.stack([lex.embed_request(it["messages"], it["tools"]) for it in items]),
     }
-    keys["hidden_last+lexical"] = np.concatenate([keys["hidden_last"], keys["lexical"]], 1) / np.sqrt(2.0)
+    for h in ("hidden_last", "hidden_mean"):  # cosine of the concatenation = mean of both cosines
+        keys[f"{h}+lexical"] = np.concatenate([keys[h], keys["lexical"]], 1) / np.sqrt(2.0)
     return keys
 
 
@@ -138,16 +132,19 @@ def evaluate(items: list[dict], keys: dict[str, np.ndarray], order: list[int], k
         row = {"eligible": float(any(h["name"] == gold["name"] for h in history)), "has_args": bool(gold["arguments"])}
         if step:
             for name, store in stores.items():
-                for filt in ("unfiltered", "tool"):
-                    hits = store.search("eval", keys[name][i], tool_name=gold["name"] if filt == "tool" else None, k=max(ks))
+                offered = [t["function"]["name"] for t in it["tools"]]
+                for filt, names in (("unfiltered", None), ("offered", offered), ("tool", gold["name"])):
+                    hits = store.search("eval", keys[name][i], tool_name=names, k=max(ks))
                     calls = [{"name": r.tool_name, "arguments": r.arguments} for r, _ in hits]
                     for k in ks:
                         row[f"{name}/{filt}@{k}"] = _scores(gold, calls[:k])
             latest = list(dict.fromkeys(call_text(h) for h in reversed(history)))
             recent = [json.loads(t) for t in latest]
             recent_tool = [c for c in recent if c["name"] == gold["name"]]
+            recent_offered = [c for c in recent if c["name"] in {t["function"]["name"] for t in it["tools"]}]
             for k in ks:
                 row[f"recent/unfiltered@{k}"] = _scores(gold, recent[:k])
+                row[f"recent/offered@{k}"] = _scores(gold, recent_offered[:k])
                 row[f"recent/tool@{k}"] = _scores(gold, recent_tool[:k])
             row["oracle/tool@all"] = _scores(gold, recent_tool)
             rows.append(row)
@@ -157,7 +154,28 @@ def evaluate(items: list[dict], keys: dict[str, np.ndarray], order: list[int], k
                 store.add(CallRecord(tenant="eval", tool_name=calls["name"], schema_hash=schema_hash(tool), text=call_text(calls),
                                      arguments=calls["arguments"], embedding=keys[name][i], created_at=float(step)))
             history.append(calls)
-    return summarise(rows)
+    out = summarise(rows)
+    out["paired_vs_lexical"] = paired_vs_lexical([r for r in rows if r["eligible"]])
+    return out
+
+
+def paired_vs_lexical(rows: list[dict], n_boot: int = 2000, seed: int = 0) -> dict:
+    """Mean difference key - lexical per headline metric, with a 95% paired bootstrap interval
+    (same items resampled for both keys), on eligible items."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for key in KEYS:
+        if key == "lexical":
+            continue
+        for col, metric in HEADLINE:
+            pairs = [(r[f"{key}/{col}"][metric], r[f"lexical/{col}"][metric]) for r in rows
+                     if r.get(f"{key}/{col}", {}).get(metric) is not None]
+            if not pairs:
+                continue
+            d = np.array([a - b for a, b in pairs])
+            boot = d[rng.integers(0, len(d), (n_boot, len(d)))].mean(1)
+            out[f"{key}/{col}/{metric}"] = {"diff": round(float(d.mean()), 4), "ci95": [round(float(np.percentile(boot, 2.5)), 4), round(float(np.percentile(boot, 97.5)), 4)], "n": len(d)}
+    return out
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -188,31 +206,45 @@ def to_markdown(res: dict) -> str:
     ]
     for order, r in res["orders"].items():
         lines += [f"## order: {order} ({r['items']} queries, {r['n_eligible']} eligible) — eligible items", ""]
-        lines += ["| key | unfiltered tool_hit@1 | tool_hit@10 | value_recall@10 | tool-filtered value_recall@1 | @3 | exact@1 | exact@10 |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["| key | unfiltered tool_hit@1 | tool_hit@10 | value_recall@10 | offered-tools tool_hit@1 | exact@1 | gold-tool value_recall@1 | @3 | exact@1 | exact@10 |", "|---" * 10 + "|"]
         t = r["eligible"]
         for key in ("recent",) + KEYS:
             g = lambda c, m: t.get(c, {}).get(m)
             f = lambda x: "-" if x is None else f"{x:.3f}"
             lines.append(
                 f"| {key} | {f(g(f'{key}/unfiltered@1', 'tool_hit'))} | {f(g(f'{key}/unfiltered@10', 'tool_hit'))} | "
-                f"{f(g(f'{key}/unfiltered@10', 'value_recall'))} | {f(g(f'{key}/tool@1', 'value_recall'))} | "
+                f"{f(g(f'{key}/unfiltered@10', 'value_recall'))} | {f(g(f'{key}/offered@1', 'tool_hit'))} | {f(g(f'{key}/offered@1', 'exact'))} | {f(g(f'{key}/tool@1', 'value_recall'))} | "
                 f"{f(g(f'{key}/tool@3', 'value_recall'))} | {f(g(f'{key}/tool@1', 'exact'))} | {f(g(f'{key}/tool@10', 'exact'))} |"
             )
         o = t.get("oracle/tool@all", {})
-        lines += [f"| oracle (all earlier calls of the tool) | - | 1.000 | {o.get('value_recall', 0):.3f} | - | - | - | {o.get('exact', 0):.3f} |", ""]
+        lines += [f"| oracle (all earlier calls of the tool) | - | 1.000 | {o.get('value_recall', 0):.3f} | 1.000 | - | - | - | - | {o.get('exact', 0):.3f} |", ""]
+        lines += ["Difference to `lexical` (eligible items, 95% paired bootstrap interval):", "",
+                  "| key | " + " | ".join(f"{c} {m}" for c, m in HEADLINE) + " |", "|---" * (len(HEADLINE) + 1) + "|"]
+        pv = r["paired_vs_lexical"]
+        for key in KEYS:
+            if key != "lexical":
+                cells = [pv.get(f"{key}/{c}/{m}") for c, m in HEADLINE]
+                lines.append(f"| {key} | " + " | ".join("-" if x is None else f"{x['diff']:+.3f} [{x['ci95'][0]:+.3f}, {x['ci95'][1]:+.3f}]" for x in cells) + " |")
+        lines.append("")
     lines += ["## Verdict", "", res.get("verdict", ""), ""]
     return "\n".join(lines)
 
 
 def verdict(res: dict) -> str:
-    t = res["orders"]["file"]["eligible"]
-    best = max(KEYS, key=lambda k: (t[f"{k}/unfiltered@1"]["tool_hit"], t[f"{k}/tool@1"]["value_recall"] or 0))
-    h, lx = t["hidden_last/unfiltered@1"], t["lexical/unfiltered@1"]
-    hv, lv = t["hidden_last/tool@1"]["value_recall"], t["lexical/tool@1"]["value_recall"]
-    return (
-        f"File order, eligible items: hidden_last tool_hit@1 {h['tool_hit']:.3f} vs lexical {lx['tool_hit']:.3f}; "
-        f"tool-filtered value_recall@1 {hv:.3f} vs {lv:.3f}. Best key by tool_hit@1 then value_recall@1: {best}."
-    )
+    """Per Qwen key and headline metric: better / worse than lexical when the 95% paired interval
+    excludes 0 in both orders, else 'tie'."""
+    lines = []
+    for key in ("hidden_last", "hidden_mean", "hidden_last+lexical", "hidden_mean+lexical"):
+        parts = []
+        for col, metric in HEADLINE:
+            cis = [o["paired_vs_lexical"].get(f"{key}/{col}/{metric}") for o in res["orders"].values()]
+            if any(c is None for c in cis):
+                continue
+            word = "better" if all(c["ci95"][0] > 0 for c in cis) else "worse" if all(c["ci95"][1] < 0 for c in cis) else "tie"
+            diffs = ", ".join(f"{c['diff']:+.3f}" for c in cis)
+            parts.append(f"{col} {metric} {word} ({diffs})")
+        lines.append(f"- {key} vs lexical: " + "; ".join(parts))
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:

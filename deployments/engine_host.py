@@ -207,6 +207,10 @@ class EngineHost:
             "flat": CostModel.flat,
             "none": lambda: None,
         }[cfg.cost_model]()
+        if _constraint_factory() is not None:  # build llguidance's tokenizer view now, not on a request
+            from toolspec_core.constrain import _lltokenizer
+
+            _lltokenizer(target.tokenizer)
         embedder = None
         if retrieval is not None and cfg.retrieval.key == "lexical":
             from retrieval_service.embedding import LexicalEmbedder
@@ -233,7 +237,8 @@ class EngineHost:
         constraint, forced = None, ""
         if tools and req["tool_choice"] not in ("auto", "none"):
             if self.make_constraint is not None:
-                constraint = self.make_constraint(tok, tools, req["tool_choice"])
+                vocab = getattr(self.target.model.config, "vocab_size", None)
+                constraint = self.make_constraint(tok, tools, req["tool_choice"], vocab_size=vocab)
             else:
                 forced = forced_prefix(req["tool_choice"], tools)
         forced_ids = tok(forced, add_special_tokens=False)["input_ids"] if forced else []
@@ -399,15 +404,14 @@ def load_serving_target(cfg: ServeAppConfig):
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     device = resolve_device(cfg.device)
-    if cfg.tensor_parallel_size > 1:
+    # On an accelerator the model runs in worker actor(s) that own the KV caches (tp_size 1 too):
+    # the engine's own tensors (tree masks, KV index ops) stay on the CPU side.
+    if cfg.tensor_parallel_size > 1 or device != "cpu":
         from .tp import start_tp_target
 
         gpus = cfg.tp_worker_num_gpus if cfg.tp_worker_num_gpus is not None else (1.0 if device == "cuda" else 0.0)
         return start_tp_target(cfg.model, cfg.tensor_parallel_size, cfg.dtype, device, cfg.tp_worker_num_cpus, gpus, cfg.threads)
-    target = load_target(cfg.model, dtypes[cfg.dtype])
-    if device == "cuda":
-        target.model.to("cuda")
-    return target
+    return load_target(cfg.model, dtypes[cfg.dtype])
 
 
 def resolve_device(device: str) -> str:

@@ -288,6 +288,7 @@ def stats_extra(stats: dict, extra: dict | None = None) -> dict:
         "drafted_tokens": stats.get("drafted_tokens", 0),
         "accepted_tokens": stats.get("accepted_tokens", 0),
         "forwards": stats.get("forwards", 0),
+        "forced_tokens": stats.get("forced_tokens", 0),  # emitted by the tool_choice grammar, unverified
         "acceptance": per_state,
         "prefill_s": stats.get("prefill_s", 0.0),
         "decode_s": stats.get("decode_s", 0.0),

@@ -74,19 +74,23 @@ class TPWorker:
 
     def setup(self, threads: int | None = None) -> str:
         """Join the process group and shard the model (all ranks must call this concurrently)."""
-        import deepspeed
         from transformers import AutoModelForCausalLM
 
+        if self.world > 1:
+            import deepspeed
         if threads:
             torch.set_num_threads(threads)
         dtype = _DTYPES[self.dtype]
-        deepspeed.init_distributed(dist_backend="gloo" if self.device == "cpu" else "nccl")
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation="sdpa")
         model.eval()
-        engine = deepspeed.init_inference(
-            model, tensor_parallel={"tp_size": self.world}, dtype=dtype, replace_with_kernel_inject=False
-        )
-        self.model = engine.module
+        if self.world == 1:  # one accelerator, no sharding: the same remote-worker path, no DeepSpeed
+            self.model = model.to(self.device)
+        else:
+            deepspeed.init_distributed(dist_backend="gloo" if self.device == "cpu" else "nccl")
+            engine = deepspeed.init_inference(
+                model, tensor_parallel={"tp_size": self.world}, dtype=dtype, replace_with_kernel_inject=False
+            )
+            self.model = engine.module
         if self.rank == 0 and self.device != "cpu":
             # logits on rank 0's accelerator: the replica (no GPU) never runs the vocab matmul
             dev = next(self.model.parameters()).device

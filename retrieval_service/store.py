@@ -364,7 +364,11 @@ def _import(module: str, package: str):
 
 class EdgeStore(_LimitedStore):
     """Qdrant Edge shard in ``path/collection``: WAL-backed (an update that returned survives a
-    crash), payload indexes on tenant / tool name / created_at, one open shard per directory."""
+    crash), payload indexes on tenant / tool name / created_at, one open shard per directory.
+
+    Never calls ``shard.optimize()``: measured on 10k points (dim 896) it took 10 s and made
+    filtered searches slower (0.27 -> 0.69 ms, HNSW vs a plain segment + payload index); space
+    of evicted points is reclaimed only by an explicit ``shard.optimize()``."""
 
     def __init__(self, path: str, dim: int = 896, collection: str = "toolspec_calls", search_threads: int = 1, **limits):
         super().__init__(dim, **limits)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -409,3 +410,49 @@ def test_retrieval_down_falls_back_and_is_counted(local):
     assert down.model_extra["toolspec"]["retrieval"]["status"] == "fallback"
     assert host.retrieval.counters()["fallback"] >= 1
     assert down.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_closing_a_stream_cancels_the_decode(local):
+    host, _, _, _ = local
+    req = {"messages": [{"role": "user", "content": "go on forever"}], "tools": [], "tool_choice": "none", "max_tokens": 1500,
+           "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": [], "tenant": "t", "remember": True}
+    before = host.stats.cancelled
+
+    async def go():
+        gen = host.stream(req)
+        async for ev in gen:
+            if ev["event"] == "text":
+                break
+        await gen.aclose()  # what Serve does when the HTTP client goes away
+
+    t0 = time.perf_counter()
+    run(go())
+    assert host.stats.cancelled == before + 1
+    # the decode thread saw the flag at its next step: the pool is free long before 1500 tokens
+    assert host.pool.submit(lambda: 1).result(timeout=30) == 1 and time.perf_counter() - t0 < 30
+
+
+def test_completed_calls_go_to_the_library_unless_told_not_to(local):
+    host, _, _, handle = local
+    from toolspec_core.methods import RequestInfo
+
+    text = '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "Lima"}}\n</tool_call>'
+    ids = host.target.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    async def go(remember):
+        before = handle.adds
+        host.library.note_tools("acme", TOOLS)
+        emb = host.embedder.embed_request([{"role": "user", "content": "weather in Lima"}], TOOLS).tolist()
+        await host.retrieval.search("acme", emb, ["get_current_weather"])  # binds the client to this loop
+        info = RequestInfo(ids, TOOLS, "acme", emb, remember, [])
+        await asyncio.to_thread(host.method.observe, info, ids, text)
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if handle.adds > before:
+                break
+        return handle.adds - before
+
+    assert run(go(False)) == 0
+    assert run(go(True)) == 1
+    hits = asyncio.run(handle.server.search("acme", host.embedder.embed_request([{"role": "user", "content": "weather in Lima"}], TOOLS).tolist(), ["get_current_weather"], 5))
+    assert hits and hits[0]["tool_name"] == "get_current_weather" and hits[0]["arguments"] == {"city": "Lima"}

@@ -212,3 +212,16 @@ def test_stream_selection(data, tmp_path):
     assert len(picked) == 4 and picked == sorted(picked, key=lambda it: int(it["id"].split("-")[1]))
     assert select_items(items, 4, seed=None) == items[:4]
     assert gold_output_text(AsciiTokenizer(), _item(1), "template").startswith('{"name": "get_x"')
+
+
+def test_bench_cost_on_tiny_hf_dir(tmp_path):
+    """`toolspec bench-cost` on a saved tiny model: writes a curve the projections can load."""
+    from benchmarks.cost import load_curves, main
+
+    tiny_model(vocab=128).save_pretrained(str(tmp_path / "tiny"))
+    out = tmp_path / "res" / "cost-cpu-tiny.json"
+    assert main(["--model", str(tmp_path / "tiny"), "--device", "cpu", "--ks", "1,2,4", "--repeats", "1", "--prefix-len", "32", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["points"]["1"] == 1.0 and set(d["points"]) == {"1", "2", "4"} and d["device"] == "cpu"
+    curves = load_curves(out.parent)
+    assert {"cpu_reference", "flat", "cpu-tiny"} <= set(curves) and len(curves["cpu-tiny"]) == 65

@@ -14,6 +14,7 @@ from retrieval_service.embedding import (
     HFEmbedder,
     HiddenStateEmbedder,
     LexicalEmbedder,
+    concat_keys,
     from_hidden,
     last_user_message,
     request_text,
@@ -60,7 +61,14 @@ def test_from_hidden_normalises_tensors_and_takes_last_row():
     h = torch.tensor([[3.0, 4.0], [0.0, 2.0]])
     assert np.allclose(from_hidden(h[0]), [0.6, 0.8])
     assert np.allclose(from_hidden(h), [0.0, 1.0])
+    assert np.allclose(from_hidden(h, "mean"), np.array([1.5, 3.0]) / np.hypot(1.5, 3.0))
     assert from_hidden(h).dtype == np.float32
+    with pytest.raises(ValueError):
+        from_hidden(h[0], "mean")  # one vector cannot be mean-pooled
+    k = concat_keys(np.array([1.0, 0.0]), np.array([0.0, 2.0]))
+    assert k.shape == (4,) and np.linalg.norm(k) == pytest.approx(1.0)
+    a, b = np.array([1.0, 0.0]), np.array([0.6, 0.8])
+    assert float(concat_keys(a, a) @ concat_keys(b, a)) == pytest.approx((0.6 + 1.0) / 2)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +106,10 @@ def test_hidden_state_embedder_matches_prefill(tiny_model_dir):
     assert np.linalg.norm(v) == pytest.approx(1.0, abs=1e-5)
     r = emb.embed_request([{"role": "user", "content": "weather in paris ?"}])
     assert r.shape == (16,) and np.isfinite(r).all()
+    pre, states = emb.states(ids)
+    assert states.shape == (len(ids), 16) and np.allclose(from_hidden(states), v, atol=1e-5)
+    mean = HiddenStateEmbedder(target, pooling="mean")
+    assert mean.name == "hidden_mean" and np.allclose(mean.embed(ids), from_hidden(states, "mean"), atol=1e-6)
 
 
 def test_hf_embedder_mean_and_last_pooling(tiny_model_dir):

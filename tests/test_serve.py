@@ -7,7 +7,9 @@ real tool call is needed. The retrieval-kill test runs last: it leaves the libra
 from __future__ import annotations
 
 import concurrent.futures as cf
+import importlib.util
 import json
+import time
 
 import httpx
 import pytest
@@ -100,12 +102,30 @@ def test_required_and_named_tool_choice_yield_a_valid_call(real_app, tool_choice
         model="real", messages=msgs, tools=TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=96
     )
     assert r.choices[0].finish_reason == "tool_calls"
+    if importlib.util.find_spec("toolspec_core.constrain") is not None:
+        assert r.model_extra["toolspec"]["constrained"] is True
     calls = calls_of(r)
     assert calls, r.choices[0].message.content
     for name, args in calls:
         assert validate_call(ToolCall(name, args), TOOLS) == [], (name, args)
     if want:
         assert calls[0][0] == want
+
+
+def test_finished_calls_reach_the_shared_library(real_app, weather_call):
+    """The replica sends completed calls to the Retrieval deployment without awaiting them."""
+    from ray import serve
+
+    lib = serve.get_deployment_handle("Retrieval", app_name="real")
+    assert wait_until(lambda: lib.stats.remote().result()["records"] >= 1, timeout=30)
+    before = lib.stats.remote().result()
+    client(real_app).chat.completions.create(
+        model="real", messages=WEATHER_MESSAGES, tools=TOOLS, temperature=0, max_tokens=96,
+        extra_body={"toolspec": {"remember": False}}, user="private",
+    )
+    time.sleep(1.0)
+    after = lib.stats.remote().result()
+    assert after["records"] == before["records"] and after["adds"] == before["adds"]  # never even sent
 
 
 # ---------------------------------------------------------------------------------------- tiny model

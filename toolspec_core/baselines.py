@@ -239,7 +239,10 @@ class SuffixMethod:
 # --------------------------------------------------------------------------- token recycling
 
 TR_TOPK = 8
-TR_RANK_PRIOR = (0.55, 0.15, 0.07, 0.05, 0.035, 0.03, 0.025, 0.02)
+TR_RANK_PRIOR = (0.55, 0.15, 0.07, 0.05, 0.035, 0.03, 0.025, 0.02)  # shapes the static tree
+# Initial acceptance rates per rank, deliberately optimistic: rates only learn from drafted
+# nodes, so a pessimistic start on a steep cost curve would never draft and never learn.
+TR_CONF_PRIOR = (0.8, 0.35, 0.2, 0.12, 0.08, 0.06, 0.05, 0.04)
 
 
 def bfs_template(size: int = 80, prior=TR_RANK_PRIOR, max_depth: int = 10) -> list[tuple[int, int]]:
@@ -295,7 +298,7 @@ class TokenRecyclingDrafter:
             key = f"token_recycling:r{rank}"
             tree.tokens.append(tok)  # siblings are distinct top-k ids: no trie merge needed
             tree.parents.append(tparent)
-            tree.conf.append(self.m.rates.rate(key, TR_RANK_PRIOR[rank]))
+            tree.conf.append(self.m.rates.rate(key, TR_CONF_PRIOR[rank]))
             tree.labels.append(self.label)
             path = (tok,) if tparent == ROOT else paths[parent] + (tok,)
             placed.append(len(tree.tokens) - 1)
@@ -323,7 +326,7 @@ class TokenRecyclingMethod:
         self.topk = topk
         self.template = bfs_template(tree_size, TR_RANK_PRIOR[:topk])
         self.matrix = torch.full((max(self.vocab_size, 1), topk), -1, dtype=torch.int32)  # [V, k]; -1 = unseen
-        self.rates = LabelRates({f"token_recycling:r{r}": p for r, p in enumerate(TR_RANK_PRIOR[:topk])})
+        self.rates = LabelRates({f"token_recycling:r{r}": p for r, p in enumerate(TR_CONF_PRIOR[:topk])})
 
     def _grow(self, vocab: int) -> None:
         """Tokenizer length can undercount the model's padded vocab; grow on demand."""

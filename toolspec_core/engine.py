@@ -14,7 +14,7 @@ from .errors import ContextLengthError, InvalidRequestError
 from .sampling import SamplingParams, sample, target_probs
 from .target import Target
 from .tree import DraftTree, depths, select
-from .verify import VerifyResult, commit_kv, greedy_walk, kv_rows, sample_walk, tree_inputs
+from .verify import VerifyResult, commit_kv, constrained_greedy_walk, greedy_walk, kv_rows, sample_walk, tree_inputs
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     forwards: int = 0  # decode-phase target forward passes
+    forced: int = 0  # tokens forced by a grammar constraint (emitted without verification)
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per step
     drafted: list[int] = field(default_factory=list)  # tree size per step (after budget)
     step_labels: list[str] = field(default_factory=list)  # state of the step (label of its first node)
@@ -55,7 +56,7 @@ class GenerationStats:
     @property
     def mat(self) -> float:
         """Mean tokens per decode forward, bonus included (emitted tokens only)."""
-        decoded = self.generated_tokens - 1  # the first token comes from prefill
+        decoded = self.generated_tokens - 1 - self.forced  # the first token comes from prefill
         return decoded / self.forwards if self.forwards else 1.0
 
     def to_dict(self) -> dict:
@@ -63,6 +64,7 @@ class GenerationStats:
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "forwards": self.forwards,
+            "forced_tokens": self.forced,
             "mat": self.mat,
             "drafted_tokens": sum(self.drafted),
             "accepted_tokens": sum(self.accepted),
@@ -184,22 +186,40 @@ def _record(stats: GenerationStats, tree: DraftTree, result: VerifyResult) -> No
         stats.label_accepted[lab] = stats.label_accepted.get(lab, 0) + 1
 
 
-def verify_step(target: Target, tree: DraftTree, root: int, cache, params: SamplingParams, gen):
-    """One target forward over root + tree.
+def verify_step(target: Target, tree: DraftTree, roots: list[int] | int, cache, params: SamplingParams, gen, constraint=None):
+    """One target forward over the root chain + tree.
 
     Returns the accepted path + the target's token, and the logits row [V] it was chosen from.
     """
+    roots = [roots] if isinstance(roots, int) else roots
     kv_len = cache.get_seq_length()
-    ids, pos, mask = tree_inputs(root, tree, kv_len, target.dtype)
-    hidden = target.hidden(ids, pos, mask if tree.tokens else None, cache)
-    logits = target.logits(hidden)  # [T+1, V]
-    if params.greedy:
-        result = greedy_walk(tree, torch.argmax(logits, -1).tolist())
+    ids, pos, mask = tree_inputs(roots, tree, kv_len, target.dtype)
+    single = len(roots) == 1 and not tree.tokens
+    hidden = target.hidden(ids, pos, None if single else mask, cache)
+    logits = target.logits(hidden)  # [R+T, V]
+    root_row = len(roots) - 1
+    if not params.greedy:
+        result = sample_walk(tree, logits, params, gen, constraint, root_row)
+    elif constraint is not None:
+        result = constrained_greedy_walk(tree, logits, constraint, root_row)
     else:
-        result = sample_walk(tree, logits, params, gen)
-    commit_kv(cache, kv_len, kv_rows(result.path))
+        result = greedy_walk(tree, torch.argmax(logits, -1).tolist(), root_row)
+    commit_kv(cache, kv_len, kv_rows(result.path, len(roots)))
     result.logits = logits  # for drafters that learn from the target (token recycling)
-    return result, logits[result.path[-1] + 1 if result.path else 0]
+    return result, logits[root_row + 1 + result.path[-1] if result.path else root_row]
+
+
+def _first_tokens(pre: Prefilled, params: SamplingParams, gen, constraint) -> list[int]:
+    """The first generated token(s): forced by the grammar, or chosen from the prefill logits."""
+    if constraint is not None:
+        forced = constraint.forced()
+        if forced:
+            return forced
+        logits = pre.logits.masked_fill(~constraint.mask(), float("-inf"))
+        tok = choose(logits, params, gen)
+        constraint.consume(tok)
+        return [tok] + constraint.forced()
+    return [choose(pre.logits, params, gen)]
 
 
 def decode(
@@ -210,11 +230,14 @@ def decode(
     cost: CostModel | None = None,
     own_cache: bool = False,
     on_tokens: Callable[[list[int]], bool | None] | None = None,
+    constraint=None,
 ) -> GenerationResult:
     """Decode after ``pre``. The prefix cache is cloned unless ``own_cache`` (then it is consumed).
 
     ``on_tokens(new_ids)`` is called after each commit with the newly emitted tokens (streaming);
-    returning ``False`` cancels the request (finish_reason "cancelled").
+    returning ``False`` cancels the request (finish_reason "cancelled"). ``constraint`` (see
+    :mod:`toolspec_core.constrain`) restricts the target to a grammar; tokens it forces are
+    emitted without verification and enter the next forward as part of the root chain.
     """
     from .target import clone_cache
 
@@ -224,10 +247,11 @@ def decode(
     gen = cfg.sampling.generator()
     stats = GenerationStats(prompt_tokens=len(pre.prompt_ids), prefill_s=pre.seconds)
     stopper = _Stopper(target.tokenizer, target.eos_ids, cfg)
-    tokens = list(pre.prompt_ids) + [choose(pre.logits, cfg.sampling, gen)]
-    generated = tokens[len(pre.prompt_ids) :]
+    tokens = list(pre.prompt_ids)
+    generated: list[int] = []
     root_probs = _top_probs(pre.logits, cfg.sampling)
-    reason = stopper.done(generated)
+    reason = _emit(_first_tokens(pre, cfg.sampling, gen, constraint), tokens, generated, stopper)
+    roots = list(generated)
     if on_tokens is not None and on_tokens(list(generated)) is False:
         reason = reason or "cancelled"
     while reason is None:
@@ -237,18 +261,17 @@ def decode(
         if cost is not None:
             tree = cost.prune(tree)
         t1 = time.perf_counter()
-        result, last_logits = verify_step(target, tree, tokens[-1], cache, cfg.sampling, gen)
+        result, last_logits = verify_step(target, tree, roots, cache, cfg.sampling, gen, constraint)
         root_probs = _top_probs(last_logits, cfg.sampling)
         t2 = time.perf_counter()
         drafter.feedback(tree, result)
         _record(stats, tree, result)
         emitted = len(generated)
-        for tok in [tree.tokens[i] for i in result.path] + [result.token]:
-            tokens.append(tok)
-            generated.append(tok)
-            reason = stopper.done(generated)
-            if reason:
-                break
+        new = [tree.tokens[i] for i in result.path] + [result.token]
+        forced = constraint.forced() if constraint is not None else []
+        stats.forced += len(forced)
+        reason = _emit(new + forced, tokens, generated, stopper)
+        roots = [result.token] + forced
         if on_tokens is not None and on_tokens(generated[emitted:]) is False:
             reason = reason or "cancelled"
         t3 = time.perf_counter()
@@ -257,6 +280,17 @@ def decode(
         stats.commit_s += t3 - t2
     stats.generated_tokens = len(generated)
     return GenerationResult(generated, stopper.text(generated), reason, stats)
+
+
+def _emit(new: list[int], tokens: list[int], generated: list[int], stopper: _Stopper) -> str | None:
+    """Append tokens one by one until a stop condition (never past EOS / stop / max tokens)."""
+    for tok in new:
+        tokens.append(tok)
+        generated.append(tok)
+        reason = stopper.done(generated)
+        if reason:
+            return reason
+    return None
 
 
 def generate(

@@ -22,35 +22,59 @@ class VerifyResult:
     logits: torch.Tensor | None = field(default=None, repr=False)  # [T+1, V] target logits per row
 
 
-def tree_inputs(root_token: int, tree: DraftTree, prefix_len: int, dtype=torch.float32):
-    """Flatten root + tree into model inputs.
+def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int, dtype=torch.float32):
+    """Flatten the root chain + tree into model inputs.
 
-    Returns input_ids [1, T+1], position_ids [1, T+1] (prefix_len + depth) and an additive
-    float mask [1, 1, T+1, prefix_len + T+1] where each row sees the prefix, itself and its
-    ancestors. A float mask is right under both SDPA and eager attention (a bool 4D mask is
-    silently misread by eager attention).
+    ``roots`` are committed tokens whose KV is not cached yet (the last one, plus any tokens a
+    grammar forced after it); they form a causal chain and the tree hangs off the last of them.
+    Returns input_ids [1, R+T], position_ids [1, R+T] (prefix_len + depth) and an additive float
+    mask [1, 1, R+T, prefix_len + R+T] where each row sees the prefix, the chain up to itself
+    and its ancestors. A float mask is right under both SDPA and eager attention (a bool 4D mask
+    is silently misread by eager attention).
     """
-    n = len(tree) + 1
-    ids = torch.tensor([[root_token] + tree.tokens], dtype=torch.long)
-    pos = torch.tensor([[prefix_len] + [prefix_len + d for d in depths(tree.parents)]], dtype=torch.long)
-    visible = torch.eye(n, dtype=torch.bool)
-    visible[:, 0] = True
-    for i, p in enumerate(tree.parents, start=1):
+    roots = [roots] if isinstance(roots, int) else list(roots)
+    r, n = len(roots), len(roots) + len(tree)
+    ids = torch.tensor([list(roots) + tree.tokens], dtype=torch.long)
+    pos = torch.tensor([list(range(prefix_len, prefix_len + r)) + [prefix_len + r - 1 + d for d in depths(tree.parents)]], dtype=torch.long)
+    visible = torch.zeros(n, n, dtype=torch.bool)
+    visible[:r, :r] = torch.tril(torch.ones(r, r, dtype=torch.bool))
+    visible[r:, :r] = True
+    for i, p in enumerate(tree.parents):
+        row = r + i
         if p != ROOT:
-            visible[i] |= visible[p + 1]
+            visible[row, r:] = visible[r + p, r:]
+        visible[row, row] = True
     mask = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype)
     mask[0, 0, :, prefix_len:] = torch.where(visible, 0.0, torch.finfo(dtype).min)
     return ids, pos, mask
 
 
-def greedy_walk(tree: DraftTree, choice: list[int]) -> VerifyResult:
+def greedy_walk(tree: DraftTree, choice: list[int], root_row: int = 0) -> VerifyResult:
     """Longest path whose tokens equal the target's argmax at each parent.
 
-    ``choice[j]`` is the argmax at input row ``j`` (0 = root, ``i + 1`` = node ``i``).
+    ``choice[j]`` is the argmax at input row ``j`` (``root_row`` = the root, ``root_row + 1 + i``
+    = node ``i``).
     """
     node, path = ROOT, []
     while True:
-        want = choice[node + 1]
+        want = choice[root_row + 1 + node]
+        nxt = tree.child(node, want)
+        if nxt < 0:
+            return VerifyResult(path, want)
+        path.append(nxt)
+        node = nxt
+
+
+def constrained_greedy_walk(tree: DraftTree, logits: torch.Tensor, constraint, root_row: int = 0) -> VerifyResult:
+    """Greedy walk where the target's choice is the argmax over tokens the grammar allows.
+
+    The constraint consumes the accepted path and the chosen token as it goes.
+    """
+    node, path = ROOT, []
+    while True:
+        row = logits[root_row + 1 + node]
+        want = int(torch.argmax(row.masked_fill(~constraint.mask(), float("-inf"))))
+        constraint.consume(want)
         nxt = tree.child(node, want)
         if nxt < 0:
             return VerifyResult(path, want)
@@ -59,17 +83,22 @@ def greedy_walk(tree: DraftTree, choice: list[int]) -> VerifyResult:
 
 
 def sample_walk(
-    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+    constraint=None, root_row: int = 0,
 ) -> VerifyResult:
     """Recursive rejection sampling for point-mass drafts (lossless for any tree).
 
     At each accepted node, children are tried in order: child x is accepted with probability
     p'(x), where p' is the target distribution with already-rejected siblings zeroed and
-    renormalised; on total rejection the token is drawn from that residual. logits: [T+1, V].
+    renormalised; on total rejection the token is drawn from that residual. logits: [R+T, V].
+    With a grammar ``constraint`` the target distribution is the one restricted to allowed tokens.
     """
     node, path = ROOT, []
     while True:
-        residual = target_probs(logits[node + 1], params)
+        row = logits[root_row + 1 + node]
+        if constraint is not None:
+            row = row.masked_fill(~constraint.mask(), float("-inf"))
+        residual = target_probs(row, params)
         for c in tree.children(node):
             x = tree.tokens[c]
             px = float(residual[x])
@@ -81,12 +110,17 @@ def sample_walk(
             total = float(residual.sum())
             residual = residual / total
         else:
-            return VerifyResult(path, sample(residual, generator))
+            tok = sample(residual, generator)
+            if constraint is not None:
+                constraint.consume(tok)
+            return VerifyResult(path, tok)
+        if constraint is not None:
+            constraint.consume(tree.tokens[node])
 
 
-def kv_rows(path: list[int]) -> list[int]:
-    """Input rows whose KV must be kept: the root and each accepted node."""
-    return [0] + [i + 1 for i in path]
+def kv_rows(path: list[int], n_roots: int = 1) -> list[int]:
+    """Input rows whose KV must be kept: the root chain and each accepted node."""
+    return list(range(n_roots)) + [n_roots + i for i in path]
 
 
 def commit_kv(cache, prefix_len: int, rows: list[int]) -> None:
