@@ -14,7 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from toolspec_core.errors import InvalidRequestError
@@ -142,12 +142,15 @@ def _constraint_factory():
 
 @dataclass
 class Prepared:
+    """A validated request: prompt ids (+ forced opener), decode settings, optional grammar."""
+
     prompt_ids: list[int]
     forced_text: str
     forced_ids: list[int]
-    max_new_tokens: int
+    decode_cfg: Any
     constraint: Any = None
     prefix_len: int = 0
+    key: Any = None  # retrieval key known before prefill (lexical), else None
 
 
 @dataclass
@@ -156,7 +159,6 @@ class HostStats:
     errors: int = 0
     cancelled: int = 0
     prefix_hit_tokens: int = 0
-    counters: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------- host
@@ -228,8 +230,9 @@ class EngineHost:
 
     # ------------------------------------------------------------------ blocking steps (threads)
     def _prepare(self, req: dict) -> Prepared:
-        from toolspec_core.engine import check_prompt
+        from toolspec_core.engine import DecodeConfig, check_prompt
         from toolspec_core.prompting import render_prompt
+        from toolspec_core.sampling import SamplingParams
 
         tok = self.target.tokenizer
         tools = req["tools"] if req["tool_choice"] != "none" else []
@@ -250,7 +253,11 @@ class EngineHost:
         else:
             max_new = max(1, req["max_tokens"] - len(forced_ids))  # the forced opener counts as completion
         check_prompt(self.target, prompt + forced_ids, max_new)
-        return Prepared(prompt + forced_ids, forced, forced_ids, max_new, constraint)
+        temperature = req["temperature"] if req["temperature"] is not None else self.cfg.default_temperature
+        sampling = SamplingParams(temperature, req["top_p"], req["top_k"], req["seed"])
+        cfg = DecodeConfig(max_new, tuple(req["stop"]), sampling)
+        key = self.embedder.embed_request(req["messages"], tools) if self.embedder is not None and tools else None
+        return Prepared(prompt + forced_ids, forced, forced_ids, cfg, constraint, key=key)
 
     def _prefill(self, prep: Prepared):
         from toolspec_core.engine import prefill
@@ -269,16 +276,12 @@ class EngineHost:
                 self.stats.prefix_hit_tokens += n
         return prefill(self.target, ids, prefix)
 
-    def _decode(self, req: dict, prep: Prepared, pre, info, on_tokens):
-        from toolspec_core.engine import DecodeConfig, decode
-        from toolspec_core.sampling import SamplingParams
+    def _decode(self, prep: Prepared, pre, info, on_tokens):
+        from toolspec_core.engine import decode
 
-        temperature = req["temperature"] if req["temperature"] is not None else self.cfg.default_temperature
-        sampling = SamplingParams(temperature, req["top_p"], req["top_k"], req["seed"])
-        cfg = DecodeConfig(prep.max_new_tokens, tuple(req["stop"]), sampling)
         kwargs = {"constraint": prep.constraint} if prep.constraint is not None else {}
         drafter = self.method.drafter(info)
-        result = decode(self.target, pre, drafter, cfg, self.cost, own_cache=True, on_tokens=on_tokens, **kwargs)
+        result = decode(self.target, pre, drafter, prep.decode_cfg, self.cost, own_cache=True, on_tokens=on_tokens, **kwargs)
         if result.finish_reason != "cancelled":
             try:
                 self.method.observe(info, result.tokens, prep.forced_text + result.text)
@@ -307,14 +310,13 @@ class EngineHost:
             yield error_event(exc)
             return
         yield {"event": "start", "prompt_tokens": len(prep.prompt_ids) - len(prep.forced_ids)}
-        # retrieval keyed on the request text runs while the prompt is prefilled
-        search = None
-        embedding = None
-        if self.retrieval is not None and self.embedder is not None and req["tools"] and req["tool_choice"] != "none":
-            embedding = self.embedder.embed_request(req["messages"], req["tools"])
+        # a search keyed on the request text runs while the prompt is prefilled
+        wants_history = self.retrieval is not None and bool(req["tools"]) and req["tool_choice"] != "none"
+        embedding, search = prep.key, None
+        if wants_history and embedding is not None:
             search = asyncio.ensure_future(self._retrieve(req, embedding))
         pre = await loop.run_in_executor(self.pool, self._prefill, prep)
-        if self.retrieval is not None and self.embedder is None and req["tools"] and req["tool_choice"] != "none":
+        if wants_history and embedding is None:
             from retrieval_service.embedding import from_hidden
 
             embedding = from_hidden(pre.hidden)
@@ -338,7 +340,7 @@ class EngineHost:
 
         def run():
             try:
-                return self._decode(req, prep, pre, info, on_tokens)
+                return self._decode(prep, pre, info, on_tokens)
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, done)
 

@@ -4,7 +4,6 @@ over an in-process engine (tiny random Qwen2), called with the official openai c
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
@@ -456,3 +455,21 @@ def test_completed_calls_go_to_the_library_unless_told_not_to(local):
     assert run(go(True)) == 1
     hits = asyncio.run(handle.server.search("acme", host.embedder.embed_request([{"role": "user", "content": "weather in Lima"}], TOOLS).tolist(), ["get_current_weather"], 5))
     assert hits and hits[0]["tool_name"] == "get_current_weather" and hits[0]["arguments"] == {"city": "Lima"}
+
+
+def test_hidden_state_retrieval_key(tiny_model_dir):  # noqa: F811
+    """retrieval.key=hidden: the library is keyed on the target's last hidden state (after prefill)."""
+    from deployments.app import retrieval_dim
+    from deployments.retrieval import RetrievalClient, RetrievalServer
+
+    cfg = ServeAppConfig(model=tiny_model_dir, method="toolspec", cost_model="none", retrieval={"store": {"backend": "memory"}, "key": "hidden", "timeout_s": 2.0})
+    assert retrieval_dim(cfg) == 64
+    handle = FakeHandle(RetrievalServer(cfg.store_config(retrieval_dim(cfg))))
+    host = EngineHost.build(cfg, RetrievalClient(handle, cfg.retrieval))
+    req = {"messages": WEATHER_MESSAGES, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 6, "temperature": None,
+           "top_p": 1.0, "top_k": 0, "seed": None, "stop": [], "tenant": "t", "remember": True}
+    try:
+        done = run(host.generate(req))
+    finally:
+        host.close()
+    assert done["event"] == "done" and done["extra"]["retrieval"]["status"] == "ok"

@@ -50,10 +50,24 @@ def call_schema(tools: list[dict], only: str | None = None) -> dict:
     return alts[0] if len(alts) == 1 else {"anyOf": alts}
 
 
-def call_grammar(tools: list[dict], only: str | None = None) -> str:
-    schema = json.dumps(call_schema(tools, only))
+# Whitespace between JSON tokens: compact or pretty-printed (newline + indent), but bounded,
+# so a model cannot loop on whitespace forever.
+JSON_OPTIONS = {"whitespace_pattern": r"[ \n]{0,20}"}
+
+
+def _tag(tokenizer, text: str) -> str:
+    """A tag as a grammar item: its special token where the tokenizer has one (Qwen does)."""
+    tid = tokenizer.convert_tokens_to_ids(text) if tokenizer is not None else None
+    if isinstance(tid, int) and tid >= 0 and tid != getattr(tokenizer, "unk_token_id", None):
+        return f"<[{tid}]>"
+    return json.dumps(text)
+
+
+def call_grammar(tools: list[dict], only: str | None = None, tokenizer=None) -> str:
+    schema = json.dumps({**call_schema(tools, only), "x-guidance": JSON_OPTIONS})
+    open_tag, close_tag = _tag(tokenizer, "<tool_call>"), _tag(tokenizer, "</tool_call>")
     lark = (
-        'start: "<tool_call>\\n" call "\\n</tool_call>" | "```json\\n" call "\\n```" | call\n'
+        f'start: {open_tag} "\\n" call "\\n" {close_tag} | "```json\\n" call "\\n```" | call\n'
         f"call: %json {schema}\n"
     )
     import llguidance
@@ -112,7 +126,7 @@ def make_tool_constraint(tokenizer, tools: list[dict] | None, tool_choice, vocab
     import llguidance
 
     lltok = _lltokenizer(tokenizer)
-    matcher = llguidance.LLMatcher(lltok, call_grammar(tools, only), log_level=0)
+    matcher = llguidance.LLMatcher(lltok, call_grammar(tools, only, tokenizer), log_level=0)
     if matcher.is_error():
         raise InvalidRequestError(f"tool schema cannot be used as a grammar: {matcher.get_error()}", "tools")
     return GrammarConstraint(matcher, vocab_size or len(tokenizer))

@@ -1,0 +1,161 @@
+"""ToolSpec drafting end to end on a tiny random model with the real Qwen tokenizer:
+losslessness with schema / retrieval drafts (poisoned library, cold start), constrained
+tool_choice, and the retrieval drafter itself."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from toolspec_core.budget import CostModel
+from toolspec_core.constrain import make_tool_constraint
+from toolspec_core.drafting import DraftContext, LabelRates
+from toolspec_core.engine import DecodeConfig, decode, prefill
+from toolspec_core.errors import InvalidRequestError
+from toolspec_core.library import MemoryLibrary, PastCall
+from toolspec_core.methods import RequestInfo, make_method
+from toolspec_core.prompting import render_prompt
+from toolspec_core.schema_drafter import RetrievalDrafter
+from toolspec_core.target import from_model
+from toolspec_core.toolcalls import parse_tool_calls, validate_call
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}},
+]
+MESSAGES = [{"role": "user", "content": "What's the weather in Paris, in celsius?"}]
+
+
+@pytest.fixture(scope="module")
+def qwen_tok():
+    from transformers import AutoTokenizer
+
+    from toolspec_core.embedded import embedded_model_dir
+
+    return AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(qwen_tok):
+    """Random 2-layer Qwen2 with the real vocabulary (so real tokenization and grammars apply)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.3, attn_implementation="sdpa")
+    return from_model(Qwen2ForCausalLM(cfg).eval(), qwen_tok, "tiny-qwen")
+
+
+@pytest.fixture(scope="module")
+def closing_qwen(tiny_qwen, qwen_tok):
+    """The tiny model with a strong taste for closing quotes/braces, so constrained calls end."""
+    ids = {i for t in ('"', '"}', '"}}', "}", "}}", "UTC", "Paris", ' "', '",', '":') for i in qwen_tok.encode(t)}
+    bias = torch.zeros(151936)
+    bias[list(ids)] = 30.0
+    tg = from_model(tiny_qwen.model, qwen_tok, "tiny-qwen-closing")
+    plain_logits = tg.logits
+    tg.logits = lambda h: plain_logits(h) + bias
+    return tg
+
+
+def _prompt(tok):
+    return render_prompt(tok, MESSAGES, TOOLS)
+
+
+def _poisoned_library(tok, tenant="t1") -> MemoryLibrary:
+    lib = MemoryLibrary()
+    for city in ("Berlin", "Tokyo", "Lima"):
+        text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s", "unit": "fahrenheit"}}\n</tool_call>' % city
+        lib.add(tenant, PastCall("get_weather", tok.encode(text), text), [1.0, 0.0])
+    return lib
+
+
+def test_greedy_unchanged_by_schema_retrieval_and_poisoned_library(tiny_qwen, qwen_tok):
+    prompt = _prompt(qwen_tok)
+    pre = prefill(tiny_qwen, prompt)
+    cfg = DecodeConfig(max_new_tokens=40)
+    plain = decode(tiny_qwen, pre, None, cfg).tokens
+    for name in ("toolspec_schema", "toolspec_retrieval", "toolspec"):
+        method = make_method(name, qwen_tok, library=_poisoned_library(qwen_tok))
+        req = RequestInfo(prompt, TOOLS, tenant="t1", embedding=[1.0, 0.0])
+        res = decode(tiny_qwen, pre, method.drafter(req), cfg, CostModel.flat())
+        assert res.tokens == plain, name
+
+
+def test_cold_library_behaves_like_schema_only(tiny_qwen, qwen_tok):
+    prompt = _prompt(qwen_tok)
+    pre = prefill(tiny_qwen, prompt)
+    cfg = DecodeConfig(max_new_tokens=30)
+    req = RequestInfo(prompt, TOOLS)
+    schema = decode(tiny_qwen, pre, make_method("toolspec_schema", qwen_tok).drafter(req), cfg, CostModel.flat())
+    cold = decode(tiny_qwen, pre, make_method("toolspec", qwen_tok).drafter(req), cfg, CostModel.flat())
+    assert cold.tokens == schema.tokens
+    assert cold.stats.drafted == schema.stats.drafted and cold.stats.accepted == schema.stats.accepted
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+@pytest.mark.parametrize("method", [None, "toolspec"])
+def test_constrained_tool_choice_always_gives_a_valid_call(closing_qwen, qwen_tok, choice, method):
+    """Even a random model writes a valid call under the grammar, with or without drafting."""
+    tiny_qwen = closing_qwen
+    prompt = _prompt(qwen_tok)
+    pre = prefill(tiny_qwen, prompt)
+    cfg = DecodeConfig(max_new_tokens=120)
+    outs = []
+    for drafter in ([None] if method is None else [None, make_method(method, qwen_tok).drafter(RequestInfo(prompt, TOOLS))]):
+        c = make_tool_constraint(qwen_tok, TOOLS, choice, tiny_qwen.model.config.vocab_size)
+        res = decode(tiny_qwen, pre, drafter, cfg, CostModel.flat(), constraint=c)
+        outs.append(res.tokens)
+        assert res.finish_reason == "stop", res.text
+        calls = parse_tool_calls(res.text).calls
+        assert len(calls) == 1, res.text
+        assert validate_call(calls[0], TOOLS) == []
+        fn = next(t["function"] for t in TOOLS if t["function"]["name"] == calls[0].name)
+        jsonschema.validate(calls[0].arguments, fn["parameters"])
+        if isinstance(choice, dict):
+            assert calls[0].name == "get_time"
+        assert res.stats.forced > 0  # the grammar forced some tokens (no verification needed)
+    assert all(o == outs[0] for o in outs)  # drafting does not change the constrained output
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "nope"}}, "sometimes", {"type": "function"}])
+def test_bad_tool_choice(qwen_tok, choice):
+    with pytest.raises(InvalidRequestError):
+        make_tool_constraint(qwen_tok, TOOLS, choice)
+
+
+def test_no_constraint_for_auto_and_none(qwen_tok):
+    assert make_tool_constraint(qwen_tok, TOOLS, "auto") is None
+    assert make_tool_constraint(qwen_tok, TOOLS, "none") is None
+
+
+def test_retrieval_drafter_continues_a_past_call(qwen_tok):
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    ids = qwen_tok.encode(text)
+    other = qwen_tok.encode('<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>')
+    d = RetrievalDrafter([PastCall("get_weather", ids, text), PastCall("get_time", other)], LabelRates({"retrieval": 0.6}))
+    written = ids[:12]
+    ctx = DraftContext([1, 2, 3] + written, 3, 64)
+    tree = d.tree(ctx, "get_weather")
+    path = [tree.tokens[i] for i in tree.path_to(len(tree) - 1)] if len(tree) else []
+    assert path == ids[12 : 12 + len(path)] and len(path) == len(ids) - 12
+    # the tool's calls only, once the tool is known
+    assert all(t in ids for t in d.tree(ctx, "get_weather").tokens)
+
+
+def test_online_method_remembers_calls_but_not_private_ones(qwen_tok):
+    m = make_method("toolspec", qwen_tok)
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+    m.observe(RequestInfo([1], TOOLS, tenant="a", remember=False), qwen_tok.encode(text), text)
+    assert len(m.library) == 0
+    m.observe(RequestInfo([1], TOOLS, tenant="a"), qwen_tok.encode(text), text)
+    assert len(m.library) == 1
+    assert m.library.search("b", None, None, 5) == []  # another tenant sees nothing
+    assert m.priors.tool_counts == {"get_time": 2.0}
+    assert json.dumps(m.library.search("a", None, ["get_time"], 5)[0].tool_name) == '"get_time"'
