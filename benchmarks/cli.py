@@ -1,8 +1,8 @@
 """``toolspec bench``: run the side-by-side benchmark, or rebuild its report.
 
     toolspec bench --data ../shared/data/api_bank.dev.jsonl --data ../shared/data/bfcl_v3.dev.jsonl \\
-        --limit 60 --methods ar,pld,suffix,token_recycling,toolspec --library online --out runs/cpu
-    toolspec bench report --out runs/cpu --name cpu-embedded      # no decoding
+        --limit 60 --methods ar,pld,suffix,token_recycling,toolspec --library online --out benchmarks/runs/cpu
+    toolspec bench report --out benchmarks/runs/cpu --name cpu-embedded      # no decoding
 """
 
 from __future__ import annotations
@@ -21,15 +21,19 @@ def _csv(s: str) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="toolspec bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="toolspec bench", description=__doc__.split("\n\n")[0],
+        epilog="Rebuild report and plots from a run without decoding: toolspec bench report --out DIR [--name NAME]",
+    )
     ap.add_argument("--data", action="append", default=[], help="JSONL file in the common format (repeatable)")
-    ap.add_argument("--out", default="runs/bench", help="run directory (items.jsonl; a rerun resumes)")
+    ap.add_argument("--out", default="benchmarks/runs/bench", help="run directory (items.jsonl; a rerun resumes)")
     ap.add_argument("--name", default=None, help="report name: benchmarks/results/<name>.json (default: out dir name)")
     ap.add_argument("--results-dir", default=str(RESULTS))
     ap.add_argument("--methods", type=_csv, default=list(ALL_METHODS), help=f"comma list of {','.join(ALL_METHODS)}")
     ap.add_argument("--library", type=_csv, default=["online"], help=f"comma list of {','.join(LIBRARIES)} (history methods)")
     ap.add_argument("--warm-file", action="append", default=[], help="JSONL whose gold calls fill the warm library")
     ap.add_argument("--warm-layout", choices=LAYOUTS, default="fence")
+    ap.add_argument("--warm-limit", type=int, default=None, help="warm items per benchmark (each costs one prefill)")
     ap.add_argument("--no-warm-embed", action="store_true", help="do not prefill warm items for retrieval keys")
     ap.add_argument("--limit", type=int, default=None, help="items per data file")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed for --limit; -1 = the first N items")
@@ -92,7 +96,7 @@ def bench_main(argv: list[str] | None = None) -> int:
     cfg = RunConfig(
         data=args.data, out=args.out, methods=args.methods, libraries=args.library, limit=args.limit,
         seed=None if args.seed < 0 else args.seed, warm_files=args.warm_file, warm_layout=args.warm_layout,
-        warm_embed=not args.no_warm_embed, max_new_tokens=args.max_new_tokens, cost=args.cost, model=args.model,
+        warm_embed=not args.no_warm_embed, warm_limit=args.warm_limit, max_new_tokens=args.max_new_tokens, cost=args.cost, model=args.model,
         threads=args.threads,
     )
     runner = run(cfg)

@@ -150,7 +150,7 @@ def measure_curve(model, device: str = "cpu", prefix_len: int = 500, ks=DEFAULT_
             t0 = time.perf_counter()
             _verify_forward(model, k, prefix_len, cache, device, vocab, gen)
             best = min(best, time.perf_counter() - t0)
-            cache.crop(prefix_len)
+            cache.crop(-(cache.get_seq_length() - prefix_len))
         seconds[k] = best
     return seconds
 

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 from toolspec_core.toolcalls import parse_tool_calls, validate_call
 
-from .cost import projected_speedup, steps_cost  # noqa: F401  (re-exported for the report)
+from .cost import projected_speedup
 
 # --------------------------------------------------------------------------- per item
 
@@ -94,6 +94,11 @@ def call_metrics(text: str, item: dict) -> dict:
 # --------------------------------------------------------------------------- aggregation
 
 
+def decoded_tokens(r: dict) -> int:
+    """Tokens produced by decode forwards: not the first (from prefill), not grammar-forced ones."""
+    return r["generated_tokens"] - 1 - r.get("forced_tokens", 0)
+
+
 def _mean(xs) -> float | None:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -132,12 +137,13 @@ def per_state(records: list[dict]) -> dict:
 def summarize(records: list[dict], ar_by_item: dict[str, dict], curves: dict[str, list[float]] | None = None) -> dict:
     """Aggregate one (benchmark, method, library, subset) group against plain greedy.
 
-    mat = Σ decoded tokens / Σ forwards (first token comes from prefill, as in GenerationStats);
+    mat = Σ decoded tokens / Σ forwards (as GenerationStats.mat: the first token comes from
+    prefill, grammar-forced tokens need no forward);
     decode_speedup = Σ AR decode time / Σ method decode time over the same items (total-time
     ratio); mean/geomean_item_speedup average the per-item ratios.
     """
     ar = [ar_by_item[r["item"]] for r in records]
-    decoded = sum(r["generated_tokens"] - 1 for r in records)
+    decoded = sum(decoded_tokens(r) for r in records)
     forwards = sum(r["forwards"] for r in records)
     t_me, t_ar = sum(r["decode_s"] for r in records), sum(a["decode_s"] for a in ar)
     e2e_me = sum(r["prefill_s"] + r["decode_s"] for r in records)

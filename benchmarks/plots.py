@@ -61,7 +61,7 @@ def plot_accepted_by_state(recs: list[dict], path: Path) -> None:
     for ax, name in zip(axes.flat, names):
         states = sorted(per[name], key=lambda s: -len(per[name][s]))
         ax.boxplot([per[name][s] for s in states], showmeans=True)
-        ax.set_xticks(range(1, len(states) + 1), [f"{s}\n(n={len(per[name][s])})" for s in states], fontsize=7)
+        ax.set_xticks(range(1, len(states) + 1), [f"{s}\n(n={len(per[name][s])})" for s in states], fontsize=7, rotation=30, ha="right")
         ax.set_title(name, fontsize=9)
         ax.set_ylabel("accepted tokens / step")
     for ax in list(axes.flat)[len(names):]:

@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .cost import RESULTS, load_curves
-from .metrics import first_mismatch, summarize
+from .metrics import decoded_tokens, first_mismatch, summarize
 from .runner import ALL_METHODS, item_store
 
 BASELINES = ("pld", "suffix", "token_recycling")
@@ -105,7 +105,7 @@ def mat_vs_prior(recs: list[dict], ar: dict[str, dict], prior: dict[str, int]) -
             continue
         cell = acc[run_label(r["method"], r["library"])][_bucket(prior[r["item"]])]
         cell[0] += 1
-        cell[1] += r["generated_tokens"] - 1
+        cell[1] += decoded_tokens(r)
         cell[2] += r["forwards"]
     order = [lab for _, _, lab in PRIOR_BUCKETS]
     return {

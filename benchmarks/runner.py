@@ -30,7 +30,7 @@ from toolspec_core.engine import DecodeConfig, decode, prefill
 from toolspec_core.errors import ToolSpecError
 from toolspec_core.methods import RequestInfo, make_method
 
-from .data import load_items, load_stream, prompt_ids, warm_documents
+from .data import load_items, load_stream, prompt_ids, select_items, warm_documents
 from .metrics import call_metrics, first_mismatch
 
 ALL_METHODS = ("ar", "pld", "suffix", "token_recycling", "toolspec_schema", "toolspec_retrieval", "toolspec")
@@ -49,6 +49,7 @@ class RunConfig:
     warm_files: list[str] = field(default_factory=list)
     warm_layout: str = "fence"
     warm_embed: bool = True
+    warm_limit: int | None = None  # warm items per benchmark (seeded sample), each costs a prefill
     max_new_tokens: int = 256
     cost: str = "measured"  # measured | reference | flat | path to a cost JSON
     model: str | None = None  # None/"embedded" or an HF directory
@@ -284,6 +285,7 @@ class Runner:
             evaluated = {it["id"] for it in self.stream}
             items = [it for p in self.cfg.warm_files for it in load_items(p)]
             items = [it for it in items if it["benchmark"] == bench and it["id"] not in evaluated]
+            items = select_items(items, self.cfg.warm_limit, self.cfg.seed)
             embed = self._warm_embedding if self.cfg.warm_embed else None
             self._warm[bench] = warm_documents(self.target.tokenizer, items, self.target.eos_ids, self.cfg.warm_layout, embed)
             log(f"warm library for {bench}: {len(self._warm[bench])} documents")
@@ -324,6 +326,9 @@ class Runner:
                 bar.update(len(pending))
                 return
             pinfo = pinfo or self.prefills.put(item["id"], pre)
+            # untimed 2-token decode so plain greedy (always first) does not pay the first
+            # decode's one-off costs after a large prefill (allocator, caches)
+            decode(self.target, pre, None, DecodeConfig(max_new_tokens=2))
         emb = pre.hidden if pre is not None else (decode_hidden(pinfo["hidden"]) if pinfo else None)
         req = RequestInfo(prompt_ids=ids, tools=item.get("tools") or [], embedding=emb)
         ar = self.store.records.get(pair_key(item["id"], "ar", None))
@@ -355,6 +360,7 @@ class Runner:
             self.store.append({**head, "error": f"{type(exc).__name__}: {exc}"})
             return None
         rec["prefill_s"] = pre.seconds
+        rec["e2e_s"] = pre.seconds + rec["decode_s"]  # one prefill + this method's decode phase
         rec = finish_record(rec, item, None if name == "ar" else ar)
         self.store.append(rec)
         return rec

@@ -4,6 +4,7 @@ over an in-process engine (tiny random Qwen2), called with the official openai c
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -473,3 +474,28 @@ def test_hidden_state_retrieval_key(tiny_model_dir):  # noqa: F811
     finally:
         host.close()
     assert done["event"] == "done" and done["extra"]["retrieval"]["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_current_weather"}}], ids=["required", "named"]
+)
+def test_forced_tool_choice_is_a_valid_call_even_from_a_random_model(local, tool_choice):
+    """The grammar constraint guarantees a schema-valid call whatever the target prefers (as long
+    as max_tokens lets it close: a random model may write a free-text value forever)."""
+    from toolspec_core.toolcalls import ToolCall, validate_call
+
+    _, app, _, _ = local
+
+    async def go():
+        return await aclient(app).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], tools=TOOLS, tool_choice=tool_choice,
+            temperature=0, max_tokens=400,
+        )
+
+    r = run(go())
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+    call = r.choices[0].message.tool_calls[0]
+    assert validate_call(ToolCall(call.function.name, json.loads(call.function.arguments)), TOOLS) == []
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_current_weather"
+    assert r.model_extra["toolspec"]["constrained"] is True and r.model_extra["toolspec"]["forced_tokens"] > 0

@@ -135,3 +135,16 @@ def test_token_recycling_template_and_matrix():
     # depth cap honoured
     short = m.drafter(RequestInfo(prompt_ids=[1])).propose(DraftContext([1, 2], 1, 1))
     assert max(depths(short.parents)) == 1
+
+
+def test_token_recycling_root_chain_rows():
+    """With grammar-forced tokens the forward starts with a root chain: rows map to its tokens."""
+    m = TokenRecyclingMethod(vocab_size=16)
+    d = m.drafter(RequestInfo(prompt_ids=[1]))
+    tree = DraftTree()
+    tree.add_path([9], 0.5, "token_recycling")
+    d.propose(DraftContext([1, 3, 4], 1, 10))  # root chain (3, 4): 4 is the tree's root
+    logits = torch.zeros(3, 16)  # rows: 3, 4, node 9
+    logits[0, 11], logits[1, 12], logits[2, 13] = 1.0, 1.0, 1.0
+    d.feedback(tree, VerifyResult(path=[], token=12, logits=logits))
+    assert [m.matrix[t, 0].item() for t in (3, 4, 9)] == [11, 12, 13]

@@ -225,3 +225,15 @@ def test_bench_cost_on_tiny_hf_dir(tmp_path):
     assert d["points"]["1"] == 1.0 and set(d["points"]) == {"1", "2", "4"} and d["device"] == "cpu"
     curves = load_curves(out.parent)
     assert {"cpu_reference", "flat", "cpu-tiny"} <= set(curves) and len(curves["cpu-tiny"]) == 65
+
+
+def test_bench_cost_named_shape_random_bf16(tmp_path, monkeypatch):
+    """A named shape is built from its config with random weights (here a tiny one, bf16 on CPU)."""
+    from benchmarks import cost
+
+    monkeypatch.setitem(cost.SHAPES, "test-tiny", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                                       num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False))
+    out = tmp_path / "c.json"
+    assert cost.main(["--model", "test-tiny", "--device", "cpu", "--dtype", "bfloat16", "--ks", "1,8", "--repeats", "1", "--prefix-len", "16", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["random_weights"] and d["dtype"] == "bfloat16" and d["shape"] == "test-tiny" and set(d["points"]) == {"1", "8"}

