@@ -14,22 +14,10 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+from deployments.cli import DEMO_TOOLS  # noqa: E402  (the demo's weather tool, shared)
+
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_current_weather",
-            "description": "Get the current weather in a given city.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "description": "City name, e.g. Paris"},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city"],
-            },
-        },
-    },
+    DEMO_TOOLS[0],
     {
         "type": "function",
         "function": {

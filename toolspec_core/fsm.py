@@ -153,7 +153,7 @@ class CallTracker:
             else:
                 if top.role == "call" and top.key == "name":
                     self.name = s
-                self._end_value(already=True)
+                self._end_value()
             self.since = ""
         else:
             self.buf += ch
@@ -239,7 +239,7 @@ class CallTracker:
         if self.pretty is None and frame.role in ("call", "args"):
             self.pretty = False
 
-    def _end_value(self, already: bool = False) -> None:
+    def _end_value(self) -> None:
         self.in_scalar, self.buf = False, ""
         if self.stack:
             self.stack[-1].expect = "next"

@@ -47,9 +47,9 @@ class Priors:
 class _Builder:
     """Expands continuations for one tracker position; small recursive helpers, one per structure."""
 
-    def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int, max_cands: int):
+    def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int):
         self.tr, self.tools, self.priors, self.eos = tr, tools, priors, eos
-        self.levels, self.max_cands = levels, max_cands
+        self.levels = levels
 
     # ---- style ----
     def pretty(self, layout: Layout | None) -> bool:
@@ -201,9 +201,9 @@ class _Builder:
         for lay, w in zip(layouts, self.priors.layout_weights(layouts)):
             full = lay.opener + "{"
             j = _overlap(text, full) if lay.opener else 0
-            if j == 0 and not (at_line_start and (not lay.opener or text == "")):
-                continue
-            if lay.opener and j == 0 and text != "":
+            # an opener is drafted at the very start, or to complete one the model has begun;
+            # a bare call may also start on a new line after prose
+            if j == 0 and not (text == "" or (at_line_start and not lay.opener)):
                 continue
             segs = [(full[j:], OPENER)]
             p = w * (self.priors.call_start if text == "" else (1.0 if j > 0 else 0.15))
@@ -237,7 +237,7 @@ class _Builder:
             return self.seq([(ws + '"name"' + tr.kv_sep + '"', CALL_KEY)], self.tool_names("", lay, f.indent, lv))
         if f.expect in ("colon", "value") and f.key == "name":
             pre = tr.kv_sep if f.expect == "colon" else ""
-            return self.seq([(pre + '"', CALL_KEY)] if f.expect == "colon" or not tr.since == "" or True else [], self.tool_names("", lay, f.indent, lv))
+            return self.seq([(pre + '"', CALL_KEY)], self.tool_names("", lay, f.indent, lv))
         if f.expect == "next" and f.key == "name":
             return self.after_name(tr.name or "", lay, f.indent, lv, since=tr.since)
         if f.expect in ("colon", "value") and f.key in ("arguments", "parameters"):
@@ -258,10 +258,7 @@ class _Builder:
             return self.arg_names(name, used[:-1] if f.key is None else used, tr.buf, lay, f.indent, lv)
         if f.expect == "key":
             ws = self.rest(self.ws_in(f.indent, lay), tr.since)
-            first = self.seq([(ws + '"', CALL_KEY)], self.arg_names(name, used, "", lay, f.indent, lv))
-            if not used and tr.event == "{":
-                return first
-            return first
+            return self.seq([(ws + '"', CALL_KEY)], self.arg_names(name, used, "", lay, f.indent, lv))
         schema = self.tools.properties(name).get(f.key or "") or {}
         if f.expect == "colon":
             return self.seq([(tr.kv_sep, CALL_KEY)], self.value_start(name, used, schema, lay, f.indent, lv))
@@ -311,11 +308,8 @@ def _overlap(text: str, full: str) -> int:
 
 def continuations(tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int = 3, max_cands: int = 64) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first."""
-    cands = _Builder(tr, tools, priors, eos, levels, max_cands).build()
+    cands = _Builder(tr, tools, priors, eos, levels).build()
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
     cands.sort(key=lambda c: -c.prob)
     return cands[:max_cands]
 
-
-def state_of(tr: CallTracker) -> str:
-    return tr.state
