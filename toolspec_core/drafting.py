@@ -36,6 +36,18 @@ class Drafter(Protocol):
 DrafterFactory = Callable[..., Drafter]
 
 
+CHAIN_LABELS = ("pld", "retrieval")  # copy drafts: once a copy starts matching it tends to go on
+
+
+def rate_key(tree: DraftTree, i: int) -> str:
+    """The acceptance-rate key of node ``i``: copy drafts learn their first token and their
+    continuation separately ("pld" vs "pld+"), so long copies can earn a long draft."""
+    lab, p = tree.labels[i], tree.parents[i]
+    if lab in CHAIN_LABELS and p >= 0 and tree.labels[p] == lab:
+        return lab + "+"
+    return lab
+
+
 class LabelRates:
     """Online acceptance rate per draft label: P(node accepted | parent accepted).
 
@@ -59,7 +71,7 @@ class LabelRates:
         reached = {-1} | accepted
         for i, p in enumerate(tree.parents):
             if p in reached:
-                lab = tree.labels[i]
+                lab = rate_key(tree, i)
                 self.tries[lab] = self.tries.get(lab, 0.0) + 1.0
                 if i in accepted:
                     self.hits[lab] = self.hits.get(lab, 0.0) + 1.0
@@ -115,15 +127,14 @@ class PromptLookupDrafter:
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2, length: int = 10, branches: int = 1, rates: LabelRates | None = None):
         self.max_ngram, self.min_ngram, self.length, self.branches = max_ngram, min_ngram, length, branches
-        self.rates = rates or LabelRates({self.label: 0.6})
+        self.rates = rates or LabelRates({self.label: 0.5, self.label + "+": 0.8})
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         tree = DraftTree()
         conts = ngram_continuations(ctx.tokens, self.max_ngram, self.min_ngram, min(self.length, ctx.max_depth), self.branches)
-        rate = self.rates.rate(self.label)
+        rate, more = self.rates.rate(self.label), self.rates.rate(self.label + "+")
         for rank, cont in enumerate(conts):
-            first = rate / (rank + 1)
-            tree.add_path(cont, [first] + [rate] * (len(cont) - 1), self.label)
+            tree.add_path(cont, [rate / (rank + 1)] + [more] * (len(cont) - 1), self.label)
         return tree
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:

@@ -60,6 +60,10 @@ class _Builder:
     def ws_in(self, indent: int, layout=None) -> str:
         return "\n" + " " * (indent + self.tr.indent_unit) if self.pretty(layout) else ""
 
+    def ws_key(self, indent: int, layout=None) -> str:
+        """Whitespace before a key: after '{' (ws_in) or after ',' (the item separator's)."""
+        return self.sep(indent, layout)[1:] if self.tr.event == "," else self.ws_in(indent, layout)
+
     def ws_close(self, indent: int, layout=None) -> str:
         return "\n" + " " * indent if self.pretty(layout) else ""
 
@@ -233,7 +237,7 @@ class _Builder:
         if tr.in_str == "value" and f.key == "name":
             return self.tool_names(tr.buf, lay, f.indent, lv)
         if f.expect == "key" and "name" not in f.keys:
-            ws = self.rest(self.ws_in(f.indent, lay), tr.since)
+            ws = self.rest(self.ws_key(f.indent, lay), tr.since)
             return self.seq([(ws + '"name"' + tr.kv_sep + '"', CALL_KEY)], self.tool_names("", lay, f.indent, lv))
         if f.expect in ("colon", "value") and f.key == "name":
             pre = tr.kv_sep if f.expect == "colon" else ""
@@ -257,7 +261,7 @@ class _Builder:
         if tr.in_str == "key":
             return self.arg_names(name, used[:-1] if f.key is None else used, tr.buf, lay, f.indent, lv)
         if f.expect == "key":
-            ws = self.rest(self.ws_in(f.indent, lay), tr.since)
+            ws = self.rest(self.ws_key(f.indent, lay), tr.since)
             return self.seq([(ws + '"', CALL_KEY)], self.arg_names(name, used, "", lay, f.indent, lv))
         schema = self.tools.properties(name).get(f.key or "") or {}
         if f.expect == "colon":

@@ -9,7 +9,7 @@ and the engine's cost-aware budget keeps what pays.
 from __future__ import annotations
 
 from .boundary import BoundaryTokenizer
-from .drafting import DraftContext, LabelRates, PromptLookupDrafter
+from .drafting import CHAIN_LABELS, DraftContext, LabelRates, PromptLookupDrafter, rate_key
 from .fsm import CallTracker, ToolIndex
 from .library import CallLibrary, MemoryLibrary, PastCall
 from .methods import RequestInfo
@@ -19,7 +19,9 @@ from .tree import ROOT, DraftTree
 from .verify import VerifyResult
 
 RETRIEVAL = "retrieval"
-DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9, RETRIEVAL: 0.6, "pld": 0.5}
+DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9,
+                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, "pld": 0.5, "pld+": 0.8}
+CHAIN_KEYS = set(CHAIN_LABELS) | {k + "+" for k in CHAIN_LABELS}
 DET = 0.99  # a node whose share of its parent's mass is at least this is "deterministic"
 
 
@@ -104,7 +106,7 @@ class RetrievalDrafter:
         best.sort(key=lambda x: (-x[0], -x[1]))
         top_n = best[0][0]
         seen = set()
-        rate = self.rates.rate(RETRIEVAL)
+        rate, more = self.rates.rate(RETRIEVAL), self.rates.rate(RETRIEVAL + "+")
         conts = []
         for n, _, cont in best:
             if n < top_n or tuple(cont[:3]) in seen:
@@ -117,7 +119,7 @@ class RetrievalDrafter:
         for cont in conts:
             votes = sum(1 for n, _, c in best if n == top_n and c[:1] == cont[:1])
             share = votes / sum(1 for n, _, _ in best if n == top_n)
-            tree.add_path(cont, [rate * share] + [rate] * (len(cont) - 1), RETRIEVAL)
+            tree.add_path(cont, [rate * share] + [more] * (len(cont) - 1), RETRIEVAL)
         return tree
 
 
@@ -178,8 +180,8 @@ class SchemaDrafter:
         for i, p in enumerate(tree.parents):
             if p not in reached:
                 continue
-            lab = tree.labels[i]
-            if lab not in ("pld", RETRIEVAL) and tree.conf[i] < DET * self.rates.rate(lab):
+            lab = rate_key(tree, i)
+            if lab not in CHAIN_KEYS and tree.conf[i] < DET * self.rates.rate(lab):
                 continue
             self.rates.tries[lab] = self.rates.tries.get(lab, 0.0) + 1.0
             if i in accepted:

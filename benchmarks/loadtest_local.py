@@ -1,0 +1,58 @@
+"""The committed load-test report: ToolSpec vs plain greedy served by the same app, on loopback.
+
+Starts one local Ray cluster with two applications built from the same config except the method
+(``toolspec`` at /toolspec, ``ar`` = plain greedy at /greedy), runs ``toolspec loadtest`` against
+both side by side, then shuts everything down.
+
+    python -m benchmarks.loadtest_local --concurrency 1,2,4,8 --requests-per-level 8 --max-seconds 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.loadtest_local", description=__doc__)
+    p.add_argument("--dataset", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "api_bank.dev.jsonl"))
+    p.add_argument("--concurrency", default="1,2,4,8")
+    p.add_argument("--requests-per-level", default="8")
+    p.add_argument("--max-seconds", default="300")
+    p.add_argument("--max-tokens", default="128")
+    p.add_argument("--warmup", default="2")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="extra ServeAppConfig keys for both apps")
+    ns = p.parse_args(argv)
+
+    from deployments.cli import start_server, stop_server
+    from deployments.config import ServeAppConfig
+
+    from .loadtest import main as loadtest_main
+
+    base = {"port": ns.port, "max_ongoing_requests": 8, "cost_model": "measure"}
+    for item in ns.set:
+        import json
+
+        key, _, value = item.partition("=")
+        base[key] = json.loads(value)
+    urls = {}
+    try:
+        for name, method in (("toolspec", "toolspec"), ("greedy", "ar")):
+            cfg = ServeAppConfig.model_validate({**base, "method": method, "route_prefix": f"/{name}"})
+            urls[name] = start_server(cfg, app_name=name, quiet=True)
+            print(f"{name}: {urls[name]}/v1 (method {method})", flush=True)
+        args = ["--dataset", ns.dataset, "--concurrency", ns.concurrency, "--requests-per-level", ns.requests_per_level,
+                "--max-seconds", ns.max_seconds, "--max-tokens", ns.max_tokens, "--warmup", ns.warmup, "--stream",
+                "--out", ns.out, "--baseline", "greedy"]
+        for name, url in urls.items():
+            args += ["--endpoint", f"{name}={url}/v1"]
+        return loadtest_main(args)
+    finally:
+        stop_server()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
