@@ -26,6 +26,13 @@ def _method_order(m: str) -> int:
 def load_records(out: Path) -> tuple[list[dict], dict[str, dict]]:
     """(every successful record, plain-greedy record by item) with exact match recomputed."""
     recs = list(item_store(Path(out)).records.values())
+    # an interrupted run leaves its last item(s) with only some methods done: report an item only
+    # when every (method, library) of the run has it, so all methods are compared on the same items
+    runs_per_item: dict[str, set] = defaultdict(set)
+    for r in recs:
+        runs_per_item[r["item"]].add((r["method"], r["library"]))
+    full = set().union(*runs_per_item.values()) if runs_per_item else set()
+    recs = [r for r in recs if runs_per_item[r["item"]] == full]
     ar = {r["item"]: r for r in recs if r["method"] == "ar"}
     for r in recs:
         if r["item"] in ar:
