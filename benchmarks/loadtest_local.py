@@ -27,7 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="extra ServeAppConfig keys for both apps")
     ns = p.parse_args(argv)
 
+    import ray.serve._private.api as serve_api
+
     from deployments.cli import start_server, stop_server
+
+    # Ray Serve gives its HTTP proxy 60 s to start and 5 s to answer a ready check; on a busy
+    # 2-core box (a benchmark running beside) it can need more.
+    serve_api.HTTP_PROXY_TIMEOUT = max(serve_api.HTTP_PROXY_TIMEOUT, 600)
+    for var, value in (("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120"), ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")):
+        os.environ.setdefault(var, value)
     from deployments.config import ServeAppConfig
 
     from .loadtest import main as loadtest_main

@@ -301,3 +301,12 @@ def test_bad_prompts(tiny):
         generate(tiny, [1] * 600, None, DecodeConfig(max_new_tokens=4))
     with pytest.raises(ContextLengthError):
         generate(tiny, [1] * 500, None, DecodeConfig(max_new_tokens=100))
+
+
+def test_measured_cost_curve_is_relative_and_monotone(tiny):
+    from toolspec_core.budget import measure_cost_model
+
+    cm = measure_cost_model(tiny, prefix_len=32, max_nodes=15, repeats=2)
+    assert cm.points[1] == 1.0 and set(cm.points) == {1, 2, 4, 8, 12, 16}
+    assert all(a <= b + 1e-12 for a, b in zip(cm.curve[1:], cm.curve[2:]))  # never cheaper for more tokens
+    assert cm.step_cost(0) == cm.curve[1] == 1.0

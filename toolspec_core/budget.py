@@ -66,12 +66,16 @@ class CostModel:
         return cls({1: 1.0, max_nodes + 1: 1.0}, max_nodes, "flat")
 
 
-def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 3) -> dict[int, float]:
+def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 5) -> dict[int, float]:
     """Time one forward of k tree tokens (chain mask) over a ``prefix_len`` cache, relative to k=1.
 
     Uses the same code path as decoding (hidden states + lm_head on all rows, float mask for
-    k > 1, KV commit of one row), on random token ids (timing does not depend on values).
+    k > 1, KV commit of one row), on random token ids (timing does not depend on values). Each
+    round times every k once, in a shuffled order, and each k is normalised by the k=1 time of
+    its own round; the median over rounds resists a machine whose load drifts.
     """
+    import random
+
     from .engine import verify_step
     from .sampling import SamplingParams
 
@@ -80,21 +84,35 @@ def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: i
     ids = torch.randint(0, vocab, (1, prefix_len), generator=g)
     cache = target.new_cache()
     target.hidden(ids, torch.arange(prefix_len)[None], None, cache)
-    times: dict[int, float] = {}
     greedy = SamplingParams()
+    trees = {}
     for k in ks:
-        tree = DraftTree()
-        tree.add_path(torch.randint(0, vocab, (k - 1,), generator=g).tolist(), 0.5, "probe")
-        best = float("inf")
-        for _ in range(repeats + 1):  # first run warms up
-            t0 = time.perf_counter()
-            verify_step(target, tree, 0, cache, greedy, None)
-            best = min(best, time.perf_counter() - t0)
-            cache.crop(-(cache.get_seq_length() - prefix_len))
-        times[k] = best
-    return {k: times[k] / times[1] for k in ks}
+        trees[k] = DraftTree()
+        trees[k].add_path(torch.randint(0, vocab, (k - 1,), generator=g).tolist(), 0.5, "probe")
+
+    def once(k: int) -> float:
+        t0 = time.perf_counter()
+        verify_step(target, trees[k], 0, cache, greedy, None)
+        dt = time.perf_counter() - t0
+        cache.crop(-(cache.get_seq_length() - prefix_len))
+        return dt
+
+    for k in ks:  # warm-up
+        once(k)
+    order = list(ks)
+    ratios: dict[int, list[float]] = {k: [] for k in ks}
+    rng = random.Random(0)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        times = {k: once(k) for k in order}
+        base = min(times[1], once(1))
+        for k in ks:
+            ratios[k].append(times[k] / base)
+    points = {k: float(np.median(ratios[k])) for k in ks}
+    points[1] = 1.0
+    return points
 
 
-def measure_cost_model(target, prefix_len: int = 500, max_nodes: int = 63, repeats: int = 3) -> CostModel:
+def measure_cost_model(target, prefix_len: int = 500, max_nodes: int = 63, repeats: int = 5) -> CostModel:
     ks = tuple(k for k in DEFAULT_KS if k <= max_nodes + 1)
     return CostModel(measure_cost_points(target, prefix_len, ks, repeats), max_nodes, "measured")
