@@ -299,9 +299,9 @@ def run_slice_sync(url, jobs, concurrency, max_seconds, opts) -> dict:
 
 # ------------------------------------------------------------------ levels, local or on Ray
 
-def level_jobs(items: list[dict], n: int) -> list[tuple[int, dict]]:
-    """The first *n* requests of a level: dataset items in order, cycling if needed."""
-    return [(i, items[i % len(items)]) for i in range(n)]
+def level_jobs(items: list[dict], n: int, offset: int = 0) -> list[tuple[int, dict]]:
+    """*n* requests of a level: dataset items in order from ``offset``, cycling if needed."""
+    return [(i, items[(offset + i) % len(items)]) for i in range(n)]
 
 
 def split_jobs(jobs: list, concurrency: int, tasks: int) -> list[tuple[list, int]]:
@@ -456,7 +456,9 @@ def write_markdown(report: dict, path: Path) -> None:
              f"- dataset: `{cfg['dataset']}` ({report['dataset_items']} items), "
              f"max_tokens {cfg['max_tokens']}, temperature 0, stream {cfg['stream']}",
              f"- per level: at most {cfg['requests_per_level']} requests and {cfg['max_seconds']} s; "
-             f"clients: {report['runner']}",
+             f"clients: {report['runner']}; "
+             + ("each level sends different dataset items (no request repeats)" if cfg.get("fresh_requests")
+                else "every level replays the same requests (a server that learns from history sees repeats)"),
              "- endpoints: " + ", ".join(f"`{e['name']}` {e['url']} (model `{e['model']}`)"
                                          for e in report["endpoints"]),
              "", "| endpoint | conc. | requests | errors | p50 ms | p95 ms | p99 ms | mean TTFT ms "
@@ -545,6 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bearer token (default: $TOOLSPEC_API_KEY); never written to reports")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--warmup", type=int, default=0, help="unrecorded requests per endpoint first")
+    p.add_argument("--fresh-requests", action="store_true",
+                   help="each level (and the warm-up) uses different dataset items, so no request repeats")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="directory for the reports")
     p.add_argument("--save-records", action="store_true", help="also write every request as JSONL")
     p.add_argument("--ray", metavar="ADDRESS",
@@ -594,8 +598,11 @@ def run_levels(args, items, endpoints, runner, log) -> tuple[list[dict], dict]:
         opts = dict(base_opts, model=ep["model"])
         run_level_local(ep["chat_url"], level_jobs(items, args.warmup), 1, args.max_seconds, opts)
     levels, records = [], {}
-    for concurrency in args.concurrency:
-        jobs = level_jobs(items, args.requests_per_level)
+    for li, concurrency in enumerate(args.concurrency):
+        # --fresh-requests: no request repeats across warm-up and levels, so a server that learns
+        # from history (ToolSpec's call library) cannot replay answers it saw at an earlier level
+        offset = (args.warmup + li * args.requests_per_level) if args.fresh_requests else 0
+        jobs = level_jobs(items, args.requests_per_level, offset)
         for ep in endpoints:
             opts = dict(base_opts, model=ep["model"])
             level_runner = runner.run_level if runner else run_level_local

@@ -46,14 +46,22 @@ def main(argv: list[str] | None = None) -> int:
 
         key, _, value = item.partition("=")
         base[key] = json.loads(value)
+    import tempfile
+
+    library = tempfile.mkdtemp(prefix="toolspec-loadtest-library-")  # starts empty: online, like a new deployment
+    apps = (
+        ("toolspec", {"method": "toolspec", "retrieval": {"store": {"backend": "edge", "path": library}}}),
+        ("greedy", {"method": "ar", "retrieval": {"enabled": False}}),  # plain greedy needs no library
+    )
     urls = {}
     try:
-        for name, method in (("toolspec", "toolspec"), ("greedy", "ar")):
-            cfg = ServeAppConfig.model_validate({**base, "method": method, "route_prefix": f"/{name}"})
+        for name, extra in apps:
+            method = extra["method"]
+            cfg = ServeAppConfig.model_validate({**base, **extra, "route_prefix": f"/{name}"})
             urls[name] = start_server(cfg, app_name=name, quiet=True)
             print(f"{name}: {urls[name]}/v1 (method {method})", flush=True)
         args = ["--dataset", ns.dataset, "--concurrency", ns.concurrency, "--requests-per-level", ns.requests_per_level,
-                "--max-seconds", ns.max_seconds, "--max-tokens", ns.max_tokens, "--warmup", ns.warmup, "--stream",
+                "--max-seconds", ns.max_seconds, "--max-tokens", ns.max_tokens, "--warmup", ns.warmup, "--stream", "--fresh-requests",
                 "--out", ns.out, "--baseline", "greedy"]
         for name, url in urls.items():
             args += ["--endpoint", f"{name}={url}/v1"]
