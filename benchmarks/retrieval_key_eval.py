@@ -254,7 +254,7 @@ def main(argv=None) -> None:
     ap.add_argument("--limit", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", default="/tmp/toolspec-key-eval/hidden.npz")
-    ap.add_argument("--out", default="benchmarks/results/retrieval-key-eval.json")
+    ap.add_argument("--out", default="benchmarks/results/retrieval/retrieval-key-eval.json")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     items = load_items(Path(args.data), args.stride, args.limit)

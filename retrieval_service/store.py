@@ -3,7 +3,7 @@
 * ``MemoryStore`` — numpy, per-tenant matrices; tests and single-process runs.
 * ``EdgeStore`` — ``qdrant-edge-py``: Qdrant's engine in-process on a local directory. The
   embedded default (``EMBEDDED_BACKEND``), chosen by measurement
-  (``python -m retrieval_service.bench_store`` -> ``benchmarks/results/retrieval-store-bench.json``;
+  (``python -m retrieval_service.bench_store`` -> ``benchmarks/results/retrieval/retrieval-store-bench.json``;
   10k points, dim 896, 20 tenants x 25 tools, top-10, one search thread, this 2-core CPU shared
   with other jobs). Search filtered by tenant + tool name: edge median 0.38 ms (p95 0.51) vs
   qdrant-client local mode 165 ms (p95 311) — ~440x; tenant-only filter 0.43 vs 148 ms; one add
@@ -21,6 +21,8 @@ so results never depend on when eviction last ran.
 """
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
 
 import os
 import threading
@@ -148,8 +150,8 @@ def as_vector(embedding, dim: int) -> np.ndarray:
     return v
 
 
-class _LimitedStore:
-    """Limits + locking on top of a backend's primitive operations."""
+class _LimitedStore(ABC):
+    """Limits + locking on top of a backend's primitive operations (each backend implements them)."""
 
     def __init__(self, dim: int, max_records_per_tenant=None, max_age_s=None, evict_every_s: float = 1.0):
         self.dim = int(dim)
@@ -160,33 +162,33 @@ class _LimitedStore:
         self._last_age_evict = float("-inf")
 
     # primitives -------------------------------------------------------------------------
-    def _upsert(self, record: CallRecord, vec: np.ndarray) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _upsert(self, record: CallRecord, vec: np.ndarray) -> None: ...
 
     def _upsert_many(self, records: list[CallRecord], vecs: list[np.ndarray]) -> None:
         for r, v in zip(records, vecs):
             self._upsert(r, v)
 
-    def _search(self, tenant: str, vec: np.ndarray, tools, k: int, min_created) -> list[tuple[CallRecord, float]]:
-        raise NotImplementedError
+    @abstractmethod
+    def _search(self, tenant: str, vec: np.ndarray, tools, k: int, min_created) -> list[tuple[CallRecord, float]]: ...
 
-    def _count(self, tenant: str | None) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def _count(self, tenant: str | None) -> int: ...
 
-    def _delete_older(self, cutoff: float) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def _delete_older(self, cutoff: float) -> int: ...
 
-    def _oldest_ids(self, tenant: str, n: int) -> list[str]:
-        raise NotImplementedError
+    @abstractmethod
+    def _oldest_ids(self, tenant: str, n: int) -> list[str]: ...
 
-    def _delete_ids(self, ids: list[str]) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _delete_ids(self, ids: list[str]) -> None: ...
 
-    def _tenant_counts(self) -> dict[str, int]:
-        raise NotImplementedError
+    @abstractmethod
+    def _tenant_counts(self) -> dict[str, int]: ...
 
-    def _delete_tenant(self, tenant: str) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _delete_tenant(self, tenant: str) -> None: ...
 
     # protocol ---------------------------------------------------------------------------
     def add(self, record: CallRecord) -> None:
