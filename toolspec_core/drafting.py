@@ -6,7 +6,7 @@ target verifies it, and the outcome comes back through ``feedback``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from .tree import DraftTree
@@ -20,7 +20,6 @@ class DraftContext:
     tokens: list[int]
     prompt_len: int
     max_depth: int  # never draft deeper than this (remaining max_new_tokens - 1)
-    root_probs: dict[int, float] = field(default_factory=dict)  # top of p(root | before), for ranking
 
     @property
     def generated(self) -> list[int]:

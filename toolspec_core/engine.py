@@ -154,12 +154,6 @@ class _Stopper:
         return text[: min(cuts)] if cuts else text
 
 
-def _top_probs(logits: torch.Tensor, params: SamplingParams, k: int = 8) -> dict[int, float]:
-    probs = torch.softmax(logits.float(), -1) if params.greedy else target_probs(logits, params)
-    p, i = torch.topk(probs, k)
-    return dict(zip(i.tolist(), p.tolist()))
-
-
 def choose(logits: torch.Tensor, params: SamplingParams, gen) -> int:
     return int(torch.argmax(logits)) if params.greedy else sample(target_probs(logits, params), gen)
 
@@ -249,20 +243,18 @@ def decode(
     stopper = _Stopper(target.tokenizer, target.eos_ids, cfg)
     tokens = list(pre.prompt_ids)
     generated: list[int] = []
-    root_probs = _top_probs(pre.logits, cfg.sampling)
     reason = _emit(_first_tokens(pre, cfg.sampling, gen, constraint), tokens, generated, stopper)
     roots = list(generated)
     if on_tokens is not None and on_tokens(list(generated)) is False:
         reason = reason or "cancelled"
     while reason is None:
         t0 = time.perf_counter()
-        ctx = DraftContext(tokens, len(pre.prompt_ids), cfg.max_new_tokens - len(generated) - 1, root_probs)
+        ctx = DraftContext(tokens, len(pre.prompt_ids), cfg.max_new_tokens - len(generated) - 1)
         tree = cap_depth(drafter.propose(ctx), ctx.max_depth)
         if cost is not None:
             tree = cost.prune(tree)
         t1 = time.perf_counter()
-        result, last_logits = verify_step(target, tree, roots, cache, cfg.sampling, gen, constraint)
-        root_probs = _top_probs(last_logits, cfg.sampling)
+        result, _ = verify_step(target, tree, roots, cache, cfg.sampling, gen, constraint)
         t2 = time.perf_counter()
         drafter.feedback(tree, result)
         _record(stats, tree, result)
