@@ -64,13 +64,15 @@ class LabelRates:
         p = self.prior.get(label, default)
         return (self.hits.get(label, 0.0) + p * self.strength) / (self.tries.get(label, 0.0) + self.strength)
 
-    def update(self, tree: DraftTree, result: VerifyResult) -> None:
-        """Count every node whose parent was accepted (it had its chance)."""
+    def update(self, tree: DraftTree, result: VerifyResult, skip=None) -> None:
+        """Count every node whose parent was accepted (it had its chance), unless ``skip(i, key)``."""
         accepted = set(result.path)
         reached = {-1} | accepted
         for i, p in enumerate(tree.parents):
             if p in reached:
                 lab = rate_key(tree, i)
+                if skip is not None and skip(i, lab):
+                    continue
                 self.tries[lab] = self.tries.get(lab, 0.0) + 1.0
                 if i in accepted:
                     self.hits[lab] = self.hits.get(lab, 0.0) + 1.0

@@ -14,6 +14,7 @@ from .fsm import CallTracker, ToolIndex
 from .library import CallLibrary, MemoryLibrary, PastCall
 from .methods import RequestInfo
 from .schema import Cand, Priors, continuations
+from .target import turn_end_ids
 from .toolcalls import parse_tool_calls
 from .tree import ROOT, DraftTree
 from .verify import VerifyResult
@@ -175,17 +176,7 @@ class SchemaDrafter:
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
         """Learn label rates from deterministic nodes only (branch losers are expected)."""
-        accepted = set(result.path)
-        reached = {ROOT} | accepted
-        for i, p in enumerate(tree.parents):
-            if p not in reached:
-                continue
-            lab = rate_key(tree, i)
-            if lab not in CHAIN_KEYS and tree.conf[i] < DET * self.rates.rate(lab):
-                continue
-            self.rates.tries[lab] = self.rates.tries.get(lab, 0.0) + 1.0
-            if i in accepted:
-                self.rates.hits[lab] = self.rates.hits.get(lab, 0.0) + 1.0
+        self.rates.update(tree, result, skip=lambda i, key: key not in CHAIN_KEYS and tree.conf[i] < DET * self.rates.rate(key))
 
 
 class SchemaMethod:
@@ -202,7 +193,7 @@ class SchemaMethod:
         self.library = library if library is not None else (MemoryLibrary() if self.use_retrieval else None)
         self.retrieve_k = retrieve_k
         self.pld_opts = {"max_ngram": 4, "min_ngram": 2, "length": 12, **pld_opts}
-        self.eos = list(eos_ids) if eos_ids else _eos_from(tokenizer)
+        self.eos = list(eos_ids) if eos_ids else turn_end_ids(tokenizer)
         self._tools_cache: dict[str, ToolIndex] = {}
 
     def _tools(self, tools: list[dict]) -> ToolIndex:
@@ -265,17 +256,3 @@ def _layout_of(text: str) -> str:
     if s.startswith("```"):
         return "fence"
     return "bare_pretty" if s.startswith("{\n") else "bare"
-
-
-def _eos_from(tokenizer) -> list[int]:
-    ids = []
-    for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        try:
-            i = tokenizer.convert_tokens_to_ids(t)
-        except Exception:
-            i = None
-        if isinstance(i, int) and i >= 0 and i != getattr(tokenizer, "unk_token_id", None):
-            ids.append(i)
-    if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.append(tokenizer.eos_token_id)
-    return ids

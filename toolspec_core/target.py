@@ -62,19 +62,32 @@ def clone_cache(cache):
     return copy.deepcopy(cache)
 
 
-def _eos_ids(model, tokenizer) -> tuple[int, ...]:
-    ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    for src in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src)
-    # Chat models end a turn with <|im_end|> even when generation_config does not say so.
+def turn_end_ids(tokenizer) -> list[int]:
+    """Tokens that end an assistant turn, the chat template's own first (<|im_end|> for Qwen).
+
+    Chat models end a turn with these even when generation_config does not say so.
+    """
+    ids: list[int] = []
     for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        tid = tokenizer.convert_tokens_to_ids(tok) if hasattr(tokenizer, "convert_tokens_to_ids") else None
+        try:
+            tid = tokenizer.convert_tokens_to_ids(tok)
+        except (AttributeError, KeyError, TypeError):
+            tid = None
         if isinstance(tid, int) and tid >= 0 and tid != getattr(tokenizer, "unk_token_id", None):
-            ids.add(tid)
+            ids.append(tid)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int) and eos not in ids:
+        ids.append(eos)
+    return ids
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids = set(turn_end_ids(tokenizer))
+    src = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(src, int):
+        ids.add(src)
+    elif isinstance(src, (list, tuple)):
+        ids.update(int(x) for x in src)
     return tuple(sorted(ids))
 
 

@@ -21,16 +21,26 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)
     conf: list[float] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)
+    # (parent, token) -> node: child lookup in O(1) while candidates are merged into the tree
+    _kids: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def child(self, parent: int, token: int) -> int:
-        """Index of ``parent``'s child with ``token``, or -1 (linear scan: trees are small)."""
-        for i in range(parent + 1, len(self.tokens)):
-            if self.parents[i] == parent and self.tokens[i] == token:
-                return i
-        return -1
+        """Index of ``parent``'s child with ``token``, or -1."""
+        if len(self._kids) != len(self.tokens):  # built field by field (tests): index it once
+            self._kids = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens))}
+        return self._kids.get((parent, token), -1)
+
+    def _append(self, parent: int, token: int, conf: float, label: str) -> int:
+        self.child(parent, token)  # keep the index in step
+        self.tokens.append(int(token))
+        self.parents.append(int(parent))
+        self.conf.append(float(conf))
+        self.labels.append(label)
+        self._kids[(int(parent), int(token))] = len(self.tokens) - 1
+        return len(self.tokens) - 1
 
     def add(self, parent: int, token: int, conf: float, label: str) -> int:
         """Insert (or merge into an existing identical child) and return the node index."""
@@ -40,11 +50,7 @@ class DraftTree:
                 self.conf[existing] = conf
                 self.labels[existing] = label
             return existing
-        self.tokens.append(int(token))
-        self.parents.append(int(parent))
-        self.conf.append(float(conf))
-        self.labels.append(label)
-        return len(self.tokens) - 1
+        return self._append(parent, token, conf, label)
 
     def add_path(self, tokens, conf, label: str, parent: int = ROOT) -> int:
         """Insert a chain under ``parent`` (trie merge); ``conf`` is a float or one per token.
@@ -97,11 +103,7 @@ def select(tree: DraftTree, keep: list[int]) -> DraftTree:
     remap = {ROOT: ROOT}
     out = DraftTree()
     for i in keep:
-        remap[i] = len(out.tokens)
-        out.tokens.append(tree.tokens[i])
-        out.parents.append(remap[tree.parents[i]])
-        out.conf.append(tree.conf[i])
-        out.labels.append(tree.labels[i])
+        remap[i] = out._append(remap[tree.parents[i]], tree.tokens[i], tree.conf[i], tree.labels[i])
     return out
 
 
