@@ -311,13 +311,19 @@ def _pointer_get(doc: Any, pointer: str) -> Any:
     return node
 
 
-def _pointer_set(doc: Any, pointer: str, value: Any, insert: bool) -> None:
+def _parent_and_last(doc: Any, pointer: str) -> tuple[Any, str]:
+    """The container a JSON pointer's last element lives in, and that element's token."""
     tokens = _pointer_tokens(pointer)
     if not tokens:
-        raise ValueError("cannot replace the whole document")
-    parent = _pointer_get(doc, "/" + "/".join(t.replace("~", "~0").replace("/", "~1") for t in tokens[:-1])) \
-        if len(tokens) > 1 else doc
-    last = tokens[-1]
+        raise ValueError("a patch cannot replace or remove the whole document")
+    parent = doc
+    for token in tokens[:-1]:
+        parent = _step(parent, token)
+    return parent, tokens[-1]
+
+
+def _pointer_set(doc: Any, pointer: str, value: Any, insert: bool) -> None:
+    parent, last = _parent_and_last(doc, pointer)
     if isinstance(parent, list):
         n = _list_index(parent, last, allow_end=insert)
         if insert:
@@ -333,18 +339,12 @@ def _pointer_set(doc: Any, pointer: str, value: Any, insert: bool) -> None:
 
 
 def _pointer_remove(doc: Any, pointer: str) -> None:
-    tokens = _pointer_tokens(pointer)
-    parent = _pointer_get(doc, "/" + "/".join(t.replace("~", "~0").replace("/", "~1") for t in tokens[:-1])) \
-        if len(tokens) > 1 else doc
-    last = tokens[-1]
+    parent, last = _parent_and_last(doc, pointer)
+    _step(parent, last)  # the element must exist (same errors as a lookup)
     if isinstance(parent, list):
         del parent[_list_index(parent, last, allow_end=False)]
-    elif isinstance(parent, dict):
-        if last not in parent:
-            raise KeyError(f"remove: path element {last!r} not found")
-        del parent[last]
     else:
-        raise TypeError(f"cannot remove {last!r} from {type(parent).__name__}")
+        del parent[last]
 
 
 def _set_namespace(doc: dict, namespace: str) -> dict:
