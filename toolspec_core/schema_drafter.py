@@ -151,16 +151,19 @@ class SchemaDrafter:
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
         self.pld, self.retrieval, self.schema = pld, retrieval, schema
         self.tracker = CallTracker(tools)
-        self._fed: list[int] = []
+        self._n_fed = 0  # committed tokens whose text the tracker has seen
 
     def _sync(self, generated: list[int]) -> None:
-        """Feed the tracker the committed text (re-created if a decode boundary shifted)."""
-        text = self.bt.tok.decode(generated, skip_special_tokens=True)
-        if text.startswith(self.tracker.text) and "\ufffd" not in text[len(self.tracker.text):]:
-            self.tracker.feed(text[len(self.tracker.text):])
-        elif not text.startswith(self.tracker.text):
-            self.tracker = CallTracker(self.tools)
-            self.tracker.feed(text)
+        """Feed the tracker the text of the tokens committed since the last step (each decoded once).
+
+        Committed tokens only grow, and byte-level BPE text is the concatenation of its pieces, so
+        no re-decoding of the whole output; a piece that ends inside a multi-byte character waits.
+        """
+        new = self.bt.tok.decode(generated[self._n_fed:], skip_special_tokens=True)
+        if new.endswith("\ufffd"):
+            return
+        self.tracker.feed(new)
+        self._n_fed = len(generated)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         self._sync(ctx.generated)
