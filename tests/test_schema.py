@@ -193,3 +193,31 @@ def test_oracle_walk():
     tree.add_path([1, 2, 3], 1.0, "x")
     tree.add_path([1, 4], 1.0, "x")
     assert oracle_walk(tree, [1, 4, 9]).path == [0, 3]
+
+
+def test_value_spans_copy_from_word_starts():
+    from toolspec_core.values import value_spans
+
+    src = 'remind me on 2022-05-10 10:00:00 please. {"token": "n9m8k7"} and a 12.5 kg parcel'
+    assert value_spans(src, "2", False) == ["022-05-10 10:00:00 please. {\""]
+    assert value_spans(src, "n9", False) == ['m8k7"']  # a JSON string in the source: closing quote too
+    assert value_spans(src, "1", True) == ["2.5", "0"]  # numbers stop where the number stops
+    assert value_spans(src, "m8", False) == []  # not at a word start
+    assert value_spans(src, "", False) == [] and value_spans(src, '"', False) == []
+
+
+def test_value_drafted_from_the_conversation(qwen_tok):
+    """Inside a string value, the drafter continues it as the user wrote it (canonical tokens)."""
+    from toolspec_core.drafting import DraftContext
+    from toolspec_core.prompting import render_prompt
+
+    msgs = [{"role": "user", "content": "What's the weather in San Francisco de Campeche today?"}]
+    prompt = render_prompt(qwen_tok, msgs, TOOLS)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "San'
+    gen = qwen_tok.encode(call)
+    drafter = SchemaMethod(qwen_tok).drafter(RequestInfo(prompt, TOOLS))
+    tree = drafter.propose(DraftContext(prompt + gen, len(prompt), 40))
+    truth = qwen_tok.encode(call + ' Francisco de Campeche"')[len(gen):]
+    res = oracle_walk(tree, truth)
+    assert len(res.path) == len(truth) - 1 and res.token == truth[-1]  # the span runs on past the value
+    assert "span" in {tree.labels[i] for i in res.path}

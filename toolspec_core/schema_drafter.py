@@ -10,18 +10,20 @@ from __future__ import annotations
 
 from .boundary import BoundaryTokenizer
 from .drafting import CHAIN_LABELS, DraftContext, LabelRates, PromptLookupDrafter, rate_key
-from .fsm import CallTracker, ToolIndex
+from .fsm import VALUE, CallTracker, ToolIndex
 from .library import CallLibrary, MemoryLibrary, PastCall
 from .methods import RequestInfo
 from .schema import Cand, Priors, continuations
 from .target import turn_end_ids
 from .toolcalls import parse_tool_calls
 from .tree import ROOT, DraftTree
+from .values import value_spans
 from .verify import VerifyResult
 
 RETRIEVAL = "retrieval"
+SPAN = "span"  # argument value copied from the context (values.value_spans)
 DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9,
-                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, "pld": 0.5, "pld+": 0.8}
+                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, "pld": 0.5, "pld+": 0.8, SPAN: 0.6, SPAN + "+": 0.85}
 CHAIN_KEYS = set(CHAIN_LABELS) | {k + "+" for k in CHAIN_LABELS}
 DET = 0.99  # a node whose share of its parent's mass is at least this is "deterministic"
 
@@ -152,6 +154,7 @@ class SchemaDrafter:
         self.pld, self.retrieval, self.schema = pld, retrieval, schema
         self.tracker = CallTracker(tools)
         self._n_fed = 0  # committed tokens whose text the tracker has seen
+        self._prompt_text: str | None = None
 
     def _sync(self, generated: list[int]) -> None:
         """Feed the tracker the text of the tokens committed since the last step (each decoded once).
@@ -175,6 +178,22 @@ class SchemaDrafter:
             tree.merge(self.retrieval.tree(ctx, self.tracker.name))
         if self.pld is not None:
             tree.merge(self.pld.propose(ctx))
+            tree.merge(self._value_tree(ctx))
+        return tree
+
+    def _value_tree(self, ctx: DraftContext) -> DraftTree:
+        """The current argument value continued as in the context (see ``values``)."""
+        tr, tree = self.tracker, DraftTree()
+        if self._n_fed != len(ctx.generated) or tr.state != VALUE or not (tr.in_str == "value" or tr.in_scalar) or not tr.buf:
+            return tree
+        if self._prompt_text is None:
+            self._prompt_text = self.bt.tok.decode(ctx.tokens[: ctx.prompt_len], skip_special_tokens=True)
+        source = self._prompt_text + tr.text[: len(tr.text) - len(tr.buf)]
+        first, more = self.rates.rate(SPAN), self.rates.rate(SPAN + "+")
+        for rank, span in enumerate(value_spans(source, tr.buf, tr.in_scalar)):
+            ids = self.bt.continuation(ctx.tokens, span)[: ctx.max_depth]
+            if ids:
+                tree.add_path(ids, [first / (rank + 1)] + [more] * (len(ids) - 1), SPAN)
         return tree
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:

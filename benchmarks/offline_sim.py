@@ -1,0 +1,87 @@
+"""Offline drafter study: replay recorded greedy outputs (a run's ``items.jsonl``) through a method's
+drafter with the target replaced by those tokens (``toolspec_core.simulate``).
+
+Greedy output is a function of the prompt only, so the recorded ``ar`` tokens are exactly what the
+target will write; steps / MAT / per-state losses of a drafter change come out in seconds instead
+of a benchmark run. Timing is not simulated -- the budget uses the given cost curve.
+
+    python -m benchmarks.offline_sim benchmarks/results/raw/cpu-apibank --methods toolspec_schema,toolspec
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+from toolspec_core.budget import CostModel
+from toolspec_core.methods import RequestInfo, make_method
+from toolspec_core.simulate import simulate
+
+from .data import load_items, prompt_ids
+
+
+def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = True) -> dict:
+    cfg = json.loads((raw / "config.json").read_text())
+    items = {it["id"]: it for p in cfg["data"] for it in load_items(p)}
+    recs = [json.loads(l) for l in open(raw / "items.jsonl") if '"method": "ar"' in l]
+    out = {}
+    for name in methods:
+        method = make_method(name, tokenizer)
+        per_bench = collections.defaultdict(lambda: [0, 0])
+        lost = collections.Counter()
+        for r in recs:
+            item = items[r["item"]]
+            req = RequestInfo(prompt_ids(tokenizer, item), item.get("tools") or [])
+            drafter = method.drafter(req)
+            trace: list = []
+            res = simulate(drafter, req.prompt_ids, r["tokens"], cost, trace)
+            method.observe(req, r["tokens"], r["text"])
+            if only_calls and not r.get("has_call"):
+                continue
+            b = per_bench[r["benchmark"]]
+            b[0] += res["tokens"] - 1
+            b[1] += res["steps"]
+            for done, size, acc, label in trace:
+                if acc == 0:
+                    lost[_state_at(tokenizer, item, r["tokens"], done)] += 1
+        out[name] = {k: round(v[0] / max(v[1], 1), 3) for k, v in per_bench.items()}
+        out[name]["zero_accept_steps_by_state"] = dict(lost.most_common())
+    return out
+
+
+def _state_at(tokenizer, item: dict, tokens: list[int], done: int) -> str:
+    from toolspec_core.fsm import CallTracker, ToolIndex
+
+    tr = CallTracker(ToolIndex.from_tools(item.get("tools") or []))
+    tr.feed(tokenizer.decode(tokens[:done], skip_special_tokens=True))
+    return tr.state
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("raw", nargs="+")
+    ap.add_argument("--methods", default="toolspec_schema,toolspec")
+    ap.add_argument("--all-items", action="store_true")
+    ap.add_argument("--cost", default="run", help="run (the run's measured cost.json) | reference | flat")
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from toolspec_core.embedded import embedded_model_dir
+
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    for raw in a.raw:
+        cost = _cost(Path(raw), a.cost)
+        print(raw, json.dumps(replay(Path(raw), a.methods.split(","), tok, cost, not a.all_items), indent=1))
+
+
+def _cost(raw: Path, spec: str) -> CostModel:
+    if spec == "run":
+        d = json.loads((raw / "cost.json").read_text())
+        return CostModel({int(k): v for k, v in d["points"].items()}, d.get("max_nodes", 63), "run")
+    return CostModel.flat() if spec == "flat" else CostModel.cpu_reference()
+
+
+if __name__ == "__main__":
+    main()
