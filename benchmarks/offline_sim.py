@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("raw", nargs="+")
     ap.add_argument("--methods", default="toolspec_schema,toolspec")
     ap.add_argument("--all-items", action="store_true")
-    ap.add_argument("--cost", default="run", help="run (the run's measured cost.json) | reference | flat")
+    ap.add_argument("--cost", default="run", help="run (the run's measured cost.json) | reference | flat | path to a cost JSON")
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -77,8 +77,8 @@ def main() -> None:
 
 
 def _cost(raw: Path, spec: str) -> CostModel:
-    if spec == "run":
-        d = json.loads((raw / "cost.json").read_text())
+    if spec == "run" or spec.endswith(".json"):
+        d = json.loads(((raw / "cost.json") if spec == "run" else Path(spec)).read_text())
         return CostModel({int(k): v for k, v in d["points"].items()}, d.get("max_nodes", 63), "run")
     return CostModel.flat() if spec == "flat" else CostModel.cpu_reference()
 

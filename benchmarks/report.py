@@ -12,6 +12,11 @@ from .metrics import decoded_tokens, first_mismatch, summarize
 from .runner import ALL_METHODS, item_store
 
 BASELINES = ("pld", "suffix", "token_recycling")
+# Idealised MAT bound for a perfect schema + context-copy drafter (../shared/NOTES.md, "How far
+# drafting can go", Qwen2.5 tokenizer, gold calls): (compact <tool_call> layout, ```json pretty).
+# The embedded model writes both layouts, so MAT is reported as a fraction of each.
+MAT_BOUND = {"api_bank": (4.1, 5.1), "bfcl_v3": (7.3, 9.5), "toolalpaca": (9.9, 12.9)}
+SUBSETS = ("all", "calls", "prose")
 PRIOR_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 2, "2"), (3, 4, "3-4"), (5, 9, "5-9"), (10, 10**9, "10+"))
 
 
@@ -70,15 +75,19 @@ def build_runs(recs: list[dict], ar: dict[str, dict], curves: dict) -> list[dict
             groups[(r["benchmark"], r["method"], r["library"])].append(r)
     runs = []
     for (bench, method, lib), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], _method_order(kv[0][1]), kv[0][2] or "")):
-        for subset in ("all", "calls"):
-            sub = rs if subset == "all" else [r for r in rs if ar[r["item"]]["has_call"]]
+        for subset in SUBSETS:
+            sub = rs if subset == "all" else [r for r in rs if ar[r["item"]]["has_call"] == (subset == "calls")]
             if not sub:
                 continue
             s = summarize(sub, ar, curves)
+            bound = MAT_BOUND.get(bench)
             runs.append({
                 "benchmark": bench, "method": method, "library": lib, "items": s.pop("items"), "mat": s.pop("mat"),
                 "decode_speedup": s.pop("decode_speedup"), "exact_match": s.pop("exact_match"), "subset": subset, **s,
             })
+            if bound and subset == "calls":
+                runs[-1]["mat_bound"] = list(bound)
+                runs[-1]["mat_of_bound"] = [runs[-1]["mat"] / b for b in bound]
     return runs
 
 
@@ -193,7 +202,9 @@ def markdown(report: dict) -> str:
         lines.append(f"- **{h['benchmark']} / {h['subset']}** ({h['items']} items): toolspec/{h['library']} {h['toolspec_speedup']:.2f}× "
                      f"(MAT {h['toolspec_mat']:.2f}); best baseline {h['best_baseline']} {_fmt(h['best_baseline_speedup'])}× "
                      f"→ {_fmt(h['over_best_baseline'])}× over it")
-    for subset, title in (("all", "All items"), ("calls", "Items whose plain-greedy output contains a tool call")):
+    titles = {"all": "All items", "calls": "Items whose plain-greedy output contains a tool call",
+              "prose": "Items answered in prose (no tool call in plain-greedy output)"}
+    for subset, title in titles.items():
         rows = [r for r in report["runs"] if r["subset"] == subset]
         if not rows:
             continue
@@ -205,4 +216,56 @@ def markdown(report: dict) -> str:
                      _fmt(None if r["validity"] is None else 100 * r["validity"], ".0f", "%"), _fmt(100 * r["gold_agreement"], ".0f", "%")]
             cells += [_fmt(r.get("projected_speedup", {}).get(c), ".2f", "×") for c in proj]
             lines.append("| " + " | ".join(cells) + " |")
+    lines += _bound_lines(report) + _state_lines(report) + _prior_lines(report)
     return "\n".join(lines) + "\n"
+
+
+def _bound_lines(report: dict) -> list[str]:
+    rows = [r for r in report["runs"] if r.get("mat_of_bound") and r["method"] != "ar"]
+    if not rows:
+        return []
+    lines = ["", "## MAT against the idealised bound (subset `calls`)", "",
+             "Bound: a perfect schema + context-copy drafter on the gold calls (../shared/NOTES.md), for the compact "
+             "`<tool_call>` layout and the ```` ```json ```` pretty layout; the embedded model writes both.", "",
+             "| benchmark | method | MAT | bound (compact / pretty) | fraction of bound |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['benchmark']} | {run_label(r['method'], r['library'])} | {r['mat']:.2f} | "
+                     f"{r['mat_bound'][0]:.1f} / {r['mat_bound'][1]:.1f} | {r['mat_of_bound'][1]:.0%} – {r['mat_of_bound'][0]:.0%} |")
+    return lines
+
+
+def _state_lines(report: dict) -> list[str]:
+    """Where the steps go: per draft label (FSM state of the step's first node) for ToolSpec methods."""
+    lines = []
+    for r in report["runs"]:
+        if r["subset"] != "calls" or not r["method"].startswith("toolspec") or not r.get("per_state"):
+            continue
+        if not lines:
+            lines = ["", "## Steps per FSM state / draft source (ToolSpec methods, subset `calls`)", "",
+                     "A step's state is the label of its first accepted node (or its first drafted node when none was "
+                     "accepted; `none`: nothing was worth drafting under the cost curve). Few accepted tokens per step "
+                     "in a state with many steps is where the remaining gap is.", "",
+                     "| benchmark | method | state | steps | share of steps | mean accepted / step | node acceptance |",
+                     "|---|---|---|---|---|---|---|"]
+        total = sum(v["steps"] for v in r["per_state"].values()) or 1
+        for lab, v in sorted(r["per_state"].items(), key=lambda kv: -kv[1]["steps"]):
+            if not v["steps"]:
+                continue
+            lines.append(f"| {r['benchmark']} | {run_label(r['method'], r['library'])} | {lab} | {v['steps']} | {v['steps'] / total:.0%} | "
+                         f"{_fmt(v['mean_accepted'])} | {_fmt(None if v['node_acceptance'] is None else 100 * v['node_acceptance'], '.0f', '%')} |")
+    return lines
+
+
+def _prior_lines(report: dict) -> list[str]:
+    """The repeated-call curve: MAT by how many earlier calls of the same tool the stream had."""
+    table = report.get("mat_vs_prior_calls") or {}
+    keep = {k: v for k, v in table.items() if k.startswith("toolspec")}
+    if not keep:
+        return []
+    buckets = [lab for _, _, lab in PRIOR_BUCKETS]
+    lines = ["", "## MAT by earlier calls of the same tool (all items)", "",
+             "| method | " + " | ".join(buckets) + " |", "|---|" + "---|" * len(buckets)]
+    for label, cells in sorted(keep.items()):
+        row = [f"{cells[b]['mat']:.2f} ({cells[b]['items']})" if b in cells and cells[b]["mat"] else "–" for b in buckets]
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
+    return lines

@@ -66,9 +66,11 @@ def test_build_runs_subsets(trace):
     ar, me = trace
     runs = build_runs(list(ar.values()) + me, ar, {"flat": curve_from_points({1: 1, 64: 1})})
     got = {(r["method"], r["subset"]): r for r in runs}
-    assert set(got) == {("ar", "all"), ("ar", "calls"), ("m", "all"), ("m", "calls")}
+    assert set(got) == {(m, s) for m in ("ar", "m") for s in ("all", "calls", "prose")}
     calls = got[("m", "calls")]
     assert calls["items"] == 1 and calls["mat"] == pytest.approx(10 / 4) and calls["decode_speedup"] == pytest.approx(2.0)
+    prose = got[("m", "prose")]  # item B: no call in plain greedy output
+    assert prose["items"] == 1 and prose["mat"] == pytest.approx(4 / 2) and prose["decode_speedup"] == pytest.approx(1.0)
     assert projected_speedup([ar["A"]], [me[0]], curve_from_points({1: 1, 64: 1})) == pytest.approx(2.5)
     assert prior_tool_calls(ar, {"B": "t"}) == {"A": 0, "B": 1}
 
@@ -175,7 +177,7 @@ def test_resumable_run_and_report(tiny, data, tmp_path, monkeypatch):
     rep = build_report(tmp_path / "run", "tiny", results)
     assert set(rep) >= {"model", "hardware", "runs"} and rep["model"] == "tiny-qwen2" and isinstance(rep["hardware"], str)
     for r in rep["runs"]:
-        assert r["benchmark"] == "syn" and r["subset"] in ("all", "calls") and r["items"] == 3
+        assert r["benchmark"] == "syn" and r["subset"] in ("all", "calls", "prose") and r["items"] == 3
         assert r["method"] in ("ar", "pld", "suffix", "token_recycling") and r["library"] in (None, "cold", "online", "warm")
         assert isinstance(r["mat"], float) and isinstance(r["decode_speedup"], float) and r["exact_match"] == 1.0
         assert {"flat", "run", "cpu_reference"} <= set(r["projected_speedup"])
@@ -237,3 +239,23 @@ def test_bench_cost_named_shape_random_bf16(tmp_path, monkeypatch):
     assert cost.main(["--model", "test-tiny", "--device", "cpu", "--dtype", "bfloat16", "--ks", "1,8", "--repeats", "1", "--prefix-len", "16", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     assert d["random_weights"] and d["dtype"] == "bfloat16" and d["shape"] == "test-tiny" and set(d["points"]) == {"1", "8"}
+
+
+def test_markdown_bound_states_and_repeated_calls(trace):
+    """The report's extra sections: MAT vs the NOTES bound, steps per FSM state, repeated-call curve."""
+    from benchmarks.report import MAT_BOUND, markdown
+
+    ar, me = trace
+    for r in list(ar.values()) + me:
+        r["benchmark"] = "api_bank"
+    me = [dict(r, method="toolspec_schema") for r in me]
+    runs = build_runs(list(ar.values()) + me, ar, {})
+    calls = next(r for r in runs if r["method"] == "toolspec_schema" and r["subset"] == "calls")
+    assert calls["mat_of_bound"] == pytest.approx([2.5 / b for b in MAT_BOUND["api_bank"]])
+    report = {"name": "t", "model": "m", "hardware": "h", "projection_curves": [], "mismatches": [], "headline": [], "runs": runs,
+              "mat_vs_prior_calls": {"toolspec_schema": {"0": {"items": 1, "mat": 2.5}, "1": {"items": 1, "mat": 2.0}}}}
+    md = markdown(report)
+    assert "| api_bank | toolspec_schema | 2.50 | 4.1 / 5.1 | 49% – 61% |" in md
+    assert "| api_bank | toolspec_schema | x | 2 | 50% | 3.00 |" in md  # item A: steps x,x,y,none: x twice, 3 accepted each
+    assert "| toolspec_schema | 2.50 (1) | 2.00 (1) |" in md
+    assert "(subset `prose`)" in md
