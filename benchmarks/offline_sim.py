@@ -5,7 +5,9 @@ Greedy output is a function of the prompt only, so the recorded ``ar`` tokens ar
 target will write; steps / MAT / per-state losses of a drafter change come out in seconds instead
 of a benchmark run. Timing is not simulated -- the budget uses the given cost curve.
 
-    python -m benchmarks.offline_sim benchmarks/results/raw/cpu-apibank --methods toolspec_schema,toolspec
+    python -m benchmarks.offline_sim benchmarks/results/raw/cpu-apibank --methods toolspec_schema,toolspec [--show 5]
+
+A step prints as ``[accepted/drafted]`` followed by the accepted text and the target's own token.
 """
 
 from __future__ import annotations
@@ -19,36 +21,65 @@ from toolspec_core.budget import CostModel
 from toolspec_core.methods import RequestInfo, make_method
 from toolspec_core.simulate import simulate
 
-from .data import load_items, prompt_ids
+from .data import load_items, prompt_ids, select_items, warm_documents
+from .runner import PrefillCache, decode_hidden
 
 
-def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = True) -> dict:
+def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = True, show: int = 0) -> dict:
     cfg = json.loads((raw / "config.json").read_text())
     items = {it["id"]: it for p in cfg["data"] for it in load_items(p)}
     recs = [json.loads(l) for l in open(raw / "items.jsonl") if '"method": "ar"' in l]
+    keys = _keys(raw / "prefill.jsonl")
+    warm = _warm_docs(raw, cfg, tokenizer, set(items) & {r["item"] for r in recs}) if "warm" in (cfg.get("libraries") or []) else []
     out = {}
     for name in methods:
         method = make_method(name, tokenizer)
-        per_bench = collections.defaultdict(lambda: [0, 0])
+        for req, ids, text in warm:
+            method.observe(req, ids, text)
+        per_bench = collections.defaultdict(lambda: [0, 0, 0.0])
         lost = collections.Counter()
         for r in recs:
             item = items[r["item"]]
-            req = RequestInfo(prompt_ids(tokenizer, item), item.get("tools") or [])
+            req = RequestInfo(prompt_ids(tokenizer, item), item.get("tools") or [], embedding=keys.get(r["item"]))
             drafter = method.drafter(req)
             trace: list = []
             res = simulate(drafter, req.prompt_ids, r["tokens"], cost, trace)
-            method.observe(req, r["tokens"], r["text"])
+            if not warm:  # online library: learns from the outputs before this one
+                method.observe(req, r["tokens"], r["text"])
             if only_calls and not r.get("has_call"):
                 continue
+            if show > 0:
+                show -= 1
+                print(f"== {name} {r['item']}\n" + "".join(f"[{acc}/{size}]" + tokenizer.decode(r["tokens"][done : done + acc + 1]) for done, size, acc, _ in trace))
             b = per_bench[r["benchmark"]]
             b[0] += res["tokens"] - 1
             b[1] += res["steps"]
+            b[2] += sum(cost.step_cost(size) for _, size, _, _ in trace)
             for done, size, acc, label in trace:
                 if acc == 0:
                     lost[_state_at(tokenizer, item, r["tokens"], done)] += 1
-        out[name] = {k: round(v[0] / max(v[1], 1), 3) for k, v in per_bench.items()}
+        # MAT, and the speedup the cost curve projects (greedy: one c(1) = 1 step per token)
+        out[name] = {k: {"mat": round(v[0] / max(v[1], 1), 3), "proj": round(v[0] / max(v[2], 1e-9), 3)} for k, v in per_bench.items()}
         out[name]["zero_accept_steps_by_state"] = dict(lost.most_common())
     return out
+
+
+def _keys(path: Path) -> dict:
+    """Retrieval keys (prefill hidden states) the run recorded, by item."""
+    if not path.exists():
+        return {}
+    return {k: decode_hidden(v["hidden"]) for k, v in PrefillCache(path).store.records.items()}
+
+
+def _warm_docs(raw: Path, cfg: dict, tokenizer, evaluated: set) -> list:
+    """The run's warm library, rebuilt as the runner builds it (keys from warm_prefill.jsonl)."""
+    keys = _keys(raw / "warm_prefill.jsonl")
+    items = [it for p in cfg.get("warm_files") or [] for it in load_items(p)]
+    benches = {it["benchmark"] for p in cfg["data"] for it in load_items(p) if it["id"] in evaluated}
+    items = [it for it in items if it["benchmark"] in benches and it["id"] not in evaluated]
+    items = select_items(items, cfg.get("warm_limit"), cfg.get("seed"))
+    embed = (lambda item, ids: keys.get(item["id"])) if keys else None
+    return warm_documents(tokenizer, items, [151645], cfg.get("warm_layout") or "fence", embed)
 
 
 def _state_at(tokenizer, item: dict, tokens: list[int], done: int) -> str:
@@ -64,6 +95,7 @@ def main() -> None:
     ap.add_argument("raw", nargs="+")
     ap.add_argument("--methods", default="toolspec_schema,toolspec")
     ap.add_argument("--all-items", action="store_true")
+    ap.add_argument("--show", type=int, default=0, help="print the step trace of the first N items per method")
     ap.add_argument("--cost", default="run", help="run (the run's measured cost.json) | reference | flat | path to a cost JSON")
     a = ap.parse_args()
     from transformers import AutoTokenizer
@@ -73,7 +105,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
     for raw in a.raw:
         cost = _cost(Path(raw), a.cost)
-        print(raw, json.dumps(replay(Path(raw), a.methods.split(","), tok, cost, not a.all_items), indent=1))
+        print(raw, json.dumps(replay(Path(raw), a.methods.split(","), tok, cost, not a.all_items, a.show), indent=1))
 
 
 def _cost(raw: Path, spec: str) -> CostModel:

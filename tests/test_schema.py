@@ -221,3 +221,38 @@ def test_value_drafted_from_the_conversation(qwen_tok):
     res = oracle_walk(tree, truth)
     assert len(res.path) == len(truth) - 1 and res.token == truth[-1]  # the span runs on past the value
     assert "span" in {tree.labels[i] for i in res.path}
+
+
+def test_retrieved_values_and_argument_order_become_branches():
+    """Past calls of the tool: their values (in this output's style) and their argument order."""
+    past = [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Paris", "days": 5}), ("get_time", {"tz": "UTC"})]
+    tools = ToolIndex.from_tools(TOOLS)
+
+    def texts(t, **kw):
+        return {"".join(s for s, _ in c.segs if isinstance(s, str)): c for c in continuations(t, tools, Priors(), [151645], levels=1, **kw)}
+
+    at_value = texts(tracker('{"name": "get_weather", "arguments": {"city": '), past=past)
+    assert any(k.startswith('"Paris"') for k in at_value)
+    paris = [c for k, c in at_value.items() if k.startswith('"Paris"')]
+    assert all(('"Paris"', "retrieval") in c.segs for c in paris)
+    assert sum(c.prob for c in paris) == pytest.approx(2 / 3)  # 2 of 2 calls (+1 smoothing), over what may follow
+    inside = texts(tracker('{"name": "get_weather", "arguments": {"city": "Pa'), past=past)
+    assert any(k.startswith('ris"') for k in inside)
+    assert not any(k.startswith('ris"') for k in texts(tracker('{"name": "get_weather", "arguments": {"city": "Pa')))
+    # after "city" both past calls went on with "days": it outweighs the schema's order ("unit" first)
+    nxt = continuations(tracker('{"name": "get_weather", "arguments": {"city": "Paris", "'), tools, Priors(), [151645], levels=0, past=past)
+    assert "".join(s for s, _ in nxt[0].segs if isinstance(s, str)).startswith("days")
+    # values of another tool's calls are never offered
+    assert not any("UTC" in k for k in at_value)
+
+
+def test_copy_rates_learn_by_match_length():
+    from toolspec_core.drafting import LabelRates, match_label, rate_key
+    from toolspec_core.tree import DraftTree
+
+    assert match_label("pld", 2, 3) == "pld" and match_label("pld", 3, 3) == "pld:long"
+    rates = LabelRates({"pld": 0.5, "pld+": 0.8})
+    assert rates.rate("pld:long") == 0.5 and rates.rate("pld:long+") == 0.8  # prior of the draft source
+    t = DraftTree()
+    t.add_path([1, 2], [0.5, 0.8], "pld:long")
+    assert [rate_key(t, i) for i in range(2)] == ["pld:long", "pld:long+"]

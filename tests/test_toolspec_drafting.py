@@ -72,7 +72,7 @@ def _poisoned_library(tok, tenant="t1") -> MemoryLibrary:
     lib = MemoryLibrary()
     for city in ("Berlin", "Tokyo", "Lima"):
         text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s", "unit": "fahrenheit"}}\n</tool_call>' % city
-        lib.add(tenant, PastCall("get_weather", tok.encode(text), text), [1.0, 0.0])
+        lib.add(tenant, PastCall("get_weather", tok.encode(text), text, {"city": city, "unit": "fahrenheit"}), [1.0, 0.0])
     return lib
 
 
@@ -159,3 +159,12 @@ def test_online_method_remembers_calls_but_not_private_ones(qwen_tok):
     assert m.library.search("b", None, None, 5) == []  # another tenant sees nothing
     assert m.priors.tool_counts == {"get_time": 2.0}
     assert json.dumps(m.library.search("a", None, ["get_time"], 5)[0].tool_name) == '"get_time"'
+
+
+def test_retrieval_ignores_one_token_matches():
+    """A match of only the last token (a quote, a colon) is no evidence: nothing is drafted."""
+    calls = [PastCall("t", [5, 6, 7, 8, 9])]
+    d = RetrievalDrafter(calls, LabelRates({"retrieval": 0.6, "retrieval+": 0.85}))
+    assert len(d.tree(DraftContext([1, 2, 3, 7], 2, 10), "t")) == 0  # only "7" matches
+    tree = d.tree(DraftContext([1, 2, 6, 7], 2, 10), "t")  # "6 7" matches
+    assert tree.tokens == [8, 9]

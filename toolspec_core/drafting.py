@@ -38,11 +38,25 @@ DrafterFactory = Callable[..., Drafter]
 CHAIN_LABELS = ("pld", "retrieval", "span")  # copy drafts: once a copy starts matching it tends to go on
 
 
+def base_label(key: str) -> str:
+    """"pld:long+" -> "pld": the draft source a rate key belongs to."""
+    return key.split(":")[0].rstrip("+")
+
+
+def is_chain(key: str) -> bool:
+    return base_label(key) in CHAIN_LABELS
+
+
+def match_label(label: str, n: int, long_at: int) -> str:
+    """Copy drafts found by a longer context match are right more often: learn them apart."""
+    return label + ":long" if n >= long_at else label
+
+
 def rate_key(tree: DraftTree, i: int) -> str:
     """The acceptance-rate key of node ``i``: copy drafts learn their first token and their
     continuation separately ("pld" vs "pld+"), so long copies can earn a long draft."""
     lab, p = tree.labels[i], tree.parents[i]
-    if lab in CHAIN_LABELS and p >= 0 and tree.labels[p] == lab:
+    if is_chain(lab) and p >= 0 and tree.labels[p] == lab:
         return lab + "+"
     return lab
 
@@ -61,7 +75,8 @@ class LabelRates:
         self.tries: dict[str, float] = {}
 
     def rate(self, label: str, default: float = 0.5) -> float:
-        p = self.prior.get(label, default)
+        generic = base_label(label) + ("+" if label.endswith("+") else "")
+        p = self.prior.get(label, self.prior.get(generic, default))
         return (self.hits.get(label, 0.0) + p * self.strength) / (self.tries.get(label, 0.0) + self.strength)
 
     def update(self, tree: DraftTree, result: VerifyResult, skip=None) -> None:
@@ -96,6 +111,13 @@ def ngram_continuations(
     Like HF's prompt lookup: try n = max_ngram .. min_ngram; for the first n with matches, return
     up to ``max_matches`` distinct continuations (most recent first) of up to ``length`` tokens.
     """
+    return ngram_match(tokens, max_ngram, min_ngram, length, max_matches, search_from)[1]
+
+
+def ngram_match(
+    tokens: list[int], max_ngram: int, min_ngram: int, length: int, max_matches: int, search_from: int = 0
+) -> tuple[int, list[list[int]]]:
+    """(n, continuations) of :func:`ngram_continuations`: n is the matched n-gram's length."""
     n_tok = len(tokens)
     for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
         suffix = tokens[n_tok - n :]
@@ -113,8 +135,8 @@ def ngram_continuations(
                 if len(out) >= max_matches:
                     break
         if out:
-            return out
-    return []
+            return n, out
+    return 0, []
 
 
 class PromptLookupDrafter:
@@ -126,16 +148,19 @@ class PromptLookupDrafter:
 
     label = "pld"
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, length: int = 10, branches: int = 1, rates: LabelRates | None = None):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, length: int = 10, branches: int = 1, rates: LabelRates | None = None,
+                 long_at: int = 3):
         self.max_ngram, self.min_ngram, self.length, self.branches = max_ngram, min_ngram, length, branches
+        self.long_at = long_at  # matches of at least this many tokens learn their own rate
         self.rates = rates or LabelRates({self.label: 0.5, self.label + "+": 0.8})
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         tree = DraftTree()
-        conts = ngram_continuations(ctx.tokens, self.max_ngram, self.min_ngram, min(self.length, ctx.max_depth), self.branches)
-        rate, more = self.rates.rate(self.label), self.rates.rate(self.label + "+")
+        n, conts = ngram_match(ctx.tokens, self.max_ngram, self.min_ngram, min(self.length, ctx.max_depth), self.branches)
+        label = match_label(self.label, n, self.long_at)
+        rate, more = self.rates.rate(label), self.rates.rate(label + "+")
         for rank, cont in enumerate(conts):
-            tree.add_path(cont, [rate / (rank + 1)] + [more] * (len(cont) - 1), self.label)
+            tree.add_path(cont, [rate / (rank + 1)] + [more] * (len(cont) - 1), label)
         return tree
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:

@@ -44,12 +44,27 @@ class Priors:
         return [x / s for x in w]
 
 
+RETRIEVED = "retrieval"  # an argument value / argument order taken from retrieved past calls
+
+
+def _past_values(past: list[tuple[str, dict]], name: str, key: str) -> list[tuple[object, float]]:
+    """Distinct scalar values past calls of ``name`` passed as ``key``, with their share of those calls."""
+    vals = [a[key] for n, a in past if n == name and isinstance(a, dict) and isinstance(a.get(key), (str, int, float, bool))]
+    n_calls = sum(1 for n, _ in past if n == name)
+    out: dict[str, tuple[object, int]] = {}
+    for v in vals:
+        k = _json_scalar(v)
+        out[k] = (v, out.get(k, (v, 0))[1] + 1)
+    return sorted(((v, c / (n_calls + 1)) for v, c in out.values()), key=lambda x: -x[1])
+
+
 class _Builder:
     """Expands continuations for one tracker position; small recursive helpers, one per structure."""
 
-    def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int):
+    def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int, past=()):
         self.tr, self.tools, self.priors, self.eos = tr, tools, priors, eos
         self.levels = levels
+        self.past = list(past)  # (tool name, arguments) of retrieved past calls
 
     # ---- style ----
     def pretty(self, layout: Layout | None) -> bool:
@@ -114,13 +129,25 @@ class _Builder:
         req = set(self.tools.required(name))
         last = props.index(used[-1]) if used and used[-1] in props else -1
         w = []
+        follows = self._past_next_args(name, used)
         for a in cands:
             x = 3.0 if a in req else 1.0
             if a in props and props.index(a) > last:
                 x *= 2.0  # models tend to keep the schema's order
+            x *= 1.0 + 8.0 * follows.get(a, 0.0)  # ... and the order earlier calls of this tool used
             w.append(x)
         s = sum(w)
         return [x / s for x in w]
+
+    def _past_next_args(self, name: str, used: list[str]) -> dict[str, float]:
+        """Share of past calls of ``name`` whose next argument after ``used`` was each name."""
+        nxt: dict[str, float] = {}
+        calls = [list(a) for n, a in self.past if n == name and isinstance(a, dict)]
+        for keys in calls:
+            rest = [k for k in keys if k not in used]
+            if rest:
+                nxt[rest[0]] = nxt.get(rest[0], 0.0) + 1.0 / len(calls)
+        return nxt
 
     def arg_names(self, name: str, used: list[str], prefix: str, layout, args_indent: int, lv: int) -> list[Cand]:
         props = self.tools.properties(name)
@@ -133,6 +160,15 @@ class _Builder:
         return out
 
     def value_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
+        """Values earlier calls of this tool passed here, then the typed openings."""
+        seen = _past_values(self.past, name, used[-1]) if used else []
+        out = []
+        for v, share in seen:
+            out += self.seq([(_json_scalar(v), RETRIEVED)], self.after_value(name, used, layout, args_indent, lv - 1), share)
+        rest = 1.0 - sum(sh for _, sh in seen)
+        return out + [Cand(c.segs, c.prob * rest) for c in self.typed_start(name, used, schema, layout, args_indent, lv)]
+
+    def typed_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
         """Typed value openings: enum values, booleans, null, the quote of a string."""
         typ = schema.get("type")
         enum = schema.get("enum")
@@ -259,7 +295,7 @@ class _Builder:
         name = tr.name or ""
         used = [k for k in f.keys if k is not None]
         if tr.in_str == "key":
-            return self.arg_names(name, used[:-1] if f.key is None else used, tr.buf, lay, f.indent, lv)
+            return self.arg_names(name, used, tr.buf, lay, f.indent, lv)  # the key being typed is not in f.keys yet
         if f.expect == "key":
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
             return self.seq([(ws + '"', CALL_KEY)], self.arg_names(name, used, "", lay, f.indent, lv))
@@ -286,7 +322,13 @@ class _Builder:
                 out += self.seq([(v[len(buf):] + '"', VALUE)], self.after_value(name, used, lay, indent, lv - 1), 1.0 / len(vals))
             return out
         # the string may end here: closing quote + what follows (low prior; the budget decides)
-        return self.seq([('"', VALUE)], self.after_value(name, used, lay, indent, lv - 1), 0.15)
+        after = self.after_value(name, used, lay, indent, lv - 1)
+        out = self.seq([('"', VALUE)], after, 0.15)
+        for v, share in _past_values(self.past, name, used[-1]) if used else []:
+            text = _json_scalar(v)[1:] if isinstance(v, str) else ""
+            if text.startswith(buf) and len(text) > len(buf) + 1:
+                out += self.seq([(text[len(buf):], RETRIEVED)], after, share)
+        return out
 
     def scalar_value(self, name, used, schema, lay, indent, lv) -> list[Cand]:
         buf = self.tr.buf
@@ -310,9 +352,14 @@ def _overlap(text: str, full: str) -> int:
     return 0
 
 
-def continuations(tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int = 3, max_cands: int = 64) -> list[Cand]:
-    """Candidate continuations from the tracker's position, most probable first."""
-    cands = _Builder(tr, tools, priors, eos, levels).build()
+def continuations(tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int = 3, max_cands: int = 64,
+                  past=()) -> list[Cand]:
+    """Candidate continuations from the tracker's position, most probable first.
+
+    ``past``: (tool name, arguments) of retrieved past calls -- their argument order and values
+    become branches, written in the style this output uses (not the style they were stored in).
+    """
+    cands = _Builder(tr, tools, priors, eos, levels, past).build()
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
     cands.sort(key=lambda c: -c.prob)
     return cands[:max_cands]

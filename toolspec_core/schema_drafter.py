@@ -9,7 +9,7 @@ and the engine's cost-aware budget keeps what pays.
 from __future__ import annotations
 
 from .boundary import BoundaryTokenizer
-from .drafting import CHAIN_LABELS, DraftContext, LabelRates, PromptLookupDrafter, rate_key
+from .drafting import DraftContext, LabelRates, PromptLookupDrafter, is_chain, match_label, rate_key
 from .fsm import VALUE, CallTracker, ToolIndex
 from .library import CallLibrary, MemoryLibrary, PastCall
 from .methods import RequestInfo
@@ -24,7 +24,6 @@ RETRIEVAL = "retrieval"
 SPAN = "span"  # argument value copied from the context (values.value_spans)
 DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9,
                  RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, "pld": 0.5, "pld+": 0.8, SPAN: 0.6, SPAN + "+": 0.85}
-CHAIN_KEYS = set(CHAIN_LABELS) | {k + "+" for k in CHAIN_LABELS}
 DET = 0.99  # a node whose share of its parent's mass is at least this is "deterministic"
 
 
@@ -48,7 +47,7 @@ def candidates_to_tree(bt: BoundaryTokenizer, committed: list[int], cands: list[
             node = nxt
     for i, p in enumerate(tree.parents):
         share = mass[i] / (1.0 if p == ROOT else max(mass[p], 1e-12))
-        tree.conf[i] = min(1.0, share) * rates.rate(tree.labels[i])
+        tree.conf[i] = min(1.0, share) * rates.rate(rate_key(tree, i))
     return tree
 
 
@@ -89,9 +88,10 @@ class RetrievalDrafter:
     output that occurs in a past call decides; its continuation is drafted whole.
     """
 
-    def __init__(self, calls: list[PastCall], rates: LabelRates, max_ngram: int = 8, length: int = 48, branches: int = 3):
+    def __init__(self, calls: list[PastCall], rates: LabelRates, max_ngram: int = 8, length: int = 48, branches: int = 3, min_ngram: int = 2):
         self.calls, self.rates = calls, rates
         self.max_ngram, self.length, self.branches = max_ngram, length, branches
+        self.min_ngram = min_ngram  # a one-token match ('"', ':') says nothing about what follows
 
     def tree(self, ctx: DraftContext, tool: str | None) -> DraftTree:
         tree = DraftTree()
@@ -102,14 +102,15 @@ class RetrievalDrafter:
         best: list[tuple[int, float, list[int]]] = []
         for c in calls:
             n, cont = _longest_suffix_match(gen, c.token_ids, self.max_ngram, min(self.length, ctx.max_depth))
-            if n and cont:
+            if n >= self.min_ngram and cont:
                 best.append((n, c.score, cont))
         if not best:
             return tree
         best.sort(key=lambda x: (-x[0], -x[1]))
         top_n = best[0][0]
         seen = set()
-        rate, more = self.rates.rate(RETRIEVAL), self.rates.rate(RETRIEVAL + "+")
+        label = match_label(RETRIEVAL, top_n, 4)
+        rate, more = self.rates.rate(label), self.rates.rate(label + "+")
         conts = []
         for n, _, cont in best:
             if n < top_n or tuple(cont[:3]) in seen:
@@ -122,7 +123,7 @@ class RetrievalDrafter:
         for cont in conts:
             votes = sum(1 for n, _, c in best if n == top_n and c[:1] == cont[:1])
             share = votes / sum(1 for n, _, _ in best if n == top_n)
-            tree.add_path(cont, [rate * share] + [more] * (len(cont) - 1), RETRIEVAL)
+            tree.add_path(cont, [rate * share] + [more] * (len(cont) - 1), label)
         return tree
 
 
@@ -172,7 +173,8 @@ class SchemaDrafter:
         self._sync(ctx.generated)
         tree = DraftTree()
         if self.schema and self.tools.names:
-            cands = continuations(self.tracker, self.tools, self.priors, self.eos)
+            past = [(c.tool_name, c.arguments) for c in self.retrieval.calls] if self.retrieval is not None else ()
+            cands = continuations(self.tracker, self.tools, self.priors, self.eos, past=past)
             tree = candidates_to_tree(self.bt, ctx.tokens, cands, self.rates)
         if self.retrieval is not None:
             tree.merge(self.retrieval.tree(ctx, self.tracker.name))
@@ -198,7 +200,7 @@ class SchemaDrafter:
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
         """Learn label rates from deterministic nodes only (branch losers are expected)."""
-        self.rates.update(tree, result, skip=lambda i, key: key not in CHAIN_KEYS and tree.conf[i] < DET * self.rates.rate(key))
+        self.rates.update(tree, result, skip=lambda i, key: not is_chain(key) and tree.conf[i] < DET * self.rates.rate(key))
 
 
 class SchemaMethod:
