@@ -52,6 +52,16 @@ def match_label(label: str, n: int, long_at: int) -> str:
     return label + ":long" if n >= long_at else label
 
 
+def add_copies(tree: DraftTree, conts: list[list[int]], label: str, rates: "LabelRates", shares: list[float] | None = None) -> DraftTree:
+    """Copy drafts as chains: first token at the label's rate (× share, default 1/rank), the rest at
+    the continuation rate -- the one conf rule of prompt lookup, value spans and retrieval."""
+    first, more = rates.rate(label), rates.rate(label + "+")
+    for rank, cont in enumerate(conts):
+        share = shares[rank] if shares is not None else 1.0 / (rank + 1)
+        tree.add_path(cont, [first * share] + [more] * (len(cont) - 1), label)
+    return tree
+
+
 def rate_key(tree: DraftTree, i: int) -> str:
     """The acceptance-rate key of node ``i``: copy drafts learn their first token and their
     continuation separately ("pld" vs "pld+"), so long copies can earn a long draft."""
@@ -155,13 +165,8 @@ class PromptLookupDrafter:
         self.rates = rates or LabelRates({self.label: 0.5, self.label + "+": 0.8})
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        tree = DraftTree()
         n, conts = ngram_match(ctx.tokens, self.max_ngram, self.min_ngram, min(self.length, ctx.max_depth), self.branches)
-        label = match_label(self.label, n, self.long_at)
-        rate, more = self.rates.rate(label), self.rates.rate(label + "+")
-        for rank, cont in enumerate(conts):
-            tree.add_path(cont, [rate / (rank + 1)] + [more] * (len(cont) - 1), label)
-        return tree
+        return add_copies(DraftTree(), conts, match_label(self.label, n, self.long_at), self.rates)
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
         self.rates.update(tree, result)

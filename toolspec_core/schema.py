@@ -44,7 +44,7 @@ class Priors:
         return [x / s for x in w]
 
 
-RETRIEVED = "retrieval"  # an argument value / argument order taken from retrieved past calls
+RETRIEVAL = "retrieval"  # label of drafts taken from retrieved past calls (values here, whole calls in schema_drafter)
 
 
 def _past_values(past: list[tuple[str, dict]], name: str, key: str) -> list[tuple[object, float]]:
@@ -164,7 +164,7 @@ class _Builder:
         seen = _past_values(self.past, name, used[-1]) if used else []
         out = []
         for v, share in seen:
-            out += self.seq([(_json_scalar(v), RETRIEVED)], self.after_value(name, used, layout, args_indent, lv - 1), share)
+            out += self.seq([(_json_scalar(v), RETRIEVAL)], self.after_value(name, used, layout, args_indent, lv - 1), share)
         rest = 1.0 - sum(sh for _, sh in seen)
         return out + [Cand(c.segs, c.prob * rest) for c in self.typed_start(name, used, schema, layout, args_indent, lv)]
 
@@ -327,7 +327,7 @@ class _Builder:
         for v, share in _past_values(self.past, name, used[-1]) if used else []:
             text = _json_scalar(v)[1:] if isinstance(v, str) else ""
             if text.startswith(buf) and len(text) > len(buf) + 1:
-                out += self.seq([(text[len(buf):], RETRIEVED)], after, share)
+                out += self.seq([(text[len(buf):], RETRIEVAL)], after, share)
         return out
 
     def scalar_value(self, name, used, schema, lay, indent, lv) -> list[Cand]:

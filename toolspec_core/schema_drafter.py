@@ -9,18 +9,17 @@ and the engine's cost-aware budget keeps what pays.
 from __future__ import annotations
 
 from .boundary import BoundaryTokenizer
-from .drafting import DraftContext, LabelRates, PromptLookupDrafter, is_chain, match_label, rate_key
+from .drafting import DraftContext, LabelRates, PromptLookupDrafter, add_copies, is_chain, match_label, rate_key
 from .fsm import VALUE, CallTracker, ToolIndex
 from .library import CallLibrary, MemoryLibrary, PastCall
 from .methods import RequestInfo
-from .schema import Cand, Priors, continuations
+from .schema import RETRIEVAL, Cand, Priors, continuations
 from .target import turn_end_ids
 from .toolcalls import parse_tool_calls
 from .tree import ROOT, DraftTree
 from .values import value_spans
 from .verify import VerifyResult
 
-RETRIEVAL = "retrieval"
 SPAN = "span"  # argument value copied from the context (values.value_spans)
 DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9,
                  RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, "pld": 0.5, "pld+": 0.8, SPAN: 0.6, SPAN + "+": 0.85}
@@ -88,10 +87,12 @@ class RetrievalDrafter:
     output that occurs in a past call decides; its continuation is drafted whole.
     """
 
-    def __init__(self, calls: list[PastCall], rates: LabelRates, max_ngram: int = 8, length: int = 48, branches: int = 3, min_ngram: int = 2):
+    def __init__(self, calls: list[PastCall], rates: LabelRates, max_ngram: int = 8, length: int = 48, branches: int = 3, min_ngram: int = 2,
+                 long_at: int = 4):
         self.calls, self.rates = calls, rates
         self.max_ngram, self.length, self.branches = max_ngram, length, branches
         self.min_ngram = min_ngram  # a one-token match ('"', ':') says nothing about what follows
+        self.long_at = long_at  # matches of at least this many tokens learn their own rate
 
     def tree(self, ctx: DraftContext, tool: str | None) -> DraftTree:
         tree = DraftTree()
@@ -109,8 +110,6 @@ class RetrievalDrafter:
         best.sort(key=lambda x: (-x[0], -x[1]))
         top_n = best[0][0]
         seen = set()
-        label = match_label(RETRIEVAL, top_n, 4)
-        rate, more = self.rates.rate(label), self.rates.rate(label + "+")
         conts = []
         for n, _, cont in best:
             if n < top_n or tuple(cont[:3]) in seen:
@@ -120,11 +119,9 @@ class RetrievalDrafter:
             if len(conts) >= self.branches:
                 break
         # branch mass: votes of the past calls agreeing on the first tokens
-        for cont in conts:
-            votes = sum(1 for n, _, c in best if n == top_n and c[:1] == cont[:1])
-            share = votes / sum(1 for n, _, _ in best if n == top_n)
-            tree.add_path(cont, [rate * share] + [more] * (len(cont) - 1), label)
-        return tree
+        top = [c for n, _, c in best if n == top_n]
+        shares = [sum(1 for c in top if c[:1] == cont[:1]) / len(top) for cont in conts]
+        return add_copies(tree, conts, match_label(RETRIEVAL, top_n, self.long_at), self.rates, shares)
 
 
 def _longest_suffix_match(gen: list[int], seq: list[int], max_n: int, length: int) -> tuple[int, list[int]]:
@@ -191,12 +188,8 @@ class SchemaDrafter:
         if self._prompt_text is None:
             self._prompt_text = self.bt.tok.decode(ctx.tokens[: ctx.prompt_len], skip_special_tokens=True)
         source = self._prompt_text + tr.text[: len(tr.text) - len(tr.buf)]
-        first, more = self.rates.rate(SPAN), self.rates.rate(SPAN + "+")
-        for rank, span in enumerate(value_spans(source, tr.buf, tr.in_scalar)):
-            ids = self.bt.continuation(ctx.tokens, span)[: ctx.max_depth]
-            if ids:
-                tree.add_path(ids, [first / (rank + 1)] + [more] * (len(ids) - 1), SPAN)
-        return tree
+        spans = (self.bt.continuation(ctx.tokens, s)[: ctx.max_depth] for s in value_spans(source, tr.buf, tr.in_scalar))
+        return add_copies(tree, [ids for ids in spans if ids], SPAN, self.rates)
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
         """Learn label rates from deterministic nodes only (branch losers are expected)."""
