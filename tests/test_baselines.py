@@ -8,8 +8,9 @@ import torch
 
 from tiny import hf_greedy, tiny_target
 from toolspec_core.baselines import (
-    SuffixMethod, SuffixTrie, TokenRecyclingMethod, bfs_template, node_paths, suffix_key,
+    SUFFIX_PRIOR, SuffixDrafter, SuffixMethod, SuffixTrie, TokenRecyclingMethod, bfs_template, node_paths, suffix_key,
 )
+from toolspec_core.drafting import LabelRates
 from toolspec_core.budget import CostModel
 from toolspec_core.drafting import DraftContext
 from toolspec_core.engine import DecodeConfig, decode, prefill
@@ -99,6 +100,7 @@ def test_suffix_drafter_prefers_frequent_continuation():
     assert set(kids) == {3, 7} and kids[3] > kids[7]
     assert all(lab == "suffix" for lab in tree.labels)
     assert suffix_key(0.9, 5) == "suffix:hi:l" and suffix_key(0.3, 1) == "suffix:lo:s"
+    assert suffix_key(0.9, 6) == "suffix:hi:L" and suffix_key(1.0, 2, seen=1) == "suffix:hi:s:1"
 
 
 def test_rates_follow_pruned_tree_by_path():
@@ -110,8 +112,9 @@ def test_rates_follow_pruned_tree_by_path():
     pruned = DraftTree()
     pruned.add_path([3, 4], 0.8, "suffix")
     d.feedback(pruned, VerifyResult(path=[0], token=9))
-    assert m.rates.tries == {"suffix:hi:s": 1.0, "suffix:hi:l": 1.0}
-    assert m.rates.hits == {"suffix:hi:s": 1.0}
+    # each continuation was seen once in the history: the weak-evidence buckets
+    assert m.rates.tries == {"suffix:hi:s:1": 1.0, "suffix:hi:l:1": 1.0}
+    assert m.rates.hits == {"suffix:hi:s:1": 1.0}
 
 
 def test_token_recycling_template_and_matrix():
@@ -148,3 +151,18 @@ def test_token_recycling_root_chain_rows():
     logits[0, 11], logits[1, 12], logits[2, 13] = 1.0, 1.0, 1.0
     d.feedback(tree, VerifyResult(path=[], token=12, logits=logits))
     assert [m.matrix[t, 0].item() for t in (3, 4, 9)] == [11, 12, 13]
+
+
+def test_suffix_drafter_extends_a_drafted_chain():
+    """``extend`` continues the context + a draft path (what ToolSpec does after the schema's text)."""
+    hist = SuffixTrie(32)
+    hist.add_document([40, 5, 6, 7, 8, 9])
+    d = SuffixDrafter(hist, LabelRates(SUFFIX_PRIOR))
+    tree = DraftTree()
+    leaf = tree.add_path([5, 6], 0.99, "schema")
+    d.extend(DraftContext([1, 2, 40], 3, 20), tree, leaf, 0.98)
+    deepest = max(range(len(tree)), key=lambda i: depths(tree.parents)[i])
+    assert [tree.tokens[i] for i in tree.path_to(deepest)] == [5, 6, 7, 8, 9]
+    assert tree.labels[:2] == ["schema", "schema"] and set(tree.labels[2:]) == {"suffix"}
+    assert (5, 6, 7) in d.keys and (5, 6) not in d.keys  # rates keyed by the full path from the root
+    d.extend(DraftContext([1, 2, 40], 3, 2), tree, leaf, 0.98)  # no depth left past the chain: nothing added

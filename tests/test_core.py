@@ -310,3 +310,22 @@ def test_measured_cost_curve_is_relative_and_monotone(tiny):
     assert cm.points[1] == 1.0 and set(cm.points) == {1, 2, 4, 8, 12, 16}
     assert all(a <= b + 1e-12 for a, b in zip(cm.curve[1:], cm.curve[2:]))  # never cheaper for more tokens
     assert cm.step_cost(0) == cm.curve[1] == 1.0
+
+
+def test_tuned_cpu_linears_keep_greedy_output(reference):
+    """The row-count dispatch of ``tune_cpu_linears`` computes the same function: same logits
+    (to float tolerance) for 1..64 rows, and drafting on the tuned model still gives exactly
+    the plain greedy output of the untouched model."""
+    import copy
+
+    from toolspec_core.target import tune_cpu_linears
+
+    plain = tiny_target()
+    tuned = copy.deepcopy(plain)
+    assert tune_cpu_linears(tuned.model) == sum(isinstance(m, torch.nn.Linear) for m in tuned.model.modules()) > 0
+    for rows in (1, 2, 3, 4, 8, 64):
+        h = torch.randn(rows, plain.model.config.hidden_size)
+        torch.testing.assert_close(tuned.logits(h), plain.logits(h), rtol=1e-5, atol=1e-5)
+    for make in (oracle, branching):
+        res = decode(tuned, prefill(tuned, PROMPT), ScriptedDrafter(make(reference)), DecodeConfig(max_new_tokens=N), CostModel.flat())
+        assert res.tokens == reference

@@ -168,3 +168,24 @@ def test_retrieval_ignores_one_token_matches():
     assert len(d.tree(DraftContext([1, 2, 3, 7], 2, 10), "t")) == 0  # only "7" matches
     tree = d.tree(DraftContext([1, 2, 6, 7], 2, 10), "t")  # "6 7" matches
     assert tree.tokens == [8, 9]
+
+
+def test_history_drafts_per_tenant_and_never_private_outputs(qwen_tok):
+    """ToolSpec's suffix history: a tenant's earlier outputs draft for that tenant only, an output
+    marked not-to-remember never drafts, and schema-only drafting has no history at all."""
+    text = "The forecast for Paris is sunny with a light western wind."
+    out = qwen_tok.encode(text)
+    ctx = DraftContext([9, 9] + out[:4], 2, 30)
+
+    def drafted(method, tenant):
+        tree = method.drafter(RequestInfo([9, 9], TOOLS, tenant=tenant)).propose(ctx)
+        return [tree.tokens[i] for i in tree.children(-1)]
+
+    m, schema = make_method("toolspec", qwen_tok), make_method("toolspec_schema", qwen_tok)
+    for meth in (m, schema):
+        meth.observe(RequestInfo([1, 2], TOOLS, tenant="a", remember=False), out, text)
+    assert out[4] not in drafted(m, "a")
+    for meth in (m, schema):
+        meth.observe(RequestInfo([1, 2], TOOLS, tenant="a"), out, text)
+    assert out[4] in drafted(m, "a")
+    assert out[4] not in drafted(m, "b") and out[4] not in drafted(schema, "a")

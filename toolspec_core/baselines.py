@@ -134,20 +134,29 @@ class SuffixTrie:
 # --------------------------------------------------------------------------- suffix drafter
 
 SUFFIX_PRIOR = {
+    "suffix:hi:L": 0.85, "suffix:mid:L": 0.5, "suffix:lo:L": 0.2,
     "suffix:hi:l": 0.8, "suffix:mid:l": 0.5, "suffix:lo:l": 0.2,
     "suffix:hi:s": 0.5, "suffix:mid:s": 0.3, "suffix:lo:s": 0.1,
+    "suffix:hi:L:1": 0.7, "suffix:hi:l:1": 0.6, "suffix:hi:s:1": 0.3,
 }
 
 
-def suffix_key(freq: float, match_len: int) -> str:
-    """Rate key: empirical continuation frequency bucket x match length (short matches are noise)."""
+def suffix_key(freq: float, match_len: int, seen: int = 2) -> str:
+    """Rate key: empirical continuation frequency x match length (short matches are noise) x
+    whether the context was seen only once (a frequency of 1/1 is weak evidence).
+
+    Buckets chosen by offline replay of recorded outputs (``benchmarks.offline_sim``): the
+    once-seen and long (>= 6) buckets each learn a clearly different rate.
+    """
     fb = "hi" if freq >= 0.8 else "mid" if freq >= 0.4 else "lo"
-    return f"suffix:{fb}:{'l' if match_len >= 3 else 's'}"
+    ml = "L" if match_len >= 6 else "l" if match_len >= 3 else "s"
+    return f"suffix:{fb}:{ml}" + (":1" if seen == 1 else "")
 
 
 def grow_from_trie(
     tree: DraftTree, keys: dict, trie: SuffixTrie, node: int, match_len: int, rates: LabelRates,
     max_nodes: int, max_depth: int, min_prob: float = 0.01, label: str = "suffix",
+    parent: int = ROOT, prefix: tuple[int, ...] = (), prob: float = 1.0,
 ) -> None:
     """Best-first expansion of ``trie`` below ``node`` into ``tree`` by path probability.
 
@@ -155,7 +164,7 @@ def grow_from_trie(
     common budget can cut what does not pay. Nodes merge with what is already in ``tree``.
     """
     tie = count()
-    heap = [(-1.0, next(tie), node, ROOT, (), 0)]
+    heap = [(-prob, next(tie), node, parent, tuple(prefix), 0)]
     added = 0
     while heap and added < max_nodes:
         neg, _, tnode, parent, path, depth = heapq.heappop(heap)
@@ -165,7 +174,7 @@ def grow_from_trie(
         total = sum(trie.count[c] for c in kids.values())
         for tok, c in kids.items():
             freq = trie.count[c] / total
-            key = suffix_key(freq, match_len + depth)
+            key = suffix_key(freq, match_len + depth, total)
             conf = rates.rate(key, SUFFIX_PRIOR.get(key, 0.3))
             score = -neg * conf
             if score < min_prob or added >= max_nodes:
@@ -209,6 +218,22 @@ class SuffixDrafter:
             if node >= 0:
                 grow_from_trie(tree, self.keys, self.history, node, m, self.rates, self.max_nodes, depth)
         return tree
+
+    def extend(self, ctx: DraftContext, tree: DraftTree, parent: int, prob: float) -> None:
+        """Grow continuations of (context + the draft path to ``parent``) below ``parent``:
+        what follows a drafted chain (e.g. an argument value after the schema's key text)."""
+        self._sync(ctx.tokens)
+        chain = [tree.tokens[i] for i in tree.path_to(parent)]
+        tokens = ctx.tokens + chain
+        depth = min(ctx.max_depth, self.context.depth) - len(chain)
+        if depth <= 0:
+            return
+        for trie in (self.context, self.history):
+            if len(trie) > 1:
+                node, m = trie.longest_match(tokens, self.max_match)
+                if node >= 0:
+                    grow_from_trie(tree, self.keys, trie, node, m, self.rates, self.max_nodes, depth,
+                                   parent=parent, prefix=tuple(chain), prob=prob)
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
         update_keyed_rates(self.rates, tree, result, self.keys)

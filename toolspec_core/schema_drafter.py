@@ -2,15 +2,17 @@
 
 Per step: the FSM follows the committed text, ``continuations`` lists what the schemas allow
 next, each candidate is tokenized at the boundary into the tree (probability mass per node ->
-conditional confidence), prompt-lookup and retrieval drafts are trie-merged into the same tree,
-and the engine's cost-aware budget keeps what pays.
+conditional confidence), generic drafts (suffix matches over the context and the history of
+earlier outputs, argument values copied from the context) and retrieved past calls are
+trie-merged into the same tree, and the engine's cost-aware budget keeps what pays.
 """
 
 from __future__ import annotations
 
 from .boundary import BoundaryTokenizer
-from .drafting import DraftContext, LabelRates, PromptLookupDrafter, add_copies, is_chain, match_label, rate_key
-from .fsm import VALUE, CallTracker, ToolIndex
+from .baselines import SUFFIX_PRIOR, SuffixDrafter, SuffixTrie
+from .drafting import DraftContext, LabelRates, add_copies, base_label, is_chain, match_label, rate_key
+from .fsm import END, TEXT, VALUE, CallTracker, ToolIndex
 from .library import CallLibrary, MemoryLibrary, PastCall
 from .methods import RequestInfo
 from .schema import RETRIEVAL, Cand, Priors, continuations
@@ -21,8 +23,10 @@ from .values import value_spans
 from .verify import VerifyResult
 
 SPAN = "span"  # argument value copied from the context (values.value_spans)
+SUFFIX_STATES = (TEXT, VALUE, END)  # FSM states whose text the schema cannot draft (offline replay: these pay)
+SUFFIX = "suffix"  # generic drafting over context + this tenant's earlier outputs (baselines.SuffixDrafter)
 DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9,
-                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, "pld": 0.5, "pld+": 0.8, SPAN: 0.6, SPAN + "+": 0.85}
+                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, SPAN: 0.6, SPAN + "+": 0.85}
 DET = 0.99  # a node whose share of its parent's mass is at least this is "deterministic"
 
 
@@ -144,12 +148,14 @@ def _longest_suffix_match(gen: list[int], seq: list[int], max_n: int, length: in
 
 
 class SchemaDrafter:
-    """The ToolSpec drafter for one request."""
+    """The ToolSpec drafter for one request: schema tree + generic drafting (suffix matches over the
+    context and, with retrieval, the tenant's history; argument values copied from the context) +
+    retrieved past calls, one tree."""
 
     def __init__(self, bt: BoundaryTokenizer, tools: ToolIndex, priors: Priors, rates: LabelRates, eos: list[int],
-                 pld: PromptLookupDrafter | None = None, retrieval: RetrievalDrafter | None = None, schema: bool = True):
+                 suffix: SuffixDrafter | None = None, retrieval: RetrievalDrafter | None = None, schema: bool = True):
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
-        self.pld, self.retrieval, self.schema = pld, retrieval, schema
+        self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
         self.tracker = CallTracker(tools)
         self._n_fed = 0  # committed tokens whose text the tracker has seen
         self._prompt_text: str | None = None
@@ -175,10 +181,21 @@ class SchemaDrafter:
             tree = candidates_to_tree(self.bt, ctx.tokens, cands, self.rates)
         if self.retrieval is not None:
             tree.merge(self.retrieval.tree(ctx, self.tracker.name))
-        if self.pld is not None:
-            tree.merge(self.pld.propose(ctx))
+        if self.suffix is not None:
             tree.merge(self._value_tree(ctx))
+            self._generic(ctx, tree)
         return tree
+
+    def _generic(self, ctx: DraftContext, tree: DraftTree) -> None:
+        """Suffix drafts where the schema does not know the text (free text, values, the end of a
+        call); elsewhere only after the schema's most probable chain, where it stops knowing."""
+        self.suffix.keys = {}
+        if not self.schema or self.tracker.state in SUFFIX_STATES or not len(tree):
+            tree.merge(self.suffix.propose(ctx))
+            return
+        leaf, prob = _chain_end(tree)
+        if leaf != ROOT:
+            self.suffix.extend(ctx, tree, leaf, prob)
 
     def _value_tree(self, ctx: DraftContext) -> DraftTree:
         """The current argument value continued as in the context (see ``values``)."""
@@ -192,24 +209,46 @@ class SchemaDrafter:
         return add_copies(tree, [ids for ids in spans if ids], SPAN, self.rates)
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
-        """Learn label rates from deterministic nodes only (branch losers are expected)."""
-        self.rates.update(tree, result, skip=lambda i, key: not is_chain(key) and tree.conf[i] < DET * self.rates.rate(key))
+        """Learn label rates from deterministic nodes only (branch losers are expected); suffix
+        drafts learn their own keyed rates (by the path they proposed, whoever owns the node)."""
+        if self.suffix is not None:
+            self.suffix.feedback(tree, result)
+        self.rates.update(tree, result, skip=lambda i, key: base_label(key) == SUFFIX
+                          or (not is_chain(key) and tree.conf[i] < DET * self.rates.rate(key)))
+
+
+def _chain_end(tree: DraftTree) -> tuple[int, float]:
+    """The end of the most probable chain from the root (following the highest-conf child) and its
+    path probability: where a schema draft stops knowing what comes next."""
+    node, prob = ROOT, 1.0
+    while True:
+        kids = tree.children(node)
+        if not kids:
+            return node, prob
+        node = max(kids, key=lambda i: tree.conf[i])
+        prob *= tree.conf[node]
 
 
 class SchemaMethod:
-    """``toolspec_schema``: schema drafting + prompt lookup for values; no history."""
+    """``toolspec_schema``: schema drafting + generic drafting over the request's own context
+    (suffix matches, argument values copied from the context); no history."""
 
     name = "toolspec_schema"
-    use_schema, use_retrieval, use_pld = True, False, True
+    use_schema, use_retrieval = True, False
 
-    def __init__(self, tokenizer, library: CallLibrary | None = None, retrieve_k: int = 8, eos_ids: list[int] | None = None, **pld_opts):
+    def __init__(self, tokenizer, library: CallLibrary | None = None, retrieve_k: int = 8, eos_ids: list[int] | None = None,
+                 suffix_depth: int = 32, suffix_nodes: int = 64, max_match: int = 8, prompt_tail: int = 8):
         self.tok = tokenizer
         self.bt = BoundaryTokenizer(tokenizer)
         self.rates = LabelRates(DEFAULT_RATES)
+        self.suffix_rates = LabelRates(SUFFIX_PRIOR)  # keyed like the suffix baseline's
         self.priors = Priors()
         self.library = library if library is not None else (MemoryLibrary() if self.use_retrieval else None)
         self.retrieve_k = retrieve_k
-        self.pld_opts = {"max_ngram": 4, "min_ngram": 2, "length": 12, **pld_opts}
+        self.suffix_depth, self.suffix_nodes, self.max_match, self.prompt_tail = suffix_depth, suffix_nodes, max_match, prompt_tail
+        # history of earlier outputs (retrieval methods): one suffix trie per tenant, so a tenant's
+        # outputs are never drafted for another; lives in this process (per replica)
+        self.histories: dict[str, SuffixTrie] = {}
         self.eos = list(eos_ids) if eos_ids else turn_end_ids(tokenizer)
         self._tools_cache: dict[str, ToolIndex] = {}
 
@@ -222,18 +261,23 @@ class SchemaMethod:
         return self._tools_cache[key]
 
     def drafter(self, req: RequestInfo) -> SchemaDrafter:
-        pld = PromptLookupDrafter(rates=self.rates, **self.pld_opts) if self.use_pld else None
-        retrieval = None
+        retrieval, history = None, SuffixTrie(self.suffix_depth)
         if self.use_retrieval:
             calls = req.retrieved
             if calls is None and self.library is not None:
                 names = [t["function"]["name"] for t in req.tools or [] if "function" in t]
                 calls = self.library.search(req.tenant, req.embedding, names or None, self.retrieve_k)
             retrieval = RetrievalDrafter([_as_past_call(c) for c in calls or []], self.rates)
-        return SchemaDrafter(self.bt, self._tools(req.tools), self.priors, self.rates, self.eos, pld, retrieval, self.use_schema)
+            history = self.histories.get(req.tenant, history)
+        suffix = SuffixDrafter(history, self.suffix_rates, self.suffix_depth, self.max_match, self.suffix_nodes)
+        return SchemaDrafter(self.bt, self._tools(req.tools), self.priors, self.rates, self.eos, suffix, retrieval, self.use_schema)
 
     def observe(self, req: RequestInfo, output_ids: list[int], text: str) -> None:
-        """Learn tool/layout frequencies; remember the calls in the library (unless told not to)."""
+        """Learn tool/layout frequencies; remember the output (suffix history) and its calls (library)
+        unless told not to."""
+        if self.use_retrieval and req.remember and output_ids:
+            history = self.histories.setdefault(req.tenant, SuffixTrie(self.suffix_depth))
+            history.add_document(list(req.prompt_ids[-self.prompt_tail :]) + list(output_ids))
         parsed = parse_tool_calls(text)
         if not parsed.calls:
             return
@@ -247,17 +291,19 @@ class SchemaMethod:
 
 
 class RetrievalMethod(SchemaMethod):
-    """``toolspec_retrieval``: drafts from retrieved past calls (+ prompt lookup), no schema FSM."""
+    """``toolspec_retrieval``: drafts from retrieved past calls and the history of earlier outputs
+    (+ generic drafting over the context), no schema FSM."""
 
     name = "toolspec_retrieval"
-    use_schema, use_retrieval, use_pld = False, True, True
+    use_schema, use_retrieval = False, True
 
 
 class ToolSpecMethod(SchemaMethod):
-    """``toolspec``: schema + retrieval + prompt lookup, merged into one tree."""
+    """``toolspec``: schema + retrieval (past calls from the library, suffix matches over the
+    tenant's earlier outputs) + generic drafting over the context, merged into one tree."""
 
     name = "toolspec"
-    use_schema, use_retrieval, use_pld = True, True, True
+    use_schema, use_retrieval = True, True
 
 
 def _as_past_call(c) -> PastCall:
