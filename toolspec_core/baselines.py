@@ -14,6 +14,7 @@ re-indexes the tree before ``feedback`` sees it.
 from __future__ import annotations
 
 import heapq
+import threading
 from itertools import count
 
 import torch
@@ -74,10 +75,11 @@ class SuffixTrie:
     def _child(self, node: int, tok: int) -> int:
         kids = self.kids[node]
         c = kids.get(tok)
-        if c is None:
-            c = kids[tok] = len(self.kids)
+        if c is None:  # the node exists before it is published, for readers in other threads
+            c = len(self.kids)
             self.kids.append({})
             self.count.append(0)
+            kids[tok] = c
         self.count[c] += 1
         return c
 
@@ -170,9 +172,9 @@ def grow_from_trie(
         neg, _, tnode, parent, path, depth = heapq.heappop(heap)
         if depth >= max_depth:
             continue
-        kids = trie.kids[tnode]
-        total = sum(trie.count[c] for c in kids.values())
-        for tok, c in kids.items():
+        kids = list(trie.kids[tnode].items())  # a snapshot: a server thread may be adding to the trie
+        total = sum(trie.count[c] for _, c in kids)
+        for tok, c in kids:
             freq = trie.count[c] / total
             key = suffix_key(freq, match_len + depth, total)
             conf = rates.rate(key, SUFFIX_PRIOR.get(key, 0.3))
@@ -252,13 +254,15 @@ class SuffixMethod:
         self.depth, self.max_match, self.max_nodes, self.prompt_tail = depth, max_match, max_nodes, prompt_tail
         self.history = SuffixTrie(depth)
         self.rates = LabelRates(SUFFIX_PRIOR)
+        self._lock = threading.Lock()  # observe() may run in several decode threads at once
 
     def drafter(self, req) -> SuffixDrafter:
         return SuffixDrafter(self.history, self.rates, self.depth, self.max_match, self.max_nodes)
 
     def observe(self, req, output_ids: list[int], text: str) -> None:
         if getattr(req, "remember", True) and output_ids:
-            self.history.add_document(list(req.prompt_ids[-self.prompt_tail :]) + list(output_ids))
+            with self._lock:
+                self.history.add_document(list(req.prompt_ids[-self.prompt_tail :]) + list(output_ids))
 
 
 # --------------------------------------------------------------------------- token recycling

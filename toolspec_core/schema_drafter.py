@@ -12,6 +12,7 @@ from __future__ import annotations
 from .boundary import BoundaryTokenizer
 from .baselines import SUFFIX_PRIOR, SuffixDrafter, SuffixTrie
 from .drafting import DraftContext, LabelRates, add_copies, base_label, is_chain, match_label, rate_key
+from .history import TenantHistories
 from .fsm import END, TEXT, VALUE, CallTracker, ToolIndex
 from .library import CallLibrary, MemoryLibrary, PastCall
 from .methods import RequestInfo
@@ -237,7 +238,8 @@ class SchemaMethod:
     use_schema, use_retrieval = True, False
 
     def __init__(self, tokenizer, library: CallLibrary | None = None, retrieve_k: int = 8, eos_ids: list[int] | None = None,
-                 suffix_depth: int = 32, suffix_nodes: int = 64, max_match: int = 8, prompt_tail: int = 8):
+                 suffix_depth: int = 32, suffix_nodes: int = 64, max_match: int = 8, prompt_tail: int = 8,
+                 history_tokens: int = 32768):
         self.tok = tokenizer
         self.bt = BoundaryTokenizer(tokenizer)
         self.rates = LabelRates(DEFAULT_RATES)
@@ -247,8 +249,10 @@ class SchemaMethod:
         self.retrieve_k = retrieve_k
         self.suffix_depth, self.suffix_nodes, self.max_match, self.prompt_tail = suffix_depth, suffix_nodes, max_match, prompt_tail
         # history of earlier outputs (retrieval methods): one suffix trie per tenant, so a tenant's
-        # outputs are never drafted for another; lives in this process (per replica)
-        self.histories: dict[str, SuffixTrie] = {}
+        # outputs are never drafted for another. It lives in this process (per replica) and takes in
+        # this replica's outputs plus the past calls retrieval brings from the shared library
+        # (other replicas' outputs, outputs from before a restart), each output once.
+        self.history = TenantHistories(suffix_depth, history_tokens)
         self.eos = list(eos_ids) if eos_ids else turn_end_ids(tokenizer)
         self._tools_cache: dict[str, ToolIndex] = {}
 
@@ -267,17 +271,19 @@ class SchemaMethod:
             if calls is None and self.library is not None:
                 names = [t["function"]["name"] for t in req.tools or [] if "function" in t]
                 calls = self.library.search(req.tenant, req.embedding, names or None, self.retrieve_k)
-            retrieval = RetrievalDrafter([_as_past_call(c) for c in calls or []], self.rates)
-            history = self.histories.get(req.tenant, history)
+            past = [_as_past_call(c) for c in calls or []]
+            retrieval = RetrievalDrafter(past, self.rates)
+            for c in past:
+                self.history.add(req.tenant, c.token_ids)
+            history = self.history.trie(req.tenant)
         suffix = SuffixDrafter(history, self.suffix_rates, self.suffix_depth, self.max_match, self.suffix_nodes)
         return SchemaDrafter(self.bt, self._tools(req.tools), self.priors, self.rates, self.eos, suffix, retrieval, self.use_schema)
 
     def observe(self, req: RequestInfo, output_ids: list[int], text: str) -> None:
         """Learn tool/layout frequencies; remember the output (suffix history) and its calls (library)
         unless told not to."""
-        if self.use_retrieval and req.remember and output_ids:
-            history = self.histories.setdefault(req.tenant, SuffixTrie(self.suffix_depth))
-            history.add_document(list(req.prompt_ids[-self.prompt_tail :]) + list(output_ids))
+        if self.use_retrieval and req.remember:
+            self.history.add(req.tenant, output_ids, req.prompt_ids[-self.prompt_tail :])
         parsed = parse_tool_calls(text)
         if not parsed.calls:
             return
