@@ -14,7 +14,6 @@ re-indexes the tree before ``feedback`` sees it.
 from __future__ import annotations
 
 import heapq
-import threading
 from itertools import count
 
 import torch
@@ -209,33 +208,29 @@ class SuffixDrafter:
         self.context.extend(tokens[self.context.length :])
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        self._sync(ctx.tokens)
-        tree, self.keys = DraftTree(), {}
-        depth = min(ctx.max_depth, self.context.depth)
-        node, m = self.context.active_match(self.max_match)
-        if node >= 0:
-            grow_from_trie(tree, self.keys, self.context, node, m, self.rates, self.max_nodes, depth)
-        if len(self.history) > 1:
-            node, m = self.history.longest_match(ctx.tokens, self.max_match)
-            if node >= 0:
-                grow_from_trie(tree, self.keys, self.history, node, m, self.rates, self.max_nodes, depth)
+        tree = DraftTree()
+        self.extend(ctx, tree, ROOT, 1.0)
         return tree
 
     def extend(self, ctx: DraftContext, tree: DraftTree, parent: int, prob: float) -> None:
-        """Grow continuations of (context + the draft path to ``parent``) below ``parent``:
-        what follows a drafted chain (e.g. an argument value after the schema's key text)."""
+        """Grow continuations of (context + the draft path to ``parent``) below ``parent`` (at the
+        root: plain suffix drafting; below a drafted chain, e.g. a value after the schema's key
+        text). Starts a step: the rate keys are this step's."""
         self._sync(ctx.tokens)
+        self.keys = {}
         chain = [tree.tokens[i] for i in tree.path_to(parent)]
-        tokens = ctx.tokens + chain
         depth = min(ctx.max_depth, self.context.depth) - len(chain)
         if depth <= 0:
             return
-        for trie in (self.context, self.history):
-            if len(trie) > 1:
-                node, m = trie.longest_match(tokens, self.max_match)
-                if node >= 0:
-                    grow_from_trie(tree, self.keys, trie, node, m, self.rates, self.max_nodes, depth,
-                                   parent=parent, prefix=tuple(chain), prob=prob)
+        tail = ctx.tokens[-self.max_match :] + chain  # all a match of <= max_match tokens can see
+        here = self.context.longest_match(tail, self.max_match) if chain else self.context.active_match(self.max_match)
+        found = [(self.context, here)]
+        if len(self.history) > 1:
+            found.append((self.history, self.history.longest_match(tail, self.max_match)))
+        for trie, (node, m) in found:
+            if node >= 0:
+                grow_from_trie(tree, self.keys, trie, node, m, self.rates, self.max_nodes, depth,
+                               parent=parent, prefix=tuple(chain), prob=prob)
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
         update_keyed_rates(self.rates, tree, result, self.keys)
@@ -250,19 +245,21 @@ class SuffixMethod:
 
     name = "suffix"
 
-    def __init__(self, tokenizer=None, depth: int = 32, max_match: int = 8, max_nodes: int = 64, prompt_tail: int = 8):
+    def __init__(self, tokenizer=None, depth: int = 32, max_match: int = 8, max_nodes: int = 64, prompt_tail: int = 8,
+                 history_tokens: int = 32768):
+        from .history import TenantHistories
+
         self.depth, self.max_match, self.max_nodes, self.prompt_tail = depth, max_match, max_nodes, prompt_tail
-        self.history = SuffixTrie(depth)
+        self.history = TenantHistories(depth, history_tokens)  # bounded, per tenant, thread-safe
         self.rates = LabelRates(SUFFIX_PRIOR)
-        self._lock = threading.Lock()  # observe() may run in several decode threads at once
 
     def drafter(self, req) -> SuffixDrafter:
-        return SuffixDrafter(self.history, self.rates, self.depth, self.max_match, self.max_nodes)
+        return SuffixDrafter(self.history.trie(getattr(req, "tenant", "default")), self.rates, self.depth, self.max_match, self.max_nodes)
 
     def observe(self, req, output_ids: list[int], text: str) -> None:
-        if getattr(req, "remember", True) and output_ids:
-            with self._lock:
-                self.history.add_document(list(req.prompt_ids[-self.prompt_tail :]) + list(output_ids))
+        if getattr(req, "remember", True):
+            # every output counts, repeats included: SuffixDecoding's frequencies
+            self.history.add(getattr(req, "tenant", "default"), output_ids, req.prompt_ids[-self.prompt_tail :], dedupe=False)
 
 
 # --------------------------------------------------------------------------- token recycling

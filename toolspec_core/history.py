@@ -35,15 +35,16 @@ class TenantHistories:
             self._tries.move_to_end(tenant)
             return self._tries[tenant]
 
-    def add(self, tenant: str, output_ids, lead=()) -> bool:
+    def add(self, tenant: str, output_ids, lead=(), dedupe: bool = True) -> bool:
         """Remember an output (``lead``: the tail of its prompt, so a match can start at the
-        assistant header) unless the same output is already there. True if added."""
+        assistant header) unless ``dedupe`` and the same output is already there (a past call
+        retrieved from the library that this replica wrote itself). True if added."""
         if not output_ids:
             return False
         key = hash(tuple(output_ids))
         with self._lock:
             keys = self._keys.setdefault(tenant, set())
-            if key in keys:
+            if dedupe and key in keys:
                 return False
             if tenant not in self._tries:
                 self._tries[tenant] = SuffixTrie(self.depth)

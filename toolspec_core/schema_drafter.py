@@ -154,7 +154,7 @@ class SchemaDrafter:
     retrieved past calls, one tree."""
 
     def __init__(self, bt: BoundaryTokenizer, tools: ToolIndex, priors: Priors, rates: LabelRates, eos: list[int],
-                 suffix: SuffixDrafter | None = None, retrieval: RetrievalDrafter | None = None, schema: bool = True):
+                 suffix: SuffixDrafter, retrieval: RetrievalDrafter | None = None, schema: bool = True):
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
         self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
         self.tracker = CallTracker(tools)
@@ -182,15 +182,13 @@ class SchemaDrafter:
             tree = candidates_to_tree(self.bt, ctx.tokens, cands, self.rates)
         if self.retrieval is not None:
             tree.merge(self.retrieval.tree(ctx, self.tracker.name))
-        if self.suffix is not None:
-            tree.merge(self._value_tree(ctx))
-            self._generic(ctx, tree)
+        tree.merge(self._value_tree(ctx))
+        self._generic(ctx, tree)
         return tree
 
     def _generic(self, ctx: DraftContext, tree: DraftTree) -> None:
         """Suffix drafts where the schema does not know the text (free text, values, the end of a
         call); elsewhere only after the schema's most probable chain, where it stops knowing."""
-        self.suffix.keys = {}
         if not self.schema or self.tracker.state in SUFFIX_STATES or not len(tree):
             tree.merge(self.suffix.propose(ctx))
             return
@@ -212,22 +210,24 @@ class SchemaDrafter:
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
         """Learn label rates from deterministic nodes only (branch losers are expected); suffix
         drafts learn their own keyed rates (by the path they proposed, whoever owns the node)."""
-        if self.suffix is not None:
-            self.suffix.feedback(tree, result)
+        self.suffix.feedback(tree, result)
         self.rates.update(tree, result, skip=lambda i, key: base_label(key) == SUFFIX
                           or (not is_chain(key) and tree.conf[i] < DET * self.rates.rate(key)))
 
 
 def _chain_end(tree: DraftTree) -> tuple[int, float]:
     """The end of the most probable chain from the root (following the highest-conf child) and its
-    path probability: where a schema draft stops knowing what comes next."""
+    path probability: where a schema draft stops knowing what comes next. One pass (parents
+    precede children)."""
+    best: dict[int, int] = {}  # parent -> its highest-conf child
+    for i, p in enumerate(tree.parents):
+        if p not in best or tree.conf[i] > tree.conf[best[p]]:
+            best[p] = i
     node, prob = ROOT, 1.0
-    while True:
-        kids = tree.children(node)
-        if not kids:
-            return node, prob
-        node = max(kids, key=lambda i: tree.conf[i])
+    while node in best:
+        node = best[node]
         prob *= tree.conf[node]
+    return node, prob
 
 
 class SchemaMethod:
@@ -265,7 +265,7 @@ class SchemaMethod:
         return self._tools_cache[key]
 
     def drafter(self, req: RequestInfo) -> SchemaDrafter:
-        retrieval, history = None, SuffixTrie(self.suffix_depth)
+        retrieval, history = None, SuffixTrie(self.suffix_depth)  # no history: an empty trie
         if self.use_retrieval:
             calls = req.retrieved
             if calls is None and self.library is not None:
