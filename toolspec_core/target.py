@@ -105,11 +105,12 @@ def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS) -> in
     """Make every ``nn.Linear`` of a CPU model fast for a few rows at a time (tree verification).
 
     Why: on x86 CPUs ``F.linear`` switches from a matrix-vector kernel to a GEMM path at 4 rows
-    that is 2-3x slower than 1 row (measured here: Qwen2.5-0.5B lm_head 22 ms at 1-3 rows, 66 ms at
-    4-16); ``x @ W.T`` on a contiguous transposed copy costs 39-48 ms there and the same at 1 row
-    or at prefill sizes. So a verify forward of 4-16 draft tokens drops from ~2.5x to ~1.5x a
-    single-token step, while plain decoding (1 row) keeps the untouched kernel. Costs one extra
-    copy of the linear weights. Returns how many layers were tuned.
+    that is 2-2.5x slower than 1-3 rows, while ``x @ W.T`` on a contiguous transposed copy is
+    faster from 4 rows up and no slower at prefill sizes, but slower at 2-3 rows
+    (``python -m benchmarks.linear_rows`` -> ``benchmarks/results/cpu-linear-rows.json``). The
+    run's verify-cost curve moved accordingly (``benchmarks/results/raw/cpu-all/cost.json`` before,
+    ``raw/cpu-all-v3/cost.json`` after). Plain decoding (1 row) keeps the untouched kernel. Costs
+    one extra copy of the linear weights. Returns how many layers were tuned.
     """
     import torch.nn.functional as F
 

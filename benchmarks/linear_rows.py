@@ -1,0 +1,64 @@
+"""Time a linear layer by row count: ``F.linear`` vs ``x @ W.T`` on a contiguous transposed copy.
+
+The measurement behind ``toolspec_core.target.tune_cpu_linears`` (and its ``SMALL_ROWS``): on x86
+CPUs the BLAS switches kernels at a few rows, which is what a tree-verify forward hits. Shapes of
+the embedded Qwen2.5-0.5B (lm_head 151936x896, MLP 4864x896), float32.
+
+    python -m benchmarks.linear_rows [--threads 2] [--out benchmarks/results/cpu-linear-rows.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"lm_head": (151936, 896), "mlp_up": (4864, 896)}
+ROWS = (1, 2, 3, 4, 6, 8, 16, 32, 64, 512)
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1000
+
+
+def measure(repeats: int = 5) -> dict:
+    out = {}
+    for name, (n_out, n_in) in SHAPES.items():
+        w = torch.randn(n_out, n_in)
+        wt = w.t().contiguous()
+        out[name] = {}
+        for rows in ROWS:
+            x = torch.randn(rows, n_in)
+            out[name][rows] = {"linear_ms": round(median_ms(lambda: F.linear(x, w), repeats), 2),
+                               "transposed_ms": round(median_ms(lambda: x @ wt, repeats), 2)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results/cpu-linear-rows.json")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    res = {"hardware": f"{platform.processor() or platform.machine()}, {a.threads} threads (torch {torch.__version__})",
+           "times": measure(a.repeats)}
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    for name, by_rows in res["times"].items():
+        for rows, t in by_rows.items():
+            print(f"{name:8s} rows {rows:4d}  F.linear {t['linear_ms']:8.2f} ms   x @ W.T {t['transposed_ms']:8.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
