@@ -41,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cost", default="measured", help="measured | reference | flat | path to a cost JSON")
     ap.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--packed-rows", type=int, default=None,
+                    help="CPU fp32, opt-in: MKL packed GEMM for 4..N-row verify forwards (16; default 0: off)")
+    ap.add_argument("--calibrate", action="store_true", help="refit the shared cost curve from the verify steps really paid")
+    ap.add_argument("--no-retime", action="store_true",
+                    help="on resume, compare new methods with the stored plain-greedy time instead of timing it again")
     ap.add_argument("--no-report", action="store_true")
     return ap
 
@@ -97,7 +102,8 @@ def bench_main(argv: list[str] | None = None) -> int:
         data=args.data, out=args.out, methods=args.methods, libraries=args.library, limit=args.limit,
         seed=None if args.seed < 0 else args.seed, warm_files=args.warm_file, warm_layout=args.warm_layout,
         warm_embed=not args.no_warm_embed, warm_limit=args.warm_limit, max_new_tokens=args.max_new_tokens, cost=args.cost, model=args.model,
-        threads=args.threads,
+        threads=args.threads, retime_reference=not args.no_retime, packed_rows=args.packed_rows,
+        calibrate=args.calibrate,
     )
     runner = run(cfg)
     if runner.pool.unavailable:

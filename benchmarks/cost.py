@@ -112,6 +112,16 @@ def load_model(spec: str, device: str, dtype: torch.dtype):
     return model.to(device).eval(), label
 
 
+def serving_kernels(model, device: str, dtype: torch.dtype, packed_rows: int | None):
+    """The CPU fp32 linear-layer dispatch the engine's ``load_target`` applies, so the curve is the
+    one decoding will see (``packed_rows``: see ``tune_cpu_linears``; None/0: transposed copy only)."""
+    if device == "cpu" and dtype == torch.float32:
+        from toolspec_core.target import tune_cpu_linears
+
+        tune_cpu_linears(model, packed_rows=packed_rows or 0)
+    return model
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -132,8 +142,15 @@ def _verify_forward(model, k: int, prefix_len: int, cache, device: str, vocab: i
     _sync(device)
 
 
-def measure_curve(model, device: str = "cpu", prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 5) -> dict[int, float]:
-    """Seconds (best of ``repeats``, after a warm-up) of one k-token verify forward, per k."""
+def measure_curve(model, device: str = "cpu", prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 5) -> tuple[dict, dict]:
+    """(median seconds, cost relative to k=1) of one k-token verify forward, per k.
+
+    Each k-token forward directly follows a 1-token one and is normalised by it (median of the
+    ratios over ``repeats`` shuffled rounds): on a shared machine the speed drifts, and a 1-token
+    forward timed at another moment would skew every ratio.
+    """
+    import random
+
     from transformers import DynamicCache
 
     vocab = model.config.vocab_size
@@ -143,16 +160,29 @@ def measure_curve(model, device: str = "cpu", prefix_len: int = 500, ks=DEFAULT_
     with torch.inference_mode():
         model.model(input_ids=ids, position_ids=torch.arange(prefix_len, device=device)[None], cache=cache, use_cache=True)
     _sync(device)
-    seconds: dict[int, float] = {}
-    for k in ks:
-        best = float("inf")
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            _verify_forward(model, k, prefix_len, cache, device, vocab, gen)
-            best = min(best, time.perf_counter() - t0)
-            cache.crop(-(cache.get_seq_length() - prefix_len))
-        seconds[k] = best
-    return seconds
+
+    def once(k: int) -> float:
+        t0 = time.perf_counter()
+        _verify_forward(model, k, prefix_len, cache, device, vocab, gen)
+        dt = time.perf_counter() - t0
+        cache.crop(-(cache.get_seq_length() - prefix_len))
+        return dt
+
+    for k in ks:  # warm-up
+        once(k)
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    ratios: dict[int, list[float]] = {k: [] for k in ks}
+    order, rng = [k for k in ks if k != 1], random.Random(0)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for k in order:
+            base, t = once(1), once(k)
+            times[1].append(base)
+            times[k].append(t)
+            ratios[k].append(t / base)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    points = {k: (med(ratios[k]) if k != 1 else 1.0) for k in ks}
+    return {k: med(times[k]) for k in ks}, points
 
 
 def device_tag(device: str) -> str:
@@ -185,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--packed-rows", type=int, default=None, help="CPU fp32: MKL packed GEMM for 4..N rows, as toolspec bench (default 0: off)")
     ap.add_argument("--out", default=None, help="output JSON (default benchmarks/results/cost-<device>-<shape>.json)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -194,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ks = sorted({int(k) for k in args.ks.split(",")} | {1})
     t0 = time.perf_counter()
     model, label = load_model(args.model, args.device, dtype)
+    serving_kernels(model, args.device, dtype, args.packed_rows)
     print(f"built {label} on {args.device} ({dtype}) in {time.perf_counter() - t0:.1f}s", flush=True)
-    seconds = measure_curve(model, args.device, args.prefix_len, ks, args.repeats)
-    points = {k: s / seconds[1] for k, s in seconds.items()}
+    seconds, points = measure_curve(model, args.device, args.prefix_len, ks, args.repeats)
     shape = re.sub(r"[^a-z0-9.]+", "-", label.lower())
     report = {
         "device": args.device, "hardware": hardware_string(args.device), "shape": shape, "dtype": str(dtype).replace("torch.", ""),

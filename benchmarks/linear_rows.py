@@ -1,4 +1,5 @@
-"""Time a linear layer by row count: ``F.linear`` vs ``x @ W.T`` on a contiguous transposed copy.
+"""Time a linear layer by row count: ``F.linear``, ``x @ W.T`` on a contiguous transposed copy, and
+MKL's packed GEMM on a weight reordered for 16 rows (inputs zero-padded to 16 rows).
 
 The measurement behind ``toolspec_core.target.tune_cpu_linears`` (and its ``SMALL_ROWS``): on x86
 CPUs the BLAS switches kernels at a few rows, which is what a tree-verify forward hits. Shapes of
@@ -17,8 +18,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from toolspec_core.target import PACKED_ROWS, mkl_pack, packed_linear
+
 SHAPES = {"lm_head": (151936, 896), "mlp_up": (4864, 896)}
-ROWS = (1, 2, 3, 4, 6, 8, 16, 32, 64, 512)
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 17, 32, 64, 512)
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -36,11 +39,14 @@ def measure(repeats: int = 5) -> dict:
     for name, (n_out, n_in) in SHAPES.items():
         w = torch.randn(n_out, n_in)
         wt = w.t().contiguous()
+        packed = mkl_pack(w, PACKED_ROWS)
         out[name] = {}
         for rows in ROWS:
             x = torch.randn(rows, n_in)
             out[name][rows] = {"linear_ms": round(median_ms(lambda: F.linear(x, w), repeats), 2),
                                "transposed_ms": round(median_ms(lambda: x @ wt, repeats), 2)}
+            if packed is not None and rows <= PACKED_ROWS:
+                out[name][rows]["packed_ms"] = round(median_ms(lambda: packed_linear(x, packed, w, None, PACKED_ROWS), repeats), 2)
     return out
 
 
@@ -57,7 +63,8 @@ def main() -> None:
         json.dump(res, f, indent=1)
     for name, by_rows in res["times"].items():
         for rows, t in by_rows.items():
-            print(f"{name:8s} rows {rows:4d}  F.linear {t['linear_ms']:8.2f} ms   x @ W.T {t['transposed_ms']:8.2f} ms")
+            packed = f"   packed {t['packed_ms']:8.2f} ms" if "packed_ms" in t else ""
+            print(f"{name:8s} rows {rows:4d}  F.linear {t['linear_ms']:8.2f} ms   x @ W.T {t['transposed_ms']:8.2f} ms{packed}")
 
 
 if __name__ == "__main__":

@@ -134,6 +134,36 @@ def per_state(records: list[dict]) -> dict:
     return out
 
 
+COST_BUCKETS = ((1, 1), (2, 3), (4, 8), (9, 16), (17, 32), (33, 64))
+
+
+def observed_cost(records: list[dict]) -> dict[str, dict]:
+    """The verify-cost curve as the run really paid it, by forward size (tree nodes + 1).
+
+    Each step's seconds over the median plain-greedy step of the same item in the same sitting
+    (``ar_step_s``); median per size bucket. This is what the budget's curve should have said:
+    a curve measured at start-up on a busy shared machine can be off. Empty for records without
+    per-step timings (older runs).
+    """
+    ratios: dict[str, list[float]] = defaultdict(list)
+    rows_seen: dict[str, list[int]] = defaultdict(list)
+    for r in records:
+        base, steps = r.get("ar_step_s"), r.get("verify_per_step")
+        if not base or not steps:
+            continue
+        for k, t in zip(r["drafted_per_step"], steps):
+            rows = min(k + 1, COST_BUCKETS[-1][1])
+            lo, hi = next(b for b in COST_BUCKETS if b[0] <= rows <= b[1])
+            key = f"{lo}-{hi}" if lo != hi else str(lo)
+            ratios[key].append(t / base)
+            rows_seen[key].append(k + 1)
+    out = {}
+    for key in sorted(ratios, key=lambda x: int(x.split("-")[0])):
+        xs, ks = sorted(ratios[key]), sorted(rows_seen[key])
+        out[key] = {"steps": len(xs), "median_rows": ks[len(ks) // 2], "cost": xs[len(xs) // 2]}
+    return out
+
+
 def summarize(records: list[dict], ar_by_item: dict[str, dict], curves: dict[str, list[float]] | None = None) -> dict:
     """Aggregate one (benchmark, method, library, subset) group against plain greedy.
 
@@ -143,12 +173,14 @@ def summarize(records: list[dict], ar_by_item: dict[str, dict], curves: dict[str
     ratio); mean/geomean_item_speedup average the per-item ratios.
     """
     ar = [ar_by_item[r["item"]] for r in records]
+    # plain greedy's time as the record measured it (same sitting; see runner.finish_record)
+    ref = [r.get("ar_decode_s") or a["decode_s"] for r, a in zip(records, ar)]
     decoded = sum(decoded_tokens(r) for r in records)
     forwards = sum(r["forwards"] for r in records)
-    t_me, t_ar = sum(r["decode_s"] for r in records), sum(a["decode_s"] for a in ar)
+    t_me, t_ar = sum(r["decode_s"] for r in records), sum(ref)
     e2e_me = sum(r["prefill_s"] + r["decode_s"] for r in records)
-    e2e_ar = sum(a["prefill_s"] + a["decode_s"] for a in ar)
-    item_speedups = [a["decode_s"] / r["decode_s"] if r["decode_s"] > 0 else None for r, a in zip(records, ar)]
+    e2e_ar = sum(r["prefill_s"] + t for r, t in zip(records, ref))
+    item_speedups = [t / r["decode_s"] if r["decode_s"] > 0 else None for r, t in zip(records, ref)]
     n = len(records)
     out = {
         "items": n,

@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .cost import RESULTS, load_curves
-from .metrics import decoded_tokens, first_mismatch, summarize
+from .metrics import decoded_tokens, first_mismatch, observed_cost, summarize
 from .runner import ALL_METHODS, item_store
 
 BASELINES = ("pld", "suffix", "token_recycling")
@@ -160,6 +160,7 @@ def build_report(out: Path, name: str | None = None, results_dir: Path = RESULTS
             for r in recs if r["item"] in ar and not r["exact_match"]
         ],
         "mat_vs_prior_calls": mat_vs_prior(recs, ar, prior),
+        "observed_cost": observed_cost([r for r in recs if r["method"] != "ar" and r["item"] in ar]),
     }
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
@@ -216,7 +217,7 @@ def markdown(report: dict) -> str:
                      _fmt(None if r["validity"] is None else 100 * r["validity"], ".0f", "%"), _fmt(100 * r["gold_agreement"], ".0f", "%")]
             cells += [_fmt(r.get("projected_speedup", {}).get(c), ".2f", "×") for c in proj]
             lines.append("| " + " | ".join(cells) + " |")
-    lines += _bound_lines(report) + _state_lines(report) + _prior_lines(report)
+    lines += _bound_lines(report) + _state_lines(report) + _prior_lines(report) + _cost_lines(report)
     return "\n".join(lines) + "\n"
 
 
@@ -268,4 +269,22 @@ def _prior_lines(report: dict) -> list[str]:
     for label, cells in sorted(keep.items()):
         row = [f"{cells[b]['mat']:.2f} ({cells[b]['items']})" if b in cells and cells[b]["mat"] else "–" for b in buckets]
         lines.append(f"| {label} | " + " | ".join(row) + " |")
+    return lines
+
+
+def _cost_lines(report: dict) -> list[str]:
+    """The verify cost the run paid per forward size next to the curve its budget used."""
+    seen = report.get("observed_cost") or {}
+    if not seen:
+        return []
+    from .cost import curve_from_points
+
+    curve = curve_from_points(report["cost_model"]["points"]) if report.get("cost_model") else None
+    lines = ["", "## Verify cost as paid vs the budget's curve (all tree methods)", "",
+             "Each step's time over the median plain-greedy step of the same item (same sitting); median per "
+             "forward size (tree nodes + 1).", "",
+             "| forward size | steps | median size | observed cost | run curve at median size |", "|---|---|---|---|---|"]
+    for key, v in seen.items():
+        at = curve[min(v["median_rows"], len(curve) - 1)] if curve else None
+        lines.append(f"| {key} | {v['steps']} | {v['median_rows']} | {v['cost']:.2f} | {_fmt(at)} |")
     return lines

@@ -54,6 +54,9 @@ class RunConfig:
     cost: str = "measured"  # measured | reference | flat | path to a cost JSON
     model: str | None = None  # None/"embedded" or an HF directory
     threads: int | None = None
+    retime_reference: bool = True  # resumed items: time plain greedy again in this sitting
+    packed_rows: int | None = None  # CPU fp32 opt-in: MKL packed GEMM for 4..N-row forwards (None/0: off)
+    calibrate: bool = False  # the shared cost curve learns from the steps really paid (budget.Calibration)
 
 
 def run_pairs(cfg: RunConfig) -> list[tuple[str, str | None]]:
@@ -227,19 +230,32 @@ def decode_record(target, pre, method, req: RequestInfo, dcfg: DecodeConfig, cos
     return {"tokens": res.tokens, "text": res.text, "finish_reason": res.finish_reason, "setup_s": setup, **stats}
 
 
-def finish_record(rec: dict, item: dict, ar: dict | None) -> dict:
-    """Add exact match vs plain greedy, per-item speedup and tool-call metrics."""
+def finish_record(rec: dict, item: dict, ar: dict | None, ref: dict | None = None) -> dict:
+    """Add exact match vs plain greedy, per-item speedup and tool-call metrics.
+
+    ``ref``: plain greedy decoded again in this sitting (a resumed item whose ``ar`` record is
+    from an earlier sitting); the speedup is against its time, not the stored one, because a
+    shared machine's speed drifts between sittings.
+    """
     rec.update(call_metrics(rec["text"], item))
     if ar is None:  # this is plain greedy itself
-        rec.update(exact_match=True, first_mismatch=None, ar_decode_s=rec["decode_s"], speedup=1.0)
+        rec.update(exact_match=True, first_mismatch=None, ar_decode_s=rec["decode_s"], speedup=1.0,
+                   ar_step_s=_median_step(rec))
         return rec
     diff = first_mismatch(rec["tokens"], ar["tokens"])
-    rec.update(exact_match=diff is None, first_mismatch=diff, ar_decode_s=ar["decode_s"],
-               speedup=ar["decode_s"] / rec["decode_s"] if rec["decode_s"] > 0 else None)
+    base = ar if ref is None else ref
+    rec.update(exact_match=diff is None, first_mismatch=diff, ar_decode_s=base["decode_s"], ar_step_s=_median_step(base),
+               reference_retimed=ref is not None, speedup=base["decode_s"] / rec["decode_s"] if rec["decode_s"] > 0 else None)
     if diff is not None:
         log(f"!!! EXACT-MATCH FAILURE: item {item['id']} method {rec['method']}/{rec['library']}: output differs "
             f"from plain greedy at token {diff} (got {rec['tokens'][diff:diff + 5]}, greedy {ar['tokens'][diff:diff + 5]})")
     return rec
+
+
+def _median_step(rec: dict) -> float | None:
+    """Median seconds of one plain-greedy step (the unit of the observed cost curve)."""
+    steps = sorted(rec.get("verify_per_step") or [])
+    return steps[len(steps) // 2] if steps else None
 
 
 # --------------------------------------------------------------------------- the run
@@ -254,7 +270,7 @@ class Runner:
         if target is None:
             from toolspec_core.target import load_target
 
-            target = load_target(cfg.model)
+            target = load_target(cfg.model, **({} if cfg.packed_rows is None else {"packed_rows": cfg.packed_rows}))
         self.target = target
         self.stream = load_stream(cfg.data, cfg.limit, cfg.seed)
         self.pairs = run_pairs(cfg)
@@ -266,6 +282,7 @@ class Runner:
         self._warm: dict[str, list] = {}
         self._write_config()
         self.cost = resolve_cost(cfg.cost, target, self.out)
+        self.cost.calibrate = cfg.calibrate
 
     def _write_config(self) -> None:
         path = self.out / "config.json"
@@ -332,6 +349,7 @@ class Runner:
         emb = pre.hidden if pre is not None else (decode_hidden(pinfo["hidden"]) if pinfo else None)
         req = RequestInfo(prompt_ids=ids, tools=item.get("tools") or [], embedding=emb)
         ar = self.store.records.get(pair_key(item["id"], "ar", None))
+        stored_ar, ref = ar is not None, None
         for name, lib in self.pairs:
             rec = self.store.records.get(pair_key(item["id"], name, lib))
             if rec is None and ar is None and name != "ar":
@@ -340,7 +358,9 @@ class Runner:
                 continue
             if rec is None:
                 bar.set_postfix_str(f"{item['id'][:40]} {name}/{lib or '-'}", refresh=False)
-                rec = self.decode_pair(item, pos, pre, req, name, lib, ar)
+                if stored_ar and ref is None and self.pool.get(bench, name, lib) is not None:
+                    ref = self.retime_reference(item, pre, req, ar)
+                rec = self.decode_pair(item, pos, pre, req, name, lib, ar, ref)
                 bar.update(1)
             if rec is None:
                 continue
@@ -348,7 +368,20 @@ class Runner:
                 ar = rec
             self.pool.after_item(bench, name, lib, req, rec)
 
-    def decode_pair(self, item, pos, pre, req, name, lib, ar) -> dict | None:
+    def retime_reference(self, item, pre, req, ar: dict) -> dict | None:
+        """Plain greedy's decode time in this sitting for an item resumed with new methods.
+
+        Also a determinism check: the tokens must be the stored ones.
+        """
+        if not self.cfg.retime_reference:
+            return None
+        rec = decode_record(self.target, pre, self.pool.get(item["benchmark"], "ar", None), req, self.dcfg, self.cost)
+        if rec["tokens"] != ar["tokens"]:
+            log(f"!!! plain greedy on item {item['id']} differs from its stored output at token "
+                f"{first_mismatch(rec['tokens'], ar['tokens'])}: the stored reference is not reproducible")
+        return rec
+
+    def decode_pair(self, item, pos, pre, req, name, lib, ar, ref=None) -> dict | None:
         method = self.pool.get(item["benchmark"], name, lib)
         if method is None:
             return None
@@ -361,7 +394,7 @@ class Runner:
             return None
         rec["prefill_s"] = pre.seconds
         rec["e2e_s"] = pre.seconds + rec["decode_s"]  # one prefill + this method's decode phase
-        rec = finish_record(rec, item, None if name == "ar" else ar)
+        rec = finish_record(rec, item, None if name == "ar" else ar, ref)
         self.store.append(rec)
         return rec
 

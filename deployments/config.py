@@ -64,10 +64,13 @@ class ServeAppConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when the replica sees a GPU
     threads: int | None = Field(None, ge=1)  # torch intra-op threads per replica
+    # CPU fp32, opt-in: verify forwards of 4..N rows through MKL's packed GEMM (one more weight copy)
+    cpu_packed_rows: int = Field(0, ge=0, le=64)
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     tp_worker_num_cpus: float = Field(0.0, ge=0)
     tp_worker_num_gpus: float | None = Field(None, ge=0)  # None: 1 per TP worker on cuda, else 0
     cost_model: Literal["measure", "reference", "flat", "none"] = "measure"
+    calibrate_cost: bool = False  # refit the cost curve from the verify steps really paid (budget.Calibration)
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)

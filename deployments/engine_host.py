@@ -209,6 +209,8 @@ class EngineHost:
             "flat": CostModel.flat,
             "none": lambda: None,
         }[cfg.cost_model]()
+        if cost is not None:
+            cost.calibrate = cfg.calibrate_cost
         if _constraint_factory() is not None:  # build llguidance's tokenizer view now, not on a request
             from toolspec_core.constrain import _lltokenizer
 
@@ -413,7 +415,7 @@ def load_serving_target(cfg: ServeAppConfig):
 
         gpus = cfg.tp_worker_num_gpus if cfg.tp_worker_num_gpus is not None else (1.0 if device == "cuda" else 0.0)
         return start_tp_target(cfg.model, cfg.tensor_parallel_size, cfg.dtype, device, cfg.tp_worker_num_cpus, gpus, cfg.threads)
-    return load_target(cfg.model, dtypes[cfg.dtype])
+    return load_target(cfg.model, dtypes[cfg.dtype], packed_rows=cfg.cpu_packed_rows)
 
 
 def resolve_device(device: str) -> str:

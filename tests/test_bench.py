@@ -11,7 +11,7 @@ from benchmarks import runner as runner_mod
 from benchmarks.cli import bench_main
 from benchmarks.cost import curve_from_points, projected_speedup, steps_cost
 from benchmarks.data import gold_output_text, load_stream, select_items
-from benchmarks.metrics import call_metrics, first_mismatch, summarize
+from benchmarks.metrics import call_metrics, first_mismatch, observed_cost, summarize
 from benchmarks.report import build_report, build_runs, prior_tool_calls
 from benchmarks.runner import RunConfig, Runner, run_pairs
 from tiny import tiny_model
@@ -60,6 +60,20 @@ def test_metrics_hand_computed(trace):
     assert s["per_state"]["y"]["mean_accepted"] == 0.0
     ar_s = summarize(list(ar.values()), ar)
     assert ar_s["mat"] == 1.0 and ar_s["decode_speedup"] == 1.0
+
+
+def test_observed_cost_hand_computed():
+    """Verify cost as paid: step seconds over the same item's median plain-greedy step, median per
+    forward-size bucket; records without per-step timings (older runs) are skipped."""
+    a = {"drafted_per_step": [0, 3, 15, 40], "verify_per_step": [0.1, 0.2, 0.3, 0.8], "ar_step_s": 0.1}
+    b = {"drafted_per_step": [0, 2, 16], "verify_per_step": [0.2, 0.3, 0.6], "ar_step_s": 0.2}
+    old = {"drafted_per_step": [5], "ar_decode_s": 1.0}
+    got = observed_cost([a, b, old])
+    assert list(got) == ["1", "2-3", "4-8", "9-16", "17-32", "33-64"]
+    assert got["1"] == {"steps": 2, "median_rows": 1, "cost": 1.0}
+    assert got["2-3"]["cost"] == pytest.approx(1.5) and got["4-8"]["cost"] == pytest.approx(2.0)  # 0.3/0.2, 0.2/0.1
+    assert got["9-16"] == {"steps": 1, "median_rows": 16, "cost": pytest.approx(3.0)}
+    assert got["17-32"]["cost"] == pytest.approx(3.0) and got["33-64"]["median_rows"] == 41
 
 
 def test_build_runs_subsets(trace):
@@ -182,6 +196,7 @@ def test_resumable_run_and_report(tiny, data, tmp_path, monkeypatch):
         assert isinstance(r["mat"], float) and isinstance(r["decode_speedup"], float) and r["exact_match"] == 1.0
         assert {"flat", "run", "cpu_reference"} <= set(r["projected_speedup"])
     assert not rep["mismatches"]
+    assert rep["observed_cost"] and all(v["steps"] > 0 and v["cost"] > 0 for v in rep["observed_cost"].values())
     on_disk = json.loads((results / "tiny.json").read_text())
     assert on_disk["runs"] == json.loads(json.dumps(rep["runs"]))
     md = (results / "tiny.md").read_text()
@@ -192,6 +207,35 @@ def test_resumable_run_and_report(tiny, data, tmp_path, monkeypatch):
     calls.clear()
     assert bench_main(["report", "--out", str(tmp_path / "run"), "--name", "again", "--results-dir", str(results), "--no-plots"]) == 0
     assert not calls and json.loads((results / "again.json").read_text())["runs"] == on_disk["runs"]
+
+
+def test_resume_with_new_methods_retimes_plain_greedy(tiny, data, tmp_path, monkeypatch):
+    """Methods added on a resume are timed against plain greedy decoded again in the same
+    sitting (the machine's speed drifts between sittings), not against the stored time."""
+    calls = []
+    real = runner_mod.decode_record
+    monkeypatch.setattr(runner_mod, "decode_record", lambda t, p, m, *a, **k: calls.append(m.name) or real(t, p, m, *a, **k))
+    Runner(_cfg(data, tmp_path, methods=["ar", "pld"], libraries=["online"]), tiny).run(max_items=2)
+    assert calls == ["ar", "pld"] * 2
+    calls.clear()
+    resumed = Runner(_cfg(data, tmp_path, methods=["ar", "pld", "suffix"], libraries=["online"]), tiny)
+    resumed.run()
+    assert calls == ["ar", "suffix"] * 2 + ["ar", "pld", "suffix"]  # items 0-1: re-timed ar + suffix
+    recs = resumed.store.records
+    stored_ar = {r["item"]: r for r in recs.values() if r["method"] == "ar"}
+    for r in recs.values():
+        if r["method"] == "suffix":
+            assert r["exact_match"] and r["reference_retimed"] == (r["index"] < 2)
+            if r["index"] < 2:  # its own reference time, not the stored ar record's
+                assert r["ar_decode_s"] != stored_ar[r["item"]]["decode_s"]
+                assert r["speedup"] == pytest.approx(r["ar_decode_s"] / r["decode_s"])
+    assert all(not r["reference_retimed"] for r in recs.values() if r["method"] == "pld")
+    # summarize uses each record's own reference time
+    ar = {i: dict(a, decode_s=9.0) for i, a in stored_ar.items()}
+    sfx = [r for r in recs.values() if r["method"] == "suffix"]
+    s = summarize(sfx, ar)
+    assert s["decode_speedup"] == pytest.approx(sum(r["ar_decode_s"] for r in sfx) / sum(r["decode_s"] for r in sfx))
+    assert Runner(_cfg(data, tmp_path, methods=["ar", "pld", "suffix"], libraries=["online"], retime_reference=False), tiny).retime_reference(None, None, None, {}) is None
 
 
 def test_online_replay_on_resume(tiny, data, tmp_path):

@@ -312,18 +312,50 @@ def test_measured_cost_curve_is_relative_and_monotone(tiny):
     assert cm.step_cost(0) == cm.curve[1] == 1.0
 
 
-def test_tuned_cpu_linears_keep_greedy_output(reference):
-    """The row-count dispatch of ``tune_cpu_linears`` computes the same function: same logits
-    (to float tolerance) for 1..64 rows, and drafting on the tuned model still gives exactly
-    the plain greedy output of the untouched model."""
+def test_cost_model_calibrates_from_real_steps():
+    """observe(): the curve follows what steps really cost, relative to 1-token steps; buckets
+    decoding never used keep their start-up value; off unless asked."""
+    from toolspec_core.budget import CostModel
+
+    fixed = CostModel({1: 1.0, 4: 1.2, 16: 1.5, 64: 3.0})
+    fixed.observe(16, 9.0)
+    assert fixed.points[16] == 1.5
+    cm = CostModel({1: 1.0, 4: 1.2, 16: 1.5, 64: 3.0}, calibrate=True)
+    for _ in range(12):  # refits every 16 steps once 8 one-token steps are in
+        cm.observe(1, 0.1)
+        cm.observe(12, 0.25)  # bucket k=16: 9..16 rows
+        cm.observe(16, 0.25)
+    assert cm.points[16] == pytest.approx(2.5) and cm.points[4] == 1.2 and cm.points[64] == 3.0
+    assert cm.curve[16] == pytest.approx(2.5) and cm.curve[10] > 1.2  # re-interpolated
+    assert cm.step_cost(15) == pytest.approx(2.5)
+
+
+def test_packed_linear_matches_linear():
+    """MKL's packed GEMM (inputs zero-padded to the packed row count) is the same function."""
+    from toolspec_core.target import mkl_pack, packed_linear
+
+    w, b = torch.randn(40, 24), torch.randn(40)
+    packed = mkl_pack(w, 16)
+    assert packed is not None  # the CPU wheel ships MKL: the tuned path is really exercised
+    for shape in ((4, 24), (1, 7, 24), (16, 24)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(packed_linear(x, packed, w, b, 16), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed_rows", [16, 0])
+def test_tuned_cpu_linears_keep_greedy_output(reference, packed_rows):
+    """The row-count dispatch of ``tune_cpu_linears`` (with and without MKL's packed GEMM)
+    computes the same function: same logits (to float tolerance) for 1..64 rows, and drafting
+    on the tuned model still gives exactly the plain greedy output of the untouched model."""
     import copy
 
     from toolspec_core.target import tune_cpu_linears
 
     plain = tiny_target()
     tuned = copy.deepcopy(plain)
-    assert tune_cpu_linears(tuned.model) == sum(isinstance(m, torch.nn.Linear) for m in tuned.model.modules()) > 0
-    for rows in (1, 2, 3, 4, 8, 64):
+    n = tune_cpu_linears(tuned.model, packed_rows=packed_rows)
+    assert n == sum(isinstance(m, torch.nn.Linear) for m in tuned.model.modules()) > 0
+    for rows in (1, 2, 3, 4, 5, 8, 16, 17, 64):
         h = torch.randn(rows, plain.model.config.hidden_size)
         torch.testing.assert_close(tuned.logits(h), plain.logits(h), rtol=1e-5, atol=1e-5)
     for make in (oracle, branching):

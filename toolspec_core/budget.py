@@ -18,7 +18,7 @@ from .tree import DraftTree, prune_to_budget
 
 # Measured on the 2-core dev CPU, Qwen2.5-0.5B fp32, ~500-token prefix (NOTES.md).
 CPU_REFERENCE_CURVE = {1: 1.0, 2: 2.2, 4: 2.4, 8: 2.7, 16: 3.5, 32: 4.6, 64: 6.6}
-DEFAULT_KS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+DEFAULT_KS = (1, 2, 4, 8, 12, 16, 17, 24, 32, 48, 64)  # 16 | 17: where a CPU kernel may switch
 
 
 def interpolate(points: dict[int, float], max_k: int) -> list[float]:
@@ -43,12 +43,25 @@ class CostModel:
     points: dict[int, float]
     max_nodes: int = 63  # tree size cap (forward of root + 63 = 64 tokens)
     source: str = "reference"
+    calibrate: bool = False  # learn the curve from the steps decoding really pays (observe)
 
     def __post_init__(self):
         self.curve = interpolate(self.points, self.max_nodes + 1)
+        self._calibration: Calibration | None = None
 
     def prune(self, tree: DraftTree) -> DraftTree:
         return prune_to_budget(tree, self.curve, self.max_nodes)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """One verify forward of ``rows`` tokens took ``seconds``; refits the curve from time to time."""
+        if not self.calibrate:
+            return
+        if self._calibration is None:
+            self._calibration = Calibration(sorted(self.points))
+        fitted = self._calibration.add(rows, seconds)
+        if fitted:
+            self.points = {**self.points, **fitted}
+            self.curve = interpolate(self.points, self.max_nodes + 1)
 
     def step_cost(self, tree_size: int) -> float:
         return self.curve[min(tree_size + 1, len(self.curve) - 1)]
@@ -66,13 +79,48 @@ class CostModel:
         return cls({1: 1.0, max_nodes + 1: 1.0}, max_nodes, "flat")
 
 
-def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 5) -> dict[int, float]:
+class Calibration:
+    """Running verify cost per forward size, from real decode steps.
+
+    A start-up probe can be far off what decoding pays (on a shared CPU its k-token forwards
+    came out ~25-40% cheaper relative to one token than real steps did:
+    ``benchmarks/results/cpu-kernel-ab.json``), and an accelerator's curve moves with load. Each
+    step's seconds go to the bucket of the smallest measured k >= rows; every ``every`` steps a
+    bucket with ``min_steps`` recent steps gets median(bucket) / median(1-token steps). Buckets
+    decoding never uses keep their start-up value, so a too-cheap one gets tried and corrected.
+    Thread-safe: concurrent requests share one model.
+    """
+
+    def __init__(self, ks: list[int], window: int = 64, min_steps: int = 8, every: int = 16):
+        import collections
+        import threading
+
+        self.ks, self.every, self.min_steps = list(ks), every, min_steps
+        self.times = {k: collections.deque(maxlen=window) for k in self.ks}
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def add(self, rows: int, seconds: float) -> dict[int, float] | None:
+        k = next((k for k in self.ks if k >= rows), self.ks[-1])
+        with self.lock:
+            self.times[k].append(seconds)
+            self.count += 1
+            if self.count % self.every or len(self.times[1]) < self.min_steps:
+                return None
+            base = float(np.median(self.times[1]))
+            return {k: max(float(np.median(t)) / base, 1.0) for k, t in self.times.items()
+                    if k != 1 and len(t) >= self.min_steps}
+
+
+def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 7) -> dict[int, float]:
     """Time one forward of k tree tokens (chain mask) over a ``prefix_len`` cache, relative to k=1.
 
     Uses the same code path as decoding (hidden states + lm_head on all rows, float mask for
-    k > 1, KV commit of one row), on random token ids (timing does not depend on values). Each
-    round times every k once, in a shuffled order, and each k is normalised by the k=1 time of
-    its own round; the median over rounds resists a machine whose load drifts.
+    k > 1, KV commit of one row), on random token ids (timing does not depend on values). Every
+    k-token forward directly follows a 1-token one, as in real decoding, and is normalised by it;
+    the median over rounds (each in a shuffled order) resists a shared machine whose speed
+    drifts -- a 1-token forward slows more than a many-token one when memory bandwidth is
+    contended, so ratios against a 1-token time from another moment come out too low.
     """
     import random
 
@@ -99,20 +147,19 @@ def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: i
 
     for k in ks:  # warm-up
         once(k)
-    order = list(ks)
-    ratios: dict[int, list[float]] = {k: [] for k in ks}
+    order = [k for k in ks if k != 1]
+    ratios: dict[int, list[float]] = {k: [] for k in order}
     rng = random.Random(0)
     for _ in range(repeats):
         rng.shuffle(order)
-        times = {k: once(k) for k in order}
-        base = min(times[1], once(1))
-        for k in ks:
-            ratios[k].append(times[k] / base)
-    points = {k: float(np.median(ratios[k])) for k in ks}
+        for k in order:
+            base = once(1)
+            ratios[k].append(once(k) / base)
+    points = {k: float(np.median(r)) for k, r in ratios.items()}
     points[1] = 1.0
     return points
 
 
-def measure_cost_model(target, prefix_len: int = 500, max_nodes: int = 63, repeats: int = 5) -> CostModel:
+def measure_cost_model(target, prefix_len: int = 500, max_nodes: int = 63, repeats: int = 7, calibrate: bool = False) -> CostModel:
     ks = tuple(k for k in DEFAULT_KS if k <= max_nodes + 1)
-    return CostModel(measure_cost_points(target, prefix_len, ks, repeats), max_nodes, "measured")
+    return CostModel(measure_cost_points(target, prefix_len, ks, repeats), max_nodes, "measured", calibrate)

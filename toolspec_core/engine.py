@@ -42,6 +42,7 @@ class GenerationStats:
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens per step
     drafted: list[int] = field(default_factory=list)  # tree size per step (after budget)
     step_labels: list[str] = field(default_factory=list)  # state of the step (label of its first node)
+    verify_step_s: list[float] = field(default_factory=list)  # seconds of each step's forward + walk + KV commit
     label_drafted: dict[str, int] = field(default_factory=dict)
     label_accepted: dict[str, int] = field(default_factory=dict)
     prefill_s: float = 0.0
@@ -71,6 +72,7 @@ class GenerationStats:
             "accepted_per_step": self.accepted,
             "drafted_per_step": self.drafted,
             "step_labels": self.step_labels,
+            "verify_per_step": [round(t, 5) for t in self.verify_step_s],
             "label_drafted": self.label_drafted,
             "label_accepted": self.label_accepted,
             "prefill_s": self.prefill_s,
@@ -253,7 +255,7 @@ def decode(
         tree = cap_depth(drafter.propose(ctx), ctx.max_depth)
         if cost is not None:
             tree = cost.prune(tree)
-        t1 = time.perf_counter()
+        t1, rows = time.perf_counter(), len(roots) + len(tree)
         result, _ = verify_step(target, tree, roots, cache, cfg.sampling, gen, constraint)
         t2 = time.perf_counter()
         drafter.feedback(tree, result)
@@ -269,6 +271,9 @@ def decode(
         t3 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
+        stats.verify_step_s.append(t2 - t1)
+        if cost is not None:
+            cost.observe(rows, t2 - t1)
         stats.commit_s += t3 - t2
     stats.generated_tokens = len(generated)
     return GenerationResult(generated, stopper.text(generated), reason, stats)

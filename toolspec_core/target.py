@@ -99,18 +99,41 @@ def from_model(model, tokenizer, name: str = "model") -> Target:
 
 
 SMALL_ROWS = 3  # up to this many rows the BLAS's own matrix-vector kernel is fastest (measured)
+PACKED_ROWS = 16  # opt-in: 4..16 rows through MKL's packed GEMM, inputs padded to 16 rows (measured)
 
 
-def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS) -> int:
+def mkl_pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """``weight`` [out, in] reordered by MKL for ``rows``-row inputs, or None without MKL."""
+    try:
+        with torch.inference_mode():
+            return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias, rows: int) -> torch.Tensor:
+    """``F.linear`` through a weight packed for ``rows`` rows; fewer rows are zero-padded, because
+    the packed kernel is only fast at the row count it was packed for."""
+    flat = x.reshape(-1, x.shape[-1])  # [n, in]
+    n = flat.shape[0]
+    if n < rows:
+        flat = torch.cat([flat, flat.new_zeros(rows - n, flat.shape[1])])
+    y = torch.ops.mkl._mkl_linear(flat, packed, weight, bias, rows)[:n]  # [n, out]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packed_rows: int = 0) -> int:
     """Make every ``nn.Linear`` of a CPU model fast for a few rows at a time (tree verification).
 
     Why: on x86 CPUs ``F.linear`` switches from a matrix-vector kernel to a GEMM path at 4 rows
-    that is 2-2.5x slower than 1-3 rows, while ``x @ W.T`` on a contiguous transposed copy is
-    faster from 4 rows up and no slower at prefill sizes, but slower at 2-3 rows
-    (``python -m benchmarks.linear_rows`` -> ``benchmarks/results/cpu-linear-rows.json``). The
-    run's verify-cost curve moved accordingly (``benchmarks/results/raw/cpu-all/cost.json`` before,
-    ``raw/cpu-all-v3/cost.json`` after). Plain decoding (1 row) keeps the untouched kernel. Costs
-    one extra copy of the linear weights. Returns how many layers were tuned.
+    that is 2-2.5x slower than 1-3 rows; ``x @ W.T`` on a contiguous transposed copy is faster
+    from 4 rows up, and both lose to ``F.linear`` at 1-3 rows. With ``packed_rows=16``, 4..16
+    rows go through MKL's packed GEMM on a weight reordered for 16 rows (inputs padded), faster
+    for some layers (``python -m benchmarks.linear_rows`` -> ``results/cpu-linear-rows.json``)
+    but not for whole decodes (``python -m benchmarks.kernel_ab`` -> ``results/cpu-kernel-ab.json``),
+    so it is opt-in (one more weight copy).
+    Plain decoding (1 row) keeps the untouched kernel, so the plain-greedy baseline is not
+    changed. Returns how many layers were tuned.
     """
     import torch.nn.functional as F
 
@@ -120,10 +143,14 @@ def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS) -> in
             continue
         weight, bias = mod.weight, mod.bias
         weight_t = weight.detach().t().contiguous()  # [in, out]
+        packed = mkl_pack(weight, packed_rows) if packed_rows > small_rows else None
 
-        def forward(x, weight=weight, bias=bias, weight_t=weight_t):
-            if x.numel() <= small_rows * x.shape[-1]:
+        def forward(x, weight=weight, bias=bias, weight_t=weight_t, packed=packed):
+            rows = x.numel() // x.shape[-1]
+            if rows <= small_rows:
                 return F.linear(x, weight, bias)
+            if packed is not None and rows <= packed_rows:
+                return packed_linear(x, packed, weight, bias, packed_rows)
             y = x @ weight_t
             return y + bias if bias is not None else y
 
@@ -133,11 +160,12 @@ def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS) -> in
 
 
 def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32, threads: int | None = None,
-                tune_gemm: bool = True) -> Target:
+                tune_gemm: bool = True, packed_rows: int = 0) -> Target:
     """Load a local HF model directory, or the embedded default when ``path`` is None/"embedded".
 
     Both go through the same ``from_pretrained`` code path; SDPA attention is required because
-    the tree mask is 4D. ``tune_gemm``: see :func:`tune_cpu_linears` (CPU float32 only).
+    the tree mask is 4D. ``tune_gemm``, ``packed_rows``: see :func:`tune_cpu_linears` (CPU float32
+    only; ``packed_rows=0`` saves a copy of the weights).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -156,5 +184,5 @@ def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float
     except (OSError, ValueError) as exc:
         raise ModelFileError(f"could not load model from {path}: {exc}") from exc
     if tune_gemm and dtype == torch.float32:
-        tune_cpu_linears(model)
+        tune_cpu_linears(model, packed_rows=packed_rows)
     return from_model(model, tok, name=name)
