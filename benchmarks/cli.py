@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warm-limit", type=int, default=None, help="warm items per benchmark (each costs one prefill)")
     ap.add_argument("--no-warm-embed", action="store_true", help="do not prefill warm items for retrieval keys")
     ap.add_argument("--limit", type=int, default=None, help="items per data file")
+    ap.add_argument("--max-items", type=int, default=None,
+                    help="stop after this many items of the interleaved stream (the first of a --limit sample; resumable)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed for --limit; -1 = the first N items")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--cost", default="measured", help="measured | reference | flat | path to a cost JSON")
@@ -105,7 +107,7 @@ def bench_main(argv: list[str] | None = None) -> int:
         threads=args.threads, retime_reference=not args.no_retime, packed_rows=args.packed_rows,
         calibrate=args.calibrate,
     )
-    runner = run(cfg)
+    runner = run(cfg, max_items=args.max_items)
     if runner.pool.unavailable:
         print("skipped methods: " + "; ".join(f"{k} ({v})" for k, v in runner.pool.unavailable.items()), file=sys.stderr)
     if not args.no_report:

@@ -248,6 +248,21 @@ def test_online_replay_on_resume(tiny, data, tmp_path):
     assert hist.tokens("default") > 0  # items 0 and 1 replayed (+ item 2 observed)
 
 
+def test_cli_max_items_stops_early_and_resumes(tiny, data, tmp_path, monkeypatch):
+    """`--max-items N`: only the first N items of the stream (an interrupted run, resumable)."""
+    import toolspec_core.target as target_mod
+
+    monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: tiny)
+    out = tmp_path / "cli-run"
+    args = ["--data", str(data[0]), "--out", str(out), "--methods", "ar,pld", "--cost", "reference",
+            "--max-new-tokens", "8", "--no-report", "--seed", "-1"]
+    assert bench_main(args + ["--max-items", "2"]) == 0
+    items = [json.loads(line)["item"] for line in (out / "items.jsonl").read_text().splitlines()]
+    assert items == ["syn-0", "syn-0", "syn-1", "syn-1"]
+    assert bench_main(args) == 0  # the rest
+    assert len((out / "items.jsonl").read_text().splitlines()) == 6
+
+
 def test_stream_selection(data, tmp_path):
     path, _ = data
     other = tmp_path / "other.jsonl"
