@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from toolspec_core.budget import CPU_REFERENCE_CURVE, DEFAULT_KS, interpolate
+from toolspec_core.budget import CPU_REFERENCE_CURVE, DEFAULT_KS, interpolate, paired_cost
 from toolspec_core.tree import DraftTree
 from toolspec_core.verify import tree_inputs
 
@@ -145,12 +145,9 @@ def _verify_forward(model, k: int, prefix_len: int, cache, device: str, vocab: i
 def measure_curve(model, device: str = "cpu", prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 5) -> tuple[dict, dict]:
     """(median seconds, cost relative to k=1) of one k-token verify forward, per k.
 
-    Each k-token forward directly follows a 1-token one and is normalised by it (median of the
-    ratios over ``repeats`` shuffled rounds): on a shared machine the speed drifts, and a 1-token
-    forward timed at another moment would skew every ratio.
+    Paired as in the engine's start-up probe (``budget.paired_cost``): on a shared machine the
+    speed drifts, and a 1-token forward timed at another moment would skew every ratio.
     """
-    import random
-
     from transformers import DynamicCache
 
     vocab = model.config.vocab_size
@@ -168,21 +165,7 @@ def measure_curve(model, device: str = "cpu", prefix_len: int = 500, ks=DEFAULT_
         cache.crop(-(cache.get_seq_length() - prefix_len))
         return dt
 
-    for k in ks:  # warm-up
-        once(k)
-    times: dict[int, list[float]] = {k: [] for k in ks}
-    ratios: dict[int, list[float]] = {k: [] for k in ks}
-    order, rng = [k for k in ks if k != 1], random.Random(0)
-    for _ in range(repeats):
-        rng.shuffle(order)
-        for k in order:
-            base, t = once(1), once(k)
-            times[1].append(base)
-            times[k].append(t)
-            ratios[k].append(t / base)
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    points = {k: (med(ratios[k]) if k != 1 else 1.0) for k in ks}
-    return {k: med(times[k]) for k in ks}, points
+    return paired_cost(once, ks, repeats)
 
 
 def device_tag(device: str) -> str:

@@ -5,7 +5,7 @@ The measurement behind ``toolspec_core.target.tune_cpu_linears`` (and its ``SMAL
 CPUs the BLAS switches kernels at a few rows, which is what a tree-verify forward hits. Shapes of
 the embedded Qwen2.5-0.5B (lm_head 151936x896, MLP 4864x896), float32.
 
-    python -m benchmarks.linear_rows [--threads 2] [--out benchmarks/results/cpu-linear-rows.json]
+    python -m benchmarks.linear_rows [--threads 2] [--out benchmarks/results/measurements/cpu-linear-rows.json]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="benchmarks/results/cpu-linear-rows.json")
+    ap.add_argument("--out", default="benchmarks/results/measurements/cpu-linear-rows.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     res = {"hardware": f"{platform.processor() or platform.machine()}, {a.threads} threads (torch {torch.__version__})",

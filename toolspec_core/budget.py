@@ -84,7 +84,7 @@ class Calibration:
 
     A start-up probe can be far off what decoding pays (on a shared CPU its k-token forwards
     came out ~25-40% cheaper relative to one token than real steps did:
-    ``benchmarks/results/cpu-kernel-ab.json``), and an accelerator's curve moves with load. Each
+    ``benchmarks/results/measurements/cpu-kernel-ab.json``), and an accelerator's curve moves with load. Each
     step's seconds go to the bucket of the smallest measured k >= rows; every ``every`` steps a
     bucket with ``min_steps`` recent steps gets median(bucket) / median(1-token steps). Buckets
     decoding never uses keep their start-up value, so a too-cheap one gets tried and corrected.
@@ -122,8 +122,6 @@ def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: i
     drifts -- a 1-token forward slows more than a many-token one when memory bandwidth is
     contended, so ratios against a 1-token time from another moment come out too low.
     """
-    import random
-
     from .engine import verify_step
     from .sampling import SamplingParams
 
@@ -145,19 +143,32 @@ def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: i
         cache.crop(-(cache.get_seq_length() - prefix_len))
         return dt
 
+    return paired_cost(once, ks, repeats)[1]
+
+
+def paired_cost(once, ks, repeats: int) -> tuple[dict[int, float], dict[int, float]]:
+    """(median seconds, cost relative to k=1) per k from ``once(k)`` -> seconds of one k-token forward.
+
+    Every k-token forward directly follows a 1-token one and is normalised by it; median over
+    ``repeats`` rounds, each in a shuffled order, after one warm-up of every k.
+    """
+    import random
+
     for k in ks:  # warm-up
         once(k)
     order = [k for k in ks if k != 1]
+    times: dict[int, list[float]] = {k: [] for k in ks}
     ratios: dict[int, list[float]] = {k: [] for k in order}
     rng = random.Random(0)
     for _ in range(repeats):
         rng.shuffle(order)
         for k in order:
-            base = once(1)
-            ratios[k].append(once(k) / base)
+            base, t = once(1), once(k)
+            times[1].append(base)
+            times[k].append(t)
+            ratios[k].append(t / base)
     points = {k: float(np.median(r)) for k, r in ratios.items()}
-    points[1] = 1.0
-    return points
+    return {k: float(np.median(t)) for k, t in times.items()}, {1: 1.0, **points}
 
 
 def measure_cost_model(target, prefix_len: int = 500, max_nodes: int = 63, repeats: int = 7, calibrate: bool = False) -> CostModel:

@@ -129,8 +129,8 @@ def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packe
     that is 2-2.5x slower than 1-3 rows; ``x @ W.T`` on a contiguous transposed copy is faster
     from 4 rows up, and both lose to ``F.linear`` at 1-3 rows. With ``packed_rows=16``, 4..16
     rows go through MKL's packed GEMM on a weight reordered for 16 rows (inputs padded), faster
-    for some layers (``python -m benchmarks.linear_rows`` -> ``results/cpu-linear-rows.json``)
-    but not for whole decodes (``python -m benchmarks.kernel_ab`` -> ``results/cpu-kernel-ab.json``),
+    for some layers (``python -m benchmarks.linear_rows`` -> ``results/measurements/cpu-linear-rows.json``)
+    but not for whole decodes (``python -m benchmarks.kernel_ab`` -> ``results/measurements/cpu-kernel-ab.json``),
     so it is opt-in (one more weight copy).
     Plain decoding (1 row) keeps the untouched kernel, so the plain-greedy baseline is not
     changed. Returns how many layers were tuned.
