@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from toolspec_core.budget import CPU_REFERENCE_CURVE, DEFAULT_KS, interpolate, paired_cost
+from toolspec_core.target import cache_kwarg
 from toolspec_core.tree import DraftTree
 from toolspec_core.verify import tree_inputs
 
@@ -136,7 +137,7 @@ def _verify_forward(model, k: int, prefix_len: int, cache, device: str, vocab: i
     with torch.inference_mode():
         h = model.model(
             input_ids=ids.to(device), position_ids=pos.to(device),
-            attention_mask=mask.to(device) if k > 1 else None, cache=cache, use_cache=True,
+            attention_mask=mask.to(device) if k > 1 else None, use_cache=True, **{cache_kwarg(model.model): cache},
         ).last_hidden_state[0]
         model.lm_head(h).float().argmax(-1).tolist()  # [k] -- the host sync a real step has
     _sync(device)
@@ -155,17 +156,39 @@ def measure_curve(model, device: str = "cpu", prefix_len: int = 500, ks=DEFAULT_
     cache = DynamicCache(config=model.config)
     ids = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(device)
     with torch.inference_mode():
-        model.model(input_ids=ids, position_ids=torch.arange(prefix_len, device=device)[None], cache=cache, use_cache=True)
+        model.model(input_ids=ids, position_ids=torch.arange(prefix_len, device=device)[None], use_cache=True,
+                    **{cache_kwarg(model.model): cache})
     _sync(device)
+    if cache.get_seq_length() != prefix_len:  # a forward that ignored the cache would time k tokens alone
+        raise RuntimeError(f"prefill left {cache.get_seq_length()} cached positions, expected {prefix_len}")
 
     def once(k: int) -> float:
         t0 = time.perf_counter()
         _verify_forward(model, k, prefix_len, cache, device, vocab, gen)
         dt = time.perf_counter() - t0
+        assert cache.get_seq_length() == prefix_len + k, "the verify forward did not extend the cache"
         cache.crop(-(cache.get_seq_length() - prefix_len))
         return dt
 
     return paired_cost(once, ks, repeats)
+
+
+def measure_engine_curve(model, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 5) -> tuple[dict, dict]:
+    """As ``measure_curve``, through the engine's own start-up probe (``budget.measure_cost_points``:
+    ``engine.verify_step`` on a ``Target``), to see what decoding pays on top of the bare forward."""
+    from toolspec_core.budget import measure_cost_points
+    from toolspec_core.target import from_model
+
+    class _NoTokens:  # the probe decodes nothing; from_model only asks for end-of-turn ids
+        eos_token_id = unk_token_id = None
+
+        def convert_tokens_to_ids(self, tok):
+            return None
+
+    target = from_model(model, _NoTokens(), name="probe")
+    seconds: dict = {}
+    points = measure_cost_points(target, prefix_len, tuple(ks), repeats, seconds=seconds)
+    return seconds, points
 
 
 def device_tag(device: str) -> str:
@@ -200,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--packed-rows", type=int, default=None, help="CPU fp32: MKL packed GEMM for 4..N rows, as toolspec bench (default 0: off)")
     ap.add_argument("--out", default=None, help="output JSON (default benchmarks/results/cost-<device>-<shape>.json)")
+    ap.add_argument("--via", choices=["forward", "engine"], default="forward",
+                    help="forward: the model's forward + lm_head; engine: toolspec_core's own verify step "
+                         "(inputs built on the host and moved, tree mask, argmax, KV commit)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -210,11 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     model, label = load_model(args.model, args.device, dtype)
     serving_kernels(model, args.device, dtype, args.packed_rows)
     print(f"built {label} on {args.device} ({dtype}) in {time.perf_counter() - t0:.1f}s", flush=True)
-    seconds, points = measure_curve(model, args.device, args.prefix_len, ks, args.repeats)
+    if args.via == "engine":
+        seconds, points = measure_engine_curve(model, args.prefix_len, ks, args.repeats)
+    else:
+        seconds, points = measure_curve(model, args.device, args.prefix_len, ks, args.repeats)
     shape = re.sub(r"[^a-z0-9.]+", "-", label.lower())
     report = {
         "device": args.device, "hardware": hardware_string(args.device), "shape": shape, "dtype": str(dtype).replace("torch.", ""),
-        "prefix_len": args.prefix_len, "repeats": args.repeats, "random_weights": args.model in SHAPES,
+        "prefix_len": args.prefix_len, "repeats": args.repeats, "via": args.via, "random_weights": args.model in SHAPES,
         "seconds": {str(k): s for k, s in seconds.items()}, "points": {str(k): p for k, p in points.items()},
     }
     out = Path(args.out) if args.out else RESULTS / f"cost-{device_tag(args.device)}-{shape}.json"

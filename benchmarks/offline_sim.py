@@ -97,15 +97,20 @@ def main() -> None:
     ap.add_argument("--all-items", action="store_true")
     ap.add_argument("--show", type=int, default=0, help="print the step trace of the first N items per method")
     ap.add_argument("--cost", default="run", help="run (the run's measured cost.json) | reference | flat | path to a cost JSON")
+    ap.add_argument("--json-out", default=None, help="also write {raw: {method: ...}} with the cost curve used to this file")
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
     from toolspec_core.embedded import embedded_model_dir
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    results = {"cost": a.cost, "subset": "all" if a.all_items else "calls", "runs": {}}
     for raw in a.raw:
         cost = _cost(Path(raw), a.cost)
-        print(raw, json.dumps(replay(Path(raw), a.methods.split(","), tok, cost, not a.all_items, a.show), indent=1))
+        res = results["runs"][raw] = replay(Path(raw), a.methods.split(","), tok, cost, not a.all_items, a.show)
+        print(raw, json.dumps(res, indent=1), flush=True)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(results, indent=1) + "\n")
 
 
 def _cost(raw: Path, spec: str) -> CostModel:

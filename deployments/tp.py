@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from toolspec_core.target import Target
+from toolspec_core.target import Target, cache_kwarg
 
 
 def _free_port() -> int:
@@ -144,7 +144,7 @@ class TPWorker:
             out = self.model.model(
                 input_ids=ids.to(dev), position_ids=pos.to(dev),
                 attention_mask=None if mask is None else mask.to(dev, _DTYPES[self.dtype]),
-                cache=cache, use_cache=True,
+                use_cache=True, **{cache_kwarg(self.model.model): cache},
             )
         return out.last_hidden_state[0].cpu() if self.rank == 0 else None
 

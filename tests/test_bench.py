@@ -300,6 +300,33 @@ def test_bench_cost_named_shape_random_bf16(tmp_path, monkeypatch):
     assert d["random_weights"] and d["dtype"] == "bfloat16" and d["shape"] == "test-tiny" and set(d["points"]) == {"1", "8"}
 
 
+def test_bench_cost_via_engine_verify_step(tmp_path):
+    """``--via engine`` times the engine's own verify step (the start-up probe's path) and keeps seconds."""
+    from benchmarks.cost import main
+
+    tiny_model(vocab=128).save_pretrained(str(tmp_path / "tiny"))
+    out = tmp_path / "e.json"
+    assert main(["--model", str(tmp_path / "tiny"), "--device", "cpu", "--ks", "1,4", "--repeats", "1", "--prefix-len", "16",
+                 "--via", "engine", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["via"] == "engine" and d["points"]["1"] == 1.0 and set(d["seconds"]) == {"1", "4"}
+    assert all(v > 0 for v in d["seconds"].values())
+
+
+def test_engine_check_all_drafters_equal_plain_greedy_in_fp32():
+    """The accelerator check's own logic on the CPU: in float32 every drafter reproduces plain greedy,
+    and the oracle / branching drafts really are accepted (the check would see a broken commit)."""
+    import torch
+
+    from benchmarks.gpu_engine_check import check
+
+    run = check("cpu", torch.float32, n_prompts=3, new_tokens=20, seed=1, vocab=128, hidden=64, layers=2)
+    for name, row in run["methods"].items():
+        assert row["decodes"] == 3 and row["equal"] == 3 and not row["divergences"], name
+    assert run["methods"]["oracle"]["mean_accepted_per_step"] > 5
+    assert run["methods"]["branching"]["mean_accepted_per_step"] > 3
+
+
 def test_markdown_bound_states_and_repeated_calls(trace):
     """The report's extra sections: MAT vs the NOTES bound, steps per FSM state, repeated-call curve."""
     from benchmarks.report import MAT_BOUND, markdown

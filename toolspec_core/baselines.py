@@ -371,7 +371,7 @@ class TokenRecyclingMethod:
         """logits: [R+T, V] for input rows ``row_tokens`` (root chain first)."""
         if logits.shape[-1] > self.matrix.shape[0]:
             self._grow(logits.shape[-1])
-        top = torch.topk(logits, self.topk, dim=-1).indices.to(torch.int32)  # [T+1, k]
+        top = torch.topk(logits, self.topk, dim=-1).indices.to("cpu", torch.int32)  # [T+1, k]
         self.matrix[torch.tensor(row_tokens, dtype=torch.long)] = top
 
     def drafter(self, req) -> TokenRecyclingDrafter:

@@ -112,7 +112,7 @@ class Calibration:
                     if k != 1 and len(t) >= self.min_steps}
 
 
-def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 7) -> dict[int, float]:
+def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 7, seconds: dict | None = None) -> dict[int, float]:
     """Time one forward of k tree tokens (chain mask) over a ``prefix_len`` cache, relative to k=1.
 
     Uses the same code path as decoding (hidden states + lm_head on all rows, float mask for
@@ -143,7 +143,10 @@ def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: i
         cache.crop(-(cache.get_seq_length() - prefix_len))
         return dt
 
-    return paired_cost(once, ks, repeats)[1]
+    times, points = paired_cost(once, ks, repeats)
+    if seconds is not None:  # median seconds per k, for callers that report them
+        seconds.update(times)
+    return points
 
 
 def paired_cost(once, ks, repeats: int) -> tuple[dict[int, float], dict[int, float]]:

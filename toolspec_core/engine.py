@@ -128,7 +128,8 @@ def prefill(target: Target, prompt_ids: list[int], prefix: Prefilled | None = No
         pos = torch.arange(s, s + ids.shape[1]).unsqueeze(0)
         hidden = target.hidden(ids, pos, None, cache)
     last = hidden[-1]
-    return Prefilled(list(prompt_ids), cache, target.logits(last[None])[0], last, time.perf_counter() - t0)
+    # one row each, to the host: sampling (CPU generator), grammar masks and retrieval keys live there
+    return Prefilled(list(prompt_ids), cache, target.logits(last[None])[0].cpu(), last.cpu(), time.perf_counter() - t0)
 
 
 class _Stopper:
@@ -192,17 +193,19 @@ def verify_step(target: Target, tree: DraftTree, roots: list[int] | int, cache, 
     ids, pos, mask = tree_inputs(roots, tree, kv_len, target.dtype)
     single = len(roots) == 1 and not tree.tokens
     hidden = target.hidden(ids, pos, None if single else mask, cache)
-    logits = target.logits(hidden)  # [R+T, V]
+    logits = target.logits(hidden)  # [R+T, V] on the model's device
     root_row = len(roots) - 1
+    if not params.greedy or constraint is not None:
+        logits = logits.cpu()  # row-by-row walks with a CPU generator / grammar mask
     if not params.greedy:
         result = sample_walk(tree, logits, params, gen, constraint, root_row)
     elif constraint is not None:
         result = constrained_greedy_walk(tree, logits, constraint, root_row)
     else:
-        result = greedy_walk(tree, torch.argmax(logits, -1).tolist(), root_row)
+        result = greedy_walk(tree, torch.argmax(logits, -1).tolist(), root_row)  # argmax on device, one sync
     commit_kv(cache, kv_len, kv_rows(result.path, len(roots)))
     result.logits = logits  # for drafters that learn from the target (token recycling)
-    return result, logits[root_row + 1 + result.path[-1] if result.path else root_row]
+    return result, logits[root_row + 1 + result.path[-1] if result.path else root_row].cpu()
 
 
 def _first_tokens(pre: Prefilled, params: SamplingParams, gen, constraint) -> list[int]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -33,6 +35,10 @@ class Target:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def new_cache(self):
         from transformers import DynamicCache
 
@@ -41,20 +47,38 @@ class Target:
     def hidden(self, input_ids, position_ids, mask, cache) -> torch.Tensor:
         """input_ids/position_ids: [1, T]; mask: [1, 1, T, S] additive or None (causal).
 
-        Returns last-layer hidden states [T, H]; the cache grows by T rows.
+        Inputs are built on the CPU and moved to the model's device here. Returns last-layer
+        hidden states [T, H] on that device; the cache grows by T rows.
         """
         if self.forward_fn is not None:
             return self.forward_fn(input_ids, position_ids, mask, cache)
+        dev = self.device
+        if dev.type != "cpu":
+            input_ids, position_ids = input_ids.to(dev, non_blocking=True), position_ids.to(dev, non_blocking=True)
+            mask = None if mask is None else mask.to(dev, non_blocking=True)
         with torch.inference_mode():
             out = self.model.model(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, cache=cache, use_cache=True
+                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                **{cache_kwarg(self.model.model): cache},
             )
         return out.last_hidden_state[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H] -> logits [T, V] (fp32)."""
+        """hidden [T, H] -> logits [T, V] (fp32, on the model's device)."""
         with torch.inference_mode():
             return self.model.lm_head(hidden).float()
+
+
+def cache_kwarg(core: torch.nn.Module) -> str:
+    """Name of the KV-cache argument of an HF decoder's ``forward``: ``cache`` from transformers 5.20
+    (which still accepts the old name until 5.40), ``past_key_values`` before, as on images we do
+    not pin (a GPU machine's). Passing the wrong one silently runs without a cache."""
+    return _cache_kwarg_of(type(core))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_of(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def clone_cache(cache):
