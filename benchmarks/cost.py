@@ -59,8 +59,35 @@ def projected_speedup(ar_records: list[dict], records: list[dict], curve: list[f
     return ar / me if me else float("nan")
 
 
+def host_seconds(record: dict) -> float:
+    """Time a decode spent outside the target's forwards (drafting, commit, drafter set-up)."""
+    return record.get("draft_s", 0.0) + record.get("commit_s", 0.0) + record.get("setup_s", 0.0)
+
+
+def projected_speedup_with_host(ar_records: list[dict], records: list[dict], curve: list[float], step_s: float) -> float:
+    """As ``projected_speedup`` with steps in seconds (``step_s`` = c(1) measured on that hardware)
+    plus each record's measured host-side time: where a step costs milliseconds, drafting time is
+    no longer small. The host time is this run's (its CPU, drafting not overlapped with the forward)."""
+    ar = sum(steps_cost(r["drafted_per_step"], curve) * step_s + host_seconds(r) for r in ar_records)
+    me = sum(steps_cost(r["drafted_per_step"], curve) * step_s + host_seconds(r) for r in records)
+    return ar / me if me else float("nan")
+
+
 def curve_from_points(points: dict, max_k: int = 64) -> list[float]:
     return interpolate({int(k): float(v) for k, v in points.items()}, max_k)
+
+
+def load_step_seconds(results_dir: Path = RESULTS) -> dict[str, float]:
+    """c(1) in seconds of every measured accelerator curve (``cost-*.json`` with device != cpu)."""
+    out = {}
+    for path in sorted(Path(results_dir).glob("cost-*.json")):
+        try:
+            d = json.loads(path.read_text())
+            if d.get("device", "cpu") != "cpu":
+                out[path.stem[len("cost-") :]] = float(d["seconds"]["1"])
+        except (KeyError, ValueError, TypeError, json.JSONDecodeError):
+            continue
+    return out
 
 
 def load_curves(results_dir: Path = RESULTS, max_k: int = 64) -> dict[str, list[float]]:

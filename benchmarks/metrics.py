@@ -14,7 +14,7 @@ from collections import defaultdict
 
 from toolspec_core.toolcalls import parse_tool_calls, validate_call
 
-from .cost import projected_speedup
+from .cost import host_seconds, projected_speedup, projected_speedup_with_host
 
 # --------------------------------------------------------------------------- per item
 
@@ -164,7 +164,8 @@ def observed_cost(records: list[dict]) -> dict[str, dict]:
     return out
 
 
-def summarize(records: list[dict], ar_by_item: dict[str, dict], curves: dict[str, list[float]] | None = None) -> dict:
+def summarize(records: list[dict], ar_by_item: dict[str, dict], curves: dict[str, list[float]] | None = None,
+              step_seconds: dict[str, float] | None = None) -> dict:
     """Aggregate one (benchmark, method, library, subset) group against plain greedy.
 
     mat = Σ decoded tokens / Σ forwards (as GenerationStats.mat: the first token comes from
@@ -197,6 +198,7 @@ def summarize(records: list[dict], ar_by_item: dict[str, dict], curves: dict[str
         "ar_decode_s": t_ar,
         "prefill_s": sum(r["prefill_s"] for r in records),
         "draft_s": sum(r.get("draft_s", 0.0) for r in records),
+        "host_ms_per_step": 1000 * sum(host_seconds(r) for r in records) / forwards if forwards else None,
         "mean_tree_size": _mean(k for r in records for k in r["drafted_per_step"]),
         "validity": _mean(float(r["valid"]) for r in records if r["has_call"]),
         "completeness": _mean(float(r.get("complete", False)) for r in records if r["has_call"]),
@@ -206,4 +208,7 @@ def summarize(records: list[dict], ar_by_item: dict[str, dict], curves: dict[str
     }
     if curves:
         out["projected_speedup"] = {name: projected_speedup(ar, records, c) for name, c in curves.items()}
+        out["projected_speedup_with_host"] = {
+            name: projected_speedup_with_host(ar, records, curves[name], s) for name, s in (step_seconds or {}).items() if name in curves
+        }
     return out

@@ -7,7 +7,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from .cost import RESULTS, load_curves
+from .cost import RESULTS, load_curves, load_step_seconds
 from .metrics import decoded_tokens, first_mismatch, observed_cost, summarize
 from .runner import ALL_METHODS, item_store
 
@@ -67,7 +67,7 @@ def _bucket(n: int) -> str:
     return next(lab for lo, hi, lab in PRIOR_BUCKETS if lo <= n <= hi)
 
 
-def build_runs(recs: list[dict], ar: dict[str, dict], curves: dict) -> list[dict]:
+def build_runs(recs: list[dict], ar: dict[str, dict], curves: dict, step_seconds: dict | None = None) -> list[dict]:
     """One run entry per (benchmark, method, library, subset) in the issue-5 format + extras."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in recs:
@@ -79,7 +79,7 @@ def build_runs(recs: list[dict], ar: dict[str, dict], curves: dict) -> list[dict
             sub = rs if subset == "all" else [r for r in rs if ar[r["item"]]["has_call"] == (subset == "calls")]
             if not sub:
                 continue
-            s = summarize(sub, ar, curves)
+            s = summarize(sub, ar, curves, step_seconds)
             bound = MAT_BOUND.get(bench)
             runs.append({
                 "benchmark": bench, "method": method, "library": lib, "items": s.pop("items"), "mat": s.pop("mat"),
@@ -144,7 +144,8 @@ def build_report(out: Path, name: str | None = None, results_dir: Path = RESULTS
         curves = {"run": curve_from_points(cost["points"]), **curves}
     gold_tool = _gold_tools(cfg.get("data", []))
     prior = prior_tool_calls(ar, gold_tool)
-    runs = build_runs(recs, ar, curves)
+    step_seconds = load_step_seconds(results_dir)
+    runs = build_runs(recs, ar, curves, step_seconds)
     report = {
         "name": name,
         "model": cfg.get("target", "unknown"),
@@ -152,6 +153,7 @@ def build_report(out: Path, name: str | None = None, results_dir: Path = RESULTS
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "cost_model": cost,
         "projection_curves": sorted(curves),
+        "projection_step_seconds": step_seconds,
         "config": {k: cfg.get(k) for k in ("data", "limit", "seed", "methods", "libraries", "max_new_tokens", "warm_files", "warm_layout", "cost")},
         "runs": runs,
         "headline": headline(runs),
@@ -217,8 +219,30 @@ def markdown(report: dict) -> str:
                      _fmt(None if r["validity"] is None else 100 * r["validity"], ".0f", "%"), _fmt(100 * r["gold_agreement"], ".0f", "%")]
             cells += [_fmt(r.get("projected_speedup", {}).get(c), ".2f", "×") for c in proj]
             lines.append("| " + " | ".join(cells) + " |")
-    lines += _bound_lines(report) + _state_lines(report) + _prior_lines(report) + _cost_lines(report)
+    lines += _host_lines(report) + _bound_lines(report) + _state_lines(report) + _prior_lines(report) + _cost_lines(report)
     return "\n".join(lines) + "\n"
+
+
+def _host_lines(report: dict) -> list[str]:
+    """Accelerator projections with this run's host-side time per step added (subset `calls`)."""
+    secs = report.get("projection_step_seconds") or {}
+    rows = [r for r in report["runs"] if r["subset"] == "calls" and r.get("projected_speedup_with_host")]
+    if not secs or not rows:
+        return []
+    names = sorted(secs)
+    head = ["benchmark", "method", "host ms / step"] + [h for n in names for h in (f"proj. {n}", "+ host")]
+    lines = ["", "## Accelerator projections with drafting time (subset `calls`)", "",
+             "`proj.`: Σ step cost under the measured curve, as above; `+ host`: steps in seconds (c(1) = "
+             + ", ".join(f"{secs[n] * 1000:.1f} ms for {n}" for n in names)
+             + ") plus each decode's measured drafting + commit time from this run (this machine's CPU, not overlapped "
+             "with the forward). Where a step takes milliseconds, drafting time is what separates the two.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["benchmark"], run_label(r["method"], r["library"]), _fmt(r.get("host_ms_per_step"), ".2f")]
+        for n in names:
+            cells += [_fmt(r.get("projected_speedup", {}).get(n), ".2f", "×"), _fmt(r["projected_speedup_with_host"].get(n), ".2f", "×")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _bound_lines(report: dict) -> list[str]:

@@ -199,3 +199,40 @@ def test_suffix_trie_reader_never_sees_an_unbuilt_node():
     t.kids = Spy(t.kids)
     t.add_document([1, 2, 3, 1, 2])
     assert seen and all(seen)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_context_index_is_the_suffix_trie_of_its_document(seed):
+    """ContextIndex (O(1) append, subtrie built per match) answers every match exactly as a full
+    SuffixTrie of the same document does, and drafts the same tree from it."""
+    import random
+
+    from toolspec_core.baselines import ContextIndex, SUFFIX_PRIOR, grow_from_trie
+
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 6, 20])  # small vocabularies: many repeats, deep shared suffixes
+    depth = rng.choice([4, 8, 32])
+    doc = [rng.randrange(vocab) for _ in range(rng.randint(1, 300))]
+    trie, index = SuffixTrie(depth), ContextIndex(depth)
+
+    def drafted(structure, node, m):
+        tree = DraftTree()
+        grow_from_trie(tree, {}, structure, node, m, LabelRates(dict(SUFFIX_PRIOR)), 64, depth)
+        return tree.tokens, tree.parents, [round(c, 9) for c in tree.conf]
+
+    done = 0
+    while done < len(doc):
+        step = doc[done : done + rng.randint(1, 40)]
+        trie.extend(step)
+        index.extend(step)
+        done += len(step)
+        for max_match in (1, 3, 8):
+            (tn, tm), (inode, im) = trie.active_match(max_match), index.active_match(max_match)
+            assert tm == im and (tn < 0) == (inode < 0)
+            if tn >= 0:
+                assert drafted(trie, tn, tm) == drafted(index, inode, im)
+            pattern = doc[max(0, done - 5) : done] + [rng.randrange(vocab) for _ in range(rng.randint(0, 3))]
+            (tn, tm), (inode, im) = trie.longest_match(pattern, max_match), index.longest_match(pattern, max_match)
+            assert tm == im and (tn < 0) == (inode < 0)
+            if tn >= 0:
+                assert drafted(trie, tn, tm) == drafted(index, inode, im)
