@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cost", default="measured", help="measured | reference | flat | path to a cost JSON")
     ap.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: where the target runs")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="target dtype; float32 keeps greedy output bit-identical (bf16: up to near-ties, see README)")
     ap.add_argument("--packed-rows", type=int, default=None,
                     help="CPU fp32, opt-in: MKL packed GEMM for 4..N-row verify forwards (16; default 0: off)")
     ap.add_argument("--calibrate", action="store_true", help="refit the shared cost curve from the verify steps really paid")
@@ -105,7 +108,7 @@ def bench_main(argv: list[str] | None = None) -> int:
         seed=None if args.seed < 0 else args.seed, warm_files=args.warm_file, warm_layout=args.warm_layout,
         warm_embed=not args.no_warm_embed, warm_limit=args.warm_limit, max_new_tokens=args.max_new_tokens, cost=args.cost, model=args.model,
         threads=args.threads, retime_reference=not args.no_retime, packed_rows=args.packed_rows,
-        calibrate=args.calibrate,
+        calibrate=args.calibrate, device=args.device, dtype=args.dtype,
     )
     runner = run(cfg, max_items=args.max_items)
     if runner.pool.unavailable:

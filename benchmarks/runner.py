@@ -57,6 +57,8 @@ class RunConfig:
     retime_reference: bool = True  # resumed items: time plain greedy again in this sitting
     packed_rows: int | None = None  # CPU fp32 opt-in: MKL packed GEMM for 4..N-row forwards (None/0: off)
     calibrate: bool = False  # the shared cost curve learns from the steps really paid (budget.Calibration)
+    device: str = "cpu"  # where the target runs (cuda: float32 unless dtype says otherwise)
+    dtype: str = "float32"
 
 
 def run_pairs(cfg: RunConfig) -> list[tuple[str, str | None]]:
@@ -270,7 +272,8 @@ class Runner:
         if target is None:
             from toolspec_core.target import load_target
 
-            target = load_target(cfg.model, **({} if cfg.packed_rows is None else {"packed_rows": cfg.packed_rows}))
+            target = load_target(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device,
+                                 **({} if cfg.packed_rows is None else {"packed_rows": cfg.packed_rows}))
         self.target = target
         self.stream = load_stream(cfg.data, cfg.limit, cfg.seed)
         self.pairs = run_pairs(cfg)
@@ -294,7 +297,7 @@ class Runner:
                 log(f"WARNING: resuming {self.out} with different {', '.join(changed)} than the original run")
         from .cost import hardware_string
 
-        path.write_text(json.dumps({**now, "hardware": hardware_string()}, indent=2) + "\n")
+        path.write_text(json.dumps({**now, "hardware": hardware_string(self.cfg.device)}, indent=2) + "\n")
 
     def warm_docs(self, bench: str) -> list:
         """Warm-file items of this benchmark, minus every item being evaluated."""

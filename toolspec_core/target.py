@@ -184,12 +184,13 @@ def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packe
 
 
 def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32, threads: int | None = None,
-                tune_gemm: bool = True, packed_rows: int = 0) -> Target:
+                tune_gemm: bool = True, packed_rows: int = 0, device: str = "cpu") -> Target:
     """Load a local HF model directory, or the embedded default when ``path`` is None/"embedded".
 
     Both go through the same ``from_pretrained`` code path; SDPA attention is required because
-    the tree mask is 4D. ``tune_gemm``, ``packed_rows``: see :func:`tune_cpu_linears` (CPU float32
-    only; ``packed_rows=0`` saves a copy of the weights).
+    the tree mask is 4D. ``device``: where the model runs (the engine moves its inputs there).
+    ``tune_gemm``, ``packed_rows``: see :func:`tune_cpu_linears` (CPU float32 only;
+    ``packed_rows=0`` saves a copy of the weights).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -207,6 +208,8 @@ def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as exc:
         raise ModelFileError(f"could not load model from {path}: {exc}") from exc
-    if tune_gemm and dtype == torch.float32:
+    if device != "cpu":
+        model = model.to(device)
+    elif tune_gemm and dtype == torch.float32:
         tune_cpu_linears(model, packed_rows=packed_rows)
     return from_model(model, tok, name=name)
