@@ -77,12 +77,13 @@ def report_main(argv: list[str]) -> int:
     ap.add_argument("--name", default=None)
     ap.add_argument("--results-dir", default=str(RESULTS))
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--data", action="append", default=None, help="the run's JSONL files on this machine (a run made elsewhere)")
     args = ap.parse_args(argv)
     if not (Path(args.out) / "items.jsonl").exists():
         ap.error(f"{args.out}/items.jsonl does not exist")
     from .report import build_report
 
-    rep = build_report(Path(args.out), args.name, Path(args.results_dir), plots=not args.no_plots)
+    rep = build_report(Path(args.out), args.name, Path(args.results_dir), plots=not args.no_plots, data=args.data)
     _print_summary(rep, Path(args.results_dir))
     return 0
 

