@@ -408,14 +408,24 @@ def load_serving_target(cfg: ServeAppConfig):
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     device = resolve_device(cfg.device)
-    # On an accelerator the model runs in worker actor(s) that own the KV caches (tp_size 1 too):
-    # the engine's own tensors (tree masks, KV index ops) stay on the CPU side.
-    if cfg.tensor_parallel_size > 1 or device != "cpu":
+    if target_placement(cfg.tensor_parallel_size, device, cfg.replica_num_gpus) == "workers":
         from .tp import start_tp_target
 
         gpus = cfg.tp_worker_num_gpus if cfg.tp_worker_num_gpus is not None else (1.0 if device == "cuda" else 0.0)
         return start_tp_target(cfg.model, cfg.tensor_parallel_size, cfg.dtype, device, cfg.tp_worker_num_cpus, gpus, cfg.threads)
-    return load_target(cfg.model, dtypes[cfg.dtype], packed_rows=cfg.cpu_packed_rows)
+    return load_target(cfg.model, dtypes[cfg.dtype], packed_rows=cfg.cpu_packed_rows, device=device)
+
+
+def target_placement(tp_size: int, device: str, replica_num_gpus: float) -> str:
+    """"replica": the model lives in the replica's own process (CPU, or the replica's own GPU:
+    the engine moves its inputs there and reads back one row per step -- the path measured on an
+    H200); "workers": Ray actors own the model and KV caches (tensor parallel, or an accelerator the
+    replica itself was not given), the replica keeps the engine's tensors on its CPU side."""
+    if tp_size > 1:
+        return "workers"
+    if device == "cpu" or replica_num_gpus > 0:
+        return "replica"
+    return "workers"
 
 
 def resolve_device(device: str) -> str:

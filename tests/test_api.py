@@ -499,3 +499,15 @@ def test_forced_tool_choice_is_a_valid_call_even_from_a_random_model(local, tool
     if isinstance(tool_choice, dict):
         assert call.function.name == "get_current_weather"
     assert r.model_extra["toolspec"]["constrained"] is True and r.model_extra["toolspec"]["forced_tokens"] > 0
+
+
+def test_target_placement_replica_or_workers():
+    """tp 1 on the CPU or on a GPU the replica itself holds: the model lives in the replica (the engine
+    path measured on an H200); tensor parallel, or a GPU only workers get: Ray worker actors."""
+    from deployments.engine_host import target_placement
+
+    assert target_placement(1, "cpu", 0) == "replica"
+    assert target_placement(1, "cuda", 1) == "replica"
+    assert target_placement(1, "cuda", 0) == "workers"
+    assert target_placement(2, "cpu", 0) == "workers"
+    assert target_placement(4, "cuda", 0) == "workers"
