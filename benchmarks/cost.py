@@ -21,12 +21,10 @@ from pathlib import Path
 
 import torch
 
-from toolspec_core.budget import CPU_REFERENCE_CURVE, DEFAULT_KS, interpolate, paired_cost
-from toolspec_core.target import cache_kwarg
-from toolspec_core.tree import DraftTree
-from toolspec_core.verify import tree_inputs
+from toolspec_core.budget import CPU_REFERENCE_CURVE, DEFAULT_KS, interpolate
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CURVES = RESULTS / "curves"  # measured cost curves (not method runs): projections read them from here
 
 # Qwen2.5 architecture shapes (from the public config.json files).
 SHAPES = {
@@ -47,29 +45,27 @@ def steps_cost(drafted_per_step: list[int], curve: list[float]) -> float:
     return sum(curve[min(k + 1, last)] for k in drafted_per_step)
 
 
-def projected_speedup(ar_records: list[dict], records: list[dict], curve: list[float]) -> float:
-    """Σ cost of plain greedy's steps / Σ cost of the method's actual steps under ``curve``.
-
-    For plain greedy every step costs c(1) = 1, so this is tokens / Σ c(k). It uses the trees
-    the method really verified (cut by the run's own budget): a lower bound on hardware whose
-    flatter curve would let the budget keep more. Drafting CPU time is not included.
-    """
-    ar = sum(steps_cost(r["drafted_per_step"], curve) for r in ar_records)
-    me = sum(steps_cost(r["drafted_per_step"], curve) for r in records)
-    return ar / me if me else float("nan")
-
-
 def host_seconds(record: dict) -> float:
     """Time a decode spent outside the target's forwards (drafting, commit, drafter set-up)."""
     return record.get("draft_s", 0.0) + record.get("commit_s", 0.0) + record.get("setup_s", 0.0)
 
 
-def projected_speedup_with_host(ar_records: list[dict], records: list[dict], curve: list[float], step_s: float) -> float:
-    """As ``projected_speedup`` with steps in seconds (``step_s`` = c(1) measured on that hardware)
-    plus each record's measured host-side time: where a step costs milliseconds, drafting time is
-    no longer small. The host time is this run's (its CPU, drafting not overlapped with the forward)."""
-    ar = sum(steps_cost(r["drafted_per_step"], curve) * step_s + host_seconds(r) for r in ar_records)
-    me = sum(steps_cost(r["drafted_per_step"], curve) * step_s + host_seconds(r) for r in records)
+def projected_speedup(ar_records: list[dict], records: list[dict], curve: list[float], step_s: float | None = None) -> float:
+    """Σ cost of plain greedy's steps / Σ cost of the method's actual steps under ``curve``.
+
+    For plain greedy every step costs c(1) = 1, so this is tokens / Σ c(k). It uses the trees
+    the method really verified (cut by the run's own budget): a lower bound on hardware whose
+    flatter curve would let the budget keep more. With ``step_s`` (c(1) in seconds on that
+    hardware) steps are counted in seconds and each record's measured host time (drafting,
+    commit; this run's CPU, not overlapped with the forward) is added: where a step takes
+    milliseconds, drafting time is no longer small.
+    """
+
+    def cost(r: dict) -> float:
+        c = steps_cost(r["drafted_per_step"], curve)
+        return c if step_s is None else c * step_s + host_seconds(r)
+
+    ar, me = sum(map(cost, ar_records)), sum(map(cost, records))
     return ar / me if me else float("nan")
 
 
@@ -77,31 +73,24 @@ def curve_from_points(points: dict, max_k: int = 64) -> list[float]:
     return interpolate({int(k): float(v) for k, v in points.items()}, max_k)
 
 
-def load_step_seconds(results_dir: Path = RESULTS) -> dict[str, float]:
-    """c(1) in seconds of every measured accelerator curve (``cost-*.json`` with device != cpu)."""
-    out = {}
-    for path in sorted(Path(results_dir).glob("cost-*.json")):
-        try:
-            d = json.loads(path.read_text())
-            if d.get("device", "cpu") != "cpu":
-                out[path.stem[len("cost-") :]] = float(d["seconds"]["1"])
-        except (KeyError, ValueError, TypeError, json.JSONDecodeError):
-            continue
-    return out
-
-
-def load_curves(results_dir: Path = RESULTS, max_k: int = 64) -> dict[str, list[float]]:
-    """Built-in curves plus every ``cost-*.json`` measured into ``results_dir``."""
+def load_curves(curves_dir: Path = CURVES, max_k: int = 64) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """(curves, step seconds): the built-in curves plus every ``cost-*.json`` in ``curves_dir``, and
+    c(1) in seconds of the accelerator ones (for projections that add host time)."""
     curves = {
         "cpu_reference": curve_from_points(CPU_REFERENCE_CURVE, max_k),
         "flat": curve_from_points({1: 1.0, max_k: 1.0}, max_k),
     }
-    for path in sorted(Path(results_dir).glob("cost-*.json")):
+    step_seconds: dict[str, float] = {}
+    for path in sorted(Path(curves_dir).glob("cost-*.json")):
         try:
-            curves[path.stem[len("cost-") :]] = curve_from_points(json.loads(path.read_text())["points"], max_k)
-        except (KeyError, ValueError, json.JSONDecodeError):
+            d = json.loads(path.read_text())
+            name = path.stem[len("cost-") :]
+            curves[name] = curve_from_points(d["points"], max_k)
+            if d.get("device", "cpu") != "cpu":
+                step_seconds[name] = float(d["seconds"]["1"])
+        except (KeyError, ValueError, TypeError, AttributeError, json.JSONDecodeError):
             continue
-    return curves
+    return curves, step_seconds
 
 
 # --------------------------------------------------------------------------- measurement
@@ -150,72 +139,14 @@ def serving_kernels(model, device: str, dtype: torch.dtype, packed_rows: int | N
     return model
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _verify_forward(model, k: int, prefix_len: int, cache, device: str, vocab: int, gen) -> None:
-    """One decode-style forward: k tokens (root + chain of k-1) with the float tree mask,
-    logits on every row, like ``engine.verify_step``."""
-    tree = DraftTree()
-    tree.add_path(torch.randint(0, vocab, (k - 1,), generator=gen).tolist(), 0.5, "probe")
-    ids, pos, mask = tree_inputs(0, tree, prefix_len, model.dtype)  # [1,k], [1,k], [1,1,k,P+k]
-    with torch.inference_mode():
-        h = model.model(
-            input_ids=ids.to(device), position_ids=pos.to(device),
-            attention_mask=mask.to(device) if k > 1 else None, use_cache=True, **{cache_kwarg(model.model): cache},
-        ).last_hidden_state[0]
-        model.lm_head(h).float().argmax(-1).tolist()  # [k] -- the host sync a real step has
-    _sync(device)
-
-
-def measure_curve(model, device: str = "cpu", prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 5) -> tuple[dict, dict]:
-    """(median seconds, cost relative to k=1) of one k-token verify forward, per k.
-
-    Paired as in the engine's start-up probe (``budget.paired_cost``): on a shared machine the
-    speed drifts, and a 1-token forward timed at another moment would skew every ratio.
-    """
-    from transformers import DynamicCache
-
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    cache = DynamicCache(config=model.config)
-    ids = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(device)
-    with torch.inference_mode():
-        model.model(input_ids=ids, position_ids=torch.arange(prefix_len, device=device)[None], use_cache=True,
-                    **{cache_kwarg(model.model): cache})
-    _sync(device)
-    if cache.get_seq_length() != prefix_len:  # a forward that ignored the cache would time k tokens alone
-        raise RuntimeError(f"prefill left {cache.get_seq_length()} cached positions, expected {prefix_len}")
-
-    def once(k: int) -> float:
-        t0 = time.perf_counter()
-        _verify_forward(model, k, prefix_len, cache, device, vocab, gen)
-        dt = time.perf_counter() - t0
-        assert cache.get_seq_length() == prefix_len + k, "the verify forward did not extend the cache"
-        cache.crop(-(cache.get_seq_length() - prefix_len))
-        return dt
-
-    return paired_cost(once, ks, repeats)
-
-
-def measure_engine_curve(model, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 5) -> tuple[dict, dict]:
-    """As ``measure_curve``, through the engine's own start-up probe (``budget.measure_cost_points``:
-    ``engine.verify_step`` on a ``Target``), to see what decoding pays on top of the bare forward."""
+def measure_curve(model, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 5) -> tuple[dict, dict]:
+    """(median seconds, cost relative to k=1) per k, through the engine's own start-up probe
+    (``budget.measure_cost_points``: ``engine.verify_step`` on a ``Target``), i.e. what decoding pays:
+    host-built inputs moved to the model's device, tree mask, argmax, KV commit."""
     from toolspec_core.budget import measure_cost_points
-    from toolspec_core.target import from_model
+    from toolspec_core.target import Target
 
-    class _NoTokens:  # the probe decodes nothing; from_model only asks for end-of-turn ids
-        eos_token_id = unk_token_id = None
-
-        def convert_tokens_to_ids(self, tok):
-            return None
-
-    target = from_model(model, _NoTokens(), name="probe")
-    seconds: dict = {}
-    points = measure_cost_points(target, prefix_len, tuple(ks), repeats, seconds=seconds)
-    return seconds, points
+    return measure_cost_points(Target(model=model, tokenizer=None, name="probe"), prefix_len, tuple(ks), repeats)
 
 
 def device_tag(device: str) -> str:
@@ -249,10 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--packed-rows", type=int, default=None, help="CPU fp32: MKL packed GEMM for 4..N rows, as toolspec bench (default 0: off)")
-    ap.add_argument("--out", default=None, help="output JSON (default benchmarks/results/cost-<device>-<shape>.json)")
-    ap.add_argument("--via", choices=["forward", "engine"], default="forward",
-                    help="forward: the model's forward + lm_head; engine: toolspec_core's own verify step "
-                         "(inputs built on the host and moved, tree mask, argmax, KV commit)")
+    ap.add_argument("--out", default=None, help="output JSON (default benchmarks/results/curves/cost-<device>-<shape>.json)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -263,17 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     model, label = load_model(args.model, args.device, dtype)
     serving_kernels(model, args.device, dtype, args.packed_rows)
     print(f"built {label} on {args.device} ({dtype}) in {time.perf_counter() - t0:.1f}s", flush=True)
-    if args.via == "engine":
-        seconds, points = measure_engine_curve(model, args.prefix_len, ks, args.repeats)
-    else:
-        seconds, points = measure_curve(model, args.device, args.prefix_len, ks, args.repeats)
+    seconds, points = measure_curve(model, args.prefix_len, ks, args.repeats)
     shape = re.sub(r"[^a-z0-9.]+", "-", label.lower())
     report = {
         "device": args.device, "hardware": hardware_string(args.device), "shape": shape, "dtype": str(dtype).replace("torch.", ""),
-        "prefix_len": args.prefix_len, "repeats": args.repeats, "via": args.via, "random_weights": args.model in SHAPES,
+        "prefix_len": args.prefix_len, "repeats": args.repeats, "via": "engine", "random_weights": args.model in SHAPES,
         "seconds": {str(k): s for k, s in seconds.items()}, "points": {str(k): p for k, p in points.items()},
     }
-    out = Path(args.out) if args.out else RESULTS / f"cost-{device_tag(args.device)}-{shape}.json"
+    out = Path(args.out) if args.out else CURVES / f"cost-{device_tag(args.device)}-{shape}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print("k:     " + " ".join(f"{k:>6d}" for k in ks))

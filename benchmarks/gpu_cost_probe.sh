@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Verify-cost curves c(k) of Qwen2.5-0.5B-, 7B- and 32B-shaped models with random bf16 weights on
 # one GPU (timing does not depend on weight values, so nothing is downloaded), plus the 7B shape
-# over a 2,000-token prefix. Writes cost-<gpu>-<shape>.json into $OUT (default benchmarks/results),
-# which the bench report picks up as projection curves (`toolspec bench report --out RUN`).
+# over a 2,000-token prefix, each timed through the engine's own verify step (`toolspec bench-cost`).
+# Writes cost-<gpu>-<shape>.json into $OUT (default benchmarks/results/curves), which every bench
+# report picks up as projection curves. (The committed cost-h200-*.json were taken with the bare
+# forward + lm_head, before bench-cost used the engine path; the engine path measured within 0.03 of
+# them: results/measurements/gpu-h200-*-engine-curve.json.)
 #
 # Prepared to run in one short session (~3-5 min on an H100/H200 class GPU; the 32B shape needs
 # ~66 GB of GPU memory). Runs under the GPU image's own torch/transformers (>= 5.0; the cache
@@ -11,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
-OUT="${OUT:-benchmarks/results}"
+OUT="${OUT:-benchmarks/results/curves}"
 "$PY" - <<'PYEOF'
 import torch, transformers
 assert torch.cuda.is_available(), "no CUDA device visible"

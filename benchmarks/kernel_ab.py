@@ -67,7 +67,7 @@ def measure(n_items: int) -> dict:
             t0 = time.time()
             target = load_target(packed_rows=packed)
             target.packed_rows, load_s = packed, time.time() - t0
-        res = {"load_s": load_s, "points": measure_cost_points(target), "items": []}
+        res = {"load_s": load_s, "points": measure_cost_points(target)[1], "items": []}
         cost = CostModel(res["points"], calibrate=calibrate)
         for it in items:
             ids = prompt_ids(target.tokenizer, it)

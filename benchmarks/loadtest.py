@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "loadtest"  # not method runs: their own folder
 ERROR_BODY_CHARS = 200
 
 

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", default="128")
     p.add_argument("--warmup", default="2")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "loadtest"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="extra ServeAppConfig keys for both apps")
     ns = p.parse_args(argv)
 

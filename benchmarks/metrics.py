@@ -14,7 +14,7 @@ from collections import defaultdict
 
 from toolspec_core.toolcalls import parse_tool_calls, validate_call
 
-from .cost import host_seconds, projected_speedup, projected_speedup_with_host
+from .cost import host_seconds, projected_speedup
 
 # --------------------------------------------------------------------------- per item
 
@@ -209,6 +209,6 @@ def summarize(records: list[dict], ar_by_item: dict[str, dict], curves: dict[str
     if curves:
         out["projected_speedup"] = {name: projected_speedup(ar, records, c) for name, c in curves.items()}
         out["projected_speedup_with_host"] = {
-            name: projected_speedup_with_host(ar, records, curves[name], s) for name, s in (step_seconds or {}).items() if name in curves
+            name: projected_speedup(ar, records, curves[name], s) for name, s in (step_seconds or {}).items() if name in curves
         }
     return out

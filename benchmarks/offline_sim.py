@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import time
 from pathlib import Path
 
 from toolspec_core.budget import CostModel
@@ -36,12 +37,12 @@ def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = Tr
         method = make_method(name, tokenizer)
         for req, ids, text in warm:
             method.observe(req, ids, text)
-        per_bench = collections.defaultdict(lambda: [0, 0, 0.0])
+        per_bench = collections.defaultdict(lambda: [0, 0, 0.0, 0.0])
         lost = collections.Counter()
         for r in recs:
             item = items[r["item"]]
             req = RequestInfo(prompt_ids(tokenizer, item), item.get("tools") or [], embedding=keys.get(r["item"]))
-            drafter = method.drafter(req)
+            drafter = _Timed(method.drafter(req))
             trace: list = []
             res = simulate(drafter, req.prompt_ids, r["tokens"], cost, trace)
             if not warm:  # online library: learns from the outputs before this one
@@ -55,13 +56,31 @@ def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = Tr
             b[0] += res["tokens"] - 1
             b[1] += res["steps"]
             b[2] += sum(cost.step_cost(size) for _, size, _, _ in trace)
+            b[3] += drafter.seconds
             for done, size, acc, label in trace:
                 if acc == 0:
                     lost[_state_at(tokenizer, item, r["tokens"], done)] += 1
         # MAT, and the speedup the cost curve projects (greedy: one c(1) = 1 step per token)
-        out[name] = {k: {"mat": round(v[0] / max(v[1], 1), 3), "proj": round(v[0] / max(v[2], 1e-9), 3)} for k, v in per_bench.items()}
+        out[name] = {k: {"mat": round(v[0] / max(v[1], 1), 3), "proj": round(v[0] / max(v[2], 1e-9), 3),
+                         "propose_ms_per_step": round(1000 * v[3] / max(v[1], 1), 3)} for k, v in per_bench.items()}
         out[name]["zero_accept_steps_by_state"] = dict(lost.most_common())
     return out
+
+
+class _Timed:
+    """A drafter whose ``propose`` time is summed (drafting cost per step, without the target)."""
+
+    def __init__(self, drafter):
+        self.drafter, self.seconds = drafter, 0.0
+
+    def propose(self, ctx):
+        t0 = time.perf_counter()
+        tree = self.drafter.propose(ctx)
+        self.seconds += time.perf_counter() - t0
+        return tree
+
+    def feedback(self, tree, result) -> None:
+        self.drafter.feedback(tree, result)
 
 
 def _keys(path: Path) -> dict:

@@ -7,7 +7,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from .cost import RESULTS, load_curves, load_step_seconds
+from .cost import RESULTS, load_curves
 from .metrics import decoded_tokens, first_mismatch, observed_cost, summarize
 from .runner import ALL_METHODS, item_store
 
@@ -141,14 +141,13 @@ def build_report(out: Path, name: str | None = None, results_dir: Path = RESULTS
     cfg = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
     cost = json.loads((out / "cost.json").read_text()) if (out / "cost.json").exists() else None
     recs, ar = load_records(out)
-    curves = load_curves(results_dir)
+    curves, step_seconds = load_curves(Path(results_dir) / "curves")
     if cost:
         from .cost import curve_from_points
 
         curves = {"run": curve_from_points(cost["points"]), **curves}
     gold_tool = _gold_tools(data or cfg.get("data", []))
     prior = prior_tool_calls(ar, gold_tool)
-    step_seconds = load_step_seconds(results_dir)
     runs = build_runs(recs, ar, curves, step_seconds)
     report = {
         "name": name,

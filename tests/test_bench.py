@@ -86,6 +86,13 @@ def test_build_runs_subsets(trace):
     prose = got[("m", "prose")]  # item B: no call in plain greedy output
     assert prose["items"] == 1 and prose["mat"] == pytest.approx(4 / 2) and prose["decode_speedup"] == pytest.approx(1.0)
     assert projected_speedup([ar["A"]], [me[0]], curve_from_points({1: 1, 64: 1})) == pytest.approx(2.5)
+    # in seconds with host time: greedy 10 steps x 0.01 s + 0.02 s host; method 4 x 0.01 + 0.04 + 0.01
+    host_ar, host_me = dict(ar["A"], draft_s=0.02), dict(me[0], draft_s=0.04, commit_s=0.01)
+    flat = curve_from_points({1: 1, 64: 1})
+    assert projected_speedup([host_ar], [host_me], flat, step_s=0.01) == pytest.approx(0.12 / 0.09)
+    s = summarize([host_me], {"A": host_ar}, {"flat": flat, "linear": [0.0] + [float(k) for k in range(1, 65)]}, {"flat": 0.01})
+    assert s["projected_speedup_with_host"] == {"flat": pytest.approx(0.12 / 0.09)}  # only curves with seconds
+    assert s["host_ms_per_step"] == pytest.approx(1000 * 0.05 / 4)
     assert prior_tool_calls(ar, {"B": "t"}) == {"A": 0, "B": 1}
 
 
@@ -293,8 +300,15 @@ def test_bench_cost_on_tiny_hf_dir(tmp_path):
     assert main(["--model", str(tmp_path / "tiny"), "--device", "cpu", "--ks", "1,2,4", "--repeats", "1", "--prefix-len", "32", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     assert d["points"]["1"] == 1.0 and set(d["points"]) == {"1", "2", "4"} and d["device"] == "cpu"
-    curves = load_curves(out.parent)
+    assert d["via"] == "engine" and set(d["seconds"]) == {"1", "2", "4"} and all(v > 0 for v in d["seconds"].values())
+    curves, step_seconds = load_curves(out.parent)
     assert {"cpu_reference", "flat", "cpu-tiny"} <= set(curves) and len(curves["cpu-tiny"]) == 65
+    assert step_seconds == {}  # host-time projections only for accelerator curves
+    gpu = dict(d, device="cuda")
+    (out.parent / "cost-h200-x.json").write_text(json.dumps(gpu))
+    (out.parent / "cost-broken.json").write_text("[]")  # not a curve: skipped
+    curves, step_seconds = load_curves(out.parent)
+    assert "h200-x" in curves and "broken" not in curves and step_seconds == {"h200-x": d["seconds"]["1"]}
 
 
 def test_bench_cost_named_shape_random_bf16(tmp_path, monkeypatch):
@@ -307,19 +321,6 @@ def test_bench_cost_named_shape_random_bf16(tmp_path, monkeypatch):
     assert cost.main(["--model", "test-tiny", "--device", "cpu", "--dtype", "bfloat16", "--ks", "1,8", "--repeats", "1", "--prefix-len", "16", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     assert d["random_weights"] and d["dtype"] == "bfloat16" and d["shape"] == "test-tiny" and set(d["points"]) == {"1", "8"}
-
-
-def test_bench_cost_via_engine_verify_step(tmp_path):
-    """``--via engine`` times the engine's own verify step (the start-up probe's path) and keeps seconds."""
-    from benchmarks.cost import main
-
-    tiny_model(vocab=128).save_pretrained(str(tmp_path / "tiny"))
-    out = tmp_path / "e.json"
-    assert main(["--model", str(tmp_path / "tiny"), "--device", "cpu", "--ks", "1,4", "--repeats", "1", "--prefix-len", "16",
-                 "--via", "engine", "--out", str(out)]) == 0
-    d = json.loads(out.read_text())
-    assert d["via"] == "engine" and d["points"]["1"] == 1.0 and set(d["seconds"]) == {"1", "4"}
-    assert all(v > 0 for v in d["seconds"].values())
 
 
 def test_engine_check_all_drafters_equal_plain_greedy_in_fp32():

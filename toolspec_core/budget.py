@@ -112,8 +112,9 @@ class Calibration:
                     if k != 1 and len(t) >= self.min_steps}
 
 
-def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 7, seconds: dict | None = None) -> dict[int, float]:
-    """Time one forward of k tree tokens (chain mask) over a ``prefix_len`` cache, relative to k=1.
+def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 7) -> tuple[dict[int, float], dict[int, float]]:
+    """(median seconds, cost relative to k=1) of one verify step of k tree tokens (chain) over a
+    ``prefix_len`` cache -- the curve the budget uses, and ``toolspec bench-cost``'s measurement.
 
     Uses the same code path as decoding (hidden states + lm_head on all rows, float mask for
     k > 1, KV commit of one row), on random token ids (timing does not depend on values). Every
@@ -130,6 +131,8 @@ def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: i
     ids = torch.randint(0, vocab, (1, prefix_len), generator=g)
     cache = target.new_cache()
     target.hidden(ids, torch.arange(prefix_len)[None], None, cache)
+    if cache.get_seq_length() != prefix_len:  # e.g. a cache argument the model ignored: k tokens would be timed alone
+        raise RuntimeError(f"the prefill left {cache.get_seq_length()} cached positions, expected {prefix_len}")
     greedy = SamplingParams()
     trees = {}
     for k in ks:
@@ -143,10 +146,7 @@ def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: i
         cache.crop(-(cache.get_seq_length() - prefix_len))
         return dt
 
-    times, points = paired_cost(once, ks, repeats)
-    if seconds is not None:  # median seconds per k, for callers that report them
-        seconds.update(times)
-    return points
+    return paired_cost(once, ks, repeats)
 
 
 def paired_cost(once, ks, repeats: int) -> tuple[dict[int, float], dict[int, float]]:
@@ -176,4 +176,4 @@ def paired_cost(once, ks, repeats: int) -> tuple[dict[int, float], dict[int, flo
 
 def measure_cost_model(target, prefix_len: int = 500, max_nodes: int = 63, repeats: int = 7, calibrate: bool = False) -> CostModel:
     ks = tuple(k for k in DEFAULT_KS if k <= max_nodes + 1)
-    return CostModel(measure_cost_points(target, prefix_len, ks, repeats), max_nodes, "measured", calibrate)
+    return CostModel(measure_cost_points(target, prefix_len, ks, repeats)[1], max_nodes, "measured", calibrate)

@@ -186,7 +186,7 @@ def _record(stats: GenerationStats, tree: DraftTree, result: VerifyResult) -> No
 def verify_step(target: Target, tree: DraftTree, roots: list[int] | int, cache, params: SamplingParams, gen, constraint=None):
     """One target forward over the root chain + tree.
 
-    Returns the accepted path + the target's token, and the logits row [V] it was chosen from.
+    Returns the accepted path + the target's token (``result.logits``: all rows, for drafters that learn).
     """
     roots = [roots] if isinstance(roots, int) else roots
     kv_len = cache.get_seq_length()
@@ -205,7 +205,7 @@ def verify_step(target: Target, tree: DraftTree, roots: list[int] | int, cache, 
         result = greedy_walk(tree, torch.argmax(logits, -1).tolist(), root_row)  # argmax on device, one sync
     commit_kv(cache, kv_len, kv_rows(result.path, len(roots)))
     result.logits = logits  # for drafters that learn from the target (token recycling)
-    return result, logits[root_row + 1 + result.path[-1] if result.path else root_row].cpu()
+    return result
 
 
 def _first_tokens(pre: Prefilled, params: SamplingParams, gen, constraint) -> list[int]:
@@ -259,7 +259,7 @@ def decode(
         if cost is not None:
             tree = cost.prune(tree)
         t1, rows = time.perf_counter(), len(roots) + len(tree)
-        result, _ = verify_step(target, tree, roots, cache, cfg.sampling, gen, constraint)
+        result = verify_step(target, tree, roots, cache, cfg.sampling, gen, constraint)
         t2 = time.perf_counter()
         drafter.feedback(tree, result)
         _record(stats, tree, result)
