@@ -120,6 +120,77 @@ def test_value_type_drafting_enum_bool_and_closing():
     assert texts == ["{}}"]  # empty arguments, close the call (bare layout: no closer)
 
 
+def test_after_the_comma_that_follows_the_tool_name_the_arguments_key_is_drafted():
+    # a step may end right after the comma (`",` or `",\n` is one token); the schema still knows what follows
+    idx = ToolIndex.from_tools(TOOLS)
+    for text, want in [
+        ('<tool_call>\n{"name": "get_time",', ' "arguments": {"tz": '),
+        ('{"name": "get_time", ', '"arguments": {"tz": '),
+        ('```json\n{\n  "name": "get_time",\n', '  "arguments": {\n    "tz": '),
+        ('```json\n{\n  "name": "get_time",', '\n  "arguments": {\n    "tz": '),
+    ]:
+        texts = _texts(continuations(tracker(text), idx, Priors(), [0], levels=2))
+        assert texts and texts[0].startswith(want), (text, texts[:2])
+
+
+DATE_TOOLS = [{"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"},
+    "date": {"type": "string", "description": "The date. Format: %Y-%m-%d"},
+    "time": {"type": "string", "description": "When it starts"},
+    "slot": {"type": "string", "format": "time"}}, "required": ["city", "date"]}}}]
+
+
+def test_context_dates_found_in_the_forms_people_write():
+    from toolspec_core.values import context_dates
+
+    text = ("The current year is 2023. Cancel the switch for March 19th at 9:30 AM, or on 5 April 2022 at 14:00. "
+            "Also 03/07/2021. Not a date: 10000025, version 2.1, room 12.")
+    assert context_dates(text) == [((2021, 3, 7), None), ((2022, 4, 5), (14, 0)), ((2023, 3, 19), (9, 30))]
+    # no year written anywhere: nothing can be rendered; a year written later still counts
+    assert context_dates("See you on June 1st.") == []
+    assert context_dates("On June 1st at 2pm. (All dates 2024.)") == [((2024, 6, 1), (14, 0))]
+    assert context_dates("Meet on February 30, 2023.") == [((2023, 2, 30), None)]  # found; rendering skips it
+
+
+def test_date_values_use_the_schema_format_first_then_iso_forms():
+    from toolspec_core.values import date_values, wants_date
+
+    dates = [((2023, 3, 19), (9, 30)), ((2023, 2, 30), None), ((2022, 4, 5), None)]
+    props = DATE_TOOLS[0]["function"]["parameters"]["properties"]
+    assert date_values(dates, {"description": "Format: %Y-%m-%d %H:%M:%S"})[0] == "2023-03-19 09:30:00"
+    assert date_values(dates, props["date"]) == ["2023-03-19", "2023-03-19 09:30:00", "2023-03-19 09:30", "09:30:00", "09:30", "2022-04-05"]
+    assert date_values(dates, props["slot"]) == ["09:30:00", "09:30"]
+    assert date_values([((2022, 4, 5), None)], {"description": "Format: %Y-%m-%d %H:%M"}) == ["2022-04-05"]  # no time: no made-up 00:00
+    assert wants_date("date", props["date"]) and wants_date("time", props["time"]) and wants_date("slot", props["slot"])
+    assert not wants_date("city", props["city"])
+
+
+def test_context_dates_become_value_branches_of_date_arguments_only():
+    from toolspec_core.schema import DERIVED
+    from toolspec_core.values import context_dates
+
+    idx = ToolIndex.from_tools(DATE_TOOLS)
+    dates = context_dates("The current year is 2023. Book Oslo for March 19th at 9:30 AM.")
+
+    def cands(text):
+        t = CallTracker(idx)
+        t.feed(text)
+        return continuations(t, idx, Priors(), [0], levels=2, dates=dates)
+
+    start = cands('{"name": "book", "arguments": {"city": "Oslo", "date": ')
+    assert any(x.startswith('"2023-03-19", "') for x in _texts(start))
+    assert any(lab == DERIVED for c in start for _, lab in c.segs)
+    mid = _texts(cands('{"name": "book", "arguments": {"city": "Oslo", "date": "2023-0'))
+    assert any(x.startswith('3-19"') for x in mid)
+    assert any(x.startswith('3-19 09:30:00"') for x in mid)  # the time forms are branches too
+    assert not any(lab == DERIVED for c in cands('{"name": "book", "arguments": {"city": ') for _, lab in c.segs)
+    assert not any(c.segs[0][1] == DERIVED for c in cands('{"name": "book", "arguments": {"city": "Os'))  # city's own text
+    # without dates in the conversation the tree is what it was
+    t = CallTracker(idx)
+    t.feed('{"name": "book", "arguments": {"city": "Oslo", "date": ')
+    assert not any(lab == DERIVED for c in continuations(t, idx, Priors(), [0], levels=2) for _, lab in c.segs)
+
+
 @pytest.fixture(scope="module")
 def qwen_tok():
     from transformers import AutoTokenizer

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .fsm import ARG_NAME, CALL_KEY, END, TOOL_NAME, VALUE, CallTracker, Frame, ToolIndex
 from .layouts import LAYOUTS, Layout
+from .values import date_values, wants_date
 
 OPENER = "opener"
 
@@ -45,6 +46,7 @@ class Priors:
 
 
 RETRIEVAL = "retrieval"  # label of drafts taken from retrieved past calls (values here, whole calls in schema_drafter)
+DERIVED = "derived"  # label of values rendered from the context in the call's form (dates: values.date_values)
 
 
 def _past_values(past: list[tuple[str, dict]], name: str, key: str) -> list[tuple[object, float]]:
@@ -61,10 +63,17 @@ def _past_values(past: list[tuple[str, dict]], name: str, key: str) -> list[tupl
 class _Builder:
     """Expands continuations for one tracker position; small recursive helpers, one per structure."""
 
-    def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int, past=()):
+    def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int, past=(), dates=()):
         self.tr, self.tools, self.priors, self.eos = tr, tools, priors, eos
         self.levels = levels
         self.past = list(past)  # (tool name, arguments) of retrieved past calls
+        self.dates = list(dates)  # dates the conversation mentions (values.context_dates)
+
+    def derived(self, key: str, schema: dict) -> list[str]:
+        """Context dates rendered for a string argument that may hold one (most likely first)."""
+        if not self.dates or schema.get("type", "string") != "string" or "enum" in schema or not wants_date(key, schema):
+            return []
+        return date_values(self.dates, schema)
 
     # ---- style ----
     def pretty(self, layout: Layout | None) -> bool:
@@ -166,6 +175,12 @@ class _Builder:
         for v, share in seen:
             out += self.seq([(_json_scalar(v), RETRIEVAL)], self.after_value(name, used, layout, args_indent, lv - 1), share)
         rest = 1.0 - sum(sh for _, sh in seen)
+        derived = self.derived(used[-1], schema) if used else []
+        if derived:
+            after = self.after_value(name, used, layout, args_indent, lv - 1)
+            for v, share in zip(derived, _rank_shares(len(derived), 0.5 * rest)):
+                out += self.seq([('"', VALUE), (v, DERIVED), ('"', VALUE)], after, share)
+            rest *= 0.5
         return out + [Cand(c.segs, c.prob * rest) for c in self.typed_start(name, used, schema, layout, args_indent, lv)]
 
     def typed_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
@@ -275,6 +290,11 @@ class _Builder:
         if f.expect == "key" and "name" not in f.keys:
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
             return self.seq([(ws + '"name"' + tr.kv_sep + '"', CALL_KEY)], self.tool_names("", lay, f.indent, lv))
+        if f.expect == "key" and not any(k in f.keys for k in ("arguments", "parameters")):
+            # after the comma that follows the tool name (a step may end right there)
+            ws = self.rest(self.ws_key(f.indent, lay), tr.since)
+            key = lay.args_key if lay else "arguments"
+            return self.seq([(ws + '"' + key + '"' + tr.kv_sep + "{", CALL_KEY)], self.args_open(tr.name, lay, self._args_indent(f, lay), lv))
         if f.expect in ("colon", "value") and f.key == "name":
             pre = tr.kv_sep if f.expect == "colon" else ""
             return self.seq([(pre + '"', CALL_KEY)], self.tool_names("", lay, f.indent, lv))
@@ -328,6 +348,9 @@ class _Builder:
             text = _json_scalar(v)[1:] if isinstance(v, str) else ""
             if text.startswith(buf) and len(text) > len(buf) + 1:
                 out += self.seq([(text[len(buf):], RETRIEVAL)], after, share)
+        derived = [v for v in self.derived(used[-1], schema) if v.startswith(buf) and len(v) > len(buf)] if used else []
+        for v, share in zip(derived, _rank_shares(len(derived), 0.6)):
+            out += self.seq([(v[len(buf):], DERIVED), ('"', VALUE)], after, share)
         return out
 
     def scalar_value(self, name, used, schema, lay, indent, lv) -> list[Cand]:
@@ -336,6 +359,12 @@ class _Builder:
             if word.startswith(buf) and word != buf:
                 return self.seq([(word[len(buf):], VALUE)], self.after_value(name, used, lay, indent, lv - 1))
         return [Cand(c.segs, c.prob * 0.3) for c in self.after_value(name, used, lay, indent, lv - 1)]
+
+
+def _rank_shares(n: int, total: float) -> list[float]:
+    """``total`` split over ``n`` ranked candidates in proportion to 1 / rank."""
+    w = [1.0 / (i + 1) for i in range(n)]
+    return [total * x / sum(w) for x in w]
 
 
 def _json_scalar(v) -> str:
@@ -353,13 +382,15 @@ def _overlap(text: str, full: str) -> int:
 
 
 def continuations(tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int = 3, max_cands: int = 64,
-                  past=()) -> list[Cand]:
+                  past=(), dates=()) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first.
 
     ``past``: (tool name, arguments) of retrieved past calls -- their argument order and values
     become branches, written in the style this output uses (not the style they were stored in).
+    ``dates``: dates the conversation mentions (``values.context_dates``) -- rendered as date
+    arguments are written, they become value branches.
     """
-    cands = _Builder(tr, tools, priors, eos, levels, past).build()
+    cands = _Builder(tr, tools, priors, eos, levels, past, dates).build()
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
     cands.sort(key=lambda c: -c.prob)
     return cands[:max_cands]

@@ -16,18 +16,18 @@ from .history import TenantHistories
 from .fsm import END, TEXT, VALUE, CallTracker, ToolIndex
 from .library import CallLibrary, MemoryLibrary, PastCall
 from .methods import RequestInfo
-from .schema import RETRIEVAL, Cand, Priors, continuations
+from .schema import DERIVED, RETRIEVAL, Cand, Priors, continuations
 from .target import turn_end_ids
 from .toolcalls import parse_tool_calls
 from .tree import ROOT, DraftTree
-from .values import value_spans
+from .values import context_dates, value_spans
 from .verify import VerifyResult
 
 SPAN = "span"  # argument value copied from the context (values.value_spans)
 SUFFIX_STATES = (TEXT, VALUE, END)  # FSM states whose text the schema cannot draft (offline replay: these pay)
 SUFFIX = "suffix"  # generic drafting over context + this tenant's earlier outputs (baselines.SuffixDrafter)
 DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9,
-                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, SPAN: 0.6, SPAN + "+": 0.85}
+                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, SPAN: 0.6, SPAN + "+": 0.85, DERIVED: 0.5, DERIVED + "+": 0.85}
 DET = 0.99  # a node whose share of its parent's mass is at least this is "deterministic"
 
 
@@ -160,6 +160,7 @@ class SchemaDrafter:
         self.tracker = CallTracker(tools)
         self._n_fed = 0  # committed tokens whose text the tracker has seen
         self._prompt_text: str | None = None
+        self._dates: list | None = None
 
     def _sync(self, generated: list[int]) -> None:
         """Feed the tracker the text of the tokens committed since the last step (each decoded once).
@@ -178,7 +179,7 @@ class SchemaDrafter:
         tree = DraftTree()
         if self.schema and self.tools.names:
             past = [(c.tool_name, c.arguments) for c in self.retrieval.calls] if self.retrieval is not None else ()
-            cands = continuations(self.tracker, self.tools, self.priors, self.eos, past=past)
+            cands = continuations(self.tracker, self.tools, self.priors, self.eos, past=past, dates=self._context_dates(ctx))
             tree = candidates_to_tree(self.bt, ctx.tokens, cands, self.rates)
         if self.retrieval is not None:
             tree.merge(self.retrieval.tree(ctx, self.tracker.name))
@@ -196,14 +197,23 @@ class SchemaDrafter:
         if leaf != ROOT:
             self.suffix.extend(ctx, tree, leaf, prob)
 
+    def _prompt(self, ctx: DraftContext) -> str:
+        if self._prompt_text is None:
+            self._prompt_text = self.bt.tok.decode(ctx.tokens[: ctx.prompt_len], skip_special_tokens=True)
+        return self._prompt_text
+
+    def _context_dates(self, ctx: DraftContext) -> list:
+        """Dates the conversation mentions, found once per request (values.context_dates)."""
+        if self._dates is None:
+            self._dates = context_dates(self._prompt(ctx))
+        return self._dates
+
     def _value_tree(self, ctx: DraftContext) -> DraftTree:
         """The current argument value continued as in the context (see ``values``)."""
         tr, tree = self.tracker, DraftTree()
         if self._n_fed != len(ctx.generated) or tr.state != VALUE or not (tr.in_str == "value" or tr.in_scalar) or not tr.buf:
             return tree
-        if self._prompt_text is None:
-            self._prompt_text = self.bt.tok.decode(ctx.tokens[: ctx.prompt_len], skip_special_tokens=True)
-        source = self._prompt_text + tr.text[: len(tr.text) - len(tr.buf)]
+        source = self._prompt(ctx) + tr.text[: len(tr.text) - len(tr.buf)]
         spans = (self.bt.continuation(ctx.tokens, s)[: ctx.max_depth] for s in value_spans(source, tr.buf, tr.in_scalar))
         return add_copies(tree, [ids for ids in spans if ids], SPAN, self.rates)
 
