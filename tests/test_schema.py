@@ -133,6 +133,21 @@ def test_after_the_comma_that_follows_the_tool_name_the_arguments_key_is_drafted
         assert texts and texts[0].startswith(want), (text, texts[:2])
 
 
+def test_an_object_after_a_finished_call_is_labelled_apart():
+    from toolspec_core.schema import NEXT_CALL
+
+    idx = ToolIndex.from_tools(TOOLS)
+    first = continuations(tracker('{"'), idx, Priors(), [0], levels=1)
+    assert first and all(c.segs[0][1] == CALL_KEY for c in first)
+    # a second bare object after a call: a parallel call, or (some models) an invented tool result
+    second = continuations(tracker('{"name": "get_time", "arguments": {"tz": "UTC"}}\n{"'), idx, Priors(), [0], levels=1)
+    assert second and all(c.segs[0][1] == NEXT_CALL for c in second)
+    assert _texts(second)[0].startswith('name": "')
+    # calls inside a list are parallel calls by construction
+    listed = continuations(tracker('[{"name": "get_time", "arguments": {"tz": "UTC"}}, {"'), idx, Priors(), [0], levels=1)
+    assert listed and all(c.segs[0][1] == CALL_KEY for c in listed)
+
+
 DATE_TOOLS = [{"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"},
     "date": {"type": "string", "description": "The date. Format: %Y-%m-%d"},

@@ -16,6 +16,7 @@ from .layouts import LAYOUTS, Layout
 from .values import date_values, wants_date
 
 OPENER = "opener"
+NEXT_CALL = "next_call"  # the head of an object that follows a finished call (see _Builder.head_label)
 
 Seg = tuple  # (text: str | list[int], label: str)
 
@@ -283,13 +284,13 @@ class _Builder:
             if not need.startswith(tr.buf):
                 return []
             if need == "name":
-                return self.seq([(need[len(tr.buf):] + '"' + tr.kv_sep + '"', CALL_KEY)], self.tool_names("", lay, f.indent, lv))
+                return self.seq([(need[len(tr.buf):] + '"' + tr.kv_sep + '"', self.head_label())], self.tool_names("", lay, f.indent, lv))
             return self.seq([(need[len(tr.buf):] + '"' + tr.kv_sep + "{", CALL_KEY)], self.args_open(tr.name, lay, self._args_indent(f, lay), lv))
         if tr.in_str == "value" and f.key == "name":
             return self.tool_names(tr.buf, lay, f.indent, lv)
         if f.expect == "key" and "name" not in f.keys:
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
-            return self.seq([(ws + '"name"' + tr.kv_sep + '"', CALL_KEY)], self.tool_names("", lay, f.indent, lv))
+            return self.seq([(ws + '"name"' + tr.kv_sep + '"', self.head_label())], self.tool_names("", lay, f.indent, lv))
         if f.expect == "key" and not any(k in f.keys for k in ("arguments", "parameters")):
             # after the comma that follows the tool name (a step may end right there)
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
@@ -306,6 +307,11 @@ class _Builder:
         if f.expect == "next":
             return [self.close_call(lay, lv)] if self.tr.frame("args") is None else []
         return []
+
+    def head_label(self) -> str:
+        """Label of a call's opening key: a second object after a finished call is learned apart
+        (a parallel call for some models, an invented tool result for others)."""
+        return NEXT_CALL if self.tr.calls and self.tr.frame("calls") is None else CALL_KEY
 
     def _args_indent(self, call: Frame, lay) -> int:
         return call.indent + self.tr.indent_unit if self.pretty(lay) else 0

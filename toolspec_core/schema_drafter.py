@@ -16,7 +16,7 @@ from .history import TenantHistories
 from .fsm import END, TEXT, VALUE, CallTracker, ToolIndex
 from .library import CallLibrary, MemoryLibrary, PastCall
 from .methods import RequestInfo
-from .schema import DERIVED, RETRIEVAL, Cand, Priors, continuations
+from .schema import DERIVED, NEXT_CALL, RETRIEVAL, Cand, Priors, continuations
 from .target import turn_end_ids
 from .toolcalls import parse_tool_calls
 from .tree import ROOT, DraftTree
@@ -27,7 +27,7 @@ SPAN = "span"  # argument value copied from the context (values.value_spans)
 SUFFIX_STATES = (TEXT, VALUE, END)  # FSM states whose text the schema cannot draft (offline replay: these pay)
 SUFFIX = "suffix"  # generic drafting over context + this tenant's earlier outputs (baselines.SuffixDrafter)
 DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9,
-                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, SPAN: 0.6, SPAN + "+": 0.85, DERIVED: 0.5, DERIVED + "+": 0.85}
+                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, SPAN: 0.6, SPAN + "+": 0.85, DERIVED: 0.5, DERIVED + "+": 0.85, NEXT_CALL: 0.5}
 DET = 0.99  # a node whose share of its parent's mass is at least this is "deterministic"
 
 
