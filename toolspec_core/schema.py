@@ -121,9 +121,10 @@ class _Builder:
             out += self.seq(segs, tail, w)
         return out
 
-    def after_name(self, name: str, layout: Layout, call_indent: int, lv: int, since: str = "") -> list[Cand]:
+    def after_name(self, name: str, layout: Layout, call_indent: int, lv: int, since: str = "", after_comma: bool = False) -> list[Cand]:
+        """From after the tool name's closing quote (or, ``after_comma``, the comma that follows it)."""
         key = layout.args_key if layout else "arguments"
-        text = self.rest(self.sep(call_indent, layout)[1:], since) if since else self.sep(call_indent, layout)
+        text = self.rest(self.sep(call_indent, layout)[1:], since) if since or after_comma else self.sep(call_indent, layout)
         segs = [(text + '"' + key + '"' + self.tr.kv_sep + "{", CALL_KEY)]
         return self.seq(segs, self.args_open(name, layout, call_indent + self.tr.indent_unit if self.pretty(layout) else 0, lv))
 
@@ -292,10 +293,7 @@ class _Builder:
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
             return self.seq([(ws + '"name"' + tr.kv_sep + '"', self.head_label())], self.tool_names("", lay, f.indent, lv))
         if f.expect == "key" and not any(k in f.keys for k in ("arguments", "parameters")):
-            # after the comma that follows the tool name (a step may end right there)
-            ws = self.rest(self.ws_key(f.indent, lay), tr.since)
-            key = lay.args_key if lay else "arguments"
-            return self.seq([(ws + '"' + key + '"' + tr.kv_sep + "{", CALL_KEY)], self.args_open(tr.name, lay, self._args_indent(f, lay), lv))
+            return self.after_name(tr.name or "", lay, f.indent, lv, since=tr.since, after_comma=True)  # a step may end on the comma
         if f.expect in ("colon", "value") and f.key == "name":
             pre = tr.kv_sep if f.expect == "colon" else ""
             return self.seq([(pre + '"', CALL_KEY)], self.tool_names("", lay, f.indent, lv))
