@@ -26,7 +26,8 @@ from .data import load_items, prompt_ids, select_items, warm_documents
 from .runner import PrefillCache, decode_hidden
 
 
-def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = True, show: int = 0) -> dict:
+def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = True, show: int = 0,
+           show_bench: str | None = None) -> dict:
     cfg = json.loads((raw / "config.json").read_text())
     items = {it["id"]: it for p in cfg["data"] for it in load_items(p)}
     recs = [json.loads(l) for l in open(raw / "items.jsonl") if '"method": "ar"' in l]
@@ -49,7 +50,7 @@ def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = Tr
                 method.observe(req, r["tokens"], r["text"])
             if only_calls and not r.get("has_call"):
                 continue
-            if show > 0:
+            if show > 0 and show_bench in (None, r["benchmark"]):
                 show -= 1
                 print(f"== {name} {r['item']}\n" + "".join(f"[{acc}/{size}]" + tokenizer.decode(r["tokens"][done : done + acc + 1]) for done, size, acc, _ in trace))
             b = per_bench[r["benchmark"]]
@@ -115,6 +116,7 @@ def main() -> None:
     ap.add_argument("--methods", default="toolspec_schema,toolspec")
     ap.add_argument("--all-items", action="store_true")
     ap.add_argument("--show", type=int, default=0, help="print the step trace of the first N items per method")
+    ap.add_argument("--show-bench", default=None, help="print traces of this benchmark's items only")
     ap.add_argument("--cost", default="run", help="run (the run's measured cost.json) | reference | flat | path to a cost JSON")
     ap.add_argument("--json-out", default=None, help="also write {raw: {method: ...}} with the cost curve used to this file")
     a = ap.parse_args()
@@ -126,7 +128,7 @@ def main() -> None:
     results = {"cost": a.cost, "subset": "all" if a.all_items else "calls", "runs": {}}
     for raw in a.raw:
         cost = _cost(Path(raw), a.cost)
-        res = results["runs"][raw] = replay(Path(raw), a.methods.split(","), tok, cost, not a.all_items, a.show)
+        res = results["runs"][raw] = replay(Path(raw), a.methods.split(","), tok, cost, not a.all_items, a.show, a.show_bench)
         print(raw, json.dumps(res, indent=1), flush=True)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(results, indent=1) + "\n")

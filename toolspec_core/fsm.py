@@ -33,6 +33,7 @@ class Frame:
     expect: str = "key"  # obj: key | colon | value | next ; arr: value | next
     key: str | None = None
     keys: list[str] = field(default_factory=list)
+    parent_key: str | None = None  # the key this container is the value of (array elements: the array's)
 
 
 @dataclass
@@ -224,7 +225,8 @@ class CallTracker:
             schema = (ps.get("properties") or {}).get(parent.key or "") if parent.kind == "obj" else ps.get("items")
         if role == "call":
             self.name = None
-        self.stack.append(Frame(kind, role, self.line_indent, schema, "key" if kind == "obj" else "value"))
+        parent_key = (parent.key if parent.kind == "obj" else parent.parent_key) if parent is not None else None
+        self.stack.append(Frame(kind, role, self.line_indent, schema, "key" if kind == "obj" else "value", parent_key=parent_key))
         self.since, self.event = "", ch
 
     def _close(self) -> None:

@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 
 from .fsm import ARG_NAME, CALL_KEY, END, TOOL_NAME, VALUE, CallTracker, Frame, ToolIndex
 from .layouts import LAYOUTS, Layout
+from .objkeys import CLOSE, ObjectKeys, key_candidates
 from .values import date_values, wants_date
 
 OPENER = "opener"
 NEXT_CALL = "next_call"  # the head of an object that follows a finished call (see _Builder.head_label)
+OBJ_KEY = "object_key"  # keys of objects no tool schema describes, from the objects seen so far (objkeys)
 
 Seg = tuple  # (text: str | list[int], label: str)
 
@@ -64,11 +66,12 @@ def _past_values(past: list[tuple[str, dict]], name: str, key: str) -> list[tupl
 class _Builder:
     """Expands continuations for one tracker position; small recursive helpers, one per structure."""
 
-    def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int, past=(), dates=()):
+    def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int, past=(), dates=(), objects=()):
         self.tr, self.tools, self.priors, self.eos = tr, tools, priors, eos
         self.levels = levels
         self.past = list(past)  # (tool name, arguments) of retrieved past calls
         self.dates = list(dates)  # dates the conversation mentions (values.context_dates)
+        self.objects: list[tuple[list[ObjectKeys], float]] = list(objects)  # (objects seen, weight) per source
 
     def derived(self, key: str, schema: dict) -> list[str]:
         """Context dates rendered for a string argument that may hold one (most likely first)."""
@@ -245,10 +248,10 @@ class _Builder:
             return self.closer() if tr.after_json else self.opener()
         top = tr.stack[-1]
         if top.role == "call":
-            return self.in_call(top)
+            return self.in_object(top) if self.free_object(top) else self.in_call(top)
         if top.role == "args":
             return self.in_args(top)
-        return []
+        return self.in_object(top) if top.kind == "obj" else self.in_array(top)
 
     def opener(self) -> list[Cand]:
         text = self.tr.text_since_json
@@ -305,6 +308,50 @@ class _Builder:
         if f.expect == "next":
             return [self.close_call(lay, lv)] if self.tr.frame("args") is None else []
         return []
+
+    def free_object(self, f: Frame) -> bool:
+        """A top-level object that is not a call (its first key is not "name"): a made-up result."""
+        if f.keys:
+            return f.keys[0] != "name"
+        return self.tr.in_str == "key" and not "name".startswith(self.tr.buf)
+
+    def object_keys(self, f: Frame, prefix: str = "") -> list[tuple[str, float]]:
+        schema = f.schema if isinstance(f.schema, dict) else {}
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        return key_candidates(self.objects, f.parent_key, list(f.keys), prefix, list(props))
+
+    def in_object(self, f: Frame) -> list[Cand]:
+        """An object no tool schema describes: its next key (or its end), as the objects seen so far
+        suggest. The value is left to value drafting."""
+        tr, lay = self.tr, self.tr.layout
+        if tr.in_str == "key":
+            # a key seen before, or (keys end at token boundaries more often than not) this one ends here
+            out = [Cand([(k[len(tr.buf):] + '"' + tr.kv_sep, OBJ_KEY)], 0.7 * p) for k, p in self.object_keys(f, tr.buf)]
+            return out + ([Cand([('"' + tr.kv_sep, OBJ_KEY)], 0.3 if out else 0.5)] if tr.buf else [])
+        if f.expect == "key":
+            ws = self.rest(self.ws_key(f.indent, lay), tr.since)
+            return [Cand([(ws + '"' + k + '"' + tr.kv_sep, OBJ_KEY)], p) for k, p in self.object_keys(f) if k != CLOSE]
+        return self.object_next(f, tr.since) if f.expect == "next" else []
+
+    def object_next(self, f: Frame, since: str) -> list[Cand]:
+        """After a value: the separator and the next key, or the object's end."""
+        out = []
+        for k, p in self.object_keys(f):
+            if k == CLOSE:
+                out.append(Cand([(self.rest(self.ws_close(f.indent, self.tr.layout), since) + "}", OBJ_KEY)], p))
+            elif not since:
+                out.append(Cand([(self.sep(f.indent, self.tr.layout) + '"' + k + '"' + self.tr.kv_sep, OBJ_KEY)], p))
+        return out
+
+    def in_array(self, f: Frame) -> list[Cand]:
+        """After an array's object element: the next record with the same first key, or the end."""
+        tr, lay = self.tr, self.tr.layout
+        if f.expect != "next" or tr.since or not self.objects or not any(ob.parent == f.parent_key for ob in self.objects[-1][0]):
+            return []
+        firsts = [(k, p) for k, p in key_candidates(self.objects[-1:], f.parent_key, []) if k != CLOSE]
+        out = [Cand([(self.sep(f.indent, lay) + "{" + self.ws_in(f.indent + self.tr.indent_unit, lay) + '"' + k + '"' + tr.kv_sep, OBJ_KEY)], 0.5 * p)
+               for k, p in firsts]
+        return out + [Cand([(self.ws_close(f.indent, lay) + "]", OBJ_KEY)], 0.5)]
 
     def head_label(self) -> str:
         """Label of a call's opening key: a second object after a finished call is learned apart
@@ -386,15 +433,17 @@ def _overlap(text: str, full: str) -> int:
 
 
 def continuations(tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int = 3, max_cands: int = 64,
-                  past=(), dates=()) -> list[Cand]:
+                  past=(), dates=(), objects=()) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first.
 
     ``past``: (tool name, arguments) of retrieved past calls -- their argument order and values
     become branches, written in the style this output uses (not the style they were stored in).
     ``dates``: dates the conversation mentions (``values.context_dates``) -- rendered as date
     arguments are written, they become value branches.
+    ``objects``: (``objkeys.ObjectKeys`` seen, weight) per source (context, output so far) -- the
+    keys of objects no schema describes (made-up results, nested records) follow them.
     """
-    cands = _Builder(tr, tools, priors, eos, levels, past, dates).build()
+    cands = _Builder(tr, tools, priors, eos, levels, past, dates, objects).build()
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
     cands.sort(key=lambda c: -c.prob)
     return cands[:max_cands]

@@ -16,7 +16,8 @@ from .history import TenantHistories
 from .fsm import END, TEXT, VALUE, CallTracker, ToolIndex
 from .library import CallLibrary, MemoryLibrary, PastCall
 from .methods import RequestInfo
-from .schema import DERIVED, NEXT_CALL, RETRIEVAL, Cand, Priors, continuations
+from .objkeys import KeyScanner
+from .schema import DERIVED, NEXT_CALL, OBJ_KEY, RETRIEVAL, Cand, Priors, continuations
 from .target import turn_end_ids
 from .toolcalls import parse_tool_calls
 from .tree import ROOT, DraftTree
@@ -27,7 +28,7 @@ SPAN = "span"  # argument value copied from the context (values.value_spans)
 SUFFIX_STATES = (TEXT, VALUE, END)  # FSM states whose text the schema cannot draft (offline replay: these pay)
 SUFFIX = "suffix"  # generic drafting over context + this tenant's earlier outputs (baselines.SuffixDrafter)
 DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9,
-                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, SPAN: 0.6, SPAN + "+": 0.85, DERIVED: 0.5, DERIVED + "+": 0.85, NEXT_CALL: 0.5}
+                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, SPAN: 0.6, SPAN + "+": 0.85, DERIVED: 0.5, DERIVED + "+": 0.85, NEXT_CALL: 0.5, OBJ_KEY: 0.6}
 DET = 0.99  # a node whose share of its parent's mass is at least this is "deterministic"
 
 
@@ -161,6 +162,8 @@ class SchemaDrafter:
         self._n_fed = 0  # committed tokens whose text the tracker has seen
         self._prompt_text: str | None = None
         self._dates: list | None = None
+        self._prompt_keys: KeyScanner | None = None  # objects of the conversation (objkeys)
+        self._output_keys = KeyScanner()  # objects of the committed output, fed with the tracker
 
     def _sync(self, generated: list[int]) -> None:
         """Feed the tracker the text of the tokens committed since the last step (each decoded once).
@@ -172,6 +175,7 @@ class SchemaDrafter:
         if new.endswith("\ufffd"):
             return
         self.tracker.feed(new)
+        self._output_keys.feed(new)
         self._n_fed = len(generated)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
@@ -179,7 +183,8 @@ class SchemaDrafter:
         tree = DraftTree()
         if self.schema and self.tools.names:
             past = [(c.tool_name, c.arguments) for c in self.retrieval.calls] if self.retrieval is not None else ()
-            cands = continuations(self.tracker, self.tools, self.priors, self.eos, past=past, dates=self._context_dates(ctx))
+            cands = continuations(self.tracker, self.tools, self.priors, self.eos, past=past, dates=self._context_dates(ctx),
+                                  objects=self._objects(ctx))
             tree = candidates_to_tree(self.bt, ctx.tokens, cands, self.rates)
         if self.retrieval is not None:
             tree.merge(self.retrieval.tree(ctx, self.tracker.name))
@@ -207,6 +212,13 @@ class SchemaDrafter:
         if self._dates is None:
             self._dates = context_dates(self._prompt(ctx))
         return self._dates
+
+    def _objects(self, ctx: DraftContext) -> list:
+        """JSON objects seen: the conversation's (scanned once per request) and the output's own,
+        which repeat more often (weight 3)."""
+        if self._prompt_keys is None:
+            self._prompt_keys = KeyScanner().feed(self._prompt(ctx))
+        return [(self._prompt_keys.objects, 1.0), (self._output_keys.objects, 3.0)]
 
     def _value_tree(self, ctx: DraftContext) -> DraftTree:
         """The current argument value continued as in the context (see ``values``)."""
