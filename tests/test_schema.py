@@ -332,6 +332,20 @@ def test_candidates_tree_mass_and_conf(qwen_tok):
     assert deep and all(tree.conf[i] == pytest.approx(DEFAULT_RATES["schema"], rel=1e-6) for i in deep[:3])
 
 
+def test_a_closer_that_is_text_is_drafted_both_ending_the_turn_and_followed_by_prose(qwen_tok):
+    # "```" + end of turn, or "```\n\n" + prose: canonical BPE splits the latter "``" + "`\n\n"
+    bt = BoundaryTokenizer(qwen_tok)
+    out = '```json\n{\n  "name": "get_time",\n  "arguments": {\n    "tz": "UTC"\n  }\n}'
+    cands = continuations(tracker(out), ToolIndex.from_tools(TOOLS), Priors(), [151645], levels=1)
+    assert _texts(cands) == ["\n```", "\n```\n\n"]
+    tree = candidates_to_tree(bt, qwen_tok.encode(out), cands, LabelRates(DEFAULT_RATES))
+    for text in ("\n```<|im_end|>", "\n```\n\nThis"):
+        truth = qwen_tok.encode(text)
+        assert len(oracle_walk(tree, truth).path) == len(truth) - (text.endswith("This")), text
+    # bare JSON has no closer: the turn ends
+    assert _texts(continuations(tracker('{"name": "get_time", "arguments": {"tz": "UTC"}}'), ToolIndex.from_tools(TOOLS), Priors(), [7], levels=1)) == [""]
+
+
 def test_oracle_walk():
     from toolspec_core.tree import DraftTree
 

@@ -36,6 +36,7 @@ class Priors:
     tool_counts: dict[str, float] = field(default_factory=dict)
     layout_counts: dict[str, float] = field(default_factory=dict)
     call_start: float = 0.5  # P(output starts with a call | start of output)
+    prose_after: float = 0.3  # P(prose follows a call's closer | a closer that is text): a prior
 
     def tool_weights(self, names: list[str]) -> list[float]:
         w = [1.0 + self.tool_counts.get(n, 0.0) for n in names]
@@ -134,7 +135,7 @@ class _Builder:
     def args_open(self, name: str, layout: Layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
         props = self.tools.properties(name)
         if not props:
-            return [Cand([("}", CALL_KEY)] + self.close_call(layout, lv).segs, 1.0)] if lv >= 0 else []
+            return self.seq([("}", CALL_KEY)], self.close_call(layout, lv)) if lv >= 0 else []
         ws = self.rest(self.ws_in(args_indent, layout), since)
         return self.seq([(ws + '"', CALL_KEY)], self.arg_names(name, [], "", layout, args_indent, lv))
 
@@ -227,19 +228,26 @@ class _Builder:
             out += self.seq([(sep + '"', CALL_KEY)], self.arg_names(name, used, "", layout, args_indent, lv), p_more)
         if p_more < 1:
             ws = self.rest(self.ws_close(args_indent, layout), since)
-            close = self.close_call(layout, lv)
-            out.append(Cand([(ws + "}", END)] + close.segs, (1 - p_more) * close.prob))
+            out += self.seq([(ws + "}", END)], self.close_call(layout, lv), 1 - p_more)
         return out
 
-    def close_call(self, layout: Layout | None, lv: int) -> Cand:
+    def close_call(self, layout: Layout | None, lv: int) -> list[Cand]:
         """From after the arguments' '}': the call's '}', the layout closer, then end of turn."""
         call = self.tr.frame("call")
         call_indent = call.indent if call is not None else 0
         text = self.ws_close(call_indent, layout) + "}"
         if self.tr.frame("calls") is None and layout is not None:
-            text += layout.closer
-            return Cand([(text, END), (list(self.eos[:1]), END)], 1.0)
-        return Cand([(text, END)], 1.0)
+            return self.seq([(text, END)], self.after_closer(layout.closer))
+        return [Cand([(text, END)], 1.0)]
+
+    def after_closer(self, rest: str) -> list[Cand]:
+        """The rest of the layout's closer, then the end of the turn -- or, for a closer that is
+        text, a paragraph of prose: its first token differs ("``" + "`\\n\\n", not "```"), so
+        both are drafted."""
+        if not rest:
+            return [Cand([(list(self.eos[:1]), END)], 1.0)]
+        p = self.priors.prose_after
+        return [Cand([(rest, END), (list(self.eos[:1]), END)], 1.0 - p), Cand([(rest + "\n\n", END)], p)]
 
     # ---- entry: from the tracker's current position ----
     def build(self) -> list[Cand]:
@@ -277,7 +285,7 @@ class _Builder:
         written = self.tr.text_since_json
         if lay.closer.startswith(written):
             rest = lay.closer[len(written):]
-            return [Cand([(rest, END), (list(self.eos[:1]), END)], 0.9)] if rest or written else [Cand([(list(self.eos[:1]), END)], 0.7)]
+            return [Cand(c.segs, 0.9 * c.prob) for c in self.after_closer(rest)] if rest or written else [Cand([(list(self.eos[:1]), END)], 0.7)]
         return []
 
     def in_call(self, f: Frame) -> list[Cand]:
@@ -306,7 +314,7 @@ class _Builder:
             pre = tr.kv_sep if f.expect == "colon" else ""
             return self.seq([(pre + "{", CALL_KEY)], self.args_open(tr.name, lay, self._args_indent(f, lay), lv))
         if f.expect == "next":
-            return [self.close_call(lay, lv)] if self.tr.frame("args") is None else []
+            return self.close_call(lay, lv) if self.tr.frame("args") is None else []
         return []
 
     def free_object(self, f: Frame) -> bool:
