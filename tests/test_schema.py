@@ -9,7 +9,7 @@ import pytest
 
 from conftest import DATA
 from toolspec_core.boundary import BoundaryTokenizer
-from toolspec_core.drafting import LabelRates
+from toolspec_core.drafting import DraftContext, LabelRates
 from toolspec_core.fsm import ARG_NAME, BETWEEN, CALL_KEY, END, TEXT, TOOL_NAME, VALUE, CallTracker, ToolIndex
 from toolspec_core.schema import Priors, continuations
 from toolspec_core.schema_drafter import DEFAULT_RATES, SchemaMethod, candidates_to_tree
@@ -346,6 +346,21 @@ def test_a_closer_that_is_text_is_drafted_both_ending_the_turn_and_followed_by_p
     assert _texts(continuations(tracker('{"name": "get_time", "arguments": {"tz": "UTC"}}'), ToolIndex.from_tools(TOOLS), Priors(), [7], levels=1)) == [""]
 
 
+def test_counting_runs_a_value_has_begun_are_continued(qwen_tok):
+    from toolspec_core.schema_drafter import PATTERN
+    from toolspec_core.values import digit_run
+
+    assert digit_run("123") == "4567890" and digit_run("ID-7890") == "" and digit_run("0123") == "4567890"
+    assert digit_run("12") == "" and digit_run("1357") == "" and digit_run("abc") == "" and digit_run("") == ""
+    m = SchemaMethod(qwen_tok)
+    req = RequestInfo(qwen_tok.encode("Call get_time."), TOOLS)
+    out = qwen_tok.encode('{"name": "get_time", "arguments": {"tz": "123')
+    tree = m.drafter(req).propose(DraftContext(req.prompt_ids + out, len(req.prompt_ids), 64))
+    truth = qwen_tok.encode('4567890"}}')
+    path = oracle_walk(tree, truth).path
+    assert len(path) >= 7 and tree.labels[path[0]] == PATTERN
+
+
 def test_oracle_walk():
     from toolspec_core.tree import DraftTree
 
@@ -407,7 +422,7 @@ def test_retrieved_values_and_argument_order_become_branches():
 
 
 def test_copy_rates_learn_by_match_length():
-    from toolspec_core.drafting import LabelRates, match_label, rate_key
+    from toolspec_core.drafting import DraftContext, LabelRates, match_label, rate_key
     from toolspec_core.tree import DraftTree
 
     assert match_label("pld", 2, 3) == "pld" and match_label("pld", 3, 3) == "pld:long"

@@ -35,7 +35,7 @@ class Drafter(Protocol):
 DrafterFactory = Callable[..., Drafter]
 
 
-CHAIN_LABELS = ("pld", "retrieval", "span", "derived")  # copy drafts: once a copy starts matching it tends to go on
+CHAIN_LABELS = ("pld", "retrieval", "span", "derived", "pattern")  # copy drafts: once a copy starts matching it tends to go on
 
 
 def base_label(key: str) -> str:

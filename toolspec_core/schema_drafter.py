@@ -21,14 +21,15 @@ from .schema import DERIVED, NEXT_CALL, OBJ_KEY, RETRIEVAL, Cand, Priors, contin
 from .target import turn_end_ids
 from .toolcalls import parse_tool_calls
 from .tree import ROOT, DraftTree
-from .values import context_dates, value_spans
+from .values import context_dates, digit_run, value_spans
 from .verify import VerifyResult
 
 SPAN = "span"  # argument value copied from the context (values.value_spans)
+PATTERN = "pattern"  # a counting run a value has begun, continued (values.digit_run)
 SUFFIX_STATES = (TEXT, VALUE, END)  # FSM states whose text the schema cannot draft (offline replay: these pay)
 SUFFIX = "suffix"  # generic drafting over context + this tenant's earlier outputs (baselines.SuffixDrafter)
 DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9,
-                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, SPAN: 0.6, SPAN + "+": 0.85, DERIVED: 0.5, DERIVED + "+": 0.85, NEXT_CALL: 0.5, OBJ_KEY: 0.6}
+                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, SPAN: 0.6, SPAN + "+": 0.85, DERIVED: 0.5, DERIVED + "+": 0.85, PATTERN: 0.5, PATTERN + "+": 0.85, NEXT_CALL: 0.5, OBJ_KEY: 0.6}
 DET = 0.99  # a node whose share of its parent's mass is at least this is "deterministic"
 
 
@@ -227,7 +228,11 @@ class SchemaDrafter:
             return tree
         source = self._prompt(ctx) + tr.text[: len(tr.text) - len(tr.buf)]
         spans = (self.bt.continuation(ctx.tokens, s)[: ctx.max_depth] for s in value_spans(source, tr.buf, tr.in_scalar))
-        return add_copies(tree, [ids for ids in spans if ids], SPAN, self.rates)
+        add_copies(tree, [ids for ids in spans if ids], SPAN, self.rates)
+        run = digit_run(tr.buf)
+        if run:
+            tree.merge(add_copies(DraftTree(), [self.bt.continuation(ctx.tokens, run)[: ctx.max_depth]], PATTERN, self.rates))
+        return tree
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
         """Learn label rates from deterministic nodes only (branch losers are expected); suffix

@@ -44,6 +44,22 @@ def value_spans(source: str, prefix: str, scalar: bool, max_chars: int = 48, max
     return out
 
 
+def digit_run(prefix: str, min_run: int = 3, stop: str = "0") -> str:
+    """The rest of a counting run a value has begun ("123" -> "4567890"): placeholder ids,
+    phone numbers and account numbers models make up count up, and digits are one token each.
+    Ends after ``stop`` ("...890"); the verifier keeps what the model really writes."""
+    run = 1
+    while run < len(prefix) and prefix[-run - 1].isdigit() and prefix[-run].isdigit() and (int(prefix[-run]) - int(prefix[-run - 1])) % 10 == 1:
+        run += 1
+    if run < min_run or not prefix[-1].isdigit() or prefix[-1] == stop:
+        return ""
+    out, d = "", int(prefix[-1])
+    while str(d) != stop:
+        d = (d + 1) % 10
+        out += str(d)
+    return out
+
+
 # ---- values written in another form than the context's: dates and times ----
 # A user says "March 19th at 9:30 AM"; the call says "2023-03-19 09:30:00". Digits are one token
 # each, so such a value costs a step per digit unless it is drafted whole: render every date the
