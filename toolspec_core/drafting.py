@@ -35,7 +35,14 @@ class Drafter(Protocol):
 DrafterFactory = Callable[..., Drafter]
 
 
-CHAIN_LABELS = ("pld", "retrieval", "span", "derived", "pattern")  # copy drafts: once a copy starts matching it tends to go on
+# Copy-draft labels (one place, so the chain rule below knows them all): once a copy starts
+# matching it tends to go on, so its first token and its continuation learn separate rates.
+PLD = "pld"  # prompt lookup (n-gram over the context)
+RETRIEVAL = "retrieval"  # drafts taken from retrieved past calls (values in schema, whole calls in schema_drafter)
+SPAN = "span"  # argument value copied from the context (values.value_spans)
+DERIVED = "derived"  # values rendered from the context in the call's form (dates: values.date_values)
+PATTERN = "pattern"  # a counting run a value has begun, continued (values.digit_run)
+CHAIN_LABELS = (PLD, RETRIEVAL, SPAN, DERIVED, PATTERN)
 
 
 def base_label(key: str) -> str:
@@ -156,7 +163,7 @@ class PromptLookupDrafter:
     acceptance rate of label ``"pld"`` so the engine's budget can drop drafts that do not pay.
     """
 
-    label = "pld"
+    label = PLD
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2, length: int = 10, branches: int = 1, rates: LabelRates | None = None,
                  long_at: int = 3):

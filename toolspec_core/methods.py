@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .drafting import Drafter, LabelRates, NoDrafter, PromptLookupDrafter
+from .drafting import PLD, Drafter, LabelRates, NoDrafter, PromptLookupDrafter
 
 
 @dataclass
@@ -50,7 +50,7 @@ class PromptLookupMethod:
 
     def __init__(self, tokenizer=None, **opts):
         self.opts = opts
-        self.rates = LabelRates({"pld": 0.6})
+        self.rates = LabelRates({PLD: 0.6})
 
     def drafter(self, req: RequestInfo) -> Drafter:
         return PromptLookupDrafter(rates=self.rates, **self.opts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .drafting import DERIVED, RETRIEVAL
 from .fsm import ARG_NAME, CALL_KEY, END, TOOL_NAME, VALUE, CallTracker, Frame, ToolIndex
 from .layouts import LAYOUTS, Layout
 from .objkeys import CLOSE, ObjectKeys, key_candidates
@@ -49,8 +50,6 @@ class Priors:
         return [x / s for x in w]
 
 
-RETRIEVAL = "retrieval"  # label of drafts taken from retrieved past calls (values here, whole calls in schema_drafter)
-DERIVED = "derived"  # label of values rendered from the context in the call's form (dates: values.date_values)
 
 
 def _past_values(past: list[tuple[str, dict]], name: str, key: str) -> list[tuple[object, float]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .boundary import BoundaryTokenizer
 from .baselines import SUFFIX_PRIOR, SuffixDrafter, SuffixTrie
-from .drafting import DraftContext, LabelRates, add_copies, base_label, is_chain, match_label, rate_key
+from .drafting import PATTERN, SPAN, DraftContext, LabelRates, add_copies, base_label, is_chain, match_label, rate_key
 from .history import TenantHistories
 from .fsm import END, TEXT, VALUE, CallTracker, ToolIndex
 from .library import CallLibrary, MemoryLibrary, PastCall
@@ -24,8 +24,6 @@ from .tree import ROOT, DraftTree
 from .values import context_dates, digit_run, value_spans
 from .verify import VerifyResult
 
-SPAN = "span"  # argument value copied from the context (values.value_spans)
-PATTERN = "pattern"  # a counting run a value has begun, continued (values.digit_run)
 SUFFIX_STATES = (TEXT, VALUE, END)  # FSM states whose text the schema cannot draft (offline replay: these pay)
 SUFFIX = "suffix"  # generic drafting over context + this tenant's earlier outputs (baselines.SuffixDrafter)
 DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9,
