@@ -379,6 +379,7 @@ def test_value_spans_copy_from_word_starts():
     assert value_spans(src, "1", True) == ["2.5", "0"]  # numbers stop where the number stops
     assert value_spans(src, "m8", False) == []  # not at a word start
     assert value_spans(src, "", False) == [] and value_spans(src, '"', False) == []
+    assert value_spans(src, "-12", True) == [".5"] and value_spans(src, "-", True) == []  # a sign the source did not write
 
 
 def test_value_drafted_from_the_conversation(qwen_tok):

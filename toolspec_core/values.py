@@ -22,6 +22,8 @@ def value_spans(source: str, prefix: str, scalar: bool, max_chars: int = 48, max
     A string span ends where the source's line or JSON string ends (closing quote included when
     the source quoted it too); a scalar span is the rest of the number / literal.
     """
+    if scalar and prefix[:1] == "-":  # a negative number: its digits may be written unsigned ("122.4194 W")
+        prefix = prefix[1:]
     if not prefix or not prefix[0].isalnum():
         return []
     out: list[str] = []
