@@ -156,11 +156,11 @@ def test_key_scanner_reads_objects_in_prose_whole_or_in_pieces():
     from toolspec_core.objkeys import KeyScanner, ObjectKeys
 
     text = 'He said "hi": fine. ' + RESULT_CONTEXT + 'Then [{"a": 1, "b": [2]}, {"a": 3}] and a stray " quote\n{"c": {}}'
-    whole = KeyScanner().feed(text).objects
+    whole = KeyScanner().feed(text).index.objects
     pieces = KeyScanner()
     for i in range(0, len(text), 3):
         pieces.feed(text[i : i + 3])
-    assert pieces.objects == whole
+    assert pieces.index.objects == whole
     assert ObjectKeys("output_parameters", ("time", "zone")) in whole  # braces / quotes inside strings are not structure
     assert ObjectKeys("time", ("type", "description")) in whole
     assert ObjectKeys(None, ("name", "output_parameters")) in whole
@@ -171,7 +171,7 @@ def test_key_scanner_reads_objects_in_prose_whole_or_in_pieces():
 def test_key_candidates_follow_seen_objects():
     from toolspec_core.objkeys import CLOSE, KeyScanner, key_candidates
 
-    seen = [(KeyScanner().feed(RESULT_CONTEXT + '{"items": [{"id": 1, "tag": "x"}]}').objects, 1.0)]
+    seen = [(KeyScanner().feed(RESULT_CONTEXT + '{"items": [{"id": 1, "tag": "x"}]}').index, 1.0)]
     assert key_candidates(seen, "output_parameters", ["time"])[0][0] == "zone"
     assert key_candidates(seen, "output_parameters", ["time", "zone"])[0][0] == CLOSE
     assert key_candidates(seen, "items", [])[0][0] == "id"  # an array's next record starts like the last one
@@ -189,8 +189,7 @@ def test_objects_no_schema_describes_are_drafted_from_the_objects_seen():
     call = '{"name": "get_time", "arguments": {"tz": "UTC"}}\n'
 
     def texts(out: str) -> list[str]:
-        objects = [(KeyScanner().feed(RESULT_CONTEXT).objects, 1.0), (KeyScanner().feed(out).objects, 3.0)]
-        cands = continuations(tracker(out), idx, Priors(), [0], levels=2, objects=objects)
+        cands = continuations(tracker(out), idx, Priors(), [0], levels=2, context_keys=KeyScanner().feed(RESULT_CONTEXT).index)
         assert all(seg[1] == OBJ_KEY for c in cands for seg in c.segs)
         return _texts(cands)
 

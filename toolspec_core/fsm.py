@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .layouts import LAYOUTS, Layout
+from .objkeys import KeyIndex
 
 # FSM states (also the labels of per-state statistics)
 TEXT = "text"
@@ -86,6 +87,7 @@ class CallTracker:
         self.event = ""  # last structural character seen in JSON
         self.after_json = False  # a call (or list of calls) just closed; closer may follow
         self.text_since_json = ""
+        self.objects = KeyIndex()  # finished objects of the output (keys of objects no schema describes follow them)
 
     # ---- feeding ----
     def feed(self, text: str) -> None:
@@ -231,6 +233,8 @@ class CallTracker:
 
     def _close(self) -> None:
         frame = self.stack.pop()
+        if frame.kind == "obj":
+            self.objects.add(frame.parent_key, frame.keys)
         if frame.role == "call":
             self.calls.append({"name": self.name, "keys": list(frame.keys)})
         if self.stack:

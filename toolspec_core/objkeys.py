@@ -24,6 +24,27 @@ class ObjectKeys:
     keys: tuple[str, ...]
 
 
+class KeyIndex:
+    """Finished objects, indexed for ``key_candidates`` as they come (a step looks up a key, never
+    rescans the objects): per key, what followed it; per parent key, the objects' first keys."""
+
+    def __init__(self):
+        self.objects: list[ObjectKeys] = []
+        self.after: dict[str, list[tuple[str | None, str]]] = defaultdict(list)  # key -> (parent, next key or CLOSE)
+        self.first: dict[str | None, list[str]] = defaultdict(list)  # parent -> first keys
+        self.keys: set[str] = set()
+
+    def add(self, parent: str | None, keys) -> None:
+        keys = tuple(k for k in keys if k is not None)
+        if not keys:
+            return
+        self.objects.append(ObjectKeys(parent, keys))
+        self.first[parent].append(keys[0])
+        self.keys.update(keys)
+        for i, k in enumerate(keys):
+            self.after[k].append((parent, keys[i + 1] if i + 1 < len(keys) else CLOSE))
+
+
 @dataclass
 class _Open:
     kind: str  # "{" | "["
@@ -36,7 +57,7 @@ class KeyScanner:
     skipped; a quote with no closing quote on its line is not a string)."""
 
     def __init__(self, max_depth: int = 32):
-        self.objects: list[ObjectKeys] = []
+        self.index = KeyIndex()
         self.max_depth = max_depth
         self._stack: list[_Open] = []
         self._str: list[str] | None = None  # characters of the string being read
@@ -78,11 +99,11 @@ class KeyScanner:
             self._stack.append(_Open(ch, parent))
         elif ch in "}]" and top is not None:
             self._stack.pop()
-            if top.kind == "{" and top.keys:
-                self.objects.append(ObjectKeys(top.parent, tuple(top.keys)))
+            if top.kind == "{":
+                self.index.add(top.parent, top.keys)
 
 
-def key_candidates(sources: list[tuple[list[ObjectKeys], float]], parent: str | None, used: list[str], prefix: str = "",
+def key_candidates(sources: list[tuple[KeyIndex, float]], parent: str | None, used: list[str], prefix: str = "",
                    schema_keys: list[str] | tuple = (), limit: int = 4) -> list[tuple[str, float]]:
     """What comes next in an object under ``parent`` whose keys so far are ``used``: up to
     ``limit`` keys (or ``CLOSE``) with their share of the evidence, most likely first.
@@ -93,26 +114,22 @@ def key_candidates(sources: list[tuple[list[ObjectKeys], float]], parent: str | 
     in declared order. With ``prefix`` (a key being typed), any seen key that starts with it.
     """
     votes: dict[str, float] = defaultdict(float)
-    for objects, weight in sources:
-        for ob in objects:
-            same = parent is not None and ob.parent == parent
-            if used:
-                if used[-1] not in ob.keys:
-                    continue
-                i = ob.keys.index(used[-1])
-                nxt = ob.keys[i + 1] if i + 1 < len(ob.keys) else CLOSE
-                votes[nxt] += weight * (2.0 if same else 1.0)
-            elif same:
-                votes[ob.keys[0]] += weight
+    for index, weight in sources:
+        if used:
+            for par, nxt in index.after.get(used[-1], ()):
+                votes[nxt] += weight * (2.0 if parent is not None and par == parent else 1.0)
+        elif parent is not None:
+            for k in index.first.get(parent, ()):
+                votes[k] += weight
     free = [k for k in schema_keys if k not in used]
     for rank, k in enumerate(free):
         votes[k] += 1.0 if rank == 0 else 0.5
     if used and not free and schema_keys:
         votes[CLOSE] += 1.0
     if prefix and not any(k.startswith(prefix) and k != CLOSE for k in votes):
-        for objects, weight in sources:
-            for ob in objects:
-                for k in ob.keys:
+        for index, weight in sources:
+            for k in index.keys:
+                if k.startswith(prefix):
                     votes[k] += weight
     cands = [(k, v) for k, v in votes.items() if (k == CLOSE and not prefix) or (k != CLOSE and k not in used and k.startswith(prefix))]
     total = sum(v for _, v in cands)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from .drafting import DERIVED, RETRIEVAL
 from .fsm import ARG_NAME, CALL_KEY, END, TOOL_NAME, VALUE, CallTracker, Frame, ToolIndex
 from .layouts import LAYOUTS, Layout
-from .objkeys import CLOSE, ObjectKeys, key_candidates
+from .objkeys import CLOSE, KeyIndex, key_candidates
 from .values import date_values, wants_date
 
 OPENER = "opener"
@@ -66,12 +66,15 @@ def _past_values(past: list[tuple[str, dict]], name: str, key: str) -> list[tupl
 class _Builder:
     """Expands continuations for one tracker position; small recursive helpers, one per structure."""
 
-    def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int, past=(), dates=(), objects=()):
+    OUTPUT_KEYS_WEIGHT = 3.0  # the output's own objects repeat more often than the conversation's
+
+    def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int, past=(), dates=(),
+                 context_keys: KeyIndex | None = None):
         self.tr, self.tools, self.priors, self.eos = tr, tools, priors, eos
         self.levels = levels
         self.past = list(past)  # (tool name, arguments) of retrieved past calls
         self.dates = list(dates)  # dates the conversation mentions (values.context_dates)
-        self.objects: list[tuple[list[ObjectKeys], float]] = list(objects)  # (objects seen, weight) per source
+        self.objects = ([(context_keys, 1.0)] if context_keys is not None else []) + [(tr.objects, self.OUTPUT_KEYS_WEIGHT)]
 
     def derived(self, key: str, schema: dict) -> list[str]:
         """Context dates rendered for a string argument that may hold one (most likely first)."""
@@ -353,9 +356,9 @@ class _Builder:
     def in_array(self, f: Frame) -> list[Cand]:
         """After an array's object element: the next record with the same first key, or the end."""
         tr, lay = self.tr, self.tr.layout
-        if f.expect != "next" or tr.since or not self.objects or not any(ob.parent == f.parent_key for ob in self.objects[-1][0]):
+        if f.expect != "next" or tr.since or f.parent_key not in tr.objects.first:
             return []
-        firsts = [(k, p) for k, p in key_candidates(self.objects[-1:], f.parent_key, []) if k != CLOSE]
+        firsts = [(k, p) for k, p in key_candidates([(tr.objects, 1.0)], f.parent_key, []) if k != CLOSE]
         out = [Cand([(self.sep(f.indent, lay) + "{" + self.ws_in(f.indent + self.tr.indent_unit, lay) + '"' + k + '"' + tr.kv_sep, OBJ_KEY)], 0.5 * p)
                for k, p in firsts]
         return out + [Cand([(self.ws_close(f.indent, lay) + "]", OBJ_KEY)], 0.5)]
@@ -440,17 +443,17 @@ def _overlap(text: str, full: str) -> int:
 
 
 def continuations(tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int = 3, max_cands: int = 64,
-                  past=(), dates=(), objects=()) -> list[Cand]:
+                  past=(), dates=(), context_keys: KeyIndex | None = None) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first.
 
     ``past``: (tool name, arguments) of retrieved past calls -- their argument order and values
     become branches, written in the style this output uses (not the style they were stored in).
     ``dates``: dates the conversation mentions (``values.context_dates``) -- rendered as date
     arguments are written, they become value branches.
-    ``objects``: (``objkeys.ObjectKeys`` seen, weight) per source (context, output so far) -- the
-    keys of objects no schema describes (made-up results, nested records) follow them.
+    ``context_keys``: the conversation's JSON objects (``objkeys.KeyScanner``) -- with the output's
+    own (``tr.objects``), the keys of objects no schema describes (made-up results, records) follow them.
     """
-    cands = _Builder(tr, tools, priors, eos, levels, past, dates, objects).build()
+    cands = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys).build()
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
     cands.sort(key=lambda c: -c.prob)
     return cands[:max_cands]

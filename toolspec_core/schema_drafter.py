@@ -16,7 +16,7 @@ from .history import TenantHistories
 from .fsm import END, TEXT, VALUE, CallTracker, ToolIndex
 from .library import CallLibrary, MemoryLibrary, PastCall
 from .methods import RequestInfo
-from .objkeys import KeyScanner
+from .objkeys import KeyIndex, KeyScanner
 from .schema import DERIVED, NEXT_CALL, OBJ_KEY, RETRIEVAL, Cand, Priors, continuations
 from .target import turn_end_ids
 from .toolcalls import parse_tool_calls
@@ -161,8 +161,7 @@ class SchemaDrafter:
         self._n_fed = 0  # committed tokens whose text the tracker has seen
         self._prompt_text: str | None = None
         self._dates: list | None = None
-        self._prompt_keys: KeyScanner | None = None  # objects of the conversation (objkeys)
-        self._output_keys = KeyScanner()  # objects of the committed output, fed with the tracker
+        self._prompt_keys: KeyIndex | None = None  # objects of the conversation (objkeys)
 
     def _sync(self, generated: list[int]) -> None:
         """Feed the tracker the text of the tokens committed since the last step (each decoded once).
@@ -174,7 +173,6 @@ class SchemaDrafter:
         if new.endswith("\ufffd"):
             return
         self.tracker.feed(new)
-        self._output_keys.feed(new)
         self._n_fed = len(generated)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
@@ -183,7 +181,7 @@ class SchemaDrafter:
         if self.schema and self.tools.names:
             past = [(c.tool_name, c.arguments) for c in self.retrieval.calls] if self.retrieval is not None else ()
             cands = continuations(self.tracker, self.tools, self.priors, self.eos, past=past, dates=self._context_dates(ctx),
-                                  objects=self._objects(ctx))
+                                  context_keys=self._context_keys(ctx))
             tree = candidates_to_tree(self.bt, ctx.tokens, cands, self.rates)
         if self.retrieval is not None:
             tree.merge(self.retrieval.tree(ctx, self.tracker.name))
@@ -212,12 +210,11 @@ class SchemaDrafter:
             self._dates = context_dates(self._prompt(ctx))
         return self._dates
 
-    def _objects(self, ctx: DraftContext) -> list:
-        """JSON objects seen: the conversation's (scanned once per request) and the output's own,
-        which repeat more often (weight 3)."""
+    def _context_keys(self, ctx: DraftContext) -> KeyIndex:
+        """The conversation's JSON objects, scanned once per request (the output's are the tracker's)."""
         if self._prompt_keys is None:
-            self._prompt_keys = KeyScanner().feed(self._prompt(ctx))
-        return [(self._prompt_keys.objects, 1.0), (self._output_keys.objects, 3.0)]
+            self._prompt_keys = KeyScanner().feed(self._prompt(ctx)).index
+        return self._prompt_keys
 
     def _value_tree(self, ctx: DraftContext) -> DraftTree:
         """The current argument value continued as in the context (see ``values``)."""
