@@ -1,0 +1,57 @@
+"""Share of plain-greedy output tokens written after the first complete call (made-up tool results,
+further calls), per benchmark, from a run's raw records -- where schema drafting of calls cannot help.
+
+    python -m benchmarks.tokens_after_call benchmarks/results/raw/cpu-objkeys
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from pathlib import Path
+
+from toolspec_core.fsm import CallTracker, ToolIndex
+
+from .data import load_items
+
+
+def first_call_end(tokenizer, tools: list[dict], tokens: list[int]) -> int | None:
+    """Number of tokens up to and including the one that completes the first call (None: no call)."""
+    tr = CallTracker(ToolIndex.from_tools(tools))
+    done = 0
+    for i in range(len(tokens)):
+        text = tokenizer.decode(tokens[: i + 1], skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            continue
+        tr.feed(text[done:])
+        done = len(text)
+        if tr.calls:
+            return i + 1
+    return None
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+
+    from toolspec_core.embedded import embedded_model_dir
+
+    raw = Path(sys.argv[1])
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    items = {it["id"]: it for p in json.loads((raw / "config.json").read_text())["data"] for it in load_items(p)}
+    agg = collections.defaultdict(lambda: [0, 0, 0])
+    for line in open(raw / "items.jsonl"):
+        r = json.loads(line)
+        if r["method"] != "ar" or not r.get("has_call"):
+            continue
+        end = first_call_end(tok, items[r["item"]]["tools"], r["tokens"])
+        a = agg[r["benchmark"]]
+        a[0] += 1
+        a[1] += len(r["tokens"])
+        a[2] += len(r["tokens"]) - end if end else 0
+    out = {b: {"items_with_calls": n, "tokens": t, "tokens_after_first_call": after, "share": round(after / t, 3)} for b, (n, t, after) in agg.items()}
+    print(json.dumps({"source": str(raw / "items.jsonl") + " (ar records)", "by_benchmark": out}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
