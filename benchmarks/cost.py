@@ -131,7 +131,7 @@ def load_model(spec: str, device: str, dtype: torch.dtype):
 
 def serving_kernels(model, device: str, dtype: torch.dtype, packed_rows: int | None):
     """The CPU fp32 linear-layer dispatch the engine's ``load_target`` applies, so the curve is the
-    one decoding will see (``packed_rows``: see ``tune_cpu_linears``; None/0: transposed copy only)."""
+    one decoding will see (``packed_rows``: see ``tune_cpu_linears``; None/0: the default oneDNN-reordered copy only)."""
     if device == "cpu" and dtype == torch.float32:
         from toolspec_core.target import tune_cpu_linears
 

@@ -1,5 +1,6 @@
-"""Time a linear layer by row count: ``F.linear``, ``x @ W.T`` on a contiguous transposed copy, and
-MKL's packed GEMM on a weight reordered for 16 rows (inputs zero-padded to 16 rows).
+"""Time a linear layer by row count: ``F.linear``, ``x @ W.T`` on a contiguous transposed copy,
+oneDNN on a weight reordered once into its blocked layout (the default for 4+ rows), and MKL's
+packed GEMM on a weight reordered for 16 rows (inputs zero-padded to 16 rows).
 
 The measurement behind ``toolspec_core.target.tune_cpu_linears`` (and its ``SMALL_ROWS``): on x86
 CPUs the BLAS switches kernels at a few rows, which is what a tree-verify forward hits. Shapes of
@@ -18,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from toolspec_core.target import PACKED_ROWS, mkl_pack, packed_linear
+from toolspec_core.target import PACKED_ROWS, mkl_pack, onednn_linear, onednn_pack, packed_linear
 
 SHAPES = {"lm_head": (151936, 896), "mlp_up": (4864, 896)}
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 17, 32, 64, 512)
@@ -40,11 +41,14 @@ def measure(repeats: int = 5) -> dict:
         w = torch.randn(n_out, n_in)
         wt = w.t().contiguous()
         packed = mkl_pack(w, PACKED_ROWS)
+        dnn = onednn_pack(w)
         out[name] = {}
         for rows in ROWS:
             x = torch.randn(rows, n_in)
             out[name][rows] = {"linear_ms": round(median_ms(lambda: F.linear(x, w), repeats), 2),
                                "transposed_ms": round(median_ms(lambda: x @ wt, repeats), 2)}
+            if dnn is not None:
+                out[name][rows]["onednn_ms"] = round(median_ms(lambda: onednn_linear(x, dnn, None), repeats), 2)
             if packed is not None and rows <= PACKED_ROWS:
                 out[name][rows]["packed_ms"] = round(median_ms(lambda: packed_linear(x, packed, w, None, PACKED_ROWS), repeats), 2)
     return out
@@ -64,7 +68,8 @@ def main() -> None:
     for name, by_rows in res["times"].items():
         for rows, t in by_rows.items():
             packed = f"   packed {t['packed_ms']:8.2f} ms" if "packed_ms" in t else ""
-            print(f"{name:8s} rows {rows:4d}  F.linear {t['linear_ms']:8.2f} ms   x @ W.T {t['transposed_ms']:8.2f} ms{packed}")
+            dnn = f"   oneDNN {t['onednn_ms']:8.2f} ms" if "onednn_ms" in t else ""
+            print(f"{name:8s} rows {rows:4d}  F.linear {t['linear_ms']:8.2f} ms   x @ W.T {t['transposed_ms']:8.2f} ms{dnn}{packed}")
 
 
 if __name__ == "__main__":

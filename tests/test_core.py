@@ -342,6 +342,19 @@ def test_packed_linear_matches_linear():
         torch.testing.assert_close(packed_linear(x, packed, w, b, 16), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+def test_onednn_linear_matches_linear():
+    """oneDNN on a weight reordered once (the default path for 4+ rows) is the same function."""
+    from toolspec_core.target import onednn_linear, onednn_pack
+
+    w, b = torch.randn(40, 24), torch.randn(40)
+    packed = onednn_pack(w)
+    assert packed is not None  # the CPU wheel ships oneDNN: the tuned path is really exercised
+    for shape in ((4, 24), (1, 7, 24), (16, 24), (1, 64, 24)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(onednn_linear(x, packed, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(onednn_linear(x, packed, None), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("packed_rows", [16, 0])
 def test_tuned_cpu_linears_keep_greedy_output(reference, packed_rows):
     """The row-count dispatch of ``tune_cpu_linears`` (with and without MKL's packed GEMM)

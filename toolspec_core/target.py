@@ -123,6 +123,7 @@ def from_model(model, tokenizer, name: str = "model") -> Target:
 
 
 SMALL_ROWS = 3  # up to this many rows the BLAS's own matrix-vector kernel is fastest (measured)
+ONEDNN_ROWS = 16  # row-count hint for oneDNN's weight layout (4..32 measured alike)
 PACKED_ROWS = 16  # opt-in: 4..16 rows through MKL's packed GEMM, inputs padded to 16 rows (measured)
 
 
@@ -146,16 +147,36 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, b
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def onednn_pack(weight: torch.Tensor, rows: int = ONEDNN_ROWS) -> torch.Tensor | None:
+    """``weight`` [out, in] reordered once into oneDNN's blocked layout (a hint of ``rows`` input
+    rows), or None where this torch has no oneDNN."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return None
+        with torch.inference_mode():
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
+    """``F.linear`` through a weight from :func:`onednn_pack`; any number of rows."""
+    flat = x.reshape(-1, x.shape[-1])  # [n, in]
+    y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")  # [n, out]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packed_rows: int = 0) -> int:
     """Make every ``nn.Linear`` of a CPU model fast for a few rows at a time (tree verification).
 
     Why: on x86 CPUs ``F.linear`` switches from a matrix-vector kernel to a GEMM path at 4 rows
-    that is 2-2.5x slower than 1-3 rows; ``x @ W.T`` on a contiguous transposed copy is faster
-    from 4 rows up, and both lose to ``F.linear`` at 1-3 rows. With ``packed_rows=16``, 4..16
-    rows go through MKL's packed GEMM on a weight reordered for 16 rows (inputs padded), faster
-    for some layers (``python -m benchmarks.linear_rows`` -> ``results/measurements/cpu-linear-rows.json``)
-    but not for whole decodes (``python -m benchmarks.kernel_ab`` -> ``results/measurements/cpu-kernel-ab.json``),
-    so it is opt-in (one more weight copy).
+    that is 2-2.5x slower than 1-3 rows. From 4 rows up the weight goes through oneDNN on a copy
+    reordered once at load (its blocked layout skips the per-call packing that makes small-row
+    GEMMs slow: 4-8 rows cost 1.2-1.4x one row instead of 1.8-1.9x for ``x @ W.T`` on a transposed
+    copy, the fallback where torch has no oneDNN); both lose to ``F.linear`` at 1-3 rows.
+    With ``packed_rows=16``, 4..16 rows go through MKL's packed GEMM instead (inputs padded;
+    opt-in, one more weight copy). Measured by ``python -m benchmarks.linear_rows`` ->
+    ``results/measurements/cpu-linear-rows.json`` and ``python -m benchmarks.kernel_ab``.
     Plain decoding (1 row) keeps the untouched kernel, so the plain-greedy baseline is not
     changed. Returns how many layers were tuned.
     """
@@ -163,18 +184,21 @@ def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packe
 
     n = 0
     for mod in model.modules():
-        if not isinstance(mod, torch.nn.Linear) or mod.weight.device.type != "cpu":
+        if not isinstance(mod, torch.nn.Linear) or mod.weight.device.type != "cpu" or mod.weight.dtype != torch.float32:
             continue
         weight, bias = mod.weight, mod.bias
-        weight_t = weight.detach().t().contiguous()  # [in, out]
+        dnn = onednn_pack(weight)
+        weight_t = None if dnn is not None else weight.detach().t().contiguous()  # [in, out]
         packed = mkl_pack(weight, packed_rows) if packed_rows > small_rows else None
 
-        def forward(x, weight=weight, bias=bias, weight_t=weight_t, packed=packed):
+        def forward(x, weight=weight, bias=bias, weight_t=weight_t, dnn=dnn, packed=packed):
             rows = x.numel() // x.shape[-1]
             if rows <= small_rows:
                 return F.linear(x, weight, bias)
             if packed is not None and rows <= packed_rows:
                 return packed_linear(x, packed, weight, bias, packed_rows)
+            if dnn is not None:
+                return onednn_linear(x, dnn, bias)
             y = x @ weight_t
             return y + bias if bias is not None else y
 
