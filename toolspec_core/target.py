@@ -123,7 +123,7 @@ def from_model(model, tokenizer, name: str = "model") -> Target:
 
 
 SMALL_ROWS = 3  # up to this many rows the BLAS's own matrix-vector kernel is fastest (measured)
-ONEDNN_ROWS = 16  # row-count hint for oneDNN's weight layout (4..32 measured alike)
+ONEDNN_ROWS = 16  # row-count hint for oneDNN's weight layout
 PACKED_ROWS = 16  # opt-in: 4..16 rows through MKL's packed GEMM, inputs padded to 16 rows (measured)
 
 
@@ -171,9 +171,8 @@ def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packe
 
     Why: on x86 CPUs ``F.linear`` switches from a matrix-vector kernel to a GEMM path at 4 rows
     that is 2-2.5x slower than 1-3 rows. From 4 rows up the weight goes through oneDNN on a copy
-    reordered once at load (its blocked layout skips the per-call packing that makes small-row
-    GEMMs slow: 4-8 rows cost 1.2-1.4x one row instead of 1.8-1.9x for ``x @ W.T`` on a transposed
-    copy, the fallback where torch has no oneDNN); both lose to ``F.linear`` at 1-3 rows.
+    reordered once at load into its blocked layout (per layer 4-8 rows cost 1.2-1.5x one row,
+    against 1.4-1.9x for ``x @ W.T`` on a transposed copy, the fallback where torch has no oneDNN); both lose to ``F.linear`` at 1-3 rows.
     With ``packed_rows=16``, 4..16 rows go through MKL's packed GEMM instead (inputs padded;
     opt-in, one more weight copy). Measured by ``python -m benchmarks.linear_rows`` ->
     ``results/measurements/cpu-linear-rows.json`` and ``python -m benchmarks.kernel_ab``.
