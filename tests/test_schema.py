@@ -431,3 +431,24 @@ def test_copy_rates_learn_by_match_length():
     t = DraftTree()
     t.add_path([1, 2], [0.5, 0.8], "pld:long")
     assert [rate_key(t, i) for i in range(2)] == ["pld:long", "pld:long+"]
+
+
+def test_a_misspelt_tool_name_takes_the_schema_of_the_closest_offered_tool():
+    # models write names the request does not offer (getFruitsByFamily for getFruitByFamily)
+    idx = ToolIndex.from_tools(TOOLS)
+    assert idx.resolve("get_weather") == "get_weather" and idx.resolve("get_weathers") == "get_weather"
+    assert idx.resolve("calculateMonthlySalary") is None and idx.free("calculateMonthlySalary") and not idx.free("get_weathers")
+    texts = _texts(continuations(tracker('{"name": "get_weathers", "arguments": {'), idx, Priors(), [0], levels=1))
+    assert texts[0].startswith('"city": ')
+
+
+def test_a_call_of_an_unknown_tool_still_gets_its_structure_drafted():
+    # no schema: argument names are free, but the key's end, the separator and the closing braces are not
+    idx = ToolIndex.from_tools(TOOLS)
+    texts = _texts(continuations(tracker('```json\n{\n  "name": "calculateSalary",'), idx, Priors(), [0], levels=2))
+    assert texts == ['\n  "arguments": {\n    "']
+    texts = _texts(continuations(tracker('```json\n{\n  "name": "calculateSalary",\n  "arguments": {\n    "sal'), idx, Priors(), [0], levels=2))
+    assert texts == ['": ']
+    texts = _texts(continuations(tracker('{"name": "calculateSalary", "arguments": {"salary": 5000'), idx, Priors(), [7], levels=2))
+    assert ', "' in texts and "}}" in texts
+    assert _texts(continuations(tracker('{"name": "calculateSalary", "arguments": {"'), idx, Priors(), [0], levels=2)) == []

@@ -43,6 +43,10 @@ class ToolIndex:
 
     names: list[str]
     params: dict[str, dict]
+    _resolved: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # a written name this similar to a tool's (difflib ratio) is taken for a misspelling of it
+    SIMILAR = 0.75
 
     @classmethod
     def from_tools(cls, tools: list[dict]) -> "ToolIndex":
@@ -56,11 +60,33 @@ class ToolIndex:
             params[fn["name"]] = p if isinstance(p, dict) else {}
         return cls(names, params)
 
+    def resolve(self, name: str | None) -> str | None:
+        """The tool whose schema describes a call written as ``name``: itself, or -- models write
+        names the request does not offer (``getFruitsByFamily`` for ``getFruitByFamily``) -- the
+        most similar offered name; None when nothing is close (the arguments are then free)."""
+        if not name:
+            return None
+        if name in self.params:
+            return name
+        if name not in self._resolved:
+            import difflib
+
+            close = difflib.get_close_matches(name, self.names, 1, self.SIMILAR)
+            self._resolved[name] = close[0] if close else None
+        return self._resolved[name]
+
+    def params_of(self, name: str | None) -> dict:
+        return self.params.get(self.resolve(name) or "", {}) or {}
+
     def properties(self, name: str | None) -> dict:
-        return (self.params.get(name or "", {}) or {}).get("properties") or {}
+        return self.params_of(name).get("properties") or {}
 
     def required(self, name: str | None) -> list[str]:
-        return list((self.params.get(name or "", {}) or {}).get("required") or [])
+        return list(self.params_of(name).get("required") or [])
+
+    def free(self, name: str | None) -> bool:
+        """A call of a tool no schema describes: its argument names and types are unknown."""
+        return bool(name) and self.resolve(name) is None
 
 
 class CallTracker:
@@ -221,7 +247,7 @@ class CallTracker:
             role = "value"
         schema = None
         if role == "args":
-            schema = self.tools.params.get(self.name or "", {})
+            schema = self.tools.params_of(self.name)
         elif parent is not None and parent.role in ("args", "value") and parent.schema is not None:
             ps = parent.schema
             schema = (ps.get("properties") or {}).get(parent.key or "") if parent.kind == "obj" else ps.get("items")

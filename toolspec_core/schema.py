@@ -67,6 +67,7 @@ class _Builder:
     """Expands continuations for one tracker position; small recursive helpers, one per structure."""
 
     OUTPUT_KEYS_WEIGHT = 3.0  # the output's own objects repeat more often than the conversation's
+    FREE_MORE = 0.5  # a call of an unknown tool (``ToolIndex.free``): chance of another argument
 
     def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int, past=(), dates=(),
                  context_keys: KeyIndex | None = None):
@@ -136,6 +137,9 @@ class _Builder:
 
     def args_open(self, name: str, layout: Layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
         props = self.tools.properties(name)
+        if self.tools.free(name):  # a tool the request does not offer: a key of unknown name, most likely
+            ws = self.rest(self.ws_in(args_indent, layout), since)
+            return [Cand([(ws + '"', CALL_KEY)], self.FREE_MORE)]
         if not props:
             return self.seq([("}", CALL_KEY)], self.close_call(layout, lv)) if lv >= 0 else []
         ws = self.rest(self.ws_in(args_indent, layout), since)
@@ -167,6 +171,8 @@ class _Builder:
         return nxt
 
     def arg_names(self, name: str, used: list[str], prefix: str, layout, args_indent: int, lv: int) -> list[Cand]:
+        if self.tools.free(name):  # unknown names: the one being typed may end here (keys end at token boundaries more often than not)
+            return [Cand([('"' + self.tr.kv_sep, ARG_NAME)], 0.5)] if prefix else []
         props = self.tools.properties(name)
         cands = [a for a in props if a not in used and a.startswith(prefix)]
         out = []
@@ -223,6 +229,8 @@ class _Builder:
         left = [a for a in props if a not in used]
         missing_req = any(a in req for a in left)
         p_more = 0.0 if not left else (0.9 if missing_req else 0.35)
+        if self.tools.free(name):
+            p_more = self.FREE_MORE
         out = []
         if p_more > 0:
             sep = self.sep(args_indent, layout)
