@@ -7,19 +7,23 @@ CPUs the BLAS switches kernels at a few rows, which is what a tree-verify forwar
 the embedded Qwen2.5-0.5B (lm_head 151936x896, MLP 4864x896), float32.
 
     python -m benchmarks.linear_rows [--threads 2] [--out benchmarks/results/measurements/cpu-linear-rows.json]
+
+``cpu-linear-rows.json`` is the Intel Xeon dev box, ``cpu-linear-rows-epyc.json`` an AMD EPYC one (where
+``F.linear`` is slow at 1-3 rows too: why ``tune_cpu_linears`` measures that choice at load).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import torch
 import torch.nn.functional as F
 
 from toolspec_core.target import PACKED_ROWS, mkl_pack, onednn_linear, onednn_pack, packed_linear
+
+from .cost import hardware_string
 
 SHAPES = {"lm_head": (151936, 896), "mlp_up": (4864, 896)}
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 17, 32, 64, 512)
@@ -61,7 +65,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/measurements/cpu-linear-rows.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    res = {"hardware": f"{platform.processor() or platform.machine()}, {a.threads} threads (torch {torch.__version__})",
+    res = {"hardware": hardware_string(),
            "times": measure(a.repeats)}
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

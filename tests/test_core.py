@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 
@@ -394,3 +396,30 @@ def test_cache_kwarg_follows_the_forward_signature(tiny):
     cache = tiny.new_cache()
     tiny.hidden(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], None, cache)
     assert cache.get_seq_length() == 3  # the cache really was used
+
+
+def test_small_row_kernel_choice_is_measured_and_dispatched():
+    """At 1-3 rows the kernel is whichever was measured faster on this CPU; either way the
+    tuned layer computes the same function, and a given choice is what the layer uses."""
+    import copy
+
+    from toolspec_core.target import onednn_pack, small_row_kernels, tune_cpu_linears
+
+    w = torch.randn(40, 24)
+    choice = small_row_kernels(w, onednn_pack(w), repeats=2)
+    assert len(choice) == 3 and all(isinstance(c, bool) for c in choice)
+    assert small_row_kernels(w, None) == (False, False, False)  # no oneDNN: F.linear
+    plain = tiny_target()
+    for forced in ((True, True, True), (False, False, False)):
+        tuned = copy.deepcopy(plain)
+        kernels = {tuple(m.weight.shape): forced for m in tuned.model.modules() if isinstance(m, torch.nn.Linear)}
+        tune_cpu_linears(tuned.model, small_kernels=kernels)
+        calls = []
+        import toolspec_core.target as target_mod
+
+        orig = target_mod.onednn_linear
+        with patch.object(target_mod, "onednn_linear", lambda *a: calls.append(1) or orig(*a)):
+            for rows in (1, 2, 3):
+                h = torch.randn(rows, plain.model.config.hidden_size)
+                torch.testing.assert_close(tuned.logits(h), plain.logits(h), rtol=1e-5, atol=1e-5)
+        assert bool(calls) == forced[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -122,7 +123,8 @@ def from_model(model, tokenizer, name: str = "model") -> Target:
     return Target(model=model, tokenizer=tokenizer, name=name, eos_ids=_eos_ids(model, tokenizer), max_context=ctx)
 
 
-SMALL_ROWS = 3  # up to this many rows the BLAS's own matrix-vector kernel is fastest (measured)
+SMALL_ROWS = 3  # up to this many rows the BLAS's own matrix-vector kernel may be fastest: measured at load
+ONEDNN_WINS = 0.9  # at 1-3 rows oneDNN replaces F.linear only when at least this much faster (timing noise)
 ONEDNN_ROWS = 16  # row-count hint for oneDNN's weight layout
 PACKED_ROWS = 16  # opt-in: 4..16 rows through MKL's packed GEMM, inputs padded to 16 rows (measured)
 
@@ -166,22 +168,60 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packed_rows: int = 0) -> int:
+def _median_s(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def small_row_kernels(weight: torch.Tensor, dnn: torch.Tensor | None, small_rows: int = SMALL_ROWS, repeats: int = 5) -> tuple[bool, ...]:
+    """For 1..``small_rows`` rows: whether oneDNN (``dnn``) beats ``F.linear`` on this weight here.
+
+    Why measured: which kernel is fastest at a few rows depends on the CPU, not the model. On
+    the Intel Xeon dev box ``F.linear``'s matrix-vector kernel wins at 1-3 rows (lm_head 19 ms vs
+    oneDNN 20 ms); on an AMD EPYC it is 1.9-5x slower than oneDNN there (lm_head 34 / 75 / 107 ms
+    at 1 / 2 / 3 rows vs 18 / 20 / 21 ms: ``results/measurements/cpu-linear-rows-epyc.json``).
+    Plain decoding (1 row) gets the faster one too, so speedups are never measured against a
+    needlessly slow baseline. Entry ``r - 1`` is the choice for ``r`` rows.
+    """
+    import torch.nn.functional as F
+
+    if dnn is None:
+        return (False,) * small_rows
+    out = []
+    with torch.inference_mode():
+        for rows in range(1, small_rows + 1):
+            x = torch.randn(rows, weight.shape[1])
+            t_lin = _median_s(lambda: F.linear(x, weight), repeats)
+            t_dnn = _median_s(lambda: onednn_linear(x, dnn, None), repeats)
+            out.append(t_dnn < ONEDNN_WINS * t_lin)
+    return tuple(out)
+
+
+def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packed_rows: int = 0,
+                     small_kernels: dict | None = None) -> int:
     """Make every ``nn.Linear`` of a CPU model fast for a few rows at a time (tree verification).
 
     Why: on x86 CPUs ``F.linear`` switches from a matrix-vector kernel to a GEMM path at 4 rows
-    that is 2-2.5x slower than 1-3 rows. From 4 rows up the weight goes through oneDNN on a copy
-    reordered once at load into its blocked layout (per layer 4-8 rows cost 1.2-1.5x one row,
-    against 1.4-1.9x for ``x @ W.T`` on a transposed copy, the fallback where torch has no oneDNN); both lose to ``F.linear`` at 1-3 rows.
+    that is 2-2.5x slower than 1-3 rows (Xeon dev box). From 4 rows up the weight goes through
+    oneDNN on a copy reordered once at load into its blocked layout (per layer 4-8 rows cost
+    1.2-1.5x one row, against 1.4-1.9x for ``x @ W.T`` on a transposed copy, the fallback where
+    torch has no oneDNN).
     With ``packed_rows=16``, 4..16 rows go through MKL's packed GEMM instead (inputs padded;
     opt-in, one more weight copy). Measured by ``python -m benchmarks.linear_rows`` ->
     ``results/measurements/cpu-linear-rows.json`` and ``python -m benchmarks.kernel_ab``.
-    Plain decoding (1 row) keeps the untouched kernel, so the plain-greedy baseline is not
-    changed. Returns how many layers were tuned.
+    At 1-3 rows (plain decoding included) the faster of ``F.linear`` and oneDNN is measured
+    once per weight shape (:func:`small_row_kernels`; ``small_kernels``: shape -> choices, given
+    or filled here). Returns how many layers were tuned.
     """
     import torch.nn.functional as F
 
     n = 0
+    chosen = {} if small_kernels is None else small_kernels
     for mod in model.modules():
         if not isinstance(mod, torch.nn.Linear) or mod.weight.device.type != "cpu" or mod.weight.dtype != torch.float32:
             continue
@@ -189,11 +229,15 @@ def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packe
         dnn = onednn_pack(weight)
         weight_t = None if dnn is not None else weight.detach().t().contiguous()  # [in, out]
         packed = mkl_pack(weight, packed_rows) if packed_rows > small_rows else None
+        shape = tuple(weight.shape)
+        if shape not in chosen:
+            chosen[shape] = small_row_kernels(weight.detach(), dnn, small_rows)
+        small = chosen[shape]
 
-        def forward(x, weight=weight, bias=bias, weight_t=weight_t, dnn=dnn, packed=packed):
+        def forward(x, weight=weight, bias=bias, weight_t=weight_t, dnn=dnn, packed=packed, small=small):
             rows = x.numel() // x.shape[-1]
             if rows <= small_rows:
-                return F.linear(x, weight, bias)
+                return onednn_linear(x, dnn, bias) if small[rows - 1] else F.linear(x, weight, bias)
             if packed is not None and rows <= packed_rows:
                 return packed_linear(x, packed, weight, bias, packed_rows)
             if dnn is not None:
