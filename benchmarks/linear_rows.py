@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import torch.nn.functional as F
 
-from toolspec_core.target import PACKED_ROWS, mkl_pack, onednn_linear, onednn_pack, packed_linear
+from toolspec_core.target import PACKED_ROWS, median_seconds, mkl_pack, onednn_linear, onednn_pack, packed_linear
 
 from .cost import hardware_string
 
@@ -30,13 +29,7 @@ ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 17, 32, 64, 512)
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1000
+    return 1000 * median_seconds(fn, repeats)
 
 
 def measure(repeats: int = 5) -> dict:

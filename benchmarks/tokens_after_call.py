@@ -17,15 +17,20 @@ from .data import load_items
 
 
 def first_call_end(tokenizer, tools: list[dict], tokens: list[int]) -> int | None:
-    """Number of tokens up to and including the one that completes the first call (None: no call)."""
+    """Number of tokens up to and including the one that completes the first call (None: no call).
+
+    Each token is decoded once, fed as it comes (byte-level BPE text is the concatenation of its
+    pieces; a piece that ends inside a multi-byte character waits for the next), as
+    ``SchemaDrafter._sync`` feeds the tracker while decoding.
+    """
     tr = CallTracker(ToolIndex.from_tools(tools))
-    done = 0
+    fed = 0  # tokens whose text the tracker has seen
     for i in range(len(tokens)):
-        text = tokenizer.decode(tokens[: i + 1], skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        piece = tokenizer.decode(tokens[fed : i + 1], skip_special_tokens=True)
+        if piece.endswith("\ufffd"):
             continue
-        tr.feed(text[done:])
-        done = len(text)
+        tr.feed(piece)
+        fed = i + 1
         if tr.calls:
             return i + 1
     return None

@@ -452,3 +452,25 @@ def test_a_call_of_an_unknown_tool_still_gets_its_structure_drafted():
     texts = _texts(continuations(tracker('{"name": "calculateSalary", "arguments": {"salary": 5000'), idx, Priors(), [7], levels=2))
     assert ', "' in texts and "}}" in texts
     assert _texts(continuations(tracker('{"name": "calculateSalary", "arguments": {"'), idx, Priors(), [0], levels=2)) == []
+
+
+def test_first_call_end_feeds_each_token_once(qwen_tok):
+    """``benchmarks.tokens_after_call.first_call_end`` decodes token by token (multi-byte characters
+    split across tokens included) and finds the token that completes the first call -- the same
+    answer as re-decoding every prefix."""
+    from benchmarks.tokens_after_call import first_call_end
+
+    def by_prefix(tokens):
+        for i in range(len(tokens)):
+            t = CallTracker(ToolIndex.from_tools(TOOLS))
+            t.feed(qwen_tok.decode(tokens[: i + 1], skip_special_tokens=True).rstrip("\ufffd"))
+            if t.calls:
+                return i + 1
+        return None
+
+    for text in ['Sure — 天气 ☀️ first.\n{"name": "get_time", "arguments": {"tz": "東京"}}\n{"result": "ok"}',
+                 '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Zürich"\n  }\n}\n```\nDone.',
+                 "No call here, only prose 🙂"]:
+        tokens = qwen_tok.encode(text)
+        assert first_call_end(qwen_tok, TOOLS, tokens) == by_prefix(tokens)
+    assert first_call_end(qwen_tok, TOOLS, qwen_tok.encode("No call here")) is None

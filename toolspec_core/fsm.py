@@ -71,6 +71,8 @@ class ToolIndex:
         if name not in self._resolved:
             import difflib
 
+            if len(self._resolved) >= 1024:  # the index lives as long as its tool set: keep it bounded
+                self._resolved.clear()
             close = difflib.get_close_matches(name, self.names, 1, self.SIMILAR)
             self._resolved[name] = close[0] if close else None
         return self._resolved[name]

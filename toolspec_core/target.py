@@ -168,7 +168,8 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _median_s(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` calls, after one untimed call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -196,8 +197,8 @@ def small_row_kernels(weight: torch.Tensor, dnn: torch.Tensor | None, small_rows
     with torch.inference_mode():
         for rows in range(1, small_rows + 1):
             x = torch.randn(rows, weight.shape[1])
-            t_lin = _median_s(lambda: F.linear(x, weight), repeats)
-            t_dnn = _median_s(lambda: onednn_linear(x, dnn, None), repeats)
+            t_lin = median_seconds(lambda: F.linear(x, weight), repeats)
+            t_dnn = median_seconds(lambda: onednn_linear(x, dnn, None), repeats)
             out.append(t_dnn < ONEDNN_WINS * t_lin)
     return tuple(out)
 
