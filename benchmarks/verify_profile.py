@@ -1,10 +1,8 @@
 """Where the time of one verify forward goes, by operator group (torch profiler, self CPU time).
 
 The question behind the CPU kernel work: is a k-token verify step GEMM-bound (then the linear
-kernels decide the cost curve) or spent in attention / glue? Same set-up as the start-up cost
-probe (``toolspec_core.budget.measure_cost_points``): the embedded model as decoding loads it,
-a random ``prefix``-token cache, a chain tree of k-1 draft tokens, ``verify_step`` as decoding
-calls it, the cache cropped back after each step.
+kernels decide the cost curve) or spent in attention / glue? The start-up cost probe's
+steps (``toolspec_core.budget.probe_steps``) on the embedded model as decoding loads it.
 
     python -m benchmarks.verify_profile [--ks 1,4,8,16] [--out benchmarks/results/measurements/cpu-verify-profile.json]
 """
@@ -32,23 +30,12 @@ def group_of(name: str) -> str:
 
 
 def profile(target, ks: list[int], prefix: int = 500, repeats: int = 5) -> dict:
-    from toolspec_core.engine import verify_step
-    from toolspec_core.sampling import SamplingParams
-    from toolspec_core.tree import DraftTree
+    from toolspec_core.budget import probe_steps
 
-    vocab = target.model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    cache = target.new_cache()
-    target.hidden(torch.randint(0, vocab, (1, prefix), generator=g), torch.arange(prefix)[None], None, cache)
+    steps = probe_steps(target, prefix, ks)
     out = {}
     for k in ks:
-        tree = DraftTree()
-        tree.add_path(torch.randint(0, vocab, (k - 1,), generator=g).tolist(), 0.5, "probe")
-
-        def step():
-            verify_step(target, tree, 0, cache, SamplingParams(), None)
-            cache.crop(-(cache.get_seq_length() - prefix))
-
+        step = steps[k]
         step()  # warm-up
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(repeats):

@@ -8,6 +8,7 @@ to every tree method and a step never costs more than it is expected to gain.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -123,6 +124,15 @@ def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: i
     drifts -- a 1-token forward slows more than a many-token one when memory bandwidth is
     contended, so ratios against a 1-token time from another moment come out too low.
     """
+    steps = probe_steps(target, prefix_len, ks)
+    return paired_cost(lambda k: steps[k](), ks, repeats)
+
+
+def probe_steps(target, prefix_len: int = 500, ks=DEFAULT_KS) -> dict:
+    """k -> a function running one verify step of k tree tokens (a chain of k-1 random drafts)
+    over one shared random ``prefix_len``-token cache, cropping it back after, and returning the
+    step's seconds (the crop untimed): what the cost probe times and ``benchmarks.verify_profile``
+    profiles."""
     from .engine import verify_step
     from .sampling import SamplingParams
 
@@ -134,19 +144,20 @@ def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: i
     if cache.get_seq_length() != prefix_len:  # e.g. a cache argument the model ignored: k tokens would be timed alone
         raise RuntimeError(f"the prefill left {cache.get_seq_length()} cached positions, expected {prefix_len}")
     greedy = SamplingParams()
-    trees = {}
-    for k in ks:
-        trees[k] = DraftTree()
-        trees[k].add_path(torch.randint(0, vocab, (k - 1,), generator=g).tolist(), 0.5, "probe")
 
-    def once(k: int) -> float:
+    def step(tree: DraftTree) -> float:
         t0 = time.perf_counter()
-        verify_step(target, trees[k], 0, cache, greedy, None)
+        verify_step(target, tree, 0, cache, greedy, None)
         dt = time.perf_counter() - t0
         cache.crop(-(cache.get_seq_length() - prefix_len))
         return dt
 
-    return paired_cost(once, ks, repeats)
+    out = {}
+    for k in ks:
+        tree = DraftTree()
+        tree.add_path(torch.randint(0, vocab, (k - 1,), generator=g).tolist(), 0.5, "probe")
+        out[k] = functools.partial(step, tree)
+    return out
 
 
 def paired_cost(once, ks, repeats: int) -> tuple[dict[int, float], dict[int, float]]:

@@ -136,13 +136,12 @@ class _Builder:
         return self.seq(segs, self.args_open(name, layout, call_indent + self.tr.indent_unit if self.pretty(layout) else 0, lv))
 
     def args_open(self, name: str, layout: Layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
-        props = self.tools.properties(name)
-        if self.tools.free(name):  # a tool the request does not offer: a key of unknown name, most likely
-            ws = self.rest(self.ws_in(args_indent, layout), since)
-            return [Cand([(ws + '"', CALL_KEY)], self.FREE_MORE)]
-        if not props:
+        free = self.tools.free(name)  # a tool the request does not offer: a key of unknown name, most likely
+        if not free and not self.tools.properties(name):
             return self.seq([("}", CALL_KEY)], self.close_call(layout, lv)) if lv >= 0 else []
         ws = self.rest(self.ws_in(args_indent, layout), since)
+        if free:
+            return [Cand([(ws + '"', CALL_KEY)], self.FREE_MORE)]
         return self.seq([(ws + '"', CALL_KEY)], self.arg_names(name, [], "", layout, args_indent, lv))
 
     def arg_weights(self, name: str, used: list[str], cands: list[str]) -> list[float]:
@@ -171,7 +170,7 @@ class _Builder:
         return nxt
 
     def arg_names(self, name: str, used: list[str], prefix: str, layout, args_indent: int, lv: int) -> list[Cand]:
-        if self.tools.free(name):  # unknown names: the one being typed may end here (keys end at token boundaries more often than not)
+        if self.tools.free(name):  # unknown names: the one being typed may end here (as in ``in_object``)
             return [Cand([('"' + self.tr.kv_sep, ARG_NAME)], 0.5)] if prefix else []
         props = self.tools.properties(name)
         cands = [a for a in props if a not in used and a.startswith(prefix)]
@@ -228,9 +227,7 @@ class _Builder:
         req = set(self.tools.required(name))
         left = [a for a in props if a not in used]
         missing_req = any(a in req for a in left)
-        p_more = 0.0 if not left else (0.9 if missing_req else 0.35)
-        if self.tools.free(name):
-            p_more = self.FREE_MORE
+        p_more = self.FREE_MORE if self.tools.free(name) else 0.0 if not left else (0.9 if missing_req else 0.35)
         out = []
         if p_more > 0:
             sep = self.sep(args_indent, layout)
