@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from toolspec_core.attention import use_grouped_sdpa
 from toolspec_core.budget import CPU_REFERENCE_CURVE, DEFAULT_KS, interpolate
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -110,6 +111,7 @@ def build_shape(name: str, device: str, dtype: torch.dtype):
             model = Qwen2ForCausalLM(cfg)
     finally:
         torch.set_default_dtype(old)
+    use_grouped_sdpa(model)  # the attention decoding runs (toolspec_core.target.from_model)
     return model.eval()
 
 
@@ -126,6 +128,7 @@ def load_model(spec: str, device: str, dtype: torch.dtype):
     else:
         path, label = Path(spec), Path(spec).name
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+    use_grouped_sdpa(model)
     return model.to(device).eval(), label
 
 

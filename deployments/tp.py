@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from toolspec_core.attention import use_grouped_sdpa
 from toolspec_core.target import Target, cache_kwarg
 
 
@@ -83,6 +84,7 @@ class TPWorker:
         dtype = _DTYPES[self.dtype]
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation="sdpa")
         model.eval()
+        use_grouped_sdpa(model)  # before sharding: each rank then groups its own heads
         if self.world == 1:  # one accelerator, no sharding: the same remote-worker path, no DeepSpeed
             self.model = model.to(self.device)
         else:

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from .attention import use_grouped_sdpa
 from .embedded import EMBEDDED_MODEL_NAME, ModelFileError, embedded_model_dir
 
 
@@ -117,8 +118,10 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
 
 
 def from_model(model, tokenizer, name: str = "model") -> Target:
-    """Wrap an already-built HF model (tests build tiny random ones)."""
+    """Wrap an already-built HF model (tests build tiny random ones); an SDPA model is switched to
+    the grouped tree-verify attention (:mod:`toolspec_core.attention`)."""
     model.eval()
+    use_grouped_sdpa(model)
     ctx = getattr(model.config, "max_position_embeddings", None) or 32768
     return Target(model=model, tokenizer=tokenizer, name=name, eos_ids=_eos_ids(model, tokenizer), max_context=ctx)
 

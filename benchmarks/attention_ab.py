@@ -1,0 +1,62 @@
+"""A/B of one verify step under HF's SDPA attention and the grouped one (``toolspec_core.attention``).
+
+The start-up cost probe's steps (``toolspec_core.budget.probe_steps``: a chain of k-1 drafts over
+a 500-token cache) on the embedded model as decoding loads it; each repetition runs every k once
+under each attention, alternating, so a noisy host moves both alike. Median seconds per k.
+
+    python -m benchmarks.attention_ab [--ks 1,2,3,4,8,16,32] [--repeats 25] [--out F.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from .cost import hardware_string
+
+ATTENTIONS = ("sdpa", "toolspec_grouped_sdpa")
+
+
+def ab(target, ks: list[int], repeats: int, prefix: int = 500) -> dict:
+    from toolspec_core.budget import probe_steps
+
+    steps = probe_steps(target, prefix, ks)
+    times = {a: {k: [] for k in ks} for a in ATTENTIONS}
+    for rep in range(repeats + 1):  # the first round warms up
+        for k in ks:
+            for attn in ATTENTIONS:
+                target.model.set_attn_implementation(attn)
+                dt = steps[k]()
+                if rep:
+                    times[attn][k].append(dt)
+    target.model.set_attn_implementation(ATTENTIONS[-1])
+    out = {}
+    for k in ks:
+        hf, grouped = (statistics.median(times[a][k]) for a in ATTENTIONS)
+        out[str(k)] = {"sdpa_ms": round(hf * 1e3, 2), "grouped_ms": round(grouped * 1e3, 2),
+                       "grouped_over_sdpa": round(grouped / hf, 3)}
+    return out
+
+
+def main(argv=None) -> None:
+    from toolspec_core.target import load_target
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ks", default="1,2,3,4,8,16,32")
+    ap.add_argument("--repeats", type=int, default=25)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/measurements/cpu-attention-grouped.json")
+    args = ap.parse_args(argv)
+    target = load_target(threads=args.threads)
+    ks = [int(k) for k in args.ks.split(",")]
+    result = {"what": "median seconds of one verify step (probe_steps, 500-token prefix), HF SDPA vs grouped attention",
+              "model": target.name, "hardware": hardware_string("cpu"), "threads": args.threads, "repeats": args.repeats,
+              "steps": ab(target, ks, args.repeats)}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result["steps"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
