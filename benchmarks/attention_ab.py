@@ -1,10 +1,10 @@
 """A/B of one verify step under HF's SDPA attention and the grouped one (``toolspec_core.attention``).
 
 The start-up cost probe's steps (``toolspec_core.budget.probe_steps``: a chain of k-1 drafts over
-a 500-token cache) on the embedded model as decoding loads it; each repetition runs every k once
+a cached random prefix, 500 tokens unless told) on the embedded model as decoding loads it; each repetition runs every k once
 under each attention, alternating, so a noisy host moves both alike. Median seconds per k.
 
-    python -m benchmarks.attention_ab [--ks 1,2,3,4,8,16,32] [--repeats 25] [--out F.json]
+    python -m benchmarks.attention_ab [--ks 1,2,3,4,8,16,32] [--prefix 500] [--repeats 25] [--out F.json]
 """
 
 from __future__ import annotations
@@ -46,13 +46,14 @@ def main(argv=None) -> None:
     ap.add_argument("--ks", default="1,2,3,4,8,16,32")
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefix", type=int, default=500, help="cached prefix length")
     ap.add_argument("--out", default="benchmarks/results/measurements/cpu-attention-grouped.json")
     args = ap.parse_args(argv)
     target = load_target(threads=args.threads)
     ks = [int(k) for k in args.ks.split(",")]
-    result = {"what": "median seconds of one verify step (probe_steps, 500-token prefix), HF SDPA vs grouped attention",
+    result = {"what": f"median seconds of one verify step (probe_steps, {args.prefix}-token prefix), HF SDPA vs grouped attention",
               "model": target.name, "hardware": hardware_string("cpu"), "threads": args.threads, "repeats": args.repeats,
-              "steps": ab(target, ks, args.repeats)}
+              "steps": ab(target, ks, args.repeats, args.prefix)}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result["steps"], indent=1))
