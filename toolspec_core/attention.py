@@ -4,9 +4,10 @@ HF's SDPA path runs grouped-query attention natively only without a mask (or for
 token); a verify step has a tree mask, so every layer copied its K and V once per query head
 (Qwen2.5-0.5B: 2 -> 14 heads, ~4 MB a layer over a 600-token cache). Here the ``g`` query heads
 that share a KV head are stacked as ``g * T`` query rows of that head and the mask is repeated
-``g`` times instead (``g * T * S`` values, tiny at verify sizes). Same function; a 2-32-token verify step measured
-2-6% faster on the dev CPU (``benchmarks/results/measurements/cpu-attention-grouped-epyc.json``,
-``python -m benchmarks.attention_ab``); one-token steps never had the copy.
+``g`` times instead (``g * T * S`` values, tiny at verify sizes). Same function; a 2-32-token verify
+step measured 2-6% faster over a 500-token prefix and 6-20% over a 1,500-token one on the dev CPU
+(``benchmarks/results/measurements/cpu-attention-grouped-epyc*.json``, ``python -m
+benchmarks.attention_ab``); one-token steps never had the copy.
 """
 
 from __future__ import annotations
