@@ -13,9 +13,11 @@ import argparse
 import json
 import statistics
 
+from toolspec_core.attention import NAME as GROUPED
+
 from .cost import hardware_string
 
-ATTENTIONS = ("sdpa", "toolspec_grouped_sdpa")
+ATTENTIONS = ("sdpa", GROUPED)  # HF's, then ours (the one decoding runs, restored after)
 
 
 def ab(target, ks: list[int], repeats: int, prefix: int = 500) -> dict:
