@@ -133,6 +133,57 @@ def test_after_the_comma_that_follows_the_tool_name_the_arguments_key_is_drafted
         assert texts and texts[0].startswith(want), (text, texts[:2])
 
 
+def test_a_step_that_ends_on_the_colon_gets_the_separators_space_drafted():
+    # `":` is one token and ` "` the next: a step often ends between them; the drafts go on with the space
+    idx = ToolIndex.from_tools(TOOLS)
+    for text, want in [
+        ('{"name":', ' "get_'),
+        ('{"name": "get_time", "arguments":', ' {"tz": '),
+        ('{"name": "get_time", "arguments": {"tz":', ' "'),
+        ('{"name": "get_weather", "arguments": {"city": "Oslo", "unit":', ' "celsius"'),
+        ('{"name": "get_time", "arguments": {"tz": ', '"'),  # the space written: not drafted again
+    ]:
+        texts = _texts(continuations(tracker(text), idx, Priors(), [0], levels=2))
+        assert texts and any(x.startswith(want) for x in texts[:2]), (text, texts[:2])
+        assert all(x.startswith(" ") == want.startswith(" ") for x in texts), (text, texts)
+
+
+def test_compact_json_is_drafted_without_spaces():
+    t = tracker('{"name":"get_weather","arguments":{"city":"Oslo","days":3,"unit":')
+    assert t.kv_sep == ":" and t.item_sep == ","
+    texts = _texts(continuations(t, ToolIndex.from_tools(TOOLS), Priors(), [0], levels=2))
+    assert texts and texts[0].startswith('"') and any(x.startswith('"celsius","') for x in texts)
+
+
+def test_a_next_call_repeats_the_tools_and_values_this_output_called():
+    from toolspec_core.drafting import OWN_CALL
+
+    idx = ToolIndex.from_tools(TOOLS)
+    priors = Priors(tool_counts={"get_weather": 20.0})  # the tool most requests call
+    text = '{"name": "get_time", "arguments": {"tz": "UTC"}}\n{"name": "'
+    own = [("get_time", {"tz": "UTC"})]
+    without = continuations(tracker(text), idx, priors, [0], levels=2)
+    assert _texts(without)[0].startswith("get_weather")
+    with_own = continuations(tracker(text), idx, priors, [0], levels=2, own=own)
+    assert _texts(with_own)[0].startswith('get_time", "arguments": {"tz": "UTC"')
+    assert any(seg == ('"UTC"', OWN_CALL) for c in with_own for seg in c.segs)
+    assert sum(c.prob for c in with_own if _texts([c])[0].startswith("get_time")) > 0.5
+
+
+def test_the_drafter_passes_the_calls_this_output_finished(qwen_tok):
+    from toolspec_core.prompting import render_prompt
+
+    prompt = render_prompt(qwen_tok, [{"role": "user", "content": "Time in UTC, twice."}], TOOLS)
+    first = '{"name": "get_time", "arguments": {"tz": "UTC"}}\n'
+    drafter = SchemaMethod(qwen_tok).drafter(RequestInfo(prompt, TOOLS))
+    gen = qwen_tok.encode(first + '{"name":')
+    tree = drafter.propose(DraftContext(prompt + gen, len(prompt), 40))
+    assert drafter._own_calls() == [("get_time", {"tz": "UTC"})]
+    truth = qwen_tok.encode(first + '{"name": "get_time", "arguments": {"tz": "UTC"}}')[len(gen):]
+    res = oracle_walk(tree, truth)
+    assert len(res.path) >= len(truth) - 1  # the repeat drafted whole (the budget decides what is kept)
+
+
 def test_an_object_after_a_finished_call_is_labelled_apart():
     from toolspec_core.schema import NEXT_CALL
 

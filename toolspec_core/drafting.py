@@ -42,7 +42,8 @@ RETRIEVAL = "retrieval"  # drafts taken from retrieved past calls (values in sch
 SPAN = "span"  # argument value copied from the context (values.value_spans)
 DERIVED = "derived"  # values rendered from the context in the call's form (dates: values.date_values)
 PATTERN = "pattern"  # a counting run a value has begun, continued (values.digit_run)
-CHAIN_LABELS = (PLD, RETRIEVAL, SPAN, DERIVED, PATTERN)
+OWN_CALL = "own_call"  # a value a call earlier in this output passed (a repeated or parallel call)
+CHAIN_LABELS = (PLD, RETRIEVAL, SPAN, DERIVED, PATTERN, OWN_CALL)
 
 
 def base_label(key: str) -> str:

@@ -233,7 +233,9 @@ class CallTracker:
             self.item_sep = "," + self.since
 
     def _note_value_start(self) -> None:
-        if self.since and self.stack and self.stack[-1].expect == "value" and self.stack[-1].kind == "obj":
+        """The whitespace between a colon and its value is the output's key-value separator
+        (none in compact JSON)."""
+        if self.stack and self.stack[-1].expect == "value" and self.stack[-1].kind == "obj":
             self.kv_sep = ":" + self.since
 
     def _open(self, ch: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .drafting import DERIVED, RETRIEVAL
+from .drafting import DERIVED, OWN_CALL, RETRIEVAL
 from .fsm import ARG_NAME, CALL_KEY, END, TOOL_NAME, VALUE, CallTracker, Frame, ToolIndex
 from .layouts import LAYOUTS, Layout
 from .objkeys import CLOSE, KeyIndex, key_candidates
@@ -68,14 +68,34 @@ class _Builder:
 
     OUTPUT_KEYS_WEIGHT = 3.0  # the output's own objects repeat more often than the conversation's
     FREE_MORE = 0.5  # a call of an unknown tool (``ToolIndex.free``): chance of another argument
+    OWN_SHARE = 0.5  # of a next call's tool-name mass: the tools this output already called (repeats, parallel calls)
+    SEEN_SHARE = 0.9  # at most this much of a value's mass goes to values seen in past / earlier calls
 
     def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int, past=(), dates=(),
-                 context_keys: KeyIndex | None = None):
+                 context_keys: KeyIndex | None = None, own=()):
         self.tr, self.tools, self.priors, self.eos = tr, tools, priors, eos
         self.levels = levels
         self.past = list(past)  # (tool name, arguments) of retrieved past calls
+        self.own = list(own)  # (tool name, arguments) of the calls this output has finished
         self.dates = list(dates)  # dates the conversation mentions (values.context_dates)
         self.objects = ([(context_keys, 1.0)] if context_keys is not None else []) + [(tr.objects, self.OUTPUT_KEYS_WEIGHT)]
+
+    def tool_weights(self, names: list[str]) -> list[float]:
+        """Learned tool frequencies, half the mass moved to the tools this output already called."""
+        w = self.priors.tool_weights(names)
+        own = [n for n, _ in self.own if n in names]
+        if not own:
+            return w
+        return [(1 - self.OWN_SHARE) * x + self.OWN_SHARE * own.count(n) / len(own) for n, x in zip(names, w)]
+
+    def seen_values(self, name: str, key: str) -> list[tuple[object, float, str]]:
+        """(value, share, label) of the values retrieved past calls and this output's earlier calls
+        of ``name`` passed as ``key``; shares scaled to at most ``SEEN_SHARE`` together."""
+        seen = [(v, s, RETRIEVAL) for v, s in _past_values(self.past, name, key)]
+        seen += [(v, s, OWN_CALL) for v, s in _past_values(self.own, name, key)]
+        total = sum(s for _, s, _ in seen)
+        scale = self.SEEN_SHARE / total if total > self.SEEN_SHARE else 1.0
+        return [(v, s * scale, lab) for v, s, lab in seen]
 
     def derived(self, key: str, schema: dict) -> list[str]:
         """Context dates rendered for a string argument that may hold one (most likely first)."""
@@ -122,7 +142,7 @@ class _Builder:
         if not names:
             return []
         out = []
-        for name, w in zip(names, self.priors.tool_weights(names)):
+        for name, w in zip(names, self.tool_weights(names)):
             segs = [(name[len(prefix):] + '"', TOOL_NAME)]
             tail = self.after_name(name, layout, call_indent, lv - 1) if lv > 0 else None
             out += self.seq(segs, tail, w)
@@ -162,7 +182,7 @@ class _Builder:
     def _past_next_args(self, name: str, used: list[str]) -> dict[str, float]:
         """Share of past calls of ``name`` whose next argument after ``used`` was each name."""
         nxt: dict[str, float] = {}
-        calls = [list(a) for n, a in self.past if n == name and isinstance(a, dict)]
+        calls = [list(a) for n, a in self.past + self.own if n == name and isinstance(a, dict)]
         for keys in calls:
             rest = [k for k in keys if k not in used]
             if rest:
@@ -183,11 +203,11 @@ class _Builder:
 
     def value_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
         """Values earlier calls of this tool passed here, then the typed openings."""
-        seen = _past_values(self.past, name, used[-1]) if used else []
+        seen = self.seen_values(name, used[-1]) if used else []
         out = []
-        for v, share in seen:
-            out += self.seq([(_json_scalar(v), RETRIEVAL)], self.after_value(name, used, layout, args_indent, lv - 1), share)
-        rest = 1.0 - sum(sh for _, sh in seen)
+        for v, share, label in seen:
+            out += self.seq([(_json_scalar(v), label)], self.after_value(name, used, layout, args_indent, lv - 1), share)
+        rest = 1.0 - sum(sh for _, sh, _ in seen)
         derived = self.derived(used[-1], schema) if used else []
         if derived:
             after = self.after_value(name, used, layout, args_indent, lv - 1)
@@ -313,13 +333,11 @@ class _Builder:
         if f.expect == "key" and not any(k in f.keys for k in ("arguments", "parameters")):
             return self.after_name(tr.name or "", lay, f.indent, lv, since=tr.since, after_comma=True)  # a step may end on the comma
         if f.expect in ("colon", "value") and f.key == "name":
-            pre = tr.kv_sep if f.expect == "colon" else ""
-            return self.seq([(pre + '"', CALL_KEY)], self.tool_names("", lay, f.indent, lv))
+            return self.seq([(self.after_colon(f) + '"', CALL_KEY)], self.tool_names("", lay, f.indent, lv))
         if f.expect == "next" and f.key == "name":
             return self.after_name(tr.name or "", lay, f.indent, lv, since=tr.since)
         if f.expect in ("colon", "value") and f.key in ("arguments", "parameters"):
-            pre = tr.kv_sep if f.expect == "colon" else ""
-            return self.seq([(pre + "{", CALL_KEY)], self.args_open(tr.name, lay, self._args_indent(f, lay), lv))
+            return self.seq([(self.after_colon(f) + "{", CALL_KEY)], self.args_open(tr.name, lay, self._args_indent(f, lay), lv))
         if f.expect == "next":
             return self.close_call(lay, lv) if self.tr.frame("args") is None else []
         return []
@@ -373,6 +391,13 @@ class _Builder:
         (a parallel call for some models, an invented tool result for others)."""
         return NEXT_CALL if self.tr.calls and self.tr.frame("calls") is None else CALL_KEY
 
+    def after_colon(self, f: Frame) -> str:
+        """What of the key-value separator (``": "``) is still to come: all of it before the colon,
+        the whitespace not yet written after it (a step often ends on a ``":`` token)."""
+        if f.expect == "colon":
+            return self.tr.kv_sep
+        return self.rest(self.tr.kv_sep[1:], self.tr.since)
+
     def _args_indent(self, call: Frame, lay) -> int:
         return call.indent + self.tr.indent_unit if self.pretty(lay) else 0
 
@@ -389,7 +414,9 @@ class _Builder:
         if f.expect == "colon":
             return self.seq([(tr.kv_sep, CALL_KEY)], self.value_start(name, used, schema, lay, f.indent, lv))
         if f.expect == "value" and not tr.in_str and not tr.in_scalar:
-            return self.value_start(name, used, schema, lay, f.indent, lv)
+            ws = self.after_colon(f)  # a step may end on the colon: the separator's space is still to come
+            starts = self.value_start(name, used, schema, lay, f.indent, lv)
+            return self.seq([(ws, CALL_KEY)], starts) if ws else starts
         if tr.in_str == "value":
             return self.string_value(name, used, schema, lay, f.indent, lv)
         if tr.in_scalar:
@@ -410,10 +437,10 @@ class _Builder:
         # the string may end here: closing quote + what follows (low prior; the budget decides)
         after = self.after_value(name, used, lay, indent, lv - 1)
         out = self.seq([('"', VALUE)], after, 0.15)
-        for v, share in _past_values(self.past, name, used[-1]) if used else []:
+        for v, share, label in self.seen_values(name, used[-1]) if used else []:
             text = _json_scalar(v)[1:] if isinstance(v, str) else ""
             if text.startswith(buf) and len(text) > len(buf) + 1:
-                out += self.seq([(text[len(buf):], RETRIEVAL)], after, share)
+                out += self.seq([(text[len(buf):], label)], after, share)
         derived = [v for v in self.derived(used[-1], schema) if v.startswith(buf) and len(v) > len(buf)] if used else []
         for v, share in zip(derived, _rank_shares(len(derived), 0.6)):
             out += self.seq([(v[len(buf):], DERIVED), ('"', VALUE)], after, share)
@@ -448,17 +475,19 @@ def _overlap(text: str, full: str) -> int:
 
 
 def continuations(tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int = 3, max_cands: int = 64,
-                  past=(), dates=(), context_keys: KeyIndex | None = None) -> list[Cand]:
+                  past=(), dates=(), context_keys: KeyIndex | None = None, own=()) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first.
 
     ``past``: (tool name, arguments) of retrieved past calls -- their argument order and values
     become branches, written in the style this output uses (not the style they were stored in).
+    ``own``: (tool name, arguments) of the calls this output has finished -- a next call often
+    repeats one (small models) or calls the same tool again with other values (parallel calls).
     ``dates``: dates the conversation mentions (``values.context_dates``) -- rendered as date
     arguments are written, they become value branches.
     ``context_keys``: the conversation's JSON objects (``objkeys.KeyScanner``) -- with the output's
     own (``tr.objects``), the keys of objects no schema describes (made-up results, records) follow them.
     """
-    cands = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys).build()
+    cands = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys, own).build()
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
     cands.sort(key=lambda c: -c.prob)
     return cands[:max_cands]

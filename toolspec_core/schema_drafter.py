@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .boundary import BoundaryTokenizer
 from .baselines import SUFFIX_PRIOR, SuffixDrafter, SuffixTrie
-from .drafting import PATTERN, SPAN, DraftContext, LabelRates, add_copies, base_label, is_chain, match_label, rate_key
+from .drafting import OWN_CALL, PATTERN, SPAN, DraftContext, LabelRates, add_copies, base_label, is_chain, match_label, rate_key
 from .history import TenantHistories
 from .fsm import END, TEXT, VALUE, CallTracker, ToolIndex
 from .library import CallLibrary, MemoryLibrary, PastCall
@@ -27,7 +27,7 @@ from .verify import VerifyResult
 SUFFIX_STATES = (TEXT, VALUE, END)  # FSM states whose text the schema cannot draft (offline replay: these pay)
 SUFFIX = "suffix"  # generic drafting over context + this tenant's earlier outputs (baselines.SuffixDrafter)
 DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9,
-                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, SPAN: 0.6, SPAN + "+": 0.85, DERIVED: 0.5, DERIVED + "+": 0.85, PATTERN: 0.5, PATTERN + "+": 0.85, NEXT_CALL: 0.5, OBJ_KEY: 0.6}
+                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, OWN_CALL: 0.5, OWN_CALL + "+": 0.85, SPAN: 0.6, SPAN + "+": 0.85, DERIVED: 0.5, DERIVED + "+": 0.85, PATTERN: 0.5, PATTERN + "+": 0.85, NEXT_CALL: 0.5, OBJ_KEY: 0.6}
 DET = 0.99  # a node whose share of its parent's mass is at least this is "deterministic"
 
 
@@ -162,6 +162,7 @@ class SchemaDrafter:
         self._prompt_text: str | None = None
         self._dates: list | None = None
         self._prompt_keys: KeyIndex | None = None  # objects of the conversation (objkeys)
+        self._own: tuple[int, list] = (0, [])  # (tracker.calls seen, (name, arguments) of this output's finished calls)
 
     def _sync(self, generated: list[int]) -> None:
         """Feed the tracker the text of the tokens committed since the last step (each decoded once).
@@ -181,7 +182,7 @@ class SchemaDrafter:
         if self.schema and self.tools.names:
             past = [(c.tool_name, c.arguments) for c in self.retrieval.calls] if self.retrieval is not None else ()
             cands = continuations(self.tracker, self.tools, self.priors, self.eos, past=past, dates=self._context_dates(ctx),
-                                  context_keys=self._context_keys(ctx))
+                                  context_keys=self._context_keys(ctx), own=self._own_calls())
             tree = candidates_to_tree(self.bt, ctx.tokens, cands, self.rates)
         if self.retrieval is not None:
             tree.merge(self.retrieval.tree(ctx, self.tracker.name))
@@ -198,6 +199,13 @@ class SchemaDrafter:
         leaf, prob = _chain_end(tree)
         if leaf != ROOT:
             self.suffix.extend(ctx, tree, leaf, prob)
+
+    def _own_calls(self) -> list[tuple[str, dict]]:
+        """This output's finished calls with their arguments, parsed again only when one more has closed."""
+        n = len(self.tracker.calls)
+        if n != self._own[0]:
+            self._own = (n, [(c.name, c.arguments) for c in parse_tool_calls(self.tracker.text).calls])
+        return self._own[1]
 
     def _prompt(self, ctx: DraftContext) -> str:
         if self._prompt_text is None:
