@@ -23,6 +23,7 @@ import torch
 
 from toolspec_core.attention import use_grouped_sdpa
 from toolspec_core.budget import CPU_REFERENCE_CURVE, DEFAULT_KS, interpolate
+from toolspec_core.target import load_hf_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CURVES = RESULTS / "curves"  # measured cost curves (not method runs): projections read them from here
@@ -117,8 +118,6 @@ def build_shape(name: str, device: str, dtype: torch.dtype):
 
 def load_model(spec: str, device: str, dtype: torch.dtype):
     """(model, label): ``spec`` is "embedded", a local HF directory, or a name in SHAPES."""
-    from transformers import AutoModelForCausalLM
-
     if spec in SHAPES:
         return build_shape(spec, device, dtype), spec
     if spec in ("", "embedded"):
@@ -127,9 +126,7 @@ def load_model(spec: str, device: str, dtype: torch.dtype):
         path, label = embedded_model_dir(), EMBEDDED_MODEL_NAME
     else:
         path, label = Path(spec), Path(spec).name
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
-    use_grouped_sdpa(model)
-    return model.to(device).eval(), label
+    return load_hf_model(path, dtype).to(device), label
 
 
 def serving_kernels(model, device: str, dtype: torch.dtype, packed_rows: int | None):

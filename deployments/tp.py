@@ -39,8 +39,7 @@ from pathlib import Path
 
 import torch
 
-from toolspec_core.attention import use_grouped_sdpa
-from toolspec_core.target import Target, cache_kwarg
+from toolspec_core.target import Target, cache_kwarg, load_hf_model
 
 
 def _free_port() -> int:
@@ -75,16 +74,12 @@ class TPWorker:
 
     def setup(self, threads: int | None = None) -> str:
         """Join the process group and shard the model (all ranks must call this concurrently)."""
-        from transformers import AutoModelForCausalLM
-
         if self.world > 1:
             import deepspeed
         if threads:
             torch.set_num_threads(threads)
         dtype = _DTYPES[self.dtype]
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation="sdpa")
-        model.eval()
-        use_grouped_sdpa(model)  # before sharding: each rank then groups its own heads
+        model = load_hf_model(self.model_path, dtype)  # grouped attention set before sharding: each rank groups its own heads
         if self.world == 1:  # one accelerator, no sharding: the same remote-worker path, no DeepSpeed
             self.model = model.to(self.device)
         else:

@@ -254,6 +254,17 @@ def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packe
     return n
 
 
+def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """An HF causal LM as every ToolSpec loader needs it (serving, the tensor-parallel worker, the cost
+    probe): SDPA attention -- the tree mask is 4D -- switched to the grouped tree-verify attention
+    (``attention.use_grouped_sdpa``). One place, so the loaders cannot drift apart."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+    use_grouped_sdpa(model)
+    return model.eval()
+
+
 def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32, threads: int | None = None,
                 tune_gemm: bool = True, packed_rows: int = 0, device: str = "cpu") -> Target:
     """Load a local HF model directory, or the embedded default when ``path`` is None/"embedded".
@@ -263,7 +274,7 @@ def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float
     ``tune_gemm``, ``packed_rows``: see :func:`tune_cpu_linears` (CPU float32 only;
     ``packed_rows=0`` saves a copy of the weights).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if threads:
         torch.set_num_threads(threads)
@@ -276,7 +287,7 @@ def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float
             raise ModelFileError(f"{path} is not an HF model directory (no config.json)")
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+        model = load_hf_model(path, dtype)
     except (OSError, ValueError) as exc:
         raise ModelFileError(f"could not load model from {path}: {exc}") from exc
     if device != "cpu":
