@@ -120,32 +120,30 @@ def test_value_type_drafting_enum_bool_and_closing():
     assert texts == ["{}}"]  # empty arguments, close the call (bare layout: no closer)
 
 
-def test_after_the_comma_that_follows_the_tool_name_the_arguments_key_is_drafted():
+@pytest.mark.parametrize("text,want", [
+    ('<tool_call>\n{"name": "get_time",', ' "arguments": {"tz": '),
+    ('{"name": "get_time", ', '"arguments": {"tz": '),
+    ('```json\n{\n  "name": "get_time",\n', '  "arguments": {\n    "tz": '),
+    ('```json\n{\n  "name": "get_time",', '\n  "arguments": {\n    "tz": '),
+])
+def test_after_the_comma_that_follows_the_tool_name_the_arguments_key_is_drafted(text, want):
     # a step may end right after the comma (`",` or `",\n` is one token); the schema still knows what follows
-    idx = ToolIndex.from_tools(TOOLS)
-    for text, want in [
-        ('<tool_call>\n{"name": "get_time",', ' "arguments": {"tz": '),
-        ('{"name": "get_time", ', '"arguments": {"tz": '),
-        ('```json\n{\n  "name": "get_time",\n', '  "arguments": {\n    "tz": '),
-        ('```json\n{\n  "name": "get_time",', '\n  "arguments": {\n    "tz": '),
-    ]:
-        texts = _texts(continuations(tracker(text), idx, Priors(), [0], levels=2))
-        assert texts and texts[0].startswith(want), (text, texts[:2])
+    texts = _texts(continuations(tracker(text), ToolIndex.from_tools(TOOLS), Priors(), [0], levels=2))
+    assert texts and texts[0].startswith(want), texts[:2]
 
 
-def test_a_step_that_ends_on_the_colon_gets_the_separators_space_drafted():
+@pytest.mark.parametrize("text,want", [
+    ('{"name":', ' "get_'),
+    ('{"name": "get_time", "arguments":', ' {"tz": '),
+    ('{"name": "get_time", "arguments": {"tz":', ' "'),
+    ('{"name": "get_weather", "arguments": {"city": "Oslo", "unit":', ' "celsius"'),
+    ('{"name": "get_time", "arguments": {"tz": ', '"'),  # the space written: not drafted again
+])
+def test_a_step_that_ends_on_the_colon_gets_the_separators_space_drafted(text, want):
     # `":` is one token and ` "` the next: a step often ends between them; the drafts go on with the space
-    idx = ToolIndex.from_tools(TOOLS)
-    for text, want in [
-        ('{"name":', ' "get_'),
-        ('{"name": "get_time", "arguments":', ' {"tz": '),
-        ('{"name": "get_time", "arguments": {"tz":', ' "'),
-        ('{"name": "get_weather", "arguments": {"city": "Oslo", "unit":', ' "celsius"'),
-        ('{"name": "get_time", "arguments": {"tz": ', '"'),  # the space written: not drafted again
-    ]:
-        texts = _texts(continuations(tracker(text), idx, Priors(), [0], levels=2))
-        assert texts and any(x.startswith(want) for x in texts[:2]), (text, texts[:2])
-        assert all(x.startswith(" ") == want.startswith(" ") for x in texts), (text, texts)
+    texts = _texts(continuations(tracker(text), ToolIndex.from_tools(TOOLS), Priors(), [0], levels=2))
+    assert texts and any(x.startswith(want) for x in texts[:2]), texts[:2]
+    assert all(x.startswith(" ") == want.startswith(" ") for x in texts), texts
 
 
 def test_compact_json_is_drafted_without_spaces():
