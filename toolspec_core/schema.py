@@ -411,10 +411,8 @@ class _Builder:
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
             return self.seq([(ws + '"', CALL_KEY)], self.arg_names(name, used, "", lay, f.indent, lv))
         schema = self.tools.properties(name).get(f.key or "") or {}
-        if f.expect == "colon":
-            return self.seq([(tr.kv_sep, CALL_KEY)], self.value_start(name, used, schema, lay, f.indent, lv))
-        if f.expect == "value" and not tr.in_str and not tr.in_scalar:
-            ws = self.after_colon(f)  # a step may end on the colon: the separator's space is still to come
+        if f.expect == "colon" or (f.expect == "value" and not tr.in_str and not tr.in_scalar):
+            ws = self.after_colon(f)  # the separator, or (a step may end on the colon) its space still to come
             starts = self.value_start(name, used, schema, lay, f.indent, lv)
             return self.seq([(ws, CALL_KEY)], starts) if ws else starts
         if tr.in_str == "value":
