@@ -117,7 +117,7 @@ def test_value_type_drafting_enum_bool_and_closing():
     texts = _texts(continuations(tracker('<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"'), idx, Priors(), [7], levels=2))
     assert "}}\n</tool_call>" in texts
     texts = _texts(continuations(tracker('{"name": "ping", "arguments": '), idx, Priors(), [7], levels=2))
-    assert texts == ["{}}"]  # empty arguments, close the call (bare layout: no closer)
+    assert texts[0] == "{}}" and all(t.startswith("{}}\n{") for t in texts[1:])  # empty arguments, close the call (bare: no closer; a next object may follow)
 
 
 @pytest.mark.parametrize("text,want", [
@@ -390,8 +390,23 @@ def test_a_closer_that_is_text_is_drafted_both_ending_the_turn_and_followed_by_p
     for text in ("\n```<|im_end|>", "\n```\n\nThis"):
         truth = qwen_tok.encode(text)
         assert len(oracle_walk(tree, truth).path) == len(truth) - (text.endswith("This")), text
-    # bare JSON has no closer: the turn ends
-    assert _texts(continuations(tracker('{"name": "get_time", "arguments": {"tz": "UTC"}}'), ToolIndex.from_tools(TOOLS), Priors(), [7], levels=1)) == [""]
+    # bare JSON has no closer: the turn ends (or another object follows on the next line)
+    texts = _texts(continuations(tracker('{"name": "get_time", "arguments": {"tz": "UTC"}}'), ToolIndex.from_tools(TOOLS), Priors(), [7], levels=1))
+    assert texts[0] == "" and all(t.startswith('\n{"name": "') for t in texts[1:])
+
+
+@pytest.mark.parametrize("truth", ['}}\n{"output_parameters": {"time": "10:00"}}', '}}\n{"name": "get_weather", "arguments": {}}',
+                                   "}}\n<|im_end|>", "}}<|im_end|>"])
+def test_after_a_bare_call_the_end_of_turn_and_a_next_object_are_both_drafted(qwen_tok, truth):
+    # small models go on after a bare call with a second object (a made-up tool result, another
+    # call) on the next line; Qwen writes "}}\n" as one token, so the next line is drafted with the closer
+    bt, idx, rates = BoundaryTokenizer(qwen_tok), ToolIndex.from_tools(TOOLS), LabelRates(DEFAULT_RATES)
+    out = '{"name": "get_time", "arguments": {"tz": "UTC"'
+    steps = [(out, truth)] + ([(out + "}}\n", truth[3:])] if truth.startswith("}}\n") else [])  # at the value's end; on the new line
+    for done, rest in steps:
+        gen, want = qwen_tok.encode(done), qwen_tok.encode(rest)
+        tree = candidates_to_tree(bt, gen, continuations(tracker(done), idx, Priors(), [151645], levels=1), rates)
+        assert oracle_walk(tree, want).path, (done, rest)  # the first token at least
 
 
 def test_counting_runs_a_value_has_begun_are_continued(qwen_tok):

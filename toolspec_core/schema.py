@@ -70,6 +70,8 @@ class _Builder:
     FREE_MORE = 0.5  # a call of an unknown tool (``ToolIndex.free``): chance of another argument
     OWN_SHARE = 0.5  # of a next call's tool-name mass: the tools this output already called (repeats, parallel calls)
     SEEN_SHARE = 0.9  # at most this much of a value's mass goes to values seen in past / earlier calls
+    NEXT_OBJECT = 0.15  # after a bare call's '}': P(a new line and another object) -- the rest: end of turn
+    NEXT_OBJECT_AFTER_NEWLINE = 0.7  # the same once the new line is written
 
     def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int, past=(), dates=(),
                  context_keys: KeyIndex | None = None, own=()):
@@ -264,15 +266,19 @@ class _Builder:
         call_indent = call.indent if call is not None else 0
         text = self.ws_close(call_indent, layout) + "}"
         if self.tr.frame("calls") is None and layout is not None:
-            return self.seq([(text, END)], self.after_closer(layout.closer))
+            return self.seq([(text, END)], self.after_closer(layout.closer, layout))
         return [Cand([(text, END)], 1.0)]
 
-    def after_closer(self, rest: str) -> list[Cand]:
+    def after_closer(self, rest: str, layout: Layout | None = None) -> list[Cand]:
         """The rest of the layout's closer, then the end of the turn -- or, for a closer that is
         text, a paragraph of prose: its first token differs ("``" + "`\\n\\n", not "```"), so
-        both are drafted."""
+        both are drafted. After a bare call (no closer) another object may follow on the next line."""
         if not rest:
-            return [Cand([(list(self.eos[:1]), END)], 1.0)]
+            end = [Cand([(list(self.eos[:1]), END)], 1.0)]
+            if layout is None or layout.closer:
+                return end
+            p = self.NEXT_OBJECT
+            return [Cand(end[0].segs, 1.0 - p)] + self.next_object(layout, "\n", p)
         p = self.priors.prose_after
         return [Cand([(rest, END), (list(self.eos[:1]), END)], 1.0 - p), Cand([(rest + "\n\n", END)], p)]
 
@@ -311,9 +317,17 @@ class _Builder:
             return []
         written = self.tr.text_since_json
         if lay.closer.startswith(written):
-            rest = lay.closer[len(written):]
-            return [Cand(c.segs, 0.9 * c.prob) for c in self.after_closer(rest)] if rest or written else [Cand([(list(self.eos[:1]), END)], 0.7)]
+            return [Cand(c.segs, 0.9 * c.prob) for c in self.after_closer(lay.closer[len(written):], lay)]
+        if not lay.closer and written.strip(" \t") == "\n":  # a bare call, a new line: the end, or another object
+            p = self.NEXT_OBJECT_AFTER_NEWLINE
+            return [Cand([(list(self.eos[:1]), END)], 1.0 - p)] + self.next_object(lay, "", p)
         return []
+
+    def next_object(self, layout: Layout, lead: str, prob: float) -> list[Cand]:
+        """Another top-level object after a bare call: a next call (its head learned apart, label
+        next_call), or -- small models -- a made-up tool result; both begin with '{"'."""
+        head = [(lead + "{", END), (self.ws_in(0, layout) + '"name"' + self.tr.kv_sep + '"', NEXT_CALL)]
+        return self.seq(head, self.tool_names("", layout, 0, 0), prob)
 
     def in_call(self, f: Frame) -> list[Cand]:
         tr, lay = self.tr, self.tr.layout
