@@ -197,6 +197,23 @@ def test_an_object_after_a_finished_call_is_labelled_apart():
     assert listed and all(c.segs[0][1] == CALL_KEY for c in listed)
 
 
+def test_a_call_announced_in_prose_gets_its_opener_drafted_but_inline_code_does_not():
+    idx = ToolIndex.from_tools(TOOLS)
+
+    def openers(text):
+        cands = continuations(tracker(text), idx, Priors(), [0], levels=1)
+        out: dict[str, float] = {}
+        for t, c in zip(_texts(cands), cands):
+            out[t.split("{")[0]] = out.get(t.split("{")[0], 0.0) + c.prob
+        return out
+
+    announced = openers("Here is the call:\n\n")
+    assert "```json\n" in announced and "<tool_call>\n" in announced and "" in announced  # every layout may open on a new line
+    assert sum(announced.values()) > sum(openers("Some prose.\n\n").values())  # a colon announces the call
+    assert openers("Use the `") == {}  # a backtick inside a line is inline code, not the start of a fence
+    assert "``json\n" in openers("Here it is:\n`")  # a backtick that begins a line may be one
+
+
 RESULT_CONTEXT = ('Tool result: {"name": "get_time", "output_parameters": {"time": {"type": "str", "description": "Local time."}, '
                   '"zone": {"type": "str", "description": "Zone name, like \\"CET\\" {not a key}."}}}\n')
 

@@ -72,6 +72,8 @@ class _Builder:
     SEEN_SHARE = 0.9  # at most this much of a value's mass goes to values seen in past / earlier calls
     NEXT_OBJECT = 0.15  # after a bare call's '}': P(a new line and another object) -- the rest: end of turn
     NEXT_OBJECT_AFTER_NEWLINE = 0.7  # the same once the new line is written
+    AFTER_PROSE = 0.15  # P(a call opens | a new line of prose)
+    ANNOUNCED = 0.5  # ... when the prose ended with a colon ("Here's the call:\n\n")
 
     def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int, past=(), dates=(),
                  context_keys: KeyIndex | None = None, own=()):
@@ -297,17 +299,20 @@ class _Builder:
     def opener(self) -> list[Cand]:
         text = self.tr.text_since_json
         at_line_start = text == "" or text.endswith("\n")
+        # after prose a call starts on a new line, most often once the prose has announced it ("...:\n\n")
+        p_line = self.ANNOUNCED if text.rstrip().endswith(":") else self.AFTER_PROSE
         out = []
         layouts = [lay for lay in LAYOUTS if lay.name in ("hermes", "fence", "bare_pretty", "bare")]
         for lay, w in zip(layouts, self.priors.layout_weights(layouts)):
             full = lay.opener + "{"
             j = _overlap(text, full) if lay.opener else 0
-            # an opener is drafted at the very start, or to complete one the model has begun;
-            # a bare call may also start on a new line after prose
-            if j == 0 and not (text == "" or (at_line_start and not lay.opener)):
+            if j and not (text[:-j] == "" or text[:-j].endswith("\n")):
+                j = 0  # an opener begins a line ("use the `tool`" is inline code, not a fence)
+            # an opener is drafted at the very start, to complete one the model has begun, or on a new line after prose
+            if j == 0 and not at_line_start:
                 continue
             segs = [(full[j:], OPENER)]
-            p = w * (self.priors.call_start if text == "" else (1.0 if j > 0 else 0.15))
+            p = w * (self.priors.call_start if text == "" else (1.0 if j > 0 else p_line))
             out += self.seq(segs, self.call_body(lay, 0, self.levels), p)
         return out
 
