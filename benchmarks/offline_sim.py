@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import random
 import time
 from pathlib import Path
 
@@ -27,10 +28,12 @@ from .runner import PrefillCache, decode_hidden
 
 
 def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = True, show: int = 0,
-           show_bench: str | None = None) -> dict:
+           show_bench: str | None = None, shuffle: int | None = None) -> dict:
     cfg = json.loads((raw / "config.json").read_text())
     items = {it["id"]: it for p in cfg["data"] for it in load_items(p)}
     recs = [json.loads(l) for l in open(raw / "items.jsonl") if '"method": "ar"' in l]
+    if shuffle is not None:  # another stream order: what an online library gains from the file's order
+        random.Random(shuffle).shuffle(recs)
     keys = _keys(raw / "prefill.jsonl")
     warm = _warm_docs(raw, cfg, tokenizer, set(items) & {r["item"] for r in recs}) if "warm" in (cfg.get("libraries") or []) else []
     out = {}
@@ -119,16 +122,17 @@ def main() -> None:
     ap.add_argument("--show-bench", default=None, help="print traces of this benchmark's items only")
     ap.add_argument("--cost", default="run", help="run (the run's measured cost.json) | reference | flat | path to a cost JSON")
     ap.add_argument("--json-out", default=None, help="also write {raw: {method: ...}} with the cost curve used to this file")
+    ap.add_argument("--shuffle", type=int, default=None, help="replay the items in a random order (this seed), not the run's stream order")
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
     from toolspec_core.embedded import embedded_model_dir
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
-    results = {"cost": a.cost, "subset": "all" if a.all_items else "calls", "runs": {}}
+    results = {"cost": a.cost, "subset": "all" if a.all_items else "calls", "order": "run" if a.shuffle is None else f"shuffled (seed {a.shuffle})", "runs": {}}
     for raw in a.raw:
         cost = _cost(Path(raw), a.cost)
-        res = results["runs"][raw] = replay(Path(raw), a.methods.split(","), tok, cost, not a.all_items, a.show, a.show_bench)
+        res = results["runs"][raw] = replay(Path(raw), a.methods.split(","), tok, cost, not a.all_items, a.show, a.show_bench, a.shuffle)
         print(raw, json.dumps(res, indent=1), flush=True)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(results, indent=1) + "\n")

@@ -276,11 +276,10 @@ class _Builder:
         text, a paragraph of prose: its first token differs ("``" + "`\\n\\n", not "```"), so
         both are drafted. After a bare call (no closer) another object may follow on the next line."""
         if not rest:
-            end = [Cand([(list(self.eos[:1]), END)], 1.0)]
+            end = [(list(self.eos[:1]), END)]
             if layout is None or layout.closer:
-                return end
-            p = self.NEXT_OBJECT
-            return [Cand(end[0].segs, 1.0 - p)] + self.next_object(layout, "\n", p)
+                return [Cand(end, 1.0)]
+            return [Cand(end, 1.0 - self.NEXT_OBJECT)] + self.next_object(layout, "\n", self.NEXT_OBJECT)
         p = self.priors.prose_after
         return [Cand([(rest, END), (list(self.eos[:1]), END)], 1.0 - p), Cand([(rest + "\n\n", END)], p)]
 
