@@ -192,6 +192,9 @@ def test_an_object_after_a_finished_call_is_labelled_apart():
     second = continuations(tracker('{"name": "get_time", "arguments": {"tz": "UTC"}}\n{"'), idx, Priors(), [0], levels=1)
     assert second and all(c.segs[0][1] == NEXT_CALL for c in second)
     assert _texts(second)[0].startswith('name": "')
+    # drafted before the model has begun it (a new line after a bare call), the head is labelled the same way
+    ahead = continuations(tracker('{"name": "get_time", "arguments": {"tz": "UTC"}}\n'), idx, Priors(), [0], levels=1)
+    assert [c.segs[1][1] for c in ahead if len(c.segs) > 1] and all(c.segs[1][1] == NEXT_CALL for c in ahead if len(c.segs) > 1)
     # calls inside a list are parallel calls by construction
     listed = continuations(tracker('[{"name": "get_time", "arguments": {"tz": "UTC"}}, {"'), idx, Priors(), [0], levels=1)
     assert listed and all(c.segs[0][1] == CALL_KEY for c in listed)

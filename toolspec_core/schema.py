@@ -136,9 +136,10 @@ class _Builder:
             return [Cand(list(segs), prob)]
         return [Cand(list(segs) + t.segs, prob * t.prob) for t in tails]
 
-    def call_body(self, layout: Layout, call_indent: int, lv: int) -> list[Cand]:
-        """From just after the call's '{': "name": "<tool>", "arguments": {...}."""
-        head = [(self.ws_in(call_indent, layout) + '"name"' + self.tr.kv_sep + '"', CALL_KEY)]
+    def call_body(self, layout: Layout, call_indent: int, lv: int, label: str | None = None) -> list[Cand]:
+        """From just after the call's '{': "name": "<tool>", "arguments": {...}. The opening key is
+        labelled as the tracker's position says (``head_label``) unless ``label`` is given."""
+        head = [(self.ws_in(call_indent, layout) + '"name"' + self.tr.kv_sep + '"', label or self.head_label())]
         return self.seq(head, self.tool_names("", layout, call_indent, lv))
 
     def tool_names(self, prefix: str, layout: Layout, call_indent: int, lv: int) -> list[Cand]:
@@ -268,18 +269,15 @@ class _Builder:
         call_indent = call.indent if call is not None else 0
         text = self.ws_close(call_indent, layout) + "}"
         if self.tr.frame("calls") is None and layout is not None:
-            return self.seq([(text, END)], self.after_closer(layout.closer, layout))
+            return self.seq([(text, END)], self.after_closer(layout.closer) if layout.closer else self.after_bare_call(layout, ""))
         return [Cand([(text, END)], 1.0)]
 
-    def after_closer(self, rest: str, layout: Layout | None = None) -> list[Cand]:
+    def after_closer(self, rest: str) -> list[Cand]:
         """The rest of the layout's closer, then the end of the turn -- or, for a closer that is
         text, a paragraph of prose: its first token differs ("``" + "`\\n\\n", not "```"), so
-        both are drafted. After a bare call (no closer) another object may follow on the next line."""
+        both are drafted."""
         if not rest:
-            end = [(list(self.eos[:1]), END)]
-            if layout is None or layout.closer:
-                return [Cand(end, 1.0)]
-            return [Cand(end, 1.0 - self.NEXT_OBJECT)] + self.next_object(layout, "\n", self.NEXT_OBJECT)
+            return [Cand([(list(self.eos[:1]), END)], 1.0)]
         p = self.priors.prose_after
         return [Cand([(rest, END), (list(self.eos[:1]), END)], 1.0 - p), Cand([(rest + "\n\n", END)], p)]
 
@@ -320,18 +318,23 @@ class _Builder:
         if lay is None:
             return []
         written = self.tr.text_since_json
+        if not lay.closer:
+            return self.after_bare_call(lay, written)
         if lay.closer.startswith(written):
-            return [Cand(c.segs, 0.9 * c.prob) for c in self.after_closer(lay.closer[len(written):], lay)]
-        if not lay.closer and written.strip(" \t") == "\n":  # a bare call, a new line: the end, or another object
-            p = self.NEXT_OBJECT_AFTER_NEWLINE
-            return [Cand([(list(self.eos[:1]), END)], 1.0 - p)] + self.next_object(lay, "", p)
+            return [Cand(c.segs, 0.9 * c.prob) for c in self.after_closer(lay.closer[len(written):])]
         return []
 
-    def next_object(self, layout: Layout, lead: str, prob: float) -> list[Cand]:
-        """Another top-level object after a bare call: a next call (its head learned apart, label
-        next_call), or -- small models -- a made-up tool result; both begin with '{"'."""
-        head = [(lead + "{", END), (self.ws_in(0, layout) + '"name"' + self.tr.kv_sep + '"', NEXT_CALL)]
-        return self.seq(head, self.tool_names("", layout, 0, 0), prob)
+    def after_bare_call(self, layout: Layout, written: str) -> list[Cand]:
+        """After a bare call's '}' and the ``written`` whitespace: the end of the turn, or a new line
+        and another object -- a next call (its head learned apart: ``next_call``) or, small models, a
+        made-up tool result; both begin with '{"'. Qwen writes "}}\n" as one token, so the new line
+        is drafted together with the closing brace."""
+        line = written.strip(" \t")
+        if line not in ("", "\n"):
+            return []
+        p = self.NEXT_OBJECT_AFTER_NEWLINE if line else self.NEXT_OBJECT
+        nxt = self.seq([(self.rest("\n", line) + "{", END)], self.call_body(layout, 0, 0, NEXT_CALL), p)
+        return [Cand([(list(self.eos[:1]), END)], 1.0 - p)] + nxt
 
     def in_call(self, f: Frame) -> list[Cand]:
         tr, lay = self.tr, self.tr.layout
