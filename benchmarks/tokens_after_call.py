@@ -16,24 +16,34 @@ from toolspec_core.fsm import CallTracker, ToolIndex
 from .data import load_items
 
 
-def first_call_end(tokenizer, tools: list[dict], tokens: list[int]) -> int | None:
-    """Number of tokens up to and including the one that completes the first call (None: no call).
+def call_bounds(tokenizer, tools: list[dict], tokens: list[int]) -> tuple[int, int] | None:
+    """(start, end) token indices of the first call: ``start`` is the token that opens its JSON
+    object (an opener such as a fence counts as text before it), ``end`` is one past the token that
+    completes it. None: the tracker sees no complete call.
 
     Each token is decoded once, fed as it comes (byte-level BPE text is the concatenation of its
     pieces; a piece that ends inside a multi-byte character waits for the next), as
     ``SchemaDrafter._sync`` feeds the tracker while decoding.
     """
     tr = CallTracker(ToolIndex.from_tools(tools))
-    fed = 0  # tokens whose text the tracker has seen
+    fed, start = 0, None  # tokens whose text the tracker has seen; where the first object opened
     for i in range(len(tokens)):
         piece = tokenizer.decode(tokens[fed : i + 1], skip_special_tokens=True)
         if piece.endswith("\ufffd"):
             continue
         tr.feed(piece)
+        if start is None and (tr.stack or tr.calls):
+            start = fed
         fed = i + 1
         if tr.calls:
-            return i + 1
+            return start, i + 1
     return None
+
+
+def first_call_end(tokenizer, tools: list[dict], tokens: list[int]) -> int | None:
+    """Number of tokens up to and including the one that completes the first call (None: no call)."""
+    bounds = call_bounds(tokenizer, tools, tokens)
+    return bounds[1] if bounds else None
 
 
 def main() -> None:

@@ -355,3 +355,17 @@ def test_markdown_bound_states_and_repeated_calls(trace):
     assert "| api_bank | toolspec_schema | x | 2 | 50% | 3.00 |" in md  # item A: steps x,x,y,none: x twice, 3 accepted each
     assert "| toolspec_schema | 2.50 (1) | 2.00 (1) |" in md
     assert "(subset `prose`)" in md
+
+
+def test_region_split_hand_computed():
+    """``benchmarks.regions``: a step writing tokens in two regions is shared by its tokens; steps'
+    seconds add up to the record's decode time (drafting/commit time shared evenly)."""
+    from benchmarks.regions import split_steps, step_seconds
+
+    # the call object is tokens [2, 5); token 0 comes from prefill. Step 1 writes tokens 1-3 (one
+    # before, two in the call), step 2 token 4, step 3 tokens 5-8 (after).
+    out = split_steps([2, 0, 3], [0.3, 0.1, 0.4], (2, 5))
+    assert out["before"] == pytest.approx([1 / 3, 1, 0.1])
+    assert out["call"] == pytest.approx([1 / 3 * 2 + 1, 3, 0.3])
+    assert out["after"] == pytest.approx([1, 4, 0.4])
+    assert step_seconds({"verify_per_step": [0.3, 0.1, 0.4], "decode_s": 0.83}) == pytest.approx([0.31, 0.11, 0.41])

@@ -558,3 +558,17 @@ def test_first_call_end_feeds_each_token_once(qwen_tok):
         tokens = qwen_tok.encode(text)
         assert first_call_end(qwen_tok, TOOLS, tokens) == by_prefix(tokens)
     assert first_call_end(qwen_tok, TOOLS, qwen_tok.encode("No call here")) is None
+
+
+def test_call_bounds_start_at_the_token_that_opens_the_call_object(qwen_tok):
+    """``call_bounds``: the call region starts at the token holding the object's ``{`` (a fence
+    opener before it is text) and ends where ``first_call_end`` says."""
+    from benchmarks.tokens_after_call import call_bounds, first_call_end
+
+    for text in ['Here you go:\n```json\n{\n  "name": "get_time",\n  "arguments": {"tz": "UTC"}\n}\n```\nDone.',
+                 '{"name": "get_weather", "arguments": {"city": "Zürich"}}\n{"result": 1}']:
+        tokens = qwen_tok.encode(text)
+        start, end = call_bounds(qwen_tok, TOOLS, tokens)
+        assert "{" not in qwen_tok.decode(tokens[:start]) and qwen_tok.decode(tokens[: start + 1]).count("{") == 1
+        assert end == first_call_end(qwen_tok, TOOLS, tokens) and start < end
+    assert call_bounds(qwen_tok, TOOLS, qwen_tok.encode("No call here")) is None

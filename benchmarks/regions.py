@@ -1,0 +1,134 @@
+"""Where decode time goes in outputs that hold a call: before the call (prose, an opener such as a
+fence), the first call object itself, and after it (prose, tool results the model makes up,
+further calls), per benchmark and method, from a run's raw records.
+
+Schema drafting knows only the call; outside it every ToolSpec method drafts what the suffix
+baseline drafts (suffix matches over the context and the same history). This splits a method's
+measured step times by the regions of the tokens each step writes, so the ratio over the best
+baseline can be read where the schema can help and where it cannot.
+
+    python -m benchmarks.regions benchmarks/results/raw/cpu-owncalls [--out F.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+from .data import load_items
+from .tokens_after_call import call_bounds
+
+REGIONS = ("before", "call", "after")
+BASELINES = ("pld", "suffix", "token_recycling")
+
+
+def region_of(pos: int, bounds: tuple[int, int]) -> str:
+    """The region of output token ``pos`` given the first call's (start, end) token indices."""
+    start, end = bounds
+    return "before" if pos < start else "call" if pos < end else "after"
+
+
+def split_steps(accepted: list[int], seconds: list[float], bounds: tuple[int, int], first: int = 1) -> dict[str, list]:
+    """{region: [steps, tokens, seconds]} of one output. A step that writes tokens in two regions
+    (one that drafts from the prose through an opener into the call) is shared between them by
+    its tokens, so steps and seconds can be fractional. ``first``: the index of the first token a
+    step writes (the token before it comes from prefill)."""
+    out = {r: [0.0, 0, 0.0] for r in REGIONS}
+    pos = first
+    for acc, sec in zip(accepted, seconds):
+        n = acc + 1
+        for p in range(pos, pos + n):
+            agg = out[region_of(p, bounds)]
+            agg[0] += 1 / n
+            agg[1] += 1
+            agg[2] += sec / n
+        pos += n
+    return out
+
+
+def step_seconds(rec: dict) -> list[float]:
+    """Each step's verify time plus an even share of the record's drafting and commit time, so the
+    steps add up to its decode time."""
+    verify = rec["verify_per_step"]
+    extra = (rec["decode_s"] - sum(verify)) / max(len(verify), 1)
+    return [v + extra for v in verify]
+
+
+def method_key(rec: dict) -> str:
+    return rec["method"] + (f"/{rec['library']}" if rec.get("library") else "")
+
+
+def region_table(records: list[dict], items: dict, tokenizer) -> dict:
+    """Per benchmark: items split, the best baseline (least total decode time on these items) and,
+    per method and region, steps / tokens / MAT / seconds / share of the method's time / speedup
+    over plain greedy / ratio over the best baseline."""
+    by_item: dict[str, dict[str, dict]] = collections.defaultdict(dict)
+    for r in records:
+        by_item[r["item"]][method_key(r)] = r
+    sums: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: {r: [0, 0, 0.0] for r in REGIONS}))
+    counts: collections.Counter = collections.Counter()
+    for item, recs in by_item.items():
+        ar = recs.get("ar")
+        if ar is None or not ar.get("has_call"):
+            continue
+        bench = ar["benchmark"]
+        bounds = call_bounds(tokenizer, items[item].get("tools") or [], ar["tokens"])
+        if bounds is None:  # the parser saw a call the tracker does not complete: left out, counted
+            counts[(bench, "unparsed")] += 1
+            continue
+        counts[(bench, "items")] += 1
+        for m, rec in recs.items():
+            for reg, (s, t, sec) in split_steps(rec["accepted_per_step"], step_seconds(rec), bounds).items():
+                agg = sums[bench][m][reg]
+                agg[0] += s
+                agg[1] += t
+                agg[2] += sec
+    out = {}
+    for bench, methods in sums.items():
+        total = {m: sum(v[2] for v in regs.values()) for m, regs in methods.items()}
+        bases = [m for m in methods if m.split("/")[0] in BASELINES]
+        best = min(bases, key=total.get) if bases else None
+        table = {}
+        for m, regs in methods.items():
+            table[m] = {"total_s": round(total[m], 2)}
+            for reg, (s, t, sec) in regs.items():
+                table[m][reg] = {
+                    "steps": round(s, 1), "tokens": t, "mat": round(t / s, 2) if s else None, "seconds": round(sec, 2),
+                    "share": round(sec / total[m], 3) if total[m] else None,
+                    "speedup": round(regs_ar[2] / sec, 2) if sec and (regs_ar := methods["ar"][reg])[2] else None,
+                    "over_best": round(methods[best][reg][2] / sec, 2) if best and sec else None,
+                }
+        out[bench] = {"items": counts[(bench, "items")], "unparsed": counts[(bench, "unparsed")], "best_baseline": best, "methods": table}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("raw", help="a run's raw folder (config.json, items.jsonl)")
+    ap.add_argument("--out", default=None, help="also write the table to this JSON file")
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from toolspec_core.embedded import embedded_model_dir
+
+    raw = Path(a.raw)
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+    items = {it["id"]: it for p in json.loads((raw / "config.json").read_text())["data"] for it in load_items(p)}
+    records = [json.loads(line) for line in open(raw / "items.jsonl")]
+    res = {
+        "what": "decode time of outputs with a call, split by region (a step spanning two regions shared by its tokens): "
+                "before the first call object (prose, openers), the call object, after it (prose, made-up tool "
+                "results, further calls); seconds = measured verify time + an even share of drafting/commit time",
+        "source": str(raw / "items.jsonl"),
+        "by_benchmark": region_table(records, items, tok),
+    }
+    text = json.dumps(res, indent=1)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
