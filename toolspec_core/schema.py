@@ -136,10 +136,13 @@ class _Builder:
             return [Cand(list(segs), prob)]
         return [Cand(list(segs) + t.segs, prob * t.prob) for t in tails]
 
-    def call_body(self, layout: Layout, call_indent: int, lv: int, label: str | None = None) -> list[Cand]:
-        """From just after the call's '{': "name": "<tool>", "arguments": {...}. The opening key is
-        labelled as the tracker's position says (``head_label``) unless ``label`` is given."""
-        head = [(self.ws_in(call_indent, layout) + '"name"' + self.tr.kv_sep + '"', label or self.head_label())]
+    def call_body(self, layout: Layout, call_indent: int, lv: int, label: str | None = None, key: str | None = None) -> list[Cand]:
+        """From just after the call's '{': "name": "<tool>", "arguments": {...}. ``key``: the text
+        still to write up to the end of the "name" key (default: all of it, after the opening
+        whitespace). The head is labelled as the tracker's position says (``head_label``) unless
+        ``label`` is given."""
+        key = self.ws_in(call_indent, layout) + '"name"' if key is None else key
+        head = [(key + self.tr.kv_sep + '"', label or self.head_label())]
         return self.seq(head, self.tool_names("", layout, call_indent, lv))
 
     def tool_names(self, prefix: str, layout: Layout, call_indent: int, lv: int) -> list[Cand]:
@@ -344,13 +347,12 @@ class _Builder:
             if not need.startswith(tr.buf):
                 return []
             if need == "name":
-                return self.seq([(need[len(tr.buf):] + '"' + tr.kv_sep + '"', self.head_label())], self.tool_names("", lay, f.indent, lv))
+                return self.call_body(lay, f.indent, lv, key=need[len(tr.buf):] + '"')
             return self.seq([(need[len(tr.buf):] + '"' + tr.kv_sep + "{", CALL_KEY)], self.args_open(tr.name, lay, self._args_indent(f, lay), lv))
         if tr.in_str == "value" and f.key == "name":
             return self.tool_names(tr.buf, lay, f.indent, lv)
         if f.expect == "key" and "name" not in f.keys:
-            ws = self.rest(self.ws_key(f.indent, lay), tr.since)
-            return self.seq([(ws + '"name"' + tr.kv_sep + '"', self.head_label())], self.tool_names("", lay, f.indent, lv))
+            return self.call_body(lay, f.indent, lv, key=self.rest(self.ws_key(f.indent, lay), tr.since) + '"name"')
         if f.expect == "key" and not any(k in f.keys for k in ("arguments", "parameters")):
             return self.after_name(tr.name or "", lay, f.indent, lv, since=tr.since, after_comma=True)  # a step may end on the comma
         if f.expect in ("colon", "value") and f.key == "name":
