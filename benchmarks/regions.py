@@ -94,11 +94,12 @@ def region_table(records: list[dict], items: dict, tokenizer) -> dict:
         for m, regs in methods.items():
             table[m] = {"total_s": round(total[m], 2)}
             for reg, (s, t, sec) in regs.items():
+                ar_sec, best_sec = methods["ar"][reg][2], methods[best][reg][2] if best else 0.0
                 table[m][reg] = {
                     "steps": round(s, 1), "tokens": t, "mat": round(t / s, 2) if s else None, "seconds": round(sec, 2),
                     "share": round(sec / total[m], 3) if total[m] else None,
-                    "speedup": round(regs_ar[2] / sec, 2) if sec and (regs_ar := methods["ar"][reg])[2] else None,
-                    "over_best": round(methods[best][reg][2] / sec, 2) if best and sec else None,
+                    "speedup": round(ar_sec / sec, 2) if sec and ar_sec else None,
+                    "over_best": round(best_sec / sec, 2) if sec and best_sec else None,
                 }
         out[bench] = {"items": counts[(bench, "items")], "unparsed": counts[(bench, "unparsed")], "best_baseline": best, "methods": table}
     return out
