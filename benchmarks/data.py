@@ -33,6 +33,12 @@ def load_items(path: str | Path) -> list[dict]:
     return items
 
 
+def run_items(raw: str | Path) -> dict[str, dict]:
+    """The items of a run's data files (its raw folder's config.json), by id."""
+    paths = json.loads((Path(raw) / "config.json").read_text())["data"]
+    return {it["id"]: it for p in paths for it in load_items(p)}
+
+
 def select_items(items: list[dict], limit: int | None, seed: int | None) -> list[dict]:
     """``limit`` items drawn at random with ``seed`` (None: the first ``limit``), kept in file
     order -- the file order is the stream order the online library sees."""

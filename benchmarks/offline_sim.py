@@ -23,14 +23,14 @@ from toolspec_core.budget import CostModel
 from toolspec_core.methods import RequestInfo, make_method
 from toolspec_core.simulate import simulate
 
-from .data import load_items, prompt_ids, select_items, warm_documents
+from .data import load_items, prompt_ids, run_items, select_items, warm_documents
 from .runner import PrefillCache, decode_hidden
 
 
 def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = True, show: int = 0,
            show_bench: str | None = None, shuffle: int | None = None) -> dict:
     cfg = json.loads((raw / "config.json").read_text())
-    items = {it["id"]: it for p in cfg["data"] for it in load_items(p)}
+    items = run_items(raw)
     recs = [json.loads(l) for l in open(raw / "items.jsonl") if '"method": "ar"' in l]
     if shuffle is not None:  # another stream order: what an online library gains from the file's order
         random.Random(shuffle).shuffle(recs)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from toolspec_core.fsm import CallTracker, ToolIndex
 
-from .data import load_items
+from .data import run_items
 
 
 def call_bounds(tokenizer, tools: list[dict], tokens: list[int]) -> tuple[int, int] | None:
@@ -53,7 +53,7 @@ def main() -> None:
 
     raw = Path(sys.argv[1])
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
-    items = {it["id"]: it for p in json.loads((raw / "config.json").read_text())["data"] for it in load_items(p)}
+    items = run_items(raw)
     agg = collections.defaultdict(lambda: [0, 0, 0])
     for line in open(raw / "items.jsonl"):
         r = json.loads(line)

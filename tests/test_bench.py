@@ -369,3 +369,20 @@ def test_region_split_hand_computed():
     assert out["call"] == pytest.approx([1 / 3 * 2 + 1, 3, 0.3])
     assert out["after"] == pytest.approx([1, 4, 0.4])
     assert step_seconds({"verify_per_step": [0.3, 0.1, 0.4], "decode_s": 0.83}) == pytest.approx([0.31, 0.11, 0.41])
+
+
+def test_region_summary_hand_computed():
+    """``regions.summarize_regions``: the best baseline is the fastest in total; the call object's
+    speed the target would need follows from the time left once the rest is paid as it is."""
+    from benchmarks.regions import summarize_regions
+
+    def regs(before, call, after):
+        return {"before": [1.0, 1, before], "call": [2.0, 10, call], "after": [1.0, 1, after]}
+
+    out = summarize_regions({"ar": regs(2, 10, 4), "pld": regs(2, 8, 3), "suffix": regs(2, 6, 2), "toolspec": regs(2, 4, 2)})
+    assert out["best_baseline"] == "suffix"
+    ts = out["methods"]["toolspec"]
+    assert ts["over_best"] == pytest.approx(10 / 8, abs=1e-3) and ts["call"]["over_best"] == 1.5 and ts["call"]["speedup"] == 2.5
+    # 1.5x over 10 s leaves 10 / 1.5 - 4 s (before + after) for a call the baseline writes in 6 s
+    assert ts["call_over_best_for_target"] == pytest.approx(6 / (10 / 1.5 - 4), abs=0.01)
+    assert ts["call"]["mat"] == 5.0 and ts["call"]["share"] == 0.5
