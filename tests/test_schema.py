@@ -482,6 +482,50 @@ def test_value_drafted_from_the_conversation(qwen_tok):
     assert "span" in {tree.labels[i] for i in res.path}
 
 
+def test_a_fork_of_the_tracker_leaves_it_as_it_was():
+    t = tracker('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
+    fork = t.fork()
+    fork.feed('is", "days": 3')
+    assert fork.state == VALUE and fork.frame("args").keys == ["city", "days"]
+    assert t.state == VALUE and t.buf == "Par" and t.frame("args").keys == ["city"] and t.frame("args").expect == "value"
+
+
+def test_a_copied_value_is_drafted_on_through_what_follows_it(qwen_tok):
+    """A span that closes the value carries the schema's continuation, tokenized with it: the
+    closing quote merges with what follows (``"}}``), so the span alone would end on a token the
+    target does not write."""
+    from toolspec_core.drafting import SPAN
+    from toolspec_core.prompting import render_prompt
+
+    msgs = [{"role": "user", "content": 'Run {"tz": "Europe/Paris"} through get_time.'}]
+    prompt = render_prompt(qwen_tok, msgs, TOOLS)
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe'
+    gen = qwen_tok.encode(call)
+    rest = '/Paris"}}\n</tool_call>'
+    truth = qwen_tok.encode(call + rest)[len(gen):] + [151645]
+    assert '"' not in [qwen_tok.decode([t]) for t in truth]  # the quote is merged with what follows
+    tree = SchemaMethod(qwen_tok).drafter(RequestInfo(prompt, TOOLS)).propose(DraftContext(prompt + gen, len(prompt), 40))
+    res = oracle_walk(tree, truth)
+    assert len(res.path) == len(truth) and tree.labels[res.path[0]] == SPAN  # the value, the call's end, the end of the turn
+
+
+def test_a_value_copied_from_prose_may_end_where_the_word_does(qwen_tok):
+    """From prose a span runs on past the value ("UTC please ..."): the value ending where the
+    source's word ends is a branch of its own, well above the schema's any-position end."""
+    from toolspec_core.drafting import SPAN
+    from toolspec_core.prompting import render_prompt
+    from toolspec_core.schema_drafter import SchemaDrafter
+
+    prompt = render_prompt(qwen_tok, [{"role": "user", "content": "What time is it in UTC please?"}], TOOLS)
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC'
+    gen = qwen_tok.encode(call)
+    truth = qwen_tok.encode(call + '"}}\n</tool_call>')[len(gen):] + [151645]
+    tree = SchemaMethod(qwen_tok).drafter(RequestInfo(prompt, TOOLS)).propose(DraftContext(prompt + gen, len(prompt), 40))
+    res = oracle_walk(tree, truth)
+    assert len(res.path) == len(truth) and tree.labels[res.path[0]] == SPAN
+    assert tree.conf[res.path[0]] >= SchemaDrafter.WORD_END * DEFAULT_RATES[SPAN] * 0.99
+
+
 def test_retrieved_values_and_argument_order_become_branches():
     """Past calls of the tool: their values (in this output's style) and their argument order."""
     past = [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Paris", "days": 5}), ("get_time", {"tz": "UTC"})]

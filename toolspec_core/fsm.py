@@ -10,7 +10,8 @@ key order included) and records that style so drafts continue in it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, replace
 
 from .layouts import LAYOUTS, Layout
 from .objkeys import KeyIndex
@@ -116,6 +117,15 @@ class CallTracker:
         self.after_json = False  # a call (or list of calls) just closed; closer may follow
         self.text_since_json = ""
         self.objects = KeyIndex()  # finished objects of the output (keys of objects no schema describes follow them)
+
+    def fork(self) -> "CallTracker":
+        """A copy to feed text that is only drafted (a value copied from the context, closed) and
+        ask what follows, leaving this tracker as it is. Frames and calls are copied; the index of
+        finished objects is shared, so feed a fork nothing that closes an object."""
+        t = copy.copy(self)
+        t.stack = [replace(f, keys=list(f.keys)) for f in self.stack]
+        t.calls = list(self.calls)
+        return t
 
     # ---- feeding ----
     def feed(self, text: str) -> None:

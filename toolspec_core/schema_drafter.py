@@ -153,6 +153,9 @@ class SchemaDrafter:
     context and, with retrieval, the tenant's history; argument values copied from the context) +
     retrieved past calls, one tree."""
 
+    TAILS = 8  # most probable continuations drafted after a copied value (each is tokenized with the span)
+    WORD_END = 0.3  # share of a prose span's mass on the value ending where the source's word ends
+
     def __init__(self, bt: BoundaryTokenizer, tools: ToolIndex, priors: Priors, rates: LabelRates, eos: list[int],
                  suffix: SuffixDrafter, retrieval: RetrievalDrafter | None = None, schema: bool = True):
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
@@ -180,10 +183,7 @@ class SchemaDrafter:
         self._sync(ctx.generated)
         tree = DraftTree()
         if self.schema and self.tools.names:
-            past = [(c.tool_name, c.arguments) for c in self.retrieval.calls] if self.retrieval is not None else ()
-            cands = continuations(self.tracker, self.tools, self.priors, self.eos, past=past, dates=self._context_dates(ctx),
-                                  context_keys=self._context_keys(ctx), own=self._own_calls())
-            tree = candidates_to_tree(self.bt, ctx.tokens, cands, self.rates)
+            tree = candidates_to_tree(self.bt, ctx.tokens, self._continuations(ctx, self.tracker), self.rates)
         if self.retrieval is not None:
             tree.merge(self.retrieval.tree(ctx, self.tracker.name))
         tree.merge(self._value_tree(ctx))
@@ -199,6 +199,12 @@ class SchemaDrafter:
         leaf, prob = _chain_end(tree)
         if leaf != ROOT:
             self.suffix.extend(ctx, tree, leaf, prob)
+
+    def _continuations(self, ctx: DraftContext, tracker: CallTracker) -> list[Cand]:
+        """What the schemas allow after ``tracker``'s text (this output's tracker, or a fork of it)."""
+        past = [(c.tool_name, c.arguments) for c in self.retrieval.calls] if self.retrieval is not None else ()
+        return continuations(tracker, self.tools, self.priors, self.eos, past=past, dates=self._context_dates(ctx),
+                             context_keys=self._context_keys(ctx), own=self._own_calls())
 
     def _own_calls(self) -> list[tuple[str, dict]]:
         """This output's finished calls with their arguments, parsed again only when one more has closed."""
@@ -230,12 +236,40 @@ class SchemaDrafter:
         if self._n_fed != len(ctx.generated) or tr.state != VALUE or not (tr.in_str == "value" or tr.in_scalar) or not tr.buf:
             return tree
         source = self._prompt(ctx) + tr.text[: len(tr.text) - len(tr.buf)]
-        spans = (self.bt.continuation(ctx.tokens, s)[: ctx.max_depth] for s in value_spans(source, tr.buf, tr.in_scalar))
-        add_copies(tree, [ids for ids in spans if ids], SPAN, self.rates)
+        cands, memo = [], {}
+        for rank, span in enumerate(value_spans(source, tr.buf, tr.in_scalar)):
+            share = 1.0 / (rank + 1)  # the first token at rate x share, as add_copies
+            ends = [(span, share)]
+            cut = _word_end(span)
+            if self.schema and tr.in_str and not span.endswith('"') and cut < len(span):
+                # a span from prose runs on past the value: it may end where the source's word does
+                ends = [(span, share * (1 - self.WORD_END)), (span[:cut] + '"', share * self.WORD_END)]
+            for text, p in ends:
+                tails = self._after_value(ctx, text, memo)
+                total = sum(t.prob for t in tails)
+                cands += [Cand([(text, SPAN)] + t.segs, p * t.prob / total) for t in tails] if total > 0 else [Cand([(text, SPAN)], p)]
+        if cands:
+            tree = candidates_to_tree(self.bt, ctx.tokens, cands, self.rates)
         run = digit_run(tr.buf)
         if run:
             tree.merge(add_copies(DraftTree(), [self.bt.continuation(ctx.tokens, run)[: ctx.max_depth]], PATTERN, self.rates))
         return tree
+
+    def _after_value(self, ctx: DraftContext, span: str, memo: dict) -> list[Cand]:
+        """What the schema drafts after a copied span that closes the value (a string span with its
+        closing quote, a number): the next argument or the end of the call, tokenized together with
+        the span -- the quote merges with what follows (``"\n``, ``",``), so a span drafted alone
+        ends on a token the target does not write. What follows a closed string does not depend on
+        its text, so ``memo`` (one step's) computes it once."""
+        tr = self.tracker
+        if not (self.schema and self.tools.names) or not (tr.in_scalar or span.endswith('"')):
+            return []
+        key = span if tr.in_scalar else '"'
+        if key not in memo:
+            fork = tr.fork()
+            fork.feed(key)
+            memo[key] = self._continuations(ctx, fork)[: self.TAILS]
+        return memo[key]
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
         """Learn label rates from deterministic nodes only (branch losers are expected); suffix
@@ -243,6 +277,11 @@ class SchemaDrafter:
         self.suffix.feedback(tree, result)
         self.rates.update(tree, result, skip=lambda i, key: base_label(key) == SUFFIX
                           or (not is_chain(key) and tree.conf[i] < DET * self.rates.rate(key)))
+
+
+def _word_end(text: str) -> int:
+    """Index of the first character of ``text`` that cannot continue a word (an id, a code)."""
+    return next((i for i, ch in enumerate(text) if not (ch.isalnum() or ch in "_-")), len(text))
 
 
 def _chain_end(tree: DraftTree) -> tuple[int, float]:
