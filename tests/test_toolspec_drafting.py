@@ -161,6 +161,27 @@ def test_online_method_remembers_calls_but_not_private_ones(qwen_tok):
     assert json.dumps(m.library.search("a", None, ["get_time"], 5)[0].tool_name) == '"get_time"'
 
 
+def test_how_outputs_begin_and_what_follows_a_closer_are_learned(qwen_tok):
+    """The schema's P(the output opens with a call) and P(text after a closer) move from their
+    priors to what this model writes."""
+    from toolspec_core.schema_drafter import text_after_closers
+
+    assert text_after_closers('```json\n{"a": 1}\n```\n\nThis returns x.\n```json\n{"b": 2}\n```') == [True, False]
+    assert text_after_closers('<tool_call>\n{}\n</tool_call>\n<tool_call>\n{}\n</tool_call>') == [True, False]
+    assert text_after_closers('{"name": "get_time", "arguments": {}}') == []
+    m = make_method("toolspec_schema", qwen_tok)
+    start, after = m.priors.call_start, m.priors.prose_after
+    fence = '```json\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n```\n\nThis returns the time.'
+    for _ in range(6):
+        m.observe(RequestInfo([1], TOOLS), qwen_tok.encode(fence), fence)
+    assert m.priors.call_start > start and m.priors.prose_after > after
+    assert m.priors.events == {"call_start": [6.0, 6.0], "prose_after": [6.0, 6.0]}
+    prose = "Which city do you mean?"
+    for _ in range(12):
+        m.observe(RequestInfo([1], TOOLS), qwen_tok.encode(prose), prose)
+    assert m.priors.call_start < start  # no call: counted as an output that does not open with one
+
+
 def test_retrieval_ignores_one_token_matches():
     """A match of only the last token (a quote, a colon) is no evidence: nothing is drafted."""
     calls = [PastCall("t", [5, 6, 7, 8, 9])]

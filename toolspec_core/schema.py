@@ -32,12 +32,32 @@ class Cand:
 
 @dataclass
 class Priors:
-    """Branch probabilities learned across requests (tool and layout frequencies)."""
+    """Branch probabilities learned across requests (tool and layout frequencies, how outputs
+    begin and what follows a call's closer)."""
 
     tool_counts: dict[str, float] = field(default_factory=dict)
     layout_counts: dict[str, float] = field(default_factory=dict)
-    call_start: float = 0.5  # P(output starts with a call | start of output)
-    prose_after: float = 0.3  # P(prose follows a call's closer | a closer that is text): a prior
+    call_start_prior: float = 0.5  # P(output starts with a call | start of output) before any is seen
+    prose_after_prior: float = 0.3  # P(text follows a call's closer | a closer that is text) before any is seen
+    events: dict[str, list[float]] = field(default_factory=dict)  # event -> [times it happened, times it could]
+    strength: float = 4.0  # weight of a prior, in observations
+
+    def rate(self, event: str, prior: float) -> float:
+        hits, tries = self.events.get(event, (0.0, 0.0))
+        return (hits + prior * self.strength) / (tries + self.strength)
+
+    def count(self, event: str, happened: bool) -> None:
+        e = self.events.setdefault(event, [0.0, 0.0])
+        e[0] += float(happened)
+        e[1] += 1.0
+
+    @property
+    def call_start(self) -> float:
+        return self.rate("call_start", self.call_start_prior)
+
+    @property
+    def prose_after(self) -> float:
+        return self.rate("prose_after", self.prose_after_prior)
 
     def tool_weights(self, names: list[str]) -> list[float]:
         w = [1.0 + self.tool_counts.get(n, 0.0) for n in names]

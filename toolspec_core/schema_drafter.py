@@ -9,6 +9,8 @@ trie-merged into the same tree, and the engine's cost-aware budget keeps what pa
 
 from __future__ import annotations
 
+import re
+
 from .boundary import BoundaryTokenizer
 from .baselines import SUFFIX_PRIOR, SuffixDrafter, SuffixTrie
 from .drafting import OWN_CALL, PATTERN, SPAN, DraftContext, LabelRates, add_copies, base_label, is_chain, match_label, rate_key
@@ -354,8 +356,11 @@ class SchemaMethod:
         if self.use_retrieval and req.remember:
             self.history.add(req.tenant, output_ids, req.prompt_ids[-self.prompt_tail :])
         parsed = parse_tool_calls(text)
+        self.priors.count("call_start", bool(parsed.calls) and text.lstrip().startswith(CALL_STARTS))
         if not parsed.calls:
             return
+        for more in text_after_closers(text):
+            self.priors.count("prose_after", more)
         for c in parsed.calls:
             self.priors.tool_counts[c.name] = self.priors.tool_counts.get(c.name, 0.0) + 1.0
         lay = _layout_of(text)
@@ -385,6 +390,16 @@ def _as_past_call(c) -> PastCall:
     if isinstance(c, PastCall):
         return c
     return PastCall(c.get("tool_name", ""), list(c.get("token_ids") or []), c.get("text", ""), c.get("arguments") or {}, float(c.get("score", 0.0)))
+
+
+CALL_STARTS = ("```", "{", "[", "<tool_call>")  # an output that opens with one of these starts with its call
+_CLOSERS = re.compile(r"```[a-z]*[ \t]*\n[\s\S]*?\n```|</tool_call>")
+
+
+def text_after_closers(text: str) -> list[bool]:
+    """For each call closer that is text (a fence's closing ```, ``</tool_call>``): does the
+    output go on after it (prose, another call) or end there?"""
+    return [bool(text[m.end():].strip()) for m in _CLOSERS.finditer(text)]
 
 
 def _layout_of(text: str) -> str:
