@@ -482,6 +482,16 @@ def test_value_drafted_from_the_conversation(qwen_tok):
     assert "span" in {tree.labels[i] for i in res.path}
 
 
+def test_the_call_closes_after_whitespace_a_step_already_wrote():
+    """Pretty JSON: a step may end on the arguments' ``}`` plus its newline ("  }\n" is one token);
+    the call's ``}`` then follows without a second newline."""
+    idx = ToolIndex.from_tools(TOOLS)
+    body = '```json\n{\n  "name": "get_time",\n  "arguments": {\n    "tz": "UTC"\n  }'
+    for written, want in ((body, "\n}\n```"), (body + "\n", "}\n```")):
+        texts = _texts(continuations(tracker(written), idx, Priors(), [7], levels=2))
+        assert texts and all(t.startswith(want) for t in texts), (written, texts)
+
+
 def test_a_fork_of_the_tracker_leaves_it_as_it_was():
     t = tracker('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
     fork = t.fork()

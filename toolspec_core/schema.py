@@ -286,11 +286,12 @@ class _Builder:
             out += self.seq([(ws + "}", END)], self.close_call(layout, lv), 1 - p_more)
         return out
 
-    def close_call(self, layout: Layout | None, lv: int) -> list[Cand]:
-        """From after the arguments' '}': the call's '}', the layout closer, then end of turn."""
+    def close_call(self, layout: Layout | None, lv: int, since: str = "") -> list[Cand]:
+        """From after the arguments' '}' (and ``since``, whitespace already written after it): the
+        call's '}', the layout closer, then end of turn."""
         call = self.tr.frame("call")
         call_indent = call.indent if call is not None else 0
-        text = self.ws_close(call_indent, layout) + "}"
+        text = self.rest(self.ws_close(call_indent, layout), since) + "}"
         if self.tr.frame("calls") is None and layout is not None:
             return self.seq([(text, END)], self.after_closer(layout.closer) if layout.closer else self.after_bare_call(layout, ""))
         return [Cand([(text, END)], 1.0)]
@@ -382,7 +383,7 @@ class _Builder:
         if f.expect in ("colon", "value") and f.key in ("arguments", "parameters"):
             return self.seq([(self.after_colon(f) + "{", CALL_KEY)], self.args_open(tr.name, lay, self._args_indent(f, lay), lv))
         if f.expect == "next":
-            return self.close_call(lay, lv) if self.tr.frame("args") is None else []
+            return self.close_call(lay, lv, since=tr.since) if self.tr.frame("args") is None else []
         return []
 
     def free_object(self, f: Frame) -> bool:
