@@ -164,18 +164,19 @@ def test_online_method_remembers_calls_but_not_private_ones(qwen_tok):
 def test_how_outputs_begin_and_what_follows_a_closer_are_learned(qwen_tok):
     """The schema's P(the output opens with a call) and P(text after a closer) move from their
     priors to what this model writes."""
-    from toolspec_core.schema_drafter import text_after_closers
+    from toolspec_core.toolcalls import parse_tool_calls
 
-    assert text_after_closers('```json\n{"a": 1}\n```\n\nThis returns x.\n```json\n{"b": 2}\n```') == [True, False]
-    assert text_after_closers('<tool_call>\n{}\n</tool_call>\n<tool_call>\n{}\n</tool_call>') == [True, False]
-    assert text_after_closers('{"name": "get_time", "arguments": {}}') == []
+    two = '```json\n{"name": "a", "arguments": {}}\n```\n\nThen:\n```json\n{"name": "b", "arguments": {}}\n```'
+    assert [two[:e].endswith("```") for _, e in parse_tool_calls(two).spans] == [True, True]  # the closers the prior counts
     m = make_method("toolspec_schema", qwen_tok)
     start, after = m.priors.call_start, m.priors.prose_after
     fence = '```json\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n```\n\nThis returns the time.'
     for _ in range(6):
         m.observe(RequestInfo([1], TOOLS), qwen_tok.encode(fence), fence)
     assert m.priors.call_start > start and m.priors.prose_after > after
-    assert m.priors.events == {"call_start": [6.0, 6.0], "prose_after": [6.0, 6.0]}
+    assert m.priors.events.tries == {"call_start": 6.0, "prose_after": 6.0} and m.priors.events.hits == m.priors.events.tries
+    m.observe(RequestInfo([1], TOOLS), qwen_tok.encode(two), two)  # text after the first closer, none after the second
+    assert m.priors.events.tries["prose_after"] == 8.0 and m.priors.events.hits["prose_after"] == 7.0
     prose = "Which city do you mean?"
     for _ in range(12):
         m.observe(RequestInfo([1], TOOLS), qwen_tok.encode(prose), prose)

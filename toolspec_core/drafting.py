@@ -97,6 +97,12 @@ class LabelRates:
         p = self.prior.get(label, self.prior.get(generic, default))
         return (self.hits.get(label, 0.0) + p * self.strength) / (self.tries.get(label, 0.0) + self.strength)
 
+    def count(self, label: str, hit: bool) -> None:
+        """One chance of ``label``, taken or not."""
+        self.tries[label] = self.tries.get(label, 0.0) + 1.0
+        if hit:
+            self.hits[label] = self.hits.get(label, 0.0) + 1.0
+
     def update(self, tree: DraftTree, result: VerifyResult, skip=None) -> None:
         """Count every node whose parent was accepted (it had its chance), unless ``skip(i, key)``."""
         accepted = set(result.path)
@@ -106,9 +112,7 @@ class LabelRates:
                 lab = rate_key(tree, i)
                 if skip is not None and skip(i, lab):
                     continue
-                self.tries[lab] = self.tries.get(lab, 0.0) + 1.0
-                if i in accepted:
-                    self.hits[lab] = self.hits.get(lab, 0.0) + 1.0
+                self.count(lab, i in accepted)
 
 
 class NoDrafter:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .drafting import DERIVED, OWN_CALL, RETRIEVAL
+from .drafting import DERIVED, OWN_CALL, RETRIEVAL, LabelRates
 from .fsm import ARG_NAME, CALL_KEY, END, TOOL_NAME, VALUE, CallTracker, Frame, ToolIndex
 from .layouts import LAYOUTS, Layout
 from .objkeys import CLOSE, KeyIndex, key_candidates
@@ -37,27 +37,17 @@ class Priors:
 
     tool_counts: dict[str, float] = field(default_factory=dict)
     layout_counts: dict[str, float] = field(default_factory=dict)
-    call_start_prior: float = 0.5  # P(output starts with a call | start of output) before any is seen
-    prose_after_prior: float = 0.3  # P(text follows a call's closer | a closer that is text) before any is seen
-    events: dict[str, list[float]] = field(default_factory=dict)  # event -> [times it happened, times it could]
-    strength: float = 4.0  # weight of a prior, in observations
-
-    def rate(self, event: str, prior: float) -> float:
-        hits, tries = self.events.get(event, (0.0, 0.0))
-        return (hits + prior * self.strength) / (tries + self.strength)
-
-    def count(self, event: str, happened: bool) -> None:
-        e = self.events.setdefault(event, [0.0, 0.0])
-        e[0] += float(happened)
-        e[1] += 1.0
+    # P(an output opens with a call), P(text follows a call's closer that is text): learned from the
+    # outputs served (``SchemaMethod.observe``), starting from these priors
+    events: LabelRates = field(default_factory=lambda: LabelRates({"call_start": 0.5, "prose_after": 0.3}))
 
     @property
     def call_start(self) -> float:
-        return self.rate("call_start", self.call_start_prior)
+        return self.events.rate("call_start")
 
     @property
     def prose_after(self) -> float:
-        return self.rate("prose_after", self.prose_after_prior)
+        return self.events.rate("prose_after")
 
     def tool_weights(self, names: list[str]) -> list[float]:
         w = [1.0 + self.tool_counts.get(n, 0.0) for n in names]

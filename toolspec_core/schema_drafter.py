@@ -9,12 +9,11 @@ trie-merged into the same tree, and the engine's cost-aware budget keeps what pa
 
 from __future__ import annotations
 
-import re
-
 from .boundary import BoundaryTokenizer
 from .baselines import SUFFIX_PRIOR, SuffixDrafter, SuffixTrie
 from .drafting import OWN_CALL, PATTERN, SPAN, DraftContext, LabelRates, add_copies, base_label, is_chain, match_label, rate_key
 from .history import TenantHistories
+from .layouts import LAYOUTS
 from .fsm import END, TEXT, VALUE, CallTracker, ToolIndex
 from .library import CallLibrary, MemoryLibrary, PastCall
 from .methods import RequestInfo
@@ -202,11 +201,11 @@ class SchemaDrafter:
         if leaf != ROOT:
             self.suffix.extend(ctx, tree, leaf, prob)
 
-    def _continuations(self, ctx: DraftContext, tracker: CallTracker) -> list[Cand]:
+    def _continuations(self, ctx: DraftContext, tracker: CallTracker, max_cands: int = 64) -> list[Cand]:
         """What the schemas allow after ``tracker``'s text (this output's tracker, or a fork of it)."""
         past = [(c.tool_name, c.arguments) for c in self.retrieval.calls] if self.retrieval is not None else ()
-        return continuations(tracker, self.tools, self.priors, self.eos, past=past, dates=self._context_dates(ctx),
-                             context_keys=self._context_keys(ctx), own=self._own_calls())
+        return continuations(tracker, self.tools, self.priors, self.eos, max_cands=max_cands, past=past,
+                             dates=self._context_dates(ctx), context_keys=self._context_keys(ctx), own=self._own_calls())
 
     def _own_calls(self) -> list[tuple[str, dict]]:
         """This output's finished calls with their arguments, parsed again only when one more has closed."""
@@ -238,16 +237,18 @@ class SchemaDrafter:
         if self._n_fed != len(ctx.generated) or tr.state != VALUE or not (tr.in_str == "value" or tr.in_scalar) or not tr.buf:
             return tree
         source = self._prompt(ctx) + tr.text[: len(tr.text) - len(tr.buf)]
+        schema = self.schema and bool(self.tools.names)  # the schema says what follows a value
         cands, memo = [], {}
         for rank, span in enumerate(value_spans(source, tr.buf, tr.in_scalar)):
             share = 1.0 / (rank + 1)  # the first token at rate x share, as add_copies
             ends = [(span, share)]
             cut = _word_end(span)
-            if self.schema and tr.in_str and not span.endswith('"') and cut < len(span):
+            if schema and tr.in_str and not span.endswith('"') and cut < len(span):
                 # a span from prose runs on past the value: it may end where the source's word does
                 ends = [(span, share * (1 - self.WORD_END)), (span[:cut] + '"', share * self.WORD_END)]
             for text, p in ends:
-                tails = self._after_value(ctx, text, memo)
+                closes = tr.in_scalar or text.endswith('"')
+                tails = self._after_value(ctx, text, memo) if schema and closes else []
                 total = sum(t.prob for t in tails)
                 cands += [Cand([(text, SPAN)] + t.segs, p * t.prob / total) for t in tails] if total > 0 else [Cand([(text, SPAN)], p)]
         if cands:
@@ -263,14 +264,11 @@ class SchemaDrafter:
         the span -- the quote merges with what follows (``"\n``, ``",``), so a span drafted alone
         ends on a token the target does not write. What follows a closed string does not depend on
         its text, so ``memo`` (one step's) computes it once."""
-        tr = self.tracker
-        if not (self.schema and self.tools.names) or not (tr.in_scalar or span.endswith('"')):
-            return []
-        key = span if tr.in_scalar else '"'
+        key = span if self.tracker.in_scalar else '"'
         if key not in memo:
-            fork = tr.fork()
+            fork = self.tracker.fork()
             fork.feed(key)
-            memo[key] = self._continuations(ctx, fork)[: self.TAILS]
+            memo[key] = self._continuations(ctx, fork, max_cands=self.TAILS)
         return memo[key]
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
@@ -356,11 +354,13 @@ class SchemaMethod:
         if self.use_retrieval and req.remember:
             self.history.add(req.tenant, output_ids, req.prompt_ids[-self.prompt_tail :])
         parsed = parse_tool_calls(text)
-        self.priors.count("call_start", bool(parsed.calls) and text.lstrip().startswith(CALL_STARTS))
+        spans = parsed.spans
+        self.priors.events.count("call_start", bool(spans) and not text[: spans[0][0]].strip())
         if not parsed.calls:
             return
-        for more in text_after_closers(text):
-            self.priors.count("prose_after", more)
+        for _, end in spans:  # after a closer that is text (a fence, a tag): does the output go on?
+            if text[:end].rstrip().endswith(TEXT_CLOSERS):
+                self.priors.events.count("prose_after", bool(text[end:].strip()))
         for c in parsed.calls:
             self.priors.tool_counts[c.name] = self.priors.tool_counts.get(c.name, 0.0) + 1.0
         lay = _layout_of(text)
@@ -392,14 +392,7 @@ def _as_past_call(c) -> PastCall:
     return PastCall(c.get("tool_name", ""), list(c.get("token_ids") or []), c.get("text", ""), c.get("arguments") or {}, float(c.get("score", 0.0)))
 
 
-CALL_STARTS = ("```", "{", "[", "<tool_call>")  # an output that opens with one of these starts with its call
-_CLOSERS = re.compile(r"```[a-z]*[ \t]*\n[\s\S]*?\n```|</tool_call>")
-
-
-def text_after_closers(text: str) -> list[bool]:
-    """For each call closer that is text (a fence's closing ```, ``</tool_call>``): does the
-    output go on after it (prose, another call) or end there?"""
-    return [bool(text[m.end():].strip()) for m in _CLOSERS.finditer(text)]
+TEXT_CLOSERS = tuple(sorted({lay.closer.strip() for lay in LAYOUTS if lay.closer}))  # "</tool_call>", "```"
 
 
 def _layout_of(text: str) -> str:

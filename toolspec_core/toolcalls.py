@@ -29,6 +29,7 @@ class ToolCall:
 class ParsedOutput:
     content: str | None  # text outside the calls (None when there is none)
     calls: list[ToolCall] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # where the calls are in the text (tags / fences included)
 
 
 def _as_calls(obj) -> list[ToolCall]:
@@ -86,13 +87,14 @@ def parse_tool_calls(text: str) -> ParsedOutput:
             if found:
                 calls.extend(found)
                 spans.append((s, e))
+    spans.sort()
     rest, last = [], 0
-    for s, e in sorted(spans):
+    for s, e in spans:
         rest.append(text[last:s])
         last = e
     rest.append(text[last:])
     content = "".join(rest).strip()
-    return ParsedOutput(content or None, calls)
+    return ParsedOutput(content or None, calls, spans)
 
 
 def validate_call(call: ToolCall, tools: list[dict]) -> list[str]:
