@@ -168,6 +168,21 @@ def test_suffix_drafter_extends_a_drafted_chain():
     d.extend(DraftContext([1, 2, 40], 3, 2), tree, leaf, 0.98)  # no depth left past the chain: nothing added
 
 
+def test_suffix_rates_learn_only_from_the_nodes_suffix_owns_when_asked():
+    """In a merged tree (ToolSpec) a suffix draft the schema also drafted carries the schema's label
+    and is right more often; counting it would make the rate of suffix-only nodes too high."""
+    hist = SuffixTrie(32)
+    hist.add_document([40, 5, 6, 7])
+    for owned, counted in ((False, 3), (True, 2)):
+        d = SuffixDrafter(hist, LabelRates(SUFFIX_PRIOR))
+        tree = d.propose(DraftContext([1, 2, 40], 3, 20))
+        assert [tree.tokens[i] for i in range(3)] == [5, 6, 7]
+        tree.add(ROOT, 5, 0.99, "schema")  # the schema drafted the first token too, with a higher conf
+        assert tree.labels[0] == "schema"
+        d.feedback(tree, VerifyResult(path=[0, 1, 2], token=9), owned=owned)
+        assert sum(d.rates.tries.values()) == counted and sum(d.rates.hits.values()) == counted
+
+
 def test_tenant_histories_bound_tokens_and_tenants_and_skip_repeats():
     from toolspec_core.history import TenantHistories
 

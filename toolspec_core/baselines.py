@@ -33,16 +33,17 @@ def node_paths(tree: DraftTree) -> list[tuple[int, ...]]:
     return out
 
 
-def update_keyed_rates(rates: LabelRates, tree: DraftTree, result: VerifyResult, keys: dict) -> None:
+def update_keyed_rates(rates: LabelRates, tree: DraftTree, result: VerifyResult, keys: dict, label: str | None = None) -> None:
     """Like ``LabelRates.update`` but counts node i under ``keys[path of i]`` (its rate key).
 
-    Only nodes whose parent was accepted count as tries (they had their chance).
+    Only nodes whose parent was accepted count as tries (they had their chance); with ``label``,
+    only the nodes this source owns in the merged tree.
     """
     accepted = set(result.path)
     reached = {ROOT} | accepted
     for i, (path, p) in enumerate(zip(node_paths(tree), tree.parents)):
         key = keys.get(path)
-        if key is None or p not in reached:
+        if key is None or p not in reached or (label is not None and tree.labels[i] != label):
             continue
         rates.tries[key] = rates.tries.get(key, 0.0) + 1.0
         if i in accepted:
@@ -323,8 +324,11 @@ class SuffixDrafter:
                 grow_from_trie(tree, self.keys, trie, node, m, self.rates, self.max_nodes, depth,
                                parent=parent, prefix=tuple(chain), prob=prob)
 
-    def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
-        update_keyed_rates(self.rates, tree, result, self.keys)
+    def feedback(self, tree: DraftTree, result: VerifyResult, owned: bool = False) -> None:
+        """``owned``: the tree merged other sources' drafts; learn only from the nodes whose conf is
+        this drafter's (a node another source also drafted is accepted more often -- counting it
+        would make the rate of suffix-only nodes too high)."""
+        update_keyed_rates(self.rates, tree, result, self.keys, self.label if owned else None)
 
 
 class SuffixMethod:
