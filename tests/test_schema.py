@@ -355,6 +355,16 @@ def test_boundary_tokens_are_canonical(qwen_tok):
     assert bt.continuation(compact[: k + 1], ' "get_weather"') == compact[k + 1 :]
 
 
+def test_boundary_encodes_like_the_tokenizer(qwen_tok):
+    """The Rust backend gives the wrapper's ids (special tokens in the text, unicode, whitespace)."""
+    bt = BoundaryTokenizer(qwen_tok)
+    assert bt._backend is not None  # the embedded tokenizer is a fast one: the backend path is tested
+    texts = ['<|im_end|>\n<|im_start|>assistant\n```json\n{"a": 1}', '": "', " é中文 😀 ", "  }\n}\n```<|im_end|>",
+             '{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n\n\t x"]
+    for text in texts:
+        assert list(bt._encode_uncached(text)) == qwen_tok.encode(text, add_special_tokens=False), text
+
+
 def _gold_items(n_per=20):
     for bench in ("api_bank", "bfcl_v3", "toolalpaca"):
         with open(DATA / f"{bench}.dev.jsonl") as f:
