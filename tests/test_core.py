@@ -309,7 +309,7 @@ def test_measured_cost_curve_is_relative_and_monotone(tiny):
     from toolspec_core.budget import measure_cost_model
 
     cm = measure_cost_model(tiny, prefix_len=32, max_nodes=15, repeats=2)
-    assert cm.points[1] == 1.0 and set(cm.points) == {1, 2, 4, 8, 12, 16}
+    assert cm.points[1] == 1.0 and set(cm.points) == {1, 2, 3, 4, 6, 8, 12, 16}
     assert all(a <= b + 1e-12 for a, b in zip(cm.curve[1:], cm.curve[2:]))  # never cheaper for more tokens
     assert cm.step_cost(0) == cm.curve[1] == 1.0
 
@@ -378,6 +378,56 @@ def test_tuned_cpu_linears_keep_greedy_output(reference, packed_rows):
         assert res.tokens == reference
 
 
+def test_rows_kernel_is_linear_and_batch_invariant():
+    """ToolSpec's few-rows CPU kernel: ``F.linear`` to float tolerance (odd shapes: k tails, weight
+    rows that do not fill a block, bias or not, 3D inputs), and a row's output bit for bit the same
+    whatever the number of rows sharing the call -- so a verified row's logits are exactly a
+    one-row forward's. It builds wherever the CPU has AVX2 (this project's dev and CI machines)."""
+    from toolspec_core import rows_kernel
+
+    kernel = rows_kernel.load()
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert kernel is not None
+    if kernel is None:
+        pytest.skip("no AVX2 on this CPU: the kernel is not used here")
+    g = torch.Generator().manual_seed(0)
+    for out_f, in_f in ((37, 900), (40, 24), (3, 7), (128, 896)):
+        w = torch.randn(out_f, in_f, generator=g)
+        b = torch.randn(out_f, generator=g)
+        x = torch.randn(19, in_f, generator=g)
+        for bias in (b, None):
+            full = kernel.rows_linear(x, w, bias)
+            torch.testing.assert_close(full, torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
+            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 16, 19):
+                assert torch.equal(kernel.rows_linear(x[:rows], w, bias), full[:rows]), (out_f, in_f, rows)
+        x3 = x[:6].reshape(2, 3, in_f)
+        assert torch.equal(kernel.rows_linear(x3, w, b), kernel.rows_linear(x[:6], w, b).reshape(2, 3, out_f))
+    with pytest.raises(RuntimeError, match="features"):
+        kernel.rows_linear(torch.randn(2, 5), torch.randn(3, 4), None)
+
+
+def test_rows_kernel_off_or_unbuildable_keeps_the_other_dispatch(monkeypatch):
+    """``TOOLSPEC_ROWS_KERNEL=0`` (or a machine where it cannot build) loads no kernel, and the
+    tuned linears still compute the same function through oneDNN / ``F.linear``."""
+    import copy
+
+    from toolspec_core import rows_kernel
+    from toolspec_core.target import tune_cpu_linears
+
+    rows_kernel.load.cache_clear()
+    monkeypatch.setenv("TOOLSPEC_ROWS_KERNEL", "0")
+    try:
+        assert rows_kernel.load() is None
+        plain = tiny_target()
+        tuned = copy.deepcopy(plain)
+        assert tune_cpu_linears(tuned.model) > 0
+        for rows in (1, 3, 8):
+            h = torch.randn(rows, plain.model.config.hidden_size)
+            torch.testing.assert_close(tuned.logits(h), plain.logits(h), rtol=1e-5, atol=1e-5)
+    finally:
+        rows_kernel.load.cache_clear()
+
+
 def test_cache_kwarg_follows_the_forward_signature(tiny):
     """transformers >= 5.20 names the KV cache ``cache``; older images (a GPU machine's 5.17) only
     know ``past_key_values``: a wrong name would silently decode without a cache."""
@@ -399,8 +449,9 @@ def test_cache_kwarg_follows_the_forward_signature(tiny):
 
 
 def test_small_row_kernel_choice_is_measured_and_dispatched():
-    """At 1-3 rows the kernel is whichever was measured faster on this CPU; either way the
-    tuned layer computes the same function, and a given choice is what the layer uses."""
+    """Without the rows kernel, at 1-3 rows the kernel is whichever was measured faster on this
+    CPU; either way the tuned layer computes the same function, and a given choice is what the
+    layer uses."""
     import copy
 
     from toolspec_core.target import onednn_pack, small_row_kernels, tune_cpu_linears
@@ -413,7 +464,7 @@ def test_small_row_kernel_choice_is_measured_and_dispatched():
     for forced in ((True, True, True), (False, False, False)):
         tuned = copy.deepcopy(plain)
         kernels = {tuple(m.weight.shape): forced for m in tuned.model.modules() if isinstance(m, torch.nn.Linear)}
-        tune_cpu_linears(tuned.model, small_kernels=kernels)
+        tune_cpu_linears(tuned.model, small_kernels=kernels, rows_kernel=False)
         calls = []
         import toolspec_core.target as target_mod
 

@@ -19,7 +19,7 @@ from .tree import DraftTree, prune_to_budget
 
 # Measured on the 2-core dev CPU, Qwen2.5-0.5B fp32, ~500-token prefix (NOTES.md).
 CPU_REFERENCE_CURVE = {1: 1.0, 2: 2.2, 4: 2.4, 8: 2.7, 16: 3.5, 32: 4.6, 64: 6.6}
-DEFAULT_KS = (1, 2, 4, 8, 12, 16, 17, 24, 32, 48, 64)  # 16 | 17: where a CPU kernel may switch
+DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 48, 64)  # 16 | 17: where a CPU kernel may switch; 3, 6: small trees are common
 
 
 def interpolate(points: dict[int, float], max_k: int) -> list[float]:

@@ -207,23 +207,28 @@ def small_row_kernels(weight: torch.Tensor, dnn: torch.Tensor | None, small_rows
 
 
 def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packed_rows: int = 0,
-                     small_kernels: dict | None = None) -> int:
+                     small_kernels: dict | None = None, rows_kernel: bool = True) -> int:
     """Make every ``nn.Linear`` of a CPU model fast for a few rows at a time (tree verification).
 
     Why: on x86 CPUs ``F.linear`` switches from a matrix-vector kernel to a GEMM path at 4 rows
-    that is 2-2.5x slower than 1-3 rows (Xeon dev box). From 4 rows up the weight goes through
-    oneDNN on a copy reordered once at load into its blocked layout (per layer 4-8 rows cost
-    1.2-1.5x one row, against 1.4-1.9x for ``x @ W.T`` on a transposed copy, the fallback where
-    torch has no oneDNN).
-    With ``packed_rows=16``, 4..16 rows go through MKL's packed GEMM instead (inputs padded;
-    opt-in, one more weight copy). Measured by ``python -m benchmarks.linear_rows`` ->
+    that is 2-2.5x slower than 1-3 rows (Xeon dev box). Where it builds (:mod:`.rows_kernel`:
+    AVX2, a C++ compiler), up to ``rows_kernel.MAX_ROWS`` rows -- plain decoding and every
+    verify step the budget picks -- go through ToolSpec's own few-rows kernel on the weight as it
+    is. Above that, and everywhere without it, the weight goes through oneDNN on a copy
+    reordered once at load into its blocked layout (per layer 4-8 rows cost 1.2-1.5x one row,
+    against 1.4-1.9x for ``x @ W.T`` on a transposed copy, the fallback where torch has no oneDNN).
+    With ``packed_rows=16``, 4..16 rows go through MKL's packed GEMM instead of oneDNN (inputs
+    padded; opt-in, one more weight copy). Measured by ``python -m benchmarks.linear_rows`` ->
     ``results/measurements/cpu-linear-rows.json`` and ``python -m benchmarks.kernel_ab``.
-    At 1-3 rows (plain decoding included) the faster of ``F.linear`` and oneDNN is measured
-    once per weight shape (:func:`small_row_kernels`; ``small_kernels``: shape -> choices, given
-    or filled here). Returns how many layers were tuned.
+    Without the rows kernel, at 1-3 rows (plain decoding included) the faster of ``F.linear`` and
+    oneDNN is measured once per weight shape (:func:`small_row_kernels`; ``small_kernels``: shape ->
+    choices, given or filled here). Returns how many layers were tuned.
     """
     import torch.nn.functional as F
 
+    from . import rows_kernel as rk
+
+    kernel = rk.load() if rows_kernel else None
     n = 0
     chosen = {} if small_kernels is None else small_kernels
     for mod in model.modules():
@@ -234,12 +239,15 @@ def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packe
         weight_t = None if dnn is not None else weight.detach().t().contiguous()  # [in, out]
         packed = mkl_pack(weight, packed_rows) if packed_rows > small_rows else None
         shape = tuple(weight.shape)
-        if shape not in chosen:
+        if kernel is None and shape not in chosen:
             chosen[shape] = small_row_kernels(weight.detach(), dnn, small_rows)
-        small = chosen[shape]
+        small = chosen.get(shape, (False,) * small_rows)
+        plain = weight.detach() if weight.is_contiguous() else weight.detach().contiguous()  # [out, in]
 
-        def forward(x, weight=weight, bias=bias, weight_t=weight_t, dnn=dnn, packed=packed, small=small):
+        def forward(x, weight=weight, bias=bias, weight_t=weight_t, dnn=dnn, packed=packed, small=small, plain=plain):
             rows = x.numel() // x.shape[-1]
+            if kernel is not None and rows <= rk.MAX_ROWS:
+                return kernel.rows_linear(x, plain, bias)
             if rows <= small_rows:
                 return onednn_linear(x, dnn, bias) if small[rows - 1] else F.linear(x, weight, bias)
             if packed is not None and rows <= packed_rows:

@@ -1,0 +1,55 @@
+"""The few-rows CPU linear kernel (``kernels/rows_linear.cpp``), built once per machine.
+
+Why: a tree-verify step multiplies 1-16 rows by every weight; x86 BLAS and oneDNN GEMMs are built
+for many rows and pay for it at few (on the 2-core AMD EPYC dev box a whole 0.5B forward took
+~135 ms at 1 row and ~205 ms at 8 through the tuned oneDNN / ``F.linear`` dispatch, ~105 / ~160 ms
+through this kernel: ``benchmarks/results/measurements/cpu-rows-kernel.json``). It also computes a
+row the same way whatever the row count (batch-invariant), so a verified row's logits are bit for
+bit what a one-row forward of the same hidden state gives.
+
+Compiled with torch's C++ extension tooling (a C++ compiler, AVX2 + FMA, OpenMP) into
+``~/.cache/toolspec/kernels`` on first use (``scripts/setup.sh`` does it up front, ~1 min); where
+that is impossible -- no compiler, no AVX2, or ``TOOLSPEC_ROWS_KERNEL=0`` -- :func:`load` returns
+None and the linears keep the oneDNN / ``F.linear`` dispatch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "rows_linear.cpp"
+MAX_ROWS = 16  # up to this many rows the kernel beats oneDNN on the dev CPU (whole-model forwards, measured)
+
+
+def build_dir() -> Path:
+    base = Path(os.environ.get("TOOLSPEC_CACHE", Path.home() / ".cache" / "toolspec"))
+    return base / "kernels" / f"torch-{torch.__version__}"
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """The compiled module (``rows_linear(x, w, bias)``), or None where it cannot be used here."""
+    if os.environ.get("TOOLSPEC_ROWS_KERNEL", "1") == "0":
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.info("rows kernel: this CPU lacks AVX2; linears keep the oneDNN / F.linear dispatch")
+        return None
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        out = build_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        return load_extension(
+            name="toolspec_rows_linear", sources=[str(SOURCE)], build_directory=str(out),
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+        )
+    except Exception as exc:  # no compiler / headers: a slower kernel, never a failed load
+        log.warning("rows kernel unavailable (%s: %s); linears keep the oneDNN / F.linear dispatch", type(exc).__name__, exc)
+        return None
