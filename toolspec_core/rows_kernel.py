@@ -1,11 +1,12 @@
 """The few-rows CPU linear kernel (``kernels/rows_linear.cpp``), built once per machine.
 
 Why: a tree-verify step multiplies 1-16 rows by every weight; x86 BLAS and oneDNN GEMMs are built
-for many rows and pay for it at few (on the 2-core AMD EPYC dev box a whole 0.5B forward took
-~135 ms at 1 row and ~205 ms at 8 through the tuned oneDNN / ``F.linear`` dispatch, ~105 / ~160 ms
-through this kernel: ``benchmarks/results/measurements/cpu-rows-kernel.json``). It also computes a
-row the same way whatever the row count (batch-invariant), so a verified row's logits are bit for
-bit what a one-row forward of the same hidden state gives.
+for many rows and pay for it at few (on the 2-core AMD EPYC dev box a whole forward of the embedded 0.5B
+model took 144 ms at 1 token and 213 ms at 8 through the oneDNN / ``F.linear`` dispatch, 109 / 169
+ms through this kernel: ``benchmarks/results/measurements/cpu-rows-kernel.json``). It computes a
+row the same way whatever the row count: a row's linear outputs are bit for bit those of a one-row
+call (the attention around them is not batch-invariant, so whole forwards still differ in the last
+bits).
 
 Compiled with torch's C++ extension tooling (a C++ compiler, AVX2 + FMA, OpenMP) into
 ``~/.cache/toolspec/kernels`` on first use (``scripts/setup.sh`` does it up front, ~1 min); where
