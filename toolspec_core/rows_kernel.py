@@ -30,8 +30,9 @@ MAX_ROWS = 16  # up to this many rows the kernel beats oneDNN on the dev CPU (wh
 
 
 def build_dir() -> Path:
-    base = Path(os.environ.get("TOOLSPEC_CACHE", Path.home() / ".cache" / "toolspec"))
-    return base / "kernels" / f"torch-{torch.__version__}"
+    from .embedded import cache_root
+
+    return cache_root() / "kernels" / f"torch-{torch.__version__}"
 
 
 @functools.lru_cache(maxsize=1)
