@@ -404,6 +404,7 @@ def test_rows_kernel_is_linear_and_batch_invariant():
         assert torch.equal(kernel.rows_linear(x3, w, b), kernel.rows_linear(x[:6], w, b).reshape(2, 3, out_f))
     with pytest.raises(RuntimeError, match="features"):
         kernel.rows_linear(torch.randn(2, 5), torch.randn(3, 4), None)
+    assert kernel.rows_linear(torch.randn(0, 4), torch.randn(3, 4), None).shape == (0, 3)  # no rows: no pass
 
 
 def test_rows_kernel_off_or_unbuildable_keeps_the_other_dispatch(monkeypatch):

@@ -9,7 +9,7 @@ call (the attention around them is not batch-invariant, so whole forwards still 
 bits).
 
 Compiled with torch's C++ extension tooling (a C++ compiler, AVX2 + FMA, OpenMP) into
-``~/.cache/toolspec/kernels`` on first use (``scripts/setup.sh`` does it up front, ~1 min); where
+the project's cache (``~/.cache/toolspec/kernels``, or under ``TOOLSPEC_CACHE``) on first use (``scripts/setup.sh`` does it up front, ~1 min); where
 that is impossible -- no compiler, no AVX2, or ``TOOLSPEC_ROWS_KERNEL=0`` -- :func:`load` returns
 None and the linears keep the oneDNN / ``F.linear`` dispatch.
 """

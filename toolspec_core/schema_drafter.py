@@ -273,7 +273,7 @@ class SchemaDrafter:
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
         """Learn label rates from deterministic nodes only (branch losers are expected); suffix
-        drafts learn their own keyed rates (by the path they proposed, whoever owns the node)."""
+        drafts learn their own keyed rates (by the path they proposed) from the nodes they own."""
         self.suffix.feedback(tree, result, owned=True)
         self.rates.update(tree, result, skip=lambda i, key: base_label(key) == SUFFIX
                           or (not is_chain(key) and tree.conf[i] < DET * self.rates.rate(key)))

@@ -95,6 +95,7 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rows_linear: float32 only");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "rows_linear: weight must be a contiguous [out, in] matrix");
   TORCH_CHECK(x.size(-1) == w.size(1), "rows_linear: input has ", x.size(-1), " features, weight ", w.size(1));
+  TORCH_CHECK(w.size(1) > 0, "rows_linear: weight has no input features");
   const auto xc = x.contiguous();
   const int64_t K = w.size(1), N = w.size(0), M = xc.numel() / K;
   auto shape = x.sizes().vec();
@@ -103,6 +104,7 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const float* xp = xc.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (M == 0 || N == 0) return y;  // nothing to compute (and no pass of zero rows)
   run<2>(xp, M, K, wp, yp, N);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
