@@ -21,7 +21,8 @@ import torch
 KS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
-def measure(rounds: int, repeats: int, prefix: int) -> dict:
+def measure(rounds: int, repeats: int, prefix: int, ks=KS, max_rows: int | None = None) -> dict:
+    """``max_rows``: let the kernel take forwards up to this many rows (default: its own limit)."""
     from toolspec_core import rows_kernel
     from toolspec_core.budget import paired_cost, probe_steps
     from toolspec_core.target import load_target, tune_cpu_linears
@@ -29,6 +30,8 @@ def measure(rounds: int, repeats: int, prefix: int) -> dict:
     target = load_target(None, tune_gemm=False)
     if rows_kernel.load() is None:
         raise SystemExit("the rows kernel does not build on this machine: nothing to compare")
+    if max_rows is not None:
+        rows_kernel.MAX_ROWS = max_rows
     linears = [m for m in target.model.modules() if isinstance(m, torch.nn.Linear)]
     forwards = {}
     for name, on in (("onednn", False), ("rows_kernel", True)):
@@ -36,20 +39,20 @@ def measure(rounds: int, repeats: int, prefix: int) -> dict:
             m.__dict__.pop("forward", None)  # back to nn.Linear.forward before tuning again
         tune_cpu_linears(target.model, rows_kernel=on)
         forwards[name] = [m.forward for m in linears]
-    steps = probe_steps(target, prefix, KS)
-    samples: dict = {name: {"ms": {k: [] for k in KS}, "rel": {k: [] for k in KS}} for name in forwards}
+    steps = probe_steps(target, prefix, ks)
+    samples: dict = {name: {"ms": {k: [] for k in ks}, "rel": {k: [] for k in ks}} for name in forwards}
     for r in range(rounds):
         for name in (("onednn", "rows_kernel") if r % 2 == 0 else ("rows_kernel", "onednn")):
             for m, f in zip(linears, forwards[name]):
                 m.forward = f
-            secs, rel = paired_cost(lambda k: steps[k](), KS, repeats)
-            for k in KS:
+            secs, rel = paired_cost(lambda k: steps[k](), ks, repeats)
+            for k in ks:
                 samples[name]["ms"][k].append(1000 * secs[k])
                 samples[name]["rel"][k].append(rel[k])
     med = lambda xs: sorted(xs)[len(xs) // 2]
     out = {name: {"ms": {k: round(med(v), 1) for k, v in s["ms"].items()},
                   "cost": {k: round(med(v), 3) for k, v in s["rel"].items()}} for name, s in samples.items()}
-    out["rows_kernel_ms_over_onednn"] = {k: round(out["rows_kernel"]["ms"][k] / out["onednn"]["ms"][k], 3) for k in KS}
+    out["rows_kernel_ms_over_onednn"] = {k: round(out["rows_kernel"]["ms"][k] / out["onednn"]["ms"][k], 3) for k in ks}
     return out
 
 
@@ -61,13 +64,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefix", type=int, default=500)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ks", default=",".join(map(str, KS)), help="forward sizes (tokens, the 1-token one included)")
+    ap.add_argument("--max-rows", type=int, default=None, help="let the kernel take forwards up to this many rows")
     ap.add_argument("--out", default="benchmarks/results/measurements/cpu-rows-kernel.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     res = {"what": "one verify forward of k tree tokens over a cache of --prefix tokens, embedded Qwen2.5-Coder-0.5B float32: "
                    "ToolSpec's few-rows kernel (rows_kernel, up to 16 rows) vs the oneDNN / F.linear dispatch (onednn); "
                    "median ms and cost relative to the variant's own 1-token forward",
-           "hardware": hardware_string(), "prefix": a.prefix, "rounds": a.rounds, **measure(a.rounds, a.repeats, a.prefix)}
+           "hardware": hardware_string(), "prefix": a.prefix, "rounds": a.rounds,
+           "kernel_max_rows": a.max_rows, **measure(a.rounds, a.repeats, a.prefix, tuple(int(k) for k in a.ks.split(",")), a.max_rows)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res, indent=1))
