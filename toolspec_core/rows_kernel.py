@@ -3,7 +3,8 @@
 Why: a tree-verify step multiplies 1-16 rows by every weight; x86 BLAS and oneDNN GEMMs are built
 for many rows and pay for it at few (on the 2-core AMD EPYC dev box a whole forward of the embedded 0.5B
 model took 144 ms at 1 token and 213 ms at 8 through the oneDNN / ``F.linear`` dispatch, 109 / 169
-ms through this kernel: ``benchmarks/results/measurements/cpu-rows-kernel.json``). It computes a
+ms through session 15's kernel, 7-16 tokens another 10-15% less through session 16's:
+``benchmarks/results/measurements/cpu-rows-kernel*.json``). It computes a
 row the same way whatever the row count: a row's linear outputs are bit for bit those of a one-row
 call (the attention around them is not batch-invariant, so whole forwards still differ in the last
 bits).
@@ -26,9 +27,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "rows_linear.cpp"
-# up to this many rows the kernel beats oneDNN on the dev CPU (whole-model forwards: 0.68-0.94x its time
-# at 1-16 tokens, 0.99-1.11x at 17-32; measurements/cpu-rows-kernel.json, cpu-rows-kernel-above16.json)
-MAX_ROWS = 16
+# up to this many rows the kernel beats oneDNN on the dev CPU (whole-model forwards, session 16's kernel:
+# 0.81-0.90x oneDNN's time at 12-20 tokens, 0.98-0.99x at 24-32; measurements/cpu-rows-kernel-s16*.json)
+MAX_ROWS = 20
 
 
 def build_dir() -> Path:
