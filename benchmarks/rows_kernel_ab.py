@@ -8,6 +8,10 @@ milliseconds (what plain decoding and every drafting method pay per step) and th
 relative to each variant's own 1-token forward (what the budget sees).
 
     python -m benchmarks.rows_kernel_ab [--rounds 4] [--out benchmarks/results/measurements/cpu-rows-kernel.json]
+
+``--baseline-rev REV`` compares the kernel against the kernel source of another git revision instead of
+oneDNN (both built here, same forwards, same alternation): how a kernel change is measured
+(``measurements/cpu-rows-kernel-s16.json``: ``--baseline-rev 347c006 --ks 1,4,6,7,8,10,12,16 --rounds 6``).
 """
 
 from __future__ import annotations
@@ -21,28 +25,67 @@ import torch
 KS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
-def measure(rounds: int, repeats: int, prefix: int, ks=KS, max_rows: int | None = None) -> dict:
-    """``max_rows``: let the kernel take forwards up to this many rows (default: its own limit)."""
+def baseline_kernel(rev: str):
+    """The rows kernel as it was at git revision ``rev``, built here under its own module name."""
+    import subprocess
+    import tempfile
+
+    from torch.utils.cpp_extension import load as load_extension
+
+    from toolspec_core import rows_kernel
+
+    rel = rows_kernel.SOURCE.relative_to(Path(__file__).resolve().parents[1])
+    src = subprocess.run(["git", "show", f"{rev}:{rel}"], check=True, capture_output=True, text=True).stdout
+    tag = subprocess.run(["git", "rev-parse", "--short", rev], check=True, capture_output=True, text=True).stdout.strip()
+    out = Path(tempfile.mkdtemp(prefix=f"rows_kernel_{tag}_"))
+    (out / "rows_linear.cpp").write_text(src)
+    return load_extension(name=f"toolspec_rows_linear_{tag}", sources=[str(out / "rows_linear.cpp")], build_directory=str(out),
+                          extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // max(x.shape[-1], 1)
+
+
+def measure(rounds: int, repeats: int, prefix: int, ks=KS, max_rows: int | None = None, baseline_rev: str | None = None) -> dict:
+    """``max_rows``: let the kernel take forwards up to this many rows (default: its own limit).
+    ``baseline_rev``: the other variant is that revision's kernel (same row limit), not oneDNN."""
+    import torch.nn.functional as F
+
     from toolspec_core import rows_kernel
     from toolspec_core.budget import paired_cost, probe_steps
     from toolspec_core.target import load_target, tune_cpu_linears
 
     target = load_target(None, tune_gemm=False)
-    if rows_kernel.load() is None:
+    kernel = rows_kernel.load()
+    if kernel is None:
         raise SystemExit("the rows kernel does not build on this machine: nothing to compare")
     if max_rows is not None:
         rows_kernel.MAX_ROWS = max_rows
     linears = [m for m in target.model.modules() if isinstance(m, torch.nn.Linear)]
     forwards = {}
-    for name, on in (("onednn", False), ("rows_kernel", True)):
-        for m in linears:
-            m.__dict__.pop("forward", None)  # back to nn.Linear.forward before tuning again
-        tune_cpu_linears(target.model, rows_kernel=on)
-        forwards[name] = [m.forward for m in linears]
+    if baseline_rev is None:
+        for name, on in (("onednn", False), ("rows_kernel", True)):
+            for m in linears:
+                m.__dict__.pop("forward", None)  # back to nn.Linear.forward before tuning again
+            tune_cpu_linears(target.model, rows_kernel=on)
+            forwards[name] = [m.forward for m in linears]
+    else:
+        old = baseline_kernel(baseline_rev)
+        for name, mod in ((f"rows_kernel_{baseline_rev}", old), ("rows_kernel", kernel)):
+            forwards[name] = [
+                (lambda x, w=m.weight, b=m.bias, mod=mod: mod.rows_linear(x, w, b) if _rows(x) <= rows_kernel.MAX_ROWS else F.linear(x, w, b))
+                for m in linears]
+        g = torch.Generator().manual_seed(0)
+        for m in linears[:7]:  # same arithmetic expected: say so before timing it
+            x = torch.randn(max(ks), m.in_features, generator=g)
+            same = all(torch.equal(old.rows_linear(x[:r], m.weight, m.bias), kernel.rows_linear(x[:r], m.weight, m.bias)) for r in ks)
+            print(f"{tuple(m.weight.shape)}: outputs {'bit for bit equal' if same else 'DIFFER'} at {ks} rows", flush=True)
     steps = probe_steps(target, prefix, ks)
+    names = list(forwards)
     samples: dict = {name: {"ms": {k: [] for k in ks}, "rel": {k: [] for k in ks}} for name in forwards}
     for r in range(rounds):
-        for name in (("onednn", "rows_kernel") if r % 2 == 0 else ("rows_kernel", "onednn")):
+        for name in (names if r % 2 == 0 else names[::-1]):
             for m, f in zip(linears, forwards[name]):
                 m.forward = f
             secs, rel = paired_cost(lambda k: steps[k](), ks, repeats)
@@ -52,7 +95,7 @@ def measure(rounds: int, repeats: int, prefix: int, ks=KS, max_rows: int | None 
     med = lambda xs: sorted(xs)[len(xs) // 2]
     out = {name: {"ms": {k: round(med(v), 1) for k, v in s["ms"].items()},
                   "cost": {k: round(med(v), 3) for k, v in s["rel"].items()}} for name, s in samples.items()}
-    out["rows_kernel_ms_over_onednn"] = {k: round(out["rows_kernel"]["ms"][k] / out["onednn"]["ms"][k], 3) for k in ks}
+    out[f"rows_kernel_ms_over_{names[0]}"] = {k: round(out["rows_kernel"]["ms"][k] / out[names[0]]["ms"][k], 3) for k in ks}
     return out
 
 
@@ -66,14 +109,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="forward sizes (tokens, the 1-token one included)")
     ap.add_argument("--max-rows", type=int, default=None, help="let the kernel take forwards up to this many rows")
+    ap.add_argument("--baseline-rev", default=None, help="compare against the kernel of this git revision, not oneDNN")
     ap.add_argument("--out", default="benchmarks/results/measurements/cpu-rows-kernel.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    other = f"the kernel of git revision {a.baseline_rev} (rows_kernel_{a.baseline_rev})" if a.baseline_rev else "the oneDNN / F.linear dispatch (onednn)"
     res = {"what": "one verify forward of k tree tokens over a cache of --prefix tokens, embedded Qwen2.5-Coder-0.5B float32: "
-                   "ToolSpec's few-rows kernel (rows_kernel, up to 16 rows) vs the oneDNN / F.linear dispatch (onednn); "
+                   f"ToolSpec's few-rows kernel (rows_kernel) vs {other}; "
                    "median ms and cost relative to the variant's own 1-token forward",
            "hardware": hardware_string(), "prefix": a.prefix, "rounds": a.rounds,
-           "kernel_max_rows": a.max_rows, **measure(a.rounds, a.repeats, a.prefix, tuple(int(k) for k in a.ks.split(",")), a.max_rows)}
+           "kernel_max_rows": a.max_rows,
+           **measure(a.rounds, a.repeats, a.prefix, tuple(int(k) for k in a.ks.split(",")), a.max_rows, a.baseline_rev)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res, indent=1))
