@@ -3,7 +3,7 @@
 Why: a tree-verify step multiplies 1-16 rows by every weight; x86 BLAS and oneDNN GEMMs are built
 for many rows and pay for it at few (on the 2-core AMD EPYC dev box a whole forward of the embedded 0.5B
 model took 144 ms at 1 token and 213 ms at 8 through the oneDNN / ``F.linear`` dispatch, 109 / 169
-ms through session 15's kernel, 7-16 tokens another 10-15% less through session 16's:
+ms through session 15's kernel, 7-16 tokens another 8-15% less through session 16's:
 ``benchmarks/results/measurements/cpu-rows-kernel*.json``). It computes a
 row the same way whatever the row count: a row's linear outputs are bit for bit those of a one-row
 call (the attention around them is not batch-invariant, so whole forwards still differ in the last

@@ -95,6 +95,8 @@ void run(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t
 // 7-16 rows: NB weight rows x MB input rows, prefetching ``lines`` cache lines from ``pf`` spread
 // evenly over the k loop (each pass of a block fetches its share of the next block). Not inlined:
 // inlined into block_many's switch, gcc 12 compiled the 3 x 3 tile 1.5x slower (9 rows: 3 + 3 + 3).
+// Its loop repeats ``tile``'s on purpose: one template with a prefetch-policy argument for both made
+// gcc 12 compile the 1-6-row path 15-35% slower (lm_head, session 16), so the two stay apart.
 template <int NB, int MB>
 __attribute__((noinline)) void tile_spread(const float* x, int64_t K, const float* w, float* y, int64_t N, const char* pf, int64_t lines) {
   __m256 acc[NB][MB];
