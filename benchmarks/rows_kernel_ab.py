@@ -30,8 +30,6 @@ def baseline_kernel(rev: str):
     import subprocess
     import tempfile
 
-    from torch.utils.cpp_extension import load as load_extension
-
     from toolspec_core import rows_kernel
 
     rel = rows_kernel.SOURCE.relative_to(Path(__file__).resolve().parents[1])
@@ -39,19 +37,12 @@ def baseline_kernel(rev: str):
     tag = subprocess.run(["git", "rev-parse", "--short", rev], check=True, capture_output=True, text=True).stdout.strip()
     out = Path(tempfile.mkdtemp(prefix=f"rows_kernel_{tag}_"))
     (out / "rows_linear.cpp").write_text(src)
-    return load_extension(name=f"toolspec_rows_linear_{tag}", sources=[str(out / "rows_linear.cpp")], build_directory=str(out),
-                          extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-
-
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // max(x.shape[-1], 1)
+    return rows_kernel.build(out / "rows_linear.cpp", f"toolspec_rows_linear_{tag}", out)
 
 
 def measure(rounds: int, repeats: int, prefix: int, ks=KS, max_rows: int | None = None, baseline_rev: str | None = None) -> dict:
     """``max_rows``: let the kernel take forwards up to this many rows (default: its own limit).
-    ``baseline_rev``: the other variant is that revision's kernel (same row limit), not oneDNN."""
-    import torch.nn.functional as F
-
+    ``baseline_rev``: the other variant is that revision's kernel (same dispatch around it), not oneDNN."""
     from toolspec_core import rows_kernel
     from toolspec_core.budget import paired_cost, probe_steps
     from toolspec_core.target import load_target, tune_cpu_linears
@@ -63,19 +54,15 @@ def measure(rounds: int, repeats: int, prefix: int, ks=KS, max_rows: int | None 
     if max_rows is not None:
         rows_kernel.MAX_ROWS = max_rows
     linears = [m for m in target.model.modules() if isinstance(m, torch.nn.Linear)]
+    old = baseline_kernel(baseline_rev) if baseline_rev else None
+    variants = [(f"rows_kernel_{baseline_rev}", old), ("rows_kernel", kernel)] if old else [("onednn", None), ("rows_kernel", kernel)]
     forwards = {}
-    if baseline_rev is None:
-        for name, on in (("onednn", False), ("rows_kernel", True)):
-            for m in linears:
-                m.__dict__.pop("forward", None)  # back to nn.Linear.forward before tuning again
-            tune_cpu_linears(target.model, rows_kernel=on)
-            forwards[name] = [m.forward for m in linears]
-    else:
-        old = baseline_kernel(baseline_rev)
-        for name, mod in ((f"rows_kernel_{baseline_rev}", old), ("rows_kernel", kernel)):
-            forwards[name] = [
-                (lambda x, w=m.weight, b=m.bias, mod=mod: mod.rows_linear(x, w, b) if _rows(x) <= rows_kernel.MAX_ROWS else F.linear(x, w, b))
-                for m in linears]
+    for name, mod in variants:
+        for m in linears:
+            m.__dict__.pop("forward", None)  # back to nn.Linear.forward before tuning again
+        tune_cpu_linears(target.model, rows_kernel=mod is not None, kernel_module=mod)
+        forwards[name] = [m.forward for m in linears]
+    if old is not None:
         g = torch.Generator().manual_seed(0)
         for m in linears[:7]:  # same arithmetic expected: say so before timing it
             x = torch.randn(max(ks), m.in_features, generator=g)

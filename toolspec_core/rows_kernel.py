@@ -1,6 +1,6 @@
 """The few-rows CPU linear kernel (``kernels/rows_linear.cpp``), built once per machine.
 
-Why: a tree-verify step multiplies 1-16 rows by every weight; x86 BLAS and oneDNN GEMMs are built
+Why: a tree-verify step multiplies 1-20 rows by every weight; x86 BLAS and oneDNN GEMMs are built
 for many rows and pay for it at few (on the 2-core AMD EPYC dev box a whole forward of the embedded 0.5B
 model took 144 ms at 1 token and 213 ms at 8 through the oneDNN / ``F.linear`` dispatch, 109 / 169
 ms through session 15's kernel, 7-16 tokens another 8-15% less through session 16's:
@@ -47,14 +47,17 @@ def load():
         log.info("rows kernel: this CPU lacks AVX2; linears keep the oneDNN / F.linear dispatch")
         return None
     try:
-        from torch.utils.cpp_extension import load as load_extension
-
-        out = build_dir()
-        out.mkdir(parents=True, exist_ok=True)
-        return load_extension(
-            name="toolspec_rows_linear", sources=[str(SOURCE)], build_directory=str(out),
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
-        )
+        return build(SOURCE, "toolspec_rows_linear", build_dir())
     except Exception as exc:  # no compiler / headers: a slower kernel, never a failed load
         log.warning("rows kernel unavailable (%s: %s); linears keep the oneDNN / F.linear dispatch", type(exc).__name__, exc)
         return None
+
+
+def build(source: Path, name: str, directory: Path):
+    """Compile ``source`` as extension module ``name`` in ``directory`` (also how a benchmark builds an
+    older revision's kernel beside this one)."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return load_extension(name=name, sources=[str(source)], build_directory=str(directory),
+                          extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)

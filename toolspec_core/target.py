@@ -207,7 +207,7 @@ def small_row_kernels(weight: torch.Tensor, dnn: torch.Tensor | None, small_rows
 
 
 def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packed_rows: int = 0,
-                     small_kernels: dict | None = None, rows_kernel: bool = True) -> int:
+                     small_kernels: dict | None = None, rows_kernel: bool = True, kernel_module=None) -> int:
     """Make every ``nn.Linear`` of a CPU model fast for a few rows at a time (tree verification).
 
     Why: on x86 CPUs ``F.linear`` switches from a matrix-vector kernel to a GEMM path at 4 rows
@@ -222,13 +222,14 @@ def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packe
     ``results/measurements/cpu-linear-rows.json`` and ``python -m benchmarks.kernel_ab``.
     Without the rows kernel, at 1-3 rows (plain decoding included) the faster of ``F.linear`` and
     oneDNN is measured once per weight shape (:func:`small_row_kernels`; ``small_kernels``: shape ->
-    choices, given or filled here). Returns how many layers were tuned.
+    choices, given or filled here). ``kernel_module``: a built rows kernel to use instead of
+    :func:`.rows_kernel.load`'s (a benchmark comparing two kernels). Returns how many layers were tuned.
     """
     import torch.nn.functional as F
 
     from . import rows_kernel as rk
 
-    kernel = rk.load() if rows_kernel else None
+    kernel = (kernel_module or rk.load()) if rows_kernel else None
     n = 0
     chosen = {} if small_kernels is None else small_kernels
     for mod in model.modules():

@@ -1,14 +1,15 @@
 // y[M, N] = x[M, K] . W[N, K]^T (+ b) for the few rows of a tree-verify step, on AVX2 + FMA.
 //
-// Why: a verify step multiplies 1-16 rows by every weight. BLAS / oneDNN GEMMs are built for many
+// Why: a verify step multiplies 1-20 rows by every weight. BLAS / oneDNN GEMMs are built for many
 // rows; at a few rows the step should cost what streaming the weight once costs. Here the weight
 // is read in its own [out, in] layout (no copy). Up to 6 rows: 2 weight rows at a time against all
 // of them in one pass (2 x 6 accumulators of 8 floats: 12 of the 16 ymm registers), the next 2
-// weight rows prefetched meanwhile -- streaming the weight is the cost. 7-16 rows: 3 weight rows
-// against passes of up to 4 rows (3 x 4 accumulators, one load per 1.7 FMAs instead of 1.5), the next
-// block prefetched evenly over all passes, so memory streams while every pass computes (the
-// 2 x 6 layout prefetched in the first pass only and left the memory idle during the others:
-// 20-25% slower at 8-16 rows on the dev EPYC).
+// weight rows prefetched meanwhile -- streaming the weight is the cost. 7+ rows (up to MAX_ROWS in
+// rows_kernel.py): 3 weight rows against passes of up to 4 rows (3 x 4 accumulators, one load per
+// 1.7 FMAs instead of 1.5), the next block prefetched evenly over all passes, so memory streams while
+// every pass computes (the 2 x 6 layout prefetched in the first pass only and left the memory idle
+// during the others: whole forwards 1.09-1.18x this one's time at 7-16 tokens,
+// benchmarks/results/measurements/cpu-rows-kernel-s16.json).
 //
 // Every output y[m, n] is one dot product accumulated in the same order (8 lanes over k, then a
 // fixed horizontal sum, then the k tail) whatever M is and whichever block computes it: a row's
@@ -92,11 +93,12 @@ void run(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t
   for (int64_t n = blocks * NB; n < N; ++n) block<1>(x, M, K, w + n * K, y + n, N);
 }
 
-// 7-16 rows: NB weight rows x MB input rows, prefetching ``lines`` cache lines from ``pf`` spread
+// 7+ rows: NB weight rows x MB input rows, prefetching ``lines`` cache lines from ``pf`` spread
 // evenly over the k loop (each pass of a block fetches its share of the next block). Not inlined:
 // inlined into block_many's switch, gcc 12 compiled the 3 x 3 tile 1.5x slower (9 rows: 3 + 3 + 3).
 // Its loop repeats ``tile``'s on purpose: one template with a prefetch-policy argument for both made
-// gcc 12 compile the 1-6-row path 15-35% slower (lm_head, session 16), so the two stay apart.
+// gcc 12 compile the 1-6-row path 6-49% slower on lm_head, so the two stay apart (both:
+// benchmarks/results/measurements/cpu-rows-kernel-s16-codegen.json).
 template <int NB, int MB>
 __attribute__((noinline)) void tile_spread(const float* x, int64_t K, const float* w, float* y, int64_t N, const char* pf, int64_t lines) {
   __m256 acc[NB][MB];
