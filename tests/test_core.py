@@ -475,3 +475,62 @@ def test_small_row_kernel_choice_is_measured_and_dispatched():
                 h = torch.randn(rows, plain.model.config.hidden_size)
                 torch.testing.assert_close(tuned.logits(h), plain.logits(h), rtol=1e-5, atol=1e-5)
         assert bool(calls) == forced[0]
+
+
+def test_first_pass_rows_and_subtrees():
+    """The first lm_head pass takes the root's row + the likeliest nodes (all up to ``free_rows``
+    rows, more while reach >= ``min_reach``); a walk leaving it fetches the subtree it entered."""
+    from toolspec_core.verify import first_rows, subtree_rows
+
+    tree = DraftTree()
+    tree.add_path([10, 11, 12], [0.9, 0.9, 0.9], "a")  # nodes 0, 1, 2: reach .9 .81 .729
+    tree.add_path([13, 14], [0.3, 0.5], "b")  # nodes 3, 4: .3 .15
+    tree.add_path([15], 0.05, "c", parent=0)  # node 5: .045
+    # rows: root 0, node i -> i + 1
+    assert first_rows(tree, 0, free_rows=3, min_reach=0.5) == [0, 1, 2, 3]  # .729 >= .5 is the third node
+    assert first_rows(tree, 0, free_rows=2, min_reach=0.95) == [0, 1]
+    assert first_rows(tree, 0, free_rows=1, min_reach=0.2) == [0, 1, 2, 3, 4]
+    assert first_rows(tree, 2, free_rows=100, min_reach=1.0) == [2, 3, 4, 5, 6, 7, 8]  # a root chain of 3 rows
+    assert subtree_rows(tree, 0, 0) == [1, 2, 3, 6]
+    assert subtree_rows(tree, 3, 0) == [4, 5]
+    assert subtree_rows(tree, 2, 1) == [4]
+
+
+@pytest.mark.parametrize("lazy", [(1, 2.0), (2, 0.5), (8, 0.12)], ids=["root-only", "two-rows", "default"])
+def test_lazy_head_gives_the_full_projection_walk(tiny, reference, lazy):
+    """Projecting only the rows the walk reads (extra passes where it leaves the first one) walks
+    the same path as projecting every row; greedy output stays plain greedy."""
+    import dataclasses
+
+    from toolspec_core.verify import LazyHead, RowLogits, first_rows
+
+    target = dataclasses.replace(tiny, lazy_head=LazyHead(*lazy))
+    pre = prefill(tiny, PROMPT)
+    tree = branching(reference)(DraftContext(PROMPT + reference[:1], len(PROMPT), 32))
+    ids, pos, mask = tree_inputs(reference[0], tree, len(PROMPT))
+    hidden = tiny.hidden(ids, pos, mask, pre.cache)
+    full = greedy_walk(tree, torch.argmax(tiny.logits(hidden), -1).tolist())
+    rows = RowLogits(tiny.logits, hidden, tree, 0, first_rows(tree, 0, *lazy))
+    res = greedy_walk(tree, rows.choice)
+    assert (res.path, res.token) == (full.path, full.token) and len(full.path) >= 2
+    if lazy[0] == 1:  # root only first: each accepted node's subtree came in another pass
+        assert len(rows.passes) >= 2 and sum(rows.passes) < len(tree) + 1
+    for make in (oracle, branching, garbage):
+        out = decode(target, prefill(target, PROMPT), ScriptedDrafter(make(reference)), DecodeConfig(max_new_tokens=N))
+        assert out.tokens == reference
+
+
+def test_logit_learning_drafters_get_every_row(tiny, reference):
+    """A drafter that learns from the target (token recycling) gets every verified row's logits;
+    others get none (their rows may not all have been projected)."""
+
+    class Recorder(ScriptedDrafter):
+        def feedback(self, tree, result):
+            super().feedback(tree, result)
+            self.seen.append((len(tree), None if result.logits is None else result.logits.shape[0]))
+
+    for learns in (True, False):
+        d = Recorder(branching(reference))
+        d.learns_from_logits, d.seen = learns, []
+        assert generate(tiny, PROMPT, d, DecodeConfig(max_new_tokens=N)).tokens == reference
+        assert d.seen and all(rows == (size + 1 if learns else None) for size, rows in d.seen)

@@ -14,7 +14,8 @@ from .errors import ContextLengthError, InvalidRequestError
 from .sampling import SamplingParams, sample, target_probs
 from .target import Target
 from .tree import DraftTree, depths, select
-from .verify import VerifyResult, commit_kv, constrained_greedy_walk, greedy_walk, kv_rows, sample_walk, tree_inputs
+from .verify import (RowLogits, VerifyResult, commit_kv, constrained_greedy_walk, first_rows, greedy_walk, kv_rows, sample_walk,
+                     tree_inputs)
 
 
 @dataclass(frozen=True)
@@ -183,28 +184,38 @@ def _record(stats: GenerationStats, tree: DraftTree, result: VerifyResult) -> No
         stats.label_accepted[lab] = stats.label_accepted.get(lab, 0) + 1
 
 
-def verify_step(target: Target, tree: DraftTree, roots: list[int] | int, cache, params: SamplingParams, gen, constraint=None):
+def verify_step(target: Target, tree: DraftTree, roots: list[int] | int, cache, params: SamplingParams, gen, constraint=None,
+                all_logits: bool = False):
     """One target forward over the root chain + tree.
 
-    Returns the accepted path + the target's token (``result.logits``: all rows, for drafters that learn).
+    Returns the accepted path + the target's token. lm_head projects only the rows the walk reads
+    where ``target.lazy_head`` says so (CPU); ``all_logits`` projects every row in one pass and
+    returns them as ``result.logits`` (for drafters that learn from the target: token recycling).
     """
     roots = [roots] if isinstance(roots, int) else roots
     kv_len = cache.get_seq_length()
     ids, pos, mask = tree_inputs(roots, tree, kv_len, target.dtype)
     single = len(roots) == 1 and not tree.tokens
-    hidden = target.hidden(ids, pos, None if single else mask, cache)
-    logits = target.logits(hidden)  # [R+T, V] on the model's device
+    hidden = target.hidden(ids, pos, None if single else mask, cache)  # [R+T, H]
     root_row = len(roots) - 1
-    if not params.greedy or constraint is not None:
-        logits = logits.cpu()  # row-by-row walks with a CPU generator / grammar mask
+    lazy = target.lazy_head if hidden.device.type == "cpu" else None
+    if all_logits:
+        first = list(range(hidden.shape[0]))
+    elif lazy is not None:
+        first = first_rows(tree, root_row, lazy.free_rows, lazy.min_reach)
+    else:
+        first = list(range(root_row, hidden.shape[0]))
+    # row-by-row walks with a CPU generator / grammar mask read CPU rows
+    logits = RowLogits(target.logits, hidden, tree, root_row, first, to_cpu=not params.greedy or constraint is not None)
     if not params.greedy:
         result = sample_walk(tree, logits, params, gen, constraint, root_row)
     elif constraint is not None:
         result = constrained_greedy_walk(tree, logits, constraint, root_row)
     else:
-        result = greedy_walk(tree, torch.argmax(logits, -1).tolist(), root_row)  # argmax on device, one sync
+        result = greedy_walk(tree, logits.choice, root_row)
     commit_kv(cache, kv_len, kv_rows(result.path, len(roots)))
-    result.logits = logits  # for drafters that learn from the target (token recycling)
+    if all_logits:
+        result.logits = torch.stack([logits.rows[r] for r in range(hidden.shape[0])])  # [R+T, V]
     return result
 
 
@@ -259,7 +270,8 @@ def decode(
         if cost is not None:
             tree = cost.prune(tree)
         t1, rows = time.perf_counter(), len(roots) + len(tree)
-        result = verify_step(target, tree, roots, cache, cfg.sampling, gen, constraint)
+        result = verify_step(target, tree, roots, cache, cfg.sampling, gen, constraint,
+                             all_logits=getattr(drafter, "learns_from_logits", False))
         t2 = time.perf_counter()
         drafter.feedback(tree, result)
         _record(stats, tree, result)
