@@ -44,6 +44,7 @@ class GenerationStats:
     drafted: list[int] = field(default_factory=list)  # tree size per step (after budget)
     step_labels: list[str] = field(default_factory=list)  # state of the step (label of its first node)
     verify_step_s: list[float] = field(default_factory=list)  # seconds of each step's forward + walk + KV commit
+    head_rows: list[list[int]] = field(default_factory=list)  # rows lm_head projected per pass, per step
     label_drafted: dict[str, int] = field(default_factory=dict)
     label_accepted: dict[str, int] = field(default_factory=dict)
     prefill_s: float = 0.0
@@ -74,6 +75,7 @@ class GenerationStats:
             "drafted_per_step": self.drafted,
             "step_labels": self.step_labels,
             "verify_per_step": [round(t, 5) for t in self.verify_step_s],
+            "head_rows_per_step": self.head_rows,
             "label_drafted": self.label_drafted,
             "label_accepted": self.label_accepted,
             "prefill_s": self.prefill_s,
@@ -173,6 +175,7 @@ def cap_depth(tree: DraftTree, max_depth: int) -> DraftTree:
 
 def _record(stats: GenerationStats, tree: DraftTree, result: VerifyResult) -> None:
     stats.forwards += 1
+    stats.head_rows.append(result.head_rows)
     stats.accepted.append(len(result.path))
     stats.drafted.append(len(tree))
     first = result.path[0] if result.path else (0 if tree.tokens else -1)
@@ -214,6 +217,7 @@ def verify_step(target: Target, tree: DraftTree, roots: list[int] | int, cache, 
     else:
         result = greedy_walk(tree, logits.choice, root_row)
     commit_kv(cache, kv_len, kv_rows(result.path, len(roots)))
+    result.head_rows = logits.passes
     if all_logits:
         result.logits = torch.stack([logits.rows[r] for r in range(hidden.shape[0])])  # [R+T, V]
     return result

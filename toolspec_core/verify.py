@@ -21,6 +21,7 @@ class VerifyResult:
     path: list[int]  # accepted node indices, root's child first
     token: int  # the one token chosen by the target after the path
     logits: torch.Tensor | None = field(default=None, repr=False)  # [R+T, V] every row's logits, when asked for
+    head_rows: list[int] = field(default_factory=list)  # rows lm_head projected, per pass (engine.verify_step)
 
 
 @dataclass(frozen=True)
