@@ -147,26 +147,20 @@ def observed_cost(records: list[dict]) -> dict[str, dict]:
     """
     ratios: dict[str, list[float]] = defaultdict(list)
     rows_seen: dict[str, list[int]] = defaultdict(list)
-    passes: dict[str, list[int]] = defaultdict(list)  # lm_head passes per step, where recorded
     for r in records:
         base, steps = r.get("ar_step_s"), r.get("verify_per_step")
         if not base or not steps:
             continue
-        heads = r.get("head_rows_per_step") or [None] * len(steps)
-        for k, t, head in zip(r["drafted_per_step"], steps, heads):
+        for k, t in zip(r["drafted_per_step"], steps):
             rows = min(k + 1, COST_BUCKETS[-1][1])
             lo, hi = next(b for b in COST_BUCKETS if b[0] <= rows <= b[1])
             key = f"{lo}-{hi}" if lo != hi else str(lo)
             ratios[key].append(t / base)
             rows_seen[key].append(k + 1)
-            if head is not None:
-                passes[key].append(len(head))
     out = {}
     for key in sorted(ratios, key=lambda x: int(x.split("-")[0])):
         xs, ks = sorted(ratios[key]), sorted(rows_seen[key])
         out[key] = {"steps": len(xs), "median_rows": ks[len(ks) // 2], "cost": xs[len(xs) // 2]}
-        if passes[key]:  # verify projected only the rows its walk read: how often it took a second pass
-            out[key]["second_head_pass"] = sum(n > 1 for n in passes[key]) / len(passes[key])
     return out
 
 

@@ -310,11 +310,8 @@ def _cost_lines(report: dict) -> list[str]:
     lines = ["", "## Verify cost as paid vs the budget's curve (all tree methods)", "",
              "Each step's time over the median plain-greedy step of the same item (same sitting); median per "
              "forward size (tree nodes + 1).", "",
-             "| forward size | steps | median size | observed cost | run curve at median size | steps with a 2nd lm_head pass |",
-             "|---|---|---|---|---|---|"]
+             "| forward size | steps | median size | observed cost | run curve at median size |", "|---|---|---|---|---|"]
     for key, v in seen.items():
         at = curve[min(v["median_rows"], len(curve) - 1)] if curve else None
-        second = v.get("second_head_pass")
-        lines.append(f"| {key} | {v['steps']} | {v['median_rows']} | {v['cost']:.2f} | {_fmt(at)} | "
-                     f"{'—' if second is None else f'{100 * second:.0f}%'} |")
+        lines.append(f"| {key} | {v['steps']} | {v['median_rows']} | {v['cost']:.2f} | {_fmt(at)} |")
     return lines

@@ -74,12 +74,6 @@ def test_observed_cost_hand_computed():
     assert got["2-3"]["cost"] == pytest.approx(1.5) and got["4-8"]["cost"] == pytest.approx(2.0)  # 0.3/0.2, 0.2/0.1
     assert got["9-16"] == {"steps": 1, "median_rows": 16, "cost": pytest.approx(3.0)}
     assert got["17-32"]["cost"] == pytest.approx(3.0) and got["33-64"]["median_rows"] == 41
-    # records with lm_head passes per step: the share of steps that took a second pass, per bucket
-    c = {"drafted_per_step": [10, 12, 14, 0], "verify_per_step": [0.2, 0.2, 0.2, 0.1], "ar_step_s": 0.1,
-         "head_rows_per_step": [[8], [8, 3], [9], [1]]}
-    got = observed_cost([c])
-    assert got["9-16"]["second_head_pass"] == pytest.approx(1 / 3) and got["1"]["second_head_pass"] == 0.0
-    assert "second_head_pass" not in observed_cost([a])["9-16"]
 
 
 def test_build_runs_subsets(trace):

@@ -389,7 +389,6 @@ class TokenRecyclingDrafter:
     recycles every verified row's top-k back into the matrix."""
 
     label = "token_recycling"
-    learns_from_logits = True  # the engine projects every verified row, not only the walk's
 
     def __init__(self, method: "TokenRecyclingMethod"):
         self.m = method

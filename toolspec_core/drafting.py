@@ -27,9 +27,6 @@ class DraftContext:
 
 
 class Drafter(Protocol):
-    """Optional attribute ``learns_from_logits = True``: the engine then projects every verified
-    row to logits (``result.logits``), not only the rows its walk reads."""
-
     def propose(self, ctx: DraftContext) -> DraftTree: ...
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None: ...

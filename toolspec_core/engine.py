@@ -14,8 +14,7 @@ from .errors import ContextLengthError, InvalidRequestError
 from .sampling import SamplingParams, sample, target_probs
 from .target import Target
 from .tree import DraftTree, depths, select
-from .verify import (RowLogits, VerifyResult, commit_kv, constrained_greedy_walk, first_rows, greedy_walk, kv_rows, sample_walk,
-                     tree_inputs)
+from .verify import VerifyResult, commit_kv, constrained_greedy_walk, greedy_walk, kv_rows, sample_walk, tree_inputs
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,6 @@ class GenerationStats:
     drafted: list[int] = field(default_factory=list)  # tree size per step (after budget)
     step_labels: list[str] = field(default_factory=list)  # state of the step (label of its first node)
     verify_step_s: list[float] = field(default_factory=list)  # seconds of each step's forward + walk + KV commit
-    head_rows: list[list[int]] = field(default_factory=list)  # rows lm_head projected per pass, per step
     label_drafted: dict[str, int] = field(default_factory=dict)
     label_accepted: dict[str, int] = field(default_factory=dict)
     prefill_s: float = 0.0
@@ -75,7 +73,6 @@ class GenerationStats:
             "drafted_per_step": self.drafted,
             "step_labels": self.step_labels,
             "verify_per_step": [round(t, 5) for t in self.verify_step_s],
-            "head_rows_per_step": self.head_rows,
             "label_drafted": self.label_drafted,
             "label_accepted": self.label_accepted,
             "prefill_s": self.prefill_s,
@@ -175,7 +172,6 @@ def cap_depth(tree: DraftTree, max_depth: int) -> DraftTree:
 
 def _record(stats: GenerationStats, tree: DraftTree, result: VerifyResult) -> None:
     stats.forwards += 1
-    stats.head_rows.append(result.head_rows)
     stats.accepted.append(len(result.path))
     stats.drafted.append(len(tree))
     first = result.path[0] if result.path else (0 if tree.tokens else -1)
@@ -187,39 +183,28 @@ def _record(stats: GenerationStats, tree: DraftTree, result: VerifyResult) -> No
         stats.label_accepted[lab] = stats.label_accepted.get(lab, 0) + 1
 
 
-def verify_step(target: Target, tree: DraftTree, roots: list[int] | int, cache, params: SamplingParams, gen, constraint=None,
-                all_logits: bool = False):
+def verify_step(target: Target, tree: DraftTree, roots: list[int] | int, cache, params: SamplingParams, gen, constraint=None):
     """One target forward over the root chain + tree.
 
-    Returns the accepted path + the target's token. lm_head projects only the rows the walk reads
-    where ``target.lazy_head`` says so (CPU); ``all_logits`` projects every row in one pass and
-    returns them as ``result.logits`` (for drafters that learn from the target: token recycling).
+    Returns the accepted path + the target's token (``result.logits``: all rows, for drafters that learn).
     """
     roots = [roots] if isinstance(roots, int) else roots
     kv_len = cache.get_seq_length()
     ids, pos, mask = tree_inputs(roots, tree, kv_len, target.dtype)
     single = len(roots) == 1 and not tree.tokens
-    hidden = target.hidden(ids, pos, None if single else mask, cache)  # [R+T, H]
+    hidden = target.hidden(ids, pos, None if single else mask, cache)
+    logits = target.logits(hidden)  # [R+T, V] on the model's device
     root_row = len(roots) - 1
-    lazy = target.lazy_head if hidden.device.type == "cpu" else None
-    if all_logits:
-        first = list(range(hidden.shape[0]))
-    elif lazy is not None:
-        first = first_rows(tree, root_row, lazy.free_rows, lazy.min_reach)
-    else:
-        first = list(range(root_row, hidden.shape[0]))
-    # row-by-row walks with a CPU generator / grammar mask read CPU rows
-    logits = RowLogits(target.logits, hidden, tree, root_row, first, to_cpu=not params.greedy or constraint is not None)
+    if not params.greedy or constraint is not None:
+        logits = logits.cpu()  # row-by-row walks with a CPU generator / grammar mask
     if not params.greedy:
         result = sample_walk(tree, logits, params, gen, constraint, root_row)
     elif constraint is not None:
         result = constrained_greedy_walk(tree, logits, constraint, root_row)
     else:
-        result = greedy_walk(tree, logits.choice, root_row)
+        result = greedy_walk(tree, torch.argmax(logits, -1).tolist(), root_row)  # argmax on device, one sync
     commit_kv(cache, kv_len, kv_rows(result.path, len(roots)))
-    result.head_rows = logits.passes
-    if all_logits:
-        result.logits = torch.stack([logits.rows[r] for r in range(hidden.shape[0])])  # [R+T, V]
+    result.logits = logits  # for drafters that learn from the target (token recycling)
     return result
 
 
@@ -274,8 +259,7 @@ def decode(
         if cost is not None:
             tree = cost.prune(tree)
         t1, rows = time.perf_counter(), len(roots) + len(tree)
-        result = verify_step(target, tree, roots, cache, cfg.sampling, gen, constraint,
-                             all_logits=getattr(drafter, "learns_from_logits", False))
+        result = verify_step(target, tree, roots, cache, cfg.sampling, gen, constraint)
         t2 = time.perf_counter()
         drafter.feedback(tree, result)
         _record(stats, tree, result)

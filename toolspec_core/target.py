@@ -14,7 +14,6 @@ import torch
 
 from .attention import use_grouped_sdpa
 from .embedded import EMBEDDED_MODEL_NAME, ModelFileError, embedded_model_dir
-from .verify import LazyHead
 
 
 class Forward(Protocol):
@@ -33,8 +32,6 @@ class Target:
     eos_ids: tuple[int, ...] = ()
     max_context: int = 32768
     forward_fn: Forward | None = field(default=None, repr=False)
-    # project only the rows a verify walk reads (CPU only: on an accelerator all rows cost ~one)
-    lazy_head: LazyHead | None = field(default_factory=LazyHead)
 
     @property
     def dtype(self) -> torch.dtype:

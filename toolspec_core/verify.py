@@ -8,111 +8,18 @@ the target (the bonus/correction token).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from .sampling import SamplingParams, sample, target_probs
-from .tree import ROOT, DraftTree, depths, path_probs
+from .tree import ROOT, DraftTree, depths
 
 
 @dataclass
 class VerifyResult:
     path: list[int]  # accepted node indices, root's child first
     token: int  # the one token chosen by the target after the path
-    logits: torch.Tensor | None = field(default=None, repr=False)  # [R+T, V] every row's logits, when asked for
-    head_rows: list[int] = field(default_factory=list)  # rows lm_head projected, per pass (engine.verify_step)
-
-
-@dataclass(frozen=True)
-class LazyHead:
-    """When to project only some rows of a verify forward to logits (see :class:`RowLogits`).
-
-    The first pass projects the root's row and the nodes most likely to be reached: all of them
-    while there are at most ``free_rows`` rows (on the dev CPU lm_head costs 20 ms for 1 row, 25 ms
-    for 8, +2.4 ms a row above), further ones while their chance of being reached is at least
-    ``min_reach`` (a second pass costs another ~20 ms weight stream, so a row is worth adding
-    when reach x 20 ms > 2.4 ms: ``benchmarks/results/measurements/cpu-lazy-head.json``).
-    """
-
-    free_rows: int = 8
-    min_reach: float = 0.12
-
-
-def first_rows(tree: DraftTree, root_row: int, free_rows: int, min_reach: float) -> list[int]:
-    """Input rows of the first lm_head pass: the root's, then nodes by the chance they are reached
-    (product of ``conf`` along the path: parents never rank below children), all while at most
-    ``free_rows`` rows, further ones while that chance is >= ``min_reach``. Increasing."""
-    reach = path_probs(tree)
-    rows = [root_row]
-    for i in sorted(range(len(tree)), key=lambda i: (-reach[i], i)):
-        if len(rows) >= free_rows and reach[i] < min_reach:
-            break
-        rows.append(root_row + 1 + i)
-    return sorted(rows)
-
-
-def subtree_rows(tree: DraftTree, node: int, root_row: int) -> list[int]:
-    """Input rows of ``node`` and all its descendants (parents precede children)."""
-    inside = {node}
-    for j in range(node + 1, len(tree)):
-        if tree.parents[j] in inside:
-            inside.add(j)
-    return [root_row + 1 + j for j in sorted(inside)]
-
-
-class RowLogits:
-    """A verify forward's logits, projected only for the rows a walk reads.
-
-    A walk reads the root's row and each accepted node's, never a rejected node's; on the dev CPU
-    the 151k-token lm_head is a quarter of a forward's flops and its cost grows with rows, so the
-    first pass projects the likely rows (:func:`first_rows`) and a walk that leaves them projects
-    the subtree it entered in one more pass. A row's logits do not depend on which rows share the
-    pass (the few-rows kernel is row-invariant), so the walk sees what a full pass gives.
-    ``rows[r]`` -> logits [V]; ``choice[r]`` -> argmax (one device sync per pass).
-    """
-
-    def __init__(self, project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, tree: DraftTree,
-                 root_row: int, first: list[int], to_cpu: bool = False):
-        self.project, self.hidden, self.tree, self.root_row, self.to_cpu = project, hidden, tree, root_row, to_cpu
-        self.rows: dict[int, torch.Tensor] = {}
-        self.argmax: dict[int, int] = {}
-        self.passes: list[int] = []  # rows projected per pass
-        self._fetch(first)
-
-    def _fetch(self, rows: list[int]) -> None:
-        rows = [r for r in rows if r not in self.rows]
-        if not rows:
-            return
-        idx = torch.tensor(rows, device=self.hidden.device)
-        block = self.project(self.hidden.index_select(0, idx))  # [n, V]
-        best = torch.argmax(block, -1).tolist()
-        if self.to_cpu:
-            block = block.cpu()
-        for j, r in enumerate(rows):
-            self.rows[r], self.argmax[r] = block[j], best[j]
-        self.passes.append(len(rows))
-
-    def _ensure(self, r: int) -> None:
-        if r not in self.rows:
-            self._fetch(subtree_rows(self.tree, r - self.root_row - 1, self.root_row) if r > self.root_row else [r])
-
-    def __getitem__(self, r: int) -> torch.Tensor:
-        self._ensure(r)
-        return self.rows[r]
-
-    @property
-    def choice(self) -> "_Choice":
-        return _Choice(self)
-
-
-class _Choice:
-    def __init__(self, logits: RowLogits):
-        self.logits = logits
-
-    def __getitem__(self, r: int) -> int:
-        self.logits._ensure(r)
-        return self.logits.argmax[r]
+    logits: torch.Tensor | None = field(default=None, repr=False)  # [T+1, V] target logits per row
 
 
 def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int, dtype=torch.float32):
