@@ -70,25 +70,3 @@ def test_models_are_switched_and_tree_verify_never_repeats_kv_heads(monkeypatch)
 def test_eager_models_are_left_alone():
     target = tiny_target(attn="eager")
     assert target.model.config._attn_implementation == "eager"
-
-
-def test_stacked_mask_is_built_once_per_mask_and_never_stale(monkeypatch):
-    """Every layer of a forward gets the same mask object: it is stacked once, and a new mask
-    (the next forward's, even of the same shape) gets its own stacking."""
-    import toolspec_core.attention as attention
-
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 6, 4, 8, generator=g)
-    k, v = torch.randn(1, 2, 20, 8, generator=g), torch.randn(1, 2, 20, 8, generator=g)
-    module = _Module(3)
-    built = []
-    real = torch.Tensor.repeat
-    monkeypatch.setattr(torch.Tensor, "repeat", lambda self, *a: built.append(a) or real(self, *a))
-    for seed in (1, 2):
-        visible = torch.rand(1, 1, 4, 20, generator=torch.Generator().manual_seed(seed)) > 0.4
-        visible[..., 0] = True
-        mask = torch.where(visible, 0.0, torch.finfo(torch.float32).min)
-        for _layer in range(3):
-            got, _ = grouped_sdpa(module, q, k, v, mask, scaling=8 ** -0.5)
-            torch.testing.assert_close(got, _reference(module, q, k, v, mask), rtol=1e-5, atol=1e-5)
-    assert len(built) == 2  # once per mask, not once per layer

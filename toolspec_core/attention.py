@@ -38,26 +38,9 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     if mask.shape[1] != 1:  # a per-head mask: stack its heads the same way
         mask = mask.reshape(mask.shape[0], hkv, g * t, mask.shape[-1])
     else:
-        mask = _stacked_mask(attention_mask, mask, g)  # [B|1, 1, g*T, S]
+        mask = mask.repeat(1, 1, g, 1)  # [B|1, 1, g*T, S]
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # [B, Hkv, g*T, D]
     return out.reshape(b, h, t, d).transpose(1, 2).contiguous(), None
-
-
-_last: tuple = ()  # (mask given, g, stacked): every layer of a forward gets the same mask object
-
-
-def _stacked_mask(given: torch.Tensor, mask: torch.Tensor, g: int) -> torch.Tensor:
-    """``mask`` repeated ``g`` times along the query rows, built once per forward, not once per layer
-    (the profiler put ~3 ms of a 16-token verify step in the 24 repeats; whole steps moved within
-    noise: ``measurements/cpu-mask-stacking.json``). The entry keeps ``given`` alive, so its identity
-    cannot be reused by another tensor while it is cached."""
-    global _last
-    last = _last
-    if last and last[0] is given and last[1] == g and last[2].shape[-1] == mask.shape[-1]:
-        return last[2]
-    stacked = mask.repeat(1, 1, g, 1)
-    _last = (given, g, stacked)
-    return stacked
 
 
 def use_grouped_sdpa(model: torch.nn.Module) -> bool:
