@@ -31,22 +31,42 @@ def region_of(pos: int, bounds: tuple[int, int]) -> str:
     return "before" if pos < start else "call" if pos < end else "after"
 
 
-def split_steps(accepted: list[int], seconds: list[float], bounds: tuple[int, int], first: int = 1) -> dict[str, list]:
-    """{region: [steps, tokens, seconds]} of one output. A step that writes tokens in two regions
-    (one that drafts from the prose through an opener into the call) is shared between them by
-    its tokens, so steps and seconds can be fractional. ``first``: the index of the first token a
-    step writes (the token before it comes from prefill)."""
-    out = {r: [0.0, 0, 0.0] for r in REGIONS}
+def token_shares(accepted: list[int], bounds: tuple[int, int], first: int = 1):
+    """(step index, region, 1 / tokens of the step) for every token a step writes: a step that
+    writes tokens in two regions (one that drafts from the prose through an opener into the call)
+    is shared between them by its tokens. ``first``: the index of the first token a step writes
+    (the token before it comes from prefill)."""
     pos = first
-    for acc, sec in zip(accepted, seconds):
+    for i, acc in enumerate(accepted):
         n = acc + 1
         for p in range(pos, pos + n):
-            agg = out[region_of(p, bounds)]
-            agg[0] += 1 / n
-            agg[1] += 1
-            agg[2] += sec / n
+            yield i, region_of(p, bounds), 1 / n
         pos += n
+
+
+def split_steps(accepted: list[int], seconds: list[float], bounds: tuple[int, int], first: int = 1) -> dict[str, list]:
+    """{region: [steps, tokens, seconds]} of one output; steps and seconds can be fractional
+    (:func:`token_shares`)."""
+    out = {r: [0.0, 0, 0.0] for r in REGIONS}
+    for i, reg, share in token_shares(accepted, bounds, first):
+        agg = out[reg]
+        agg[0] += share
+        agg[1] += 1
+        agg[2] += seconds[i] * share
     return out
+
+
+def split_by_label(accepted: list[int], seconds: list[float], labels: list[str], bounds: tuple[int, int],
+                   first: int = 1) -> dict[tuple[str, str], list]:
+    """{(region, step label): [steps, tokens, seconds]}: which draft source wrote each region's
+    tokens ("none": a step that drafted nothing), so a region's time can be read by source."""
+    out: dict[tuple[str, str], list] = collections.defaultdict(lambda: [0.0, 0, 0.0])
+    for i, reg, share in token_shares(accepted, bounds, first):
+        agg = out[(reg, labels[i])]
+        agg[0] += share
+        agg[1] += 1
+        agg[2] += seconds[i] * share
+    return dict(out)
 
 
 def step_seconds(rec: dict) -> list[float]:
@@ -65,6 +85,7 @@ def region_table(records: list[dict], items: dict, tokenizer) -> dict:
     for r in records:
         by_item[r["item"]][run_label(r["method"], r.get("library"))] = r
     sums: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: {r: [0, 0, 0.0] for r in REGIONS}))
+    by_label: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0, 0.0])))
     counts: collections.Counter = collections.Counter()
     for item, recs in by_item.items():
         ar = recs.get("ar")
@@ -78,13 +99,32 @@ def region_table(records: list[dict], items: dict, tokenizer) -> dict:
             continue
         counts.update((key, "items") for key in pools)
         for m, rec in recs.items():
-            for reg, vals in split_steps(rec["accepted_per_step"], step_seconds(rec), bounds).items():
+            secs = step_seconds(rec)
+            for reg, vals in split_steps(rec["accepted_per_step"], secs, bounds).items():
                 for key in pools:
                     sums[key][m][reg] = [a + b for a, b in zip(sums[key][m][reg], vals)]
+            labels = rec.get("step_labels") or ["none"] * len(secs)
+            for reg_lab, vals in split_by_label(rec["accepted_per_step"], secs, labels, bounds).items():
+                for key in pools:
+                    by_label[key][m][reg_lab] = [a + b for a, b in zip(by_label[key][m][reg_lab], vals)]
     if len(sums) == 2:  # one benchmark: its pool is itself
         del sums["all"]
-    return {bench: {"items": counts[(bench, "items")], "unparsed": counts[(bench, "unparsed")], **summarize_regions(methods)}
-            for bench, methods in sums.items()}
+    out = {}
+    for bench, methods in sums.items():
+        out[bench] = {"items": counts[(bench, "items")], "unparsed": counts[(bench, "unparsed")], **summarize_regions(methods)}
+        for m, table in out[bench]["methods"].items():
+            add_label_split(table, by_label[bench][m])
+    return out
+
+
+def add_label_split(table: dict, by_label: dict[tuple[str, str], list]) -> None:
+    """Each region of a method's row gets ``by_label``: steps / tokens / MAT / seconds / share of the
+    method's time per step label, most time first."""
+    for (reg, lab), (s, t, sec) in sorted(by_label.items(), key=lambda kv: -kv[1][2]):
+        table[reg].setdefault("by_label", {})[lab] = {
+            "steps": round(s, 1), "tokens": t, "mat": round(t / s, 2) if s else None, "seconds": round(sec, 2),
+            "share": round(sec / table["total_s"], 3) if table["total_s"] else None,
+        }
 
 
 def summarize_regions(methods: dict[str, dict[str, list]]) -> dict:

@@ -371,6 +371,24 @@ def test_region_split_hand_computed():
     assert step_seconds({"verify_per_step": [0.3, 0.1, 0.4], "decode_s": 0.83}) == pytest.approx([0.31, 0.11, 0.41])
 
 
+def test_region_split_by_label_hand_computed():
+    """``regions.split_by_label``: the same split keyed by the label of the step that wrote each
+    token; summed over labels it is ``split_steps``."""
+    from benchmarks.regions import split_by_label, split_steps
+
+    acc, sec, bounds = [2, 0, 3], [0.3, 0.1, 0.4], (2, 5)
+    out = split_by_label(acc, sec, ["suffix", "schema", "suffix"], bounds)
+    assert set(out) == {("before", "suffix"), ("call", "suffix"), ("call", "schema"), ("after", "suffix")}
+    assert out[("before", "suffix")] == pytest.approx([1 / 3, 1, 0.1])
+    assert out[("call", "suffix")] == pytest.approx([2 / 3, 2, 0.2])
+    assert out[("call", "schema")] == pytest.approx([1, 1, 0.1])
+    assert out[("after", "suffix")] == pytest.approx([1, 4, 0.4])
+    whole = split_steps(acc, sec, bounds)
+    for reg in whole:
+        parts = [v for (r, _), v in out.items() if r == reg]
+        assert [sum(col) for col in zip(*parts)] == pytest.approx(whole[reg])
+
+
 def test_region_summary_hand_computed():
     """``regions.summarize_regions``: the best baseline is the fastest in total; the call object's
     speed the target would need follows from the time left once the rest is paid as it is."""
