@@ -48,11 +48,8 @@ def split_steps(accepted: list[int], seconds: list[float], bounds: tuple[int, in
     """{region: [steps, tokens, seconds]} of one output; steps and seconds can be fractional
     (:func:`token_shares`)."""
     out = {r: [0.0, 0, 0.0] for r in REGIONS}
-    for i, reg, share in token_shares(accepted, bounds, first):
-        agg = out[reg]
-        agg[0] += share
-        agg[1] += 1
-        agg[2] += seconds[i] * share
+    for (reg, _), vals in split_by_label(accepted, seconds, [""] * len(accepted), bounds, first).items():
+        out[reg] = vals
     return out
 
 
