@@ -47,9 +47,14 @@ def token_shares(accepted: list[int], bounds: tuple[int, int], first: int = 1):
 def split_steps(accepted: list[int], seconds: list[float], bounds: tuple[int, int], first: int = 1) -> dict[str, list]:
     """{region: [steps, tokens, seconds]} of one output; steps and seconds can be fractional
     (:func:`token_shares`)."""
+    return region_sums(split_by_label(accepted, seconds, [""] * len(accepted), bounds, first))
+
+
+def region_sums(split: dict[tuple[str, str], list]) -> dict[str, list]:
+    """{region: [steps, tokens, seconds]} of a :func:`split_by_label` split, its labels summed."""
     out = {r: [0.0, 0, 0.0] for r in REGIONS}
-    for (reg, _), vals in split_by_label(accepted, seconds, [""] * len(accepted), bounds, first).items():
-        out[reg] = vals
+    for (reg, _), vals in split.items():
+        out[reg] = [a + b for a, b in zip(out[reg], vals)]
     return out
 
 
@@ -81,7 +86,7 @@ def region_table(records: list[dict], items: dict, tokenizer) -> dict:
     by_item: dict[str, dict[str, dict]] = collections.defaultdict(dict)
     for r in records:
         by_item[r["item"]][run_label(r["method"], r.get("library"))] = r
-    sums: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: {r: [0, 0, 0.0] for r in REGIONS}))
+    # pool -> method -> (region, step label) -> [steps, tokens, seconds]; region totals derive from it
     by_label: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0, 0.0])))
     counts: collections.Counter = collections.Counter()
     for item, recs in by_item.items():
@@ -96,23 +101,19 @@ def region_table(records: list[dict], items: dict, tokenizer) -> dict:
             continue
         counts.update((key, "items") for key in pools)
         for m, rec in recs.items():
-            secs = step_seconds(rec)
-            for reg, vals in split_steps(rec["accepted_per_step"], secs, bounds).items():
-                for key in pools:
-                    sums[key][m][reg] = [a + b for a, b in zip(sums[key][m][reg], vals)]
-            labels = rec.get("step_labels") or ["none"] * len(secs)
-            for reg_lab, vals in split_by_label(rec["accepted_per_step"], secs, labels, bounds).items():
-                for key in pools:
+            split = split_by_label(rec["accepted_per_step"], step_seconds(rec), rec["step_labels"], bounds)
+            for key in pools:
+                for reg_lab, vals in split.items():
                     by_label[key][m][reg_lab] = [a + b for a, b in zip(by_label[key][m][reg_lab], vals)]
-    if len(sums) == 2:  # one benchmark: its pool is itself
-        del sums["all"]
+    if len(by_label) == 2:  # one benchmark: its pool is itself
+        del by_label["all"]
     out = {}
-    for bench, methods in sums.items():
-        out[bench] = {"items": counts[(bench, "items")], "unparsed": counts[(bench, "unparsed")], **summarize_regions(methods)}
-        for m, table in out[bench]["methods"].items():
-            add_label_split(table, by_label[bench][m])
+    for bench, methods in by_label.items():
+        table = summarize_regions({m: region_sums(split) for m, split in methods.items()})
+        out[bench] = {"items": counts[(bench, "items")], "unparsed": counts[(bench, "unparsed")], **table}
+        for m, row in out[bench]["methods"].items():
+            add_label_split(row, methods[m])
     return out
-
 
 def add_label_split(table: dict, by_label: dict[tuple[str, str], list]) -> None:
     """Each region of a method's row gets ``by_label``: steps / tokens / MAT / seconds / share of the
