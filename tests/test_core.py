@@ -394,11 +394,11 @@ def test_rows_kernel_is_linear_and_batch_invariant():
     for out_f, in_f in ((37, 900), (40, 24), (3, 7), (128, 896)):
         w = torch.randn(out_f, in_f, generator=g)
         b = torch.randn(out_f, generator=g)
-        x = torch.randn(19, in_f, generator=g)
+        x = torch.randn(40, in_f, generator=g)
         for bias in (b, None):
             full = kernel.rows_linear(x, w, bias)
             torch.testing.assert_close(full, torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
-            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 16, 19):
+            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 16, 19, 24, 33, 40):
                 assert torch.equal(kernel.rows_linear(x[:rows], w, bias), full[:rows]), (out_f, in_f, rows)
         x3 = x[:6].reshape(2, 3, in_f)
         assert torch.equal(kernel.rows_linear(x3, w, b), kernel.rows_linear(x[:6], w, b).reshape(2, 3, out_f))

@@ -4,12 +4,14 @@ Why: a tree-verify step multiplies 1-20 rows by every weight; x86 BLAS and oneDN
 for many rows and pay for it at few (on the 2-core AMD EPYC dev box a whole forward of the embedded 0.5B
 model took 144 ms at 1 token and 213 ms at 8 through the oneDNN / ``F.linear`` dispatch, 109 / 169
 ms through session 15's kernel, 7-16 tokens another 8-15% less through session 16's:
-``benchmarks/results/measurements/cpu-rows-kernel*.json``). It computes a
+``benchmarks/results/measurements/cpu-rows-kernel*.json``). Session 19's streams the weight at the
+machine's read bandwidth (prefetching DIST rows ahead into L2, not the next block into L1): one-row
+products ~1.7x faster, so plain decoding and every small verify step got faster with it. It computes a
 row the same way whatever the row count: a row's linear outputs are bit for bit those of a one-row
 call (the attention around them is not batch-invariant, so whole forwards still differ in the last
-bits).
+bits), and the same bits as session 16's kernel.
 
-Compiled with torch's C++ extension tooling (a C++ compiler, AVX2 + FMA, OpenMP) into
+Compiled with torch's C++ extension tooling (a C++ compiler, AVX2 + FMA, AVX-512VL where present, OpenMP) into
 the project's cache (``~/.cache/toolspec/kernels``, or under ``TOOLSPEC_CACHE``) on first use (``scripts/setup.sh`` does it up front, ~1 min); where
 that is impossible -- no compiler, no AVX2, or ``TOOLSPEC_ROWS_KERNEL=0`` -- :func:`load` returns
 None and the linears keep the oneDNN / ``F.linear`` dispatch.
@@ -27,15 +29,26 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "rows_linear.cpp"
-# up to this many rows the kernel beats oneDNN on the dev CPU (whole-model forwards, session 16's kernel:
-# 0.81-0.90x oneDNN's time at 12-20 tokens, 0.98-0.99x at 24-32; measurements/cpu-rows-kernel-s16*.json)
-MAX_ROWS = 20
+# up to this many rows the kernel beats oneDNN on the dev CPU (whole-model forwards, session 19's kernel:
+# 0.70-0.94x oneDNN's time at 16-64 tokens, measurements/cpu-rows-kernel-s19-above20.json): every verify
+# step the budget allows (root + 63 nodes) goes through it
+MAX_ROWS = 64
+
+
+def isa_flags() -> list[str]:
+    """AVX2 + FMA everywhere; AVX-512VL where the CPU has it: 32 ymm registers, bigger tiles (the
+    same per-output arithmetic, so both builds give the same bits)."""
+    flags = ["-mavx2", "-mfma"]
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        flags += ["-mavx512f", "-mavx512vl"]
+    return flags
 
 
 def build_dir() -> Path:
     from .embedded import cache_root
 
-    return cache_root() / "kernels" / f"torch-{torch.__version__}"
+    flavour = "avx512" if "-mavx512vl" in isa_flags() else "avx2"
+    return cache_root() / "kernels" / f"torch-{torch.__version__}-{flavour}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -60,4 +73,4 @@ def build(source: Path, name: str, directory: Path):
 
     directory.mkdir(parents=True, exist_ok=True)
     return load_extension(name=name, sources=[str(source)], build_directory=str(directory),
-                          extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                          extra_cflags=["-O3", *isa_flags(), "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
