@@ -62,11 +62,13 @@ def measure(rounds: int, repeats: int, prefix: int, ks=KS, max_rows: int | None 
             m.__dict__.pop("forward", None)  # back to nn.Linear.forward before tuning again
         tune_cpu_linears(target.model, rows_kernel=mod is not None, kernel_module=mod)
         forwards[name] = [m.forward for m in linears]
+    equal = {}
     if old is not None:
         g = torch.Generator().manual_seed(0)
         for m in linears[:7]:  # same arithmetic expected: say so before timing it
             x = torch.randn(max(ks), m.in_features, generator=g)
             same = all(torch.equal(old.rows_linear(x[:r], m.weight, m.bias), kernel.rows_linear(x[:r], m.weight, m.bias)) for r in ks)
+            equal[str(tuple(m.weight.shape))] = same
             print(f"{tuple(m.weight.shape)}: outputs {'bit for bit equal' if same else 'DIFFER'} at {ks} rows", flush=True)
     steps = probe_steps(target, prefix, ks)
     names = list(forwards)
@@ -83,6 +85,8 @@ def measure(rounds: int, repeats: int, prefix: int, ks=KS, max_rows: int | None 
     out = {name: {"ms": {k: round(med(v), 1) for k, v in s["ms"].items()},
                   "cost": {k: round(med(v), 3) for k, v in s["rel"].items()}} for name, s in samples.items()}
     out[f"rows_kernel_ms_over_{names[0]}"] = {k: round(out["rows_kernel"]["ms"][k] / out[names[0]]["ms"][k], 3) for k in ks}
+    if equal:  # the first layer's linears (every shape the model has), both kernels, every k of the run
+        out["bit_for_bit_equal_by_weight_shape"] = equal
     return out
 
 

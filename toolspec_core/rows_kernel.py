@@ -9,7 +9,8 @@ machine's read bandwidth (prefetching DIST rows ahead into L2, not the next bloc
 products ~1.7x faster, so plain decoding and every small verify step got faster with it. It computes a
 row the same way whatever the row count: a row's linear outputs are bit for bit those of a one-row
 call (the attention around them is not batch-invariant, so whole forwards still differ in the last
-bits), and the same bits as session 16's kernel.
+bits), the same in its AVX2 and AVX-512VL builds, and on input widths that are multiples of 8 (the models'
+hidden and MLP sizes) the same bits as session 16's kernel.
 
 Compiled with torch's C++ extension tooling (a C++ compiler, AVX2 + FMA, AVX-512VL where present, OpenMP) into
 the project's cache (``~/.cache/toolspec/kernels``, or under ``TOOLSPEC_CACHE``) on first use (``scripts/setup.sh`` does it up front, ~1 min); where
@@ -66,11 +67,13 @@ def load():
         return None
 
 
-def build(source: Path, name: str, directory: Path):
+def build(source: Path, name: str, directory: Path, flags: list[str] | None = None):
     """Compile ``source`` as extension module ``name`` in ``directory`` (also how a benchmark builds an
-    older revision's kernel beside this one)."""
+    older revision's kernel beside this one, and a test the AVX2-only build on an AVX-512 machine);
+    ``flags``: the instruction-set flags, default :func:`isa_flags`."""
     from torch.utils.cpp_extension import load as load_extension
 
     directory.mkdir(parents=True, exist_ok=True)
     return load_extension(name=name, sources=[str(source)], build_directory=str(directory),
-                          extra_cflags=["-O3", *isa_flags(), "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                          extra_cflags=["-O3", "-ffp-contract=off", *(isa_flags() if flags is None else flags), "-fopenmp"],
+                          extra_ldflags=["-fopenmp"], verbose=False)

@@ -1,19 +1,22 @@
 // y[M, N] = x[M, K] . W[N, K]^T (+ b) for the few rows of a tree-verify step, on AVX2 + FMA.
 //
-// Why: a verify step multiplies 1-20 rows by every weight. BLAS / oneDNN GEMMs are built for many
+// Why: a verify step multiplies 1-64 rows by every weight. BLAS / oneDNN GEMMs are built for many
 // rows; at a few rows the step should cost what streaming the weight once costs. The weight is read
 // in its own [out, in] layout (no copy), NB weight rows at a time (a block) against passes of at
 // most MB input rows (NB x MB accumulators of 8 floats). Every pass of a block prefetches its share
 // of the weight rows DIST rows ahead into L2, spread evenly over its k loop, so DRAM streams at
 // every row count while the passes compute: prefetching only the next block into L1 (session 16's
-// kernel) left one-row products at half the machine's read bandwidth (18 vs 40 GB/s on the 2-core
-// EPYC; benchmarks/results/measurements/cpu-rows-kernel-s19*.json). Where the compiler may use
+// kernel) left one-row products well below the machine's read bandwidth (19-25 GB/s where torch.sum
+// read 29-36 on the 2-core EPYC, now 25-30: benchmarks/results/measurements/cpu-linear-bandwidth.json;
+// whole forwards: cpu-rows-kernel-s19*.json). Where the compiler may use
 // AVX-512VL, the 32 ymm registers hold bigger tiles (up to 4 x 6 accumulators instead of 3 x 4).
 //
 // Every output y[m, n] is one dot product accumulated in the same order (8 lanes over k, then a
 // fixed horizontal sum, then the k tail) whatever M is and whichever tile computes it: a row's
-// result does not depend on how many rows share the call (batch-invariant, bit for bit), and it is
-// the same as session 16's kernel's.
+// result does not depend on how many rows share the call (batch-invariant, bit for bit). The k tail is
+// unfused multiply + add in every build (compiled with -ffp-contract=off: under -mavx512f gcc compiled it
+// otherwise than under AVX2 alone); where the input width is a multiple of 8 (every hidden / MLP size of
+// the models here) there is no tail and the bits are session 16's kernel's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -55,7 +58,7 @@ __attribute__((noinline)) void tile(const float* x, int64_t K, const float* w, f
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) {
       float s = hsum(acc[i][j]);
-      for (int64_t t = k; t < K; ++t) s += w[i * K + t] * x[j * K + t];
+      for (int64_t t = k; t < K; ++t) s += w[i * K + t] * x[j * K + t];  // unfused (-ffp-contract=off): the same bits in every build
       y[j * N + i] = s;
     }
 }

@@ -1,0 +1,75 @@
+"""How fast the few-rows kernel reads a weight at one input row (plain decoding's product), against
+the machine's read bandwidth (``torch.sum`` over the same weights), per weight shape of the embedded
+model. Why: one-row products are memory-bound, so GB/s says how far the kernel is from what the
+memory allows (session 18's kernel: ~18 GB/s where a sum read ~40 GB/s).
+
+    python -m benchmarks.linear_bandwidth [--baseline-rev REV] [--out benchmarks/results/measurements/cpu-linear-bandwidth.json]
+
+Each shape gets fresh random weights totalling ~2 GB (more than any cache), read round-robin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+# Qwen2.5-0.5B's weight shapes [out, in]: lm_head, MLP up/gate, MLP down, q/o projections
+SHAPES = {"lm_head": (151936, 896), "mlp_up": (4864, 896), "mlp_down": (896, 4864), "attn_q": (896, 896)}
+
+
+def gb_per_s(fn, weights, x, rounds: int) -> float:
+    for w in weights:  # warm-up (page faults, code)
+        fn(x, w)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        for w in weights:
+            fn(x, w)
+    dt = (time.perf_counter() - t0) / (rounds * len(weights))
+    return weights[0].numel() * 4 / dt / 1e9
+
+
+def measure(rounds: int, baseline_rev: str | None) -> dict:
+    from toolspec_core import rows_kernel
+
+    kernel = rows_kernel.load()
+    if kernel is None:
+        raise SystemExit("the rows kernel does not build on this machine: nothing to measure")
+    variants = {"rows_kernel": kernel}
+    if baseline_rev:
+        from .rows_kernel_ab import baseline_kernel
+
+        variants[f"rows_kernel_{baseline_rev}"] = baseline_kernel(baseline_rev)
+    out = {}
+    for name, (n, k) in SHAPES.items():
+        weights = [torch.randn(n, k) for _ in range(max(1, min(24, int(2e9 / (n * k * 4)))))]
+        x = torch.randn(1, k)
+        row = {v: round(gb_per_s(lambda x, w, m=m: m.rows_linear(x, w, None), weights, x, rounds), 1) for v, m in variants.items()}
+        row["torch_sum"] = round(gb_per_s(lambda x, w: w.sum(), weights, x, rounds), 1)
+        out[name] = row
+        print(name, row, flush=True)
+    return out
+
+
+def main() -> None:
+    from .cost import hardware_string
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--baseline-rev", default=None, help="also measure the kernel of this git revision")
+    ap.add_argument("--out", default="benchmarks/results/measurements/cpu-linear-bandwidth.json")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    res = {"what": "GB/s of weight read by one-row products (x[1, in] . W[out, in]^T) per weight shape of Qwen2.5-0.5B, "
+                   "random weights ~2 GB per shape read round-robin; torch_sum = torch.sum over the same weights (read bandwidth)",
+           "hardware": hardware_string(), "rounds": a.rounds, "gb_per_s": measure(a.rounds, a.baseline_rev)}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
