@@ -1,12 +1,13 @@
 """The few-rows CPU linear kernel (``kernels/rows_linear.cpp``), built once per machine.
 
-Why: a tree-verify step multiplies 1-20 rows by every weight; x86 BLAS and oneDNN GEMMs are built
+Why: a tree-verify step multiplies 1-64 rows by every weight; x86 BLAS and oneDNN GEMMs are built
 for many rows and pay for it at few (on the 2-core AMD EPYC dev box a whole forward of the embedded 0.5B
 model took 144 ms at 1 token and 213 ms at 8 through the oneDNN / ``F.linear`` dispatch, 109 / 169
 ms through session 15's kernel, 7-16 tokens another 8-15% less through session 16's:
 ``benchmarks/results/measurements/cpu-rows-kernel*.json``). Session 19's streams the weight at the
-machine's read bandwidth (prefetching DIST rows ahead into L2, not the next block into L1): one-row
-products ~1.7x faster, so plain decoding and every small verify step got faster with it. It computes a
+machine's read bandwidth (prefetching 16 weight rows ahead into L2, not the next block into L1): one-row
+products read the weight 1.2-1.5x faster (``cpu-linear-bandwidth.json``), whole forwards take 0.66-0.83x the
+time at 1-12 tokens (``cpu-rows-kernel-s19*.json``), so plain decoding and every small verify step got faster. It computes a
 row the same way whatever the row count: a row's linear outputs are bit for bit those of a one-row
 call (the attention around them is not batch-invariant, so whole forwards still differ in the last
 bits), the same in its AVX2 and AVX-512VL builds, and on input widths that are multiples of 8 (the models'
