@@ -1,11 +1,13 @@
 """How fast the few-rows kernel reads a weight at one input row (plain decoding's product), against
 the machine's read bandwidth (``torch.sum`` over the same weights), per weight shape of the embedded
-model. Why: one-row products are memory-bound, so GB/s says how far the kernel is from what the
-memory allows (session 18's kernel: ~18 GB/s where a sum read ~40 GB/s).
+model; and its compute rate at more rows with one weight kept in cache. Why: one-row products are
+memory-bound, so GB/s says how far the kernel is from what the memory allows; many-row products are
+bound by the cores, so GFLOP/s with the weight in cache says how far the arithmetic is from the FMA peak.
 
     python -m benchmarks.linear_bandwidth [--baseline-rev REV] [--out benchmarks/results/measurements/cpu-linear-bandwidth.json]
 
-Each shape gets fresh random weights totalling ~2 GB (more than any cache), read round-robin.
+Bandwidth: each shape gets fresh random weights, up to 24 copies and ~2 GB (at least 77 MB: more than
+the L3), read round-robin. Compute: one MLP-shaped weight (4864 x 896, 17 MB: in L3) read again and again.
 """
 
 from __future__ import annotations
@@ -54,6 +56,28 @@ def measure(rounds: int, baseline_rev: str | None) -> dict:
     return out
 
 
+def gflops_in_cache(rounds: int, rows=(1, 8, 16, 24, 32), shape=(4864, 896)) -> dict:
+    """{rows: GFLOP/s} of the kernel on one weight reused call after call (kept in cache)."""
+    from toolspec_core import rows_kernel
+
+    kernel = rows_kernel.load()
+    w = torch.randn(*shape)
+    out = {}
+    for m in rows:
+        x = torch.randn(m, shape[1])
+        for _ in range(5):  # warm-up: the weight into cache
+            kernel.rows_linear(x, w, None)
+        rates = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(40):
+                kernel.rows_linear(x, w, None)
+            rates.append(2 * m * shape[0] * shape[1] * 40 / (time.perf_counter() - t0) / 1e9)
+        out[m] = round(sorted(rates)[len(rates) // 2], 1)
+    print("GFLOP/s, weight in cache:", out, flush=True)
+    return out
+
+
 def main() -> None:
     from .cost import hardware_string
 
@@ -65,8 +89,10 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     res = {"what": "GB/s of weight read by one-row products (x[1, in] . W[out, in]^T) per weight shape of Qwen2.5-0.5B, "
-                   "random weights ~2 GB per shape read round-robin; torch_sum = torch.sum over the same weights (read bandwidth)",
-           "hardware": hardware_string(), "rounds": a.rounds, "gb_per_s": measure(a.rounds, a.baseline_rev)}
+                   "random weights (up to 24 copies, ~2 GB) per shape read round-robin; torch_sum = torch.sum over the same "
+                   "weights (read bandwidth); gflop_per_s_weight_in_cache: the kernel at k rows on one 4864 x 896 weight reused",
+           "hardware": hardware_string(), "rounds": a.rounds, "gb_per_s": measure(a.rounds, a.baseline_rev),
+           "gflop_per_s_weight_in_cache": gflops_in_cache(a.rounds)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
 

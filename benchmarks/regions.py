@@ -115,6 +115,7 @@ def region_table(records: list[dict], items: dict, tokenizer) -> dict:
             add_label_split(row, methods[m])
     return out
 
+
 def add_label_split(table: dict, by_label: dict[tuple[str, str], list]) -> None:
     """Each region of a method's row gets ``by_label``: steps / tokens / MAT / seconds / share of the
     method's time per step label, most time first."""

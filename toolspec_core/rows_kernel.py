@@ -6,7 +6,7 @@ model took 144 ms at 1 token and 213 ms at 8 through the oneDNN / ``F.linear`` d
 ms through session 15's kernel, 7-16 tokens another 8-15% less through session 16's:
 ``benchmarks/results/measurements/cpu-rows-kernel*.json``). Session 19's streams the weight at the
 machine's read bandwidth (prefetching 16 weight rows ahead into L2, not the next block into L1): one-row
-products read the weight 1.2-1.5x faster (``cpu-linear-bandwidth.json``), whole forwards take 0.66-0.83x the
+products read the weight up to 1.7x faster (``cpu-linear-bandwidth.json``), whole forwards take 0.66-0.83x the
 time at 1-12 tokens (``cpu-rows-kernel-s19*.json``), so plain decoding and every small verify step got faster. It computes a
 row the same way whatever the row count: a row's linear outputs are bit for bit those of a one-row
 call (the attention around them is not batch-invariant, so whole forwards still differ in the last
@@ -37,19 +37,26 @@ SOURCE = Path(__file__).parent / "kernels" / "rows_linear.cpp"
 MAX_ROWS = 64
 
 
+AVX2_FLAGS = ["-mavx2", "-mfma"]
+AVX512_FLAGS = [*AVX2_FLAGS, "-mavx512f", "-mavx512vl"]
+
+
+def wide_registers() -> bool:
+    """Whether this CPU has AVX-512VL: 32 ymm registers, bigger tiles (the same per-output arithmetic,
+    so both builds give the same bits)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def isa_flags() -> list[str]:
-    """AVX2 + FMA everywhere; AVX-512VL where the CPU has it: 32 ymm registers, bigger tiles (the
-    same per-output arithmetic, so both builds give the same bits)."""
-    flags = ["-mavx2", "-mfma"]
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":
-        flags += ["-mavx512f", "-mavx512vl"]
-    return flags
+    return AVX512_FLAGS if wide_registers() else AVX2_FLAGS
 
 
-def build_dir() -> Path:
+def build_dir(flavour: str | None = None) -> Path:
+    """Where a build lives: per torch version and instruction-set flavour (``avx512`` / ``avx2``,
+    default this CPU's), so switching flags never reuses another build."""
     from .embedded import cache_root
 
-    flavour = "avx512" if "-mavx512vl" in isa_flags() else "avx2"
+    flavour = flavour or ("avx512" if wide_registers() else "avx2")
     return cache_root() / "kernels" / f"torch-{torch.__version__}-{flavour}"
 
 

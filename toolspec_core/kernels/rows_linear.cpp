@@ -6,8 +6,8 @@
 // most MB input rows (NB x MB accumulators of 8 floats). Every pass of a block prefetches its share
 // of the weight rows DIST rows ahead into L2, spread evenly over its k loop, so DRAM streams at
 // every row count while the passes compute: prefetching only the next block into L1 (session 16's
-// kernel) left one-row products well below the machine's read bandwidth (19-25 GB/s where torch.sum
-// read 29-36 on the 2-core EPYC, now 25-30: benchmarks/results/measurements/cpu-linear-bandwidth.json;
+// kernel) left one-row products well below the machine's read bandwidth (15-24 GB/s where torch.sum
+// read 25-38 on the 2-core EPYC, now 23-29: benchmarks/results/measurements/cpu-linear-bandwidth.json;
 // whole forwards: cpu-rows-kernel-s19*.json). Where the compiler may use
 // AVX-512VL, the 32 ymm registers hold bigger tiles (up to 4 x 6 accumulators instead of 3 x 4).
 //
@@ -114,7 +114,8 @@ torch::Tensor rows_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (M == 0 || N == 0) return y;  // nothing to compute (and no pass of zero rows)
-  // tile shapes: NB x MB accumulators + NB weight vectors + 1 input vector within the registers
+  // tile shapes: NB x MB accumulators + NB weight vectors + 1 input vector within the registers (one
+  // input row: each weight vector is used once, so its load folds into the FMA and 8 x 1 fits AVX2's 16)
 #if defined(__AVX512VL__)  // 32 ymm registers
   if (M == 1) run<8, 1>(xp, M, K, wp, yp, N);
   else if (M == 2) run<8, 2>(xp, M, K, wp, yp, N);
