@@ -8,6 +8,11 @@ of a benchmark run. Timing is not simulated -- the budget uses the given cost cu
     python -m benchmarks.offline_sim benchmarks/results/raw/cpu-all --methods toolspec_schema,toolspec [--show 5]
 
 A step prints as ``[accepted/drafted]`` followed by the accepted text and the target's own token.
+``--regions`` also splits each benchmark's projected cost by region of the output (before the first
+call object, the object, after it: ``benchmarks.regions``), so a drafting change can be judged where it
+acts -- the text around the call is where ToolSpec drafts what the suffix baseline drafts.
+``--calibration`` adds, per draft label and conf decile, how often a node whose parent was accepted
+was accepted itself against the conf the drafter gave it: the budget's cut is only as good as that.
 """
 
 from __future__ import annotations
@@ -22,13 +27,17 @@ from pathlib import Path
 from toolspec_core.budget import CostModel
 from toolspec_core.methods import RequestInfo, make_method
 from toolspec_core.simulate import simulate
+from toolspec_core.tree import ROOT
 
 from .data import load_items, prompt_ids, run_items, select_items, warm_documents
+from .regions import split_steps
 from .runner import PrefillCache, decode_hidden
+from .tokens_after_call import call_bounds
 
 
 def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = True, show: int = 0,
-           show_bench: str | None = None, shuffle: int | None = None) -> dict:
+           show_bench: str | None = None, shuffle: int | None = None, regions: bool = False,
+           calibration: bool = False) -> dict:
     cfg = json.loads((raw / "config.json").read_text())
     items = run_items(raw)
     recs = [json.loads(l) for l in open(raw / "items.jsonl") if '"method": "ar"' in l]
@@ -36,6 +45,8 @@ def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = Tr
         random.Random(shuffle).shuffle(recs)
     keys = _keys(raw / "prefill.jsonl")
     warm = _warm_docs(raw, cfg, tokenizer, set(items) & {r["item"] for r in recs}) if "warm" in (cfg.get("libraries") or []) else []
+    bounds = {r["item"]: call_bounds(tokenizer, items[r["item"]].get("tools") or [], r["tokens"]) for r in recs
+              if r.get("has_call")} if regions else {}
     out = {}
     for name in methods:
         method = make_method(name, tokenizer)
@@ -43,6 +54,8 @@ def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = Tr
             method.observe(req, ids, text)
         per_bench = collections.defaultdict(lambda: [0, 0, 0.0, 0.0])
         lost = collections.Counter()
+        by_region: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0, 0.0]))
+        calib: dict = collections.defaultdict(lambda: [0, 0.0, 0])  # (label, decile) -> tries, sum conf, accepted
         for r in recs:
             item = items[r["item"]]
             req = RequestInfo(prompt_ids(tokenizer, item), item.get("tools") or [], embedding=keys.get(r["item"]))
@@ -53,6 +66,9 @@ def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = Tr
                 method.observe(req, r["tokens"], r["text"])
             if only_calls and not r.get("has_call"):
                 continue
+            for lab, conf, ok in drafter.tries:
+                agg = calib[(lab, min(int(conf * 10), 9))]
+                agg[0], agg[1], agg[2] = agg[0] + 1, agg[1] + conf, agg[2] + ok
             if show > 0 and show_bench in (None, r["benchmark"]):
                 show -= 1
                 print(f"== {name} {r['item']}\n" + "".join(f"[{acc}/{size}]" + tokenizer.decode(r["tokens"][done : done + acc + 1]) for done, size, acc, _ in trace))
@@ -64,11 +80,33 @@ def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = Tr
             for done, size, acc, label in trace:
                 if acc == 0:
                     lost[_state_at(tokenizer, item, r["tokens"], done)] += 1
+            if bounds.get(r["item"]) is not None:
+                for reg, vals in region_costs(trace, bounds[r["item"]], cost).items():
+                    agg = by_region[r["benchmark"]][reg]
+                    by_region[r["benchmark"]][reg] = [a + b for a, b in zip(agg, vals)]
         # MAT, and the speedup the cost curve projects (greedy: one c(1) = 1 step per token)
         out[name] = {k: {"mat": round(v[0] / max(v[1], 1), 3), "proj": round(v[0] / max(v[2], 1e-9), 3),
                          "propose_ms_per_step": round(1000 * v[3] / max(v[1], 1), 3)} for k, v in per_bench.items()}
+        for k, regs in by_region.items():
+            out[name][k]["regions"] = {reg: {"tokens": t, "cost": round(c, 2), "proj": round(t / c, 3) if c else None}
+                                       for reg, (_, t, c) in regs.items()}
         out[name]["zero_accept_steps_by_state"] = dict(lost.most_common())
+        if calibration:
+            out[name]["calibration"] = {f"{lab} {dec / 10:.1f}": {"tries": n, "conf": round(c / n, 3), "accepted": round(a / n, 3)}
+                                        for (lab, dec), (n, c, a) in sorted(calib.items())}
     return out
+
+
+def tried_nodes(tree, result) -> list[tuple[str, float, bool]]:
+    """(label, conf, accepted) of every node that had its chance: its parent (or the root) accepted."""
+    accepted = set(result.path)
+    return [(tree.labels[i], tree.conf[i], i in accepted) for i, p in enumerate(tree.parents) if p == ROOT or p in accepted]
+
+
+def region_costs(trace: list, bounds: tuple[int, int], cost) -> dict[str, list]:
+    """{region: [steps, tokens, projected cost]} of one replayed output: each step's cost (the curve's
+    price of its tree) shared by the tokens it writes (``regions.split_steps``)."""
+    return split_steps([acc for _, _, acc, _ in trace], [cost.step_cost(size) for _, size, _, _ in trace], bounds)
 
 
 class _Timed:
@@ -76,6 +114,7 @@ class _Timed:
 
     def __init__(self, drafter):
         self.drafter, self.seconds = drafter, 0.0
+        self.tries: list[tuple[str, float, bool]] = []  # tried_nodes of every step
 
     def propose(self, ctx):
         t0 = time.perf_counter()
@@ -84,6 +123,7 @@ class _Timed:
         return tree
 
     def feedback(self, tree, result) -> None:
+        self.tries += tried_nodes(tree, result)
         self.drafter.feedback(tree, result)
 
 
@@ -123,6 +163,8 @@ def main() -> None:
     ap.add_argument("--cost", default="run", help="run (the run's measured cost.json) | reference | flat | path to a cost JSON")
     ap.add_argument("--json-out", default=None, help="also write {raw: {method: ...}} with the cost curve used to this file")
     ap.add_argument("--shuffle", type=int, default=None, help="replay the items in a random order (this seed), not the run's stream order")
+    ap.add_argument("--regions", action="store_true", help="also split projected cost by region (before / call object / after)")
+    ap.add_argument("--calibration", action="store_true", help="also tabulate conf vs acceptance per draft label and conf decile")
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -132,7 +174,7 @@ def main() -> None:
     results = {"cost": a.cost, "subset": "all" if a.all_items else "calls", "order": "run" if a.shuffle is None else f"shuffled (seed {a.shuffle})", "runs": {}}
     for raw in a.raw:
         cost = _cost(Path(raw), a.cost)
-        res = results["runs"][raw] = replay(Path(raw), a.methods.split(","), tok, cost, not a.all_items, a.show, a.show_bench, a.shuffle)
+        res = results["runs"][raw] = replay(Path(raw), a.methods.split(","), tok, cost, not a.all_items, a.show, a.show_bench, a.shuffle, a.regions, a.calibration)
         print(raw, json.dumps(res, indent=1), flush=True)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(results, indent=1) + "\n")

@@ -371,6 +371,38 @@ def test_region_split_hand_computed():
     assert step_seconds({"verify_per_step": [0.3, 0.1, 0.4], "decode_s": 0.83}) == pytest.approx([0.31, 0.11, 0.41])
 
 
+def test_replay_region_costs_hand_computed():
+    """``offline_sim.region_costs``: a replayed step's price is the curve's cost of its tree (root +
+    nodes), shared by the tokens it writes like measured seconds."""
+    from benchmarks.offline_sim import region_costs
+    from toolspec_core.budget import CostModel
+
+    cost = CostModel({1: 1.0, 4: 1.3, 8: 2.0}, max_nodes=7)  # trees of 3 / 0 / 6 nodes: 4 / 1 / 7 rows
+    trace = [(1, 3, 2, "schema"), (4, 0, 0, None), (5, 6, 3, "suffix")]  # (done, tree size, accepted, label)
+    out = region_costs(trace, (2, 5), cost)
+    c7 = 1.3 + 3 * (2.0 - 1.3) / 4
+    assert out["before"] == pytest.approx([1 / 3, 1, 1.3 / 3])
+    assert out["call"] == pytest.approx([2 / 3 + 1, 3, 1.3 * 2 / 3 + 1.0])
+    assert out["after"] == pytest.approx([1, 4, c7])
+
+
+def test_replay_calibration_counts_nodes_that_had_their_chance():
+    """``offline_sim.tried_nodes``: a node counts when its parent was accepted (or it hangs off the
+    root); a child of a rejected node never had its chance and is left out."""
+    from benchmarks.offline_sim import tried_nodes
+    from toolspec_core.tree import DraftTree
+    from toolspec_core.verify import VerifyResult
+
+    tree = DraftTree()
+    a = tree.add(-1, 10, 0.9, "schema")
+    b = tree.add(a, 11, 0.8, "schema")
+    tree.add(b, 12, 0.5, "suffix")  # its parent b is rejected below
+    tree.add(a, 13, 0.3, "suffix")
+    tree.add(-1, 14, 0.1, "value")
+    out = tried_nodes(tree, VerifyResult([a], 99))  # a accepted, then the target wrote 99 (neither child)
+    assert out == [("schema", 0.9, True), ("schema", 0.8, False), ("suffix", 0.3, False), ("value", 0.1, False)]
+
+
 def test_region_split_by_label_hand_computed():
     """``regions.split_by_label``: the same split keyed by the label of the step that wrote each
     token; summed over labels it is ``split_steps``."""
