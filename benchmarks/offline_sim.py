@@ -27,7 +27,7 @@ from pathlib import Path
 from toolspec_core.budget import CostModel
 from toolspec_core.methods import RequestInfo, make_method
 from toolspec_core.simulate import simulate
-from toolspec_core.tree import ROOT
+from toolspec_core.tree import tried
 
 from .data import load_items, prompt_ids, run_items, select_items, warm_documents
 from .regions import split_steps
@@ -97,12 +97,6 @@ def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = Tr
     return out
 
 
-def tried_nodes(tree, result) -> list[tuple[str, float, bool]]:
-    """(label, conf, accepted) of every node that had its chance: its parent (or the root) accepted."""
-    accepted = set(result.path)
-    return [(tree.labels[i], tree.conf[i], i in accepted) for i, p in enumerate(tree.parents) if p == ROOT or p in accepted]
-
-
 def region_costs(trace: list, bounds: tuple[int, int], cost) -> dict[str, list]:
     """{region: [steps, tokens, projected cost]} of one replayed output: each step's cost (the curve's
     price of its tree) shared by the tokens it writes (``regions.split_steps``)."""
@@ -114,7 +108,7 @@ class _Timed:
 
     def __init__(self, drafter):
         self.drafter, self.seconds = drafter, 0.0
-        self.tries: list[tuple[str, float, bool]] = []  # tried_nodes of every step
+        self.tries: list[tuple[str, float, bool]] = []  # (label, conf, accepted) of every node tried (tree.tried)
 
     def propose(self, ctx):
         t0 = time.perf_counter()
@@ -123,7 +117,8 @@ class _Timed:
         return tree
 
     def feedback(self, tree, result) -> None:
-        self.tries += tried_nodes(tree, result)
+        accepted = set(result.path)
+        self.tries += [(tree.labels[i], tree.conf[i], i in accepted) for i in tried(tree.parents, result.path)]
         self.drafter.feedback(tree, result)
 
 

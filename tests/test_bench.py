@@ -386,21 +386,19 @@ def test_replay_region_costs_hand_computed():
     assert out["after"] == pytest.approx([1, 4, c7])
 
 
-def test_replay_calibration_counts_nodes_that_had_their_chance():
-    """``offline_sim.tried_nodes``: a node counts when its parent was accepted (or it hangs off the
-    root); a child of a rejected node never had its chance and is left out."""
-    from benchmarks.offline_sim import tried_nodes
-    from toolspec_core.tree import DraftTree
-    from toolspec_core.verify import VerifyResult
+def test_tried_nodes_are_those_whose_parent_was_accepted():
+    """``tree.tried`` (what acceptance rates and the replay's calibration count): a node counts when
+    its parent was accepted or it hangs off the root; a child of a rejected node is left out."""
+    from toolspec_core.tree import DraftTree, tried
 
     tree = DraftTree()
     a = tree.add(-1, 10, 0.9, "schema")
     b = tree.add(a, 11, 0.8, "schema")
     tree.add(b, 12, 0.5, "suffix")  # its parent b is rejected below
-    tree.add(a, 13, 0.3, "suffix")
-    tree.add(-1, 14, 0.1, "value")
-    out = tried_nodes(tree, VerifyResult([a], 99))  # a accepted, then the target wrote 99 (neither child)
-    assert out == [("schema", 0.9, True), ("schema", 0.8, False), ("suffix", 0.3, False), ("value", 0.1, False)]
+    c = tree.add(a, 13, 0.3, "suffix")
+    d = tree.add(-1, 14, 0.1, "value")
+    assert tried(tree.parents, [a]) == [a, b, c, d]  # a accepted, then the target wrote neither child
+    assert tried(tree.parents, []) == [a, d]
 
 
 def test_region_split_by_label_hand_computed():

@@ -19,7 +19,7 @@ from itertools import count
 import torch
 
 from .drafting import DraftContext, LabelRates
-from .tree import ROOT, DraftTree
+from .tree import ROOT, DraftTree, tried
 from .verify import VerifyResult
 
 # --------------------------------------------------------------------------- shared helpers
@@ -40,10 +40,10 @@ def update_keyed_rates(rates: LabelRates, tree: DraftTree, result: VerifyResult,
     only the nodes this source owns in the merged tree.
     """
     accepted = set(result.path)
-    reached = {ROOT} | accepted
-    for i, (path, p) in enumerate(zip(node_paths(tree), tree.parents)):
-        key = keys.get(path)
-        if key is None or p not in reached or (label is not None and tree.labels[i] != label):
+    paths = node_paths(tree)
+    for i in tried(tree.parents, result.path):
+        key = keys.get(paths[i])
+        if key is None or (label is not None and tree.labels[i] != label):
             continue
         rates.tries[key] = rates.tries.get(key, 0.0) + 1.0
         if i in accepted:

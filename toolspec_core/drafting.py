@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from .tree import DraftTree
+from .tree import DraftTree, tried
 from .verify import VerifyResult
 
 
@@ -106,12 +106,9 @@ class LabelRates:
     def update(self, tree: DraftTree, result: VerifyResult, skip=None) -> None:
         """Count every node whose parent was accepted (it had its chance), unless ``skip(i, key)``."""
         accepted = set(result.path)
-        reached = {-1} | accepted
-        for i, p in enumerate(tree.parents):
-            if p in reached:
-                lab = rate_key(tree, i)
-                if skip is not None and skip(i, lab):
-                    continue
+        for i in tried(tree.parents, result.path):
+            lab = rate_key(tree, i)
+            if skip is None or not skip(i, lab):
                 self.count(lab, i in accepted)
 
 

@@ -89,6 +89,14 @@ def depths(parents: list[int]) -> list[int]:
     return out
 
 
+def tried(parents: list[int], path: list[int]) -> list[int]:
+    """Nodes that had their chance in a verify step: the root's children and the children of the
+    accepted ``path``. Acceptance rates count exactly these as tries (a child of a rejected node
+    was never compared with the target)."""
+    reached = {ROOT, *path}
+    return [i for i, p in enumerate(parents) if p in reached]
+
+
 def path_probs(tree: DraftTree) -> list[float]:
     """P(node is accepted) = product of ``conf`` along its path (parents precede children)."""
     out: list[float] = []
