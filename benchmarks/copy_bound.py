@@ -23,6 +23,8 @@ import json
 from pathlib import Path
 
 from .data import prompt_ids, run_items
+from .offline_sim import _cost, region_costs
+from .tokens_after_call import call_bounds
 
 
 def copy_lengths(tokens: list[int], text_of, sources: str, anchor: int = 0) -> list[int]:
@@ -55,23 +57,37 @@ def recorded_lengths(n: int, accepted_per_step: list[int], first: int = 1) -> li
     return out
 
 
-def best_cost(lengths: list[int], step_cost, first: int = 1, max_nodes: int = 63) -> tuple[float, int]:
-    """Least Σ step_cost(j) to write positions first..n-1 when a step at p may draft j <= lengths[p]
-    correct tokens (it writes j + 1: the accepted chain and the target's own token). Returns
-    (cost, steps)."""
+def best_chains(lengths: list[int], step_cost, first: int = 1, max_nodes: int = 63) -> list[tuple[int, int]]:
+    """The steps (position, chain length j) of least Σ step_cost(j) writing positions first..n-1, when a
+    step at p may draft j <= lengths[p] correct tokens (it writes j + 1: the chain and the target's
+    own token)."""
     n = len(lengths)
-    best = [(0.0, 0)] * (n + 1)
+    best = [(0.0, 0)] * (n + 1)  # (cost from p to the end, j at p)
     for p in range(n - 1, first - 1, -1):
-        cands = []
-        for j in range(min(lengths[p], max_nodes, n - p) + 1):
-            c, s = best[min(p + j + 1, n)]
-            cands.append((step_cost(j) + c, s + 1))
-        best[p] = min(cands)
-    return best[first]
+        best[p] = min((step_cost(j) + best[min(p + j + 1, n)][0], j) for j in range(min(lengths[p], max_nodes, n - p) + 1))
+    out, p = [], first
+    while p < n:
+        out.append((p, best[p][1]))
+        p += best[p][1] + 1
+    return out
+
+
+def _traces(toks: list[int], recs: dict, sources: str, text_of, cost, anchor: int) -> dict[str, list]:
+    """(start, tree size, accepted, label) steps of the oracle and of each recorded method on one output."""
+    lengths = copy_lengths(toks, text_of, sources, anchor)
+    for rec in recs.values():
+        lengths = [max(a, b) for a, b in zip(lengths, recorded_lengths(len(toks), rec["accepted_per_step"]))]
+    out = {"oracle": [(p, j, j, "oracle") for p, j in best_chains(lengths, cost.step_cost, max_nodes=cost.max_nodes)]}
+    for m, rec in recs.items():
+        pos, out[m] = 1, []
+        for d, a in zip(rec["drafted_per_step"], rec["accepted_per_step"]):
+            out[m].append((pos, d, a, m))
+            pos += a + 1
+    return out
 
 
 def bound_run(raw: Path, tokenizer, cost, methods: tuple[str, ...] = ("suffix", "toolspec"), only_calls: bool = True,
-              anchor: int = 0) -> dict:
+              anchor: int = 0, regions: bool = False) -> dict:
     items = run_items(raw)
     recs = [json.loads(l) for l in open(raw / "items.jsonl")]
     by_method = collections.defaultdict(dict)
@@ -81,31 +97,32 @@ def bound_run(raw: Path, tokenizer, cost, methods: tuple[str, ...] = ("suffix", 
     text_of = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
     history: list[str] = []
     agg = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0, 0]))  # bench -> who -> tokens, cost, steps
+    by_region = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0, 0.0]))  # (bench, who) -> region -> steps, tokens, cost
     for r in ar:
         toks = r["tokens"]
         sources = "\x00".join([text_of(prompt_ids(tokenizer, items[r["item"]]))] + history)
         history.append(text_of(toks))
         if only_calls and not r.get("has_call"):
             continue
-        lengths = copy_lengths(toks, text_of, sources, anchor)
-        for m in methods:
-            rec = by_method.get(m, {}).get(r["item"])
-            if rec is not None:
-                lengths = [max(a, b) for a, b in zip(lengths, recorded_lengths(len(toks), rec["accepted_per_step"]))]
-        b = agg[r["benchmark"]]
-        c, s = best_cost(lengths, cost.step_cost, max_nodes=cost.max_nodes)
-        b["oracle"] = [b["oracle"][0] + len(toks) - 1, b["oracle"][1] + c, b["oracle"][2] + s]
-        for m in methods:
-            rec = by_method.get(m, {}).get(r["item"])
-            if rec is not None:
-                mc = sum(cost.step_cost(d) for d in rec["drafted_per_step"])
-                b[m] = [b[m][0] + len(toks) - 1, b[m][1] + mc, b[m][2] + len(rec["drafted_per_step"])]
+        mine = {m: by_method[m][r["item"]] for m in methods if r["item"] in by_method.get(m, {})}
+        bounds = call_bounds(tokenizer, items[r["item"]].get("tools") or [], toks) if regions and r.get("has_call") else None
+        for who, trace in _traces(toks, mine, sources, text_of, cost, anchor).items():
+            b = agg[r["benchmark"]][who]
+            b[0], b[1], b[2] = b[0] + len(toks) - 1, b[1] + sum(cost.step_cost(size) for _, size, _, _ in trace), b[2] + len(trace)
+            for reg, vals in (region_costs(trace, bounds, cost).items() if bounds is not None else ()):
+                agg_r = by_region[(r["benchmark"], who)]
+                agg_r[reg] = [x + y for x, y in zip(agg_r[reg], vals)]
     out = {}
     for bench, who in agg.items():
         row = {w: {"tokens": t, "steps": s, "mat": round(t / max(s, 1), 3), "proj": round(t / max(c, 1e-9), 3)} for w, (t, c, s) in who.items()}
+        for w in row:
+            if (bench, w) in by_region:
+                row[w]["regions"] = {reg: {"tokens": t, "cost": round(c, 2), "proj": round(t / c, 3) if c else None}
+                                     for reg, (_, t, c) in by_region[(bench, w)].items()}
         base = [m for m in methods if m in row and m != "toolspec"]
         if base:
             best = max(base, key=lambda m: row[m]["proj"])
+            row["best_baseline"] = best
             row["oracle_over_best_baseline"] = round(row["oracle"]["proj"] / row[best]["proj"], 3)
             if "toolspec" in row:
                 row["toolspec_over_best_baseline"] = round(row["toolspec"]["proj"] / row[best]["proj"], 3)
@@ -122,20 +139,19 @@ def main() -> None:
     ap.add_argument("--cost", default="run", help="run (the run's cost.json) | reference | flat | path to a cost JSON")
     ap.add_argument("--all-items", action="store_true")
     ap.add_argument("--anchors", default="0,1,2,4", help="context tokens a copy must match before it (one bound each)")
+    ap.add_argument("--regions", action="store_true", help="also split each one's projected cost by region (before / call object / after)")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
     from toolspec_core.embedded import embedded_model_dir
 
-    from .offline_sim import _cost
-
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
     res = {"what": __doc__.split("\n\n")[0], "cost": a.cost, "subset": "all" if a.all_items else "calls", "runs": {}}
     for raw in a.raw:
         for anchor in map(int, a.anchors.split(",")):
             key = f"{raw} anchor={anchor}"
-            res["runs"][key] = bound_run(Path(raw), tok, _cost(Path(raw), a.cost), tuple(a.methods.split(",")), not a.all_items, anchor)
+            res["runs"][key] = bound_run(Path(raw), tok, _cost(Path(raw), a.cost), tuple(a.methods.split(",")), not a.all_items, anchor, a.regions)
             print(key, json.dumps({b: {k: v for k, v in row.items() if not isinstance(v, dict)} | {"oracle_mat": row["oracle"]["mat"]}
                                    for b, row in res["runs"][key].items()}), flush=True)
     if a.json_out:

@@ -439,7 +439,7 @@ def test_region_summary_hand_computed():
 def test_copy_bound_hand_computed():
     """``copy_bound``: the oracle's copy lengths (sources, this output so far, the context anchor), a
     recorded decode's lengths by step start, and the least-cost chain lengths under a curve."""
-    from benchmarks.copy_bound import best_cost, copy_lengths, recorded_lengths
+    from benchmarks.copy_bound import best_chains, copy_lengths, recorded_lengths
 
     text_of = lambda ids: "".join(chr(97 + t) for t in ids)  # token t is the letter a+t
     a, b, c, d, x = 0, 1, 2, 3, 23
@@ -447,6 +447,7 @@ def test_copy_bound_hand_computed():
     assert copy_lengths([a, b, c, d, x], text_of, "bcd", anchor=1) == [0, 0, 2, 1, 0]  # "ab" is in no source
     assert copy_lengths([a, b, a, b, a], text_of, "") == [0, 0, 2, 2, 1]  # copies of the output itself
     assert recorded_lengths(5, [2, 0, 1]) == [0, 2, 0, 0, 0]  # steps begin at 1, 4 (and 5: past the end)
-    assert best_cost([0, 3, 2, 1, 0], lambda j: 1 + 0.1 * j) == pytest.approx((1.3, 1))  # one step drafts 3, writes 4
-    # a steep curve splits it: 1 + 1 (j=0, j=1 ...) beats 1 + 9 for the whole chain
-    assert best_cost([0, 3, 2, 1, 0], lambda j: 1 + j * j) == pytest.approx((4.0, 2))
+    assert best_chains([0, 3, 2, 1, 0], lambda j: 1 + 0.1 * j) == [(1, 3)]  # one step drafts 3, writes 4: cost 1.3
+    # a steep curve (1, 1.3, 2.2, 3.7) splits it: two chains of one (1.3 + 1.3) beat the whole chain (3.7),
+    # one of two then none (2.2 + 1), and four plain steps (4)
+    assert best_chains([0, 3, 2, 1, 0], lambda j: 1 + 0.3 * j * j) == [(1, 1), (3, 1)]
