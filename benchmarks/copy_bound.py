@@ -47,12 +47,12 @@ def copy_lengths(tokens: list[int], text_of, sources: str, anchor: int = 0) -> l
     return out
 
 
-def recorded_lengths(n: int, accepted_per_step: list[int], first: int = 1) -> list[int]:
-    """Accepted tokens of a recorded decode, by the output position its step began at (0 elsewhere)."""
-    out, pos = [0] * n, first
-    for acc in accepted_per_step:
-        if pos < n:
-            out[pos] = max(out[pos], acc)
+def recorded_trace(rec: dict, first: int = 1) -> list[tuple[int, int, int, str]]:
+    """A recorded decode's steps as (output position it began at, tree size, accepted, method): the
+    trace form ``offline_sim.region_costs`` reads."""
+    out, pos = [], first
+    for size, acc in zip(rec["drafted_per_step"], rec["accepted_per_step"]):
+        out.append((pos, size, acc, rec["method"]))
         pos += acc + 1
     return out
 
@@ -73,16 +73,15 @@ def best_chains(lengths: list[int], step_cost, first: int = 1, max_nodes: int = 
 
 
 def _traces(toks: list[int], recs: dict, sources: str, text_of, cost, anchor: int) -> dict[str, list]:
-    """(start, tree size, accepted, label) steps of the oracle and of each recorded method on one output."""
+    """Steps of each recorded method on one output, and of the oracle, which may also take what a
+    recorded step that began at a position got accepted there."""
+    out = {m: recorded_trace(rec) for m, rec in recs.items()}
     lengths = copy_lengths(toks, text_of, sources, anchor)
-    for rec in recs.values():
-        lengths = [max(a, b) for a, b in zip(lengths, recorded_lengths(len(toks), rec["accepted_per_step"]))]
-    out = {"oracle": [(p, j, j, "oracle") for p, j in best_chains(lengths, cost.step_cost, max_nodes=cost.max_nodes)]}
-    for m, rec in recs.items():
-        pos, out[m] = 1, []
-        for d, a in zip(rec["drafted_per_step"], rec["accepted_per_step"]):
-            out[m].append((pos, d, a, m))
-            pos += a + 1
+    for trace in out.values():
+        for pos, _, acc, _ in trace:
+            if pos < len(lengths):
+                lengths[pos] = max(lengths[pos], acc)
+    out["oracle"] = [(p, j, j, "oracle") for p, j in best_chains(lengths, cost.step_cost, max_nodes=cost.max_nodes)]
     return out
 
 
@@ -138,7 +137,7 @@ def main() -> None:
     ap.add_argument("--methods", default="suffix,toolspec", help="recorded methods to compare (and whose steps the oracle may reuse)")
     ap.add_argument("--cost", default="run", help="run (the run's cost.json) | reference | flat | path to a cost JSON")
     ap.add_argument("--all-items", action="store_true")
-    ap.add_argument("--anchors", default="0,1,2,4", help="context tokens a copy must match before it (one bound each)")
+    ap.add_argument("--anchors", default="0,2,4,8", help="context tokens a copy must match before it (one bound each)")
     ap.add_argument("--regions", action="store_true", help="also split each one's projected cost by region (before / call object / after)")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()

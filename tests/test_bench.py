@@ -438,15 +438,16 @@ def test_region_summary_hand_computed():
 
 def test_copy_bound_hand_computed():
     """``copy_bound``: the oracle's copy lengths (sources, this output so far, the context anchor), a
-    recorded decode's lengths by step start, and the least-cost chain lengths under a curve."""
-    from benchmarks.copy_bound import best_chains, copy_lengths, recorded_lengths
+    recorded decode's steps by start position, and the least-cost chain lengths under a curve."""
+    from benchmarks.copy_bound import best_chains, copy_lengths, recorded_trace
 
     text_of = lambda ids: "".join(chr(97 + t) for t in ids)  # token t is the letter a+t
     a, b, c, d, x = 0, 1, 2, 3, 23
     assert copy_lengths([a, b, c, d, x], text_of, "bcd") == [0, 3, 2, 1, 0]
     assert copy_lengths([a, b, c, d, x], text_of, "bcd", anchor=1) == [0, 0, 2, 1, 0]  # "ab" is in no source
     assert copy_lengths([a, b, a, b, a], text_of, "") == [0, 0, 2, 2, 1]  # copies of the output itself
-    assert recorded_lengths(5, [2, 0, 1]) == [0, 2, 0, 0, 0]  # steps begin at 1, 4 (and 5: past the end)
+    rec = {"method": "suffix", "drafted_per_step": [4, 2, 3], "accepted_per_step": [2, 0, 1]}
+    assert recorded_trace(rec) == [(1, 4, 2, "suffix"), (4, 2, 0, "suffix"), (5, 3, 1, "suffix")]  # the first token: prefill
     assert best_chains([0, 3, 2, 1, 0], lambda j: 1 + 0.1 * j) == [(1, 3)]  # one step drafts 3, writes 4: cost 1.3
     # a steep curve (1, 1.3, 2.2, 3.7) splits it: two chains of one (1.3 + 1.3) beat the whole chain (3.7),
     # one of two then none (2.2 + 1), and four plain steps (4)
