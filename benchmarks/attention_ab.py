@@ -1,6 +1,6 @@
-"""A/B of one verify step under HF's SDPA attention and the grouped one (``toolspec_core.attention``).
+"""A/B of one verify step under HF's SDPA attention and the grouped one (``toolspec_core.model.attention``).
 
-The start-up cost probe's steps (``toolspec_core.budget.probe_steps``: a chain of k-1 drafts over
+The start-up cost probe's steps (``toolspec_core.engine.cost_probe.probe_steps``: a chain of k-1 drafts over
 a cached random prefix, 500 tokens unless told) on the embedded model as decoding loads it; each repetition runs every k once
 under each attention, alternating, so a noisy host moves both alike. Median seconds per k.
 
@@ -13,7 +13,7 @@ import argparse
 import json
 import statistics
 
-from toolspec_core.attention import NAME as GROUPED
+from toolspec_core.model.attention import NAME as GROUPED
 
 from .cost import hardware_string
 
@@ -21,7 +21,7 @@ ATTENTIONS = ("sdpa", GROUPED)  # HF's, then ours (the one decoding runs, restor
 
 
 def ab(target, ks: list[int], repeats: int, prefix: int = 500) -> dict:
-    from toolspec_core.budget import probe_steps
+    from toolspec_core.engine.cost_probe import probe_steps
 
     steps = probe_steps(target, prefix, ks)
     times = {a: {k: [] for k in ks} for a in ATTENTIONS}
@@ -42,7 +42,7 @@ def ab(target, ks: list[int], repeats: int, prefix: int = 500) -> dict:
 
 
 def main(argv=None) -> None:
-    from toolspec_core.target import load_target
+    from toolspec_core.model.target import load_target
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ks", default="1,2,3,4,8,16,32")

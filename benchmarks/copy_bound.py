@@ -143,7 +143,7 @@ def main() -> None:
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from toolspec_core.embedded import embedded_model_dir
+    from toolspec_core.model.embedded import embedded_model_dir
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
     res = {"what": __doc__.split("\n\n")[0], "cost": a.cost, "subset": "all" if a.all_items else "calls", "runs": {}}

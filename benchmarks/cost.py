@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from toolspec_core.attention import use_grouped_sdpa
-from toolspec_core.budget import CPU_REFERENCE_CURVE, DEFAULT_KS, interpolate
-from toolspec_core.target import load_hf_model
+from toolspec_core.model.attention import use_grouped_sdpa
+from toolspec_core.engine.budget import CPU_REFERENCE_CURVE, interpolate
+from toolspec_core.engine.cost_probe import DEFAULT_KS
+from toolspec_core.model.target import load_hf_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CURVES = RESULTS / "curves"  # measured cost curves (not method runs): projections read them from here
@@ -112,7 +113,7 @@ def build_shape(name: str, device: str, dtype: torch.dtype):
             model = Qwen2ForCausalLM(cfg)
     finally:
         torch.set_default_dtype(old)
-    use_grouped_sdpa(model)  # the attention decoding runs (toolspec_core.target.from_model)
+    use_grouped_sdpa(model)  # the attention decoding runs (toolspec_core.model.target.from_model)
     return model.eval()
 
 
@@ -121,7 +122,7 @@ def load_model(spec: str, device: str, dtype: torch.dtype):
     if spec in SHAPES:
         return build_shape(spec, device, dtype), spec
     if spec in ("", "embedded"):
-        from toolspec_core.embedded import EMBEDDED_MODEL_NAME, embedded_model_dir
+        from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME, embedded_model_dir
 
         path, label = embedded_model_dir(), EMBEDDED_MODEL_NAME
     else:
@@ -133,7 +134,7 @@ def serving_kernels(model, device: str, dtype: torch.dtype, packed_rows: int | N
     """The CPU fp32 linear-layer dispatch the engine's ``load_target`` applies, so the curve is the
     one decoding will see (``packed_rows``: see ``tune_cpu_linears``; None/0: the default oneDNN-reordered copy only)."""
     if device == "cpu" and dtype == torch.float32:
-        from toolspec_core.target import tune_cpu_linears
+        from toolspec_core.model.cpu_linears import tune_cpu_linears
 
         tune_cpu_linears(model, packed_rows=packed_rows or 0)
     return model
@@ -143,8 +144,8 @@ def measure_curve(model, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 5)
     """(median seconds, cost relative to k=1) per k, through the engine's own start-up probe
     (``budget.measure_cost_points``: ``engine.verify_step`` on a ``Target``), i.e. what decoding pays:
     host-built inputs moved to the model's device, tree mask, argmax, KV commit."""
-    from toolspec_core.budget import measure_cost_points
-    from toolspec_core.target import Target
+    from toolspec_core.engine.cost_probe import measure_cost_points
+    from toolspec_core.model.target import Target
 
     return measure_cost_points(Target(model=model, tokenizer=None, name="probe"), prefix_len, tuple(ks), repeats)
 

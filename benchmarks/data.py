@@ -6,8 +6,8 @@ import json
 import random
 from pathlib import Path
 
-from toolspec_core.methods import RequestInfo
-from toolspec_core.prompting import render_prompt
+from toolspec_core.drafters.methods import RequestInfo
+from toolspec_core.model.prompting import render_prompt
 
 # How the gold calls of a warm item are written out, i.e. the layout the model itself uses.
 # "fence": a ```json fence with an indent-2 object per call -- what the embedded
@@ -83,7 +83,7 @@ def _end_token(tokenizer, eos_ids) -> list[int]:
 
 def _template_text(tokenizer, item: dict) -> str | None:
     """The chat template's rendering of an assistant message carrying the gold calls."""
-    from toolspec_core.prompting import _normalise_messages, render_text
+    from toolspec_core.model.prompting import _normalise_messages, render_text
 
     calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in item["gold_calls"]]
     msgs = _normalise_messages(item["messages"]) + [{"role": "assistant", "content": "", "tool_calls": calls}]

@@ -9,7 +9,7 @@
 #
 # Prepared to run in one short session (~3-5 min on an H100/H200 class GPU; the 32B shape needs
 # ~66 GB of GPU memory). Runs under the GPU image's own torch/transformers (>= 5.0; the cache
-# argument's name is looked up, see toolspec_core.target.cache_kwarg). From the repo root:
+# argument's name is looked up, see toolspec_core.model.target.cache_kwarg). From the repo root:
 #     bash benchmarks/gpu_cost_probe.sh            # PYTHON=... to pick the interpreter
 set -euo pipefail
 cd "$(dirname "$0")/.."

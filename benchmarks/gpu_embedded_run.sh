@@ -3,7 +3,7 @@
 #
 # A GPU machine here has no network, so the GGUF travels in pieces (benchmarks/README.md, "GPU runs"
 # says how they were sent); PARTS holds gguf.part-* (in order), the gguf wheel and data.tar
-# (the dev JSONL files). The GGUF is assembled, its sha256 checked (toolspec_core.embedded), then
+# (the dev JSONL files). The GGUF is assembled, its sha256 checked (toolspec_core.model.embedded), then
 # dequantized once to a float32 HF directory, and `toolspec bench --device cuda` runs as on the CPU.
 # The raw run (config.json, items.jsonl, prefill.jsonl, cost.json) goes to $OUT/gpu-embedded; build
 # the report where the repo is: toolspec bench report --out DIR --name NAME.
@@ -25,7 +25,7 @@ tar xf "$PARTS"/data.tar* -C "$WORK/data"
 "$PY" - "$WORK" <<'PYEOF'
 import sys, time
 from pathlib import Path
-from toolspec_core.embedded import convert_gguf, verify_gguf
+from toolspec_core.model.embedded import convert_gguf, verify_gguf
 work = Path(sys.argv[1])
 if not (work / "Qwen2.5-Coder-0.5B-Instruct" / "config.json").is_file():
     t = time.perf_counter()
@@ -34,7 +34,7 @@ if not (work / "Qwen2.5-Coder-0.5B-Instruct" / "config.json").is_file():
     convert_gguf(gguf, work / "Qwen2.5-Coder-0.5B-Instruct")
     print(f"verified and dequantized in {time.perf_counter() - t:.0f}s", flush=True)
 PYEOF
-"$PY" -m toolspec_core.cli bench --device "${DEVICE:-cuda}" --dtype float32 --model "$WORK/Qwen2.5-Coder-0.5B-Instruct" \
+"$PY" -m deployments.cli bench --device "${DEVICE:-cuda}" --dtype float32 --model "$WORK/Qwen2.5-Coder-0.5B-Instruct" \
     --data "$WORK/data/api_bank.dev.jsonl" --data "$WORK/data/bfcl_v3.dev.jsonl" --data "$WORK/data/toolalpaca.dev.jsonl" \
     --limit 60 --max-items "$MAX_ITEMS" --max-new-tokens 128 --library online \
     --methods ar,suffix,toolspec_schema,toolspec --out "$RUN" --no-report

@@ -52,10 +52,11 @@ def summarize(raw: dict) -> dict:
 
 
 def measure(n_items: int) -> dict:
-    from toolspec_core.budget import CostModel, measure_cost_points
-    from toolspec_core.engine import DecodeConfig, decode, prefill
-    from toolspec_core.methods import RequestInfo, make_method
-    from toolspec_core.target import load_target
+    from toolspec_core.engine.budget import CostModel
+    from toolspec_core.engine.cost_probe import measure_cost_points
+    from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+    from toolspec_core.drafters.methods import RequestInfo, make_method
+    from toolspec_core.model.target import load_target
 
     from .data import load_items, prompt_ids
 

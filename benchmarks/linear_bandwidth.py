@@ -35,7 +35,7 @@ def gb_per_s(fn, weights, x, rounds: int) -> float:
 
 
 def measure(rounds: int, baseline_rev: str | None) -> dict:
-    from toolspec_core import rows_kernel
+    from toolspec_core.model import rows_kernel
 
     kernel = rows_kernel.load()
     if kernel is None:
@@ -58,7 +58,7 @@ def measure(rounds: int, baseline_rev: str | None) -> dict:
 
 def gflops_in_cache(rounds: int, rows=(1, 8, 16, 24, 32), shape=(4864, 896)) -> dict:
     """{rows: GFLOP/s} of the kernel on one weight reused call after call (kept in cache)."""
-    from toolspec_core import rows_kernel
+    from toolspec_core.model import rows_kernel
 
     kernel = rows_kernel.load()
     w = torch.randn(*shape)

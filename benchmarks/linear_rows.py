@@ -2,7 +2,7 @@
 oneDNN on a weight reordered once into its blocked layout (the default for 4+ rows), and MKL's
 packed GEMM on a weight reordered for 16 rows (inputs zero-padded to 16 rows).
 
-The measurement behind ``toolspec_core.target.tune_cpu_linears`` (and its ``SMALL_ROWS``): on x86
+The measurement behind ``toolspec_core.model.cpu_linears.tune_cpu_linears`` (and its ``SMALL_ROWS``): on x86
 CPUs the BLAS switches kernels at a few rows, which is what a tree-verify forward hits. Shapes of
 the embedded Qwen2.5-0.5B (lm_head 151936x896, MLP 4864x896), float32.
 
@@ -20,7 +20,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from toolspec_core.target import PACKED_ROWS, median_seconds, mkl_pack, onednn_linear, onednn_pack, packed_linear
+from toolspec_core.model.cpu_linears import PACKED_ROWS, median_seconds, mkl_pack, onednn_linear, onednn_pack, packed_linear
 
 from .cost import hardware_string
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from toolspec_core.toolcalls import parse_tool_calls, validate_call
+from toolspec_core.drafters.toolcall.parse import parse_tool_calls, validate_call
 
 from .cost import host_seconds, projected_speedup
 

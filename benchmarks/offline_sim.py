@@ -1,5 +1,5 @@
 """Offline drafter study: replay recorded greedy outputs (a run's ``items.jsonl``) through a method's
-drafter with the target replaced by those tokens (``toolspec_core.simulate``).
+drafter with the target replaced by those tokens (``toolspec_core.drafters.simulate``).
 
 Greedy output is a function of the prompt only, so the recorded ``ar`` tokens are exactly what the
 target will write; steps / MAT / per-state losses of a drafter change come out in seconds instead
@@ -24,10 +24,10 @@ import random
 import time
 from pathlib import Path
 
-from toolspec_core.budget import CostModel
-from toolspec_core.methods import RequestInfo, make_method
-from toolspec_core.simulate import simulate
-from toolspec_core.tree import tried
+from toolspec_core.engine.budget import CostModel
+from toolspec_core.drafters.methods import RequestInfo, make_method
+from toolspec_core.drafters.simulate import simulate
+from toolspec_core.engine.tree import tried
 
 from .data import load_items, prompt_ids, run_items, select_items, warm_documents
 from .regions import split_steps
@@ -141,7 +141,7 @@ def _warm_docs(raw: Path, cfg: dict, tokenizer, evaluated: set) -> list:
 
 
 def _state_at(tokenizer, item: dict, tokens: list[int], done: int) -> str:
-    from toolspec_core.fsm import CallTracker, ToolIndex
+    from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
 
     tr = CallTracker(ToolIndex.from_tools(item.get("tools") or []))
     tr.feed(tokenizer.decode(tokens[:done], skip_special_tokens=True))
@@ -163,7 +163,7 @@ def main() -> None:
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from toolspec_core.embedded import embedded_model_dir
+    from toolspec_core.model.embedded import embedded_model_dir
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
     results = {"cost": a.cost, "subset": "all" if a.all_items else "calls", "order": "run" if a.shuffle is None else f"shuffled (seed {a.shuffle})", "runs": {}}

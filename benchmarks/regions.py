@@ -159,7 +159,7 @@ def main() -> None:
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from toolspec_core.embedded import embedded_model_dir
+    from toolspec_core.model.embedded import embedded_model_dir
 
     raw = Path(a.raw)
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())

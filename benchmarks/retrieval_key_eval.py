@@ -62,8 +62,8 @@ def _v(x) -> str:
 
 def compute_hidden_keys(items: list[dict], cache: Path, threads: int, log_every: int = 10) -> dict[str, np.ndarray]:
     """hidden_last / hidden_mean per item, resumable through ``cache`` (npz)."""
-    from toolspec_core.prompting import render_prompt
-    from toolspec_core.target import load_target
+    from toolspec_core.model.prompting import render_prompt
+    from toolspec_core.model.target import load_target
 
     done: dict[str, dict[str, np.ndarray]] = {}
     if cache.exists():
@@ -262,7 +262,7 @@ def main(argv=None) -> None:
     keys = all_keys(items, hidden)
     shuffled = list(range(len(items)))
     random.Random(args.seed).shuffle(shuffled)
-    from toolspec_core.embedded import EMBEDDED_MODEL_NAME
+    from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME
 
     res = {
         "setup": {"data": Path(args.data).name, "items": len(items), "stride": args.stride, "model": EMBEDDED_MODEL_NAME,

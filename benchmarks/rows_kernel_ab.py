@@ -1,4 +1,4 @@
-"""A/B of ToolSpec's few-rows CPU kernel (``toolspec_core.rows_kernel``) against the oneDNN /
+"""A/B of ToolSpec's few-rows CPU kernel (``toolspec_core.model.rows_kernel``) against the oneDNN /
 ``F.linear`` dispatch it replaces up to 16 rows, on the embedded model, in one process.
 
 Both variants time the same verify steps (the start-up cost probe's: k tree tokens over a
@@ -30,7 +30,7 @@ def baseline_kernel(rev: str):
     import subprocess
     import tempfile
 
-    from toolspec_core import rows_kernel
+    from toolspec_core.model import rows_kernel
 
     rel = rows_kernel.SOURCE.relative_to(Path(__file__).resolve().parents[1])
     src = subprocess.run(["git", "show", f"{rev}:{rel}"], check=True, capture_output=True, text=True).stdout
@@ -43,9 +43,10 @@ def baseline_kernel(rev: str):
 def measure(rounds: int, repeats: int, prefix: int, ks=KS, max_rows: int | None = None, baseline_rev: str | None = None) -> dict:
     """``max_rows``: let the kernel take forwards up to this many rows (default: its own limit).
     ``baseline_rev``: the other variant is that revision's kernel (same dispatch around it), not oneDNN."""
-    from toolspec_core import rows_kernel
-    from toolspec_core.budget import paired_cost, probe_steps
-    from toolspec_core.target import load_target, tune_cpu_linears
+    from toolspec_core.model import rows_kernel
+    from toolspec_core.engine.cost_probe import paired_cost, probe_steps
+    from toolspec_core.model.target import load_target
+    from toolspec_core.model.cpu_linears import tune_cpu_linears
 
     target = load_target(None, tune_gemm=False)
     kernel = rows_kernel.load()

@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from toolspec_core.budget import CostModel, measure_cost_model
-from toolspec_core.engine import DecodeConfig, decode, prefill
+from toolspec_core.engine.budget import CostModel
+from toolspec_core.engine.cost_probe import measure_cost_model
+from toolspec_core.engine.loop import DecodeConfig, decode, prefill
 from toolspec_core.errors import ToolSpecError
-from toolspec_core.methods import RequestInfo, make_method
+from toolspec_core.drafters.methods import RequestInfo, make_method
 
 from .data import load_items, load_stream, prompt_ids, select_items, warm_documents
 from .metrics import call_metrics, first_mismatch
@@ -270,7 +271,7 @@ class Runner:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         if target is None:
-            from toolspec_core.target import load_target
+            from toolspec_core.model.target import load_target
 
             target = load_target(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device,
                                  **({} if cfg.packed_rows is None else {"packed_rows": cfg.packed_rows}))

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from toolspec_core.fsm import CallTracker, ToolIndex
+from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
 
 from .data import run_items
 
@@ -49,7 +49,7 @@ def first_call_end(tokenizer, tools: list[dict], tokens: list[int]) -> int | Non
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from toolspec_core.embedded import embedded_model_dir
+    from toolspec_core.model.embedded import embedded_model_dir
 
     raw = Path(sys.argv[1])
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())

@@ -2,7 +2,7 @@
 
 The question behind the CPU kernel work: is a k-token verify step GEMM-bound (then the linear
 kernels decide the cost curve) or spent in attention / glue? The start-up cost probe's
-steps (``toolspec_core.budget.probe_steps``) on the embedded model as decoding loads it.
+steps (``toolspec_core.engine.cost_probe.probe_steps``) on the embedded model as decoding loads it.
 
     python -m benchmarks.verify_profile [--ks 1,4,8,16] [--out benchmarks/results/measurements/cpu-verify-profile.json]
 """
@@ -30,7 +30,7 @@ def group_of(name: str) -> str:
 
 
 def profile(target, ks: list[int], prefix: int = 500, repeats: int = 5) -> dict:
-    from toolspec_core.budget import probe_steps
+    from toolspec_core.engine.cost_probe import probe_steps
 
     steps = probe_steps(target, prefix, ks)
     out = {}
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from toolspec_core.target import load_target
+    from toolspec_core.model.target import load_target
 
     target = load_target(threads=a.threads)
     res = {"what": "self CPU time of one verify forward (k tokens over a 500-token cache) by operator group, torch profiler; "

@@ -77,7 +77,7 @@ def retrieval_dim(cfg: ServeAppConfig) -> int:
     if cfg.retrieval.key == "lexical":
         return cfg.retrieval.lexical_dim
     if cfg.model in ("", "embedded"):
-        from toolspec_core.embedded import cache_root
+        from toolspec_core.model.embedded import cache_root
 
         path = cache_root() / "embedded" / "qwen2.5-coder-0.5b-instruct-f32" / "config.json"
         return json.loads(path.read_text())["hidden_size"] if path.is_file() else 896
@@ -87,7 +87,7 @@ def retrieval_dim(cfg: ServeAppConfig) -> int:
 
 def check_method(name: str) -> None:
     """Fail at build time, with a clear message, when the method cannot be imported."""
-    from toolspec_core.methods import REGISTRY
+    from toolspec_core.drafters.methods import REGISTRY
 
     if name not in REGISTRY:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(REGISTRY)}")

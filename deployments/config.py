@@ -59,7 +59,7 @@ class ServeAppConfig(BaseModel):
 
     model: str = "embedded"  # HF directory, or "embedded" (Qwen2.5-Coder-0.5B-Instruct)
     served_model_name: str | None = None  # default: the model directory's name
-    method: str = "toolspec"  # toolspec_core.methods.REGISTRY name; fails fast if it cannot be built
+    method: str = "toolspec"  # toolspec_core.drafters.methods.REGISTRY name; fails fast if it cannot be built
     method_options: dict[str, Any] = Field(default_factory=dict)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when the replica sees a GPU
@@ -149,7 +149,7 @@ def served_name(cfg: ServeAppConfig) -> str:
     if cfg.served_model_name:
         return cfg.served_model_name
     if cfg.model in ("", "embedded"):
-        from toolspec_core.embedded import EMBEDDED_MODEL_NAME
+        from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME
 
         return EMBEDDED_MODEL_NAME
     return os.path.basename(os.path.normpath(cfg.model))

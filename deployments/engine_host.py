@@ -129,10 +129,10 @@ def forced_prefix(tool_choice, tools: list[dict]) -> str:
 
 
 def _constraint_factory():
-    """``toolspec_core.constrain.make_tool_constraint`` when the core has it (and decode takes it)."""
+    """``toolspec_core.engine.grammar.make_tool_constraint`` when the core has it (and decode takes it)."""
     try:
-        from toolspec_core import constrain
-        from toolspec_core.engine import decode
+        from toolspec_core.engine import grammar as constrain
+        from toolspec_core.engine.loop import decode
     except ImportError:
         return None
     if "constraint" not in inspect.signature(decode).parameters:
@@ -185,8 +185,9 @@ class EngineHost:
         """Load the target (or start TP workers), build the method, measure the cost model."""
         import torch
 
-        from toolspec_core.budget import CostModel, measure_cost_model
-        from toolspec_core.methods import make_method
+        from toolspec_core.engine.budget import CostModel
+        from toolspec_core.engine.cost_probe import measure_cost_model
+        from toolspec_core.drafters.methods import make_method
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -212,7 +213,7 @@ class EngineHost:
         if cost is not None:
             cost.calibrate = cfg.calibrate_cost
         if _constraint_factory() is not None:  # build llguidance's tokenizer view now, not on a request
-            from toolspec_core.constrain import _lltokenizer
+            from toolspec_core.engine.grammar import _lltokenizer
 
             _lltokenizer(target.tokenizer)
         embedder = None
@@ -232,9 +233,9 @@ class EngineHost:
 
     # ------------------------------------------------------------------ blocking steps (threads)
     def _prepare(self, req: dict) -> Prepared:
-        from toolspec_core.engine import DecodeConfig, check_prompt
-        from toolspec_core.prompting import render_prompt
-        from toolspec_core.sampling import SamplingParams
+        from toolspec_core.engine.loop import DecodeConfig, check_prompt
+        from toolspec_core.model.prompting import render_prompt
+        from toolspec_core.engine.sampling import SamplingParams
 
         tok = self.target.tokenizer
         tools = req["tools"] if req["tool_choice"] != "none" else []
@@ -262,7 +263,7 @@ class EngineHost:
         return Prepared(prompt + forced_ids, forced, forced_ids, cfg, constraint, key=key)
 
     def _prefill(self, prep: Prepared):
-        from toolspec_core.engine import prefill
+        from toolspec_core.engine.loop import prefill
 
         ids = prep.prompt_ids
         n = shared_prefix_len(ids, self.turn_end) if self.cfg.prefix_cache_entries else 0
@@ -279,7 +280,7 @@ class EngineHost:
         return prefill(self.target, ids, prefix)
 
     def _decode(self, prep: Prepared, pre, info, on_tokens):
-        from toolspec_core.engine import decode
+        from toolspec_core.engine.loop import decode
 
         kwargs = {"constraint": prep.constraint} if prep.constraint is not None else {}
         drafter = self.method.drafter(info)
@@ -300,7 +301,7 @@ class EngineHost:
 
     async def stream(self, req: dict) -> AsyncIterator[dict]:
         """Events: ``start`` | ``error`` first, then ``text`` deltas, then ``done`` (the result)."""
-        from toolspec_core.methods import RequestInfo
+        from toolspec_core.drafters.methods import RequestInfo
 
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
@@ -404,7 +405,7 @@ def load_serving_target(cfg: ServeAppConfig):
     """Single-process target, or a tensor-parallel one whose workers are Ray actors."""
     import torch
 
-    from toolspec_core.target import load_target
+    from toolspec_core.model.target import load_target
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     device = resolve_device(cfg.device)

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from toolspec_core.toolcalls import ParsedOutput, ToolCall, parse_tool_calls
+from toolspec_core.drafters.toolcall.parse import ParsedOutput, ToolCall, parse_tool_calls
 
 # ---------------------------------------------------------------------------------------- errors
 

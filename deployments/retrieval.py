@@ -119,7 +119,7 @@ async def _awaitable(resp):
 
 
 class ServeLibrary:
-    """``toolspec_core.library.CallLibrary`` over the client, callable from decode threads."""
+    """``toolspec_core.drafters.toolcall.library.CallLibrary`` over the client, callable from decode threads."""
 
     def __init__(self, client: RetrievalClient, max_hashes: int = 4096):
         self.client = client

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from toolspec_core.target import Target, cache_kwarg, load_hf_model
+from toolspec_core.model.target import Target, cache_kwarg, load_hf_model
 
 
 def _free_port() -> int:
@@ -49,7 +49,7 @@ def _free_port() -> int:
 
 
 def extensions_dir() -> str:
-    from toolspec_core.embedded import cache_root
+    from toolspec_core.model.embedded import cache_root
 
     return os.environ.get("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions"))
 
@@ -319,7 +319,7 @@ def load_lm_head(path: Path, dtype: torch.dtype) -> torch.Tensor:
 
 
 def resolve_model_path(model: str | None) -> Path:
-    from toolspec_core.embedded import embedded_model_dir
+    from toolspec_core.model.embedded import embedded_model_dir
 
     return embedded_model_dir() if model in (None, "", "embedded") else Path(model)
 
@@ -332,7 +332,7 @@ def start_tp_target(
     import ray
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from toolspec_core.target import _eos_ids
+    from toolspec_core.model.target import _eos_ids
 
     path = resolve_model_path(model)
     if not (path / "config.json").is_file():

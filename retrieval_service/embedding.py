@@ -128,7 +128,7 @@ class HiddenStateEmbedder:
         """(Prefilled, all last-layer prompt states [T, H]) from one prefill."""
         import torch
 
-        from toolspec_core.engine import prefill
+        from toolspec_core.engine.loop import prefill
 
         captured: list = []
         hook = self.target.model.model.register_forward_hook(lambda m, i, o: captured.append(o.last_hidden_state[0].float()))
@@ -144,7 +144,7 @@ class HiddenStateEmbedder:
         return from_hidden(pre.hidden) if self.pooling == "last" else from_hidden(states, "mean")
 
     def embed_request(self, messages, tools=None) -> np.ndarray:
-        from toolspec_core.prompting import render_prompt
+        from toolspec_core.model.prompting import render_prompt
 
         return self.embed(render_prompt(self.target.tokenizer, list(messages), list(tools or []) or None))
 

@@ -13,7 +13,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/model.
   touch "$stamp"
 fi
 # Assemble + verify + convert the embedded model once (~1-2 min; later loads take seconds).
-.venv/bin/python -c "from toolspec_core.embedded import embedded_model_dir; print('embedded model:', embedded_model_dir())"
-# Build the few-rows CPU kernel once (~1 min; toolspec_core/rows_kernel.py); without a compiler or AVX2
+.venv/bin/python -c "from toolspec_core.model.embedded import embedded_model_dir; print('embedded model:', embedded_model_dir())"
+# Build the few-rows CPU kernel once (~1 min; toolspec_core/model/rows_kernel.py); without a compiler or AVX2
 # the linears keep the oneDNN / F.linear dispatch.
 .venv/bin/python -c "from toolspec_core import rows_kernel; print('rows kernel:', 'built' if rows_kernel.load() else 'unavailable (oneDNN / F.linear dispatch)')"

@@ -43,7 +43,7 @@ def make_tiny_model(out_dir, seed: int = 0, context: int = 2048) -> str:
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from toolspec_core.embedded import embedded_model_dir
+    from toolspec_core.model.embedded import embedded_model_dir
 
     tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
     cfg = Qwen2Config(

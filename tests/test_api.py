@@ -261,9 +261,9 @@ def aclient(app, api_key: str = "unused"):
 
 
 def engine_greedy(host, messages, tools, n):
-    from toolspec_core.drafting import NoDrafter
-    from toolspec_core.engine import DecodeConfig, generate
-    from toolspec_core.prompting import render_prompt
+    from toolspec_core.drafters.base import NoDrafter
+    from toolspec_core.engine.loop import DecodeConfig, generate
+    from toolspec_core.model.prompting import render_prompt
 
     ids = render_prompt(host.target.tokenizer, messages, tools or None)
     return generate(host.target, ids, NoDrafter(), DecodeConfig(max_new_tokens=n)).text
@@ -434,7 +434,7 @@ def test_closing_a_stream_cancels_the_decode(local):
 
 def test_completed_calls_go_to_the_library_unless_told_not_to(local):
     host, _, _, handle = local
-    from toolspec_core.methods import RequestInfo
+    from toolspec_core.drafters.methods import RequestInfo
 
     text = '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "Lima"}}\n</tool_call>'
     ids = host.target.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -482,7 +482,7 @@ def test_hidden_state_retrieval_key(tiny_model_dir):  # noqa: F811
 def test_forced_tool_choice_is_a_valid_call_even_from_a_random_model(local, tool_choice):
     """The grammar constraint guarantees a schema-valid call whatever the target prefers (as long
     as max_tokens lets it close: a random model may write a free-text value forever)."""
-    from toolspec_core.toolcalls import ToolCall, validate_call
+    from toolspec_core.drafters.toolcall.parse import ToolCall, validate_call
 
     _, app, _, _ = local
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolspec_core.attention import NAME, grouped_sdpa
-from toolspec_core.tree import DraftTree
-from toolspec_core.verify import tree_inputs
+from toolspec_core.model.attention import NAME, grouped_sdpa
+from toolspec_core.engine.tree import DraftTree
+from toolspec_core.engine.verify import tree_inputs
 from tests.tiny import tiny_model, tiny_target
 
 

@@ -7,16 +7,17 @@ import pytest
 import torch
 
 from tiny import hf_greedy, tiny_target
-from toolspec_core.baselines import (
-    SUFFIX_PRIOR, SuffixDrafter, SuffixMethod, SuffixTrie, TokenRecyclingMethod, bfs_template, node_paths, suffix_key,
-)
-from toolspec_core.drafting import LabelRates
-from toolspec_core.budget import CostModel
-from toolspec_core.drafting import DraftContext
-from toolspec_core.engine import DecodeConfig, decode, prefill
-from toolspec_core.methods import RequestInfo, make_method
-from toolspec_core.tree import ROOT, DraftTree, depths
-from toolspec_core.verify import VerifyResult
+from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter, SuffixMethod, suffix_key
+from toolspec_core.drafters.suffix_trie import SuffixTrie
+from toolspec_core.drafters.token_recycling import TokenRecyclingMethod, bfs_template
+from toolspec_core.drafters.base import node_paths
+from toolspec_core.drafters.base import LabelRates
+from toolspec_core.engine.budget import CostModel
+from toolspec_core.drafters.base import DraftContext
+from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+from toolspec_core.drafters.methods import RequestInfo, make_method
+from toolspec_core.engine.tree import ROOT, DraftTree, depths
+from toolspec_core.engine.verify import VerifyResult
 
 PATTERN = [5, 9, 13, 17, 21, 25, 29, 33]
 PROMPTS = [PATTERN * 4 + [5, 9], [3, 1, 4, 1, 5, 9, 2, 6] * 3 + [3, 1, 4]]
@@ -184,7 +185,7 @@ def test_suffix_rates_learn_only_from_the_nodes_suffix_owns_when_asked():
 
 
 def test_tenant_histories_bound_tokens_and_tenants_and_skip_repeats():
-    from toolspec_core.history import TenantHistories
+    from toolspec_core.drafters.history import TenantHistories
 
     h = TenantHistories(depth=8, max_tokens=40, max_tenants=2)
     assert len(h.trie("a")) == 1  # empty for an unknown tenant
@@ -222,7 +223,7 @@ def test_context_index_is_the_suffix_trie_of_its_document(seed):
     SuffixTrie of the same document does, and drafts the same tree from it."""
     import random
 
-    from toolspec_core.baselines import ContextIndex, SUFFIX_PRIOR, grow_from_trie
+    from toolspec_core.drafters.suffix import ContextIndex, SUFFIX_PRIOR, grow_from_trie
 
     rng = random.Random(seed)
     vocab = rng.choice([3, 6, 20])  # small vocabularies: many repeats, deep shared suffixes

@@ -15,8 +15,8 @@ from benchmarks.metrics import call_metrics, first_mismatch, observed_cost, summ
 from benchmarks.report import build_report, build_runs, prior_tool_calls
 from benchmarks.runner import RunConfig, Runner, run_pairs
 from tiny import tiny_model
-from toolspec_core import methods as methods_mod
-from toolspec_core.target import from_model
+from toolspec_core.drafters import methods as methods_mod
+from toolspec_core.model.target import from_model
 
 # --------------------------------------------------------------------------- hand-made trace
 
@@ -266,7 +266,7 @@ def test_online_replay_on_resume(tiny, data, tmp_path):
 
 def test_cli_max_items_stops_early_and_resumes(tiny, data, tmp_path, monkeypatch):
     """`--max-items N`: only the first N items of the stream (an interrupted run, resumable)."""
-    import toolspec_core.target as target_mod
+    import toolspec_core.model.target as target_mod
 
     monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: tiny)
     out = tmp_path / "cli-run"
@@ -375,7 +375,7 @@ def test_replay_region_costs_hand_computed():
     """``offline_sim.region_costs``: a replayed step's price is the curve's cost of its tree (root +
     nodes), shared by the tokens it writes like measured seconds."""
     from benchmarks.offline_sim import region_costs
-    from toolspec_core.budget import CostModel
+    from toolspec_core.engine.budget import CostModel
 
     cost = CostModel({1: 1.0, 4: 1.3, 8: 2.0}, max_nodes=7)  # trees of 3 / 0 / 6 nodes: 4 / 1 / 7 rows
     trace = [(1, 3, 2, "schema"), (4, 0, 0, None), (5, 6, 3, "suffix")]  # (done, tree size, accepted, label)
@@ -389,7 +389,7 @@ def test_replay_region_costs_hand_computed():
 def test_tried_nodes_are_those_whose_parent_was_accepted():
     """``tree.tried`` (what acceptance rates and the replay's calibration count): a node counts when
     its parent was accepted or it hangs off the root; a child of a rejected node is left out."""
-    from toolspec_core.tree import DraftTree, tried
+    from toolspec_core.engine.tree import DraftTree, tried
 
     tree = DraftTree()
     a = tree.add(-1, 10, 0.9, "schema")

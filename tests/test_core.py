@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from tiny import hf_greedy, tiny_target
-from toolspec_core.budget import CostModel, interpolate
-from toolspec_core.drafting import DraftContext, NoDrafter, PromptLookupDrafter, ngram_continuations
-from toolspec_core.engine import DecodeConfig, decode, generate, prefill
+from toolspec_core.engine.budget import CostModel, interpolate
+from toolspec_core.drafters.base import DraftContext, NoDrafter
+from toolspec_core.drafters.prompt_lookup import PromptLookupDrafter, ngram_continuations
+from toolspec_core.engine.loop import DecodeConfig, decode, generate, prefill
 from toolspec_core.errors import ContextLengthError, InvalidRequestError
-from toolspec_core.sampling import SamplingParams
-from toolspec_core.tree import DraftTree, depths, path_probs, prune_to_budget, select
-from toolspec_core.verify import commit_kv, greedy_walk, kv_rows, tree_inputs
+from toolspec_core.engine.sampling import SamplingParams
+from toolspec_core.engine.tree import DraftTree, depths, path_probs, prune_to_budget, select
+from toolspec_core.engine.commit import commit_kv, kv_rows
+from toolspec_core.engine.verify import greedy_walk, tree_inputs
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
 N = 24
@@ -306,7 +308,7 @@ def test_bad_prompts(tiny):
 
 
 def test_measured_cost_curve_is_relative_and_monotone(tiny):
-    from toolspec_core.budget import measure_cost_model
+    from toolspec_core.engine.cost_probe import measure_cost_model
 
     cm = measure_cost_model(tiny, prefix_len=32, max_nodes=15, repeats=2)
     assert cm.points[1] == 1.0 and set(cm.points) == {1, 2, 3, 4, 6, 8, 12, 16}
@@ -317,7 +319,7 @@ def test_measured_cost_curve_is_relative_and_monotone(tiny):
 def test_cost_model_calibrates_from_real_steps():
     """observe(): the curve follows what steps really cost, relative to 1-token steps; buckets
     decoding never used keep their start-up value; off unless asked."""
-    from toolspec_core.budget import CostModel
+    from toolspec_core.engine.budget import CostModel
 
     fixed = CostModel({1: 1.0, 4: 1.2, 16: 1.5, 64: 3.0})
     fixed.observe(16, 9.0)
@@ -334,7 +336,7 @@ def test_cost_model_calibrates_from_real_steps():
 
 def test_packed_linear_matches_linear():
     """MKL's packed GEMM (inputs zero-padded to the packed row count) is the same function."""
-    from toolspec_core.target import mkl_pack, packed_linear
+    from toolspec_core.model.cpu_linears import mkl_pack, packed_linear
 
     w, b = torch.randn(40, 24), torch.randn(40)
     packed = mkl_pack(w, 16)
@@ -346,7 +348,7 @@ def test_packed_linear_matches_linear():
 
 def test_onednn_linear_matches_linear():
     """oneDNN on a weight reordered once (the default path for 4+ rows) is the same function."""
-    from toolspec_core.target import onednn_linear, onednn_pack
+    from toolspec_core.model.cpu_linears import onednn_linear, onednn_pack
 
     w, b = torch.randn(40, 24), torch.randn(40)
     packed = onednn_pack(w)
@@ -364,7 +366,7 @@ def test_tuned_cpu_linears_keep_greedy_output(reference, packed_rows):
     on the tuned model still gives exactly the plain greedy output of the untouched model."""
     import copy
 
-    from toolspec_core.target import tune_cpu_linears
+    from toolspec_core.model.cpu_linears import tune_cpu_linears
 
     plain = tiny_target()
     tuned = copy.deepcopy(plain)
@@ -383,7 +385,7 @@ def test_rows_kernel_is_linear_and_batch_invariant():
     rows that do not fill a block, bias or not, 3D inputs), and a row's output bit for bit the same
     whatever the number of rows sharing the call -- so a verified row's logits are exactly a
     one-row forward's. It builds wherever the CPU has AVX2 (this project's dev and CI machines)."""
-    from toolspec_core import rows_kernel
+    from toolspec_core.model import rows_kernel
 
     kernel = rows_kernel.load()
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
@@ -411,7 +413,7 @@ def test_rows_kernel_builds_agree_bit_for_bit():
     """The AVX-512VL build (bigger tiles in 32 registers) and the AVX2-only build (16 registers) run
     the same per-output arithmetic: same bits for every row count, so a run's outputs do not depend
     on which build a machine got. Needs an AVX-512 CPU to build both (the dev box has one)."""
-    from toolspec_core import rows_kernel
+    from toolspec_core.model import rows_kernel
 
     if not rows_kernel.wide_registers() or rows_kernel.load() is None:
         pytest.skip("needs an AVX-512 CPU to compare both builds")
@@ -431,8 +433,8 @@ def test_rows_kernel_off_or_unbuildable_keeps_the_other_dispatch(monkeypatch):
     tuned linears still compute the same function through oneDNN / ``F.linear``."""
     import copy
 
-    from toolspec_core import rows_kernel
-    from toolspec_core.target import tune_cpu_linears
+    from toolspec_core.model import rows_kernel
+    from toolspec_core.model.cpu_linears import tune_cpu_linears
 
     rows_kernel.load.cache_clear()
     monkeypatch.setenv("TOOLSPEC_ROWS_KERNEL", "0")
@@ -451,7 +453,7 @@ def test_rows_kernel_off_or_unbuildable_keeps_the_other_dispatch(monkeypatch):
 def test_cache_kwarg_follows_the_forward_signature(tiny):
     """transformers >= 5.20 names the KV cache ``cache``; older images (a GPU machine's 5.17) only
     know ``past_key_values``: a wrong name would silently decode without a cache."""
-    from toolspec_core.target import cache_kwarg
+    from toolspec_core.model.target import cache_kwarg
 
     class Old(torch.nn.Module):
         def forward(self, input_ids=None, past_key_values=None, use_cache=None):
@@ -474,7 +476,7 @@ def test_small_row_kernel_choice_is_measured_and_dispatched():
     layer uses."""
     import copy
 
-    from toolspec_core.target import onednn_pack, small_row_kernels, tune_cpu_linears
+    from toolspec_core.model.cpu_linears import onednn_pack, small_row_kernels, tune_cpu_linears
 
     w = torch.randn(40, 24)
     choice = small_row_kernels(w, onednn_pack(w), repeats=2)
@@ -486,10 +488,10 @@ def test_small_row_kernel_choice_is_measured_and_dispatched():
         kernels = {tuple(m.weight.shape): forced for m in tuned.model.modules() if isinstance(m, torch.nn.Linear)}
         tune_cpu_linears(tuned.model, small_kernels=kernels, rows_kernel=False)
         calls = []
-        import toolspec_core.target as target_mod
+        import toolspec_core.model.cpu_linears as linears_mod
 
-        orig = target_mod.onednn_linear
-        with patch.object(target_mod, "onednn_linear", lambda *a: calls.append(1) or orig(*a)):
+        orig = linears_mod.onednn_linear
+        with patch.object(linears_mod, "onednn_linear", lambda *a: calls.append(1) or orig(*a)):
             for rows in (1, 2, 3):
                 h = torch.randn(rows, plain.model.config.hidden_size)
                 torch.testing.assert_close(tuned.logits(h), plain.logits(h), rtol=1e-5, atol=1e-5)

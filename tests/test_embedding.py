@@ -94,8 +94,8 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def test_hidden_state_embedder_matches_prefill(tiny_model_dir):
-    from toolspec_core.engine import prefill
-    from toolspec_core.target import load_target
+    from toolspec_core.engine.loop import prefill
+    from toolspec_core.model.target import load_target
 
     target = load_target(tiny_model_dir)
     emb = HiddenStateEmbedder(target)

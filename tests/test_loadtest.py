@@ -195,7 +195,7 @@ def test_split_jobs_and_merge():
 
 
 def test_cli_dispatch_and_bad_arguments(dataset):
-    from toolspec_core import cli
+    from deployments import cli
 
     assert cli.main(["loadtest", "--help"]) == 0
     assert loadtest.main(["--dataset", str(dataset)]) == 2  # no endpoint

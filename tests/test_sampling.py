@@ -14,11 +14,11 @@ import torch
 from scipy.stats import chisquare
 
 from tiny import tiny_target
-from toolspec_core.drafting import DraftContext
-from toolspec_core.engine import DecodeConfig, decode, prefill
-from toolspec_core.sampling import SamplingParams, target_probs
-from toolspec_core.tree import DraftTree
-from toolspec_core.verify import sample_walk
+from toolspec_core.drafters.base import DraftContext
+from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+from toolspec_core.engine.sampling import SamplingParams, target_probs
+from toolspec_core.engine.tree import DraftTree
+from toolspec_core.engine.verify import sample_walk
 
 V = 8
 

@@ -8,14 +8,15 @@ import json
 import pytest
 
 from conftest import DATA
-from toolspec_core.boundary import BoundaryTokenizer
-from toolspec_core.drafting import DraftContext, LabelRates
-from toolspec_core.fsm import ARG_NAME, BETWEEN, CALL_KEY, END, TEXT, TOOL_NAME, VALUE, CallTracker, ToolIndex
-from toolspec_core.schema import Priors, continuations
-from toolspec_core.schema_drafter import DEFAULT_RATES, SchemaMethod, candidates_to_tree
-from toolspec_core.simulate import oracle_walk, render_gold, simulate
-from toolspec_core.methods import RequestInfo
-from toolspec_core.tree import path_probs
+from toolspec_core.drafters.toolcall.boundary import BoundaryTokenizer
+from toolspec_core.drafters.base import DraftContext, LabelRates
+from toolspec_core.drafters.labels import ARG_NAME, BETWEEN, CALL_KEY, END, TEXT, TOOL_NAME, VALUE
+from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
+from toolspec_core.drafters.toolcall.candidates import Priors, continuations
+from toolspec_core.drafters.toolcall.drafter import DEFAULT_RATES, SchemaMethod, candidates_to_tree
+from toolspec_core.drafters.simulate import oracle_walk, render_gold, simulate
+from toolspec_core.drafters.methods import RequestInfo
+from toolspec_core.engine.tree import path_probs
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -154,7 +155,7 @@ def test_compact_json_is_drafted_without_spaces():
 
 
 def test_a_next_call_repeats_the_tools_and_values_this_output_called():
-    from toolspec_core.drafting import OWN_CALL
+    from toolspec_core.drafters.labels import OWN_CALL
 
     idx = ToolIndex.from_tools(TOOLS)
     priors = Priors(tool_counts={"get_weather": 20.0})  # the tool most requests call
@@ -169,7 +170,7 @@ def test_a_next_call_repeats_the_tools_and_values_this_output_called():
 
 
 def test_the_drafter_passes_the_calls_this_output_finished(qwen_tok):
-    from toolspec_core.prompting import render_prompt
+    from toolspec_core.model.prompting import render_prompt
 
     prompt = render_prompt(qwen_tok, [{"role": "user", "content": "Time in UTC, twice."}], TOOLS)
     first = '{"name": "get_time", "arguments": {"tz": "UTC"}}\n'
@@ -183,7 +184,7 @@ def test_the_drafter_passes_the_calls_this_output_finished(qwen_tok):
 
 
 def test_an_object_after_a_finished_call_is_labelled_apart():
-    from toolspec_core.schema import NEXT_CALL
+    from toolspec_core.drafters.labels import NEXT_CALL
 
     idx = ToolIndex.from_tools(TOOLS)
     first = continuations(tracker('{"'), idx, Priors(), [0], levels=1)
@@ -222,7 +223,7 @@ RESULT_CONTEXT = ('Tool result: {"name": "get_time", "output_parameters": {"time
 
 
 def test_key_scanner_reads_objects_in_prose_whole_or_in_pieces():
-    from toolspec_core.objkeys import KeyScanner, ObjectKeys
+    from toolspec_core.drafters.toolcall.objkeys import KeyScanner, ObjectKeys
 
     text = 'He said "hi": fine. ' + RESULT_CONTEXT + 'Then [{"a": 1, "b": [2]}, {"a": 3}] and a stray " quote\n{"c": {}}'
     whole = KeyScanner().feed(text).index.objects
@@ -238,7 +239,7 @@ def test_key_scanner_reads_objects_in_prose_whole_or_in_pieces():
 
 
 def test_key_candidates_follow_seen_objects():
-    from toolspec_core.objkeys import CLOSE, KeyScanner, key_candidates
+    from toolspec_core.drafters.toolcall.objkeys import CLOSE, KeyScanner, key_candidates
 
     seen = [(KeyScanner().feed(RESULT_CONTEXT + '{"items": [{"id": 1, "tag": "x"}]}').index, 1.0)]
     assert key_candidates(seen, "output_parameters", ["time"])[0][0] == "zone"
@@ -251,8 +252,8 @@ def test_key_candidates_follow_seen_objects():
 
 
 def test_objects_no_schema_describes_are_drafted_from_the_objects_seen():
-    from toolspec_core.objkeys import KeyScanner
-    from toolspec_core.schema import OBJ_KEY
+    from toolspec_core.drafters.toolcall.objkeys import KeyScanner
+    from toolspec_core.drafters.labels import OBJ_KEY
 
     idx = ToolIndex.from_tools(TOOLS)
     call = '{"name": "get_time", "arguments": {"tz": "UTC"}}\n'
@@ -284,7 +285,7 @@ DATE_TOOLS = [{"type": "function", "function": {"name": "book", "parameters": {"
 
 
 def test_context_dates_found_in_the_forms_people_write():
-    from toolspec_core.values import context_dates
+    from toolspec_core.drafters.toolcall.values import context_dates
 
     text = ("The current year is 2023. Cancel the switch for March 19th at 9:30 AM, or on 5 April 2022 at 14:00. "
             "Also 03/07/2021. Not a date: 10000025, version 2.1, room 12.")
@@ -296,7 +297,7 @@ def test_context_dates_found_in_the_forms_people_write():
 
 
 def test_date_values_use_the_schema_format_first_then_iso_forms():
-    from toolspec_core.values import date_values, wants_date
+    from toolspec_core.drafters.toolcall.values import date_values, wants_date
 
     dates = [((2023, 3, 19), (9, 30)), ((2023, 2, 30), None), ((2022, 4, 5), None)]
     props = DATE_TOOLS[0]["function"]["parameters"]["properties"]
@@ -309,8 +310,8 @@ def test_date_values_use_the_schema_format_first_then_iso_forms():
 
 
 def test_context_dates_become_value_branches_of_date_arguments_only():
-    from toolspec_core.schema import DERIVED
-    from toolspec_core.values import context_dates
+    from toolspec_core.drafters.labels import DERIVED
+    from toolspec_core.drafters.toolcall.values import context_dates
 
     idx = ToolIndex.from_tools(DATE_TOOLS)
     dates = context_dates("The current year is 2023. Book Oslo for March 19th at 9:30 AM.")
@@ -338,7 +339,7 @@ def test_context_dates_become_value_branches_of_date_arguments_only():
 def qwen_tok():
     from transformers import AutoTokenizer
 
-    from toolspec_core.embedded import embedded_model_dir
+    from toolspec_core.model.embedded import embedded_model_dir
 
     return AutoTokenizer.from_pretrained(str(embedded_model_dir()))
 
@@ -377,7 +378,7 @@ def _gold_items(n_per=20):
 @pytest.mark.parametrize("layout", ["hermes", "fence"])
 def test_drafting_along_gold_calls_yields_canonical_tokens(qwen_tok, layout):
     """Along real gold calls, every schema-drafted step proposes exactly the canonical tokens."""
-    from toolspec_core.prompting import render_prompt
+    from toolspec_core.model.prompting import render_prompt
 
     method = SchemaMethod(qwen_tok)
     checked = 0
@@ -440,8 +441,8 @@ def test_after_a_bare_call_the_end_of_turn_and_a_next_object_are_both_drafted(qw
 
 
 def test_counting_runs_a_value_has_begun_are_continued(qwen_tok):
-    from toolspec_core.schema_drafter import PATTERN
-    from toolspec_core.values import digit_run
+    from toolspec_core.drafters.labels import PATTERN
+    from toolspec_core.drafters.toolcall.values import digit_run
 
     assert digit_run("123") == "4567890" and digit_run("ID-7890") == "" and digit_run("0123") == "4567890"
     assert digit_run("12") == "" and digit_run("1357") == "" and digit_run("abc") == "" and digit_run("") == ""
@@ -455,7 +456,7 @@ def test_counting_runs_a_value_has_begun_are_continued(qwen_tok):
 
 
 def test_oracle_walk():
-    from toolspec_core.tree import DraftTree
+    from toolspec_core.engine.tree import DraftTree
 
     tree = DraftTree()
     tree.add_path([1, 2, 3], 1.0, "x")
@@ -464,7 +465,7 @@ def test_oracle_walk():
 
 
 def test_value_spans_copy_from_word_starts():
-    from toolspec_core.values import value_spans
+    from toolspec_core.drafters.toolcall.values import value_spans
 
     src = 'remind me on 2022-05-10 10:00:00 please. {"token": "n9m8k7"} and a 12.5 kg parcel'
     assert value_spans(src, "2", False) == ["022-05-10 10:00:00 please. {\""]
@@ -477,8 +478,8 @@ def test_value_spans_copy_from_word_starts():
 
 def test_value_drafted_from_the_conversation(qwen_tok):
     """Inside a string value, the drafter continues it as the user wrote it (canonical tokens)."""
-    from toolspec_core.drafting import DraftContext
-    from toolspec_core.prompting import render_prompt
+    from toolspec_core.drafters.base import DraftContext
+    from toolspec_core.model.prompting import render_prompt
 
     msgs = [{"role": "user", "content": "What's the weather in San Francisco de Campeche today?"}]
     prompt = render_prompt(qwen_tok, msgs, TOOLS)
@@ -514,8 +515,8 @@ def test_a_copied_value_is_drafted_on_through_what_follows_it(qwen_tok):
     """A span that closes the value carries the schema's continuation, tokenized with it: the
     closing quote merges with what follows (``"}}``), so the span alone would end on a token the
     target does not write."""
-    from toolspec_core.drafting import SPAN
-    from toolspec_core.prompting import render_prompt
+    from toolspec_core.drafters.labels import SPAN
+    from toolspec_core.model.prompting import render_prompt
 
     msgs = [{"role": "user", "content": 'Run {"tz": "Europe/Paris"} through get_time.'}]
     prompt = render_prompt(qwen_tok, msgs, TOOLS)
@@ -532,9 +533,9 @@ def test_a_copied_value_is_drafted_on_through_what_follows_it(qwen_tok):
 def test_a_value_copied_from_prose_may_end_where_the_word_does(qwen_tok):
     """From prose a span runs on past the value ("UTC please ..."): the value ending where the
     source's word ends is a branch of its own, well above the schema's any-position end."""
-    from toolspec_core.drafting import SPAN
-    from toolspec_core.prompting import render_prompt
-    from toolspec_core.schema_drafter import SchemaDrafter
+    from toolspec_core.drafters.labels import SPAN
+    from toolspec_core.model.prompting import render_prompt
+    from toolspec_core.drafters.toolcall.drafter import SchemaDrafter
 
     prompt = render_prompt(qwen_tok, [{"role": "user", "content": "What time is it in UTC please?"}], TOOLS)
     call = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC'
@@ -570,8 +571,9 @@ def test_retrieved_values_and_argument_order_become_branches():
 
 
 def test_copy_rates_learn_by_match_length():
-    from toolspec_core.drafting import DraftContext, LabelRates, match_label, rate_key
-    from toolspec_core.tree import DraftTree
+    from toolspec_core.drafters.base import DraftContext, LabelRates, rate_key
+    from toolspec_core.drafters.labels import match_label
+    from toolspec_core.engine.tree import DraftTree
 
     assert match_label("pld", 2, 3) == "pld" and match_label("pld", 3, 3) == "pld:long"
     rates = LabelRates({"pld": 0.5, "pld+": 0.8})

@@ -17,7 +17,7 @@ import pytest
 from serve_fixtures import (  # noqa: F401  (fixtures)
     TOOLS, WEATHER_MESSAGES, client, ray_cluster, real_app, serve_port, tiny_app, tiny_model_dir, wait_until,
 )
-from toolspec_core.toolcalls import ToolCall, validate_call
+from toolspec_core.drafters.toolcall.parse import ToolCall, validate_call
 
 pytestmark = [pytest.mark.serve, pytest.mark.timeout(600)]
 
@@ -77,11 +77,11 @@ def test_streamed_deltas_reassemble_to_the_same_call(real_app, weather_call):
 
 def test_server_greedy_equals_engine_greedy_real(real_app, weather_call):
     """The served (speculative) output is exactly the target's plain greedy output."""
-    from toolspec_core.drafting import NoDrafter
-    from toolspec_core.engine import DecodeConfig, generate
-    from toolspec_core.prompting import render_prompt
-    from toolspec_core.target import load_target
-    from toolspec_core.toolcalls import parse_tool_calls
+    from toolspec_core.drafters.base import NoDrafter
+    from toolspec_core.engine.loop import DecodeConfig, generate
+    from toolspec_core.model.prompting import render_prompt
+    from toolspec_core.model.target import load_target
+    from toolspec_core.drafters.toolcall.parse import parse_tool_calls
 
     target = load_target("embedded")
     ids = render_prompt(target.tokenizer, WEATHER_MESSAGES, TOOLS)
@@ -102,7 +102,7 @@ def test_required_and_named_tool_choice_yield_a_valid_call(real_app, tool_choice
         model="real", messages=msgs, tools=TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=96
     )
     assert r.choices[0].finish_reason == "tool_calls"
-    if importlib.util.find_spec("toolspec_core.constrain") is not None:
+    if importlib.util.find_spec("toolspec_core.engine.grammar") is not None:
         assert r.model_extra["toolspec"]["constrained"] is True
     calls = calls_of(r)
     assert calls, r.choices[0].message.content
@@ -132,10 +132,10 @@ def test_finished_calls_reach_the_shared_library(real_app, weather_call):
 
 
 def test_server_greedy_equals_engine_greedy_tiny(tiny_app, tiny_model_dir):
-    from toolspec_core.drafting import NoDrafter
-    from toolspec_core.engine import DecodeConfig, generate
-    from toolspec_core.prompting import render_prompt
-    from toolspec_core.target import load_target
+    from toolspec_core.drafters.base import NoDrafter
+    from toolspec_core.engine.loop import DecodeConfig, generate
+    from toolspec_core.model.prompting import render_prompt
+    from toolspec_core.model.target import load_target
 
     target = load_target(tiny_model_dir)
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Write anything."}]

@@ -10,17 +10,17 @@ import jsonschema
 import pytest
 import torch
 
-from toolspec_core.budget import CostModel
-from toolspec_core.constrain import make_tool_constraint
-from toolspec_core.drafting import DraftContext, LabelRates
-from toolspec_core.engine import DecodeConfig, decode, prefill
+from toolspec_core.engine.budget import CostModel
+from toolspec_core.engine.grammar import make_tool_constraint
+from toolspec_core.drafters.base import DraftContext, LabelRates
+from toolspec_core.engine.loop import DecodeConfig, decode, prefill
 from toolspec_core.errors import InvalidRequestError
-from toolspec_core.library import MemoryLibrary, PastCall
-from toolspec_core.methods import RequestInfo, make_method
-from toolspec_core.prompting import render_prompt
-from toolspec_core.schema_drafter import RetrievalDrafter
-from toolspec_core.target import from_model
-from toolspec_core.toolcalls import parse_tool_calls, validate_call
+from toolspec_core.drafters.toolcall.library import MemoryLibrary, PastCall
+from toolspec_core.drafters.methods import RequestInfo, make_method
+from toolspec_core.model.prompting import render_prompt
+from toolspec_core.drafters.toolcall.drafter import RetrievalDrafter
+from toolspec_core.model.target import from_model
+from toolspec_core.drafters.toolcall.parse import parse_tool_calls, validate_call
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {
@@ -36,7 +36,7 @@ MESSAGES = [{"role": "user", "content": "What's the weather in Paris, in celsius
 def qwen_tok():
     from transformers import AutoTokenizer
 
-    from toolspec_core.embedded import embedded_model_dir
+    from toolspec_core.model.embedded import embedded_model_dir
 
     return AutoTokenizer.from_pretrained(str(embedded_model_dir()))
 
@@ -164,7 +164,7 @@ def test_online_method_remembers_calls_but_not_private_ones(qwen_tok):
 def test_how_outputs_begin_and_what_follows_a_closer_are_learned(qwen_tok):
     """The schema's P(the output opens with a call) and P(text after a closer) move from their
     priors to what this model writes."""
-    from toolspec_core.toolcalls import parse_tool_calls
+    from toolspec_core.drafters.toolcall.parse import parse_tool_calls
 
     two = '```json\n{"name": "a", "arguments": {}}\n```\n\nThen:\n```json\n{"name": "b", "arguments": {}}\n```'
     assert [two[:e].endswith("```") for _, e in parse_tool_calls(two).spans] == [True, True]  # the closers the prior counts

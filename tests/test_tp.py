@@ -10,8 +10,8 @@ import importlib.util
 import pytest
 
 from serve_fixtures import TOOLS, ray_cluster, tiny_model_dir  # noqa: F401  (fixtures)
-from toolspec_core.engine import DecodeConfig, decode, generate, prefill
-from toolspec_core.tree import DraftTree
+from toolspec_core.engine.loop import DecodeConfig, decode, generate, prefill
+from toolspec_core.engine.tree import DraftTree
 
 CODE = "def f(x):\n    return x + 1\n\nprint(f(1))\n\ndef g(x):\n    return"
 
@@ -63,7 +63,7 @@ def _check_equal(ref, tp, n: int = 30):
 
 
 def test_shadow_cache_replays_the_engine_kv_commits(tiny_model_dir):  # noqa: F811
-    from toolspec_core.target import load_target
+    from toolspec_core.model.target import load_target
 
     ref = load_target(tiny_model_dir)
     tp = _local_tp_target(ref)
@@ -117,7 +117,7 @@ def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):  
 def test_single_remote_worker_equals_in_process(ray_cluster, tiny_model_dir):  # noqa: F811
     """tp_size 1 through a worker actor (the accelerator path, no DeepSpeed) changes nothing."""
     from deployments.tp import start_tp_target
-    from toolspec_core.target import load_target
+    from toolspec_core.model.target import load_target
 
     remote = start_tp_target(tiny_model_dir, 1)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from toolspec_core.target import from_model
+from toolspec_core.model.target import from_model
 
 
 class CharTokenizer:

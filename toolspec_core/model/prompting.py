@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import json
 
-from .errors import InvalidRequestError
+from toolspec_core.errors import InvalidRequestError
 
 
 def _normalise_messages(messages: list[dict]) -> list[dict]:

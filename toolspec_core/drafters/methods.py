@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .drafting import PLD, Drafter, LabelRates, NoDrafter, PromptLookupDrafter
+from toolspec_core.drafters.base import Drafter, NoDrafter
 
 
 @dataclass
@@ -45,29 +45,15 @@ class AutoregressiveMethod:
         return None
 
 
-class PromptLookupMethod:
-    name = "pld"
-
-    def __init__(self, tokenizer=None, **opts):
-        self.opts = opts
-        self.rates = LabelRates({PLD: 0.6})
-
-    def drafter(self, req: RequestInfo) -> Drafter:
-        return PromptLookupDrafter(rates=self.rates, **self.opts)
-
-    def observe(self, req: RequestInfo, output_ids: list[int], text: str) -> None:
-        return None
-
-
 # name -> "module:factory"; factory(tokenizer, **options) -> Method
 REGISTRY: dict[str, str] = {
-    "ar": "toolspec_core.methods:AutoregressiveMethod",
-    "pld": "toolspec_core.methods:PromptLookupMethod",
-    "suffix": "toolspec_core.baselines:SuffixMethod",
-    "token_recycling": "toolspec_core.baselines:TokenRecyclingMethod",
-    "toolspec_schema": "toolspec_core.schema_drafter:SchemaMethod",
-    "toolspec_retrieval": "toolspec_core.schema_drafter:RetrievalMethod",
-    "toolspec": "toolspec_core.schema_drafter:ToolSpecMethod",
+    "ar": "toolspec_core.drafters.methods:AutoregressiveMethod",
+    "pld": "toolspec_core.drafters.prompt_lookup:PromptLookupMethod",
+    "suffix": "toolspec_core.drafters.suffix:SuffixMethod",
+    "token_recycling": "toolspec_core.drafters.token_recycling:TokenRecyclingMethod",
+    "toolspec_schema": "toolspec_core.drafters.toolcall.drafter:SchemaMethod",
+    "toolspec_retrieval": "toolspec_core.drafters.toolcall.drafter:RetrievalMethod",
+    "toolspec": "toolspec_core.drafters.toolcall.drafter:ToolSpecMethod",
 }
 
 

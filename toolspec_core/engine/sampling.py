@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidRequestError
+from toolspec_core.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

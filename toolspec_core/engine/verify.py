@@ -8,11 +8,12 @@ the target (the bonus/correction token).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 import torch
 
-from .sampling import SamplingParams, sample, target_probs
-from .tree import ROOT, DraftTree, depths
+from toolspec_core.engine.commit import commit_kv, kv_rows
+from toolspec_core.engine.sampling import SamplingParams, sample, target_probs
+from toolspec_core.engine.tree import DraftTree, ROOT, depths
+from toolspec_core.model.target import Target
 
 
 @dataclass
@@ -118,29 +119,26 @@ def sample_walk(
             constraint.consume(tree.tokens[node])
 
 
-def kv_rows(path: list[int], n_roots: int = 1) -> list[int]:
-    """Input rows whose KV must be kept: the root chain and each accepted node."""
-    return list(range(n_roots)) + [n_roots + i for i in path]
+def verify_step(target: Target, tree: DraftTree, roots: list[int] | int, cache, params: SamplingParams, gen, constraint=None):
+    """One target forward over the root chain + tree.
 
-
-def commit_kv(cache, prefix_len: int, rows: list[int]) -> None:
-    """Keep exactly ``rows`` (input rows of the last forward) after ``prefix_len``, in order.
-
-    Gather + crop by index; when the rows are already a contiguous prefix only a crop happens.
+    Returns the accepted path + the target's token (``result.logits``: all rows, for drafters that learn).
     """
-    total = cache.get_seq_length()
-    keep = len(rows)
-    if rows != list(range(keep)):
-        src = torch.tensor([prefix_len + r for r in rows], dtype=torch.long, device=cache.layers[0].keys.device)
-        with torch.inference_mode():  # cache tensors are inference tensors
-            _gather_rows(cache, prefix_len, keep, src)
-    drop = total - (prefix_len + keep)
-    if drop > 0:
-        cache.crop(-drop)
-
-
-def _gather_rows(cache, prefix_len: int, keep: int, src: torch.Tensor) -> None:
-    for layer in cache.layers:
-        # keys/values: [B, H_kv, S, D]
-        layer.keys[:, :, prefix_len : prefix_len + keep] = layer.keys.index_select(2, src)
-        layer.values[:, :, prefix_len : prefix_len + keep] = layer.values.index_select(2, src)
+    roots = [roots] if isinstance(roots, int) else roots
+    kv_len = cache.get_seq_length()
+    ids, pos, mask = tree_inputs(roots, tree, kv_len, target.dtype)
+    single = len(roots) == 1 and not tree.tokens
+    hidden = target.hidden(ids, pos, None if single else mask, cache)
+    logits = target.logits(hidden)  # [R+T, V] on the model's device
+    root_row = len(roots) - 1
+    if not params.greedy or constraint is not None:
+        logits = logits.cpu()  # row-by-row walks with a CPU generator / grammar mask
+    if not params.greedy:
+        result = sample_walk(tree, logits, params, gen, constraint, root_row)
+    elif constraint is not None:
+        result = constrained_greedy_walk(tree, logits, constraint, root_row)
+    else:
+        result = greedy_walk(tree, torch.argmax(logits, -1).tolist(), root_row)  # argmax on device, one sync
+    commit_kv(cache, kv_len, kv_rows(result.path, len(roots)))
+    result.logits = logits  # for drafters that learn from the target (token recycling)
+    return result

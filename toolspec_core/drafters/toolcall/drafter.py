@@ -9,26 +9,29 @@ trie-merged into the same tree, and the engine's cost-aware budget keeps what pa
 
 from __future__ import annotations
 
-from .boundary import BoundaryTokenizer
-from .baselines import SUFFIX_PRIOR, SuffixDrafter, SuffixTrie
-from .drafting import OWN_CALL, PATTERN, SPAN, DraftContext, LabelRates, add_copies, base_label, is_chain, match_label, rate_key
-from .history import TenantHistories
-from .layouts import LAYOUTS
-from .fsm import END, TEXT, VALUE, CallTracker, ToolIndex
-from .library import CallLibrary, MemoryLibrary, PastCall
-from .methods import RequestInfo
-from .objkeys import KeyIndex, KeyScanner
-from .schema import DERIVED, NEXT_CALL, OBJ_KEY, RETRIEVAL, Cand, Priors, continuations
-from .target import turn_end_ids
-from .toolcalls import parse_tool_calls
-from .tree import ROOT, DraftTree
-from .values import context_dates, digit_run, value_spans
-from .verify import VerifyResult
+from toolspec_core.drafters.base import DraftContext, LabelRates, add_copies, rate_key
+from toolspec_core.drafters.history import TenantHistories
+from toolspec_core.drafters.labels import DERIVED, NEXT_CALL, OBJ_KEY, OWN_CALL, PATTERN, RETRIEVAL, SPAN, SUFFIX, SUFFIX_STATES, VALUE, base_label, is_chain, match_label
+from toolspec_core.drafters.methods import RequestInfo
+from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter
+from toolspec_core.drafters.suffix_trie import SuffixTrie
+from toolspec_core.drafters.toolcall.boundary import BoundaryTokenizer
+from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
+from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
+from toolspec_core.drafters.toolcall.layouts import LAYOUTS
+from toolspec_core.drafters.toolcall.library import CallLibrary, MemoryLibrary, PastCall
+from toolspec_core.drafters.toolcall.objkeys import KeyIndex, KeyScanner
+from toolspec_core.drafters.toolcall.parse import parse_tool_calls
+from toolspec_core.drafters.toolcall.values import context_dates, digit_run, value_spans
+from toolspec_core.engine.tree import DraftTree, ROOT
+from toolspec_core.engine.verify import VerifyResult
+from toolspec_core.model.target import turn_end_ids
 
-SUFFIX_STATES = (TEXT, VALUE, END)  # FSM states whose text the schema cannot draft (offline replay: these pay)
-SUFFIX = "suffix"  # generic drafting over context + this tenant's earlier outputs (baselines.SuffixDrafter)
+
 DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9,
                  RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, OWN_CALL: 0.5, OWN_CALL + "+": 0.85, SPAN: 0.6, SPAN + "+": 0.85, DERIVED: 0.5, DERIVED + "+": 0.85, PATTERN: 0.5, PATTERN + "+": 0.85, NEXT_CALL: 0.5, OBJ_KEY: 0.6}
+
+
 DET = 0.99  # a node whose share of its parent's mass is at least this is "deterministic"
 
 

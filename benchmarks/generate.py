@@ -34,11 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost", choices=["measure", "reference", "flat"], default="reference")
     ns = p.parse_args(argv)
 
-    from .budget import CostModel, measure_cost_model
-    from .engine import DecodeConfig, decode, prefill
-    from .methods import RequestInfo, make_method
-    from .prompting import render_prompt
-    from .target import load_target
+    from toolspec_core.drafters.methods import RequestInfo, make_method
+    from toolspec_core.engine.budget import CostModel
+    from toolspec_core.engine.cost_probe import measure_cost_model
+    from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+    from toolspec_core.model.prompting import render_prompt
+    from toolspec_core.model.target import load_target
 
     target = load_target(ns.model)
     messages, tools = _request(ns)

@@ -1,129 +1,10 @@
-"""The target model: one small protocol over an HF causal LM (single process or tensor-parallel)."""
+"""CPU linears for verify steps: per weight, the fastest exact kernel for few rows, measured at load."""
 
 from __future__ import annotations
 
-import copy
-import functools
-import inspect
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Protocol
-
 import torch
 
-from .attention import use_grouped_sdpa
-from .embedded import EMBEDDED_MODEL_NAME, ModelFileError, embedded_model_dir
-
-
-class Forward(Protocol):
-    """What the decode loop needs from a model: hidden states for new tokens given a cache."""
-
-    def __call__(self, input_ids, position_ids, mask, cache) -> torch.Tensor: ...
-
-
-@dataclass
-class Target:
-    """An HF causal LM plus its tokenizer. ``forward`` may be swapped (e.g. tensor-parallel)."""
-
-    model: torch.nn.Module
-    tokenizer: object
-    name: str = "model"
-    eos_ids: tuple[int, ...] = ()
-    max_context: int = 32768
-    forward_fn: Forward | None = field(default=None, repr=False)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
-
-    def hidden(self, input_ids, position_ids, mask, cache) -> torch.Tensor:
-        """input_ids/position_ids: [1, T]; mask: [1, 1, T, S] additive or None (causal).
-
-        Inputs are built on the CPU and moved to the model's device here. Returns last-layer
-        hidden states [T, H] on that device; the cache grows by T rows.
-        """
-        if self.forward_fn is not None:
-            return self.forward_fn(input_ids, position_ids, mask, cache)
-        dev = self.device
-        if dev.type != "cpu":
-            input_ids, position_ids = input_ids.to(dev, non_blocking=True), position_ids.to(dev, non_blocking=True)
-            mask = None if mask is None else mask.to(dev, non_blocking=True)
-        with torch.inference_mode():
-            out = self.model.model(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
-                **{cache_kwarg(self.model.model): cache},
-            )
-        return out.last_hidden_state[0]
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H] -> logits [T, V] (fp32, on the model's device)."""
-        with torch.inference_mode():
-            return self.model.lm_head(hidden).float()
-
-
-def cache_kwarg(core: torch.nn.Module) -> str:
-    """Name of the KV-cache argument of an HF decoder's ``forward``: ``cache`` from transformers 5.20
-    (which still accepts the old name until 5.40), ``past_key_values`` before, as on images we do
-    not pin (a GPU machine's). Passing the wrong one silently runs without a cache."""
-    return _cache_kwarg_of(type(core))
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_kwarg_of(cls: type) -> str:
-    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
-
-
-def clone_cache(cache):
-    """Independent copy of a (small, per-request) KV cache: a prefix cache shared by methods/requests."""
-    return copy.deepcopy(cache)
-
-
-def turn_end_ids(tokenizer) -> list[int]:
-    """Tokens that end an assistant turn, the chat template's own first (<|im_end|> for Qwen).
-
-    Chat models end a turn with these even when generation_config does not say so.
-    """
-    ids: list[int] = []
-    for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        try:
-            tid = tokenizer.convert_tokens_to_ids(tok)
-        except (AttributeError, KeyError, TypeError):
-            tid = None
-        if isinstance(tid, int) and tid >= 0 and tid != getattr(tokenizer, "unk_token_id", None):
-            ids.append(tid)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(eos, int) and eos not in ids:
-        ids.append(eos)
-    return ids
-
-
-def _eos_ids(model, tokenizer) -> tuple[int, ...]:
-    ids = set(turn_end_ids(tokenizer))
-    src = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(src, int):
-        ids.add(src)
-    elif isinstance(src, (list, tuple)):
-        ids.update(int(x) for x in src)
-    return tuple(sorted(ids))
-
-
-def from_model(model, tokenizer, name: str = "model") -> Target:
-    """Wrap an already-built HF model (tests build tiny random ones); an SDPA model is switched to
-    the grouped tree-verify attention (:mod:`toolspec_core.attention`)."""
-    model.eval()
-    use_grouped_sdpa(model)
-    ctx = getattr(model.config, "max_position_embeddings", None) or 32768
-    return Target(model=model, tokenizer=tokenizer, name=name, eos_ids=_eos_ids(model, tokenizer), max_context=ctx)
 
 
 SMALL_ROWS = 3  # up to this many rows the BLAS's own matrix-vector kernel may be fastest: measured at load
@@ -227,7 +108,7 @@ def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packe
     """
     import torch.nn.functional as F
 
-    from . import rows_kernel as rk
+    from toolspec_core.model import rows_kernel as rk
 
     kernel = (kernel_module or rk.load()) if rows_kernel else None
     n = 0
@@ -261,46 +142,3 @@ def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packe
         mod.forward = forward
         n += 1
     return n
-
-
-def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """An HF causal LM as every ToolSpec loader needs it (serving, the tensor-parallel worker, the cost
-    probe): SDPA attention -- the tree mask is 4D -- switched to the grouped tree-verify attention
-    (``attention.use_grouped_sdpa``). One place, so the loaders cannot drift apart."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
-    use_grouped_sdpa(model)
-    return model.eval()
-
-
-def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32, threads: int | None = None,
-                tune_gemm: bool = True, packed_rows: int = 0, device: str = "cpu") -> Target:
-    """Load a local HF model directory, or the embedded default when ``path`` is None/"embedded".
-
-    Both go through the same ``from_pretrained`` code path; SDPA attention is required because
-    the tree mask is 4D. ``device``: where the model runs (the engine moves its inputs there).
-    ``tune_gemm``, ``packed_rows``: see :func:`tune_cpu_linears` (CPU float32 only;
-    ``packed_rows=0`` saves a copy of the weights).
-    """
-    from transformers import AutoTokenizer
-
-    if threads:
-        torch.set_num_threads(threads)
-    if path in (None, "", "embedded"):
-        path, name = embedded_model_dir(), EMBEDDED_MODEL_NAME
-    else:
-        path = Path(path)
-        name = path.name
-        if not (path / "config.json").is_file():
-            raise ModelFileError(f"{path} is not an HF model directory (no config.json)")
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path))
-        model = load_hf_model(path, dtype)
-    except (OSError, ValueError) as exc:
-        raise ModelFileError(f"could not load model from {path}: {exc}") from exc
-    if device != "cpu":
-        model = model.to(device)
-    elif tune_gemm and dtype == torch.float32:
-        tune_cpu_linears(model, packed_rows=packed_rows)
-    return from_model(model, tok, name=name)

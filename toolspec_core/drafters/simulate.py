@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 
-from .drafting import DraftContext
-from .tree import ROOT, DraftTree
-from .verify import VerifyResult
+from toolspec_core.drafters.base import DraftContext
+from toolspec_core.engine.tree import ROOT, DraftTree
+from toolspec_core.engine.verify import VerifyResult
 
 
 def oracle_walk(tree: DraftTree, truth: list[int]) -> VerifyResult:

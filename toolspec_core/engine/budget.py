@@ -2,24 +2,20 @@
 
 ``cost(k)`` is the time of one target forward of ``k`` new tokens over a cached prefix,
 relative to ``k = 1`` (plain decoding). A tree is cut to the node set maximising expected
-tokens per unit cost (see :func:`toolspec_core.tree.prune_to_budget`), so the same rule applies
+tokens per unit cost (see :func:`toolspec_core.engine.tree.prune_to_budget`), so the same rule applies
 to every tree method and a step never costs more than it is expected to gain.
 """
 
 from __future__ import annotations
 
-import functools
-import time
 from dataclasses import dataclass
-
 import numpy as np
-import torch
 
-from .tree import DraftTree, prune_to_budget
+from toolspec_core.engine.tree import DraftTree, prune_to_budget
+
 
 # Measured on the 2-core dev CPU, Qwen2.5-0.5B fp32, ~500-token prefix (NOTES.md).
 CPU_REFERENCE_CURVE = {1: 1.0, 2: 2.2, 4: 2.4, 8: 2.7, 16: 3.5, 32: 4.6, 64: 6.6}
-DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 48, 64)  # 16 | 17: where a CPU kernel may switch; 3, 6: small trees are common
 
 
 def interpolate(points: dict[int, float], max_k: int) -> list[float]:
@@ -111,80 +107,3 @@ class Calibration:
             base = float(np.median(self.times[1]))
             return {k: max(float(np.median(t)) / base, 1.0) for k, t in self.times.items()
                     if k != 1 and len(t) >= self.min_steps}
-
-
-def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 7) -> tuple[dict[int, float], dict[int, float]]:
-    """(median seconds, cost relative to k=1) of one verify step of k tree tokens (chain) over a
-    ``prefix_len`` cache -- the curve the budget uses, and ``toolspec bench-cost``'s measurement.
-
-    Uses the same code path as decoding (hidden states + lm_head on all rows, float mask for
-    k > 1, KV commit of one row), on random token ids (timing does not depend on values). Every
-    k-token forward directly follows a 1-token one, as in real decoding, and is normalised by it;
-    the median over rounds (each in a shuffled order) resists a shared machine whose speed
-    drifts -- a 1-token forward slows more than a many-token one when memory bandwidth is
-    contended, so ratios against a 1-token time from another moment come out too low.
-    """
-    steps = probe_steps(target, prefix_len, ks)
-    return paired_cost(lambda k: steps[k](), ks, repeats)
-
-
-def probe_steps(target, prefix_len: int = 500, ks=DEFAULT_KS) -> dict:
-    """k -> a function running one verify step of k tree tokens (a chain of k-1 random drafts)
-    over one shared random ``prefix_len``-token cache, cropping it back after, and returning the
-    step's seconds (the crop untimed): what the cost probe times and ``benchmarks.verify_profile``
-    profiles."""
-    from .engine import verify_step
-    from .sampling import SamplingParams
-
-    vocab = target.model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (1, prefix_len), generator=g)
-    cache = target.new_cache()
-    target.hidden(ids, torch.arange(prefix_len)[None], None, cache)
-    if cache.get_seq_length() != prefix_len:  # e.g. a cache argument the model ignored: k tokens would be timed alone
-        raise RuntimeError(f"the prefill left {cache.get_seq_length()} cached positions, expected {prefix_len}")
-    greedy = SamplingParams()
-
-    def step(tree: DraftTree) -> float:
-        t0 = time.perf_counter()
-        verify_step(target, tree, 0, cache, greedy, None)
-        dt = time.perf_counter() - t0
-        cache.crop(-(cache.get_seq_length() - prefix_len))
-        return dt
-
-    out = {}
-    for k in ks:
-        tree = DraftTree()
-        tree.add_path(torch.randint(0, vocab, (k - 1,), generator=g).tolist(), 0.5, "probe")
-        out[k] = functools.partial(step, tree)
-    return out
-
-
-def paired_cost(once, ks, repeats: int) -> tuple[dict[int, float], dict[int, float]]:
-    """(median seconds, cost relative to k=1) per k from ``once(k)`` -> seconds of one k-token forward.
-
-    Every k-token forward directly follows a 1-token one and is normalised by it; median over
-    ``repeats`` rounds, each in a shuffled order, after one warm-up of every k.
-    """
-    import random
-
-    for k in ks:  # warm-up
-        once(k)
-    order = [k for k in ks if k != 1]
-    times: dict[int, list[float]] = {k: [] for k in ks}
-    ratios: dict[int, list[float]] = {k: [] for k in order}
-    rng = random.Random(0)
-    for _ in range(repeats):
-        rng.shuffle(order)
-        for k in order:
-            base, t = once(1), once(k)
-            times[1].append(base)
-            times[k].append(t)
-            ratios[k].append(t / base)
-    points = {k: float(np.median(r)) for k, r in ratios.items()}
-    return {k: float(np.median(t)) for k, t in times.items()}, {1: 1.0, **points}
-
-
-def measure_cost_model(target, prefix_len: int = 500, max_nodes: int = 63, repeats: int = 7, calibrate: bool = False) -> CostModel:
-    ks = tuple(k for k in DEFAULT_KS if k <= max_nodes + 1)
-    return CostModel(measure_cost_points(target, prefix_len, ks, repeats)[1], max_nodes, "measured", calibrate)

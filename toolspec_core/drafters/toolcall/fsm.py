@@ -13,17 +13,9 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, replace
 
-from .layouts import LAYOUTS, Layout
-from .objkeys import KeyIndex
-
-# FSM states (also the labels of per-state statistics)
-TEXT = "text"
-CALL_KEY = "schema"  # structure / fixed keys of the call object
-TOOL_NAME = "tool_name"
-ARG_NAME = "arg_name"
-VALUE = "value"
-BETWEEN = "between_args"
-END = "end_of_call"
+from toolspec_core.drafters.labels import ARG_NAME, BETWEEN, CALL_KEY, END, TEXT, TOOL_NAME, VALUE
+from toolspec_core.drafters.toolcall.layouts import LAYOUTS, Layout
+from toolspec_core.drafters.toolcall.objkeys import KeyIndex
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 
-from .baselines import SuffixTrie
+from toolspec_core.drafters.suffix_trie import SuffixTrie
 
 
 class TenantHistories:

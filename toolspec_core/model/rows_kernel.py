@@ -54,7 +54,7 @@ def isa_flags() -> list[str]:
 def build_dir(flavour: str | None = None) -> Path:
     """Where a build lives: per torch version and instruction-set flavour (``avx512`` / ``avx2``,
     default this CPU's), so switching flags never reuses another build."""
-    from .embedded import cache_root
+    from toolspec_core.model.embedded import cache_root
 
     flavour = flavour or ("avx512" if wide_registers() else "avx2")
     return cache_root() / "kernels" / f"torch-{torch.__version__}-{flavour}"

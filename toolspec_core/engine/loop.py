@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
-
 import torch
 
-from .budget import CostModel
-from .drafting import DraftContext, Drafter, NoDrafter
-from .errors import ContextLengthError, InvalidRequestError
-from .sampling import SamplingParams, sample, target_probs
-from .target import Target
-from .tree import DraftTree, depths, select
-from .verify import VerifyResult, commit_kv, constrained_greedy_walk, greedy_walk, kv_rows, sample_walk, tree_inputs
+from toolspec_core.drafters.base import DraftContext, Drafter, NoDrafter
+from toolspec_core.engine.budget import CostModel
+from toolspec_core.engine.commit import clone_cache
+from toolspec_core.engine.sampling import SamplingParams, sample, target_probs
+from toolspec_core.engine.stats import GenerationResult, GenerationStats, _record
+from toolspec_core.engine.tree import DraftTree, depths, select
+from toolspec_core.engine.verify import verify_step
+from toolspec_core.errors import ContextLengthError, InvalidRequestError
+from toolspec_core.model.target import Target
 
 
 @dataclass(frozen=True)
@@ -31,64 +32,6 @@ class DecodeConfig:
             object.__setattr__(self, "stop", (self.stop,))
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be non-empty strings", "stop")
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    forwards: int = 0  # decode-phase target forward passes
-    forced: int = 0  # tokens forced by a grammar constraint (emitted without verification)
-    accepted: list[int] = field(default_factory=list)  # accepted draft tokens per step
-    drafted: list[int] = field(default_factory=list)  # tree size per step (after budget)
-    step_labels: list[str] = field(default_factory=list)  # state of the step (label of its first node)
-    verify_step_s: list[float] = field(default_factory=list)  # seconds of each step's forward + walk + KV commit
-    label_drafted: dict[str, int] = field(default_factory=dict)
-    label_accepted: dict[str, int] = field(default_factory=dict)
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    commit_s: float = 0.0
-
-    @property
-    def decode_s(self) -> float:
-        return self.draft_s + self.verify_s + self.commit_s
-
-    @property
-    def mat(self) -> float:
-        """Mean tokens per decode forward, bonus included (emitted tokens only)."""
-        decoded = self.generated_tokens - 1 - self.forced  # the first token comes from prefill
-        return decoded / self.forwards if self.forwards else 1.0
-
-    def to_dict(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "generated_tokens": self.generated_tokens,
-            "forwards": self.forwards,
-            "forced_tokens": self.forced,
-            "mat": self.mat,
-            "drafted_tokens": sum(self.drafted),
-            "accepted_tokens": sum(self.accepted),
-            "accepted_per_step": self.accepted,
-            "drafted_per_step": self.drafted,
-            "step_labels": self.step_labels,
-            "verify_per_step": [round(t, 5) for t in self.verify_step_s],
-            "label_drafted": self.label_drafted,
-            "label_accepted": self.label_accepted,
-            "prefill_s": self.prefill_s,
-            "decode_s": self.decode_s,
-            "draft_s": self.draft_s,
-            "verify_s": self.verify_s,
-            "commit_s": self.commit_s,
-        }
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[int]  # generated tokens (stop string / EOS token included)
-    text: str  # decoded text, cut before a stop string; EOS not included
-    finish_reason: str  # "stop" | "length"
-    stats: GenerationStats
 
 
 @dataclass
@@ -115,7 +58,6 @@ def check_prompt(target: Target, prompt_ids: list[int], max_new_tokens: int = 1)
 
 def prefill(target: Target, prompt_ids: list[int], prefix: Prefilled | None = None, chunk: int = 512) -> Prefilled:
     """Run the prompt (or its part past a cached ``prefix``) through the target."""
-    from .target import clone_cache
 
     check_prompt(target, prompt_ids)
     t0 = time.perf_counter()
@@ -170,44 +112,6 @@ def cap_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     return select(tree, [i for i, x in enumerate(d) if x <= max_depth])
 
 
-def _record(stats: GenerationStats, tree: DraftTree, result: VerifyResult) -> None:
-    stats.forwards += 1
-    stats.accepted.append(len(result.path))
-    stats.drafted.append(len(tree))
-    first = result.path[0] if result.path else (0 if tree.tokens else -1)
-    stats.step_labels.append(tree.labels[first] if first >= 0 else "none")
-    for lab in tree.labels:
-        stats.label_drafted[lab] = stats.label_drafted.get(lab, 0) + 1
-    for i in result.path:
-        lab = tree.labels[i]
-        stats.label_accepted[lab] = stats.label_accepted.get(lab, 0) + 1
-
-
-def verify_step(target: Target, tree: DraftTree, roots: list[int] | int, cache, params: SamplingParams, gen, constraint=None):
-    """One target forward over the root chain + tree.
-
-    Returns the accepted path + the target's token (``result.logits``: all rows, for drafters that learn).
-    """
-    roots = [roots] if isinstance(roots, int) else roots
-    kv_len = cache.get_seq_length()
-    ids, pos, mask = tree_inputs(roots, tree, kv_len, target.dtype)
-    single = len(roots) == 1 and not tree.tokens
-    hidden = target.hidden(ids, pos, None if single else mask, cache)
-    logits = target.logits(hidden)  # [R+T, V] on the model's device
-    root_row = len(roots) - 1
-    if not params.greedy or constraint is not None:
-        logits = logits.cpu()  # row-by-row walks with a CPU generator / grammar mask
-    if not params.greedy:
-        result = sample_walk(tree, logits, params, gen, constraint, root_row)
-    elif constraint is not None:
-        result = constrained_greedy_walk(tree, logits, constraint, root_row)
-    else:
-        result = greedy_walk(tree, torch.argmax(logits, -1).tolist(), root_row)  # argmax on device, one sync
-    commit_kv(cache, kv_len, kv_rows(result.path, len(roots)))
-    result.logits = logits  # for drafters that learn from the target (token recycling)
-    return result
-
-
 def _first_tokens(pre: Prefilled, params: SamplingParams, gen, constraint) -> list[int]:
     """The first generated token(s): forced by the grammar, or chosen from the prefill logits."""
     if constraint is not None:
@@ -235,10 +139,9 @@ def decode(
 
     ``on_tokens(new_ids)`` is called after each commit with the newly emitted tokens (streaming);
     returning ``False`` cancels the request (finish_reason "cancelled"). ``constraint`` (see
-    :mod:`toolspec_core.constrain`) restricts the target to a grammar; tokens it forces are
+    :mod:`toolspec_core.engine.grammar`) restricts the target to a grammar; tokens it forces are
     emitted without verification and enter the next forward as part of the root chain.
     """
-    from .target import clone_cache
 
     check_prompt(target, pre.prompt_ids, cfg.max_new_tokens)
     drafter = drafter or NoDrafter()

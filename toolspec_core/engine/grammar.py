@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import torch
 
-from .errors import InvalidRequestError
+from toolspec_core.errors import InvalidRequestError
 
 _LLTOK: dict[int, object] = {}
 _LOCK = threading.Lock()

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .drafting import DERIVED, OWN_CALL, RETRIEVAL, LabelRates
-from .fsm import ARG_NAME, CALL_KEY, END, TOOL_NAME, VALUE, CallTracker, Frame, ToolIndex
-from .layouts import LAYOUTS, Layout
-from .objkeys import CLOSE, KeyIndex, key_candidates
-from .values import date_values, wants_date
+from toolspec_core.drafters.base import LabelRates
+from toolspec_core.drafters.labels import ARG_NAME, CALL_KEY, DERIVED, END, NEXT_CALL, OBJ_KEY, OPENER, OWN_CALL, RETRIEVAL, TOOL_NAME, VALUE
+from toolspec_core.drafters.toolcall.fsm import CallTracker, Frame, ToolIndex
+from toolspec_core.drafters.toolcall.layouts import LAYOUTS, Layout
+from toolspec_core.drafters.toolcall.objkeys import CLOSE, KeyIndex, key_candidates
+from toolspec_core.drafters.toolcall.values import date_values, wants_date
 
-OPENER = "opener"
-NEXT_CALL = "next_call"  # the head of an object that follows a finished call (see _Builder.head_label)
-OBJ_KEY = "object_key"  # keys of objects no tool schema describes, from the objects seen so far (objkeys)
 
 Seg = tuple  # (text: str | list[int], label: str)
 
@@ -58,8 +56,6 @@ class Priors:
         w = [1.0 + self.layout_counts.get(lay.name, 0.0) for lay in layouts]
         s = sum(w)
         return [x / s for x in w]
-
-
 
 
 def _past_values(past: list[tuple[str, dict]], name: str, key: str) -> list[tuple[object, float]]:
@@ -523,4 +519,3 @@ def continuations(tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[i
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
     cands.sort(key=lambda c: -c.prob)
     return cands[:max_cands]
-

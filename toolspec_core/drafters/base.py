@@ -1,0 +1,120 @@
+"""The drafter protocol and what every drafter shares: the step context, online acceptance rates.
+
+A drafter returns a draft tree, never a decision: the engine prunes it to the budget, the
+target verifies it, and the outcome comes back through ``feedback``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from toolspec_core.drafters.labels import base_label, is_chain
+from toolspec_core.engine.tree import DraftTree, ROOT, tried
+from toolspec_core.engine.verify import VerifyResult
+
+
+@dataclass
+class DraftContext:
+    """What a drafter sees at a step. ``tokens[-1]`` is the root (committed, KV not cached yet)."""
+
+    tokens: list[int]
+    prompt_len: int
+    max_depth: int  # never draft deeper than this (remaining max_new_tokens - 1)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+class Drafter(Protocol):
+    def propose(self, ctx: DraftContext) -> DraftTree: ...
+
+    def feedback(self, tree: DraftTree, result: VerifyResult) -> None: ...
+
+
+def add_copies(tree: DraftTree, conts: list[list[int]], label: str, rates: "LabelRates", shares: list[float] | None = None) -> DraftTree:
+    """Copy drafts as chains: first token at the label's rate (× share, default 1/rank), the rest at
+    the continuation rate -- the one conf rule of prompt lookup, value spans and retrieval."""
+    first, more = rates.rate(label), rates.rate(label + "+")
+    for rank, cont in enumerate(conts):
+        share = shares[rank] if shares is not None else 1.0 / (rank + 1)
+        tree.add_path(cont, [first * share] + [more] * (len(cont) - 1), label)
+    return tree
+
+
+def rate_key(tree: DraftTree, i: int) -> str:
+    """The acceptance-rate key of node ``i``: copy drafts learn their first token and their
+    continuation separately ("pld" vs "pld+"), so long copies can earn a long draft."""
+    lab, p = tree.labels[i], tree.parents[i]
+    if is_chain(lab) and p >= 0 and tree.labels[p] == lab:
+        return lab + "+"
+    return lab
+
+
+class LabelRates:
+    """Online acceptance rate per draft label: P(node accepted | parent accepted).
+
+    A Beta prior keeps early estimates sane; rates are shared across the requests of a drafter
+    factory so a server learns its own hardware/model behaviour.
+    """
+
+    def __init__(self, prior: dict[str, float] | None = None, strength: float = 4.0):
+        self.prior = dict(prior or {})
+        self.strength = strength
+        self.hits: dict[str, float] = {}
+        self.tries: dict[str, float] = {}
+
+    def rate(self, label: str, default: float = 0.5) -> float:
+        generic = base_label(label) + ("+" if label.endswith("+") else "")
+        p = self.prior.get(label, self.prior.get(generic, default))
+        return (self.hits.get(label, 0.0) + p * self.strength) / (self.tries.get(label, 0.0) + self.strength)
+
+    def count(self, label: str, hit: bool) -> None:
+        """One chance of ``label``, taken or not."""
+        self.tries[label] = self.tries.get(label, 0.0) + 1.0
+        if hit:
+            self.hits[label] = self.hits.get(label, 0.0) + 1.0
+
+    def update(self, tree: DraftTree, result: VerifyResult, skip=None) -> None:
+        """Count every node whose parent was accepted (it had its chance), unless ``skip(i, key)``."""
+        accepted = set(result.path)
+        for i in tried(tree.parents, result.path):
+            lab = rate_key(tree, i)
+            if skip is None or not skip(i, lab):
+                self.count(lab, i in accepted)
+
+
+class NoDrafter:
+    """Plain autoregressive decoding through the same loop and cache (the baseline)."""
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        return DraftTree()
+
+    def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
+        return None
+
+
+def node_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    """Token path (root's child first) of every node; parents precede children."""
+    out: list[tuple[int, ...]] = []
+    for tok, p in zip(tree.tokens, tree.parents):
+        out.append((tok,) if p == ROOT else out[p] + (tok,))
+    return out
+
+
+def update_keyed_rates(rates: LabelRates, tree: DraftTree, result: VerifyResult, keys: dict, label: str | None = None) -> None:
+    """Like ``LabelRates.update`` but counts node i under ``keys[path of i]`` (its rate key).
+
+    Only nodes whose parent was accepted count as tries (they had their chance); with ``label``,
+    only the nodes this source owns in the merged tree.
+    """
+    accepted = set(result.path)
+    paths = node_paths(tree)
+    for i in tried(tree.parents, result.path):
+        key = keys.get(paths[i])
+        if key is None or (label is not None and tree.labels[i] != label):
+            continue
+        rates.tries[key] = rates.tries.get(key, 0.0) + 1.0
+        if i in accepted:
+            rates.hits[key] = rates.hits.get(key, 0.0) + 1.0

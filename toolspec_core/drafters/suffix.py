@@ -1,0 +1,229 @@
+"""Training-free baseline drafters: suffix matching (SuffixDecoding / SAM-Decoding style) and
+Token Recycling.
+
+Both return draft trees whose node ``conf`` comes from online acceptance rates (LabelRates), so
+the engine's hardware-aware budget treats them exactly like every other tree method. The rate
+of a node is keyed finer than its label (frequency bucket, top-k rank) because those predict
+acceptance much better than the label alone; the tree label stays ``"suffix"`` /
+``"token_recycling"`` for per-state statistics.
+
+Rates are keyed by each node's token path, not its index, because the engine prunes and
+re-indexes the tree before ``feedback`` sees it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from itertools import count
+
+from toolspec_core.drafters.base import DraftContext, LabelRates, update_keyed_rates
+from toolspec_core.drafters.history import TenantHistories
+from toolspec_core.drafters.suffix_trie import SuffixTrie
+from toolspec_core.engine.tree import DraftTree, ROOT
+from toolspec_core.engine.verify import VerifyResult
+
+
+class ContextIndex:
+    """One growing document (a request's prompt + output) seen as a ``SuffixTrie``, built on demand.
+
+    A SuffixTrie costs O(depth) per appended token, and a request's context is rebuilt for every
+    request (hundreds of prompt tokens: the largest share of drafting time). Here appending is
+    O(1) (positions per token), and a match builds only the small subtrie below the matched
+    suffix from that suffix's occurrences: the same nodes, counts and child order as the full trie
+    (``tests/test_baselines.py`` checks this against it). ``kids`` / ``count`` are that subtrie;
+    node 0 is the matched suffix.
+    """
+
+    def __init__(self, depth: int = 32):
+        self.depth = depth
+        self.tokens: list[int] = []
+        self.where: dict[int, list[int]] = {}  # token -> positions, ascending
+        self.kids: list[dict[int, int]] = [{}]
+        self.count: list[int] = [0]
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens) -> None:
+        where, toks = self.where, self.tokens
+        for t in tokens:
+            t = int(t)
+            where.setdefault(t, []).append(len(toks))
+            toks.append(t)
+
+    def _match(self, pattern, cap: int) -> tuple[int, int]:
+        """Longest suffix (<= cap tokens) of ``pattern`` that occurs followed by a token; builds its subtrie."""
+        toks, n = self.tokens, len(self.tokens)
+        if cap < 1 or not pattern:
+            return -1, 0
+        ends = []  # (end position, common suffix length with pattern)
+        best = 0
+        last = len(pattern) - 1
+        for e in self.where.get(pattern[-1], ()):
+            if e >= n - 1:  # the occurrence must be followed by something
+                break
+            m = 1
+            while m < cap and m <= e and toks[e - m] == pattern[last - m]:
+                m += 1
+            ends.append((e, m))
+            best = max(best, m)
+        if not best:
+            return -1, 0
+        self._build([e for e, m in ends if m >= best], best)
+        return 0, best
+
+    def _build(self, ends: list[int], m: int) -> None:
+        """The subtrie below the matched suffix: each occurrence's continuation, up to depth - m tokens."""
+        toks, n = self.tokens, len(self.tokens)
+        kids, count = [{}], [0]
+        for e in ends:  # ascending: children appear in the order the full trie creates them
+            node = 0
+            for t in toks[e + 1 : min(e + 1 + self.depth - m, n)]:
+                c = kids[node].get(t)
+                if c is None:
+                    c = len(kids)
+                    kids.append({})
+                    count.append(0)
+                    kids[node][t] = c
+                count[c] += 1
+                node = c
+        self.kids, self.count = kids, count
+
+    def longest_match(self, tokens: list[int], max_match: int) -> tuple[int, int]:
+        """As ``SuffixTrie.longest_match`` (node 0 of the rebuilt ``kids``)."""
+        return self._match(tokens, min(max_match, len(tokens), self.depth - 1))
+
+    def active_match(self, max_match: int) -> tuple[int, int]:
+        """As ``SuffixTrie.active_match``: the document's own current suffix."""
+        return self._match(self.tokens, min(max_match, len(self.tokens), self.depth - 1))
+
+
+SUFFIX_PRIOR = {
+    "suffix:hi:L": 0.85, "suffix:mid:L": 0.5, "suffix:lo:L": 0.2,
+    "suffix:hi:l": 0.8, "suffix:mid:l": 0.5, "suffix:lo:l": 0.2,
+    "suffix:hi:s": 0.5, "suffix:mid:s": 0.3, "suffix:lo:s": 0.1,
+    "suffix:hi:L:1": 0.7, "suffix:hi:l:1": 0.6, "suffix:hi:s:1": 0.3,
+}
+
+
+def suffix_key(freq: float, match_len: int, seen: int = 2) -> str:
+    """Rate key: empirical continuation frequency x match length (short matches are noise) x
+    whether the context was seen only once (a frequency of 1/1 is weak evidence).
+
+    Buckets chosen by offline replay of recorded outputs (``benchmarks.offline_sim``): the
+    once-seen and long (>= 6) buckets each learn a clearly different rate.
+    """
+    fb = "hi" if freq >= 0.8 else "mid" if freq >= 0.4 else "lo"
+    ml = "L" if match_len >= 6 else "l" if match_len >= 3 else "s"
+    return f"suffix:{fb}:{ml}" + (":1" if seen == 1 else "")
+
+
+def grow_from_trie(
+    tree: DraftTree, keys: dict, trie: SuffixTrie, node: int, match_len: int, rates: LabelRates,
+    max_nodes: int, max_depth: int, min_prob: float = 0.01, label: str = "suffix",
+    parent: int = ROOT, prefix: tuple[int, ...] = (), prob: float = 1.0,
+) -> None:
+    """Best-first expansion of ``trie`` below ``node`` into ``tree`` by path probability.
+
+    A child's conf is the calibrated rate of its (frequency, match length) bucket, so the
+    common budget can cut what does not pay. Nodes merge with what is already in ``tree``.
+    """
+    tie = count()
+    heap = [(-prob, next(tie), node, parent, tuple(prefix), 0)]
+    added = 0
+    while heap and added < max_nodes:
+        neg, _, tnode, parent, path, depth = heapq.heappop(heap)
+        if depth >= max_depth:
+            continue
+        kids = list(trie.kids[tnode].items())  # a snapshot: a server thread may be adding to the trie
+        total = sum(trie.count[c] for _, c in kids)
+        for tok, c in kids:
+            freq = trie.count[c] / total
+            key = suffix_key(freq, match_len + depth, total)
+            conf = rates.rate(key, SUFFIX_PRIOR.get(key, 0.3))
+            score = -neg * conf
+            if score < min_prob or added >= max_nodes:
+                continue
+            idx = tree.add(parent, tok, conf, label)
+            added += 1
+            sub = path + (tok,)
+            if sub not in keys or conf >= tree.conf[idx]:
+                keys[sub] = key  # the source with the higher conf owns the node's rate
+            heapq.heappush(heap, (-score, next(tie), c, idx, sub, depth + 1))
+
+
+class SuffixDrafter:
+    """Drafts continuations of the longest matching suffix, from the request's own context
+    (prompt + generated so far) and from the method's global history of earlier outputs."""
+
+    label = "suffix"
+
+    def __init__(self, history: SuffixTrie, rates: LabelRates, depth: int = 32, max_match: int = 8, max_nodes: int = 64):
+        self.history, self.rates = history, rates
+        self.context = ContextIndex(depth)
+        self.max_match, self.max_nodes = max_match, max_nodes
+        self.keys: dict[tuple[int, ...], str] = {}
+
+    def _sync(self, tokens: list[int]) -> None:
+        """Append the tokens committed since the last step (the prompt on the first step).
+
+        Lazy, so indexing the prompt is timed as drafting, not hidden in setup.
+        """
+        self.context.extend(tokens[self.context.length :])
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        tree = DraftTree()
+        self.extend(ctx, tree, ROOT, 1.0)
+        return tree
+
+    def extend(self, ctx: DraftContext, tree: DraftTree, parent: int, prob: float) -> None:
+        """Grow continuations of (context + the draft path to ``parent``) below ``parent`` (at the
+        root: plain suffix drafting; below a drafted chain, e.g. a value after the schema's key
+        text). Starts a step: the rate keys are this step's."""
+        self._sync(ctx.tokens)
+        self.keys = {}
+        chain = [tree.tokens[i] for i in tree.path_to(parent)]
+        depth = min(ctx.max_depth, self.context.depth) - len(chain)
+        if depth <= 0:
+            return
+        tail = ctx.tokens[-self.max_match :] + chain  # all a match of <= max_match tokens can see
+        here = self.context.longest_match(tail, self.max_match) if chain else self.context.active_match(self.max_match)
+        found = [(self.context, here)]
+        if len(self.history) > 1:
+            found.append((self.history, self.history.longest_match(tail, self.max_match)))
+        for trie, (node, m) in found:
+            if node >= 0:
+                grow_from_trie(tree, self.keys, trie, node, m, self.rates, self.max_nodes, depth,
+                               parent=parent, prefix=tuple(chain), prob=prob)
+
+    def feedback(self, tree: DraftTree, result: VerifyResult, owned: bool = False) -> None:
+        """``owned``: the tree merged other sources' drafts; learn only from the nodes whose conf is
+        this drafter's (a node another source also drafted is accepted more often -- counting it
+        would make the rate of suffix-only nodes too high)."""
+        update_keyed_rates(self.rates, tree, result, self.keys, self.label if owned else None)
+
+
+class SuffixMethod:
+    """SuffixDecoding / SAM-Decoding style baseline: per-request + global suffix structures.
+
+    ``observe`` appends a finished output (with the tail of its prompt, so a match can start at
+    the assistant header) to the global history; the request being decoded is never in it.
+    """
+
+    name = "suffix"
+
+    def __init__(self, tokenizer=None, depth: int = 32, max_match: int = 8, max_nodes: int = 64, prompt_tail: int = 8,
+                 history_tokens: int = 32768):
+
+        self.depth, self.max_match, self.max_nodes, self.prompt_tail = depth, max_match, max_nodes, prompt_tail
+        self.history = TenantHistories(depth, history_tokens)  # bounded, per tenant, thread-safe
+        self.rates = LabelRates(SUFFIX_PRIOR)
+
+    def drafter(self, req) -> SuffixDrafter:
+        return SuffixDrafter(self.history.trie(getattr(req, "tenant", "default")), self.rates, self.depth, self.max_match, self.max_nodes)
+
+    def observe(self, req, output_ids: list[int], text: str) -> None:
+        if getattr(req, "remember", True):
+            # every output counts, repeats included: SuffixDecoding's frequencies
+            self.history.add(getattr(req, "tenant", "default"), output_ids, req.prompt_ids[-self.prompt_tail :], dedupe=False)

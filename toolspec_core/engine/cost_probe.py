@@ -1,0 +1,92 @@
+"""The start-up probe of the verify-cost curve: one k-token verify step timed right after a
+1-token one, on the same code path decoding runs."""
+
+from __future__ import annotations
+
+import functools
+import time
+import numpy as np
+import torch
+
+from toolspec_core.engine.budget import CostModel
+from toolspec_core.engine.sampling import SamplingParams
+from toolspec_core.engine.tree import DraftTree
+from toolspec_core.engine.verify import verify_step
+
+
+DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 48, 64)  # 16 | 17: where a CPU kernel may switch; 3, 6: small trees are common
+
+
+def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 7) -> tuple[dict[int, float], dict[int, float]]:
+    """(median seconds, cost relative to k=1) of one verify step of k tree tokens (chain) over a
+    ``prefix_len`` cache -- the curve the budget uses, and ``toolspec bench-cost``'s measurement.
+
+    Uses the same code path as decoding (hidden states + lm_head on all rows, float mask for
+    k > 1, KV commit of one row), on random token ids (timing does not depend on values). Every
+    k-token forward directly follows a 1-token one, as in real decoding, and is normalised by it;
+    the median over rounds (each in a shuffled order) resists a shared machine whose speed
+    drifts -- a 1-token forward slows more than a many-token one when memory bandwidth is
+    contended, so ratios against a 1-token time from another moment come out too low.
+    """
+    steps = probe_steps(target, prefix_len, ks)
+    return paired_cost(lambda k: steps[k](), ks, repeats)
+
+
+def probe_steps(target, prefix_len: int = 500, ks=DEFAULT_KS) -> dict:
+    """k -> a function running one verify step of k tree tokens (a chain of k-1 random drafts)
+    over one shared random ``prefix_len``-token cache, cropping it back after, and returning the
+    step's seconds (the crop untimed): what the cost probe times and ``benchmarks.verify_profile``
+    profiles."""
+
+    vocab = target.model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, prefix_len), generator=g)
+    cache = target.new_cache()
+    target.hidden(ids, torch.arange(prefix_len)[None], None, cache)
+    if cache.get_seq_length() != prefix_len:  # e.g. a cache argument the model ignored: k tokens would be timed alone
+        raise RuntimeError(f"the prefill left {cache.get_seq_length()} cached positions, expected {prefix_len}")
+    greedy = SamplingParams()
+
+    def step(tree: DraftTree) -> float:
+        t0 = time.perf_counter()
+        verify_step(target, tree, 0, cache, greedy, None)
+        dt = time.perf_counter() - t0
+        cache.crop(-(cache.get_seq_length() - prefix_len))
+        return dt
+
+    out = {}
+    for k in ks:
+        tree = DraftTree()
+        tree.add_path(torch.randint(0, vocab, (k - 1,), generator=g).tolist(), 0.5, "probe")
+        out[k] = functools.partial(step, tree)
+    return out
+
+
+def paired_cost(once, ks, repeats: int) -> tuple[dict[int, float], dict[int, float]]:
+    """(median seconds, cost relative to k=1) per k from ``once(k)`` -> seconds of one k-token forward.
+
+    Every k-token forward directly follows a 1-token one and is normalised by it; median over
+    ``repeats`` rounds, each in a shuffled order, after one warm-up of every k.
+    """
+    import random
+
+    for k in ks:  # warm-up
+        once(k)
+    order = [k for k in ks if k != 1]
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    ratios: dict[int, list[float]] = {k: [] for k in order}
+    rng = random.Random(0)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for k in order:
+            base, t = once(1), once(k)
+            times[1].append(base)
+            times[k].append(t)
+            ratios[k].append(t / base)
+    points = {k: float(np.median(r)) for k, r in ratios.items()}
+    return {k: float(np.median(t)) for k, t in times.items()}, {1: 1.0, **points}
+
+
+def measure_cost_model(target, prefix_len: int = 500, max_nodes: int = 63, repeats: int = 7, calibrate: bool = False) -> CostModel:
+    ks = tuple(k for k in DEFAULT_KS if k <= max_nodes + 1)
+    return CostModel(measure_cost_points(target, prefix_len, ks, repeats)[1], max_nodes, "measured", calibrate)
