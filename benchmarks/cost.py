@@ -24,7 +24,7 @@ import torch
 from toolspec_core.model.attention import use_grouped_sdpa
 from toolspec_core.engine.budget import CPU_REFERENCE_CURVE, interpolate
 from toolspec_core.engine.cost_probe import DEFAULT_KS
-from toolspec_core.model.target import load_hf_model
+from toolspec_core.model.target import load_hf_model, resolve_dtype
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CURVES = RESULTS / "curves"  # measured cost curves (not method runs): projections read them from here
@@ -185,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = {"auto": torch.bfloat16 if args.device.startswith("cuda") else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    dtype = resolve_dtype(args.dtype, args.device)
     ks = sorted({int(k) for k in args.ks.split(",")} | {1})
     t0 = time.perf_counter()
     model, label = load_model(args.model, args.device, dtype)

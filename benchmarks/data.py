@@ -8,6 +8,7 @@ from pathlib import Path
 
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.model.prompting import render_prompt
+from toolspec_core.model.target import turn_end_tokens
 
 # How the gold calls of a warm item are written out, i.e. the layout the model itself uses.
 # "fence": a ```json fence with an indent-2 object per call -- what the embedded
@@ -75,10 +76,8 @@ def prompt_ids(tokenizer, item: dict) -> list[int]:
 
 
 def _end_token(tokenizer, eos_ids) -> list[int]:
-    tid = tokenizer.convert_tokens_to_ids("<|im_end|>") if hasattr(tokenizer, "convert_tokens_to_ids") else None
-    if isinstance(tid, int) and tid >= 0 and tid != getattr(tokenizer, "unk_token_id", None):
-        return [tid]
-    return [eos_ids[0]] if eos_ids else []
+    ends = turn_end_tokens(tokenizer)
+    return ends[:1] if ends else ([eos_ids[0]] if eos_ids else [])
 
 
 def _template_text(tokenizer, item: dict) -> str | None:

@@ -35,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
 
     from toolspec_core.drafters.methods import RequestInfo, make_method
-    from toolspec_core.engine.budget import CostModel
-    from toolspec_core.engine.cost_probe import measure_cost_model
+    from toolspec_core.engine.cost_probe import cost_model_for
     from toolspec_core.engine.loop import DecodeConfig, decode, prefill
     from toolspec_core.model.prompting import render_prompt
     from toolspec_core.model.target import load_target
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(ns.model)
     messages, tools = _request(ns)
     prompt = render_prompt(target.tokenizer, messages, tools)
-    cost = {"measure": lambda: measure_cost_model(target), "reference": CostModel.cpu_reference, "flat": CostModel.flat}[ns.cost]()
+    cost = cost_model_for(ns.cost, target)
     pre = prefill(target, prompt)
     cfg = DecodeConfig(max_new_tokens=ns.max_new_tokens)
     plain = decode(target, pre, None, cfg)

@@ -24,10 +24,8 @@ import torch
 from toolspec_core.drafters.base import DraftContext, NoDrafter
 from toolspec_core.engine.loop import DecodeConfig, generate
 from toolspec_core.drafters.methods import RequestInfo, make_method
-from toolspec_core.model.target import from_model
+from toolspec_core.model.target import DTYPES, from_model
 from toolspec_core.engine.tree import DraftTree
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ByteTokenizer:

@@ -5,7 +5,7 @@ the prefix cache (``decode`` clones it), plain greedy first as the reference. On
 (item, method, library) goes to ``<out>/items.jsonl`` as soon as it is done, so a rerun skips
 finished pairs and continues where an interrupted run stopped.
 
-Library protocol for history methods (HISTORY_METHODS):
+Library protocol for history methods (a method class with ``uses_history``):
   cold    a fresh method per item: nothing carries over (no history, no matrix, no rates);
   online  one method per benchmark; after each item it observes its OWN output (stream order);
   warm    one method per benchmark, first observing the gold calls of a separate warm file
@@ -26,16 +26,15 @@ from pathlib import Path
 import torch
 
 from toolspec_core.engine.budget import CostModel
-from toolspec_core.engine.cost_probe import measure_cost_model
+from toolspec_core.engine.cost_probe import cost_model_for
 from toolspec_core.engine.loop import DecodeConfig, decode, prefill
 from toolspec_core.errors import ToolSpecError
-from toolspec_core.drafters.methods import RequestInfo, make_method
+from toolspec_core.drafters.methods import RequestInfo, make_method, method_class
 
 from .data import load_items, load_stream, prompt_ids, select_items, warm_documents
 from .metrics import call_metrics, first_mismatch
 
 ALL_METHODS = ("ar", "pld", "suffix", "token_recycling", "toolspec_schema", "toolspec_retrieval", "toolspec")
-HISTORY_METHODS = {"suffix", "token_recycling", "toolspec_retrieval", "toolspec"}
 LIBRARIES = ("cold", "online", "warm")
 
 
@@ -68,8 +67,16 @@ def run_pairs(cfg: RunConfig) -> list[tuple[str, str | None]]:
     for m in cfg.methods:
         if m == "ar":
             continue
-        out.extend((m, lib) for lib in cfg.libraries) if m in HISTORY_METHODS else out.append((m, None))
+        out.extend((m, lib) for lib in cfg.libraries) if _uses_history(m) else out.append((m, None))
     return out
+
+
+def _uses_history(name: str) -> bool:
+    """False for a method whose module cannot be imported: it is planned once and skipped by the pool."""
+    try:
+        return method_class(name).uses_history
+    except ImportError:
+        return False
 
 
 def pair_key(item_id: str, method: str, library: str | None) -> str:
@@ -144,20 +151,13 @@ def resolve_cost(spec: str, target, out: Path) -> CostModel:
     saved = out / "cost.json"
     if saved.exists():
         d = json.loads(saved.read_text())
-        cm = CostModel({int(k): v for k, v in d["points"].items()}, d["max_nodes"], d["source"])
+        cm = CostModel.from_dict(d)
         if spec not in (d.get("spec"), None):
             log(f"note: reusing this run's saved cost model ({d.get('spec')}), not --cost {spec}")
         return cm
-    if spec == "reference":
-        cm = CostModel.cpu_reference()
-    elif spec == "flat":
-        cm = CostModel.flat()
-    elif spec == "measured":
+    if spec in ("measure", "measured"):
         log("measuring the verify-cost curve of this target ...")
-        cm = measure_cost_model(target)
-    else:
-        d = json.loads(Path(spec).read_text())
-        cm = CostModel({int(k): v for k, v in d["points"].items()}, source=f"file:{Path(spec).name}")
+    cm = cost_model_for(spec, target)
     out.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps({**cm.to_dict(), "spec": spec}, indent=2) + "\n")
     log("cost curve c(k): " + ", ".join(f"{k}:{v:.2f}" for k, v in sorted(cm.points.items())))

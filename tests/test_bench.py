@@ -173,10 +173,10 @@ def test_resumable_run_and_report(tiny, data, tmp_path, monkeypatch):
     monkeypatch.setattr(runner_mod, "decode_record", lambda *a, **k: calls.append(1) or real(*a, **k))
     cfg = _cfg(data, tmp_path)
     pairs = run_pairs(cfg)
-    assert pairs[0] == ("ar", None) and len(pairs) == 1 + 1 + 3 + 3 + 3  # ar, pld, 3 libs x 3 history methods
+    assert pairs[0] == ("ar", None) and len(pairs) == 1 + 1 + 3 + 3 + 1  # ar, pld, 3 libs x 2 history methods, toolspec
     first = Runner(cfg, tiny)
     first.run(max_items=2)  # "interrupted" after two items
-    per_item = len(pairs) - 3  # toolspec skipped cleanly
+    per_item = len(pairs) - 1  # toolspec skipped cleanly
     assert len(calls) == 2 * per_item and "toolspec" in first.pool.unavailable
     with open(tmp_path / "run" / "items.jsonl", "a") as f:
         f.write('{"item": "syn-2", "meth')  # torn line from a kill mid-write

@@ -28,7 +28,14 @@ class RequestInfo:
 
 
 class Method(Protocol):
+    """What a method can do is said by two class attributes, never by its name:
+    ``uses_history`` (it learns from finished outputs of the stream, so a benchmark runs it with a
+    cold, online and warm library) and ``uses_library`` (it takes a shared ``CallLibrary`` of past
+    calls as its ``library`` option)."""
+
     name: str
+    uses_history: bool
+    uses_library: bool
 
     def drafter(self, req: RequestInfo) -> Drafter: ...
 
@@ -37,6 +44,11 @@ class Method(Protocol):
 
 class AutoregressiveMethod:
     name = "ar"
+    uses_history = uses_library = False
+
+    def __init__(self, tokenizer=None, **opts):
+        if opts:
+            raise ValueError(f"method 'ar' takes no options, got {sorted(opts)}")
 
     def drafter(self, req: RequestInfo) -> Drafter:
         return NoDrafter()
@@ -57,12 +69,14 @@ REGISTRY: dict[str, str] = {
 }
 
 
-def make_method(name: str, tokenizer=None, **options) -> Method:
-    """Build the method ``name`` (see ``REGISTRY``)."""
+def method_class(name: str) -> type:
+    """The class of the method ``name`` (see ``REGISTRY``), for its capabilities, without building it."""
     if name not in REGISTRY:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(REGISTRY)}")
     module, attr = REGISTRY[name].split(":")
-    factory = getattr(importlib.import_module(module), attr)
-    if name == "ar":
-        return factory()
-    return factory(tokenizer, **options)
+    return getattr(importlib.import_module(module), attr)
+
+
+def make_method(name: str, tokenizer=None, **options) -> Method:
+    """Build the method ``name``: ``factory(tokenizer, **options)``."""
+    return method_class(name)(tokenizer, **options)

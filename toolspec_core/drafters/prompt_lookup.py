@@ -71,6 +71,7 @@ class PromptLookupDrafter:
 
 class PromptLookupMethod:
     name = "pld"
+    uses_history = uses_library = False
 
     def __init__(self, tokenizer=None, **opts):
         self.opts = opts

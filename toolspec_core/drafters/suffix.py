@@ -212,6 +212,7 @@ class SuffixMethod:
     """
 
     name = "suffix"
+    uses_history, uses_library = True, False
 
     def __init__(self, tokenizer=None, depth: int = 32, max_match: int = 8, max_nodes: int = 64, prompt_tail: int = 8,
                  history_tokens: int = 32768):

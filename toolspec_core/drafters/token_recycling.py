@@ -100,6 +100,7 @@ class TokenRecyclingMethod:
     """
 
     name = "token_recycling"
+    uses_history, uses_library = True, False
 
     def __init__(self, tokenizer=None, vocab_size: int | None = None, tree_size: int = 80, topk: int = TR_TOPK):
         self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else 0)

@@ -67,6 +67,11 @@ class CostModel:
         return {"points": {str(k): v for k, v in self.points.items()}, "max_nodes": self.max_nodes, "source": self.source}
 
     @classmethod
+    def from_dict(cls, d: dict, source: str | None = None) -> "CostModel":
+        """The inverse of ``to_dict`` (a saved curve)."""
+        return cls({int(k): float(v) for k, v in d["points"].items()}, int(d.get("max_nodes", 63)), source or d.get("source", "file"))
+
+    @classmethod
     def cpu_reference(cls, max_nodes: int = 63) -> "CostModel":
         return cls(dict(CPU_REFERENCE_CURVE), max_nodes, "reference")
 

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import functools
 import time
 import numpy as np
@@ -90,3 +93,27 @@ def paired_cost(once, ks, repeats: int) -> tuple[dict[int, float], dict[int, flo
 def measure_cost_model(target, prefix_len: int = 500, max_nodes: int = 63, repeats: int = 7, calibrate: bool = False) -> CostModel:
     ks = tuple(k for k in DEFAULT_KS if k <= max_nodes + 1)
     return CostModel(measure_cost_points(target, prefix_len, ks, repeats)[1], max_nodes, "measured", calibrate)
+
+
+COST_SPECS = ("measure", "reference", "flat", "none")
+
+
+def cost_model_for(spec: str, target=None, calibrate: bool = False) -> CostModel | None:
+    """The cost model a config names: ``measure`` (probe ``target`` now), ``reference`` (the CPU
+    reference curve), ``flat`` (free verification), ``none`` (no budget), or a path to a saved
+    ``CostModel.to_dict`` JSON."""
+    if spec in ("measure", "measured"):
+        cost = measure_cost_model(target)
+    elif spec == "reference":
+        cost = CostModel.cpu_reference()
+    elif spec == "flat":
+        cost = CostModel.flat()
+    elif spec == "none":
+        return None
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise ValueError(f"cost model must be one of {', '.join(COST_SPECS)} or a JSON file, got {spec!r}")
+        cost = CostModel.from_dict(json.loads(path.read_text()), source=f"file:{path.name}")
+    cost.calibrate = calibrate
+    return cost

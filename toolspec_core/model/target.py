@@ -13,6 +13,20 @@ from toolspec_core.model.cpu_linears import tune_cpu_linears
 from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME, ModelFileError, embedded_model_dir
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """A dtype by its config name; ``auto`` is bfloat16 on an accelerator and float32 on the CPU."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; known: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
 @dataclass
 class Target:
     """An HF causal LM plus its tokenizer: the two calls the engine makes (``hidden``, ``logits``).
@@ -73,19 +87,30 @@ def _cache_kwarg_of(cls: type) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
-def turn_end_ids(tokenizer) -> list[int]:
-    """Tokens that end an assistant turn, the chat template's own first (<|im_end|> for Qwen).
+# Tokens that end a chat turn, the chat template's own first: Qwen / ChatML, Llama 3, Phi, and the
+# document end token some templates close a turn with.
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
 
-    Chat models end a turn with these even when generation_config does not say so.
-    """
+
+def turn_end_tokens(tokenizer) -> list[int]:
+    """Ids of the ``TURN_END_TOKENS`` this tokenizer has, in that order."""
     ids: list[int] = []
-    for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+    for tok in TURN_END_TOKENS:
         try:
             tid = tokenizer.convert_tokens_to_ids(tok)
         except (AttributeError, KeyError, TypeError):
             tid = None
-        if isinstance(tid, int) and tid >= 0 and tid != getattr(tokenizer, "unk_token_id", None):
+        if isinstance(tid, int) and tid >= 0 and tid != getattr(tokenizer, "unk_token_id", None) and tid not in ids:
             ids.append(tid)
+    return ids
+
+
+def turn_end_ids(tokenizer) -> list[int]:
+    """Tokens that end an assistant turn: the turn-end tokens, then the tokenizer's EOS.
+
+    Chat models end a turn with these even when generation_config does not say so.
+    """
+    ids = turn_end_tokens(tokenizer)
     eos = getattr(tokenizer, "eos_token_id", None)
     if isinstance(eos, int) and eos not in ids:
         ids.append(eos)

@@ -308,6 +308,7 @@ class SchemaMethod:
 
     name = "toolspec_schema"
     use_schema, use_retrieval = True, False
+    uses_history, uses_library = False, True
 
     def __init__(self, tokenizer, library: CallLibrary | None = None, retrieve_k: int = 8, eos_ids: list[int] | None = None,
                  suffix_depth: int = 32, suffix_nodes: int = 64, max_match: int = 8, prompt_tail: int = 8,
@@ -379,6 +380,7 @@ class RetrievalMethod(SchemaMethod):
 
     name = "toolspec_retrieval"
     use_schema, use_retrieval = False, True
+    uses_history = True
 
 
 class ToolSpecMethod(SchemaMethod):
@@ -387,6 +389,7 @@ class ToolSpecMethod(SchemaMethod):
 
     name = "toolspec"
     use_schema, use_retrieval = True, True
+    uses_history = True
 
 
 def _as_past_call(c) -> PastCall:
