@@ -1,8 +1,7 @@
-"""A/B of the CPU verify set-up on the embedded model, in one process and sitting.
+"""A/B of the CPU verify set-up on the embedded model, in one process.
 
 Variants: the linear-layer kernel (``packed_rows`` 16: MKL packed GEMM for 4..16-row forwards;
-0: the default -- a oneDNN-reordered copy since session 8, a transposed copy in the committed
-``cpu-kernel-ab.json``, which is named after it) x the budget's cost curve (start-up probe only, or calibrated
+0: the default dispatch of ``toolspec_core.model.cpu_linears``) x the budget's cost curve (start-up probe only, or calibrated
 from the real steps as decoding goes: ``CostModel(calibrate=True)``). Each variant measures the
 start-up curve, then decodes the same items with plain greedy and ``toolspec_schema``, recording
 what every step really cost relative to the same item's median plain-greedy step. Questions:

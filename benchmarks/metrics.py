@@ -140,7 +140,7 @@ COST_BUCKETS = ((1, 1), (2, 3), (4, 8), (9, 16), (17, 32), (33, 64))
 def observed_cost(records: list[dict]) -> dict[str, dict]:
     """The verify-cost curve as the run really paid it, by forward size (tree nodes + 1).
 
-    Each step's seconds over the median plain-greedy step of the same item in the same sitting
+    Each step's seconds over the median plain-greedy step of the same item in the same run
     (``ar_step_s``); median per size bucket. This is what the budget's curve should have said:
     a curve measured at start-up on a busy shared machine can be off. Empty for records without
     per-step timings (older runs).
@@ -174,7 +174,7 @@ def summarize(records: list[dict], ar_by_item: dict[str, dict], curves: dict[str
     ratio); mean/geomean_item_speedup average the per-item ratios.
     """
     ar = [ar_by_item[r["item"]] for r in records]
-    # plain greedy's time as the record measured it (same sitting; see runner.finish_record)
+    # plain greedy's time as the record measured it (same run; see runner.finish_record)
     ref = [r.get("ar_decode_s") or a["decode_s"] for r, a in zip(records, ar)]
     decoded = sum(decoded_tokens(r) for r in records)
     forwards = sum(r["forwards"] for r in records)

@@ -308,7 +308,7 @@ def _cost_lines(report: dict) -> list[str]:
 
     curve = curve_from_points(report["cost_model"]["points"]) if report.get("cost_model") else None
     lines = ["", "## Verify cost as paid vs the budget's curve (all tree methods)", "",
-             "Each step's time over the median plain-greedy step of the same item (same sitting); median per "
+             "Each step's time over the median plain-greedy step of the same item (same run); median per "
              "forward size (tree nodes + 1).", "",
              "| forward size | steps | median size | observed cost | run curve at median size |", "|---|---|---|---|---|"]
     for key, v in seen.items():

@@ -11,7 +11,7 @@ relative to each variant's own 1-token forward (what the budget sees).
 
 ``--baseline-rev REV`` compares the kernel against the kernel source of another git revision instead of
 oneDNN (both built here, same forwards, same alternation): how a kernel change is measured
-(``measurements/cpu-rows-kernel-s16.json``: ``--baseline-rev 347c006 --ks 1,4,6,7,8,10,12,16 --rounds 6``).
+(e.g. ``--baseline-rev REV --ks 1,4,6,7,8,10,12,16 --rounds 6``).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class RunConfig:
     cost: str = "measured"  # measured | reference | flat | path to a cost JSON
     model: str | None = None  # None/"embedded" or an HF directory
     threads: int | None = None
-    retime_reference: bool = True  # resumed items: time plain greedy again in this sitting
+    retime_reference: bool = True  # resumed items: time plain greedy again in this run
     packed_rows: int | None = None  # CPU fp32 opt-in: MKL packed GEMM for 4..N-row forwards (None/0: off)
     calibrate: bool = False  # the shared cost curve learns from the steps really paid (budget.Calibration)
     device: str = "cpu"  # where the target runs (cuda: float32 unless dtype says otherwise)
@@ -236,9 +236,9 @@ def decode_record(target, pre, method, req: RequestInfo, dcfg: DecodeConfig, cos
 def finish_record(rec: dict, item: dict, ar: dict | None, ref: dict | None = None) -> dict:
     """Add exact match vs plain greedy, per-item speedup and tool-call metrics.
 
-    ``ref``: plain greedy decoded again in this sitting (a resumed item whose ``ar`` record is
-    from an earlier sitting); the speedup is against its time, not the stored one, because a
-    shared machine's speed drifts between sittings.
+    ``ref``: plain greedy decoded again in this run (a resumed item whose ``ar`` record is
+    from an earlier run); the speedup is against its time, not the stored one, because a
+    shared machine's speed drifts between runs.
     """
     rec.update(call_metrics(rec["text"], item))
     if ar is None:  # this is plain greedy itself
@@ -373,7 +373,7 @@ class Runner:
             self.pool.after_item(bench, name, lib, req, rec)
 
     def retime_reference(self, item, pre, req, ar: dict) -> dict | None:
-        """Plain greedy's decode time in this sitting for an item resumed with new methods.
+        """Plain greedy's decode time in this run for an item resumed with new methods.
 
         Also a determinism check: the tokens must be the stored ones.
         """

@@ -223,7 +223,8 @@ def test_context_index_is_the_suffix_trie_of_its_document(seed):
     SuffixTrie of the same document does, and drafts the same tree from it."""
     import random
 
-    from toolspec_core.drafters.suffix import ContextIndex, SUFFIX_PRIOR, grow_from_trie
+    from toolspec_core.drafters.suffix import SUFFIX_PRIOR, grow_from_trie
+    from toolspec_core.drafters.suffix_trie import ContextIndex
 
     rng = random.Random(seed)
     vocab = rng.choice([3, 6, 20])  # small vocabularies: many repeats, deep shared suffixes

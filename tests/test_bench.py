@@ -227,7 +227,7 @@ def test_resumable_run_and_report(tiny, data, tmp_path, monkeypatch):
 
 def test_resume_with_new_methods_retimes_plain_greedy(tiny, data, tmp_path, monkeypatch):
     """Methods added on a resume are timed against plain greedy decoded again in the same
-    sitting (the machine's speed drifts between sittings), not against the stored time."""
+    run (the machine's speed drifts between runs), not against the stored time."""
     calls = []
     real = runner_mod.decode_record
     monkeypatch.setattr(runner_mod, "decode_record", lambda t, p, m, *a, **k: calls.append(m.name) or real(t, p, m, *a, **k))

@@ -14,7 +14,8 @@ from toolspec_core.drafters.labels import ARG_NAME, BETWEEN, CALL_KEY, END, TEXT
 from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
 from toolspec_core.drafters.toolcall.candidates import Priors, continuations
 from toolspec_core.drafters.toolcall.drafter import DEFAULT_RATES, SchemaMethod, candidates_to_tree
-from toolspec_core.drafters.simulate import oracle_walk, render_gold, simulate
+from toolspec_core.drafters.simulate import oracle_walk, simulate
+from toolspec_core.drafters.toolcall.layouts import layout_by_name, render_calls
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.engine.tree import path_probs
 
@@ -384,12 +385,12 @@ def test_drafting_along_gold_calls_yields_canonical_tokens(qwen_tok, layout):
     checked = 0
     for it in _gold_items():
         prompt = render_prompt(qwen_tok, it["messages"], it["tools"])
-        out = qwen_tok.encode(render_gold(it["gold_calls"], layout)) + [151645]
+        out = qwen_tok.encode(render_calls(it["gold_calls"], layout_by_name(layout))) + [151645]
         drafter = method.drafter(RequestInfo(prompt, it["tools"]))
         trace = []
         res = simulate(drafter, prompt, out, None, trace)
         # the first schema step (opener + name + ...) reaches at least the tool name's end
-        name_tokens = len(qwen_tok.encode(render_gold(it["gold_calls"][:1], layout).split(it["gold_calls"][0]["name"])[0] + it["gold_calls"][0]["name"]))
+        name_tokens = len(qwen_tok.encode(render_calls(it["gold_calls"][:1], layout_by_name(layout)).split(it["gold_calls"][0]["name"])[0] + it["gold_calls"][0]["name"]))
         assert trace[0][2] + 2 >= name_tokens - 1, (it["id"], trace[:2])
         assert res["mat"] > 2.0, it["id"]
         checked += 1

@@ -6,7 +6,6 @@ Used by tests (tokenization at boundaries, FSM coverage) and to study drafters o
 
 from __future__ import annotations
 
-import json
 
 from toolspec_core.drafters.base import DraftContext
 from toolspec_core.engine.tree import ROOT, DraftTree
@@ -44,15 +43,3 @@ def simulate(drafter, prompt_ids: list[int], output_ids: list[int], cost=None, t
         tokens += [tree.tokens[i] for i in res.path] + ([res.token] if res.token >= 0 else [])
     n = len(output_ids) - 1
     return {"tokens": len(output_ids), "steps": steps, "accepted": accepted, "mat": n / steps if steps else 1.0}
-
-
-def render_gold(calls: list[dict], layout: str) -> str:
-    """Gold calls written the way models write them (for offline studies and warm libraries)."""
-    if layout == "hermes":
-        return "\n".join("<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False) + "\n</tool_call>" for c in calls)
-    if layout == "fence":
-        body = [json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False, indent=2) for c in calls]
-        return "\n".join("```json\n" + b + "\n```" for b in body)
-    if layout == "bare":
-        return "\n".join(json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False) for c in calls)
-    raise ValueError(layout)

@@ -1,11 +1,11 @@
-"""Training-free baseline drafters: suffix matching (SuffixDecoding / SAM-Decoding style) and
-Token Recycling.
+"""Suffix drafting (SuffixDecoding / SAM-Decoding style): matches of the context's and the
+tenant's history's suffix tries, drafted as a frequency-scored tree.
 
-Both return draft trees whose node ``conf`` comes from online acceptance rates (LabelRates), so
-the engine's hardware-aware budget treats them exactly like every other tree method. The rate
-of a node is keyed finer than its label (frequency bucket, top-k rank) because those predict
-acceptance much better than the label alone; the tree label stays ``"suffix"`` /
-``"token_recycling"`` for per-state statistics.
+Node ``conf`` comes from online acceptance rates (LabelRates), so the engine's hardware-aware
+budget treats the tree like every other tree method. The rate of a node is keyed finer than its
+label (frequency bucket, match length) because those predict acceptance much better than the
+label alone; the tree label stays ``SUFFIX`` for per-state statistics. ToolSpec's own drafter
+uses this for the text the schema cannot know; on its own it is the ``suffix`` baseline.
 
 Rates are keyed by each node's token path, not its index, because the engine prunes and
 re-indexes the tree before ``feedback`` sees it.
@@ -18,85 +18,10 @@ from itertools import count
 
 from toolspec_core.drafters.base import DraftContext, LabelRates, update_keyed_rates
 from toolspec_core.drafters.history import TenantHistories
-from toolspec_core.drafters.suffix_trie import SuffixTrie
+from toolspec_core.drafters.labels import SUFFIX
+from toolspec_core.drafters.suffix_trie import ContextIndex, SuffixTrie
 from toolspec_core.engine.tree import DraftTree, ROOT
 from toolspec_core.engine.verify import VerifyResult
-
-
-class ContextIndex:
-    """One growing document (a request's prompt + output) seen as a ``SuffixTrie``, built on demand.
-
-    A SuffixTrie costs O(depth) per appended token, and a request's context is rebuilt for every
-    request (hundreds of prompt tokens: the largest share of drafting time). Here appending is
-    O(1) (positions per token), and a match builds only the small subtrie below the matched
-    suffix from that suffix's occurrences: the same nodes, counts and child order as the full trie
-    (``tests/test_baselines.py`` checks this against it). ``kids`` / ``count`` are that subtrie;
-    node 0 is the matched suffix.
-    """
-
-    def __init__(self, depth: int = 32):
-        self.depth = depth
-        self.tokens: list[int] = []
-        self.where: dict[int, list[int]] = {}  # token -> positions, ascending
-        self.kids: list[dict[int, int]] = [{}]
-        self.count: list[int] = [0]
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-    def extend(self, tokens) -> None:
-        where, toks = self.where, self.tokens
-        for t in tokens:
-            t = int(t)
-            where.setdefault(t, []).append(len(toks))
-            toks.append(t)
-
-    def _match(self, pattern, cap: int) -> tuple[int, int]:
-        """Longest suffix (<= cap tokens) of ``pattern`` that occurs followed by a token; builds its subtrie."""
-        toks, n = self.tokens, len(self.tokens)
-        if cap < 1 or not pattern:
-            return -1, 0
-        ends = []  # (end position, common suffix length with pattern)
-        best = 0
-        last = len(pattern) - 1
-        for e in self.where.get(pattern[-1], ()):
-            if e >= n - 1:  # the occurrence must be followed by something
-                break
-            m = 1
-            while m < cap and m <= e and toks[e - m] == pattern[last - m]:
-                m += 1
-            ends.append((e, m))
-            best = max(best, m)
-        if not best:
-            return -1, 0
-        self._build([e for e, m in ends if m >= best], best)
-        return 0, best
-
-    def _build(self, ends: list[int], m: int) -> None:
-        """The subtrie below the matched suffix: each occurrence's continuation, up to depth - m tokens."""
-        toks, n = self.tokens, len(self.tokens)
-        kids, count = [{}], [0]
-        for e in ends:  # ascending: children appear in the order the full trie creates them
-            node = 0
-            for t in toks[e + 1 : min(e + 1 + self.depth - m, n)]:
-                c = kids[node].get(t)
-                if c is None:
-                    c = len(kids)
-                    kids.append({})
-                    count.append(0)
-                    kids[node][t] = c
-                count[c] += 1
-                node = c
-        self.kids, self.count = kids, count
-
-    def longest_match(self, tokens: list[int], max_match: int) -> tuple[int, int]:
-        """As ``SuffixTrie.longest_match`` (node 0 of the rebuilt ``kids``)."""
-        return self._match(tokens, min(max_match, len(tokens), self.depth - 1))
-
-    def active_match(self, max_match: int) -> tuple[int, int]:
-        """As ``SuffixTrie.active_match``: the document's own current suffix."""
-        return self._match(self.tokens, min(max_match, len(self.tokens), self.depth - 1))
 
 
 SUFFIX_PRIOR = {
@@ -121,7 +46,7 @@ def suffix_key(freq: float, match_len: int, seen: int = 2) -> str:
 
 def grow_from_trie(
     tree: DraftTree, keys: dict, trie: SuffixTrie, node: int, match_len: int, rates: LabelRates,
-    max_nodes: int, max_depth: int, min_prob: float = 0.01, label: str = "suffix",
+    max_nodes: int, max_depth: int, min_prob: float = 0.01, label: str = SUFFIX,
     parent: int = ROOT, prefix: tuple[int, ...] = (), prob: float = 1.0,
 ) -> None:
     """Best-first expansion of ``trie`` below ``node`` into ``tree`` by path probability.
@@ -157,7 +82,7 @@ class SuffixDrafter:
     """Drafts continuations of the longest matching suffix, from the request's own context
     (prompt + generated so far) and from the method's global history of earlier outputs."""
 
-    label = "suffix"
+    label = SUFFIX
 
     def __init__(self, history: SuffixTrie, rates: LabelRates, depth: int = 32, max_match: int = 8, max_nodes: int = 64):
         self.history, self.rates = history, rates

@@ -1,7 +1,22 @@
-"""A depth-limited suffix trie with occurrence counts (SuffixDecoding's structure)."""
+"""Suffix tries with occurrence counts (SuffixDecoding's structure): a growing one over documents
+(the history of earlier outputs) and one built on demand over a single request's context."""
 
 from __future__ import annotations
 
+
+def grow(kids: list[dict[int, int]], count: list[int], node: int, tok: int) -> int:
+    """The child of ``node`` with ``tok`` (created if new), its count incremented: the one way a
+    trie node is made. The node exists before it is published in ``kids[node]``, so readers in
+    other threads never see a dangling index."""
+    edges = kids[node]
+    c = edges.get(tok)
+    if c is None:
+        c = len(kids)
+        kids.append({})
+        count.append(0)
+        edges[tok] = c
+    count[c] += 1
+    return c
 
 
 class SuffixTrie:
@@ -23,37 +38,16 @@ class SuffixTrie:
     def __len__(self) -> int:
         return len(self.kids)
 
-    def _child(self, node: int, tok: int) -> int:
-        kids = self.kids[node]
-        c = kids.get(tok)
-        if c is None:  # the node exists before it is published, for readers in other threads
-            c = len(self.kids)
-            self.kids.append({})
-            self.count.append(0)
-            kids[tok] = c
-        self.count[c] += 1
-        return c
-
     def start_document(self) -> None:
         """Suffixes never span two documents."""
         self.active = []
 
     def append(self, tok: int) -> None:
-        # _child inlined: this loop runs depth times per token of every prompt (the per-request
-        # context trie is built on the first step), the largest share of drafting time.
         kids, count = self.kids, self.count
         active = [0]
         active += self.active[: self.depth - 1]
         for i, node in enumerate(active):
-            edges = kids[node]
-            c = edges.get(tok)
-            if c is None:  # as in _child: the node exists before it is published
-                c = len(kids)
-                kids.append({})
-                count.append(0)
-                edges[tok] = c
-            count[c] += 1
-            active[i] = c
+            active[i] = grow(kids, count, node, tok)
         self.active = active
         self.length += 1
 
@@ -97,3 +91,72 @@ class SuffixTrie:
             if self.kids[node]:
                 return node, m
         return -1, 0
+
+
+class ContextIndex:
+    """One growing document (a request's prompt + output) seen as a ``SuffixTrie``, built on demand.
+
+    A SuffixTrie costs O(depth) per appended token, and a request's context is rebuilt for every
+    request (hundreds of prompt tokens: the largest share of drafting time). Here appending is
+    O(1) (positions per token), and a match builds only the small subtrie below the matched
+    suffix from that suffix's occurrences: the same nodes, counts and child order as the full trie
+    (``tests/test_baselines.py`` checks this against it). ``kids`` / ``count`` are that subtrie;
+    node 0 is the matched suffix.
+    """
+
+    def __init__(self, depth: int = 32):
+        self.depth = depth
+        self.tokens: list[int] = []
+        self.where: dict[int, list[int]] = {}  # token -> positions, ascending
+        self.kids: list[dict[int, int]] = [{}]
+        self.count: list[int] = [0]
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens) -> None:
+        where, toks = self.where, self.tokens
+        for t in tokens:
+            t = int(t)
+            where.setdefault(t, []).append(len(toks))
+            toks.append(t)
+
+    def _match(self, pattern, cap: int) -> tuple[int, int]:
+        """Longest suffix (<= cap tokens) of ``pattern`` that occurs followed by a token; builds its subtrie."""
+        toks, n = self.tokens, len(self.tokens)
+        if cap < 1 or not pattern:
+            return -1, 0
+        ends = []  # (end position, common suffix length with pattern)
+        best = 0
+        last = len(pattern) - 1
+        for e in self.where.get(pattern[-1], ()):
+            if e >= n - 1:  # the occurrence must be followed by something
+                break
+            m = 1
+            while m < cap and m <= e and toks[e - m] == pattern[last - m]:
+                m += 1
+            ends.append((e, m))
+            best = max(best, m)
+        if not best:
+            return -1, 0
+        self._build([e for e, m in ends if m >= best], best)
+        return 0, best
+
+    def _build(self, ends: list[int], m: int) -> None:
+        """The subtrie below the matched suffix: each occurrence's continuation, up to depth - m tokens."""
+        toks, n = self.tokens, len(self.tokens)
+        kids, count = [{}], [0]
+        for e in ends:  # ascending: children appear in the order the full trie creates them
+            node = 0
+            for t in toks[e + 1 : min(e + 1 + self.depth - m, n)]:
+                node = grow(kids, count, node, t)
+        self.kids, self.count = kids, count
+
+    def longest_match(self, tokens: list[int], max_match: int) -> tuple[int, int]:
+        """As ``SuffixTrie.longest_match`` (node 0 of the rebuilt ``kids``)."""
+        return self._match(tokens, min(max_match, len(tokens), self.depth - 1))
+
+    def active_match(self, max_match: int) -> tuple[int, int]:
+        """As ``SuffixTrie.active_match``: the document's own current suffix."""
+        return self._match(self.tokens, min(max_match, len(self.tokens), self.depth - 1))

@@ -7,6 +7,7 @@ from itertools import count
 import torch
 
 from toolspec_core.drafters.base import DraftContext, LabelRates, update_keyed_rates
+from toolspec_core.drafters.labels import TOKEN_RECYCLING
 from toolspec_core.engine.tree import DraftTree, ROOT
 from toolspec_core.engine.verify import VerifyResult
 
@@ -42,7 +43,7 @@ class TokenRecyclingDrafter:
     """Expands the static template from the root token through the adjacency matrix and
     recycles every verified row's top-k back into the matrix."""
 
-    label = "token_recycling"
+    label = TOKEN_RECYCLING
 
     def __init__(self, method: "TokenRecyclingMethod"):
         self.m = method

@@ -14,7 +14,8 @@ import numpy as np
 from toolspec_core.engine.tree import DraftTree, prune_to_budget
 
 
-# Measured on the 2-core dev CPU, Qwen2.5-0.5B fp32, ~500-token prefix (NOTES.md).
+# c(k) of Qwen2.5-0.5B in fp32 over a ~500-token prefix on a 2-core x86 CPU through the oneDNN /
+# F.linear dispatch: the budget's curve when none is measured (``cost_model: reference``).
 CPU_REFERENCE_CURVE = {1: 1.0, 2: 2.2, 4: 2.4, 8: 2.7, 16: 3.5, 32: 4.6, 64: 6.6}
 
 

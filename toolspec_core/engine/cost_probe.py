@@ -11,6 +11,7 @@ import time
 import numpy as np
 import torch
 
+from toolspec_core.drafters.labels import PROBE
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.sampling import SamplingParams
 from toolspec_core.engine.tree import DraftTree
@@ -60,7 +61,7 @@ def probe_steps(target, prefix_len: int = 500, ks=DEFAULT_KS) -> dict:
     out = {}
     for k in ks:
         tree = DraftTree()
-        tree.add_path(torch.randint(0, vocab, (k - 1,), generator=g).tolist(), 0.5, "probe")
+        tree.add_path(torch.randint(0, vocab, (k - 1,), generator=g).tolist(), 0.5, PROBE)
         out[k] = functools.partial(step, tree)
     return out
 

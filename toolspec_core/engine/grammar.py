@@ -103,10 +103,6 @@ class GrammarConstraint:
             self.consume(t)
         return ff
 
-    @property
-    def done(self) -> bool:
-        return self.m.is_stopped()
-
 
 def make_tool_constraint(tokenizer, tools: list[dict] | None, tool_choice, vocab_size: int | None = None) -> GrammarConstraint | None:
     """A constraint for ``tool_choice`` "required" or {"type": "function", "function": {"name": ...}}.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from toolspec_core.drafters.labels import NONE
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import VerifyResult
 
@@ -71,7 +72,7 @@ def _record(stats: GenerationStats, tree: DraftTree, result: VerifyResult) -> No
     stats.accepted.append(len(result.path))
     stats.drafted.append(len(tree))
     first = result.path[0] if result.path else (0 if tree.tokens else -1)
-    stats.step_labels.append(tree.labels[first] if first >= 0 else "none")
+    stats.step_labels.append(tree.labels[first] if first >= 0 else NONE)
     for lab in tree.labels:
         stats.label_drafted[lab] = stats.label_drafted.get(lab, 0) + 1
     for i in result.path:

@@ -1,17 +1,12 @@
 """The few-rows CPU linear kernel (``kernels/rows_linear.cpp``), built once per machine.
 
 Why: a tree-verify step multiplies 1-64 rows by every weight; x86 BLAS and oneDNN GEMMs are built
-for many rows and pay for it at few (on the 2-core AMD EPYC dev box a whole forward of the embedded 0.5B
-model took 144 ms at 1 token and 213 ms at 8 through the oneDNN / ``F.linear`` dispatch, 109 / 169
-ms through session 15's kernel, 7-16 tokens another 8-15% less through session 16's:
-``benchmarks/results/measurements/cpu-rows-kernel*.json``). Session 19's streams the weight at the
-machine's read bandwidth (prefetching 16 weight rows ahead into L2, not the next block into L1): one-row
-products read the weight up to 1.7x faster (``cpu-linear-bandwidth.json``), whole forwards take 0.66-0.83x the
-time at 1-12 tokens (``cpu-rows-kernel-s19*.json``), so plain decoding and every small verify step got faster. It computes a
-row the same way whatever the row count: a row's linear outputs are bit for bit those of a one-row
-call (the attention around them is not batch-invariant, so whole forwards still differ in the last
-bits), the same in its AVX2 and AVX-512VL builds, and on input widths that are multiples of 8 (the models'
-hidden and MLP sizes) the same bits as session 16's kernel.
+for many rows and pay for it at few. This kernel streams each weight once at the machine's read
+bandwidth (16 weight rows prefetched ahead into L2) whatever the row count, so plain decoding and
+every small verify step cost little more than reading the weights (``docs/cpu-kernel.md`` has the
+measurements). It computes a row the same way whatever the row count: a row's linear outputs are
+bit for bit those of a one-row call (the attention around them is not batch-invariant, so whole
+forwards still differ in the last bits), and the same in its AVX2 and AVX-512VL builds.
 
 Compiled with torch's C++ extension tooling (a C++ compiler, AVX2 + FMA, AVX-512VL where present, OpenMP) into
 the project's cache (``~/.cache/toolspec/kernels``, or under ``TOOLSPEC_CACHE``) on first use (``scripts/setup.sh`` does it up front, ~1 min); where
@@ -31,9 +26,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "rows_linear.cpp"
-# up to this many rows the kernel beats oneDNN on the dev CPU (whole-model forwards, session 19's kernel:
-# 0.70-0.94x oneDNN's time at 16-64 tokens, measurements/cpu-rows-kernel-s19-above20.json): every verify
-# step the budget allows (root + 63 nodes) goes through it
+# up to this many rows the kernel beats oneDNN on the dev CPU (whole-model forwards at 16-64 tokens take
+# 0.70-0.94x oneDNN's time, docs/cpu-kernel.md): every verify step the budget allows (root + 63 nodes)
+# goes through it
 MAX_ROWS = 64
 
 

@@ -309,8 +309,7 @@ class _Builder:
         # after prose a call starts on a new line, most often once the prose has announced it ("...:\n\n")
         p_line = self.ANNOUNCED if text.rstrip().endswith(":") else self.AFTER_PROSE
         out = []
-        layouts = [lay for lay in LAYOUTS if lay.name in ("hermes", "fence", "bare_pretty", "bare")]
-        for lay, w in zip(layouts, self.priors.layout_weights(layouts)):
+        for lay, w in zip(LAYOUTS, self.priors.layout_weights(LAYOUTS)):
             full = lay.opener + "{"
             j = _overlap(text, full) if lay.opener else 0
             if j and not (text[:-j] == "" or text[:-j].endswith("\n")):

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from toolspec_core.drafters.base import DraftContext, LabelRates, add_copies, rate_key
 from toolspec_core.drafters.history import TenantHistories
-from toolspec_core.drafters.labels import DERIVED, NEXT_CALL, OBJ_KEY, OWN_CALL, PATTERN, RETRIEVAL, SPAN, SUFFIX, SUFFIX_STATES, VALUE, base_label, is_chain, match_label
+from toolspec_core.drafters.labels import (
+    ARG_NAME, CALL_KEY, DERIVED, END, NEXT_CALL, OBJ_KEY, OPENER, OWN_CALL, PATTERN, RETRIEVAL, SPAN, SUFFIX, SUFFIX_STATES,
+    TOOL_NAME, VALUE, base_label, is_chain, match_label,
+)
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter
 from toolspec_core.drafters.suffix_trie import SuffixTrie
 from toolspec_core.drafters.toolcall.boundary import BoundaryTokenizer
 from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
 from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
-from toolspec_core.drafters.toolcall.layouts import LAYOUTS
+from toolspec_core.drafters.toolcall.layouts import LAYOUTS, layout_of
 from toolspec_core.drafters.toolcall.library import CallLibrary, MemoryLibrary, PastCall
 from toolspec_core.drafters.toolcall.objkeys import KeyIndex, KeyScanner
 from toolspec_core.drafters.toolcall.parse import parse_tool_calls
@@ -28,7 +31,7 @@ from toolspec_core.engine.verify import VerifyResult
 from toolspec_core.model.target import turn_end_ids
 
 
-DEFAULT_RATES = {"schema": 0.97, "tool_name": 0.97, "arg_name": 0.97, "value": 0.9, "end_of_call": 0.95, "opener": 0.9,
+DEFAULT_RATES = {CALL_KEY: 0.97, TOOL_NAME: 0.97, ARG_NAME: 0.97, VALUE: 0.9, END: 0.95, OPENER: 0.9,
                  RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, OWN_CALL: 0.5, OWN_CALL + "+": 0.85, SPAN: 0.6, SPAN + "+": 0.85, DERIVED: 0.5, DERIVED + "+": 0.85, PATTERN: 0.5, PATTERN + "+": 0.85, NEXT_CALL: 0.5, OBJ_KEY: 0.6}
 
 
@@ -367,7 +370,7 @@ class SchemaMethod:
                 self.priors.events.count("prose_after", bool(text[end:].strip()))
         for c in parsed.calls:
             self.priors.tool_counts[c.name] = self.priors.tool_counts.get(c.name, 0.0) + 1.0
-        lay = _layout_of(text)
+        lay = layout_of(text).name
         self.priors.layout_counts[lay] = self.priors.layout_counts.get(lay, 0.0) + 1.0
         if self.library is not None and req.remember:
             for c in parsed.calls:
@@ -399,12 +402,3 @@ def _as_past_call(c) -> PastCall:
 
 
 TEXT_CLOSERS = tuple(sorted({lay.closer.strip() for lay in LAYOUTS if lay.closer}))  # "</tool_call>", "```"
-
-
-def _layout_of(text: str) -> str:
-    s = text.lstrip()
-    if s.startswith("<tool_call>"):
-        return "hermes"
-    if s.startswith("```"):
-        return "fence"
-    return "bare_pretty" if s.startswith("{\n") else "bare"

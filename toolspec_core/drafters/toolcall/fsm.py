@@ -14,7 +14,7 @@ import copy
 from dataclasses import dataclass, field, replace
 
 from toolspec_core.drafters.labels import ARG_NAME, BETWEEN, CALL_KEY, END, TEXT, TOOL_NAME, VALUE
-from toolspec_core.drafters.toolcall.layouts import LAYOUTS, Layout
+from toolspec_core.drafters.toolcall.layouts import Layout, opened_by
 from toolspec_core.drafters.toolcall.objkeys import KeyIndex
 
 
@@ -148,7 +148,7 @@ class CallTracker:
 
     def _text_char(self, ch: str) -> None:
         if ch in "{[" and self._json_may_start():
-            self.layout = self._detect_layout()
+            self.layout = opened_by(self.text_since_json)
             self.after_json = False
             self._open(ch)
             return
@@ -159,14 +159,6 @@ class CallTracker:
         before = self.text_since_json
         stripped = before.rstrip(" \t")
         return stripped == "" or stripped.endswith("\n") or stripped.endswith("<tool_call>")
-
-    def _detect_layout(self) -> Layout:
-        before = self.text_since_json.rstrip()
-        if before.endswith("<tool_call>"):
-            return LAYOUTS[0]
-        if before.endswith("```json") or before.endswith("```"):
-            return LAYOUTS[1]
-        return LAYOUTS[3]
 
     def _str_char(self, ch: str) -> None:
         if self.esc:

@@ -5,18 +5,15 @@
 // in its own [out, in] layout (no copy), NB weight rows at a time (a block) against passes of at
 // most MB input rows (NB x MB accumulators of 8 floats). Every pass of a block prefetches its share
 // of the weight rows DIST rows ahead into L2, spread evenly over its k loop, so DRAM streams at
-// every row count while the passes compute: prefetching only the next block into L1 (session 16's
-// kernel) left one-row products well below the machine's read bandwidth (15-24 GB/s where torch.sum
-// read 25-38 on the 2-core EPYC, now 23-29: benchmarks/results/measurements/cpu-linear-bandwidth.json;
-// whole forwards: cpu-rows-kernel-s19*.json). Where the compiler may use
-// AVX-512VL, the 32 ymm registers hold bigger tiles (up to 4 x 6 accumulators instead of 3 x 4).
+// every row count while the passes compute (one-row products read the weight at close to what
+// torch.sum reads it at: docs/cpu-kernel.md). Where the compiler may use AVX-512VL, the 32 ymm
+// registers hold bigger tiles (up to 4 x 6 accumulators instead of 3 x 4).
 //
 // Every output y[m, n] is one dot product accumulated in the same order (8 lanes over k, then a
 // fixed horizontal sum, then the k tail) whatever M is and whichever tile computes it: a row's
 // result does not depend on how many rows share the call (batch-invariant, bit for bit). The k tail is
-// unfused multiply + add in every build (compiled with -ffp-contract=off: under -mavx512f gcc compiled it
-// otherwise than under AVX2 alone); where the input width is a multiple of 8 (every hidden / MLP size of
-// the models here) there is no tail and the bits are session 16's kernel's.
+// unfused multiply + add in every build (compiled with -ffp-contract=off, so that gcc cannot fuse it
+// under -mavx512f and not under AVX2 alone), so the AVX2 and AVX-512VL builds agree bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -36,8 +33,8 @@ inline float hsum(__m256 v) {
 }
 
 // NB weight rows (w, stride K) x MB input rows (x, stride K) -> y (stride N), prefetching ``lines``
-// cache lines from ``pf`` into L2 spread evenly over the k loop. Not inlined: gcc 12 compiled some
-// shapes 1.5x slower inlined into the dispatch switch (benchmarks/results/measurements/cpu-rows-kernel-s16-codegen.json).
+// cache lines from ``pf`` into L2 spread evenly over the k loop. Not inlined: gcc 12 compiles some
+// shapes 1.5x slower when this is inlined into the dispatch switch.
 template <int NB, int MB>
 __attribute__((noinline)) void tile(const float* x, int64_t K, const float* w, float* y, int64_t N, const char* pf, int64_t lines) {
   __m256 acc[NB][MB];
