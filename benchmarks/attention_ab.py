@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefix", type=int, default=500, help="cached prefix length")
-    ap.add_argument("--out", default="benchmarks/results/measurements/cpu-attention-grouped.json")
+    ap.add_argument("--out", default="benchmarks/runs/attention-grouped.json")
     args = ap.parse_args(argv)
     target = load_target(threads=args.threads)
     ks = [int(k) for k in args.ks.split(",")]

@@ -12,7 +12,7 @@ curve; a method's projected speedup over plain greedy against the oracle's says 
 copyable ceiling it reaches, and oracle / best baseline bounds what any such ToolSpec could gain
 over the baseline.
 
-    python -m benchmarks.copy_bound benchmarks/results/raw/cpu-streamkernel [--cost run|flat] [--json-out F]
+    python -m benchmarks.copy_bound benchmarks/runs/RUN [--cost run|flat] [--json-out F]
 """
 
 from __future__ import annotations

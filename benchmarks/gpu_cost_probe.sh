@@ -5,7 +5,7 @@
 # Writes cost-<gpu>-<shape>.json into $OUT (default benchmarks/results/curves), which every bench
 # report picks up as projection curves. (The committed cost-h200-*.json were taken with the bare
 # forward + lm_head, before bench-cost used the engine path; the engine path measured within 0.03 of
-# them: results/measurements/gpu-h200-*-engine-curve.json.)
+# them: results/measurements/engine-curve-h200-*.json.)
 #
 # Prepared to run in one short session (~3-5 min on an H100/H200 class GPU; the 32B shape needs
 # ~66 GB of GPU memory). Runs under the GPU image's own torch/transformers (>= 5.0; the cache

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 PARTS=${1:?directory with gguf.part-*, the gguf wheel and data.tar}
 MAX_ITEMS=${2:-24}
 WORK=${WORK:-/root/toolspec-gpu}
-RUN=${OUT:-benchmarks/results/raw}/gpu-embedded
+RUN=${OUT:-benchmarks/runs}/gpu-embedded
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 mkdir -p "$WORK/site" "$WORK/data"
 if [ ! -f "$WORK/Qwen2.5-Coder-0.5B-Instruct/config.json" ]; then

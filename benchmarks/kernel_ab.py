@@ -8,7 +8,7 @@ what every step really cost relative to the same item's median plain-greedy step
 does a kernel that is faster per layer make decoding faster; does the start-up curve predict
 what steps really cost; does calibrating the curve pay?
 
-    python -m benchmarks.kernel_ab [--items 4] [--out benchmarks/results/measurements/cpu-kernel-ab.json]
+    python -m benchmarks.kernel_ab [--items 4] [--out benchmarks/runs/kernel-ab.json]
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--items", type=int, default=4, help="items per benchmark (API-Bank, BFCL)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/results/measurements/cpu-kernel-ab.json")
+    ap.add_argument("--out", default="benchmarks/runs/kernel-ab.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     summary = summarize(measure(a.items))

@@ -4,7 +4,7 @@ model; and its compute rate at more rows with one weight kept in cache. Why: one
 memory-bound, so GB/s says how far the kernel is from what the memory allows; many-row products are
 bound by the cores, so GFLOP/s with the weight in cache says how far the arithmetic is from the FMA peak.
 
-    python -m benchmarks.linear_bandwidth [--baseline-rev REV] [--out benchmarks/results/measurements/cpu-linear-bandwidth.json]
+    python -m benchmarks.linear_bandwidth [--baseline-rev REV] [--out benchmarks/runs/linear-bandwidth.json]
 
 Bandwidth: each shape gets fresh random weights, up to 24 copies and ~2 GB (at least 77 MB: more than
 the L3), read round-robin. Compute: one MLP-shaped weight (4864 x 896, 17 MB: in L3) read again and again.
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--baseline-rev", default=None, help="also measure the kernel of this git revision")
-    ap.add_argument("--out", default="benchmarks/results/measurements/cpu-linear-bandwidth.json")
+    ap.add_argument("--out", default="benchmarks/runs/linear-bandwidth.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     res = {"what": "GB/s of weight read by one-row products (x[1, in] . W[out, in]^T) per weight shape of Qwen2.5-0.5B, "

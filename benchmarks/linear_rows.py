@@ -6,7 +6,7 @@ The measurement behind ``toolspec_core.model.cpu_linears.tune_cpu_linears`` (and
 CPUs the BLAS switches kernels at a few rows, which is what a tree-verify forward hits. Shapes of
 the embedded Qwen2.5-0.5B (lm_head 151936x896, MLP 4864x896), float32.
 
-    python -m benchmarks.linear_rows [--threads 2] [--out benchmarks/results/measurements/cpu-linear-rows.json]
+    python -m benchmarks.linear_rows [--threads 2] [--out benchmarks/runs/linear-rows.json]
 
 ``cpu-linear-rows.json`` is the Intel Xeon dev box, ``cpu-linear-rows-epyc.json`` an AMD EPYC one (where
 ``F.linear`` is slow at 1-3 rows too: why ``tune_cpu_linears`` measures that choice at load).
@@ -55,7 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="benchmarks/results/measurements/cpu-linear-rows.json")
+    ap.add_argument("--out", default="benchmarks/runs/linear-rows.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     res = {"hardware": hardware_string(),

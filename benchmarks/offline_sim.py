@@ -5,7 +5,7 @@ Greedy output is a function of the prompt only, so the recorded ``ar`` tokens ar
 target will write; steps / MAT / per-state losses of a drafter change come out in seconds instead
 of a benchmark run. Timing is not simulated -- the budget uses the given cost curve.
 
-    python -m benchmarks.offline_sim benchmarks/results/raw/cpu-all --methods toolspec_schema,toolspec [--show 5]
+    python -m benchmarks.offline_sim benchmarks/runs/RUN --methods toolspec_schema,toolspec [--show 5]
 
 A step prints as ``[accepted/drafted]`` followed by the accepted text and the target's own token.
 ``--regions`` also splits each benchmark's projected cost by region of the output (before the first

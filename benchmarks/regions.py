@@ -7,7 +7,7 @@ baseline drafts (suffix matches over the context and the same history). This spl
 measured step times by the regions of the tokens each step writes, so the ratio over the best
 baseline can be read where the schema can help and where it cannot.
 
-    python -m benchmarks.regions benchmarks/results/raw/cpu-owncalls [--out F.json]
+    python -m benchmarks.regions benchmarks/runs/RUN [--out F.json]
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval_service.embedding import HiddenStateEmbedder, LexicalEmbedder, normalise
+from deployments.hidden_keys import HiddenStateEmbedder
+from retrieval_service.embedding import LexicalEmbedder, normalise
 from retrieval_service.records import CallRecord, schema_hash
 from retrieval_service.store import MemoryStore
 
@@ -254,7 +255,7 @@ def main(argv=None) -> None:
     ap.add_argument("--limit", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", default="/tmp/toolspec-key-eval/hidden.npz")
-    ap.add_argument("--out", default="benchmarks/results/retrieval/retrieval-key-eval.json")
+    ap.add_argument("--out", default="benchmarks/runs/retrieval-key-eval.json")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     items = load_items(Path(args.data), args.stride, args.limit)

@@ -7,7 +7,7 @@ alternating variant by round so a machine whose speed drifts affects both alike.
 milliseconds (what plain decoding and every drafting method pay per step) and the cost curve
 relative to each variant's own 1-token forward (what the budget sees).
 
-    python -m benchmarks.rows_kernel_ab [--rounds 4] [--out benchmarks/results/measurements/cpu-rows-kernel.json]
+    python -m benchmarks.rows_kernel_ab [--rounds 4] [--out benchmarks/runs/rows-kernel-ab.json]
 
 ``--baseline-rev REV`` compares the kernel against the kernel source of another git revision instead of
 oneDNN (both built here, same forwards, same alternation): how a kernel change is measured
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="forward sizes (tokens, the 1-token one included)")
     ap.add_argument("--max-rows", type=int, default=None, help="let the kernel take forwards up to this many rows")
     ap.add_argument("--baseline-rev", default=None, help="compare against the kernel of this git revision, not oneDNN")
-    ap.add_argument("--out", default="benchmarks/results/measurements/cpu-rows-kernel.json")
+    ap.add_argument("--out", default="benchmarks/runs/rows-kernel-ab.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     other = f"the kernel of git revision {a.baseline_rev} (rows_kernel_{a.baseline_rev})" if a.baseline_rev else "the oneDNN / F.linear dispatch (onednn)"

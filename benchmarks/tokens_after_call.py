@@ -1,7 +1,7 @@
 """Share of plain-greedy output tokens written after the first complete call (made-up tool results,
 further calls), per benchmark, from a run's raw records -- where schema drafting of calls cannot help.
 
-    python -m benchmarks.tokens_after_call benchmarks/results/raw/cpu-objkeys
+    python -m benchmarks.tokens_after_call benchmarks/runs/RUN
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 reopening the store (a replica restart). One search thread (``OMP_NUM_THREADS=1``) on purpose:
 the store shares the CPU with the model.
 
-    OMP_NUM_THREADS=1 python -m retrieval_service.bench_store --out benchmarks/results/retrieval/retrieval-store-bench.json
+    OMP_NUM_THREADS=1 python -m retrieval_service.bench_store --out benchmarks/results/retrieval/store-bench-cpu-xeon-26a95a4.json
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tools", type=int, default=25)
     ap.add_argument("--queries", type=int, default=200)
     ap.add_argument("--adds", type=int, default=100)
-    ap.add_argument("--out", default="benchmarks/results/retrieval/retrieval-store-bench.json")
+    ap.add_argument("--out", default="benchmarks/runs/store-bench.json")
     args = ap.parse_args(argv)
     records = _records(args.points, args.dim, args.tenants, args.tools)
     root = Path(tempfile.mkdtemp(prefix="store-bench-"))

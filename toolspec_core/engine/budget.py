@@ -86,8 +86,8 @@ class Calibration:
     """Running verify cost per forward size, from real decode steps.
 
     A start-up probe can be far off what decoding pays (on a shared CPU its k-token forwards
-    came out ~25-40% cheaper relative to one token than real steps did:
-    ``benchmarks/results/measurements/cpu-kernel-ab.json``), and an accelerator's curve moves with load. Each
+    came out ~25-40% cheaper relative to one token than real steps did, ``python -m
+    benchmarks.kernel_ab``), and an accelerator's curve moves with load. Each
     step's seconds go to the bucket of the smallest measured k >= rows; every ``every`` steps a
     bucket with ``min_steps`` recent steps gets median(bucket) / median(1-token steps). Buckets
     decoding never uses keep their start-up value, so a too-cheap one gets tried and corrected.

@@ -69,7 +69,7 @@ def small_row_kernels(weight: torch.Tensor, dnn: torch.Tensor | None, small_rows
     Why measured: which kernel is fastest at a few rows depends on the CPU, not the model. On
     the Intel Xeon dev box ``F.linear``'s matrix-vector kernel wins at 1-3 rows (lm_head 19 ms vs
     oneDNN 20 ms); on an AMD EPYC it is 1.9-5x slower than oneDNN there (lm_head 34 / 75 / 107 ms
-    at 1 / 2 / 3 rows vs 18 / 20 / 21 ms: ``results/measurements/cpu-linear-rows-epyc.json``).
+    at 1 / 2 / 3 rows vs 18 / 20 / 21 ms: ``results/measurements/linear-rows-cpu-epyc-6e488eb.json``).
     Plain decoding (1 row) gets the faster one too, so speedups are never measured against a
     needlessly slow baseline. Entry ``r - 1`` is the choice for ``r`` rows.
     """
@@ -100,7 +100,7 @@ def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packe
     against 1.4-1.9x for ``x @ W.T`` on a transposed copy, the fallback where torch has no oneDNN).
     With ``packed_rows=16`` and no rows kernel, 4..16 rows go through MKL's packed GEMM instead of
     oneDNN (inputs padded; opt-in, one more weight copy). Measured by ``python -m benchmarks.linear_rows`` ->
-    ``results/measurements/cpu-linear-rows.json`` and ``python -m benchmarks.kernel_ab``.
+    ``results/measurements/linear-rows-cpu-xeon-bc0b02f.json`` and ``python -m benchmarks.kernel_ab``.
     Without the rows kernel, at 1-3 rows (plain decoding included) the faster of ``F.linear`` and
     oneDNN is measured once per weight shape (:func:`small_row_kernels`; ``small_kernels``: shape ->
     choices, given or filled here). ``kernel_module``: a built rows kernel to use instead of
