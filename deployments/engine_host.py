@@ -8,7 +8,6 @@ streaming; each request owns its KV cache (the shared prefix entry is cloned, ne
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
 import time
@@ -22,8 +21,6 @@ from toolspec_core.errors import InvalidRequestError
 from .config import ServeAppConfig, served_name
 
 log = logging.getLogger("toolspec.serve")
-
-TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -118,35 +115,11 @@ def shared_prefix_len(prompt_ids: list[int], turn_end_ids: set[int]) -> int:
     return 0
 
 
-def forced_prefix(tool_choice, tools: list[dict]) -> str:
-    """Text that opens a call (Hermes/Qwen layout) when the caller demands one and no grammar
-    constraint is available: the model continues from it; the result is still verified/parsed."""
-    if isinstance(tool_choice, dict):
-        return '<tool_call>\n{"name": "' + tool_choice["function"]["name"] + '", "arguments":'
-    if tool_choice == "required":
-        return '<tool_call>\n{"name":'
-    return ""
-
-
-def _constraint_factory():
-    """``toolspec_core.engine.grammar.make_tool_constraint`` when the core has it (and decode takes it)."""
-    try:
-        from toolspec_core.engine import grammar as constrain
-        from toolspec_core.engine.loop import decode
-    except ImportError:
-        return None
-    if "constraint" not in inspect.signature(decode).parameters:
-        return None
-    return getattr(constrain, "make_tool_constraint", None)
-
-
 @dataclass
 class Prepared:
-    """A validated request: prompt ids (+ forced opener), decode settings, optional grammar."""
+    """A validated request: prompt ids, decode settings, optional grammar (``tool_choice``)."""
 
     prompt_ids: list[int]
-    forced_text: str
-    forced_ids: list[int]
     decode_cfg: Any
     constraint: Any = None
     prefix_len: int = 0
@@ -155,10 +128,7 @@ class Prepared:
 
 @dataclass
 class HostStats:
-    requests: int = 0
-    errors: int = 0
-    cancelled: int = 0
-    prefix_hit_tokens: int = 0
+    cancelled: int = 0  # streams closed by the client mid-decode
 
 
 # ---------------------------------------------------------------------------------------- host
@@ -172,10 +142,9 @@ class EngineHost:
         self.library, self.retrieval, self.embedder = library, retrieval, embedder
         self.pool = ThreadPoolExecutor(max_workers=cfg.max_ongoing_requests + 1, thread_name_prefix="toolspec-decode")
         self.prefixes = PrefixCache(cfg.prefix_cache_entries)
-        tok = target.tokenizer
-        ids = {tok.convert_tokens_to_ids(t) for t in TURN_END_TOKENS}
-        self.turn_end = {i for i in ids if isinstance(i, int) and i >= 0 and i != getattr(tok, "unk_token_id", None)}
-        self.make_constraint = _constraint_factory()
+        from toolspec_core.model.target import turn_end_tokens
+
+        self.turn_end = set(turn_end_tokens(target.tokenizer))
         self.stats = HostStats()
         self.name = served_name(cfg)
 
@@ -185,9 +154,9 @@ class EngineHost:
         """Load the target (or start TP workers), build the method, measure the cost model."""
         import torch
 
-        from toolspec_core.engine.budget import CostModel
-        from toolspec_core.engine.cost_probe import measure_cost_model
-        from toolspec_core.drafters.methods import make_method
+        from toolspec_core.drafters.methods import make_method, method_class
+        from toolspec_core.engine.cost_probe import cost_model_for
+        from toolspec_core.engine.grammar import _lltokenizer
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -198,24 +167,14 @@ class EngineHost:
 
             library = ServeLibrary(retrieval)
         opts = dict(cfg.method_options)
-        if library is not None and cfg.method.startswith("toolspec"):
-            opts.setdefault("library", library)
         try:
+            if library is not None and method_class(cfg.method).uses_library:
+                opts.setdefault("library", library)
             method = make_method(cfg.method, target.tokenizer, **opts)
         except Exception as exc:
             raise RuntimeError(f"cannot build decoding method {cfg.method!r}: {exc}") from exc
-        cost = {
-            "measure": lambda: measure_cost_model(target),
-            "reference": CostModel.cpu_reference,
-            "flat": CostModel.flat,
-            "none": lambda: None,
-        }[cfg.cost_model]()
-        if cost is not None:
-            cost.calibrate = cfg.calibrate_cost
-        if _constraint_factory() is not None:  # build llguidance's tokenizer view now, not on a request
-            from toolspec_core.engine.grammar import _lltokenizer
-
-            _lltokenizer(target.tokenizer)
+        cost = cost_model_for(cfg.cost_model, target, cfg.calibrate_cost)
+        _lltokenizer(target.tokenizer)  # build llguidance's tokenizer view now, not on a request
         embedder = None
         if retrieval is not None and cfg.retrieval.key == "lexical":
             from retrieval_service.embedding import LexicalEmbedder
@@ -233,34 +192,31 @@ class EngineHost:
 
     # ------------------------------------------------------------------ blocking steps (threads)
     def _prepare(self, req: dict) -> Prepared:
+        from toolspec_core.engine.grammar import make_tool_constraint
         from toolspec_core.engine.loop import DecodeConfig, check_prompt
-        from toolspec_core.model.prompting import render_prompt
         from toolspec_core.engine.sampling import SamplingParams
+        from toolspec_core.model.prompting import render_prompt
 
         tok = self.target.tokenizer
         tools = req["tools"] if req["tool_choice"] != "none" else []
         prompt = render_prompt(tok, req["messages"], tools or None)
-        constraint, forced = None, ""
+        constraint = None
         if tools and req["tool_choice"] not in ("auto", "none"):
-            if self.make_constraint is not None:
-                vocab = getattr(self.target.model.config, "vocab_size", None)
-                constraint = self.make_constraint(tok, tools, req["tool_choice"], vocab_size=vocab)
-            else:
-                forced = forced_prefix(req["tool_choice"], tools)
-        forced_ids = tok(forced, add_special_tokens=False)["input_ids"] if forced else []
-        room = self.target.max_context - len(prompt) - len(forced_ids)
+            vocab = getattr(self.target.model.config, "vocab_size", None)
+            constraint = make_tool_constraint(tok, tools, req["tool_choice"], vocab_size=vocab)
+        room = self.target.max_context - len(prompt)
         if req["max_tokens"] is None:
             if room < 1:
-                check_prompt(self.target, prompt + forced_ids, 1)
+                check_prompt(self.target, prompt, 1)
             max_new = min(self.cfg.max_tokens_default, room)
         else:
-            max_new = max(1, req["max_tokens"] - len(forced_ids))  # the forced opener counts as completion
-        check_prompt(self.target, prompt + forced_ids, max_new)
+            max_new = max(1, req["max_tokens"])
+        check_prompt(self.target, prompt, max_new)
         temperature = req["temperature"] if req["temperature"] is not None else self.cfg.default_temperature
         sampling = SamplingParams(temperature, req["top_p"], req["top_k"], req["seed"])
         cfg = DecodeConfig(max_new, tuple(req["stop"]), sampling)
         key = self.embedder.embed_request(req["messages"], tools) if self.embedder is not None and tools else None
-        return Prepared(prompt + forced_ids, forced, forced_ids, cfg, constraint, key=key)
+        return Prepared(prompt, cfg, constraint, key=key)
 
     def _prefill(self, prep: Prepared):
         from toolspec_core.engine.loop import prefill
@@ -276,7 +232,6 @@ class EngineHost:
                 self.prefixes.put(key, prefix)
             else:
                 prep.prefix_len = n
-                self.stats.prefix_hit_tokens += n
         return prefill(self.target, ids, prefix)
 
     def _decode(self, prep: Prepared, pre, info, on_tokens):
@@ -287,7 +242,7 @@ class EngineHost:
         result = decode(self.target, pre, drafter, prep.decode_cfg, self.cost, own_cache=True, on_tokens=on_tokens, **kwargs)
         if result.finish_reason != "cancelled":
             try:
-                self.method.observe(info, result.tokens, prep.forced_text + result.text)
+                self.method.observe(info, result.tokens, result.text)
             except Exception:  # learning must never fail a finished request
                 log.exception("method.observe failed")
         return result
@@ -305,14 +260,12 @@ class EngineHost:
 
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        self.stats.requests += 1
         try:
             prep = await loop.run_in_executor(self.pool, self._prepare, req)
         except InvalidRequestError as exc:
-            self.stats.errors += 1
             yield error_event(exc)
             return
-        yield {"event": "start", "prompt_tokens": len(prep.prompt_ids) - len(prep.forced_ids)}
+        yield {"event": "start", "prompt_tokens": len(prep.prompt_ids)}
         # a search keyed on the request text runs while the prompt is prefilled
         wants_history = self.retrieval is not None and bool(req["tools"]) and req["tool_choice"] != "none"
         embedding, search = prep.key, None
@@ -348,8 +301,6 @@ class EngineHost:
                 loop.call_soon_threadsafe(queue.put_nowait, done)
 
         fut = loop.run_in_executor(self.pool, run)
-        if prep.forced_text:
-            yield {"event": "text", "delta": prep.forced_text}
         try:
             while True:
                 item = await queue.get()
@@ -378,10 +329,10 @@ class EngineHost:
         }
         yield {
             "event": "done",
-            "text": prep.forced_text + result.text,
+            "text": result.text,
             "finish_reason": result.finish_reason,
-            "prompt_tokens": len(prep.prompt_ids) - len(prep.forced_ids),
-            "completion_tokens": len(prep.forced_ids) + len(result.tokens),
+            "prompt_tokens": len(prep.prompt_ids),
+            "completion_tokens": len(result.tokens),
             "stats": {k: v for k, v in stats.items() if not k.endswith("_per_step") and k != "step_labels"},
             "extra": extra,
         }
@@ -403,18 +354,15 @@ class EngineHost:
 
 def load_serving_target(cfg: ServeAppConfig):
     """Single-process target, or a tensor-parallel one whose workers are Ray actors."""
-    import torch
+    from toolspec_core.model.target import load_target, resolve_dtype
 
-    from toolspec_core.model.target import load_target
-
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     device = resolve_device(cfg.device)
     if target_placement(cfg.tensor_parallel_size, device, cfg.replica_num_gpus) == "workers":
         from .tp import start_tp_target
 
         gpus = cfg.tp_worker_num_gpus if cfg.tp_worker_num_gpus is not None else (1.0 if device == "cuda" else 0.0)
         return start_tp_target(cfg.model, cfg.tensor_parallel_size, cfg.dtype, device, cfg.tp_worker_num_cpus, gpus, cfg.threads)
-    return load_target(cfg.model, dtypes[cfg.dtype], packed_rows=cfg.cpu_packed_rows, device=device)
+    return load_target(cfg.model, resolve_dtype(cfg.dtype, device), packed_rows=cfg.cpu_packed_rows, device=device)
 
 
 def target_placement(tp_size: int, device: str, replica_num_gpus: float) -> str:

@@ -26,11 +26,8 @@ class RetrievalServer:
         from retrieval_service.service import RetrievalService
 
         self.svc = RetrievalService(store_config)
-        self.delay_s = 0.0  # test hook: simulate a slow store
 
     async def search(self, tenant: str, embedding: list[float], tool_names: list[str] | None = None, k: int = 10) -> list[dict]:
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
         return await asyncio.to_thread(self.svc.search, tenant, embedding, tool_names, k)
 
     async def add(self, tenant: str, tool_name: str, schema_hash: str, text: str, token_ids: list[int], arguments: dict, embedding: list[float], remember: bool = True):
@@ -38,9 +35,6 @@ class RetrievalServer:
 
     async def stats(self) -> dict:
         return await asyncio.to_thread(self.svc.stats)
-
-    async def set_delay(self, seconds: float) -> None:
-        self.delay_s = float(seconds)
 
 
 def _digest(embedding) -> str:
@@ -119,7 +113,10 @@ async def _awaitable(resp):
 
 
 class ServeLibrary:
-    """``toolspec_core.drafters.toolcall.library.CallLibrary`` over the client, callable from decode threads."""
+    """The write side of ``toolspec_core.drafters.toolcall.library.CallLibrary`` over the client,
+    callable from decode threads. Searches never go through it: the host runs one per request on
+    the event loop (``EngineHost._retrieve``) and hands the drafter its results
+    (``RequestInfo.retrieved``, never None when retrieval is on)."""
 
     def __init__(self, client: RetrievalClient, max_hashes: int = 4096):
         self.client = client
@@ -137,17 +134,6 @@ class ServeLibrary:
                 continue
         while len(self._hashes) > self.max_hashes:
             self._hashes.popitem(last=False)
-
-    def search(self, tenant: str, embedding, tool_names=None, k: int = 10) -> list:
-        """Blocking search (only used when a request comes without prefetched results)."""
-        loop = self.client.loop
-        if loop is None or embedding is None:
-            return []
-        fut = asyncio.run_coroutine_threadsafe(self.client.search(tenant, embedding, list(tool_names or [])), loop)
-        try:
-            return fut.result(self.client.cfg.timeout_s * 2)[0] or []
-        except Exception:
-            return []
 
     def add(self, tenant: str, call, embedding, remember: bool = True) -> None:
         if not remember or embedding is None or self.client.loop is None:

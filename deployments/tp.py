@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from toolspec_core.model.target import Target, cache_kwarg, load_hf_model
+from toolspec_core.engine.commit import commit_kv
+from toolspec_core.model.target import Target, cache_kwarg, load_hf_model, resolve_dtype
 
 
 def _free_port() -> int:
@@ -52,9 +53,6 @@ def extensions_dir() -> str:
     from toolspec_core.model.embedded import cache_root
 
     return os.environ.get("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions"))
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TPWorker:
@@ -78,7 +76,7 @@ class TPWorker:
             import deepspeed
         if threads:
             torch.set_num_threads(threads)
-        dtype = _DTYPES[self.dtype]
+        dtype = resolve_dtype(self.dtype, self.device)
         model = load_hf_model(self.model_path, dtype)  # grouped attention set before sharding: each rank groups its own heads
         if self.world == 1:  # one accelerator, no sharding: the same remote-worker path, no DeepSpeed
             self.model = model.to(self.device)
@@ -114,19 +112,10 @@ class TPWorker:
             elif kind == "free":
                 self.caches.pop(op[1], None)
             elif kind == "commit":
-                # keep rows [0, keep) as they are, then ``tail`` (old row indices) -- the
-                # engine's commit_kv (gather + crop) replayed on this rank's shard
-                _, cid, keep, tail = op
-                cache = self.caches[cid]
-                total = cache.get_seq_length()
-                if tail:
-                    for layer in cache.layers:
-                        src = torch.tensor(tail, dtype=torch.long, device=layer.keys.device)
-                        layer.keys[:, :, keep : keep + len(tail)] = layer.keys.index_select(2, src)
-                        layer.values[:, :, keep : keep + len(tail)] = layer.values.index_select(2, src)
-                drop = total - keep - len(tail)
-                if drop > 0:
-                    cache.crop(-drop)
+                # keep rows [0, keep) as they are, then ``rows`` (old row indices minus ``keep``):
+                # the engine's own KV commit, replayed on this rank's shard
+                _, cid, keep, rows = op
+                commit_kv(self.caches[cid], keep, rows)
 
     def forward(self, ops: list[tuple], cid: int, ids, pos, mask):
         """Apply queued cache ops, then one forward on cache ``cid``; rank 0 returns hidden [T, H]."""
@@ -140,7 +129,7 @@ class TPWorker:
         with torch.inference_mode():
             out = self.model.model(
                 input_ids=ids.to(dev), position_ids=pos.to(dev),
-                attention_mask=None if mask is None else mask.to(dev, _DTYPES[self.dtype]),
+                attention_mask=None if mask is None else mask.to(dev, resolve_dtype(self.dtype, dev.type)),
                 use_cache=True, **{cache_kwarg(self.model.model): cache},
             )
         return out.last_hidden_state[0].cpu() if self.rank == 0 else None
@@ -227,7 +216,7 @@ class TPGroup:
                 keep = 0
                 while keep < len(rows) and rows[keep] == keep:
                     keep += 1
-                self.queue(("commit", cache.cid, keep, rows[keep:]))
+                self.queue(("commit", cache.cid, keep, [r - keep for r in rows[keep:]]))
             ops = self._drain()
             if self.local:
                 outs = [w.forward(ops, cache.cid, input_ids, position_ids, mask) for w in self.workers]
@@ -351,7 +340,8 @@ def start_tp_target(
     except OSError:
         gen = None
     remote_head = device != "cpu"
-    head = _HeadOnly(config, gen, None if remote_head else load_lm_head(path, _DTYPES[dtype]), _DTYPES[dtype])
+    torch_dtype = resolve_dtype(dtype, device)
+    head = _HeadOnly(config, gen, None if remote_head else load_lm_head(path, torch_dtype), torch_dtype)
     tok = AutoTokenizer.from_pretrained(str(path))
     target = TPTarget(
         model=head, tokenizer=tok, name=path.name, eos_ids=_eos_ids(head, tok),

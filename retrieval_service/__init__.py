@@ -1,7 +1,7 @@
 """ToolSpec's history library of tool calls: records, stores (memory / Qdrant Edge / Qdrant),
 request embedders and the retrieval service. Qdrant packages and torch load lazily."""
 
-from .embedding import Embedder, HFEmbedder, HiddenStateEmbedder, LexicalEmbedder, from_hidden, request_text
+from .embedding import Embedder, HFEmbedder, LexicalEmbedder, from_hidden, request_text
 from .records import CallRecord, content_id, schema_hash
 from .service import RetrievalService
 from .store import (
@@ -22,7 +22,6 @@ __all__ = [
     "EdgeStore",
     "Embedder",
     "HFEmbedder",
-    "HiddenStateEmbedder",
     "LexicalEmbedder",
     "MemoryStore",
     "QdrantStore",

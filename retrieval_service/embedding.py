@@ -1,8 +1,9 @@
 """Request keys for the history library.
 
-* ``HiddenStateEmbedder`` — the target's own last-layer states: of the final prompt token
-  (``pooling="last"``, what ToolSpec's research code uses; free at serving time as
-  ``Prefilled.hidden``) or their mean over the prompt (``"mean"``); ``from_hidden`` makes the key.
+* the target's own last-layer states: of the final prompt token (``pooling="last"``, what
+  ToolSpec's research code uses; free at serving time as ``Prefilled.hidden``) or their mean over
+  the prompt (``"mean"``); ``from_hidden`` makes the key. This package never runs the target: the
+  ``Embedder`` that does is supplied by the caller (``deployments.hidden_keys.HiddenStateEmbedder``).
 * ``LexicalEmbedder`` — hashed word / char n-gram TF of the last user message + the offered tool
   names. No model, deterministic across processes (crc32, not Python's salted ``hash``).
 * ``HFEmbedder`` — any local HF model directory, mean- (or last-token-) pooled; the slot for a
@@ -38,6 +39,9 @@ import numpy as np
 
 @runtime_checkable
 class Embedder(Protocol):
+    """What the library keys a request with. Model-free ones live here; one that runs the serving
+    target lives with the caller, which may import the engine (``deployments.hidden_keys``)."""
+
     name: str
     dim: int
 
@@ -105,48 +109,6 @@ def request_text(messages: Sequence[dict], tools: Sequence[dict] | None = None) 
     names = tool_names(tools)
     text = last_user_message(messages)
     return f"{text}\nTools: {', '.join(names)}" if names else text
-
-
-# ----------------------------------------------------------------------------- hidden state
-
-
-class HiddenStateEmbedder:
-    """The target's last-layer states. ``pooling="last"``: the final prompt token, i.e.
-    ``Prefilled.hidden`` — at serving time use ``from_hidden(prefilled.hidden)`` (free);
-    ``"mean"``: the mean over all prompt tokens (better only for unrestricted searches, see the
-    module docstring; the engine does not expose it, so it costs this embedder's own prefill).
-    ``embed`` runs a prefill."""
-
-    def __init__(self, target, pooling: str = "last"):
-        if pooling not in ("last", "mean"):
-            raise ValueError("pooling must be 'last' or 'mean'")
-        self.target, self.pooling = target, pooling
-        self.name = f"hidden_{pooling}"
-        self.dim = int(target.model.config.hidden_size)
-
-    def states(self, prompt_ids: list[int]):
-        """(Prefilled, all last-layer prompt states [T, H]) from one prefill."""
-        import torch
-
-        from toolspec_core.engine.loop import prefill
-
-        captured: list = []
-        hook = self.target.model.model.register_forward_hook(lambda m, i, o: captured.append(o.last_hidden_state[0].float()))
-        try:
-            pre = prefill(self.target, list(prompt_ids))
-        finally:
-            hook.remove()
-        return pre, torch.cat(captured, 0)
-
-    def embed(self, x) -> np.ndarray:
-        ids = self.target.tokenizer(x, add_special_tokens=False)["input_ids"] if isinstance(x, str) else list(x)
-        pre, states = self.states(ids)
-        return from_hidden(pre.hidden) if self.pooling == "last" else from_hidden(states, "mean")
-
-    def embed_request(self, messages, tools=None) -> np.ndarray:
-        from toolspec_core.model.prompting import render_prompt
-
-        return self.embed(render_prompt(self.target.tokenizer, list(messages), list(tools or []) or None))
 
 
 # ----------------------------------------------------------------------------- lexical

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from deployments.hidden_keys import HiddenStateEmbedder
 from retrieval_service.embedding import (
     Embedder,
     HFEmbedder,
-    HiddenStateEmbedder,
     LexicalEmbedder,
     concat_keys,
     from_hidden,
@@ -69,6 +69,17 @@ def test_from_hidden_normalises_tensors_and_takes_last_row():
     assert k.shape == (4,) and np.linalg.norm(k) == pytest.approx(1.0)
     a, b = np.array([1.0, 0.0]), np.array([0.6, 0.8])
     assert float(concat_keys(a, a) @ concat_keys(b, a)) == pytest.approx((0.6 + 1.0) / 2)
+
+
+def test_retrieval_service_never_imports_the_engine():
+    """Keys that run the target are supplied by the caller (deployments.hidden_keys); the service
+    imports neither the engine nor the deployments, not even lazily inside a function."""
+    import re
+
+    # import statements, and module names in strings (importlib)
+    banned = re.compile(r"^\s*(?:from|import)\s+(?:toolspec_core|deployments|benchmarks)\b|[\"'](?:toolspec_core|deployments)\b", re.M)
+    for path in sorted((ROOT / "retrieval_service").glob("*.py")):
+        assert not banned.search(path.read_text()), path.name
 
 
 @pytest.fixture(scope="module")

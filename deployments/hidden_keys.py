@@ -1,0 +1,51 @@
+"""Retrieval keys from the serving target: the ``retrieval_service.embedding.Embedder`` that runs it.
+
+The retrieval service never reaches into the engine; a caller that has the target (the
+deployments, the benchmarks) supplies this implementation. The replica itself needs none of it:
+its ``key: hidden`` is ``from_hidden(prefilled.hidden)``, free after the request's own prefill.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from retrieval_service.embedding import from_hidden
+
+
+class HiddenStateEmbedder:
+    """The target's last-layer states. ``pooling="last"``: the final prompt token, i.e.
+    ``Prefilled.hidden`` — at serving time use ``from_hidden(prefilled.hidden)`` (free);
+    ``"mean"``: the mean over all prompt tokens (better only for unrestricted searches, see
+    ``retrieval_service.embedding``; the engine does not expose it, so it costs this embedder's
+    own prefill). ``embed`` runs a prefill."""
+
+    def __init__(self, target, pooling: str = "last"):
+        if pooling not in ("last", "mean"):
+            raise ValueError("pooling must be 'last' or 'mean'")
+        self.target, self.pooling = target, pooling
+        self.name = f"hidden_{pooling}"
+        self.dim = int(target.model.config.hidden_size)
+
+    def states(self, prompt_ids: list[int]):
+        """(Prefilled, all last-layer prompt states [T, H]) from one prefill."""
+        import torch
+
+        from toolspec_core.engine.loop import prefill
+
+        captured: list = []
+        hook = self.target.model.model.register_forward_hook(lambda m, i, o: captured.append(o.last_hidden_state[0].float()))
+        try:
+            pre = prefill(self.target, list(prompt_ids))
+        finally:
+            hook.remove()
+        return pre, torch.cat(captured, 0)
+
+    def embed(self, x) -> np.ndarray:
+        ids = self.target.tokenizer(x, add_special_tokens=False)["input_ids"] if isinstance(x, str) else list(x)
+        pre, states = self.states(ids)
+        return from_hidden(pre.hidden) if self.pooling == "last" else from_hidden(states, "mean")
+
+    def embed_request(self, messages, tools=None) -> np.ndarray:
+        from toolspec_core.model.prompting import render_prompt
+
+        return self.embed(render_prompt(self.target.tokenizer, list(messages), list(tools or []) or None))
