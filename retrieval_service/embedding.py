@@ -9,7 +9,7 @@
 * ``HFEmbedder`` — any local HF model directory, mean- (or last-token-) pooled; the slot for a
   dedicated Qwen embedding model in production.
 
-Measured (``benchmarks/retrieval_key_eval.py`` -> ``benchmarks/results/retrieval/retrieval-key-eval.{json,md}``;
+Measured (``benchmarks/retrieval_key_eval.py`` -> ``benchmarks/results/retrieval/retrieval-key-eval-apibank-cpu-xeon-8c37913.{json,md}``;
 189 API-Bank dev items online, top-k among earlier items' gold calls, 154 eligible, 95% paired
 bootstrap vs lexical; numbers as file order / shuffled order):
 

@@ -16,4 +16,4 @@ fi
 .venv/bin/python -c "from toolspec_core.model.embedded import embedded_model_dir; print('embedded model:', embedded_model_dir())"
 # Build the few-rows CPU kernel once (~1 min; toolspec_core/model/rows_kernel.py); without a compiler or AVX2
 # the linears keep the oneDNN / F.linear dispatch.
-.venv/bin/python -c "from toolspec_core import rows_kernel; print('rows kernel:', 'built' if rows_kernel.load() else 'unavailable (oneDNN / F.linear dispatch)')"
+.venv/bin/python -c "from toolspec_core.model import rows_kernel; print('rows kernel:', 'built' if rows_kernel.load() else 'unavailable (oneDNN / F.linear dispatch)')"

@@ -13,7 +13,7 @@ from __future__ import annotations
 PLD = "pld"  # prompt lookup (n-gram over the context)
 
 
-RETRIEVAL = "retrieval"  # drafts taken from retrieved past calls (values in schema, whole calls in schema_drafter)
+RETRIEVAL = "retrieval"  # drafts taken from retrieved past calls (values in candidates, whole calls in toolcall.drafter)
 SPAN = "span"  # argument value copied from the context (values.value_spans)
 DERIVED = "derived"  # values rendered from the context in the call's form (dates: values.date_values)
 PATTERN = "pattern"  # a counting run a value has begun, continued (values.digit_run)
