@@ -34,42 +34,46 @@ def error_event(exc: InvalidRequestError) -> dict:
 
 
 class TextStreamer:
-    """Safe-to-send text of a growing token list: exactly a prefix of the engine's final text.
+    """Safe-to-send part of the output text: always a prefix of the engine's final text.
 
-    Holds back an unfinished UTF-8 character and, with stop strings, the tail that could still
-    become a stop string (the final text is cut before it).
+    It is fed the request's decoded text (``Detokenizer.text``, complete characters only, decoded
+    once by the engine and shared with stop strings and the drafter) and does no decoding: with
+    stop strings it holds back the tail that could still become one (the final text is cut
+    before it), searching only the new text plus that lookback.
     """
 
-    def __init__(self, tokenizer, eos_ids, stop: list[str]):
-        self.tok, self.eos, self.stop = tokenizer, set(eos_ids), list(stop)
-        self.ids: list[int] = []
-        self.sent = ""
+    def __init__(self, stop: list[str]):
+        self.stop = list(stop)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # the text last fed; ``text[:sent]`` has been sent
+        self.sent = 0
+        self.cut: int | None = None  # where the first stop string starts, once seen
+        self._searched = 0
 
-    def feed(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        ids = self.ids[:-1] if self.ids and self.ids[-1] in self.eos else self.ids
-        text = self.tok.decode(ids, skip_special_tokens=False)
-        cuts = [text.find(s) for s in self.stop if s in text]
-        if cuts:
-            text = text[: min(cuts)]
-        elif self.hold:
-            text = text[: max(0, len(text) - self.hold)]
-        while text.endswith("\ufffd"):
-            text = text[:-1]
-        return self._delta(text)
+    def feed(self, text: str) -> str:
+        """The delta safe to send now that the output's text is ``text`` (an extension of the last)."""
+        self.text = text
+        if self.cut is None and self.stop:
+            start = max(0, self._searched - self.hold)
+            hits = [k for k in (text.find(s, start) for s in self.stop) if k >= 0]
+            self._searched = len(text)
+            if hits:
+                self.cut = min(hits)
+        end = self.cut if self.cut is not None else len(text) - self.hold
+        return self._delta(text, end)
 
-    def _delta(self, text: str) -> str:
-        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+    def _delta(self, text: str, end: int) -> str:
+        if end <= self.sent:
             return ""
-        out, self.sent = text[len(self.sent):], text
+        out, self.sent = text[self.sent : end], end
         return out
 
     def finish(self, final_text: str) -> str:
-        if not final_text.startswith(self.sent):
+        if not final_text.startswith(self.text[: self.sent]):
             log.warning("streamed text diverged from the final text")
             return ""
-        return self._delta(final_text)
+        self.text = final_text
+        return self._delta(final_text, len(final_text))
 
 
 class PrefixCache:
@@ -234,12 +238,13 @@ class EngineHost:
                 prep.prefix_len = n
         return prefill(self.target, ids, prefix)
 
-    def _decode(self, prep: Prepared, pre, info, on_tokens):
+    def _decode(self, prep: Prepared, pre, info, on_tokens, detok=None):
         from toolspec_core.engine.loop import decode
 
         kwargs = {"constraint": prep.constraint} if prep.constraint is not None else {}
         drafter = self.method.drafter(info)
-        result = decode(self.target, pre, drafter, prep.decode_cfg, self.cost, own_cache=True, on_tokens=on_tokens, **kwargs)
+        result = decode(self.target, pre, drafter, prep.decode_cfg, self.cost, own_cache=True, on_tokens=on_tokens,
+                        detokenizer=detok, **kwargs)
         if result.finish_reason != "cancelled":
             try:
                 self.method.observe(info, result.tokens, result.text)
@@ -257,6 +262,7 @@ class EngineHost:
     async def stream(self, req: dict) -> AsyncIterator[dict]:
         """Events: ``start`` | ``error`` first, then ``text`` deltas, then ``done`` (the result)."""
         from toolspec_core.drafters.methods import RequestInfo
+        from toolspec_core.engine.detokenize import Detokenizer
 
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
@@ -285,18 +291,21 @@ class EngineHost:
             embedding.tolist() if embedding is not None else None, req["remember"],
             retrieved if retrieved is not None else ([] if self.retrieval is not None else None),
         )
-        streamer = TextStreamer(self.target.tokenizer, self.target.eos_ids, req["stop"])
+        # the decode thread writes the request's text into ``detok``; each commit hands the
+        # streamer a snapshot of it (a str, so the event loop never sees it half-written)
+        detok = Detokenizer(self.target.tokenizer, self.target.eos_ids)
+        streamer = TextStreamer(req["stop"])
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
         done = object()
 
         def on_tokens(ids: list[int]):
-            loop.call_soon_threadsafe(queue.put_nowait, list(ids))
+            loop.call_soon_threadsafe(queue.put_nowait, detok.text)
             return not cancel.is_set()
 
         def run():
             try:
-                return self._decode(prep, pre, info, on_tokens)
+                return self._decode(prep, pre, info, on_tokens, detok)
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, done)
 

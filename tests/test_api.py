@@ -149,17 +149,43 @@ class _CharTok:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def test_text_streamer_holds_partial_chars_and_stop_strings():
-    text = "héllo wörld STOP tail"
-    ids = list(text.encode())
-    s = TextStreamer(_CharTok(), eos_ids=[999], stop=["STOP"])
-    sent = "".join(s.feed([i]) for i in ids)
+def _stream(text_ids, stop, chunk=1, eos=(999,)):
+    """Deltas a TextStreamer sends for ``text_ids`` fed ``chunk`` at a time through a Detokenizer."""
+    from toolspec_core.engine.detokenize import Detokenizer
+
+    d, s, deltas = Detokenizer(_CharTok(), eos), TextStreamer(stop), []
+    for k in range(0, len(text_ids), chunk):
+        d.feed(text_ids[k : k + chunk])
+        deltas.append((s.feed(d.text), len(d.text)))
+    return d, s, deltas
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_text_streamer_holds_partial_chars_and_stop_strings(chunk):
+    d, s, deltas = _stream(list("héllo wörld STOP tail".encode()), ["STOP"], chunk)
+    sent = "".join(x for x, _ in deltas)
     assert "\ufffd" not in sent and "STOP" not in sent
     final = "héllo wörld "
-    assert final.startswith(sent)
+    assert d.final().startswith(final) and final.startswith(sent)
     assert sent + s.finish(final) == final
-    s2 = TextStreamer(_CharTok(), eos_ids=[999], stop=[])
-    assert "".join(s2.feed([i]) for i in list("ab".encode()) + [999]) == "ab"
+    _, s2, deltas = _stream(list("ab".encode()) + [999], [], chunk)
+    assert "".join(x for x, _ in deltas) == "ab" and s2.finish("ab") == ""
+
+
+def test_text_streamer_sends_every_safe_prefix_and_cuts_at_the_first_stop():
+    text = "a wörld of XY and ZZ and more"
+    for stop in (["ZZ", "XY"], ["Y and", "nope"], ["nope"], ["a"]):
+        cuts = [text.find(x) for x in stop if x in text]
+        final = text[: min(cuts)] if cuts else text
+        hold = max(map(len, stop)) - 1
+        for chunk in (1, 3):
+            d, s, deltas = _stream(list(text.encode()), stop, chunk)
+            sent = ""
+            for delta, n in deltas:
+                sent += delta
+                assert final.startswith(sent)
+                assert len(sent) >= min(len(final), n - hold)  # nothing held back needlessly
+            assert sent + s.finish(final) == final, (stop, chunk)
 
 
 def test_shared_prefix_is_the_first_turn_and_never_the_whole_prompt():
@@ -410,6 +436,23 @@ def test_retrieval_down_falls_back_and_is_counted(local):
     assert down.model_extra["toolspec"]["retrieval"]["status"] == "fallback"
     assert host.retrieval.counters()["fallback"] >= 1
     assert down.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_streamed_deltas_with_stop_strings_are_the_final_text(local):
+    host, _, _, _ = local
+    base = {"messages": [{"role": "user", "content": "Say something long."}], "tools": [], "tool_choice": "none", "max_tokens": 40,
+            "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "tenant": "t", "remember": False}
+
+    async def events(stop):
+        return [ev async for ev in host.stream({**base, "stop": stop})]
+
+    full = run(events([]))[-1]["text"]
+    assert len(full) > 24
+    for stop in ([], [full[5:8]], [full[20:22], "never"], [full[-3:]]):
+        evs = run(events(stop))
+        deltas = [e["delta"] for e in evs if e["event"] == "text"]
+        assert "".join(deltas) == evs[-1]["text"] == (full[: full.find(stop[0])] if stop else full), stop
+        assert len(deltas) > 1 or len(evs[-1]["text"]) < 8
 
 
 def test_closing_a_stream_cancels_the_decode(local):

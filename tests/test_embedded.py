@@ -86,13 +86,20 @@ def test_embedded_toolspec_greedy_identical_on_30_real_prompts(qwen):
     cost = CostModel.cpu_reference()
     cfg = DecodeConfig(max_new_tokens=96)
     accepted = 0
+    eos = set(qwen.eos_ids)
     for it in items:
         prompt = render_prompt(qwen.tokenizer, it["messages"], it["tools"])
         pre = prefill(qwen, prompt)
         plain = decode(qwen, pre, None, cfg)
         req = RequestInfo(prompt, it["tools"], embedding=pre.hidden)
-        spec = decode(qwen, pre, method.drafter(req), cfg, cost)
+        drafter = method.drafter(req)
+        spec = decode(qwen, pre, drafter, cfg, cost)
         assert spec.tokens == plain.tokens, it["id"]
+        # the incrementally decoded text is the full decode; the FSM read it as the tokenizer spells it
+        ids = plain.tokens[:-1] if plain.tokens[-1] in eos else plain.tokens
+        assert spec.text == plain.text == qwen.tokenizer.decode(ids, skip_special_tokens=False), it["id"]
+        fed = qwen.tokenizer.decode(spec.tokens[: drafter._n_fed], skip_special_tokens=True)
+        assert drafter.tracker.text == fed and spec.text.startswith(fed), it["id"]
         method.observe(req, spec.tokens, spec.text)
         accepted += sum(spec.stats.accepted)
     assert accepted > 0

@@ -388,7 +388,7 @@ def test_drafting_along_gold_calls_yields_canonical_tokens(qwen_tok, layout):
         out = qwen_tok.encode(render_calls(it["gold_calls"], layout_by_name(layout))) + [151645]
         drafter = method.drafter(RequestInfo(prompt, it["tools"]))
         trace = []
-        res = simulate(drafter, prompt, out, None, trace)
+        res = simulate(drafter, prompt, out, None, trace, tokenizer=qwen_tok)
         # the first schema step (opener + name + ...) reaches at least the tool name's end
         name_tokens = len(qwen_tok.encode(render_calls(it["gold_calls"][:1], layout_by_name(layout)).split(it["gold_calls"][0]["name"])[0] + it["gold_calls"][0]["name"]))
         assert trace[0][2] + 2 >= name_tokens - 1, (it["id"], trace[:2])

@@ -16,11 +16,19 @@ from toolspec_core.engine.verify import VerifyResult
 
 @dataclass
 class DraftContext:
-    """What a drafter sees at a step. ``tokens[-1]`` is the root (committed, KV not cached yet)."""
+    """What a drafter sees at a step. ``tokens[-1]`` is the root (committed, KV not cached yet).
+
+    ``text`` is the request's decoded output text (the engine's ``Detokenizer``, shared with stop
+    strings and streaming, so a drafter never decodes the output again): the text of
+    ``generated[:text_tokens]``; tokens past it end inside a character. None in contexts built
+    by hand (a drafter that needs the text then decodes it itself).
+    """
 
     tokens: list[int]
     prompt_len: int
     max_depth: int  # never draft deeper than this (remaining max_new_tokens - 1)
+    text: str | None = None
+    text_tokens: int = 0
 
     @property
     def generated(self) -> list[int]:

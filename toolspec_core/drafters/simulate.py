@@ -8,6 +8,7 @@ from __future__ import annotations
 
 
 from toolspec_core.drafters.base import DraftContext
+from toolspec_core.engine.detokenize import Detokenizer
 from toolspec_core.engine.tree import ROOT, DraftTree
 from toolspec_core.engine.verify import VerifyResult
 
@@ -24,13 +25,21 @@ def oracle_walk(tree: DraftTree, truth: list[int]) -> VerifyResult:
     return VerifyResult(path, bonus)
 
 
-def simulate(drafter, prompt_ids: list[int], output_ids: list[int], cost=None, trace: list | None = None) -> dict:
-    """Steps/MAT of ``drafter`` if the target wrote ``output_ids`` (the first comes from prefill)."""
+def simulate(drafter, prompt_ids: list[int], output_ids: list[int], cost=None, trace: list | None = None, tokenizer=None) -> dict:
+    """Steps/MAT of ``drafter`` if the target wrote ``output_ids`` (the first comes from prefill).
+
+    With ``tokenizer``, the committed tokens are decoded by a ``Detokenizer`` and the contexts
+    carry its text, as ``decode`` builds them (without, a drafter that needs text spells it).
+    """
     tokens = list(prompt_ids) + output_ids[:1]
+    detok = Detokenizer(tokenizer) if tokenizer is not None else None
     steps, accepted = 0, 0
     while len(tokens) - len(prompt_ids) < len(output_ids):
         done = len(tokens) - len(prompt_ids)
         ctx = DraftContext(tokens, len(prompt_ids), len(output_ids) - done - 1)
+        if detok is not None:
+            detok.feed(tokens[len(prompt_ids) + len(detok.ids) :])
+            ctx.text, ctx.text_tokens = detok.text, detok.read
         tree = drafter.propose(ctx)
         if cost is not None:
             tree = cost.prune(tree)

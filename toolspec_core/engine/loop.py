@@ -10,6 +10,7 @@ import torch
 from toolspec_core.drafters.base import DraftContext, Drafter, NoDrafter
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import clone_cache
+from toolspec_core.engine.detokenize import Detokenizer
 from toolspec_core.engine.sampling import SamplingParams, sample, target_probs
 from toolspec_core.engine.stats import GenerationResult, GenerationStats, _record
 from toolspec_core.engine.tree import DraftTree, depths, select
@@ -75,26 +76,35 @@ def prefill(target: Target, prompt_ids: list[int], prefix: Prefilled | None = No
 
 
 class _Stopper:
-    """EOS / max_new_tokens / stop strings, checked after every emitted token."""
+    """EOS / max_new_tokens / stop strings, checked after every emitted token.
 
-    def __init__(self, tokenizer, eos_ids, cfg: DecodeConfig):
-        self.tok, self.eos, self.cfg = tokenizer, set(eos_ids), cfg
-        self.window = max((len(s) for s in cfg.stop), default=0) + 8
+    Emitted tokens go into the request's ``Detokenizer``; a stop string is looked for only in
+    what a token added plus the longest stop string's length of lookback, so a check costs the
+    same at any output length. The pending text (a token that ends inside a character) is
+    searched too: a stop string counts at the token that writes it.
+    """
+
+    def __init__(self, detok: Detokenizer, eos_ids, cfg: DecodeConfig):
+        self.detok, self.eos, self.cfg = detok, set(eos_ids), cfg
+        self.back = max((len(s) for s in cfg.stop), default=1) - 1
+        self.seen = 0  # committed text searched so far (the pending text is searched again)
 
     def done(self, generated: list[int]) -> str | None:
         if generated[-1] in self.eos:
             return "stop"
+        self.detok.feed(generated[-1:])
         if self.cfg.stop:
-            tail = self.tok.decode(generated[-self.window :], skip_special_tokens=False)
-            if any(s in tail for s in self.cfg.stop):
+            new = self.detok.tail(max(0, self.seen - self.back))
+            self.seen = len(self.detok.text)
+            if any(s in new for s in self.cfg.stop):
                 return "stop"
         if len(generated) >= self.cfg.max_new_tokens:
             return "length"
         return None
 
-    def text(self, generated: list[int]) -> str:
-        ids = generated[:-1] if generated and generated[-1] in self.eos else generated
-        text = self.tok.decode(ids, skip_special_tokens=False)
+    def text(self) -> str:
+        """The output's text (EOS is not text), cut before the first stop string."""
+        text = self.detok.final()
         cuts = [text.find(s) for s in self.cfg.stop if s in text]
         return text[: min(cuts)] if cuts else text
 
@@ -134,6 +144,7 @@ def decode(
     own_cache: bool = False,
     on_tokens: Callable[[list[int]], bool | None] | None = None,
     constraint=None,
+    detokenizer: Detokenizer | None = None,
 ) -> GenerationResult:
     """Decode after ``pre``. The prefix cache is cloned unless ``own_cache`` (then it is consumed).
 
@@ -141,6 +152,10 @@ def decode(
     returning ``False`` cancels the request (finish_reason "cancelled"). ``constraint`` (see
     :mod:`toolspec_core.engine.grammar`) restricts the target to a grammar; tokens it forces are
     emitted without verification and enter the next forward as part of the root chain.
+
+    The output is decoded once, incrementally, by one ``Detokenizer`` that stop strings, the
+    drafter (``DraftContext.text``) and the final text share; a caller that reads the text while
+    decoding (the server's streamer, from ``on_tokens``) passes a fresh one as ``detokenizer``.
     """
 
     check_prompt(target, pre.prompt_ids, cfg.max_new_tokens)
@@ -148,7 +163,8 @@ def decode(
     cache = pre.cache if own_cache else clone_cache(pre.cache)
     gen = cfg.sampling.generator()
     stats = GenerationStats(prompt_tokens=len(pre.prompt_ids), prefill_s=pre.seconds)
-    stopper = _Stopper(target.tokenizer, target.eos_ids, cfg)
+    detok = detokenizer if detokenizer is not None else Detokenizer(target.tokenizer, target.eos_ids)
+    stopper = _Stopper(detok, target.eos_ids, cfg)
     tokens = list(pre.prompt_ids)
     generated: list[int] = []
     reason = _emit(_first_tokens(pre, cfg.sampling, gen, constraint), tokens, generated, stopper)
@@ -157,7 +173,7 @@ def decode(
         reason = reason or "cancelled"
     while reason is None:
         t0 = time.perf_counter()
-        ctx = DraftContext(tokens, len(pre.prompt_ids), cfg.max_new_tokens - len(generated) - 1)
+        ctx = DraftContext(tokens, len(pre.prompt_ids), cfg.max_new_tokens - len(generated) - 1, detok.text, detok.read)
         tree = cap_depth(drafter.propose(ctx), ctx.max_depth)
         if cost is not None:
             tree = cost.prune(tree)
@@ -182,7 +198,7 @@ def decode(
             cost.observe(rows, t2 - t1)
         stats.commit_s += t3 - t2
     stats.generated_tokens = len(generated)
-    return GenerationResult(generated, stopper.text(generated), reason, stats)
+    return GenerationResult(generated, stopper.text(), reason, stats)
 
 
 def _emit(new: list[int], tokens: list[int], generated: list[int], stopper: _Stopper) -> str | None:

@@ -26,6 +26,7 @@ from toolspec_core.drafters.toolcall.library import CallLibrary, MemoryLibrary, 
 from toolspec_core.drafters.toolcall.objkeys import KeyIndex, KeyScanner
 from toolspec_core.drafters.toolcall.parse import parse_tool_calls
 from toolspec_core.drafters.toolcall.values import context_dates, digit_run, value_spans
+from toolspec_core.engine.detokenize import Detokenizer
 from toolspec_core.engine.tree import DraftTree, ROOT
 from toolspec_core.engine.verify import VerifyResult
 from toolspec_core.model.target import turn_end_ids
@@ -169,25 +170,31 @@ class SchemaDrafter:
         self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
         self.tracker = CallTracker(tools)
         self._n_fed = 0  # committed tokens whose text the tracker has seen
+        self._n_chars = 0  # characters of the output text the tracker has seen
+        self._detok: Detokenizer | None = None  # spells the output of contexts built by hand
         self._prompt_text: str | None = None
         self._dates: list | None = None
         self._prompt_keys: KeyIndex | None = None  # objects of the conversation (objkeys)
         self._own: tuple[int, list] = (0, [])  # (tracker.calls seen, (name, arguments) of this output's finished calls)
 
-    def _sync(self, generated: list[int]) -> None:
-        """Feed the tracker the text of the tokens committed since the last step (each decoded once).
+    def _sync(self, ctx: DraftContext) -> None:
+        """Feed the tracker the output text committed since the last step.
 
-        Committed tokens only grow, and byte-level BPE text is the concatenation of its pieces, so
-        no re-decoding of the whole output; a piece that ends inside a multi-byte character waits.
+        The text is the engine's (``ctx.text``: decoded once per request, shared with stop strings
+        and streaming); it only grows, so only the new characters are fed. A context built by
+        hand carries no text: the drafter's own ``Detokenizer`` spells its tokens.
         """
-        new = self.bt.tok.decode(generated[self._n_fed:], skip_special_tokens=True)
-        if new.endswith("\ufffd"):
-            return
-        self.tracker.feed(new)
-        self._n_fed = len(generated)
+        text, n = ctx.text, ctx.text_tokens
+        if text is None:
+            if self._detok is None:
+                self._detok = Detokenizer(self.bt.tok)
+            self._detok.feed(ctx.generated[len(self._detok.ids):])
+            text, n = self._detok.text, self._detok.read
+        self.tracker.feed(text[self._n_chars:])
+        self._n_chars, self._n_fed = len(text), n
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        self._sync(ctx.generated)
+        self._sync(ctx)
         tree = DraftTree()
         if self.schema and self.tools.names:
             tree = candidates_to_tree(self.bt, ctx.tokens, self._continuations(ctx, self.tracker), self.rates)

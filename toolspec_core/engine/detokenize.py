@@ -1,0 +1,68 @@
+"""One request's output text, decoded incrementally and shared by everything that reads it.
+
+Stop strings, the streamed deltas and the schema drafter's FSM all need the text of the tokens
+committed so far. Decoding the whole output at every step (or a tail window per emitted token)
+costs O(n) per step; a ``Detokenizer`` decodes only a short window of the latest tokens, the way
+vLLM's incremental detokenizer and HF's streamers do, and the readers share its ``text``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class Detokenizer:
+    """Text of a growing list of output token ids, decoded a few tokens at a time.
+
+    Two offsets into ``ids``: ``read`` (the tokens whose text is in ``text``) and the start of the
+    decode window, one commit behind it. Each ``feed`` decodes ``ids[window:]`` and keeps what
+    follows the text of ``ids[window:read]``: the window gives the tokenizer the preceding tokens
+    it needs for its spacing rules (SentencePiece's leading space), so the pieces add up to the
+    decode of the whole output. A piece that ends in "\\ufffd" (the token ends inside a multi-byte
+    character) waits in ``pending`` until a later token completes it, so ``text`` only ever grows
+    and holds complete characters.
+
+    EOS ids end an output and are never text: they are not kept. Special tokens other than EOS
+    are text (decoded with ``skip_special_tokens=False``), as in the engine's final text.
+    ``final()`` equals ``tokenizer.decode(ids, skip_special_tokens=False)``.
+    """
+
+    def __init__(self, tokenizer, eos_ids: Iterable[int] = ()):
+        self.tok = tokenizer
+        self.eos = frozenset(eos_ids)
+        self.ids: list[int] = []
+        self.text = ""  # text of ids[: self.read], complete characters only
+        self.read = 0
+        self.pending = ""  # text of ids[self.read :] as decoded so far (may end inside a character)
+        self._window = 0  # the decode window starts here (the read offset before the last commit)
+        self._window_text = ""  # decode of ids[self._window : self.read]
+
+    def feed(self, ids: Iterable[int]) -> str:
+        """Add output tokens; returns the text they completed ("" while a character is unfinished)."""
+        n = len(self.ids)
+        self.ids.extend(i for i in ids if i not in self.eos)
+        if len(self.ids) == n:
+            return ""
+        new = self._decode(self.ids[self._window :])
+        if len(new) <= len(self._window_text) or new.endswith("\ufffd"):
+            self.pending = new[len(self._window_text) :]
+            return ""
+        delta = new[len(self._window_text) :]
+        self.text += delta
+        self.pending = ""
+        self._window, self.read = self.read, len(self.ids)
+        self._window_text = self._decode(self.ids[self._window : self.read])
+        return delta
+
+    def tail(self, start: int) -> str:
+        """``(text + pending)[start:]`` without copying the text before ``start``."""
+        n = len(self.text)
+        return self.text[start:] + self.pending if start <= n else self.pending[start - n :]
+
+    def final(self) -> str:
+        """The whole output's text: ``text`` plus whatever is still pending (an unfinished
+        character at the end comes out as "\\ufffd", as a full decode writes it)."""
+        return self.text + self.pending
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
