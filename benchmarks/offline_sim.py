@@ -61,7 +61,7 @@ def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = Tr
             req = RequestInfo(prompt_ids(tokenizer, item), item.get("tools") or [], embedding=keys.get(r["item"]))
             drafter = _Timed(method.drafter(req))
             trace: list = []
-            res = simulate(drafter, req.prompt_ids, r["tokens"], cost, trace)
+            res = simulate(drafter, req.prompt_ids, r["tokens"], cost, trace, tokenizer=tokenizer)
             if not warm:  # online library: learns from the outputs before this one
                 method.observe(req, r["tokens"], r["text"])
             if only_calls and not r.get("has_call"):

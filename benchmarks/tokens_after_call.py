@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
+from toolspec_core.engine.detokenize import Detokenizer
+from toolspec_core.model.target import turn_end_ids
 
 from .data import run_items
 
@@ -21,15 +23,14 @@ def call_bounds(tokenizer, tools: list[dict], tokens: list[int]) -> tuple[int, i
     object (an opener such as a fence counts as text before it), ``end`` is one past the token that
     completes it. None: the tracker sees no complete call.
 
-    Each token is decoded once, fed as it comes (byte-level BPE text is the concatenation of its
-    pieces; a piece that ends inside a multi-byte character waits for the next), as
-    ``SchemaDrafter._sync`` feeds the tracker while decoding.
+    Tokens go through a ``Detokenizer``, one at a time, as decoding feeds the drafter's tracker.
     """
     tr = CallTracker(ToolIndex.from_tools(tools))
+    detok = Detokenizer(tokenizer, turn_end_ids(tokenizer))
     fed, start = 0, None  # tokens whose text the tracker has seen; where the first object opened
-    for i in range(len(tokens)):
-        piece = tokenizer.decode(tokens[fed : i + 1], skip_special_tokens=True)
-        if piece.endswith("\ufffd"):
+    for i, tok in enumerate(tokens):
+        piece = detok.feed([tok])
+        if not piece:
             continue
         tr.feed(piece)
         if start is None and (tr.stack or tr.calls):
