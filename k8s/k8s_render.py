@@ -5,7 +5,7 @@ else so a rendering can never silently differ from `kubectl kustomize`:
 ``resources`` (files and directories), ``namespace``, ``images`` (newName/newTag/digest)
 and ``patches`` (strategic-merge, including ``$patch: delete`` of a whole resource, and
 JSON 6902). Transformers run in kustomize's order: patches, namespace, images.
-tests/test_k8s.py compares its output with `kubectl kustomize` wherever that exists.
+tests/k8s/test_k8s.py compares its output with `kubectl kustomize` wherever that exists.
 
 Usage: python k8s/k8s_render.py k8s/overlays/cpu-dev
 """

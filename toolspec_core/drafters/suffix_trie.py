@@ -100,7 +100,7 @@ class ContextIndex:
     request (hundreds of prompt tokens: the largest share of drafting time). Here appending is
     O(1) (positions per token), and a match builds only the small subtrie below the matched
     suffix from that suffix's occurrences: the same nodes, counts and child order as the full trie
-    (``tests/test_baselines.py`` checks this against it). ``kids`` / ``count`` are that subtrie;
+    (``tests/drafters/test_suffix_trie.py`` checks this against it). ``kids`` / ``count`` are that subtrie;
     node 0 is the matched suffix.
     """
 

@@ -1,98 +1,33 @@
-"""Schema-aware drafting: FSM states on hand-written partial calls, boundary tokenization with
-the real Qwen tokenizer, drafting along real gold calls, and the tree built from candidates."""
+"""Schema candidates and their draft trees: names, arguments, values, closers, next calls, retrieval branches."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from conftest import DATA
-from toolspec_core.drafters.toolcall.boundary import BoundaryTokenizer
+from toolcall_cases import DATE_TOOLS, TOOLS, _texts, tracker
+from toolcall_cases import qwen_tok as qwen_tok
+
 from toolspec_core.drafters.base import DraftContext, LabelRates
-from toolspec_core.drafters.labels import ARG_NAME, BETWEEN, CALL_KEY, END, TEXT, TOOL_NAME, VALUE
-from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
+from toolspec_core.drafters.labels import CALL_KEY
+from toolspec_core.drafters.methods import RequestInfo
+from toolspec_core.drafters.simulate import oracle_walk, simulate
+from toolspec_core.drafters.toolcall.boundary import BoundaryTokenizer
 from toolspec_core.drafters.toolcall.candidates import Priors, continuations
 from toolspec_core.drafters.toolcall.drafter import DEFAULT_RATES, SchemaMethod, candidates_to_tree
-from toolspec_core.drafters.simulate import oracle_walk, simulate
+from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
 from toolspec_core.drafters.toolcall.layouts import layout_by_name, render_calls
-from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.engine.tree import path_probs
 
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer"}, "alerts": {"type": "boolean"},
-        "where": {"type": "object", "properties": {"lat": {"type": "number"}}}, "tags": {"type": "array", "items": {"type": "string"}}},
-        "required": ["city"]}}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}},
-    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}},
-]
 
-
-def tracker(text: str) -> CallTracker:
-    t = CallTracker(ToolIndex.from_tools(TOOLS))
-    t.feed(text)
-    return t
-
-
-@pytest.mark.parametrize(
-    "text,state",
-    [
-        ("", TEXT),
-        ("Sure, I can help with that.", TEXT),
-        ("<tool_call>\n", TEXT),
-        ("<tool_call>\n{", CALL_KEY),
-        ('<tool_call>\n{"na', CALL_KEY),
-        ('<tool_call>\n{"name": "get_', TOOL_NAME),
-        ('<tool_call>\n{"name": "get_time"', CALL_KEY),
-        ('<tool_call>\n{"name": "get_time", "arguments": {', ARG_NAME),
-        ('<tool_call>\n{"name": "get_time", "arguments": {"t', ARG_NAME),
-        ('<tool_call>\n{"name": "get_time", "arguments": {"tz": "Eu', VALUE),
-        ('<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"', BETWEEN),
-        ('<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}', END),
-        ('```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "days": 3', VALUE),
-        ('```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "days": 3,\n    "', ARG_NAME),
-    ],
-)
-def test_fsm_states(text, state):
-    assert tracker(text).state == state
-
-
-def test_fsm_escaped_quotes_nested_values_and_arrays():
-    t = tracker('{"name": "get_weather", "arguments": {"city": "Say \\"hi\\", {x}", "where": {"lat": 1.5}, "tags": ["a", "b, c"]')
-    assert t.state == BETWEEN
-    args = t.frame("args")
-    assert args.keys == ["city", "where", "tags"]
-    t.feed("}}")
-    assert t.state == END and t.calls == [{"name": "get_weather", "keys": ["name", "arguments"]}]
-
-
-def test_fsm_two_calls_in_one_turn_and_text_before():
-    t = tracker('Let me check both.\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>\n<tool_call>\n{"name": "get_w')
-    assert t.state == TOOL_NAME and t.layout.name == "hermes"
-    assert [c["name"] for c in t.calls] == ["get_time"]
-    t.feed('eather", "arguments": {"city": "Oslo"}}\n</tool_call>')
-    assert [c["name"] for c in t.calls] == ["get_time", "get_weather"] and t.state == END
-
-
-def test_fsm_call_that_never_comes():
-    t = tracker("I cannot do that: the {weather} service is down.\nSorry!")
-    assert t.state == TEXT and t.calls == []
-
-
-def test_fsm_is_a_pure_function_of_text():
-    text = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Rome",\n    "unit": "cel'
-    whole = tracker(text)
-    pieces = CallTracker(ToolIndex.from_tools(TOOLS))
-    for i in range(0, len(text), 3):
-        pieces.feed(text[i : i + 3])
-    assert (pieces.state, pieces.name, pieces.pretty, pieces.indent_unit, pieces.buf) == (whole.state, whole.name, whole.pretty, whole.indent_unit, whole.buf)
-    assert whole.pretty is True and whole.indent_unit == 2 and whole.name == "get_weather"
-
-
-def _texts(cands):
-    return ["".join(s for s, _ in c.segs if isinstance(s, str)) for c in cands]
+def _gold_items(n_per=20):
+    for bench in ("api_bank", "bfcl_v3", "toolalpaca"):
+        with open(DATA / f"{bench}.dev.jsonl") as f:
+            for i, line in enumerate(f):
+                if i >= n_per:
+                    break
+                yield json.loads(line)
 
 
 def test_candidates_tool_names_consistent_with_prefix():
@@ -219,97 +154,6 @@ def test_a_call_announced_in_prose_gets_its_opener_drafted_but_inline_code_does_
     assert "``json\n" in openers("Here it is:\n`")  # a backtick that begins a line may be one
 
 
-RESULT_CONTEXT = ('Tool result: {"name": "get_time", "output_parameters": {"time": {"type": "str", "description": "Local time."}, '
-                  '"zone": {"type": "str", "description": "Zone name, like \\"CET\\" {not a key}."}}}\n')
-
-
-def test_key_scanner_reads_objects_in_prose_whole_or_in_pieces():
-    from toolspec_core.drafters.toolcall.objkeys import KeyScanner, ObjectKeys
-
-    text = 'He said "hi": fine. ' + RESULT_CONTEXT + 'Then [{"a": 1, "b": [2]}, {"a": 3}] and a stray " quote\n{"c": {}}'
-    whole = KeyScanner().feed(text).index.objects
-    pieces = KeyScanner()
-    for i in range(0, len(text), 3):
-        pieces.feed(text[i : i + 3])
-    assert pieces.index.objects == whole
-    assert ObjectKeys("output_parameters", ("time", "zone")) in whole  # braces / quotes inside strings are not structure
-    assert ObjectKeys("time", ("type", "description")) in whole
-    assert ObjectKeys(None, ("name", "output_parameters")) in whole
-    assert whole.count(ObjectKeys(None, ("a", "b"))) == 1 and ObjectKeys(None, ("a",)) in whole  # array records: parent of the array
-    assert ObjectKeys(None, ("c",)) in whole  # "hi" (no object open) is no key; a quote left open on its line is no string
-
-
-def test_key_candidates_follow_seen_objects():
-    from toolspec_core.drafters.toolcall.objkeys import CLOSE, KeyScanner, key_candidates
-
-    seen = [(KeyScanner().feed(RESULT_CONTEXT + '{"items": [{"id": 1, "tag": "x"}]}').index, 1.0)]
-    assert key_candidates(seen, "output_parameters", ["time"])[0][0] == "zone"
-    assert key_candidates(seen, "output_parameters", ["time", "zone"])[0][0] == CLOSE
-    assert key_candidates(seen, "items", [])[0][0] == "id"  # an array's next record starts like the last one
-    assert key_candidates(seen, None, [], "output")[0][0] == "output_parameters"
-    assert key_candidates(seen, None, [], "zzz") == []
-    assert key_candidates([], None, ["a"], schema_keys=["a", "b"])[0][0] == "b"  # a nested schema's unused keys
-    assert all(k != "time" for k, _ in key_candidates(seen, "output_parameters", ["time"]))  # never a used key
-
-
-def test_objects_no_schema_describes_are_drafted_from_the_objects_seen():
-    from toolspec_core.drafters.toolcall.objkeys import KeyScanner
-    from toolspec_core.drafters.labels import OBJ_KEY
-
-    idx = ToolIndex.from_tools(TOOLS)
-    call = '{"name": "get_time", "arguments": {"tz": "UTC"}}\n'
-
-    def texts(out: str) -> list[str]:
-        cands = continuations(tracker(out), idx, Priors(), [0], levels=2, context_keys=KeyScanner().feed(RESULT_CONTEXT).index)
-        assert all(seg[1] == OBJ_KEY for c in cands for seg in c.segs)
-        return _texts(cands)
-
-    # a made-up tool result after the call, shaped like the result in the context
-    assert texts(call + '{"out')[0] == 'put_parameters": '
-    assert texts(call + '{"output_parameters": {"time": "10:00"')[0] == ', "zone": '
-    assert texts(call + '{"output_parameters": {"time": "10:00", "zone": "CET"')[0] == "}"
-    assert texts(call + '{"output_parameters": {"time": "10:00", "zo')[0] == 'ne": '
-    assert '": ' in texts(call + '{"output_parameters": {"new_key')  # an unseen key most likely ends at the token boundary
-    # records of an array (here a nested argument): the next record starts like the previous one
-    rec = '{"name": "get_weather", "arguments": {"city": "Oslo", "tags": [{"k": 1, "v": 2}'
-    assert texts(rec)[0] == ', {"k": '
-    assert texts(rec + ', {"k": 3, ')[0] == '"v": '
-    # a call is still a call
-    assert _texts(continuations(tracker(call + '{"'), idx, Priors(), [0], levels=1))[0].startswith('name": "')
-
-
-DATE_TOOLS = [{"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string"},
-    "date": {"type": "string", "description": "The date. Format: %Y-%m-%d"},
-    "time": {"type": "string", "description": "When it starts"},
-    "slot": {"type": "string", "format": "time"}}, "required": ["city", "date"]}}}]
-
-
-def test_context_dates_found_in_the_forms_people_write():
-    from toolspec_core.drafters.toolcall.values import context_dates
-
-    text = ("The current year is 2023. Cancel the switch for March 19th at 9:30 AM, or on 5 April 2022 at 14:00. "
-            "Also 03/07/2021. Not a date: 10000025, version 2.1, room 12.")
-    assert context_dates(text) == [((2021, 3, 7), None), ((2022, 4, 5), (14, 0)), ((2023, 3, 19), (9, 30))]
-    # no year written anywhere: nothing can be rendered; a year written later still counts
-    assert context_dates("See you on June 1st.") == []
-    assert context_dates("On June 1st at 2pm. (All dates 2024.)") == [((2024, 6, 1), (14, 0))]
-    assert context_dates("Meet on February 30, 2023.") == [((2023, 2, 30), None)]  # found; rendering skips it
-
-
-def test_date_values_use_the_schema_format_first_then_iso_forms():
-    from toolspec_core.drafters.toolcall.values import date_values, wants_date
-
-    dates = [((2023, 3, 19), (9, 30)), ((2023, 2, 30), None), ((2022, 4, 5), None)]
-    props = DATE_TOOLS[0]["function"]["parameters"]["properties"]
-    assert date_values(dates, {"description": "Format: %Y-%m-%d %H:%M:%S"})[0] == "2023-03-19 09:30:00"
-    assert date_values(dates, props["date"]) == ["2023-03-19", "2023-03-19 09:30:00", "2023-03-19 09:30", "09:30:00", "09:30", "2022-04-05"]
-    assert date_values(dates, props["slot"]) == ["09:30:00", "09:30"]
-    assert date_values([((2022, 4, 5), None)], {"description": "Format: %Y-%m-%d %H:%M"}) == ["2022-04-05"]  # no time: no made-up 00:00
-    assert wants_date("date", props["date"]) and wants_date("time", props["time"]) and wants_date("slot", props["slot"])
-    assert not wants_date("city", props["city"])
-
-
 def test_context_dates_become_value_branches_of_date_arguments_only():
     from toolspec_core.drafters.labels import DERIVED
     from toolspec_core.drafters.toolcall.values import context_dates
@@ -334,46 +178,6 @@ def test_context_dates_become_value_branches_of_date_arguments_only():
     t = CallTracker(idx)
     t.feed('{"name": "book", "arguments": {"city": "Oslo", "date": ')
     assert not any(lab == DERIVED for c in continuations(t, idx, Priors(), [0], levels=2) for _, lab in c.segs)
-
-
-@pytest.fixture(scope="module")
-def qwen_tok():
-    from transformers import AutoTokenizer
-
-    from toolspec_core.model.embedded import embedded_model_dir
-
-    return AutoTokenizer.from_pretrained(str(embedded_model_dir()))
-
-
-def test_boundary_tokens_are_canonical(qwen_tok):
-    bt = BoundaryTokenizer(qwen_tok)
-    full = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
-    ids = qwen_tok.encode(full)
-    for cut in range(1, len(ids)):
-        assert bt.continuation(ids[:cut], qwen_tok.decode(ids[cut:])) == ids[cut:], cut
-    # a merge across the boundary: committed '":' then ' "' must not be drafted as one token
-    compact = qwen_tok.encode('{"name": "get_weather"')
-    k = [qwen_tok.decode([i]) for i in compact].index('":')
-    assert bt.continuation(compact[: k + 1], ' "get_weather"') == compact[k + 1 :]
-
-
-def test_boundary_encodes_like_the_tokenizer(qwen_tok):
-    """The Rust backend gives the wrapper's ids (special tokens in the text, unicode, whitespace)."""
-    bt = BoundaryTokenizer(qwen_tok)
-    assert bt._backend is not None  # the embedded tokenizer is a fast one: the backend path is tested
-    texts = ['<|im_end|>\n<|im_start|>assistant\n```json\n{"a": 1}', '": "', " é中文 😀 ", "  }\n}\n```<|im_end|>",
-             '{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n\n\t x"]
-    for text in texts:
-        assert list(bt._encode_uncached(text)) == qwen_tok.encode(text, add_special_tokens=False), text
-
-
-def _gold_items(n_per=20):
-    for bench in ("api_bank", "bfcl_v3", "toolalpaca"):
-        with open(DATA / f"{bench}.dev.jsonl") as f:
-            for i, line in enumerate(f):
-                if i >= n_per:
-                    break
-                yield json.loads(line)
 
 
 @pytest.mark.parametrize("layout", ["hermes", "fence"])
@@ -441,21 +245,6 @@ def test_after_a_bare_call_the_end_of_turn_and_a_next_object_are_both_drafted(qw
         assert oracle_walk(tree, want).path, (done, rest)  # the first token at least
 
 
-def test_counting_runs_a_value_has_begun_are_continued(qwen_tok):
-    from toolspec_core.drafters.labels import PATTERN
-    from toolspec_core.drafters.toolcall.values import digit_run
-
-    assert digit_run("123") == "4567890" and digit_run("ID-7890") == "" and digit_run("0123") == "4567890"
-    assert digit_run("12") == "" and digit_run("1357") == "" and digit_run("abc") == "" and digit_run("") == ""
-    m = SchemaMethod(qwen_tok)
-    req = RequestInfo(qwen_tok.encode("Call get_time."), TOOLS)
-    out = qwen_tok.encode('{"name": "get_time", "arguments": {"tz": "123')
-    tree = m.drafter(req).propose(DraftContext(req.prompt_ids + out, len(req.prompt_ids), 64))
-    truth = qwen_tok.encode('4567890"}}')
-    path = oracle_walk(tree, truth).path
-    assert len(path) >= 7 and tree.labels[path[0]] == PATTERN
-
-
 def test_oracle_walk():
     from toolspec_core.engine.tree import DraftTree
 
@@ -463,18 +252,6 @@ def test_oracle_walk():
     tree.add_path([1, 2, 3], 1.0, "x")
     tree.add_path([1, 4], 1.0, "x")
     assert oracle_walk(tree, [1, 4, 9]).path == [0, 3]
-
-
-def test_value_spans_copy_from_word_starts():
-    from toolspec_core.drafters.toolcall.values import value_spans
-
-    src = 'remind me on 2022-05-10 10:00:00 please. {"token": "n9m8k7"} and a 12.5 kg parcel'
-    assert value_spans(src, "2", False) == ["022-05-10 10:00:00 please. {\""]
-    assert value_spans(src, "n9", False) == ['m8k7"']  # a JSON string in the source: closing quote too
-    assert value_spans(src, "1", True) == ["2.5", "0"]  # numbers stop where the number stops
-    assert value_spans(src, "m8", False) == []  # not at a word start
-    assert value_spans(src, "", False) == [] and value_spans(src, '"', False) == []
-    assert value_spans(src, "-12", True) == [".5"] and value_spans(src, "-", True) == []  # a sign the source did not write
 
 
 def test_value_drafted_from_the_conversation(qwen_tok):
@@ -504,14 +281,6 @@ def test_the_call_closes_after_whitespace_a_step_already_wrote():
         assert texts and all(t.startswith(want) for t in texts), (written, texts)
 
 
-def test_a_fork_of_the_tracker_leaves_it_as_it_was():
-    t = tracker('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')
-    fork = t.fork()
-    fork.feed('is", "days": 3')
-    assert fork.state == VALUE and fork.frame("args").keys == ["city", "days"]
-    assert t.state == VALUE and t.buf == "Par" and t.frame("args").keys == ["city"] and t.frame("args").expect == "value"
-
-
 def test_a_copied_value_is_drafted_on_through_what_follows_it(qwen_tok):
     """A span that closes the value carries the schema's continuation, tokenized with it: the
     closing quote merges with what follows (``"}}``), so the span alone would end on a token the
@@ -535,8 +304,8 @@ def test_a_value_copied_from_prose_may_end_where_the_word_does(qwen_tok):
     """From prose a span runs on past the value ("UTC please ..."): the value ending where the
     source's word ends is a branch of its own, well above the schema's any-position end."""
     from toolspec_core.drafters.labels import SPAN
-    from toolspec_core.model.prompting import render_prompt
     from toolspec_core.drafters.toolcall.drafter import SchemaDrafter
+    from toolspec_core.model.prompting import render_prompt
 
     prompt = render_prompt(qwen_tok, [{"role": "user", "content": "What time is it in UTC please?"}], TOOLS)
     call = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC'
@@ -572,7 +341,7 @@ def test_retrieved_values_and_argument_order_become_branches():
 
 
 def test_copy_rates_learn_by_match_length():
-    from toolspec_core.drafters.base import DraftContext, LabelRates, rate_key
+    from toolspec_core.drafters.base import LabelRates, rate_key
     from toolspec_core.drafters.labels import match_label
     from toolspec_core.engine.tree import DraftTree
 

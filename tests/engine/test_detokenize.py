@@ -8,10 +8,10 @@ import json
 import random
 
 import pytest
-
 from conftest import DATA
-from test_core import N, PROMPT, ScriptedDrafter, branching, oracle
+from scripted import PROMPT, N, ScriptedDrafter, branching, oracle
 from tiny import CharTokenizer, tiny_target
+
 from toolspec_core.drafters.base import DraftContext
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.simulate import simulate

@@ -8,8 +8,10 @@ import gc
 import importlib.util
 
 import pytest
+from serve_fixtures import TOOLS
+from serve_fixtures import ray_cluster as ray_cluster
+from serve_fixtures import tiny_model_dir as tiny_model_dir
 
-from serve_fixtures import TOOLS, ray_cluster, tiny_model_dir  # noqa: F401  (fixtures)
 from toolspec_core.engine.loop import DecodeConfig, decode, generate, prefill
 from toolspec_core.engine.tree import DraftTree
 

@@ -21,7 +21,7 @@ import pytest
 
 from benchmarks import loadtest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
 
 

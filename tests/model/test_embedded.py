@@ -6,14 +6,14 @@ import json
 
 import pytest
 import torch
-
 from conftest import DATA
-from test_core import ScriptedDrafter, branching, garbage, oracle
-from toolspec_core.model import embedded
-from toolspec_core.engine.budget import CostModel
-from toolspec_core.model.embedded import ModelFileError, assemble_gguf, verify_gguf
-from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+from scripted import ScriptedDrafter, branching, garbage, oracle
+
 from toolspec_core.drafters.methods import RequestInfo, make_method
+from toolspec_core.engine.budget import CostModel
+from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+from toolspec_core.model import embedded
+from toolspec_core.model.embedded import ModelFileError, assemble_gguf, verify_gguf
 from toolspec_core.model.prompting import render_prompt
 from toolspec_core.model.target import load_target
 

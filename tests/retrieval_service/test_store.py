@@ -32,7 +32,7 @@ from retrieval_service import (
     schema_hash,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DIM = 16
 BACKENDS = ["memory", "edge", "qdrant_local", "qdrant_memory"]
 PATH_BACKENDS = ["edge", "qdrant_local"]

@@ -10,17 +10,17 @@ import jsonschema
 import pytest
 import torch
 
+from toolspec_core.drafters.base import DraftContext, LabelRates
+from toolspec_core.drafters.methods import RequestInfo, make_method
+from toolspec_core.drafters.toolcall.drafter import RetrievalDrafter
+from toolspec_core.drafters.toolcall.library import MemoryLibrary, PastCall
+from toolspec_core.drafters.toolcall.parse import parse_tool_calls, validate_call
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.grammar import make_tool_constraint
-from toolspec_core.drafters.base import DraftContext, LabelRates
 from toolspec_core.engine.loop import DecodeConfig, decode, prefill
 from toolspec_core.errors import InvalidRequestError
-from toolspec_core.drafters.toolcall.library import MemoryLibrary, PastCall
-from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.model.prompting import render_prompt
-from toolspec_core.drafters.toolcall.drafter import RetrievalDrafter
 from toolspec_core.model.target import from_model
-from toolspec_core.drafters.toolcall.parse import parse_tool_calls, validate_call
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_model, tiny_target
 
-from toolspec_core.model.attention import NAME, grouped_sdpa
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs
-from tests.tiny import tiny_model, tiny_target
+from toolspec_core.model.attention import NAME, grouped_sdpa
 
 
 class _Module(torch.nn.Module):

@@ -13,10 +13,13 @@ import time
 
 import httpx
 import pytest
+from serve_fixtures import TOOLS, WEATHER_MESSAGES, client, wait_until
+from serve_fixtures import ray_cluster as ray_cluster
+from serve_fixtures import real_app as real_app
+from serve_fixtures import serve_port as serve_port
+from serve_fixtures import tiny_app as tiny_app
+from serve_fixtures import tiny_model_dir as tiny_model_dir
 
-from serve_fixtures import (  # noqa: F401  (fixtures)
-    TOOLS, WEATHER_MESSAGES, client, ray_cluster, real_app, serve_port, tiny_app, tiny_model_dir, wait_until,
-)
 from toolspec_core.drafters.toolcall.parse import ToolCall, validate_call
 
 pytestmark = [pytest.mark.serve, pytest.mark.timeout(600)]
@@ -78,10 +81,10 @@ def test_streamed_deltas_reassemble_to_the_same_call(real_app, weather_call):
 def test_server_greedy_equals_engine_greedy_real(real_app, weather_call):
     """The served (speculative) output is exactly the target's plain greedy output."""
     from toolspec_core.drafters.base import NoDrafter
+    from toolspec_core.drafters.toolcall.parse import parse_tool_calls
     from toolspec_core.engine.loop import DecodeConfig, generate
     from toolspec_core.model.prompting import render_prompt
     from toolspec_core.model.target import load_target
-    from toolspec_core.drafters.toolcall.parse import parse_tool_calls
 
     target = load_target("embedded")
     ids = render_prompt(target.tokenizer, WEATHER_MESSAGES, TOOLS)

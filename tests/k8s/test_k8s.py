@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-K8S = Path(__file__).resolve().parents[1] / "k8s"
+K8S = Path(__file__).resolve().parents[2] / "k8s"
 sys.path.insert(0, str(K8S))
 
 import k8s_render  # noqa: E402

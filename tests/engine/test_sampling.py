@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-
 from tiny import tiny_target
+
 from toolspec_core.drafters.base import DraftContext
 from toolspec_core.engine.loop import DecodeConfig, decode, prefill
 from toolspec_core.engine.sampling import SamplingParams, target_probs
@@ -82,7 +82,6 @@ class FixedTree:
 def test_speculative_sampling_matches_exact_sequence_distribution():
     tg = tiny_target(vocab=V, hidden=32, init=0.4, seed=3)
     prompt = [1, 2, 3]
-    params = SamplingParams(temperature=1.0)
     pre = prefill(tg, prompt)
     with torch.inference_mode():
         p1 = torch.softmax(tg.model(torch.tensor([prompt])).logits[0, -1], -1)

@@ -20,7 +20,7 @@ from retrieval_service.embedding import (
     request_text,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOOLS = [{"type": "function", "function": {"name": "GetWeather", "parameters": {}}}, {"type": "function", "function": {"name": "BookHotel"}}]
 MSGS = [
     {"role": "system", "content": "be brief"},

@@ -8,8 +8,9 @@ import json
 import time
 
 import pytest
+from serve_fixtures import TOOLS, WEATHER_MESSAGES
+from serve_fixtures import tiny_model_dir as tiny_model_dir
 
-from serve_fixtures import TOOLS, WEATHER_MESSAGES, tiny_model_dir  # noqa: F401  (fixture)
 from deployments.config import ServeAppConfig
 from deployments.engine_host import EngineHost, PrefixCache, TextStreamer, shared_prefix_len
 from deployments.protocol import APIError, StreamShaper, chat_completion, engine_request, parse_request

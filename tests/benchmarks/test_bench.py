@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny import tiny_model
 
 from benchmarks import runner as runner_mod
 from benchmarks.cli import bench_main
@@ -14,7 +15,6 @@ from benchmarks.data import gold_output_text, load_stream, select_items
 from benchmarks.metrics import call_metrics, first_mismatch, observed_cost, summarize
 from benchmarks.report import build_report, build_runs, prior_tool_calls
 from benchmarks.runner import RunConfig, Runner, run_pairs
-from tiny import tiny_model
 from toolspec_core.drafters import methods as methods_mod
 from toolspec_core.model.target import from_model
 

@@ -1,0 +1,33 @@
+"""The cost model: the measured curve and its calibration from real steps."""
+
+from __future__ import annotations
+
+import pytest
+from scripted import tiny as tiny
+
+
+def test_measured_cost_curve_is_relative_and_monotone(tiny):
+    from toolspec_core.engine.cost_probe import measure_cost_model
+
+    cm = measure_cost_model(tiny, prefix_len=32, max_nodes=15, repeats=2)
+    assert cm.points[1] == 1.0 and set(cm.points) == {1, 2, 3, 4, 6, 8, 12, 16}
+    assert all(a <= b + 1e-12 for a, b in zip(cm.curve[1:], cm.curve[2:]))  # never cheaper for more tokens
+    assert cm.step_cost(0) == cm.curve[1] == 1.0
+
+
+def test_cost_model_calibrates_from_real_steps():
+    """observe(): the curve follows what steps really cost, relative to 1-token steps; buckets
+    decoding never used keep their start-up value; off unless asked."""
+    from toolspec_core.engine.budget import CostModel
+
+    fixed = CostModel({1: 1.0, 4: 1.2, 16: 1.5, 64: 3.0})
+    fixed.observe(16, 9.0)
+    assert fixed.points[16] == 1.5
+    cm = CostModel({1: 1.0, 4: 1.2, 16: 1.5, 64: 3.0}, calibrate=True)
+    for _ in range(12):  # refits every 16 steps once 8 one-token steps are in
+        cm.observe(1, 0.1)
+        cm.observe(12, 0.25)  # bucket k=16: 9..16 rows
+        cm.observe(16, 0.25)
+    assert cm.points[16] == pytest.approx(2.5) and cm.points[4] == 1.2 and cm.points[64] == 3.0
+    assert cm.curve[16] == pytest.approx(2.5) and cm.curve[10] > 1.2  # re-interpolated
+    assert cm.step_cost(15) == pytest.approx(2.5)

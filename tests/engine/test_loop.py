@@ -1,0 +1,111 @@
+"""The decode loop on tiny random Qwen2 models: losslessness under any drafter, stops, streaming, stats, errors."""
+
+from __future__ import annotations
+
+import pytest
+from scripted import PROMPT, N, ScriptedDrafter, branching, garbage, oracle
+from scripted import reference as reference
+from scripted import tiny as tiny
+from tiny import tiny_target
+
+from toolspec_core.drafters.base import NoDrafter
+from toolspec_core.engine.loop import DecodeConfig, decode, generate, prefill
+from toolspec_core.engine.sampling import SamplingParams
+from toolspec_core.errors import ContextLengthError, InvalidRequestError
+
+
+@pytest.mark.parametrize("make", [oracle, garbage, branching], ids=["oracle", "garbage", "branching"])
+def test_greedy_equals_plain_greedy(tiny, reference, make):
+    drafter = ScriptedDrafter(make(reference))
+    res = generate(tiny, PROMPT, drafter, DecodeConfig(max_new_tokens=N))
+    assert res.tokens == reference
+    assert res.finish_reason == "length"
+    if make is garbage:
+        assert sum(drafter.accepted) == 0 and res.stats.forwards == N - 1
+    else:
+        assert sum(drafter.accepted) > N // 2  # drafts really were accepted
+        assert res.stats.forwards < N - 1
+        assert res.stats.mat > 1.5
+
+
+def test_max_new_tokens_inside_an_accepted_draft(tiny, reference):
+    for n in (1, 2, 5, 7):
+        res = generate(tiny, PROMPT, ScriptedDrafter(oracle(reference)), DecodeConfig(max_new_tokens=n))
+        assert res.tokens == reference[:n] and res.finish_reason == "length"
+
+
+def test_eos_inside_an_accepted_draft(reference):
+    eos = reference[6]
+    tg = tiny_target(eos=eos)
+    assert eos in tg.eos_ids
+    res = generate(tg, PROMPT, ScriptedDrafter(oracle(reference)), DecodeConfig(max_new_tokens=N))
+    assert res.tokens == reference[: reference.index(eos) + 1]
+    assert res.finish_reason == "stop"
+    assert res.text == tg.tokenizer.decode(reference[: reference.index(eos)])
+
+
+def test_stop_string_inside_an_accepted_draft(tiny, reference):
+    text = tiny.tokenizer.decode(reference)
+    stop = text[12:16]  # a stop string that completes mid-draft
+    plain = generate(tiny, PROMPT, NoDrafter(), DecodeConfig(max_new_tokens=N, stop=(stop,)))
+    spec = generate(tiny, PROMPT, ScriptedDrafter(oracle(reference)), DecodeConfig(max_new_tokens=N, stop=(stop,)))
+    assert spec.tokens == plain.tokens and spec.text == plain.text
+    assert spec.finish_reason == "stop" and stop not in spec.text
+    assert text.startswith(spec.text) and len(spec.tokens) < N
+
+
+def test_streaming_callback_sees_every_token_once(tiny, reference):
+    seen = []
+    res = decode(tiny, prefill(tiny, PROMPT), ScriptedDrafter(branching(reference)), DecodeConfig(max_new_tokens=N),
+                 on_tokens=lambda ids: seen.extend(ids))
+    assert seen == res.tokens == reference
+    stop_after = []
+    res = decode(tiny, prefill(tiny, PROMPT), None, DecodeConfig(max_new_tokens=N),
+                 on_tokens=lambda ids: stop_after.extend(ids) or len(stop_after) < 3)
+    assert res.finish_reason == "cancelled" and len(res.tokens) == 3
+
+
+def test_prefill_with_prefix_reuse_is_identical(tiny, reference):
+    prefix = prefill(tiny, PROMPT[:8])
+    pre = prefill(tiny, PROMPT, prefix=prefix)
+    assert pre.cache.get_seq_length() == len(PROMPT)
+    assert decode(tiny, pre, None, DecodeConfig(max_new_tokens=N)).tokens == reference
+    assert prefix.cache.get_seq_length() == 8  # the shared prefix is not consumed
+
+
+def test_stats_arithmetic(tiny, reference):
+    res = generate(tiny, PROMPT, ScriptedDrafter(oracle(reference)), DecodeConfig(max_new_tokens=N))
+    st = res.stats
+    assert st.generated_tokens == N
+    assert sum(st.accepted) + st.forwards == N - 1  # every decode step emits accepted + 1
+    assert st.mat == pytest.approx((N - 1) / st.forwards)
+    assert st.label_accepted["oracle"] == sum(st.accepted)
+    d = st.to_dict()
+    assert d["accepted_tokens"] == sum(st.accepted) and d["forwards"] == st.forwards
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(max_new_tokens=1.5), dict(stop=("",))],
+)
+def test_bad_decode_config(kwargs):
+    with pytest.raises(InvalidRequestError):
+        DecodeConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(temperature=-1), dict(temperature=float("nan")), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1), dict(seed="x")],
+)
+def test_bad_sampling_params(kwargs):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts(tiny):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        generate(tiny, [], None, DecodeConfig(max_new_tokens=4))
+    with pytest.raises(ContextLengthError, match="context window"):
+        generate(tiny, [1] * 600, None, DecodeConfig(max_new_tokens=4))
+    with pytest.raises(ContextLengthError):
+        generate(tiny, [1] * 500, None, DecodeConfig(max_new_tokens=100))

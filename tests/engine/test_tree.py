@@ -1,0 +1,55 @@
+"""Draft trees: the parent-index encoding, sub-tree selection and the budget's pruning rule."""
+
+from __future__ import annotations
+
+from toolspec_core.engine.budget import interpolate
+from toolspec_core.engine.tree import DraftTree, depths, path_probs, prune_to_budget, select
+from toolspec_core.engine.verify import tree_inputs
+
+
+def test_tree_encoding_and_mask():
+    tree = DraftTree()
+    a = tree.add_path([10, 11, 12], 0.9, "x")
+    b = tree.add_path([10, 13], 0.5, "y")  # shares the first node
+    assert tree.tokens == [10, 11, 12, 13] and tree.parents == [-1, 0, 1, 0]
+    assert (a, b) == (2, 3)
+    assert depths(tree.parents) == [1, 2, 3, 2]
+    ids, pos, mask = tree_inputs(7, tree, prefix_len=5)
+    assert ids.tolist() == [[7, 10, 11, 12, 13]]
+    assert pos.tolist() == [[5, 6, 7, 8, 7]]
+    visible = (mask[0, 0] == 0).int()
+    assert visible[:, :5].all()  # everyone sees the prefix
+    assert visible[:, 5:].tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 1],
+    ]
+
+
+def test_prune_to_budget_keeps_what_pays():
+    curve = interpolate({1: 1.0, 2: 2.2, 4: 2.4, 8: 2.7, 16: 3.5, 32: 4.6, 64: 6.6}, 64)
+    sure = DraftTree()
+    sure.add_path(list(range(10, 20)), 0.99, "schema")
+    assert len(prune_to_budget(sure, curve)) == 10
+    unsure = DraftTree()
+    unsure.add_path([5, 6], 0.3, "guess")
+    assert len(prune_to_budget(unsure, curve)) == 0  # a 1-2 token guess never pays on this curve
+    flat = interpolate({1: 1.0, 64: 1.0}, 64)
+    assert len(prune_to_budget(unsure, flat)) == 2
+    # the kept set is closed under parents and ordered by path probability
+    wide = DraftTree()
+    for t in range(20):
+        wide.add_path([100 + t, 200 + t, 300 + t], [0.05, 0.99, 0.99], "name")
+    kept = prune_to_budget(wide, curve)
+    assert all(p == -1 or p < i for i, p in enumerate(kept.parents))
+    assert max(path_probs(kept), default=0) <= 0.05
+
+
+def test_select_reindexes():
+    tree = DraftTree()
+    tree.add_path([1, 2, 3], 0.9, "a")
+    tree.add_path([4, 5], 0.9, "b")
+    sub = select(tree, [0, 1, 3])
+    assert sub.tokens == [1, 2, 4] and sub.parents == [-1, 0, -1]

@@ -1,0 +1,89 @@
+"""CPU linears: every kernel computes the linear, and the tuned model keeps greedy output."""
+
+from __future__ import annotations
+
+from unittest.mock import patch
+
+import pytest
+import torch
+from scripted import PROMPT, N, ScriptedDrafter, branching, oracle
+from scripted import reference as reference
+from scripted import tiny as tiny
+from tiny import tiny_target
+
+from toolspec_core.engine.budget import CostModel
+from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+
+
+def test_packed_linear_matches_linear():
+    """MKL's packed GEMM (inputs zero-padded to the packed row count) is the same function."""
+    from toolspec_core.model.cpu_linears import mkl_pack, packed_linear
+
+    w, b = torch.randn(40, 24), torch.randn(40)
+    packed = mkl_pack(w, 16)
+    assert packed is not None  # the CPU wheel ships MKL: the tuned path is really exercised
+    for shape in ((4, 24), (1, 7, 24), (16, 24)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(packed_linear(x, packed, w, b, 16), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_linear_matches_linear():
+    """oneDNN on a weight reordered once (the default path for 4+ rows) is the same function."""
+    from toolspec_core.model.cpu_linears import onednn_linear, onednn_pack
+
+    w, b = torch.randn(40, 24), torch.randn(40)
+    packed = onednn_pack(w)
+    assert packed is not None  # the CPU wheel ships oneDNN: the tuned path is really exercised
+    for shape in ((4, 24), (1, 7, 24), (16, 24), (1, 64, 24)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(onednn_linear(x, packed, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(onednn_linear(x, packed, None), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed_rows", [16, 0])
+def test_tuned_cpu_linears_keep_greedy_output(reference, packed_rows):
+    """The row-count dispatch of ``tune_cpu_linears`` (with and without MKL's packed GEMM)
+    computes the same function: same logits (to float tolerance) for 1..64 rows, and drafting
+    on the tuned model still gives exactly the plain greedy output of the untouched model."""
+    import copy
+
+    from toolspec_core.model.cpu_linears import tune_cpu_linears
+
+    plain = tiny_target()
+    tuned = copy.deepcopy(plain)
+    n = tune_cpu_linears(tuned.model, packed_rows=packed_rows)
+    assert n == sum(isinstance(m, torch.nn.Linear) for m in tuned.model.modules()) > 0
+    for rows in (1, 2, 3, 4, 5, 8, 16, 17, 64):
+        h = torch.randn(rows, plain.model.config.hidden_size)
+        torch.testing.assert_close(tuned.logits(h), plain.logits(h), rtol=1e-5, atol=1e-5)
+    for make in (oracle, branching):
+        res = decode(tuned, prefill(tuned, PROMPT), ScriptedDrafter(make(reference)), DecodeConfig(max_new_tokens=N), CostModel.flat())
+        assert res.tokens == reference
+
+
+def test_small_row_kernel_choice_is_measured_and_dispatched():
+    """Without the rows kernel, at 1-3 rows the kernel is whichever was measured faster on this
+    CPU; either way the tuned layer computes the same function, and a given choice is what the
+    layer uses."""
+    import copy
+
+    from toolspec_core.model.cpu_linears import onednn_pack, small_row_kernels, tune_cpu_linears
+
+    w = torch.randn(40, 24)
+    choice = small_row_kernels(w, onednn_pack(w), repeats=2)
+    assert len(choice) == 3 and all(isinstance(c, bool) for c in choice)
+    assert small_row_kernels(w, None) == (False, False, False)  # no oneDNN: F.linear
+    plain = tiny_target()
+    for forced in ((True, True, True), (False, False, False)):
+        tuned = copy.deepcopy(plain)
+        kernels = {tuple(m.weight.shape): forced for m in tuned.model.modules() if isinstance(m, torch.nn.Linear)}
+        tune_cpu_linears(tuned.model, small_kernels=kernels, rows_kernel=False)
+        calls = []
+        import toolspec_core.model.cpu_linears as linears_mod
+
+        orig = linears_mod.onednn_linear
+        with patch.object(linears_mod, "onednn_linear", lambda *a: calls.append(1) or orig(*a)):
+            for rows in (1, 2, 3):
+                h = torch.randn(rows, plain.model.config.hidden_size)
+                torch.testing.assert_close(tuned.logits(h), plain.logits(h), rtol=1e-5, atol=1e-5)
+        assert bool(calls) == forced[0]
