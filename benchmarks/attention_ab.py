@@ -36,8 +36,11 @@ def ab(target, ks: list[int], repeats: int, prefix: int = 500) -> dict:
     out = {}
     for k in ks:
         hf, grouped = (statistics.median(times[a][k]) for a in ATTENTIONS)
-        out[str(k)] = {"sdpa_ms": round(hf * 1e3, 2), "grouped_ms": round(grouped * 1e3, 2),
-                       "grouped_over_sdpa": round(grouped / hf, 3)}
+        out[str(k)] = {
+            "sdpa_ms": round(hf * 1e3, 2),
+            "grouped_ms": round(grouped * 1e3, 2),
+            "grouped_over_sdpa": round(grouped / hf, 3),
+        }
     return out
 
 
@@ -53,9 +56,14 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     target = load_target(threads=args.threads)
     ks = [int(k) for k in args.ks.split(",")]
-    result = {"what": f"median seconds of one verify step (probe_steps, {args.prefix}-token prefix), HF SDPA vs grouped attention",
-              "model": target.name, "hardware": hardware_string("cpu"), "threads": args.threads, "repeats": args.repeats,
-              "steps": ab(target, ks, args.repeats, args.prefix)}
+    result = {
+        "what": f"median seconds of one verify step (probe_steps, {args.prefix}-token prefix), HF SDPA vs grouped attention",
+        "model": target.name,
+        "hardware": hardware_string("cpu"),
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "steps": ab(target, ks, args.repeats, args.prefix),
+    }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result["steps"], indent=1))

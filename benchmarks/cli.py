@@ -22,7 +22,8 @@ def _csv(s: str) -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="toolspec bench", description=__doc__.split("\n\n")[0],
+        prog="toolspec bench",
+        description=__doc__.split("\n\n")[0],
         epilog="Rebuild report and plots from a run without decoding: toolspec bench report --out DIR [--name NAME]",
     )
     ap.add_argument("--data", action="append", default=[], help="JSONL file in the common format (repeatable)")
@@ -30,27 +31,46 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--name", default=None, help="report name: benchmarks/results/<name>.json (default: out dir name)")
     ap.add_argument("--results-dir", default=str(RESULTS))
     ap.add_argument("--methods", type=_csv, default=list(ALL_METHODS), help=f"comma list of {','.join(ALL_METHODS)}")
-    ap.add_argument("--library", type=_csv, default=["online"], help=f"comma list of {','.join(LIBRARIES)} (history methods)")
+    ap.add_argument(
+        "--library", type=_csv, default=["online"], help=f"comma list of {','.join(LIBRARIES)} (history methods)"
+    )
     ap.add_argument("--warm-file", action="append", default=[], help="JSONL whose gold calls fill the warm library")
     ap.add_argument("--warm-layout", choices=LAYOUTS, default="fence")
     ap.add_argument("--warm-limit", type=int, default=None, help="warm items per benchmark (each costs one prefill)")
     ap.add_argument("--no-warm-embed", action="store_true", help="do not prefill warm items for retrieval keys")
     ap.add_argument("--limit", type=int, default=None, help="items per data file")
-    ap.add_argument("--max-items", type=int, default=None,
-                    help="stop after this many items of the interleaved stream (the first of a --limit sample; resumable)")
+    ap.add_argument(
+        "--max-items",
+        type=int,
+        default=None,
+        help="stop after this many items of the interleaved stream (the first of a --limit sample; resumable)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="sampling seed for --limit; -1 = the first N items")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--cost", default="measured", help="measured | reference | flat | path to a cost JSON")
     ap.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: where the target runs")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                    help="target dtype; float32 keeps greedy output bit-identical (bf16: up to near-ties, see README)")
-    ap.add_argument("--packed-rows", type=int, default=None,
-                    help="CPU fp32, opt-in: MKL packed GEMM for 4..N-row verify forwards (16; default 0: off)")
-    ap.add_argument("--calibrate", action="store_true", help="refit the shared cost curve from the verify steps really paid")
-    ap.add_argument("--no-retime", action="store_true",
-                    help="on resume, compare new methods with the stored plain-greedy time instead of timing it again")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="target dtype; float32 keeps greedy output bit-identical (bf16: up to near-ties, see README)",
+    )
+    ap.add_argument(
+        "--packed-rows",
+        type=int,
+        default=None,
+        help="CPU fp32, opt-in: MKL packed GEMM for 4..N-row verify forwards (16; default 0: off)",
+    )
+    ap.add_argument(
+        "--calibrate", action="store_true", help="refit the shared cost curve from the verify steps really paid"
+    )
+    ap.add_argument(
+        "--no-retime",
+        action="store_true",
+        help="on resume, compare new methods with the stored plain-greedy time instead of timing it again",
+    )
     ap.add_argument("--no-report", action="store_true")
     return ap
 
@@ -72,12 +92,16 @@ def _check(args, ap) -> None:
 
 
 def report_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="toolspec bench report", description="rebuild report + plots from <out>/items.jsonl")
+    ap = argparse.ArgumentParser(
+        prog="toolspec bench report", description="rebuild report + plots from <out>/items.jsonl"
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--name", default=None)
     ap.add_argument("--results-dir", default=str(RESULTS))
     ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--data", action="append", default=None, help="the run's JSONL files on this machine (a run made elsewhere)")
+    ap.add_argument(
+        "--data", action="append", default=None, help="the run's JSONL files on this machine (a run made elsewhere)"
+    )
     args = ap.parse_args(argv)
     if not (Path(args.out) / "items.jsonl").exists():
         ap.error(f"{args.out}/items.jsonl does not exist")
@@ -105,15 +129,31 @@ def bench_main(argv: list[str] | None = None) -> int:
     from .runner import run
 
     cfg = RunConfig(
-        data=args.data, out=args.out, methods=args.methods, libraries=args.library, limit=args.limit,
-        seed=None if args.seed < 0 else args.seed, warm_files=args.warm_file, warm_layout=args.warm_layout,
-        warm_embed=not args.no_warm_embed, warm_limit=args.warm_limit, max_new_tokens=args.max_new_tokens, cost=args.cost, model=args.model,
-        threads=args.threads, retime_reference=not args.no_retime, packed_rows=args.packed_rows,
-        calibrate=args.calibrate, device=args.device, dtype=args.dtype,
+        data=args.data,
+        out=args.out,
+        methods=args.methods,
+        libraries=args.library,
+        limit=args.limit,
+        seed=None if args.seed < 0 else args.seed,
+        warm_files=args.warm_file,
+        warm_layout=args.warm_layout,
+        warm_embed=not args.no_warm_embed,
+        warm_limit=args.warm_limit,
+        max_new_tokens=args.max_new_tokens,
+        cost=args.cost,
+        model=args.model,
+        threads=args.threads,
+        retime_reference=not args.no_retime,
+        packed_rows=args.packed_rows,
+        calibrate=args.calibrate,
+        device=args.device,
+        dtype=args.dtype,
     )
     runner = run(cfg, max_items=args.max_items)
     if runner.pool.unavailable:
-        print("skipped methods: " + "; ".join(f"{k} ({v})" for k, v in runner.pool.unavailable.items()), file=sys.stderr)
+        print(
+            "skipped methods: " + "; ".join(f"{k} ({v})" for k, v in runner.pool.unavailable.items()), file=sys.stderr
+        )
     if not args.no_report:
         from .report import build_report
 

@@ -38,7 +38,7 @@ def copy_lengths(tokens: list[int], text_of, sources: str, anchor: int = 0) -> l
         lo, hi = 0, len(tokens) - p
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            piece = text_of(tokens[p - a:p + mid])
+            piece = text_of(tokens[p - a : p + mid])
             if piece in sources or piece in own:
                 lo = mid
             else:
@@ -64,7 +64,9 @@ def best_chains(lengths: list[int], step_cost, first: int = 1, max_nodes: int = 
     n = len(lengths)
     best = [(0.0, 0)] * (n + 1)  # (cost from p to the end, j at p)
     for p in range(n - 1, first - 1, -1):
-        best[p] = min((step_cost(j) + best[min(p + j + 1, n)][0], j) for j in range(min(lengths[p], max_nodes, n - p) + 1))
+        best[p] = min(
+            (step_cost(j) + best[min(p + j + 1, n)][0], j) for j in range(min(lengths[p], max_nodes, n - p) + 1)
+        )
     out, p = [], first
     while p < n:
         out.append((p, best[p][1]))
@@ -85,18 +87,29 @@ def _traces(toks: list[int], recs: dict, sources: str, text_of, cost, anchor: in
     return out
 
 
-def bound_run(raw: Path, tokenizer, cost, methods: tuple[str, ...] = ("suffix", "toolspec"), only_calls: bool = True,
-              anchor: int = 0, regions: bool = False) -> dict:
+def bound_run(
+    raw: Path,
+    tokenizer,
+    cost,
+    methods: tuple[str, ...] = ("suffix", "toolspec"),
+    only_calls: bool = True,
+    anchor: int = 0,
+    regions: bool = False,
+) -> dict:
     items = run_items(raw)
-    recs = [json.loads(l) for l in open(raw / "items.jsonl")]
+    recs = [json.loads(line) for line in open(raw / "items.jsonl")]
     by_method = collections.defaultdict(dict)
     for r in recs:
         by_method[r["method"]][r["item"]] = r
     ar = [r for r in recs if r["method"] == "ar"]  # stream order
     text_of = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
     history: list[str] = []
-    agg = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0, 0]))  # bench -> who -> tokens, cost, steps
-    by_region = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0, 0.0]))  # (bench, who) -> region -> steps, tokens, cost
+    agg = collections.defaultdict(
+        lambda: collections.defaultdict(lambda: [0, 0.0, 0])
+    )  # bench -> who -> tokens, cost, steps
+    by_region = collections.defaultdict(
+        lambda: collections.defaultdict(lambda: [0.0, 0, 0.0])
+    )  # (bench, who) -> region -> steps, tokens, cost
     for r in ar:
         toks = r["tokens"]
         sources = "\x00".join([text_of(prompt_ids(tokenizer, items[r["item"]]))] + history)
@@ -104,20 +117,31 @@ def bound_run(raw: Path, tokenizer, cost, methods: tuple[str, ...] = ("suffix", 
         if only_calls and not r.get("has_call"):
             continue
         mine = {m: by_method[m][r["item"]] for m in methods if r["item"] in by_method.get(m, {})}
-        bounds = call_bounds(tokenizer, items[r["item"]].get("tools") or [], toks) if regions and r.get("has_call") else None
+        bounds = (
+            call_bounds(tokenizer, items[r["item"]].get("tools") or [], toks) if regions and r.get("has_call") else None
+        )
         for who, trace in _traces(toks, mine, sources, text_of, cost, anchor).items():
             b = agg[r["benchmark"]][who]
-            b[0], b[1], b[2] = b[0] + len(toks) - 1, b[1] + sum(cost.step_cost(size) for _, size, _, _ in trace), b[2] + len(trace)
-            for reg, vals in (region_costs(trace, bounds, cost).items() if bounds is not None else ()):
+            b[0], b[1], b[2] = (
+                b[0] + len(toks) - 1,
+                b[1] + sum(cost.step_cost(size) for _, size, _, _ in trace),
+                b[2] + len(trace),
+            )
+            for reg, vals in region_costs(trace, bounds, cost).items() if bounds is not None else ():
                 agg_r = by_region[(r["benchmark"], who)]
                 agg_r[reg] = [x + y for x, y in zip(agg_r[reg], vals)]
     out = {}
     for bench, who in agg.items():
-        row = {w: {"tokens": t, "steps": s, "mat": round(t / max(s, 1), 3), "proj": round(t / max(c, 1e-9), 3)} for w, (t, c, s) in who.items()}
+        row = {
+            w: {"tokens": t, "steps": s, "mat": round(t / max(s, 1), 3), "proj": round(t / max(c, 1e-9), 3)}
+            for w, (t, c, s) in who.items()
+        }
         for w in row:
             if (bench, w) in by_region:
-                row[w]["regions"] = {reg: {"tokens": t, "cost": round(c, 2), "proj": round(t / c, 3) if c else None}
-                                     for reg, (_, t, c) in by_region[(bench, w)].items()}
+                row[w]["regions"] = {
+                    reg: {"tokens": t, "cost": round(c, 2), "proj": round(t / c, 3) if c else None}
+                    for reg, (_, t, c) in by_region[(bench, w)].items()
+                }
         base = [m for m in methods if m in row and m != "toolspec"]
         if base:
             best = max(base, key=lambda m: row[m]["proj"])
@@ -134,11 +158,19 @@ def bound_run(raw: Path, tokenizer, cost, methods: tuple[str, ...] = ("suffix", 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("raw", nargs="+")
-    ap.add_argument("--methods", default="suffix,toolspec", help="recorded methods to compare (and whose steps the oracle may reuse)")
+    ap.add_argument(
+        "--methods",
+        default="suffix,toolspec",
+        help="recorded methods to compare (and whose steps the oracle may reuse)",
+    )
     ap.add_argument("--cost", default="run", help="run (the run's cost.json) | reference | flat | path to a cost JSON")
     ap.add_argument("--all-items", action="store_true")
     ap.add_argument("--anchors", default="0,2,4,8", help="context tokens a copy must match before it (one bound each)")
-    ap.add_argument("--regions", action="store_true", help="also split each one's projected cost by region (before / call object / after)")
+    ap.add_argument(
+        "--regions",
+        action="store_true",
+        help="also split each one's projected cost by region (before / call object / after)",
+    )
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
     from transformers import AutoTokenizer
@@ -150,9 +182,26 @@ def main() -> None:
     for raw in a.raw:
         for anchor in map(int, a.anchors.split(",")):
             key = f"{raw} anchor={anchor}"
-            res["runs"][key] = bound_run(Path(raw), tok, _cost(Path(raw), a.cost), tuple(a.methods.split(",")), not a.all_items, anchor, a.regions)
-            print(key, json.dumps({b: {k: v for k, v in row.items() if not isinstance(v, dict)} | {"oracle_mat": row["oracle"]["mat"]}
-                                   for b, row in res["runs"][key].items()}), flush=True)
+            res["runs"][key] = bound_run(
+                Path(raw),
+                tok,
+                _cost(Path(raw), a.cost),
+                tuple(a.methods.split(",")),
+                not a.all_items,
+                anchor,
+                a.regions,
+            )
+            print(
+                key,
+                json.dumps(
+                    {
+                        b: {k: v for k, v in row.items() if not isinstance(v, dict)}
+                        | {"oracle_mat": row["oracle"]["mat"]}
+                        for b, row in res["runs"][key].items()
+                    }
+                ),
+                flush=True,
+            )
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(res, indent=1) + "\n")
 

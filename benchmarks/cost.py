@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from toolspec_core.model.attention import use_grouped_sdpa
 from toolspec_core.engine.budget import CPU_REFERENCE_CURVE, interpolate
 from toolspec_core.engine.cost_probe import DEFAULT_KS
+from toolspec_core.model.attention import use_grouped_sdpa
 from toolspec_core.model.target import load_hf_model, resolve_dtype
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -31,12 +31,60 @@ CURVES = RESULTS / "curves"  # measured cost curves (not method runs): projectio
 
 # Qwen2.5 architecture shapes (from the public config.json files).
 SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
-    "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-3b": dict(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-14b": dict(
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-32b": dict(
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
 }
 
 # --------------------------------------------------------------------------- projection
@@ -53,7 +101,9 @@ def host_seconds(record: dict) -> float:
     return record.get("draft_s", 0.0) + record.get("commit_s", 0.0) + record.get("setup_s", 0.0)
 
 
-def projected_speedup(ar_records: list[dict], records: list[dict], curve: list[float], step_s: float | None = None) -> float:
+def projected_speedup(
+    ar_records: list[dict], records: list[dict], curve: list[float], step_s: float | None = None
+) -> float:
     """Σ cost of plain greedy's steps / Σ cost of the method's actual steps under ``curve``.
 
     For plain greedy every step costs c(1) = 1, so this is tokens / Σ c(k). It uses the trees
@@ -175,13 +225,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="toolspec bench-cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="embedded", help=f"embedded | HF dir | shape: {', '.join(SHAPES)}")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="auto: bf16 on GPU, fp32 on CPU")
+    ap.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto: bf16 on GPU, fp32 on CPU",
+    )
     ap.add_argument("--prefix-len", type=int, default=500)
     ap.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--packed-rows", type=int, default=None, help="CPU fp32: MKL packed GEMM for 4..N rows, as toolspec bench (default 0: off)")
-    ap.add_argument("--out", default=None, help="output JSON (default benchmarks/results/curves/cost-<device>-<shape>.json)")
+    ap.add_argument(
+        "--packed-rows",
+        type=int,
+        default=None,
+        help="CPU fp32: MKL packed GEMM for 4..N rows, as toolspec bench (default 0: off)",
+    )
+    ap.add_argument(
+        "--out", default=None, help="output JSON (default benchmarks/results/curves/cost-<device>-<shape>.json)"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -194,9 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     seconds, points = measure_curve(model, args.prefix_len, ks, args.repeats)
     shape = re.sub(r"[^a-z0-9.]+", "-", label.lower())
     report = {
-        "device": args.device, "hardware": hardware_string(args.device), "shape": shape, "dtype": str(dtype).replace("torch.", ""),
-        "prefix_len": args.prefix_len, "repeats": args.repeats, "via": "engine", "random_weights": args.model in SHAPES,
-        "seconds": {str(k): s for k, s in seconds.items()}, "points": {str(k): p for k, p in points.items()},
+        "device": args.device,
+        "hardware": hardware_string(args.device),
+        "shape": shape,
+        "dtype": str(dtype).replace("torch.", ""),
+        "prefix_len": args.prefix_len,
+        "repeats": args.repeats,
+        "via": "engine",
+        "random_weights": args.model in SHAPES,
+        "seconds": {str(k): s for k, s in seconds.items()},
+        "points": {str(k): p for k, p in points.items()},
     }
     out = Path(args.out) if args.out else CURVES / f"cost-{device_tag(args.device)}-{shape}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -84,7 +84,9 @@ def _template_text(tokenizer, item: dict) -> str | None:
     """The chat template's rendering of an assistant message carrying the gold calls."""
     from toolspec_core.model.prompting import _normalise_messages, render_text
 
-    calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in item["gold_calls"]]
+    calls = [
+        {"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in item["gold_calls"]
+    ]
     msgs = _normalise_messages(item["messages"]) + [{"role": "assistant", "content": "", "tool_calls": calls}]
     prompt = render_text(tokenizer, item["messages"], item.get("tools"))
     full = tokenizer.apply_chat_template(msgs, tools=item.get("tools") or None, tokenize=False)
@@ -101,11 +103,16 @@ def gold_output_text(tokenizer, item: dict, layout: str = "fence") -> str:
         text = _template_text(tokenizer, item)
         if text is not None:
             return text
-        body = [json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False) for c in item["gold_calls"]]
+        body = [
+            json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False) for c in item["gold_calls"]
+        ]
         return "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in body)
     if layout != "fence":
         raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
-    body = [json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False, indent=2) for c in item["gold_calls"]]
+    body = [
+        json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False, indent=2)
+        for c in item["gold_calls"]
+    ]
     return "\n".join(f"```json\n{b}\n```" for b in body)
 
 

@@ -23,7 +23,9 @@ def _request(ns) -> tuple[list[dict], list[dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="toolspec generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="toolspec generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--data", help="JSONL in the common format")
     p.add_argument("--index", type=int, default=0, help="line of --data")
     p.add_argument("--prompt", default="What's the weather in Paris, in celsius?")
@@ -51,7 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     res = decode(target, pre, method.drafter(RequestInfo(prompt, tools, embedding=pre.hidden)), cfg, cost)
     print(res.text)
     print(f"\nidentical to plain greedy: {res.tokens == plain.tokens}")
-    print(f"tokens {res.stats.generated_tokens}, forwards {res.stats.forwards} (plain {plain.stats.forwards}), MAT {res.stats.mat:.2f}")
-    print(f"decode {res.stats.decode_s:.2f} s vs plain {plain.stats.decode_s:.2f} s ({plain.stats.decode_s / max(res.stats.decode_s, 1e-9):.2f}x)")
-    print("steps (accepted/drafted state):", " ".join(f"{a}/{d}:{lab}" for a, d, lab in zip(res.stats.accepted, res.stats.drafted, res.stats.step_labels)))
+    print(
+        f"tokens {res.stats.generated_tokens}, forwards {res.stats.forwards} (plain {plain.stats.forwards}), MAT {res.stats.mat:.2f}"
+    )
+    print(
+        f"decode {res.stats.decode_s:.2f} s vs plain {plain.stats.decode_s:.2f} s ({plain.stats.decode_s / max(res.stats.decode_s, 1e-9):.2f}x)"
+    )
+    print(
+        "steps (accepted/drafted state):",
+        " ".join(f"{a}/{d}:{lab}" for a, d, lab in zip(res.stats.accepted, res.stats.drafted, res.stats.step_labels)),
+    )
     return 0 if res.tokens == plain.tokens else 1

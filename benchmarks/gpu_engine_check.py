@@ -22,10 +22,10 @@ import time
 import torch
 
 from toolspec_core.drafters.base import DraftContext, NoDrafter
-from toolspec_core.engine.loop import DecodeConfig, generate
 from toolspec_core.drafters.methods import RequestInfo, make_method
-from toolspec_core.model.target import DTYPES, from_model
+from toolspec_core.engine.loop import DecodeConfig, generate
 from toolspec_core.engine.tree import DraftTree
+from toolspec_core.model.target import DTYPES, from_model
 
 
 class ByteTokenizer:
@@ -84,9 +84,16 @@ def build_model(vocab: int, hidden: int, layers: int, seed: int, device: str, dt
 
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-        num_attention_heads=max(hidden // 64, 2), num_key_value_heads=2, max_position_embeddings=4096,
-        initializer_range=0.3, tie_word_embeddings=False, attn_implementation="sdpa",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 64, 2),
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
     )
     model = Qwen2ForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = None
@@ -117,12 +124,23 @@ def margin_at(target, prompt: list[int], ref: list[int], i: int) -> float:
     return float(top[0] - top[1])
 
 
-def check(device: str, dtype: torch.dtype, n_prompts: int, new_tokens: int, seed: int, vocab: int = 512,
-          hidden: int = 256, layers: int = 4) -> dict:
+def check(
+    device: str,
+    dtype: torch.dtype,
+    n_prompts: int,
+    new_tokens: int,
+    seed: int,
+    vocab: int = 512,
+    hidden: int = 256,
+    layers: int = 4,
+) -> dict:
     target = from_model(build_model(vocab, hidden, layers, seed, device, dtype), ByteTokenizer(), name="random-qwen2")
     cfg = DecodeConfig(max_new_tokens=new_tokens)
-    learned = {"pld": make_method("pld"), "suffix": make_method("suffix"),
-               "token_recycling": make_method("token_recycling", vocab_size=vocab)}
+    learned = {
+        "pld": make_method("pld"),
+        "suffix": make_method("suffix"),
+        "token_recycling": make_method("token_recycling", vocab_size=vocab),
+    }
     methods = {
         **{name: (lambda ref, req, m=m: m.drafter(req)) for name, m in learned.items()},
         "oracle": lambda ref, req: oracle(ref),
@@ -134,7 +152,9 @@ def check(device: str, dtype: torch.dtype, n_prompts: int, new_tokens: int, seed
         ref = generate(target, prompt, NoDrafter(), cfg).tokens
         with torch.inference_mode():
             hf = target.model.generate(
-                torch.tensor([prompt], device=target.device), max_new_tokens=new_tokens, do_sample=False,
+                torch.tensor([prompt], device=target.device),
+                max_new_tokens=new_tokens,
+                do_sample=False,
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=target.device),
             )[0, len(prompt) :].tolist()
         outs = {"hf_generate": (hf, None)}
@@ -157,8 +177,17 @@ def check(device: str, dtype: torch.dtype, n_prompts: int, new_tokens: int, seed
     for row in res.values():
         apc = row.pop("accepted_per_step")
         row["mean_accepted_per_step"] = round(sum(apc) / len(apc), 3) if apc else None
-    return {"device": device, "dtype": str(dtype).replace("torch.", ""), "prompts": n_prompts, "new_tokens": new_tokens,
-            "vocab": vocab, "hidden": hidden, "layers": layers, "seconds": round(time.perf_counter() - t0, 1), "methods": res}
+    return {
+        "device": device,
+        "dtype": str(dtype).replace("torch.", ""),
+        "prompts": n_prompts,
+        "new_tokens": new_tokens,
+        "vocab": vocab,
+        "hidden": hidden,
+        "layers": layers,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "methods": res,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,15 +201,21 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32
-    report = {"hardware": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-              "torch": torch.__version__, "runs": []}
+    report = {
+        "hardware": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "runs": [],
+    }
     for name in a.dtypes.split(","):
         run = check(a.device, DTYPES[name], a.prompts, a.new_tokens, a.seed)
         report["runs"].append(run)
         print(json.dumps({k: v for k, v in run.items() if k != "methods"}), flush=True)
         for m, row in run["methods"].items():
-            print(f"  {m:16s} equal {row['equal']}/{row['decodes']}  accepted/step {row['mean_accepted_per_step']}  "
-                  f"divergences {[(d['prompt'], d['position'], round(d['plain_margin'], 4)) for d in row['divergences']]}", flush=True)
+            print(
+                f"  {m:16s} equal {row['equal']}/{row['decodes']}  accepted/step {row['mean_accepted_per_step']}  "
+                f"divergences {[(d['prompt'], d['position'], round(d['plain_margin'], 4)) for d in row['divergences']]}",
+                flush=True,
+            )
     if a.out:
         with open(a.out, "w") as f:
             json.dump(report, f, indent=1)

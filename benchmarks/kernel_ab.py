@@ -22,7 +22,12 @@ from collections import defaultdict
 import torch
 
 BUCKETS = ((1, 1), (2, 3), (4, 8), (9, 16), (17, 64))
-VARIANTS = (("transposed", 0, False), ("transposed+calibrated", 0, True), ("packed", 16, False), ("packed+calibrated", 16, True))
+VARIANTS = (
+    ("transposed", 0, False),
+    ("transposed+calibrated", 0, True),
+    ("packed", 16, False),
+    ("packed+calibrated", 16, True),
+)
 
 
 def _bucket(rows: int) -> str:
@@ -41,7 +46,9 @@ def summarize(raw: dict) -> dict:
         speedups = [it["speedup"] for it in res["items"]]
         out[variant] = {
             "startup_curve": {str(k): round(v, 3) for k, v in sorted(res["points"].items(), key=lambda kv: int(kv[0]))},
-            "observed_cost": {b: {"steps": len(v), "median": round(sorted(v)[len(v) // 2], 3)} for b, v in ratios.items()},
+            "observed_cost": {
+                b: {"steps": len(v), "median": round(sorted(v)[len(v) // 2], 3)} for b, v in ratios.items()
+            },
             "geomean_speedup": math.exp(sum(map(math.log, speedups)) / len(speedups)),
             "items": [it["id"] for it in res["items"]],
             "load_s": res["load_s"],
@@ -51,15 +58,17 @@ def summarize(raw: dict) -> dict:
 
 
 def measure(n_items: int) -> dict:
+    from toolspec_core.drafters.methods import RequestInfo, make_method
     from toolspec_core.engine.budget import CostModel
     from toolspec_core.engine.cost_probe import measure_cost_points
     from toolspec_core.engine.loop import DecodeConfig, decode, prefill
-    from toolspec_core.drafters.methods import RequestInfo, make_method
     from toolspec_core.model.target import load_target
 
     from .data import load_items, prompt_ids
 
-    items = [it for f in ("api_bank", "bfcl_v3") for it in load_items(f"../shared/data/{f}.dev.jsonl")[: 10 * n_items : 10]]
+    items = [
+        it for f in ("api_bank", "bfcl_v3") for it in load_items(f"../shared/data/{f}.dev.jsonl")[: 10 * n_items : 10]
+    ]
     raw = {}
     target = None
     for variant, packed, calibrate in VARIANTS:
@@ -80,9 +89,16 @@ def measure(n_items: int) -> dict:
                 runs[name] = decode(target, pre, drafter, DecodeConfig(max_new_tokens=128), cost)
             assert runs["ar"].tokens == runs["toolspec_schema"].tokens, it["id"]
             ar_steps = sorted(runs["ar"].stats.verify_step_s)
-            res["items"].append({"id": it["id"], "speedup": runs["ar"].stats.decode_s / runs["toolspec_schema"].stats.decode_s,
-                                 "ar_step": ar_steps[len(ar_steps) // 2],
-                                 "steps": list(zip(runs["toolspec_schema"].stats.drafted, runs["toolspec_schema"].stats.verify_step_s))})
+            res["items"].append(
+                {
+                    "id": it["id"],
+                    "speedup": runs["ar"].stats.decode_s / runs["toolspec_schema"].stats.decode_s,
+                    "ar_step": ar_steps[len(ar_steps) // 2],
+                    "steps": list(
+                        zip(runs["toolspec_schema"].stats.drafted, runs["toolspec_schema"].stats.verify_step_s)
+                    ),
+                }
+            )
             print(variant, it["id"], f"{res['items'][-1]['speedup']:.2f}x", flush=True)
         res["final_points"] = {str(k): round(v, 3) for k, v in sorted(cost.points.items())}
         raw[variant] = res

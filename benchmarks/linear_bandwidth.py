@@ -49,7 +49,10 @@ def measure(rounds: int, baseline_rev: str | None) -> dict:
     for name, (n, k) in SHAPES.items():
         weights = [torch.randn(n, k) for _ in range(max(1, min(24, int(2e9 / (n * k * 4)))))]
         x = torch.randn(1, k)
-        row = {v: round(gb_per_s(lambda x, w, m=m: m.rows_linear(x, w, None), weights, x, rounds), 1) for v, m in variants.items()}
+        row = {
+            v: round(gb_per_s(lambda x, w, m=m: m.rows_linear(x, w, None), weights, x, rounds), 1)
+            for v, m in variants.items()
+        }
         row["torch_sum"] = round(gb_per_s(lambda x, w: w.sum(), weights, x, rounds), 1)
         out[name] = row
         print(name, row, flush=True)
@@ -88,11 +91,15 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/runs/linear-bandwidth.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    res = {"what": "GB/s of weight read by one-row products (x[1, in] . W[out, in]^T) per weight shape of Qwen2.5-0.5B, "
-                   "random weights (up to 24 copies, ~2 GB) per shape read round-robin; torch_sum = torch.sum over the same "
-                   "weights (read bandwidth); gflop_per_s_weight_in_cache: the kernel at k rows on one 4864 x 896 weight reused",
-           "hardware": hardware_string(), "rounds": a.rounds, "gb_per_s": measure(a.rounds, a.baseline_rev),
-           "gflop_per_s_weight_in_cache": gflops_in_cache(a.rounds)}
+    res = {
+        "what": "GB/s of weight read by one-row products (x[1, in] . W[out, in]^T) per weight shape of Qwen2.5-0.5B, "
+        "random weights (up to 24 copies, ~2 GB) per shape read round-robin; torch_sum = torch.sum over the same "
+        "weights (read bandwidth); gflop_per_s_weight_in_cache: the kernel at k rows on one 4864 x 896 weight reused",
+        "hardware": hardware_string(),
+        "rounds": a.rounds,
+        "gb_per_s": measure(a.rounds, a.baseline_rev),
+        "gflop_per_s_weight_in_cache": gflops_in_cache(a.rounds),
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
 

@@ -20,7 +20,14 @@ import json
 import torch
 import torch.nn.functional as F
 
-from toolspec_core.model.cpu_linears import PACKED_ROWS, median_seconds, mkl_pack, onednn_linear, onednn_pack, packed_linear
+from toolspec_core.model.cpu_linears import (
+    PACKED_ROWS,
+    median_seconds,
+    mkl_pack,
+    onednn_linear,
+    onednn_pack,
+    packed_linear,
+)
 
 from .cost import hardware_string
 
@@ -42,12 +49,16 @@ def measure(repeats: int = 5) -> dict:
         out[name] = {}
         for rows in ROWS:
             x = torch.randn(rows, n_in)
-            out[name][rows] = {"linear_ms": round(median_ms(lambda: F.linear(x, w), repeats), 2),
-                               "transposed_ms": round(median_ms(lambda: x @ wt, repeats), 2)}
+            out[name][rows] = {
+                "linear_ms": round(median_ms(lambda: F.linear(x, w), repeats), 2),
+                "transposed_ms": round(median_ms(lambda: x @ wt, repeats), 2),
+            }
             if dnn is not None:
                 out[name][rows]["onednn_ms"] = round(median_ms(lambda: onednn_linear(x, dnn, None), repeats), 2)
             if packed is not None and rows <= PACKED_ROWS:
-                out[name][rows]["packed_ms"] = round(median_ms(lambda: packed_linear(x, packed, w, None, PACKED_ROWS), repeats), 2)
+                out[name][rows]["packed_ms"] = round(
+                    median_ms(lambda: packed_linear(x, packed, w, None, PACKED_ROWS), repeats), 2
+                )
     return out
 
 
@@ -58,15 +69,16 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/runs/linear-rows.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    res = {"hardware": hardware_string(),
-           "times": measure(a.repeats)}
+    res = {"hardware": hardware_string(), "times": measure(a.repeats)}
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     for name, by_rows in res["times"].items():
         for rows, t in by_rows.items():
             packed = f"   packed {t['packed_ms']:8.2f} ms" if "packed_ms" in t else ""
             dnn = f"   oneDNN {t['onednn_ms']:8.2f} ms" if "onednn_ms" in t else ""
-            print(f"{name:8s} rows {rows:4d}  F.linear {t['linear_ms']:8.2f} ms   x @ W.T {t['transposed_ms']:8.2f} ms{dnn}{packed}")
+            print(
+                f"{name:8s} rows {rows:4d}  F.linear {t['linear_ms']:8.2f} ms   x @ W.T {t['transposed_ms']:8.2f} ms{dnn}{packed}"
+            )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ ERROR_BODY_CHARS = 200
 
 # ------------------------------------------------------------------ inputs
 
+
 def parse_endpoint(spec: str) -> tuple[str, str]:
     """'name=url' -> (name, url); a bare URL is named after its host:port."""
     name, sep, url = spec.partition("=")
@@ -74,13 +75,15 @@ def load_items(path: str | Path, limit: int | None = None) -> list[dict]:
                 continue
             row = json.loads(line)
             tools = row.get("tools") or []
-            items.append({
-                "id": row.get("id", str(len(items))),
-                "messages": row["messages"],
-                "tools": tools,
-                "tool_names": sorted({t["function"]["name"] for t in tools if "function" in t}),
-                "gold_names": [c["name"] for c in row.get("gold_calls") or []],
-            })
+            items.append(
+                {
+                    "id": row.get("id", str(len(items))),
+                    "messages": row["messages"],
+                    "tools": tools,
+                    "tool_names": sorted({t["function"]["name"] for t in tools if "function" in t}),
+                    "gold_names": [c["name"] for c in row.get("gold_calls") or []],
+                }
+            )
             if limit and len(items) >= limit:
                 break
     if not items:
@@ -88,10 +91,16 @@ def load_items(path: str | Path, limit: int | None = None) -> list[dict]:
     return items
 
 
-def build_payload(item: dict, model: str, max_tokens: int, stream: bool,
-                  tool_choice: str | None = None, stream_usage: bool = True) -> dict:
-    payload = {"model": model, "messages": item["messages"], "temperature": 0,
-               "max_tokens": max_tokens, "stream": stream}
+def build_payload(
+    item: dict, model: str, max_tokens: int, stream: bool, tool_choice: str | None = None, stream_usage: bool = True
+) -> dict:
+    payload = {
+        "model": model,
+        "messages": item["messages"],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
     if item["tools"]:
         payload["tools"] = item["tools"]
         if tool_choice:
@@ -102,6 +111,7 @@ def build_payload(item: dict, model: str, max_tokens: int, stream: bool,
 
 
 # ------------------------------------------------------------------ one request
+
 
 def check_tool_calls(calls: list[dict], tool_names) -> bool:
     """Valid = every call names an offered tool and its arguments parse as a JSON object."""
@@ -121,8 +131,7 @@ def check_tool_calls(calls: list[dict], tool_names) -> bool:
 
 def output_digest(content: str | None, calls: list[dict]) -> str:
     """Hash of what the model produced, to see whether two endpoints answered identically."""
-    norm = [[(c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments")]
-            for c in calls]
+    norm = [[(c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments")] for c in calls]
     blob = json.dumps({"content": content or "", "calls": norm}, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
@@ -130,8 +139,9 @@ def output_digest(content: str | None, calls: list[dict]) -> str:
 def _merge_tool_call_deltas(acc: dict[int, dict], deltas: list[dict]) -> None:
     """OpenAI streams a call as deltas: id/name first, then argument fragments, keyed by index."""
     for d in deltas:
-        slot = acc.setdefault(d.get("index", len(acc)), {"id": None, "type": "function",
-                                                         "function": {"name": "", "arguments": ""}})
+        slot = acc.setdefault(
+            d.get("index", len(acc)), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+        )
         if d.get("id"):
             slot["id"] = d["id"]
         fn = d.get("function") or {}
@@ -166,9 +176,14 @@ async def _read_stream(response, started: float) -> dict:
                 content.append(delta["content"])
             if delta.get("tool_calls"):
                 _merge_tool_call_deltas(calls, delta["tool_calls"])
-    return {"content": "".join(content), "tool_calls": [calls[k] for k in sorted(calls)],
-            "usage": usage, "ttft_ms": None if first is None else (first - started) * 1e3,
-            "chunks": chunks, "server_stats": stats}
+    return {
+        "content": "".join(content),
+        "tool_calls": [calls[k] for k in sorted(calls)],
+        "usage": usage,
+        "ttft_ms": None if first is None else (first - started) * 1e3,
+        "chunks": chunks,
+        "server_stats": stats,
+    }
 
 
 class _ServerError(Exception):
@@ -195,9 +210,14 @@ async def send_one(client, url: str, payload: dict, headers: dict) -> dict:
             message = body["choices"][0]["message"]
         except (KeyError, IndexError, TypeError) as exc:
             raise _ServerError("bad_response", str(body)[:ERROR_BODY_CHARS]) from exc
-        out = {"content": message.get("content"), "tool_calls": message.get("tool_calls") or [],
-               "usage": body.get("usage"), "ttft_ms": None, "chunks": None,
-               "server_stats": body.get("toolspec")}
+        out = {
+            "content": message.get("content"),
+            "tool_calls": message.get("tool_calls") or [],
+            "usage": body.get("usage"),
+            "ttft_ms": None,
+            "chunks": None,
+            "server_stats": body.get("toolspec"),
+        }
     out["latency_ms"] = (time.perf_counter() - started) * 1e3
     return out
 
@@ -219,10 +239,24 @@ def _error_kind(exc: BaseException) -> str:
 
 
 def _record(index: int, item: dict, started_wall: float, node: str) -> dict:
-    return {"index": index, "item_id": item["id"], "ok": False, "error": None, "detail": None,
-            "latency_ms": None, "ttft_ms": None, "completion_tokens": None,
-            "tool_calls": 0, "tool_calls_valid": None, "gold_name_match": None, "mat": None,
-            "digest": None, "started": started_wall, "finished": None, "node": node}
+    return {
+        "index": index,
+        "item_id": item["id"],
+        "ok": False,
+        "error": None,
+        "detail": None,
+        "latency_ms": None,
+        "ttft_ms": None,
+        "completion_tokens": None,
+        "tool_calls": 0,
+        "tool_calls_valid": None,
+        "gold_name_match": None,
+        "mat": None,
+        "digest": None,
+        "started": started_wall,
+        "finished": None,
+        "node": node,
+    }
 
 
 def _fill_success(rec: dict, item: dict, out: dict) -> None:
@@ -231,20 +265,24 @@ def _fill_success(rec: dict, item: dict, out: dict) -> None:
     stats = out.get("server_stats")
     if isinstance(stats, dict) and isinstance(stats.get("mat"), (int, float)):
         rec["mat"] = float(stats["mat"])  # ToolSpec servers report mean accepted tokens per step
-    rec.update(ok=True, latency_ms=out["latency_ms"], ttft_ms=out["ttft_ms"],
-               completion_tokens=usage.get("completion_tokens", out.get("chunks")),
-               tool_calls=len(calls), digest=output_digest(out["content"], calls))
+    rec.update(
+        ok=True,
+        latency_ms=out["latency_ms"],
+        ttft_ms=out["ttft_ms"],
+        completion_tokens=usage.get("completion_tokens", out.get("chunks")),
+        tool_calls=len(calls),
+        digest=output_digest(out["content"], calls),
+    )
     if calls:
         rec["tool_calls_valid"] = check_tool_calls(calls, item["tool_names"])
     if item["gold_names"]:
-        rec["gold_name_match"] = [(c.get("function") or {}).get("name") for c in calls][:1] \
-            == item["gold_names"][:1]
+        rec["gold_name_match"] = [(c.get("function") or {}).get("name") for c in calls][:1] == item["gold_names"][:1]
 
 
 # ------------------------------------------------------------------ one slice of clients
 
-async def run_slice(url: str, jobs: list[tuple[int, dict]], concurrency: int, max_seconds: float,
-                    opts: dict) -> dict:
+
+async def run_slice(url: str, jobs: list[tuple[int, dict]], concurrency: int, max_seconds: float, opts: dict) -> dict:
     """Run *jobs* (index, item) with *concurrency* clients until done or *max_seconds* passed.
 
     Returns raw records plus the slice's wall-clock span; records of requests still in flight at
@@ -265,8 +303,14 @@ async def run_slice(url: str, jobs: list[tuple[int, dict]], concurrency: int, ma
     async def client_loop(client):
         while pending and loop.time() < deadline:
             index, item = pending.popleft()
-            payload = build_payload(item, opts["model"], opts["max_tokens"], opts["stream"],
-                                    opts.get("tool_choice"), opts.get("stream_usage", True))
+            payload = build_payload(
+                item,
+                opts["model"],
+                opts["max_tokens"],
+                opts["stream"],
+                opts.get("tool_choice"),
+                opts.get("stream_usage", True),
+            )
             rec = _record(index, item, time.time(), node)
             records.append(rec)
             try:
@@ -288,8 +332,14 @@ async def run_slice(url: str, jobs: list[tuple[int, dict]], concurrency: int, ma
         for task in tasks:
             if task.done() and not task.cancelled() and task.exception():
                 raise task.exception()
-    return {"records": records, "started": started, "finished": time.time(), "node": node,
-            "timed_out": bool(late), "unsent": len(pending)}
+    return {
+        "records": records,
+        "started": started,
+        "finished": time.time(),
+        "node": node,
+        "timed_out": bool(late),
+        "unsent": len(pending),
+    }
 
 
 def run_slice_sync(url, jobs, concurrency, max_seconds, opts) -> dict:
@@ -298,6 +348,7 @@ def run_slice_sync(url, jobs, concurrency, max_seconds, opts) -> dict:
 
 
 # ------------------------------------------------------------------ levels, local or on Ray
+
 
 def level_jobs(items: list[dict], n: int, offset: int = 0) -> list[tuple[int, dict]]:
     """*n* requests of a level: dataset items in order from ``offset``, cycling if needed."""
@@ -319,12 +370,14 @@ def split_jobs(jobs: list, concurrency: int, tasks: int) -> list[tuple[list, int
 def merge_slices(outs: list[dict]) -> dict:
     """Aggregate slice results: records sorted by request index, span from first start to last end."""
     records = sorted((r for o in outs for r in o["records"]), key=lambda r: r["index"])
-    return {"records": records,
-            "started": min(o["started"] for o in outs) if outs else time.time(),
-            "finished": max(o["finished"] for o in outs) if outs else time.time(),
-            "nodes": sorted({o["node"] for o in outs}),
-            "timed_out": any(o["timed_out"] for o in outs),
-            "unsent": sum(o["unsent"] for o in outs)}
+    return {
+        "records": records,
+        "started": min(o["started"] for o in outs) if outs else time.time(),
+        "finished": max(o["finished"] for o in outs) if outs else time.time(),
+        "nodes": sorted({o["node"] for o in outs}),
+        "timed_out": any(o["timed_out"] for o in outs),
+        "unsent": sum(o["unsent"] for o in outs),
+    }
 
 
 def run_level_local(url, jobs, concurrency, max_seconds, opts) -> dict:
@@ -342,19 +395,19 @@ class RayRunner:
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
         if not ray.is_initialized():
             if address == "local":
-                ray.init(num_cpus=local_cpus or os.cpu_count(), include_dashboard=False,
-                         log_to_driver=False)
+                ray.init(num_cpus=local_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
             else:
                 ray.init(address=address, log_to_driver=False)
         self.ray = ray
         alive = [n for n in ray.nodes() if n.get("Alive")]
         self.tasks = tasks or max(1, len(alive))
-        self.remote = ray.remote(num_cpus=task_cpus, scheduling_strategy="SPREAD",
-                                 max_retries=0)(_ray_slice)
+        self.remote = ray.remote(num_cpus=task_cpus, scheduling_strategy="SPREAD", max_retries=0)(_ray_slice)
 
     def run_level(self, url, jobs, concurrency, max_seconds, opts) -> dict:
-        refs = [self.remote.remote(url, part, share, max_seconds, opts)
-                for part, share in split_jobs(jobs, concurrency, self.tasks)]
+        refs = [
+            self.remote.remote(url, part, share, max_seconds, opts)
+            for part, share in split_jobs(jobs, concurrency, self.tasks)
+        ]
         return merge_slices(self.ray.get(refs))
 
 
@@ -366,6 +419,7 @@ def _ray_slice(url, jobs, concurrency, max_seconds, opts) -> dict:
 
 
 # ------------------------------------------------------------------ statistics
+
 
 def percentile(values: list[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default); None when empty."""
@@ -393,22 +447,31 @@ def summarize(endpoint: str, url: str, concurrency: int, run: dict) -> dict:
     gold = [r["gold_name_match"] for r in ok if r["gold_name_match"] is not None]
     errors = collections.Counter(r["error"] for r in recs if not r["ok"])
     return {
-        "endpoint": endpoint, "url": url, "concurrency": concurrency,
-        "requests": len(recs), "ok": len(ok), "errors": len(recs) - len(ok),
+        "endpoint": endpoint,
+        "url": url,
+        "concurrency": concurrency,
+        "requests": len(recs),
+        "ok": len(ok),
+        "errors": len(recs) - len(ok),
         "error_kinds": dict(sorted(errors.items())),
-        "p50_ms": percentile(lat, 50), "p95_ms": percentile(lat, 95), "p99_ms": percentile(lat, 99),
+        "p50_ms": percentile(lat, 50),
+        "p95_ms": percentile(lat, 95),
+        "p99_ms": percentile(lat, 99),
         "mean_ms": _mean(lat),
-        "mean_ttft_ms": _mean(r["ttft_ms"] for r in ok), "p50_ttft_ms": percentile(
-            [r["ttft_ms"] for r in ok if r["ttft_ms"] is not None], 50),
+        "mean_ttft_ms": _mean(r["ttft_ms"] for r in ok),
+        "p50_ttft_ms": percentile([r["ttft_ms"] for r in ok if r["ttft_ms"] is not None], 50),
         "throughput_rps": len(ok) / wall,
         "tokens_per_s": sum(tokens) / wall if tokens else None,
         "completion_tokens": sum(tokens) if tokens else None,
         "tool_call_responses": len(with_calls),
-        "tool_call_validity": (sum(bool(r["tool_calls_valid"]) for r in with_calls) / len(with_calls)
-                               if with_calls else None),
+        "tool_call_validity": (
+            sum(bool(r["tool_calls_valid"]) for r in with_calls) / len(with_calls) if with_calls else None
+        ),
         "gold_name_match": sum(gold) / len(gold) if gold else None,
         "mean_mat": _mean(r["mat"] for r in ok),
-        "wall_s": wall, "stopped_by_time": run["timed_out"], "unsent": run["unsent"],
+        "wall_s": wall,
+        "stopped_by_time": run["timed_out"],
+        "unsent": run["unsent"],
         "nodes": run["nodes"],
     }
 
@@ -428,19 +491,24 @@ def compare(levels: list[dict], records: dict, baseline: str) -> list[dict]:
         mine = {r["index"]: r["digest"] for r in records[(lv["endpoint"], lv["concurrency"])] if r["ok"]}
         theirs = {r["index"]: r["digest"] for r in records[(baseline, lv["concurrency"])] if r["ok"]}
         both = sorted(set(mine) & set(theirs))
-        rows.append({
-            "endpoint": lv["endpoint"], "baseline": baseline, "concurrency": lv["concurrency"],
-            "throughput_speedup": _ratio(lv["throughput_rps"], ref["throughput_rps"]),
-            "p50_latency_speedup": _ratio(ref["p50_ms"], lv["p50_ms"]),
-            "p95_latency_speedup": _ratio(ref["p95_ms"], lv["p95_ms"]),
-            "tokens_per_s_speedup": _ratio(lv["tokens_per_s"], ref["tokens_per_s"]),
-            "compared_outputs": len(both),
-            "identical_outputs": sum(mine[i] == theirs[i] for i in both),
-        })
+        rows.append(
+            {
+                "endpoint": lv["endpoint"],
+                "baseline": baseline,
+                "concurrency": lv["concurrency"],
+                "throughput_speedup": _ratio(lv["throughput_rps"], ref["throughput_rps"]),
+                "p50_latency_speedup": _ratio(ref["p50_ms"], lv["p50_ms"]),
+                "p95_latency_speedup": _ratio(ref["p95_ms"], lv["p95_ms"]),
+                "tokens_per_s_speedup": _ratio(lv["tokens_per_s"], ref["tokens_per_s"]),
+                "compared_outputs": len(both),
+                "identical_outputs": sum(mine[i] == theirs[i] for i in both),
+            }
+        )
     return rows
 
 
 # ------------------------------------------------------------------ reports
+
 
 def _fmt(value, digits=1) -> str:
     if value is None:
@@ -452,34 +520,46 @@ def _fmt(value, digits=1) -> str:
 
 def write_markdown(report: dict, path: Path) -> None:
     cfg = report["config"]
-    lines = [f"# Load test {report['stamp']}", "",
-             f"- dataset: `{cfg['dataset']}` ({report['dataset_items']} items), "
-             f"max_tokens {cfg['max_tokens']}, temperature 0, stream {cfg['stream']}",
-             f"- per level: at most {cfg['requests_per_level']} requests and {cfg['max_seconds']} s; "
-             f"clients: {report['runner']}; "
-             + ("each level sends different dataset items (no request repeats)" if cfg.get("fresh_requests")
-                else "every level replays the same requests (a server that learns from history sees repeats)"),
-             "- endpoints: " + ", ".join(f"`{e['name']}` {e['url']} (model `{e['model']}`)"
-                                         for e in report["endpoints"]),
-             "", "| endpoint | conc. | requests | errors | p50 ms | p95 ms | p99 ms | mean TTFT ms "
-             "| req/s | tok/s | tool-call valid | gold tool | MAT |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Load test {report['stamp']}",
+        "",
+        f"- dataset: `{cfg['dataset']}` ({report['dataset_items']} items), "
+        f"max_tokens {cfg['max_tokens']}, temperature 0, stream {cfg['stream']}",
+        f"- per level: at most {cfg['requests_per_level']} requests and {cfg['max_seconds']} s; "
+        f"clients: {report['runner']}; "
+        + (
+            "each level sends different dataset items (no request repeats)"
+            if cfg.get("fresh_requests")
+            else "every level replays the same requests (a server that learns from history sees repeats)"
+        ),
+        "- endpoints: " + ", ".join(f"`{e['name']}` {e['url']} (model `{e['model']}`)" for e in report["endpoints"]),
+        "",
+        "| endpoint | conc. | requests | errors | p50 ms | p95 ms | p99 ms | mean TTFT ms "
+        "| req/s | tok/s | tool-call valid | gold tool | MAT |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for lv in report["levels"]:
         lines.append(
             f"| {lv['endpoint']} | {lv['concurrency']} | {lv['requests']} | {lv['errors']} "
             f"| {_fmt(lv['p50_ms'])} | {_fmt(lv['p95_ms'])} | {_fmt(lv['p99_ms'])} "
             f"| {_fmt(lv['mean_ttft_ms'])} | {_fmt(lv['throughput_rps'], 3)} | {_fmt(lv['tokens_per_s'])} "
             f"| {_fmt(lv['tool_call_validity'], 3)} ({lv['tool_call_responses']}) "
-            f"| {_fmt(lv['gold_name_match'], 3)} | {_fmt(lv['mean_mat'], 2)} |")
+            f"| {_fmt(lv['gold_name_match'], 3)} | {_fmt(lv['mean_mat'], 2)} |"
+        )
     if report["speedup"]:
-        lines += ["", f"## Speedup vs `{report['baseline']}`", "",
-                  "| endpoint | conc. | throughput speedup | p50 latency speedup | p95 latency speedup "
-                  "| identical outputs |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"## Speedup vs `{report['baseline']}`",
+            "",
+            "| endpoint | conc. | throughput speedup | p50 latency speedup | p95 latency speedup | identical outputs |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for row in report["speedup"]:
             lines.append(
                 f"| {row['endpoint']} | {row['concurrency']} | {_fmt(row['throughput_speedup'], 2)}x "
                 f"| {_fmt(row['p50_latency_speedup'], 2)}x | {_fmt(row['p95_latency_speedup'], 2)}x "
-                f"| {row['identical_outputs']}/{row['compared_outputs']} |")
+                f"| {row['identical_outputs']}/{row['compared_outputs']} |"
+            )
     failed = [lv for lv in report["levels"] if lv["errors"] or lv["stopped_by_time"]]
     if failed:
         lines += ["", "## Errors and time limits", ""]
@@ -504,10 +584,21 @@ def write_plot(report: dict, path: Path) -> None:
         rows = sorted((lv for lv in report["levels"] if lv["endpoint"] == ep), key=lambda lv: lv["concurrency"])
         xs = [lv["concurrency"] for lv in rows]
         color = f"C{n}"
-        ax_lat.plot(xs, [lv["p50_ms"] if lv["p50_ms"] is not None else math.nan for lv in rows],
-                    "o-", color=color, label=f"{ep} p50")
-        ax_lat.plot(xs, [lv["p95_ms"] if lv["p95_ms"] is not None else math.nan for lv in rows],
-                    "s--", color=color, alpha=0.6, label=f"{ep} p95")
+        ax_lat.plot(
+            xs,
+            [lv["p50_ms"] if lv["p50_ms"] is not None else math.nan for lv in rows],
+            "o-",
+            color=color,
+            label=f"{ep} p50",
+        )
+        ax_lat.plot(
+            xs,
+            [lv["p95_ms"] if lv["p95_ms"] is not None else math.nan for lv in rows],
+            "s--",
+            color=color,
+            alpha=0.6,
+            label=f"{ep} p95",
+        )
         ax_thr.plot(xs, [lv["throughput_rps"] for lv in rows], "o-", color=color, label=ep)
     levels = sorted({lv["concurrency"] for lv in report["levels"]})
     for ax, title, unit in ((ax_lat, "latency", "ms"), (ax_thr, "throughput", "requests / s")):
@@ -526,13 +617,23 @@ def write_plot(report: dict, path: Path) -> None:
 
 # ------------------------------------------------------------------ driver
 
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="toolspec loadtest", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="toolspec loadtest",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--dataset", required=True, help="JSONL with messages + tools per line")
     p.add_argument("--limit", type=int, help="use only the first N dataset items")
-    p.add_argument("--endpoint", action="append", type=parse_endpoint, required=True,
-                   metavar="NAME=URL", help="OpenAI base URL (…/v1); repeat to compare side by side")
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        type=parse_endpoint,
+        required=True,
+        metavar="NAME=URL",
+        help="OpenAI base URL (…/v1); repeat to compare side by side",
+    )
     p.add_argument("--baseline", help="endpoint the others are compared with (default: the last)")
     p.add_argument("--model", help="model name sent in requests (default: first id of GET /v1/models)")
     p.add_argument("--concurrency", type=parse_levels, default=[1, 2, 4, 8], help="e.g. 1,2,4,8")
@@ -541,18 +642,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--tool-choice", choices=["auto", "none", "required"], help="default: not sent")
     p.add_argument("--stream", action="store_true", help="stream (SSE) and measure time to first token")
-    p.add_argument("--no-stream-usage", dest="stream_usage", action="store_false",
-                   help="do not send stream_options.include_usage (count streamed chunks instead)")
-    p.add_argument("--api-key", default=os.environ.get("TOOLSPEC_API_KEY"),
-                   help="bearer token (default: $TOOLSPEC_API_KEY); never written to reports")
+    p.add_argument(
+        "--no-stream-usage",
+        dest="stream_usage",
+        action="store_false",
+        help="do not send stream_options.include_usage (count streamed chunks instead)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TOOLSPEC_API_KEY"),
+        help="bearer token (default: $TOOLSPEC_API_KEY); never written to reports",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--warmup", type=int, default=0, help="unrecorded requests per endpoint first")
-    p.add_argument("--fresh-requests", action="store_true",
-                   help="each level (and the warm-up) uses different dataset items, so no request repeats")
+    p.add_argument(
+        "--fresh-requests",
+        action="store_true",
+        help="each level (and the warm-up) uses different dataset items, so no request repeats",
+    )
     p.add_argument("--out", default=str(DEFAULT_OUT), help="directory for the reports")
     p.add_argument("--save-records", action="store_true", help="also write every request as JSONL")
-    p.add_argument("--ray", metavar="ADDRESS",
-                   help="run clients as Ray tasks: 'auto', 'ray://host:10001', or 'local' (new local Ray)")
+    p.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run clients as Ray tasks: 'auto', 'ray://host:10001', or 'local' (new local Ray)",
+    )
     p.add_argument("--ray-tasks", type=int, help="client slices per level (default: alive nodes)")
     p.add_argument("--ray-task-cpus", type=float, default=1.0)
     p.add_argument("--ray-local-cpus", type=int, default=2, help="CPUs of the Ray started by --ray local")
@@ -591,9 +705,14 @@ def resolve_endpoints(args: argparse.Namespace) -> tuple[list[dict], str]:
 
 def run_levels(args, items, endpoints, runner, log) -> tuple[list[dict], dict]:
     """Each level, each endpoint in turn on the same requests; summaries and raw records."""
-    base_opts = {"max_tokens": args.max_tokens, "stream": args.stream, "api_key": args.api_key,
-                 "tool_choice": args.tool_choice, "timeout": args.timeout,
-                 "stream_usage": args.stream_usage}
+    base_opts = {
+        "max_tokens": args.max_tokens,
+        "stream": args.stream,
+        "api_key": args.api_key,
+        "tool_choice": args.tool_choice,
+        "timeout": args.timeout,
+        "stream_usage": args.stream_usage,
+    }
     for ep in endpoints if args.warmup else []:
         opts = dict(base_opts, model=ep["model"])
         run_level_local(ep["chat_url"], level_jobs(items, args.warmup), 1, args.max_seconds, opts)
@@ -610,8 +729,10 @@ def run_levels(args, items, endpoints, runner, log) -> tuple[list[dict], dict]:
             lv = summarize(ep["name"], ep["url"], concurrency, result)
             levels.append(lv)
             records[(ep["name"], concurrency)] = result["records"]
-            log(f"[loadtest] {ep['name']:>12s} c={concurrency:<3d} requests={lv['requests']} "
-                f"errors={lv['errors']} p50={_fmt(lv['p50_ms'])}ms rps={_fmt(lv['throughput_rps'], 3)}")
+            log(
+                f"[loadtest] {ep['name']:>12s} c={concurrency:<3d} requests={lv['requests']} "
+                f"errors={lv['errors']} p50={_fmt(lv['p50_ms'])}ms rps={_fmt(lv['throughput_rps'], 3)}"
+            )
     return levels, records
 
 
@@ -644,12 +765,17 @@ def run(args: argparse.Namespace) -> dict:
     config["api_key"] = "set" if args.api_key else None
     now = dt.datetime.now()
     report = {
-        "tool": "toolspec loadtest", "stamp": now.strftime("%Y%m%d-%H%M%S"),
-        "created": now.isoformat(timespec="seconds"), "host": socket.gethostname(),
+        "tool": "toolspec loadtest",
+        "stamp": now.strftime("%Y%m%d-%H%M%S"),
+        "created": now.isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
         "runner": f"ray ({args.ray}, {runner.tasks} slices)" if runner else "local asyncio",
-        "config": config, "dataset_items": len(items),
+        "config": config,
+        "dataset_items": len(items),
         "endpoints": [{k: e[k] for k in ("name", "url", "model")} for e in endpoints],
-        "baseline": baseline, "levels": levels, "speedup": compare(levels, records, baseline),
+        "baseline": baseline,
+        "levels": levels,
+        "speedup": compare(levels, records, baseline),
     }
     report["files"] = write_reports(report, records, Path(args.out), args.save_records)
     log(f"[loadtest] wrote {', '.join(report['files'])}")

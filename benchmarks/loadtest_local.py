@@ -16,7 +16,9 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.loadtest_local", description=__doc__)
-    p.add_argument("--dataset", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "api_bank.dev.jsonl"))
+    p.add_argument(
+        "--dataset", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "api_bank.dev.jsonl")
+    )
     p.add_argument("--concurrency", default="1,2,4,8")
     p.add_argument("--requests-per-level", default="8")
     p.add_argument("--max-seconds", default="300")
@@ -24,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", default="2")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "loadtest"))
-    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="extra ServeAppConfig keys for both apps")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=JSON", help="extra ServeAppConfig keys for both apps"
+    )
     ns = p.parse_args(argv)
 
     import ray.serve._private.api as serve_api
@@ -34,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     # Ray Serve gives its HTTP proxy 60 s to start and 5 s to answer a ready check; on a busy
     # 2-core box (a benchmark running beside) it can need more.
     serve_api.HTTP_PROXY_TIMEOUT = max(serve_api.HTTP_PROXY_TIMEOUT, 600)
-    for var, value in (("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120"), ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")):
+    for var, value in (
+        ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120"),
+        ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60"),
+    ):
         os.environ.setdefault(var, value)
     from deployments.config import ServeAppConfig
 
@@ -60,9 +67,26 @@ def main(argv: list[str] | None = None) -> int:
             cfg = ServeAppConfig.model_validate({**base, **extra, "route_prefix": f"/{name}"})
             urls[name] = start_server(cfg, app_name=name, quiet=True)
             print(f"{name}: {urls[name]}/v1 (method {method})", flush=True)
-        args = ["--dataset", ns.dataset, "--concurrency", ns.concurrency, "--requests-per-level", ns.requests_per_level,
-                "--max-seconds", ns.max_seconds, "--max-tokens", ns.max_tokens, "--warmup", ns.warmup, "--stream", "--fresh-requests",
-                "--out", ns.out, "--baseline", "greedy"]
+        args = [
+            "--dataset",
+            ns.dataset,
+            "--concurrency",
+            ns.concurrency,
+            "--requests-per-level",
+            ns.requests_per_level,
+            "--max-seconds",
+            ns.max_seconds,
+            "--max-tokens",
+            ns.max_tokens,
+            "--warmup",
+            ns.warmup,
+            "--stream",
+            "--fresh-requests",
+            "--out",
+            ns.out,
+            "--baseline",
+            "greedy",
+        ]
         for name, url in urls.items():
             args += ["--endpoint", f"{name}={url}/v1"]
         return loadtest_main(args)

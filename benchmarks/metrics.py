@@ -66,7 +66,9 @@ def gold_agreement(calls, gold_calls: list[dict], gold_alternatives: list[dict] 
     unused = list(calls)
     for g, alt in zip(gold_calls, alts):
         alt_args = alt.get("arguments") if isinstance(alt, dict) else None
-        hit = next((c for c in unused if c.name == g["name"] and _args_match(c.arguments, g["arguments"], alt_args)), None)
+        hit = next(
+            (c for c in unused if c.name == g["name"] and _args_match(c.arguments, g["arguments"], alt_args)), None
+        )
         if hit is None:
             return True, False
         unused.remove(hit)
@@ -164,8 +166,12 @@ def observed_cost(records: list[dict]) -> dict[str, dict]:
     return out
 
 
-def summarize(records: list[dict], ar_by_item: dict[str, dict], curves: dict[str, list[float]] | None = None,
-              step_seconds: dict[str, float] | None = None) -> dict:
+def summarize(
+    records: list[dict],
+    ar_by_item: dict[str, dict],
+    curves: dict[str, list[float]] | None = None,
+    step_seconds: dict[str, float] | None = None,
+) -> dict:
     """Aggregate one (benchmark, method, library, subset) group against plain greedy.
 
     mat = Σ decoded tokens / Σ forwards (as GenerationStats.mat: the first token comes from
@@ -209,6 +215,8 @@ def summarize(records: list[dict], ar_by_item: dict[str, dict], curves: dict[str
     if curves:
         out["projected_speedup"] = {name: projected_speedup(ar, records, c) for name, c in curves.items()}
         out["projected_speedup_with_host"] = {
-            name: projected_speedup(ar, records, curves[name], s) for name, s in (step_seconds or {}).items() if name in curves
+            name: projected_speedup(ar, records, curves[name], s)
+            for name, s in (step_seconds or {}).items()
+            if name in curves
         }
     return out

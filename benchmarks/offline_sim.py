@@ -24,9 +24,9 @@ import random
 import time
 from pathlib import Path
 
-from toolspec_core.engine.budget import CostModel
 from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.drafters.simulate import simulate
+from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.tree import tried
 
 from .data import load_items, prompt_ids, run_items, select_items, warm_documents
@@ -35,18 +35,38 @@ from .runner import PrefillCache, decode_hidden
 from .tokens_after_call import call_bounds
 
 
-def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = True, show: int = 0,
-           show_bench: str | None = None, shuffle: int | None = None, regions: bool = False,
-           calibration: bool = False) -> dict:
+def replay(
+    raw: Path,
+    methods: list[str],
+    tokenizer,
+    cost,
+    only_calls: bool = True,
+    show: int = 0,
+    show_bench: str | None = None,
+    shuffle: int | None = None,
+    regions: bool = False,
+    calibration: bool = False,
+) -> dict:
     cfg = json.loads((raw / "config.json").read_text())
     items = run_items(raw)
-    recs = [json.loads(l) for l in open(raw / "items.jsonl") if '"method": "ar"' in l]
+    recs = [json.loads(line) for line in open(raw / "items.jsonl") if '"method": "ar"' in line]
     if shuffle is not None:  # another stream order: what an online library gains from the file's order
         random.Random(shuffle).shuffle(recs)
     keys = _keys(raw / "prefill.jsonl")
-    warm = _warm_docs(raw, cfg, tokenizer, set(items) & {r["item"] for r in recs}) if "warm" in (cfg.get("libraries") or []) else []
-    bounds = {r["item"]: call_bounds(tokenizer, items[r["item"]].get("tools") or [], r["tokens"]) for r in recs
-              if r.get("has_call")} if regions else {}
+    warm = (
+        _warm_docs(raw, cfg, tokenizer, set(items) & {r["item"] for r in recs})
+        if "warm" in (cfg.get("libraries") or [])
+        else []
+    )
+    bounds = (
+        {
+            r["item"]: call_bounds(tokenizer, items[r["item"]].get("tools") or [], r["tokens"])
+            for r in recs
+            if r.get("has_call")
+        }
+        if regions
+        else {}
+    )
     out = {}
     for name in methods:
         method = make_method(name, tokenizer)
@@ -71,7 +91,13 @@ def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = Tr
                 agg[0], agg[1], agg[2] = agg[0] + 1, agg[1] + conf, agg[2] + ok
             if show > 0 and show_bench in (None, r["benchmark"]):
                 show -= 1
-                print(f"== {name} {r['item']}\n" + "".join(f"[{acc}/{size}]" + tokenizer.decode(r["tokens"][done : done + acc + 1]) for done, size, acc, _ in trace))
+                print(
+                    f"== {name} {r['item']}\n"
+                    + "".join(
+                        f"[{acc}/{size}]" + tokenizer.decode(r["tokens"][done : done + acc + 1])
+                        for done, size, acc, _ in trace
+                    )
+                )
             b = per_bench[r["benchmark"]]
             b[0] += res["tokens"] - 1
             b[1] += res["steps"]
@@ -85,15 +111,25 @@ def replay(raw: Path, methods: list[str], tokenizer, cost, only_calls: bool = Tr
                     agg = by_region[r["benchmark"]][reg]
                     by_region[r["benchmark"]][reg] = [a + b for a, b in zip(agg, vals)]
         # MAT, and the speedup the cost curve projects (greedy: one c(1) = 1 step per token)
-        out[name] = {k: {"mat": round(v[0] / max(v[1], 1), 3), "proj": round(v[0] / max(v[2], 1e-9), 3),
-                         "propose_ms_per_step": round(1000 * v[3] / max(v[1], 1), 3)} for k, v in per_bench.items()}
+        out[name] = {
+            k: {
+                "mat": round(v[0] / max(v[1], 1), 3),
+                "proj": round(v[0] / max(v[2], 1e-9), 3),
+                "propose_ms_per_step": round(1000 * v[3] / max(v[1], 1), 3),
+            }
+            for k, v in per_bench.items()
+        }
         for k, regs in by_region.items():
-            out[name][k]["regions"] = {reg: {"tokens": t, "cost": round(c, 2), "proj": round(t / c, 3) if c else None}
-                                       for reg, (_, t, c) in regs.items()}
+            out[name][k]["regions"] = {
+                reg: {"tokens": t, "cost": round(c, 2), "proj": round(t / c, 3) if c else None}
+                for reg, (_, t, c) in regs.items()
+            }
         out[name]["zero_accept_steps_by_state"] = dict(lost.most_common())
         if calibration:
-            out[name]["calibration"] = {f"{lab} {dec / 10:.1f}": {"tries": n, "conf": round(c / n, 3), "accepted": round(a / n, 3)}
-                                        for (lab, dec), (n, c, a) in sorted(calib.items())}
+            out[name]["calibration"] = {
+                f"{lab} {dec / 10:.1f}": {"tries": n, "conf": round(c / n, 3), "accepted": round(a / n, 3)}
+                for (lab, dec), (n, c, a) in sorted(calib.items())
+            }
     return out
 
 
@@ -155,21 +191,50 @@ def main() -> None:
     ap.add_argument("--all-items", action="store_true")
     ap.add_argument("--show", type=int, default=0, help="print the step trace of the first N items per method")
     ap.add_argument("--show-bench", default=None, help="print traces of this benchmark's items only")
-    ap.add_argument("--cost", default="run", help="run (the run's measured cost.json) | reference | flat | path to a cost JSON")
-    ap.add_argument("--json-out", default=None, help="also write {raw: {method: ...}} with the cost curve used to this file")
-    ap.add_argument("--shuffle", type=int, default=None, help="replay the items in a random order (this seed), not the run's stream order")
-    ap.add_argument("--regions", action="store_true", help="also split projected cost by region (before / call object / after)")
-    ap.add_argument("--calibration", action="store_true", help="also tabulate conf vs acceptance per draft label and conf decile")
+    ap.add_argument(
+        "--cost", default="run", help="run (the run's measured cost.json) | reference | flat | path to a cost JSON"
+    )
+    ap.add_argument(
+        "--json-out", default=None, help="also write {raw: {method: ...}} with the cost curve used to this file"
+    )
+    ap.add_argument(
+        "--shuffle",
+        type=int,
+        default=None,
+        help="replay the items in a random order (this seed), not the run's stream order",
+    )
+    ap.add_argument(
+        "--regions", action="store_true", help="also split projected cost by region (before / call object / after)"
+    )
+    ap.add_argument(
+        "--calibration", action="store_true", help="also tabulate conf vs acceptance per draft label and conf decile"
+    )
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
     from toolspec_core.model.embedded import embedded_model_dir
 
     tok = AutoTokenizer.from_pretrained(embedded_model_dir())
-    results = {"cost": a.cost, "subset": "all" if a.all_items else "calls", "order": "run" if a.shuffle is None else f"shuffled (seed {a.shuffle})", "runs": {}}
+    results = {
+        "cost": a.cost,
+        "subset": "all" if a.all_items else "calls",
+        "order": "run" if a.shuffle is None else f"shuffled (seed {a.shuffle})",
+        "runs": {},
+    }
     for raw in a.raw:
         cost = _cost(Path(raw), a.cost)
-        res = results["runs"][raw] = replay(Path(raw), a.methods.split(","), tok, cost, not a.all_items, a.show, a.show_bench, a.shuffle, a.regions, a.calibration)
+        res = results["runs"][raw] = replay(
+            Path(raw),
+            a.methods.split(","),
+            tok,
+            cost,
+            not a.all_items,
+            a.show,
+            a.show_bench,
+            a.shuffle,
+            a.regions,
+            a.calibration,
+        )
         print(raw, json.dumps(res, indent=1), flush=True)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps(results, indent=1) + "\n")

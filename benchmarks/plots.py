@@ -30,7 +30,17 @@ def plot_speedup(report: dict, path: Path) -> None:
         labels = list(dict.fromkeys(_label(r["method"], r["library"]) for r in rows))
         width = 0.8 / max(len(labels), 1)
         for j, lab in enumerate(labels):
-            ys = [next((r["decode_speedup"] or 0 for r in rows if r["benchmark"] == b and _label(r["method"], r["library"]) == lab), 0) for b in benches]
+            ys = [
+                next(
+                    (
+                        r["decode_speedup"] or 0
+                        for r in rows
+                        if r["benchmark"] == b and _label(r["method"], r["library"]) == lab
+                    ),
+                    0,
+                )
+                for b in benches
+            ]
             ax.bar([i + j * width for i in range(len(benches))], ys, width, label=lab)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(benches))], benches)
@@ -61,10 +71,16 @@ def plot_accepted_by_state(recs: list[dict], path: Path) -> None:
     for ax, name in zip(axes.flat, names):
         states = sorted(per[name], key=lambda s: -len(per[name][s]))
         ax.boxplot([per[name][s] for s in states], showmeans=True)
-        ax.set_xticks(range(1, len(states) + 1), [f"{s}\n(n={len(per[name][s])})" for s in states], fontsize=7, rotation=30, ha="right")
+        ax.set_xticks(
+            range(1, len(states) + 1),
+            [f"{s}\n(n={len(per[name][s])})" for s in states],
+            fontsize=7,
+            rotation=30,
+            ha="right",
+        )
         ax.set_title(name, fontsize=9)
         ax.set_ylabel("accepted tokens / step")
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -81,7 +97,9 @@ def plot_mat_vs_prior(report: dict, path: Path) -> None:
     buckets = ["0", "1", "2", "3-4", "5-9", "10+"]
     for label, cells in sorted(data.items()):
         xs = [i for i, b in enumerate(buckets) if b in cells and cells[b]["mat"] is not None]
-        ax.plot(xs, [cells[buckets[i]]["mat"] for i in xs], marker="o", label=label, ls="--" if "/cold" in label else "-")
+        ax.plot(
+            xs, [cells[buckets[i]]["mat"] for i in xs], marker="o", label=label, ls="--" if "/cold" in label else "-"
+        )
     ax.set_xticks(range(len(buckets)), buckets)
     ax.set_xlabel("earlier calls of the same tool in the stream")
     ax.set_ylabel("MAT (tokens per forward)")

@@ -58,8 +58,9 @@ def region_sums(split: dict[tuple[str, str], list]) -> dict[str, list]:
     return out
 
 
-def split_by_label(accepted: list[int], seconds: list[float], labels: list[str], bounds: tuple[int, int],
-                   first: int = 1) -> dict[tuple[str, str], list]:
+def split_by_label(
+    accepted: list[int], seconds: list[float], labels: list[str], bounds: tuple[int, int], first: int = 1
+) -> dict[tuple[str, str], list]:
     """{(region, step label): [steps, tokens, seconds]}: which draft source wrote each region's
     tokens ("none": a step that drafted nothing), so a region's time can be read by source."""
     out: dict[tuple[str, str], list] = collections.defaultdict(lambda: [0.0, 0, 0.0])
@@ -87,7 +88,9 @@ def region_table(records: list[dict], items: dict, tokenizer) -> dict:
     for r in records:
         by_item[r["item"]][run_label(r["method"], r.get("library"))] = r
     # pool -> method -> (region, step label) -> [steps, tokens, seconds]; region totals derive from it
-    by_label: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0, 0.0])))
+    by_label: dict = collections.defaultdict(
+        lambda: collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0, 0.0]))
+    )
     counts: collections.Counter = collections.Counter()
     for item, recs in by_item.items():
         ar = recs.get("ar")
@@ -121,7 +124,10 @@ def add_label_split(table: dict, by_label: dict[tuple[str, str], list]) -> None:
     method's time per step label, most time first."""
     for (reg, lab), (s, t, sec) in sorted(by_label.items(), key=lambda kv: -kv[1][2]):
         table[reg].setdefault("by_label", {})[lab] = {
-            "steps": round(s, 1), "tokens": t, "mat": round(t / s, 2) if s else None, "seconds": round(sec, 2),
+            "steps": round(s, 1),
+            "tokens": t,
+            "mat": round(t / s, 2) if s else None,
+            "seconds": round(sec, 2),
             "share": round(sec / table["total_s"], 3) if table["total_s"] else None,
         }
 
@@ -144,7 +150,10 @@ def summarize_regions(methods: dict[str, dict[str, list]]) -> dict:
         for reg, (s, t, sec) in regs.items():
             ar_sec, best_sec = methods["ar"][reg][2], methods[best][reg][2] if best else 0.0
             table[m][reg] = {
-                "steps": round(s, 1), "tokens": t, "mat": round(t / s, 2) if s else None, "seconds": round(sec, 2),
+                "steps": round(s, 1),
+                "tokens": t,
+                "mat": round(t / s, 2) if s else None,
+                "seconds": round(sec, 2),
                 "share": round(sec / total[m], 3) if total[m] else None,
                 "speedup": round(ar_sec / sec, 2) if sec and ar_sec else None,
                 "over_best": round(best_sec / sec, 2) if sec and best_sec else None,
@@ -167,8 +176,8 @@ def main() -> None:
     records = [json.loads(line) for line in open(raw / "items.jsonl")]
     res = {
         "what": "decode time of outputs with a call, split by region (a step spanning two regions shared by its tokens): "
-                "before the first call object (prose, openers), the call object, after it (prose, made-up tool "
-                "results, further calls); seconds = measured verify time + an even share of drafting/commit time",
+        "before the first call object (prose, openers), the call object, after it (prose, made-up tool "
+        "results, further calls); seconds = measured verify time + an even share of drafting/commit time",
         "source": str(raw / "items.jsonl"),
         "by_benchmark": region_table(records, items, tok),
     }

@@ -74,17 +74,28 @@ def build_runs(recs: list[dict], ar: dict[str, dict], curves: dict, step_seconds
         if r["item"] in ar:
             groups[(r["benchmark"], r["method"], r["library"])].append(r)
     runs = []
-    for (bench, method, lib), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], _method_order(kv[0][1]), kv[0][2] or "")):
+    for (bench, method, lib), rs in sorted(
+        groups.items(), key=lambda kv: (kv[0][0], _method_order(kv[0][1]), kv[0][2] or "")
+    ):
         for subset in SUBSETS:
             sub = rs if subset == "all" else [r for r in rs if ar[r["item"]]["has_call"] == (subset == "calls")]
             if not sub:
                 continue
             s = summarize(sub, ar, curves, step_seconds)
             bound = MAT_BOUND.get(bench)
-            runs.append({
-                "benchmark": bench, "method": method, "library": lib, "items": s.pop("items"), "mat": s.pop("mat"),
-                "decode_speedup": s.pop("decode_speedup"), "exact_match": s.pop("exact_match"), "subset": subset, **s,
-            })
+            runs.append(
+                {
+                    "benchmark": bench,
+                    "method": method,
+                    "library": lib,
+                    "items": s.pop("items"),
+                    "mat": s.pop("mat"),
+                    "decode_speedup": s.pop("decode_speedup"),
+                    "exact_match": s.pop("exact_match"),
+                    "subset": subset,
+                    **s,
+                }
+            )
             if bound and subset == "calls":
                 runs[-1]["mat_bound"] = list(bound)
                 runs[-1]["mat_of_bound"] = [runs[-1]["mat"] / b for b in bound]
@@ -103,13 +114,19 @@ def headline(runs: list[dict]) -> list[dict]:
         for r in rs:
             if r["method"] != "toolspec" or not r["decode_speedup"]:
                 continue
-            out.append({
-                "benchmark": bench, "subset": subset, "library": r["library"], "items": r["items"],
-                "toolspec_speedup": r["decode_speedup"], "toolspec_mat": r["mat"],
-                "best_baseline": run_label(best["method"], best["library"]) if best else None,
-                "best_baseline_speedup": best["decode_speedup"] if best else None,
-                "over_best_baseline": r["decode_speedup"] / best["decode_speedup"] if best else None,
-            })
+            out.append(
+                {
+                    "benchmark": bench,
+                    "subset": subset,
+                    "library": r["library"],
+                    "items": r["items"],
+                    "toolspec_speedup": r["decode_speedup"],
+                    "toolspec_mat": r["mat"],
+                    "best_baseline": run_label(best["method"], best["library"]) if best else None,
+                    "best_baseline_speedup": best["decode_speedup"] if best else None,
+                    "over_best_baseline": r["decode_speedup"] / best["decode_speedup"] if best else None,
+                }
+            )
     return out
 
 
@@ -125,13 +142,17 @@ def mat_vs_prior(recs: list[dict], ar: dict[str, dict], prior: dict[str, int]) -
         cell[2] += r["forwards"]
     order = [lab for _, _, lab in PRIOR_BUCKETS]
     return {
-        label: {b: {"items": c[0], "mat": c[1] / c[2] if c[2] else None} for b, c in sorted(cells.items(), key=lambda kv: order.index(kv[0]))}
+        label: {
+            b: {"items": c[0], "mat": c[1] / c[2] if c[2] else None}
+            for b, c in sorted(cells.items(), key=lambda kv: order.index(kv[0]))
+        }
         for label, cells in acc.items()
     }
 
 
-def build_report(out: Path, name: str | None = None, results_dir: Path = RESULTS, plots: bool = True,
-                 data: list[str] | None = None) -> dict:
+def build_report(
+    out: Path, name: str | None = None, results_dir: Path = RESULTS, plots: bool = True, data: list[str] | None = None
+) -> dict:
     """Write ``<results_dir>/<name>.json`` / ``.md`` and ``<name>_plots/*.png``; return the JSON.
 
     ``data``: where the run's JSONL files are on this machine, when the run was made elsewhere (a GPU
@@ -157,12 +178,26 @@ def build_report(out: Path, name: str | None = None, results_dir: Path = RESULTS
         "cost_model": cost,
         "projection_curves": sorted(curves),
         "projection_step_seconds": step_seconds,
-        "config": {k: cfg.get(k) for k in ("data", "limit", "seed", "methods", "libraries", "max_new_tokens", "warm_files", "warm_layout", "cost")},
+        "config": {
+            k: cfg.get(k)
+            for k in (
+                "data",
+                "limit",
+                "seed",
+                "methods",
+                "libraries",
+                "max_new_tokens",
+                "warm_files",
+                "warm_layout",
+                "cost",
+            )
+        },
         "runs": runs,
         "headline": headline(runs),
         "mismatches": [
             {"item": r["item"], "method": r["method"], "library": r["library"], "first_mismatch": r["first_mismatch"]}
-            for r in recs if r["item"] in ar and not r["exact_match"]
+            for r in recs
+            if r["item"] in ar and not r["exact_match"]
         ],
         "mat_vs_prior_calls": mat_vs_prior(recs, ar, prior),
         "observed_cost": observed_cost([r for r in recs if r["method"] != "ar" and r["item"] in ar]),
@@ -196,33 +231,62 @@ def _fmt(x, spec=".2f", suffix="") -> str:
 def markdown(report: dict) -> str:
     """benchmark × method table per subset: MAT, speedups, exact match, validity, projections."""
     proj = [c for c in report["projection_curves"] if c != "cpu_reference"]
-    lines = [f"# Benchmark report: {report['name']}", "",
-             f"- model: {report['model']}", f"- hardware: {report['hardware']}",
-             f"- decode speedup = Σ plain-greedy decode time / Σ method decode time on the same items (same loop, cache, process); "
-             "per-item = mean of per-item ratios; projected = Σ plain-greedy step cost / Σ method step cost under another cost curve "
-             "(the method's actual trees; drafting time ignored)", ""]
+    lines = [
+        f"# Benchmark report: {report['name']}",
+        "",
+        f"- model: {report['model']}",
+        f"- hardware: {report['hardware']}",
+        "- decode speedup = Σ plain-greedy decode time / Σ method decode time on the same items (same loop, cache, process); "
+        "per-item = mean of per-item ratios; projected = Σ plain-greedy step cost / Σ method step cost under another cost curve "
+        "(the method's actual trees; drafting time ignored)",
+        "",
+    ]
     if report["mismatches"]:
-        lines += [f"**EXACT-MATCH FAILURES: {len(report['mismatches'])}** — "
-                  + ", ".join(f"{m['item']} ({run_label(m['method'], m['library'])}, token {m['first_mismatch']})" for m in report["mismatches"][:20]), ""]
+        lines += [
+            f"**EXACT-MATCH FAILURES: {len(report['mismatches'])}** — "
+            + ", ".join(
+                f"{m['item']} ({run_label(m['method'], m['library'])}, token {m['first_mismatch']})"
+                for m in report["mismatches"][:20]
+            ),
+            "",
+        ]
     for h in report["headline"]:
-        lines.append(f"- **{h['benchmark']} / {h['subset']}** ({h['items']} items): toolspec/{h['library']} {h['toolspec_speedup']:.2f}× "
-                     f"(MAT {h['toolspec_mat']:.2f}); best baseline {h['best_baseline']} {_fmt(h['best_baseline_speedup'])}× "
-                     f"→ {_fmt(h['over_best_baseline'])}× over it")
-    titles = {"all": "All items", "calls": "Items whose plain-greedy output contains a tool call",
-              "prose": "Items answered in prose (no tool call in plain-greedy output)"}
+        lines.append(
+            f"- **{h['benchmark']} / {h['subset']}** ({h['items']} items): toolspec/{h['library']} {h['toolspec_speedup']:.2f}× "
+            f"(MAT {h['toolspec_mat']:.2f}); best baseline {h['best_baseline']} {_fmt(h['best_baseline_speedup'])}× "
+            f"→ {_fmt(h['over_best_baseline'])}× over it"
+        )
+    titles = {
+        "all": "All items",
+        "calls": "Items whose plain-greedy output contains a tool call",
+        "prose": "Items answered in prose (no tool call in plain-greedy output)",
+    }
     for subset, title in titles.items():
         rows = [r for r in report["runs"] if r["subset"] == subset]
         if not rows:
             continue
-        head = ["benchmark", "method", "items", "MAT", "speedup", "per-item", "e2e", "exact", "valid", "gold"] + [f"proj. {c}" for c in proj]
+        head = ["benchmark", "method", "items", "MAT", "speedup", "per-item", "e2e", "exact", "valid", "gold"] + [
+            f"proj. {c}" for c in proj
+        ]
         lines += ["", f"## {title} (subset `{subset}`)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows:
-            cells = [r["benchmark"], run_label(r["method"], r["library"]), str(r["items"]), _fmt(r["mat"]), _fmt(r["decode_speedup"], ".2f", "×"),
-                     _fmt(r["mean_item_speedup"], ".2f", "×"), _fmt(r["e2e_speedup"], ".2f", "×"), _fmt(100 * r["exact_match"], ".0f", "%"),
-                     _fmt(None if r["validity"] is None else 100 * r["validity"], ".0f", "%"), _fmt(100 * r["gold_agreement"], ".0f", "%")]
+            cells = [
+                r["benchmark"],
+                run_label(r["method"], r["library"]),
+                str(r["items"]),
+                _fmt(r["mat"]),
+                _fmt(r["decode_speedup"], ".2f", "×"),
+                _fmt(r["mean_item_speedup"], ".2f", "×"),
+                _fmt(r["e2e_speedup"], ".2f", "×"),
+                _fmt(100 * r["exact_match"], ".0f", "%"),
+                _fmt(None if r["validity"] is None else 100 * r["validity"], ".0f", "%"),
+                _fmt(100 * r["gold_agreement"], ".0f", "%"),
+            ]
             cells += [_fmt(r.get("projected_speedup", {}).get(c), ".2f", "×") for c in proj]
             lines.append("| " + " | ".join(cells) + " |")
-    lines += _host_lines(report) + _bound_lines(report) + _state_lines(report) + _prior_lines(report) + _cost_lines(report)
+    lines += (
+        _host_lines(report) + _bound_lines(report) + _state_lines(report) + _prior_lines(report) + _cost_lines(report)
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -234,16 +298,25 @@ def _host_lines(report: dict) -> list[str]:
         return []
     names = sorted(secs)
     head = ["benchmark", "method", "host ms / step"] + [h for n in names for h in (f"proj. {n}", "+ host")]
-    lines = ["", "## Accelerator projections with drafting time (subset `calls`)", "",
-             "`proj.`: Σ step cost under the measured curve, as above; `+ host`: steps in seconds (c(1) = "
-             + ", ".join(f"{secs[n] * 1000:.1f} ms for {n}" for n in names)
-             + ") plus each decode's measured drafting + commit time from this run (this machine's CPU, not overlapped "
-             "with the forward). Where a step takes milliseconds, drafting time is what separates the two.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [
+        "",
+        "## Accelerator projections with drafting time (subset `calls`)",
+        "",
+        "`proj.`: Σ step cost under the measured curve, as above; `+ host`: steps in seconds (c(1) = "
+        + ", ".join(f"{secs[n] * 1000:.1f} ms for {n}" for n in names)
+        + ") plus each decode's measured drafting + commit time from this run (this machine's CPU, not overlapped "
+        "with the forward). Where a step takes milliseconds, drafting time is what separates the two.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for r in rows:
         cells = [r["benchmark"], run_label(r["method"], r["library"]), _fmt(r.get("host_ms_per_step"), ".2f")]
         for n in names:
-            cells += [_fmt(r.get("projected_speedup", {}).get(n), ".2f", "×"), _fmt(r["projected_speedup_with_host"].get(n), ".2f", "×")]
+            cells += [
+                _fmt(r.get("projected_speedup", {}).get(n), ".2f", "×"),
+                _fmt(r["projected_speedup_with_host"].get(n), ".2f", "×"),
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -252,13 +325,21 @@ def _bound_lines(report: dict) -> list[str]:
     rows = [r for r in report["runs"] if r.get("mat_of_bound") and r["method"] != "ar"]
     if not rows:
         return []
-    lines = ["", "## MAT against the idealised bound (subset `calls`)", "",
-             "Bound: a perfect schema + context-copy drafter on the gold calls (../shared/NOTES.md), for the compact "
-             "`<tool_call>` layout and the ```` ```json ```` pretty layout; the embedded model writes both.", "",
-             "| benchmark | method | MAT | bound (compact / pretty) | fraction of bound |", "|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## MAT against the idealised bound (subset `calls`)",
+        "",
+        "Bound: a perfect schema + context-copy drafter on the gold calls (../shared/NOTES.md), for the compact "
+        "`<tool_call>` layout and the ```` ```json ```` pretty layout; the embedded model writes both.",
+        "",
+        "| benchmark | method | MAT | bound (compact / pretty) | fraction of bound |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['benchmark']} | {run_label(r['method'], r['library'])} | {r['mat']:.2f} | "
-                     f"{r['mat_bound'][0]:.1f} / {r['mat_bound'][1]:.1f} | {r['mat_of_bound'][1]:.0%} – {r['mat_of_bound'][0]:.0%} |")
+        lines.append(
+            f"| {r['benchmark']} | {run_label(r['method'], r['library'])} | {r['mat']:.2f} | "
+            f"{r['mat_bound'][0]:.1f} / {r['mat_bound'][1]:.1f} | {r['mat_of_bound'][1]:.0%} – {r['mat_of_bound'][0]:.0%} |"
+        )
     return lines
 
 
@@ -269,18 +350,25 @@ def _state_lines(report: dict) -> list[str]:
         if r["subset"] != "calls" or not r["method"].startswith("toolspec") or not r.get("per_state"):
             continue
         if not lines:
-            lines = ["", "## Steps per FSM state / draft source (ToolSpec methods, subset `calls`)", "",
-                     "A step's state is the label of its first accepted node (or its first drafted node when none was "
-                     "accepted; `none`: nothing was worth drafting under the cost curve). Few accepted tokens per step "
-                     "in a state with many steps is where the remaining gap is.", "",
-                     "| benchmark | method | state | steps | share of steps | mean accepted / step | node acceptance |",
-                     "|---|---|---|---|---|---|---|"]
+            lines = [
+                "",
+                "## Steps per FSM state / draft source (ToolSpec methods, subset `calls`)",
+                "",
+                "A step's state is the label of its first accepted node (or its first drafted node when none was "
+                "accepted; `none`: nothing was worth drafting under the cost curve). Few accepted tokens per step "
+                "in a state with many steps is where the remaining gap is.",
+                "",
+                "| benchmark | method | state | steps | share of steps | mean accepted / step | node acceptance |",
+                "|---|---|---|---|---|---|---|",
+            ]
         total = sum(v["steps"] for v in r["per_state"].values()) or 1
         for lab, v in sorted(r["per_state"].items(), key=lambda kv: -kv[1]["steps"]):
             if not v["steps"]:
                 continue
-            lines.append(f"| {r['benchmark']} | {run_label(r['method'], r['library'])} | {lab} | {v['steps']} | {v['steps'] / total:.0%} | "
-                         f"{_fmt(v['mean_accepted'])} | {_fmt(None if v['node_acceptance'] is None else 100 * v['node_acceptance'], '.0f', '%')} |")
+            lines.append(
+                f"| {r['benchmark']} | {run_label(r['method'], r['library'])} | {lab} | {v['steps']} | {v['steps'] / total:.0%} | "
+                f"{_fmt(v['mean_accepted'])} | {_fmt(None if v['node_acceptance'] is None else 100 * v['node_acceptance'], '.0f', '%')} |"
+            )
     return lines
 
 
@@ -291,10 +379,17 @@ def _prior_lines(report: dict) -> list[str]:
     if not keep:
         return []
     buckets = [lab for _, _, lab in PRIOR_BUCKETS]
-    lines = ["", "## MAT by earlier calls of the same tool (all items)", "",
-             "| method | " + " | ".join(buckets) + " |", "|---|" + "---|" * len(buckets)]
+    lines = [
+        "",
+        "## MAT by earlier calls of the same tool (all items)",
+        "",
+        "| method | " + " | ".join(buckets) + " |",
+        "|---|" + "---|" * len(buckets),
+    ]
     for label, cells in sorted(keep.items()):
-        row = [f"{cells[b]['mat']:.2f} ({cells[b]['items']})" if b in cells and cells[b]["mat"] else "–" for b in buckets]
+        row = [
+            f"{cells[b]['mat']:.2f} ({cells[b]['items']})" if b in cells and cells[b]["mat"] else "–" for b in buckets
+        ]
         lines.append(f"| {label} | " + " | ".join(row) + " |")
     return lines
 
@@ -307,10 +402,16 @@ def _cost_lines(report: dict) -> list[str]:
     from .cost import curve_from_points
 
     curve = curve_from_points(report["cost_model"]["points"]) if report.get("cost_model") else None
-    lines = ["", "## Verify cost as paid vs the budget's curve (all tree methods)", "",
-             "Each step's time over the median plain-greedy step of the same item (same run); median per "
-             "forward size (tree nodes + 1).", "",
-             "| forward size | steps | median size | observed cost | run curve at median size |", "|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Verify cost as paid vs the budget's curve (all tree methods)",
+        "",
+        "Each step's time over the median plain-greedy step of the same item (same run); median per "
+        "forward size (tree nodes + 1).",
+        "",
+        "| forward size | steps | median size | observed cost | run curve at median size |",
+        "|---|---|---|---|---|",
+    ]
     for key, v in seen.items():
         at = curve[min(v["median_rows"], len(curve) - 1)] if curve else None
         lines.append(f"| {key} | {v['steps']} | {v['median_rows']} | {v['cost']:.2f} | {_fmt(at)} |")

@@ -42,7 +42,13 @@ from retrieval_service.store import MemoryStore
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "api_bank.dev.jsonl"
 KEYS = ("hidden_last", "hidden_mean", "lexical", "hidden_last+lexical", "hidden_mean+lexical")
 # (column, metric) pairs the verdict compares, with paired bootstrap CIs vs the lexical key
-HEADLINE = (("unfiltered@1", "tool_hit"), ("offered@1", "tool_hit"), ("offered@1", "exact"), ("tool@1", "value_recall"), ("tool@1", "exact"))
+HEADLINE = (
+    ("unfiltered@1", "tool_hit"),
+    ("offered@1", "tool_hit"),
+    ("offered@1", "exact"),
+    ("tool@1", "value_recall"),
+    ("tool@1", "exact"),
+)
 
 
 def load_items(path: Path, stride: int, limit: int) -> list[dict]:
@@ -82,7 +88,10 @@ def compute_hidden_keys(items: list[dict], cache: Path, threads: int, log_every:
             done[it["id"]] = {"hidden_last": pre.hidden.float().numpy(), "hidden_mean": states.mean(0).numpy()}
             if n % log_every == 0 or n == len(todo):
                 _save(cache, done)
-                print(f"{n}/{len(todo)} prompt_tokens={len(ids)} prefill_s={pre.seconds:.2f} elapsed={time.time() - t0:.0f}s", flush=True)
+                print(
+                    f"{n}/{len(todo)} prompt_tokens={len(ids)} prefill_s={pre.seconds:.2f} elapsed={time.time() - t0:.0f}s",
+                    flush=True,
+                )
         _save(cache, done)
     return {k: np.stack([done[it["id"]][k] for it in items]) for k in ("hidden_last", "hidden_mean")}
 
@@ -91,7 +100,12 @@ def _save(cache: Path, done: dict) -> None:
     ids = list(done)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(cache.stem + ".tmp.npz")
-    np.savez(tmp, ids=np.array(ids), hidden_last=np.stack([done[i]["hidden_last"] for i in ids]), hidden_mean=np.stack([done[i]["hidden_mean"] for i in ids]))
+    np.savez(
+        tmp,
+        ids=np.array(ids),
+        hidden_last=np.stack([done[i]["hidden_last"] for i in ids]),
+        hidden_mean=np.stack([done[i]["hidden_mean"] for i in ids]),
+    )
     tmp.replace(cache)
 
 
@@ -152,8 +166,17 @@ def evaluate(items: list[dict], keys: dict[str, np.ndarray], order: list[int], k
         for calls in it["gold_calls"]:
             tool = next((t for t in it["tools"] if t["function"]["name"] == calls["name"]), {"name": calls["name"]})
             for name, store in stores.items():
-                store.add(CallRecord(tenant="eval", tool_name=calls["name"], schema_hash=schema_hash(tool), text=call_text(calls),
-                                     arguments=calls["arguments"], embedding=keys[name][i], created_at=float(step)))
+                store.add(
+                    CallRecord(
+                        tenant="eval",
+                        tool_name=calls["name"],
+                        schema_hash=schema_hash(tool),
+                        text=call_text(calls),
+                        arguments=calls["arguments"],
+                        embedding=keys[name][i],
+                        created_at=float(step),
+                    )
+                )
             history.append(calls)
     out = summarise(rows)
     out["paired_vs_lexical"] = paired_vs_lexical([r for r in rows if r["eligible"]])
@@ -169,13 +192,20 @@ def paired_vs_lexical(rows: list[dict], n_boot: int = 2000, seed: int = 0) -> di
         if key == "lexical":
             continue
         for col, metric in HEADLINE:
-            pairs = [(r[f"{key}/{col}"][metric], r[f"lexical/{col}"][metric]) for r in rows
-                     if r.get(f"{key}/{col}", {}).get(metric) is not None]
+            pairs = [
+                (r[f"{key}/{col}"][metric], r[f"lexical/{col}"][metric])
+                for r in rows
+                if r.get(f"{key}/{col}", {}).get(metric) is not None
+            ]
             if not pairs:
                 continue
             d = np.array([a - b for a, b in pairs])
             boot = d[rng.integers(0, len(d), (n_boot, len(d)))].mean(1)
-            out[f"{key}/{col}/{metric}"] = {"diff": round(float(d.mean()), 4), "ci95": [round(float(np.percentile(boot, 2.5)), 4), round(float(np.percentile(boot, 97.5)), 4)], "n": len(d)}
+            out[f"{key}/{col}/{metric}"] = {
+                "diff": round(float(d.mean()), 4),
+                "ci95": [round(float(np.percentile(boot, 2.5)), 4), round(float(np.percentile(boot, 97.5)), 4)],
+                "n": len(d),
+            }
     return out
 
 
@@ -207,7 +237,10 @@ def to_markdown(res: dict) -> str:
     ]
     for order, r in res["orders"].items():
         lines += [f"## order: {order} ({r['items']} queries, {r['n_eligible']} eligible) — eligible items", ""]
-        lines += ["| key | unfiltered tool_hit@1 | tool_hit@10 | value_recall@10 | offered-tools tool_hit@1 | exact@1 | gold-tool value_recall@1 | @3 | exact@1 | exact@10 |", "|---" * 10 + "|"]
+        lines += [
+            "| key | unfiltered tool_hit@1 | tool_hit@10 | value_recall@10 | offered-tools tool_hit@1 | exact@1 | gold-tool value_recall@1 | @3 | exact@1 | exact@10 |",
+            "|---" * 10 + "|",
+        ]
         t = r["eligible"]
         for key in ("recent",) + KEYS:
             g = lambda c, m: t.get(c, {}).get(m)
@@ -218,14 +251,28 @@ def to_markdown(res: dict) -> str:
                 f"{f(g(f'{key}/tool@3', 'value_recall'))} | {f(g(f'{key}/tool@1', 'exact'))} | {f(g(f'{key}/tool@10', 'exact'))} |"
             )
         o = t.get("oracle/tool@all", {})
-        lines += [f"| oracle (all earlier calls of the tool) | - | 1.000 | {o.get('value_recall', 0):.3f} | 1.000 | - | - | - | - | {o.get('exact', 0):.3f} |", ""]
-        lines += ["Difference to `lexical` (eligible items, 95% paired bootstrap interval):", "",
-                  "| key | " + " | ".join(f"{c} {m}" for c, m in HEADLINE) + " |", "|---" * (len(HEADLINE) + 1) + "|"]
+        lines += [
+            f"| oracle (all earlier calls of the tool) | - | 1.000 | {o.get('value_recall', 0):.3f} | 1.000 | - | - | - | - | {o.get('exact', 0):.3f} |",
+            "",
+        ]
+        lines += [
+            "Difference to `lexical` (eligible items, 95% paired bootstrap interval):",
+            "",
+            "| key | " + " | ".join(f"{c} {m}" for c, m in HEADLINE) + " |",
+            "|---" * (len(HEADLINE) + 1) + "|",
+        ]
         pv = r["paired_vs_lexical"]
         for key in KEYS:
             if key != "lexical":
                 cells = [pv.get(f"{key}/{c}/{m}") for c, m in HEADLINE]
-                lines.append(f"| {key} | " + " | ".join("-" if x is None else f"{x['diff']:+.3f} [{x['ci95'][0]:+.3f}, {x['ci95'][1]:+.3f}]" for x in cells) + " |")
+                lines.append(
+                    f"| {key} | "
+                    + " | ".join(
+                        "-" if x is None else f"{x['diff']:+.3f} [{x['ci95'][0]:+.3f}, {x['ci95'][1]:+.3f}]"
+                        for x in cells
+                    )
+                    + " |"
+                )
         lines.append("")
     lines += ["## Verdict", "", res.get("verdict", ""), ""]
     return "\n".join(lines)
@@ -241,7 +288,13 @@ def verdict(res: dict) -> str:
             cis = [o["paired_vs_lexical"].get(f"{key}/{col}/{metric}") for o in res["orders"].values()]
             if any(c is None for c in cis):
                 continue
-            word = "better" if all(c["ci95"][0] > 0 for c in cis) else "worse" if all(c["ci95"][1] < 0 for c in cis) else "tie"
+            word = (
+                "better"
+                if all(c["ci95"][0] > 0 for c in cis)
+                else "worse"
+                if all(c["ci95"][1] < 0 for c in cis)
+                else "tie"
+            )
             diffs = ", ".join(f"{c['diff']:+.3f}" for c in cis)
             parts.append(f"{col} {metric} {word} ({diffs})")
         lines.append(f"- {key} vs lexical: " + "; ".join(parts))
@@ -266,9 +319,20 @@ def main(argv=None) -> None:
     from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME
 
     res = {
-        "setup": {"data": Path(args.data).name, "items": len(items), "stride": args.stride, "model": EMBEDDED_MODEL_NAME,
-                  "k": [1, 3, 10], "keys": list(KEYS), "lexical_dim": 1024, "hidden_dim": int(keys["hidden_last"].shape[1])},
-        "orders": {"file": evaluate(items, keys, list(range(len(items)))), f"shuffled_seed{args.seed}": evaluate(items, keys, shuffled)},
+        "setup": {
+            "data": Path(args.data).name,
+            "items": len(items),
+            "stride": args.stride,
+            "model": EMBEDDED_MODEL_NAME,
+            "k": [1, 3, 10],
+            "keys": list(KEYS),
+            "lexical_dim": 1024,
+            "hidden_dim": int(keys["hidden_last"].shape[1]),
+        },
+        "orders": {
+            "file": evaluate(items, keys, list(range(len(items)))),
+            f"shuffled_seed{args.seed}": evaluate(items, keys, shuffled),
+        },
     }
     res["verdict"] = verdict(res)
     out = Path(args.out)

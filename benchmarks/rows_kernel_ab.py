@@ -34,19 +34,23 @@ def baseline_kernel(rev: str):
 
     rel = rows_kernel.SOURCE.relative_to(Path(__file__).resolve().parents[1])
     src = subprocess.run(["git", "show", f"{rev}:{rel}"], check=True, capture_output=True, text=True).stdout
-    tag = subprocess.run(["git", "rev-parse", "--short", rev], check=True, capture_output=True, text=True).stdout.strip()
+    tag = subprocess.run(
+        ["git", "rev-parse", "--short", rev], check=True, capture_output=True, text=True
+    ).stdout.strip()
     out = Path(tempfile.mkdtemp(prefix=f"rows_kernel_{tag}_"))
     (out / "rows_linear.cpp").write_text(src)
     return rows_kernel.build(out / "rows_linear.cpp", f"toolspec_rows_linear_{tag}", out)
 
 
-def measure(rounds: int, repeats: int, prefix: int, ks=KS, max_rows: int | None = None, baseline_rev: str | None = None) -> dict:
+def measure(
+    rounds: int, repeats: int, prefix: int, ks=KS, max_rows: int | None = None, baseline_rev: str | None = None
+) -> dict:
     """``max_rows``: let the kernel take forwards up to this many rows (default: its own limit).
     ``baseline_rev``: the other variant is that revision's kernel (same dispatch around it), not oneDNN."""
-    from toolspec_core.model import rows_kernel
     from toolspec_core.engine.cost_probe import paired_cost, probe_steps
-    from toolspec_core.model.target import load_target
+    from toolspec_core.model import rows_kernel
     from toolspec_core.model.cpu_linears import tune_cpu_linears
+    from toolspec_core.model.target import load_target
 
     target = load_target(None, tune_gemm=False)
     kernel = rows_kernel.load()
@@ -56,7 +60,11 @@ def measure(rounds: int, repeats: int, prefix: int, ks=KS, max_rows: int | None 
         rows_kernel.MAX_ROWS = max_rows
     linears = [m for m in target.model.modules() if isinstance(m, torch.nn.Linear)]
     old = baseline_kernel(baseline_rev) if baseline_rev else None
-    variants = [(f"rows_kernel_{baseline_rev}", old), ("rows_kernel", kernel)] if old else [("onednn", None), ("rows_kernel", kernel)]
+    variants = (
+        [(f"rows_kernel_{baseline_rev}", old), ("rows_kernel", kernel)]
+        if old
+        else [("onednn", None), ("rows_kernel", kernel)]
+    )
     forwards = {}
     for name, mod in variants:
         for m in linears:
@@ -68,14 +76,19 @@ def measure(rounds: int, repeats: int, prefix: int, ks=KS, max_rows: int | None 
         g = torch.Generator().manual_seed(0)
         for m in linears[:7]:  # same arithmetic expected: say so before timing it
             x = torch.randn(max(ks), m.in_features, generator=g)
-            same = all(torch.equal(old.rows_linear(x[:r], m.weight, m.bias), kernel.rows_linear(x[:r], m.weight, m.bias)) for r in ks)
+            same = all(
+                torch.equal(old.rows_linear(x[:r], m.weight, m.bias), kernel.rows_linear(x[:r], m.weight, m.bias))
+                for r in ks
+            )
             equal[str(tuple(m.weight.shape))] = same
-            print(f"{tuple(m.weight.shape)}: outputs {'bit for bit equal' if same else 'DIFFER'} at {ks} rows", flush=True)
+            print(
+                f"{tuple(m.weight.shape)}: outputs {'bit for bit equal' if same else 'DIFFER'} at {ks} rows", flush=True
+            )
     steps = probe_steps(target, prefix, ks)
     names = list(forwards)
     samples: dict = {name: {"ms": {k: [] for k in ks}, "rel": {k: [] for k in ks}} for name in forwards}
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             for m, f in zip(linears, forwards[name]):
                 m.forward = f
             secs, rel = paired_cost(lambda k: steps[k](), ks, repeats)
@@ -83,9 +96,16 @@ def measure(rounds: int, repeats: int, prefix: int, ks=KS, max_rows: int | None 
                 samples[name]["ms"][k].append(1000 * secs[k])
                 samples[name]["rel"][k].append(rel[k])
     med = lambda xs: sorted(xs)[len(xs) // 2]
-    out = {name: {"ms": {k: round(med(v), 1) for k, v in s["ms"].items()},
-                  "cost": {k: round(med(v), 3) for k, v in s["rel"].items()}} for name, s in samples.items()}
-    out[f"rows_kernel_ms_over_{names[0]}"] = {k: round(out["rows_kernel"]["ms"][k] / out[names[0]]["ms"][k], 3) for k in ks}
+    out = {
+        name: {
+            "ms": {k: round(med(v), 1) for k, v in s["ms"].items()},
+            "cost": {k: round(med(v), 3) for k, v in s["rel"].items()},
+        }
+        for name, s in samples.items()
+    }
+    out[f"rows_kernel_ms_over_{names[0]}"] = {
+        k: round(out["rows_kernel"]["ms"][k] / out[names[0]]["ms"][k], 3) for k in ks
+    }
     if equal:  # the first layer's linears (every shape the model has), both kernels, every k of the run
         out["bit_for_bit_equal_by_weight_shape"] = equal
     return out
@@ -105,13 +125,21 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/runs/rows-kernel-ab.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    other = f"the kernel of git revision {a.baseline_rev} (rows_kernel_{a.baseline_rev})" if a.baseline_rev else "the oneDNN / F.linear dispatch (onednn)"
-    res = {"what": "one verify forward of k tree tokens over a cache of --prefix tokens, embedded Qwen2.5-Coder-0.5B float32: "
-                   f"ToolSpec's few-rows kernel (rows_kernel) vs {other}; "
-                   "median ms and cost relative to the variant's own 1-token forward",
-           "hardware": hardware_string(), "prefix": a.prefix, "rounds": a.rounds,
-           "kernel_max_rows": a.max_rows,
-           **measure(a.rounds, a.repeats, a.prefix, tuple(int(k) for k in a.ks.split(",")), a.max_rows, a.baseline_rev)}
+    other = (
+        f"the kernel of git revision {a.baseline_rev} (rows_kernel_{a.baseline_rev})"
+        if a.baseline_rev
+        else "the oneDNN / F.linear dispatch (onednn)"
+    )
+    res = {
+        "what": "one verify forward of k tree tokens over a cache of --prefix tokens, embedded Qwen2.5-Coder-0.5B float32: "
+        f"ToolSpec's few-rows kernel (rows_kernel) vs {other}; "
+        "median ms and cost relative to the variant's own 1-token forward",
+        "hardware": hardware_string(),
+        "prefix": a.prefix,
+        "rounds": a.rounds,
+        "kernel_max_rows": a.max_rows,
+        **measure(a.rounds, a.repeats, a.prefix, tuple(int(k) for k in a.ks.split(",")), a.max_rows, a.baseline_rev),
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res, indent=1))

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
+from toolspec_core.drafters.methods import RequestInfo, make_method, method_class
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.cost_probe import cost_model_for
 from toolspec_core.engine.loop import DecodeConfig, decode, prefill
 from toolspec_core.errors import ToolSpecError
-from toolspec_core.drafters.methods import RequestInfo, make_method, method_class
 
 from .data import load_items, load_stream, prompt_ids, select_items, warm_documents
 from .metrics import call_metrics, first_mismatch
@@ -138,7 +138,12 @@ class PrefillCache:
         return self.store.records.get(item_id)
 
     def put(self, item_id: str, pre) -> dict:
-        rec = {"item": item_id, "prompt_tokens": len(pre.prompt_ids), "prefill_s": pre.seconds, "hidden": encode_hidden(pre.hidden)}
+        rec = {
+            "item": item_id,
+            "prompt_tokens": len(pre.prompt_ids),
+            "prefill_s": pre.seconds,
+            "hidden": encode_hidden(pre.hidden),
+        }
         self.store.append(rec)
         return rec
 
@@ -242,16 +247,25 @@ def finish_record(rec: dict, item: dict, ar: dict | None, ref: dict | None = Non
     """
     rec.update(call_metrics(rec["text"], item))
     if ar is None:  # this is plain greedy itself
-        rec.update(exact_match=True, first_mismatch=None, ar_decode_s=rec["decode_s"], speedup=1.0,
-                   ar_step_s=_median_step(rec))
+        rec.update(
+            exact_match=True, first_mismatch=None, ar_decode_s=rec["decode_s"], speedup=1.0, ar_step_s=_median_step(rec)
+        )
         return rec
     diff = first_mismatch(rec["tokens"], ar["tokens"])
     base = ar if ref is None else ref
-    rec.update(exact_match=diff is None, first_mismatch=diff, ar_decode_s=base["decode_s"], ar_step_s=_median_step(base),
-               reference_retimed=ref is not None, speedup=base["decode_s"] / rec["decode_s"] if rec["decode_s"] > 0 else None)
+    rec.update(
+        exact_match=diff is None,
+        first_mismatch=diff,
+        ar_decode_s=base["decode_s"],
+        ar_step_s=_median_step(base),
+        reference_retimed=ref is not None,
+        speedup=base["decode_s"] / rec["decode_s"] if rec["decode_s"] > 0 else None,
+    )
     if diff is not None:
-        log(f"!!! EXACT-MATCH FAILURE: item {item['id']} method {rec['method']}/{rec['library']}: output differs "
-            f"from plain greedy at token {diff} (got {rec['tokens'][diff:diff + 5]}, greedy {ar['tokens'][diff:diff + 5]})")
+        log(
+            f"!!! EXACT-MATCH FAILURE: item {item['id']} method {rec['method']}/{rec['library']}: output differs "
+            f"from plain greedy at token {diff} (got {rec['tokens'][diff : diff + 5]}, greedy {ar['tokens'][diff : diff + 5]})"
+        )
     return rec
 
 
@@ -273,8 +287,12 @@ class Runner:
         if target is None:
             from toolspec_core.model.target import load_target
 
-            target = load_target(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device,
-                                 **({} if cfg.packed_rows is None else {"packed_rows": cfg.packed_rows}))
+            target = load_target(
+                cfg.model,
+                dtype=getattr(torch, cfg.dtype),
+                device=cfg.device,
+                **({} if cfg.packed_rows is None else {"packed_rows": cfg.packed_rows}),
+            )
         self.target = target
         self.stream = load_stream(cfg.data, cfg.limit, cfg.seed)
         self.pairs = run_pairs(cfg)
@@ -293,7 +311,11 @@ class Runner:
         now = {**asdict(self.cfg), "target": self.target.name}
         if path.exists():
             old = json.loads(path.read_text())
-            changed = [k for k in ("data", "limit", "seed", "max_new_tokens", "target", "warm_files") if old.get(k) != now.get(k)]
+            changed = [
+                k
+                for k in ("data", "limit", "seed", "max_new_tokens", "target", "warm_files")
+                if old.get(k) != now.get(k)
+            ]
             if changed:
                 log(f"WARNING: resuming {self.out} with different {', '.join(changed)} than the original run")
         from .cost import hardware_string
@@ -308,7 +330,9 @@ class Runner:
             items = [it for it in items if it["benchmark"] == bench and it["id"] not in evaluated]
             items = select_items(items, self.cfg.warm_limit, self.cfg.seed)
             embed = self._warm_embedding if self.cfg.warm_embed else None
-            self._warm[bench] = warm_documents(self.target.tokenizer, items, self.target.eos_ids, self.cfg.warm_layout, embed)
+            self._warm[bench] = warm_documents(
+                self.target.tokenizer, items, self.target.eos_ids, self.cfg.warm_layout, embed
+            )
             log(f"warm library for {bench}: {len(self._warm[bench])} documents")
         return self._warm[bench]
 
@@ -381,8 +405,10 @@ class Runner:
             return None
         rec = decode_record(self.target, pre, self.pool.get(item["benchmark"], "ar", None), req, self.dcfg, self.cost)
         if rec["tokens"] != ar["tokens"]:
-            log(f"!!! plain greedy on item {item['id']} differs from its stored output at token "
-                f"{first_mismatch(rec['tokens'], ar['tokens'])}: the stored reference is not reproducible")
+            log(
+                f"!!! plain greedy on item {item['id']} differs from its stored output at token "
+                f"{first_mismatch(rec['tokens'], ar['tokens'])}: the stored reference is not reproducible"
+            )
         return rec
 
     def decode_pair(self, item, pos, pre, req, name, lib, ar, ref=None) -> dict | None:

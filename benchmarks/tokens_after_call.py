@@ -65,7 +65,10 @@ def main() -> None:
         a[0] += 1
         a[1] += len(r["tokens"])
         a[2] += len(r["tokens"]) - end if end else 0
-    out = {b: {"items_with_calls": n, "tokens": t, "tokens_after_first_call": after, "share": round(after / t, 3)} for b, (n, t, after) in agg.items()}
+    out = {
+        b: {"items_with_calls": n, "tokens": t, "tokens_after_first_call": after, "share": round(after / t, 3)}
+        for b, (n, t, after) in agg.items()
+    }
     print(json.dumps({"source": str(raw / "items.jsonl") + " (ar records)", "by_benchmark": out}, indent=1))
 
 

@@ -19,7 +19,19 @@ from .cost import hardware_string
 
 # operator name fragments -> group (first match wins; self time, so nested ops count once)
 GROUPS = (
-    ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "softmax", "bmm", "baddbmm", "repeat_kv", "expand")),
+    (
+        "attention",
+        (
+            "scaled_dot_product",
+            "flash_attention",
+            "_efficient_attention",
+            "softmax",
+            "bmm",
+            "baddbmm",
+            "repeat_kv",
+            "expand",
+        ),
+    ),
     ("gemm", ("linear", "addmm", "aten::mm", "matmul", "mkldnn", "onednn", "_mkl")),
 )
 
@@ -65,11 +77,13 @@ def main() -> None:
     from toolspec_core.model.target import load_target
 
     target = load_target(threads=a.threads)
-    res = {"what": "self CPU time of one verify forward (k tokens over a 500-token cache) by operator group, torch profiler; "
-                   "gemm = linear layers incl. lm_head, attention = SDPA + KV-head repeat",
-           "hardware": hardware_string(),
-           "model": "Qwen2.5-Coder-0.5B-Instruct (embedded, float32, tuned CPU linears)",
-           "ks": profile(target, [int(k) for k in a.ks.split(",")], repeats=a.repeats)}
+    res = {
+        "what": "self CPU time of one verify forward (k tokens over a 500-token cache) by operator group, torch profiler; "
+        "gemm = linear layers incl. lm_head, attention = SDPA + KV-head repeat",
+        "hardware": hardware_string(),
+        "model": "Qwen2.5-Coder-0.5B-Instruct (embedded, float32, tuned CPU linears)",
+        "ks": profile(target, [int(k) for k in a.ks.split(",")], repeats=a.repeats),
+    }
     text = json.dumps(res, indent=1)
     print(text)
     if a.out:

@@ -44,7 +44,13 @@ def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int, dest="tensor_parallel_size")
     p.add_argument("--cost-model", dest="cost_model", choices=["measure", "reference", "flat", "none"])
     p.add_argument("--no-retrieval", action="store_true", help="serve without the call library")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="any other config key, e.g. --set max_ongoing_requests=4")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="any other config key, e.g. --set max_ongoing_requests=4",
+    )
     return p
 
 
@@ -115,7 +121,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(ns)
     t0 = time.time()
     url = start_server(cfg)
-    print(f"ToolSpec is serving {cfg.model} (method {cfg.method}) at {url}/v1 after {time.time() - t0:.0f} s; Ctrl-C stops it.", flush=True)
+    print(
+        f"ToolSpec is serving {cfg.model} (method {cfg.method}) at {url}/v1 after {time.time() - t0:.0f} s; Ctrl-C stops it.",
+        flush=True,
+    )
     try:
         while True:
             time.sleep(3600)
@@ -140,7 +149,13 @@ def demo_main(argv: list[str] | None = None) -> int:
 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=cfg.resolved_api_key() or "none")
         print(f"server ready at {url}/v1 after {time.time() - t0:.0f} s\n")
-        request = {"model": served_name(cfg), "messages": DEMO_MESSAGES, "tools": DEMO_TOOLS, "temperature": 0, "max_tokens": 128}
+        request = {
+            "model": served_name(cfg),
+            "messages": DEMO_MESSAGES,
+            "tools": DEMO_TOOLS,
+            "temperature": 0,
+            "max_tokens": 128,
+        }
         print("request (openai.chat.completions.create):")
         print(json.dumps(request, indent=2))
         t1 = time.time()
@@ -154,7 +169,9 @@ def demo_main(argv: list[str] | None = None) -> int:
         else:
             print(f"no tool call; content: {choice.message.content!r}")
         stats = (resp.model_extra or {}).get("toolspec", {})
-        print(f"toolspec stats: MAT {stats.get('mat', 0):.2f}, drafted {stats.get('drafted_tokens')}, accepted {stats.get('accepted_tokens')}, forwards {stats.get('forwards')}")
+        print(
+            f"toolspec stats: MAT {stats.get('mat', 0):.2f}, drafted {stats.get('drafted_tokens')}, accepted {stats.get('accepted_tokens')}, forwards {stats.get('forwards')}"
+        )
         return 0 if choice.message.tool_calls else 1
     finally:
         stop_server(graceful=False)

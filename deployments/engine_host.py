@@ -30,7 +30,11 @@ def error_event(exc: InvalidRequestError) -> dict:
     from toolspec_core.errors import ContextLengthError
 
     code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
-    return {"event": "error", "status": 400, "error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": code}}
+    return {
+        "event": "error",
+        "status": 400,
+        "error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": code},
+    }
 
 
 class TextStreamer:
@@ -188,9 +192,13 @@ class EngineHost:
 
     def info(self) -> dict:
         return {
-            "model": self.name, "max_context": self.target.max_context, "method": getattr(self.method, "name", self.cfg.method),
-            "tensor_parallel_size": self.cfg.tensor_parallel_size, "prefix_cache": len(self.prefixes),
-            "prefix_hits": self.prefixes.hits, "prefix_misses": self.prefixes.misses,
+            "model": self.name,
+            "max_context": self.target.max_context,
+            "method": getattr(self.method, "name", self.cfg.method),
+            "tensor_parallel_size": self.cfg.tensor_parallel_size,
+            "prefix_cache": len(self.prefixes),
+            "prefix_hits": self.prefixes.hits,
+            "prefix_misses": self.prefixes.misses,
             "retrieval": self.retrieval.counters() if self.retrieval is not None else None,
         }
 
@@ -243,8 +251,17 @@ class EngineHost:
 
         kwargs = {"constraint": prep.constraint} if prep.constraint is not None else {}
         drafter = self.method.drafter(info)
-        result = decode(self.target, pre, drafter, prep.decode_cfg, self.cost, own_cache=True, on_tokens=on_tokens,
-                        detokenizer=detok, **kwargs)
+        result = decode(
+            self.target,
+            pre,
+            drafter,
+            prep.decode_cfg,
+            self.cost,
+            own_cache=True,
+            on_tokens=on_tokens,
+            detokenizer=detok,
+            **kwargs,
+        )
         if result.finish_reason != "cancelled":
             try:
                 self.method.observe(info, result.tokens, result.text)
@@ -287,8 +304,11 @@ class EngineHost:
         if self.library is not None:
             self.library.note_tools(req["tenant"], req["tools"])
         info = RequestInfo(
-            list(prep.prompt_ids), list(req["tools"]), req["tenant"],
-            embedding.tolist() if embedding is not None else None, req["remember"],
+            list(prep.prompt_ids),
+            list(req["tools"]),
+            req["tenant"],
+            embedding.tolist() if embedding is not None else None,
+            req["remember"],
             retrieved if retrieved is not None else ([] if self.retrieval is not None else None),
         )
         # the decode thread writes the request's text into ``detok``; each commit hands the
@@ -370,12 +390,14 @@ def load_serving_target(cfg: ServeAppConfig):
         from .tp import start_tp_target
 
         gpus = cfg.tp_worker_num_gpus if cfg.tp_worker_num_gpus is not None else (1.0 if device == "cuda" else 0.0)
-        return start_tp_target(cfg.model, cfg.tensor_parallel_size, cfg.dtype, device, cfg.tp_worker_num_cpus, gpus, cfg.threads)
+        return start_tp_target(
+            cfg.model, cfg.tensor_parallel_size, cfg.dtype, device, cfg.tp_worker_num_cpus, gpus, cfg.threads
+        )
     return load_target(cfg.model, resolve_dtype(cfg.dtype, device), packed_rows=cfg.cpu_packed_rows, device=device)
 
 
 def target_placement(tp_size: int, device: str, replica_num_gpus: float) -> str:
-    """"replica": the model lives in the replica's own process (CPU, or the replica's own GPU:
+    """ "replica": the model lives in the replica's own process (CPU, or the replica's own GPU:
     the engine moves its inputs there and reads back one row per step -- the path measured on an
     H200); "workers": Ray actors own the model and KV caches (tensor parallel, or an accelerator the
     replica itself was not given), the replica keeps the engine's tensors on its CPU side."""

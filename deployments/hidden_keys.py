@@ -33,7 +33,9 @@ class HiddenStateEmbedder:
         from toolspec_core.engine.loop import prefill
 
         captured: list = []
-        hook = self.target.model.model.register_forward_hook(lambda m, i, o: captured.append(o.last_hidden_state[0].float()))
+        hook = self.target.model.model.register_forward_hook(
+            lambda m, i, o: captured.append(o.last_hidden_state[0].float())
+        )
         try:
             pre = prefill(self.target, list(prompt_ids))
         finally:

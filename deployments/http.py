@@ -5,8 +5,6 @@ replica events), ``generate(req)`` and ``info()`` -- a Serve handle in productio
 (:class:`HandleBackend`), an in-process ``EngineHost`` in unit tests (:class:`LocalBackend`).
 """
 
-
-
 import asyncio
 import hmac
 import json
@@ -116,7 +114,13 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
     @app.get("/v1/models/{name}")
     async def model_info(name: str):
         if name != model:
-            raise APIError(f"The model '{name}' does not exist", 404, type="invalid_request_error", param="model", code="model_not_found")
+            raise APIError(
+                f"The model '{name}' does not exist",
+                404,
+                type="invalid_request_error",
+                param="model",
+                code="model_not_found",
+            )
         return {"id": model, "object": "model", "created": 0, "owned_by": "toolspec"}
 
     @app.exception_handler(APIError)
@@ -131,7 +135,11 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             metrics.observe_error(False)
-            raise APIError("We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP library correctly.)", 400, code="invalid_json")
+            raise APIError(
+                "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP library correctly.)",
+                400,
+                code="invalid_json",
+            )
         try:
             req = parse_request(body, model, cfg.max_tokens_limit)
         except APIError:

@@ -14,29 +14,45 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("toolspec_requests", "Chat completion requests", ["status", "stream"], registry=r)
         self.latency = Histogram(
-            "toolspec_request_latency_seconds", "End-to-end latency of a chat completion", registry=r,
+            "toolspec_request_latency_seconds",
+            "End-to-end latency of a chat completion",
+            registry=r,
             buckets=(0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128),
         )
         self.ttft = Histogram(
-            "toolspec_time_to_first_token_seconds", "Time to the first streamed delta", registry=r,
+            "toolspec_time_to_first_token_seconds",
+            "Time to the first streamed delta",
+            registry=r,
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
         )
         self.tokens_per_s = Histogram(
-            "toolspec_tokens_per_second", "Completion tokens per second of decode time, per request", registry=r,
+            "toolspec_tokens_per_second",
+            "Completion tokens per second of decode time, per request",
+            registry=r,
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
         )
         self.prompt_tokens = Counter("toolspec_prompt_tokens", "Prompt tokens", registry=r)
         self.completion_tokens = Counter("toolspec_completion_tokens", "Completion tokens", registry=r)
-        self.prefix_cached = Counter("toolspec_prefix_cached_tokens", "Prompt tokens served from the prefix KV cache", registry=r)
+        self.prefix_cached = Counter(
+            "toolspec_prefix_cached_tokens", "Prompt tokens served from the prefix KV cache", registry=r
+        )
         self.mat = Histogram(
-            "toolspec_mean_accepted_tokens", "Mean tokens per decode forward (MAT), per request", registry=r,
+            "toolspec_mean_accepted_tokens",
+            "Mean tokens per decode forward (MAT), per request",
+            registry=r,
             buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 16),
         )
         self.drafted = Counter("toolspec_draft_tokens", "Drafted tokens by drafting state", ["state"], registry=r)
-        self.accepted = Counter("toolspec_accepted_tokens", "Accepted draft tokens by drafting state", ["state"], registry=r)
-        self.acceptance = Gauge("toolspec_acceptance_rate", "Accepted / drafted tokens so far, by state", ["state"], registry=r)
+        self.accepted = Counter(
+            "toolspec_accepted_tokens", "Accepted draft tokens by drafting state", ["state"], registry=r
+        )
+        self.acceptance = Gauge(
+            "toolspec_acceptance_rate", "Accepted / drafted tokens so far, by state", ["state"], registry=r
+        )
         self.retrieval = Counter("toolspec_retrieval_requests", "Library searches by outcome", ["status"], registry=r)
-        self.fallbacks = Counter("toolspec_retrieval_fallbacks", "Requests served without the library (slow or down)", registry=r)
+        self.fallbacks = Counter(
+            "toolspec_retrieval_fallbacks", "Requests served without the library (slow or down)", registry=r
+        )
         self.inflight = Gauge("toolspec_requests_in_flight", "Requests in flight at this ingress", registry=r)
         self._totals: dict[str, list[float]] = {}
 

@@ -22,7 +22,14 @@ from toolspec_core.drafters.toolcall.parse import ParsedOutput, ToolCall, parse_
 class APIError(Exception):
     """An error the client caused (or a server condition) in OpenAI's shape."""
 
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
 
@@ -32,10 +39,23 @@ class APIError(Exception):
     @classmethod
     def from_body(cls, body: dict, status: int) -> "APIError":
         e = body.get("error", {})
-        return cls(e.get("message", "error"), status, e.get("type", "invalid_request_error"), e.get("param"), e.get("code"))
+        return cls(
+            e.get("message", "error"), status, e.get("type", "invalid_request_error"), e.get("param"), e.get("code")
+        )
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "is-instance", "constrained-float", "constrained-int"}
+_TYPE_TAGS = {
+    "str",
+    "int",
+    "float",
+    "bool",
+    "none",
+    "dict",
+    "list",
+    "is-instance",
+    "constrained-float",
+    "constrained-int",
+}
 
 
 def _loc(loc: tuple) -> str:
@@ -61,7 +81,9 @@ def validation_error(exc: ValidationError) -> APIError:
         msg = f"Unrecognized request argument supplied: {param}"
     else:
         msg = f"Invalid value for '{param}': {msg}" if param else msg
-    return APIError(msg, 400, param=param, code="invalid_value" if err["type"] != "missing" else "missing_required_parameter")
+    return APIError(
+        msg, 400, param=param, code="invalid_value" if err["type"] != "missing" else "missing_required_parameter"
+    )
 
 
 # ---------------------------------------------------------------------------------------- request
@@ -160,16 +182,32 @@ class ChatRequest(_Strict):
 def _check_json_schema(schema: dict, param: str) -> None:
     """A function's ``parameters`` must be a JSON-schema object (OpenAI requires type object)."""
     if schema.get("type", "object") != "object":
-        raise APIError(f"Invalid schema for function parameters: top-level type must be 'object', got {schema.get('type')!r}", param=param, code="invalid_function_parameters")
+        raise APIError(
+            f"Invalid schema for function parameters: top-level type must be 'object', got {schema.get('type')!r}",
+            param=param,
+            code="invalid_function_parameters",
+        )
     props = schema.get("properties", {})
     if not isinstance(props, dict) or any(not isinstance(v, dict) for v in props.values()):
-        raise APIError("Invalid schema for function parameters: 'properties' must map names to schemas", param=param, code="invalid_function_parameters")
+        raise APIError(
+            "Invalid schema for function parameters: 'properties' must map names to schemas",
+            param=param,
+            code="invalid_function_parameters",
+        )
     req = schema.get("required", [])
     if not isinstance(req, list) or any(not isinstance(r, str) for r in req):
-        raise APIError("Invalid schema for function parameters: 'required' must be a list of strings", param=param, code="invalid_function_parameters")
+        raise APIError(
+            "Invalid schema for function parameters: 'required' must be a list of strings",
+            param=param,
+            code="invalid_function_parameters",
+        )
     missing = [r for r in req if "properties" in schema and r not in props]
     if missing:
-        raise APIError(f"Invalid schema for function parameters: required {missing} not in properties", param=param, code="invalid_function_parameters")
+        raise APIError(
+            f"Invalid schema for function parameters: required {missing} not in properties",
+            param=param,
+            code="invalid_function_parameters",
+        )
     try:
         from jsonschema import Draft202012Validator
         from jsonschema.exceptions import SchemaError
@@ -178,7 +216,9 @@ def _check_json_schema(schema: dict, param: str) -> None:
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
-        raise APIError(f"Invalid schema for function parameters: {exc.message}", param=param, code="invalid_function_parameters") from None
+        raise APIError(
+            f"Invalid schema for function parameters: {exc.message}", param=param, code="invalid_function_parameters"
+        ) from None
 
 
 def parse_request(body: Any, served_model: str, max_tokens_limit: int) -> ChatRequest:
@@ -195,7 +235,11 @@ def parse_request(body: Any, served_model: str, max_tokens_limit: int) -> ChatRe
     for i, tool in enumerate(req.tools or []):
         name = tool.function.name
         if not _NAME.match(name):
-            raise APIError(f"Invalid 'tools[{i}].function.name': must match ^[a-zA-Z0-9_-]{{1,64}}$", param=f"tools[{i}].function.name", code="invalid_value")
+            raise APIError(
+                f"Invalid 'tools[{i}].function.name': must match ^[a-zA-Z0-9_-]{{1,64}}$",
+                param=f"tools[{i}].function.name",
+                code="invalid_value",
+            )
         if name in names:
             raise APIError(f"Duplicate tool name {name!r}", param=f"tools[{i}].function.name", code="invalid_value")
         names.append(name)
@@ -205,20 +249,38 @@ def parse_request(body: Any, served_model: str, max_tokens_limit: int) -> ChatRe
     if choice is not None and choice not in ("none", "auto") and not names:
         raise APIError("tool_choice requires tools to be specified", param="tool_choice", code="invalid_value")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise APIError(f"tool_choice names function {choice.function.name!r}, which is not in tools", param="tool_choice", code="invalid_value")
-    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
-        raise APIError("Set either max_tokens or max_completion_tokens, not both with different values", param="max_tokens")
+        raise APIError(
+            f"tool_choice names function {choice.function.name!r}, which is not in tools",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    if (
+        req.max_tokens is not None
+        and req.max_completion_tokens is not None
+        and req.max_tokens != req.max_completion_tokens
+    ):
+        raise APIError(
+            "Set either max_tokens or max_completion_tokens, not both with different values", param="max_tokens"
+        )
     for field in ("max_tokens", "max_completion_tokens"):
         v = getattr(req, field)
         if v is not None and not 1 <= v <= max_tokens_limit:
-            raise APIError(f"Invalid '{field}': must be between 1 and {max_tokens_limit}, got {v}", param=field, code="invalid_value")
+            raise APIError(
+                f"Invalid '{field}': must be between 1 and {max_tokens_limit}, got {v}",
+                param=field,
+                code="invalid_value",
+            )
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > 4 or any(not s for s in stops):
         raise APIError("'stop' takes up to 4 non-empty strings", param="stop", code="invalid_value")
     if req.logprobs:
         raise APIError("logprobs are not supported", param="logprobs", code="unsupported_value")
     if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError("only response_format {'type': 'text'} is supported; use tools for structured output", param="response_format", code="unsupported_value")
+        raise APIError(
+            "only response_format {'type': 'text'} is supported; use tools for structured output",
+            param="response_format",
+            code="unsupported_value",
+        )
     return req
 
 
@@ -263,7 +325,11 @@ def call_id() -> str:
 
 
 def tool_call_dict(call: ToolCall, cid: str | None = None) -> dict:
-    return {"id": cid or call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments_json()}}
+    return {
+        "id": cid or call_id(),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments_json()},
+    }
 
 
 def split_output(text: str, parse: bool) -> ParsedOutput:
@@ -298,13 +364,20 @@ def stats_extra(stats: dict, extra: dict | None = None) -> dict:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def chat_completion(result: dict, parse: bool, model: str, cid: str | None = None, created: int | None = None) -> dict:
     """A full (non-streaming) response from the replica's result dict."""
     parsed = split_output(result["text"], parse)
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content if parsed.calls else (parsed.content or "")}
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": parsed.content if parsed.calls else (parsed.content or ""),
+    }
     if parsed.calls:
         message["tool_calls"] = [tool_call_dict(c) for c in parsed.calls]
     return {
@@ -312,7 +385,14 @@ def chat_completion(result: dict, parse: bool, model: str, cid: str | None = Non
         "object": "chat.completion",
         "created": created or int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason(result["finish_reason"], bool(parsed.calls))}],
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": finish_reason(result["finish_reason"], bool(parsed.calls)),
+            }
+        ],
         "usage": usage(result["prompt_tokens"], result["completion_tokens"]),
         "toolspec": stats_extra(result.get("stats", {}), result.get("extra")),
     }
@@ -357,7 +437,10 @@ class StreamShaper:
 
     def chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
         out = {
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
         }
         out.update(extra)
@@ -368,7 +451,7 @@ class StreamShaper:
 
     def _content_delta(self, content: str) -> Iterator[dict]:
         if content.startswith(self.sent_content):
-            new = content[len(self.sent_content):]
+            new = content[len(self.sent_content) :]
             if new:
                 self.sent_content = content
                 yield self.chunk({"content": new})
@@ -376,13 +459,24 @@ class StreamShaper:
             self.mismatch = True
 
     def _call_deltas(self, calls: list[ToolCall]) -> Iterator[dict]:
-        for call in calls[len(self.sent_calls):]:
+        for call in calls[len(self.sent_calls) :]:
             index = len(self.sent_calls)
             self.sent_calls.append(call)
             args = call.arguments_json()
-            yield self.chunk({"tool_calls": [{"index": index, "id": call_id(), "type": "function", "function": {"name": call.name, "arguments": ""}}]})
+            yield self.chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": index,
+                            "id": call_id(),
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": ""},
+                        }
+                    ]
+                }
+            )
             for j in range(0, len(args), 16):
-                yield self.chunk({"tool_calls": [{"index": index, "function": {"arguments": args[j:j + 16]}}]})
+                yield self.chunk({"tool_calls": [{"index": index, "function": {"arguments": args[j : j + 16]}}]})
 
     def feed(self, delta: str) -> Iterator[dict]:
         self.text += delta

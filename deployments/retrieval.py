@@ -27,11 +27,25 @@ class RetrievalServer:
 
         self.svc = RetrievalService(store_config)
 
-    async def search(self, tenant: str, embedding: list[float], tool_names: list[str] | None = None, k: int = 10) -> list[dict]:
+    async def search(
+        self, tenant: str, embedding: list[float], tool_names: list[str] | None = None, k: int = 10
+    ) -> list[dict]:
         return await asyncio.to_thread(self.svc.search, tenant, embedding, tool_names, k)
 
-    async def add(self, tenant: str, tool_name: str, schema_hash: str, text: str, token_ids: list[int], arguments: dict, embedding: list[float], remember: bool = True):
-        return await asyncio.to_thread(self.svc.add, tenant, tool_name, schema_hash, text, token_ids, arguments, embedding, remember)
+    async def add(
+        self,
+        tenant: str,
+        tool_name: str,
+        schema_hash: str,
+        text: str,
+        token_ids: list[int],
+        arguments: dict,
+        embedding: list[float],
+        remember: bool = True,
+    ):
+        return await asyncio.to_thread(
+            self.svc.add, tenant, tool_name, schema_hash, text, token_ids, arguments, embedding, remember
+        )
 
     async def stats(self) -> dict:
         return await asyncio.to_thread(self.svc.stats)
@@ -53,7 +67,16 @@ class RetrievalClient:
         self._last: OrderedDict[tuple, list] = OrderedDict()
         self._tasks: set = set()
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._counts = {"searches": 0, "ok": 0, "cache": 0, "fallback": 0, "timeouts": 0, "errors": 0, "adds": 0, "add_errors": 0}
+        self._counts = {
+            "searches": 0,
+            "ok": 0,
+            "cache": 0,
+            "fallback": 0,
+            "timeouts": 0,
+            "errors": 0,
+            "adds": 0,
+            "add_errors": 0,
+        }
 
     def counters(self) -> dict:
         return dict(self._counts)
@@ -78,7 +101,9 @@ class RetrievalClient:
             return hit[1], {"status": "cache", "hits": len(hit[1])}
         t0 = time.perf_counter()
         try:
-            resp = self.handle.search.remote(tenant, [float(x) for x in embedding], list(tool_names) or None, self.cfg.top_k)
+            resp = self.handle.search.remote(
+                tenant, [float(x) for x in embedding], list(tool_names) or None, self.cfg.top_k
+            )
             results = await asyncio.wait_for(_awaitable(resp), self.cfg.timeout_s)
         except Exception as exc:  # timeout, dead replica, store error: serve without history
             timeout = isinstance(exc, (asyncio.TimeoutError, TimeoutError))
@@ -139,8 +164,13 @@ class ServeLibrary:
         if not remember or embedding is None or self.client.loop is None:
             return
         kwargs = dict(
-            tenant=tenant, tool_name=call.tool_name, schema_hash=self._hashes.get((tenant, call.tool_name), ""),
-            text=call.text, token_ids=[int(t) for t in call.token_ids], arguments=dict(call.arguments or {}),
-            embedding=[float(x) for x in embedding], remember=True,
+            tenant=tenant,
+            tool_name=call.tool_name,
+            schema_hash=self._hashes.get((tenant, call.tool_name), ""),
+            text=call.text,
+            token_ids=[int(t) for t in call.token_ids],
+            arguments=dict(call.arguments or {}),
+            embedding=[float(x) for x in embedding],
+            remember=True,
         )
         self.client.loop.call_soon_threadsafe(lambda: self.client.add_nowait(**kwargs))

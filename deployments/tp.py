@@ -61,8 +61,13 @@ class TPWorker:
     def __init__(self, model_path: str, rank: int, world: int, addr: str, port: int, dtype: str, device: str = "cpu"):
         self.model_path, self.rank, self.world, self.dtype, self.device = model_path, rank, world, dtype, device
         os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
-            MASTER_ADDR=addr, MASTER_PORT=str(port), TORCH_EXTENSIONS_DIR=extensions_dir(),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_SIZE=str(world),
+            MASTER_ADDR=addr,
+            MASTER_PORT=str(port),
+            TORCH_EXTENSIONS_DIR=extensions_dir(),
         )
         if device == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -77,7 +82,9 @@ class TPWorker:
         if threads:
             torch.set_num_threads(threads)
         dtype = resolve_dtype(self.dtype, self.device)
-        model = load_hf_model(self.model_path, dtype)  # grouped attention set before sharding: each rank groups its own heads
+        model = load_hf_model(
+            self.model_path, dtype
+        )  # grouped attention set before sharding: each rank groups its own heads
         if self.world == 1:  # one accelerator, no sharding: the same remote-worker path, no DeepSpeed
             self.model = model.to(self.device)
         else:
@@ -128,9 +135,11 @@ class TPWorker:
         dev = next(self.model.parameters()).device
         with torch.inference_mode():
             out = self.model.model(
-                input_ids=ids.to(dev), position_ids=pos.to(dev),
+                input_ids=ids.to(dev),
+                position_ids=pos.to(dev),
                 attention_mask=None if mask is None else mask.to(dev, resolve_dtype(self.dtype, dev.type)),
-                use_cache=True, **{cache_kwarg(self.model.model): cache},
+                use_cache=True,
+                **{cache_kwarg(self.model.model): cache},
             )
         return out.last_hidden_state[0].cpu() if self.rank == 0 else None
 
@@ -297,7 +306,8 @@ def load_lm_head(path: Path, dtype: torch.dtype) -> torch.Tensor:
     index = path / "model.safetensors.index.json"
     files = (
         sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-        if index.is_file() else sorted(path.glob("*.safetensors"))
+        if index.is_file()
+        else sorted(path.glob("*.safetensors"))
     )
     for name in ("lm_head.weight", "model.embed_tokens.weight"):
         for f in files:
@@ -314,8 +324,13 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def start_tp_target(
-    model: str | None, tp_size: int, dtype: str = "float32", device: str = "cpu",
-    worker_num_cpus: float = 0, worker_num_gpus: float = 0, threads: int | None = None,
+    model: str | None,
+    tp_size: int,
+    dtype: str = "float32",
+    device: str = "cpu",
+    worker_num_cpus: float = 0,
+    worker_num_gpus: float = 0,
+    threads: int | None = None,
 ) -> TPTarget:
     """Start ``tp_size`` worker actors (needs a running Ray), shard the model, return the target."""
     import ray
@@ -344,7 +359,10 @@ def start_tp_target(
     head = _HeadOnly(config, gen, None if remote_head else load_lm_head(path, torch_dtype), torch_dtype)
     tok = AutoTokenizer.from_pretrained(str(path))
     target = TPTarget(
-        model=head, tokenizer=tok, name=path.name, eos_ids=_eos_ids(head, tok),
+        model=head,
+        tokenizer=tok,
+        name=path.name,
+        eos_ids=_eos_ids(head, tok),
         max_context=getattr(config, "max_position_embeddings", None) or 32768,
     )
     target.group = TPGroup(workers)

@@ -25,28 +25,74 @@ SUPPORTED_KEYS = {"apiVersion", "kind", "resources", "namespace", "images", "pat
 
 # kustomize's "legacy" output order; kinds not listed go between FIRST and LAST.
 ORDER_FIRST = [
-    "Namespace", "ResourceQuota", "StorageClass", "CustomResourceDefinition", "ServiceAccount",
-    "PodSecurityPolicy", "Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding", "ConfigMap",
-    "Secret", "Endpoints", "Service", "LimitRange", "PriorityClass", "PersistentVolume",
-    "PersistentVolumeClaim", "Deployment", "StatefulSet", "CronJob", "PodDisruptionBudget",
+    "Namespace",
+    "ResourceQuota",
+    "StorageClass",
+    "CustomResourceDefinition",
+    "ServiceAccount",
+    "PodSecurityPolicy",
+    "Role",
+    "ClusterRole",
+    "RoleBinding",
+    "ClusterRoleBinding",
+    "ConfigMap",
+    "Secret",
+    "Endpoints",
+    "Service",
+    "LimitRange",
+    "PriorityClass",
+    "PersistentVolume",
+    "PersistentVolumeClaim",
+    "Deployment",
+    "StatefulSet",
+    "CronJob",
+    "PodDisruptionBudget",
 ]
 ORDER_LAST = ["MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"]
 
 CLUSTER_SCOPED = {
-    "Namespace", "Node", "PersistentVolume", "StorageClass", "CustomResourceDefinition",
-    "ClusterRole", "ClusterRoleBinding", "PriorityClass", "IngressClass", "RuntimeClass",
-    "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration", "APIService",
-    "CSIDriver", "CSINode", "VolumeAttachment",
+    "Namespace",
+    "Node",
+    "PersistentVolume",
+    "StorageClass",
+    "CustomResourceDefinition",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "PriorityClass",
+    "IngressClass",
+    "RuntimeClass",
+    "MutatingWebhookConfiguration",
+    "ValidatingWebhookConfiguration",
+    "APIService",
+    "CSIDriver",
+    "CSINode",
+    "VolumeAttachment",
 }
 
 # API groups whose kinds kustomize patches with their OpenAPI merge keys; custom resources
 # have none, so kustomize replaces their lists wholesale (verified against kubectl 1.32).
-BUILTIN_GROUPS = {"", "apps", "batch", "policy", "autoscaling", "networking.k8s.io",
-                  "rbac.authorization.k8s.io", "storage.k8s.io", "scheduling.k8s.io"}
+BUILTIN_GROUPS = {
+    "",
+    "apps",
+    "batch",
+    "policy",
+    "autoscaling",
+    "networking.k8s.io",
+    "rbac.authorization.k8s.io",
+    "storage.k8s.io",
+    "scheduling.k8s.io",
+}
 MERGE_KEYS = {
-    "containers": "name", "initContainers": "name", "ephemeralContainers": "name",
-    "volumes": "name", "env": "name", "volumeMounts": "mountPath", "imagePullSecrets": "name",
-    "volumeDevices": "devicePath", "hostAliases": "ip", "topologySpreadConstraints": "topologyKey",
+    "containers": "name",
+    "initContainers": "name",
+    "ephemeralContainers": "name",
+    "volumes": "name",
+    "env": "name",
+    "volumeMounts": "mountPath",
+    "imagePullSecrets": "name",
+    "volumeDevices": "devicePath",
+    "hostAliases": "ip",
+    "topologySpreadConstraints": "topologyKey",
 }
 
 
@@ -61,8 +107,7 @@ def render(directory: str | Path) -> list[dict]:
 
 def dump(docs: list[dict]) -> str:
     """YAML stream as kustomize prints it (sorted keys, block style, `---` between docs)."""
-    return "---\n".join(yaml.dump(d, Dumper=_BlockDumper, sort_keys=True, default_flow_style=False)
-                        for d in docs)
+    return "---\n".join(yaml.dump(d, Dumper=_BlockDumper, sort_keys=True, default_flow_style=False) for d in docs)
 
 
 class _BlockDumper(yaml.SafeDumper):
@@ -151,8 +196,13 @@ def _matches(doc: dict, target: dict) -> bool:
     """kustomize selector semantics: each given field is an anchored regular expression."""
     group, version = _group_version(doc.get("apiVersion", ""))
     meta = doc.get("metadata") or {}
-    fields = {"group": group, "version": version, "kind": doc["kind"],
-              "name": meta.get("name", ""), "namespace": meta.get("namespace") or ""}
+    fields = {
+        "group": group,
+        "version": version,
+        "kind": doc["kind"],
+        "name": meta.get("name", ""),
+        "namespace": meta.get("namespace") or "",
+    }
     unsupported = set(target) - set(fields)
     if unsupported:
         raise KustomizeError(f"unsupported patch target fields {sorted(unsupported)}")
@@ -181,8 +231,12 @@ def _apply_patch_entry(docs: list[dict], entry: dict, base: Path) -> list[dict]:
     if not target:
         meta = body.get("metadata") or {}
         group, version = _group_version(body.get("apiVersion", ""))
-        target = {"kind": body.get("kind"), "name": re.escape(meta.get("name", "")),
-                  "group": re.escape(group), "version": re.escape(version)}
+        target = {
+            "kind": body.get("kind"),
+            "name": re.escape(meta.get("name", "")),
+            "group": re.escape(group),
+            "version": re.escape(version),
+        }
         if meta.get("namespace"):
             target["namespace"] = re.escape(meta["namespace"])
     if body.get("$patch") == "delete":
@@ -212,8 +266,7 @@ def strategic_merge(doc: dict, patch: dict) -> dict:
     """Strategic-merge *patch* into a copy of *doc* (maps merge, null deletes, keyed lists merge)."""
     group, _ = _group_version(doc.get("apiVersion", ""))
     body = {k: v for k, v in patch.items() if k not in ("apiVersion", "kind")}
-    body["metadata"] = {k: v for k, v in (patch.get("metadata") or {}).items()
-                        if k not in ("name", "namespace")}
+    body["metadata"] = {k: v for k, v in (patch.get("metadata") or {}).items() if k not in ("name", "namespace")}
     return _merge_map(copy.deepcopy(doc), body, builtin=group in BUILTIN_GROUPS)
 
 
@@ -364,7 +417,7 @@ def split_image(image: str) -> tuple[str, str | None, str | None]:
     colon = name.rfind(":")
     tag = None
     if colon > slash:
-        name, tag = name[:colon], name[colon + 1:]
+        name, tag = name[:colon], name[colon + 1 :]
     return name, tag, digest or None
 
 

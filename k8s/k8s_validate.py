@@ -33,8 +33,10 @@ import k8s_render  # noqa: E402  (sibling module; k8s/ is not a package)
 
 K8S_DIR = Path(__file__).resolve().parent
 OVERLAYS_DIR = K8S_DIR / "overlays"
-CRD_CANDIDATES = (K8S_DIR.parent.parent / "shared" / "k8s" / "ray.io_rayservices.yaml",
-                  K8S_DIR.parent / "shared" / "k8s" / "ray.io_rayservices.yaml")
+CRD_CANDIDATES = (
+    K8S_DIR.parent.parent / "shared" / "k8s" / "ray.io_rayservices.yaml",
+    K8S_DIR.parent / "shared" / "k8s" / "ray.io_rayservices.yaml",
+)
 KUBERNETES_VERSION = "1.31.0"
 SERVE_PORT_NAME = "serve"
 HEALTH_PATH = "/health"
@@ -47,8 +49,9 @@ def find_crd() -> Path:
     for path in ([Path(env)] if env else []) + list(CRD_CANDIDATES):
         if path.is_file():
             return path
-    raise FileNotFoundError("ray.io_rayservices.yaml not found; set TOOLSPEC_RAYSERVICE_CRD "
-                            f"(looked in {[str(p) for p in CRD_CANDIDATES]})")
+    raise FileNotFoundError(
+        f"ray.io_rayservices.yaml not found; set TOOLSPEC_RAYSERVICE_CRD (looked in {[str(p) for p in CRD_CANDIDATES]})"
+    )
 
 
 class ManifestError(ValueError):
@@ -69,6 +72,7 @@ def _label(doc: dict) -> str:
 
 # ---------------------------------------------------------------- core kinds
 
+
 def validate_core(doc: dict, version: str = KUBERNETES_VERSION) -> None:
     """Strict OpenAPI validation of a built-in kind; raises kubernetes_validate.ValidationError."""
     import kubernetes_validate
@@ -78,6 +82,7 @@ def validate_core(doc: dict, version: str = KUBERNETES_VERSION) -> None:
 
 # ---------------------------------------------------------------- RayService
 
+
 def strict_schema(schema: Any) -> Any:
     """Copy of a CRD schema where objects with declared properties reject unknown fields."""
     if isinstance(schema, list):
@@ -85,8 +90,11 @@ def strict_schema(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {k: strict_schema(v) for k, v in schema.items()}
-    if ("properties" in out and "additionalProperties" not in out
-            and not out.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -162,6 +170,7 @@ def _unknown_keys(data: dict, model, prefix: str) -> list[str]:
 
 # ---------------------------------------------------------------- the app builder
 
+
 def resolve_import_path(import_path: str):
     """Import 'pkg.module:attr' (or 'pkg.module.attr') the way Serve does; must be callable."""
     if ":" in import_path:
@@ -192,6 +201,7 @@ def applications(rayservice: dict) -> list[dict]:
 
 # ---------------------------------------------------------------- cross references
 
+
 def _pod_specs(doc: dict) -> list[tuple[str, dict]]:
     if doc["kind"] == "RayService":
         rc = doc["spec"]["rayClusterConfig"]
@@ -209,15 +219,18 @@ def _quantity(value: Any) -> int:
 def check_references(docs: list[dict]) -> list[str]:
     """Problems no single schema sees: dangling names and mismatched sizing."""
     problems: list[str] = []
-    secrets = {d["metadata"]["name"]: set((d.get("stringData") or {}) | (d.get("data") or {}))
-               for d in docs if d["kind"] == "Secret"}
+    secrets = {
+        d["metadata"]["name"]: set((d.get("stringData") or {}) | (d.get("data") or {}))
+        for d in docs
+        if d["kind"] == "Secret"
+    }
     claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
-    services = {d["metadata"]["name"]: {p["port"] for p in d["spec"].get("ports", [])}
-                for d in docs if d["kind"] == "Service"}
+    services = {
+        d["metadata"]["name"]: {p["port"] for p in d["spec"].get("ports", [])} for d in docs if d["kind"] == "Service"
+    }
     for doc in docs:
         for group, pod in _pod_specs(doc):
-            template_claims = {t["metadata"]["name"]
-                               for t in (doc.get("spec") or {}).get("volumeClaimTemplates") or []}
+            template_claims = {t["metadata"]["name"] for t in (doc.get("spec") or {}).get("volumeClaimTemplates") or []}
             volumes = {v["name"] for v in pod.get("volumes") or []} | template_claims
             for v in pod.get("volumes") or []:
                 claim = (v.get("persistentVolumeClaim") or {}).get("claimName")
@@ -230,8 +243,10 @@ def check_references(docs: list[dict]) -> list[str]:
                 for e in c.get("env") or []:
                     ref = (e.get("valueFrom") or {}).get("secretKeyRef")
                     if ref and ref["key"] not in secrets.get(ref["name"], set()):
-                        problems.append(f"{_label(doc)} {group}/{c['name']}: env {e['name']} "
-                                        f"needs secret {ref['name']}/{ref['key']}")
+                        problems.append(
+                            f"{_label(doc)} {group}/{c['name']}: env {e['name']} "
+                            f"needs secret {ref['name']}/{ref['key']}"
+                        )
     for doc in docs:
         if doc["kind"] == "RayService":
             problems += _check_rayservice(doc, services)
@@ -253,8 +268,10 @@ def _check_rayservice(doc: dict, services: dict) -> list[str]:
                 problems.append(f"{label} {group}/{c['name']}: image is the unset placeholder 'toolspec'")
             ports = {p.get("name"): p["containerPort"] for p in c.get("ports") or []}
             if ports.get(SERVE_PORT_NAME) != port:
-                problems.append(f"{label} {group}/{c['name']}: container port '{SERVE_PORT_NAME}' "
-                                f"must be the Serve HTTP port {port}")
+                problems.append(
+                    f"{label} {group}/{c['name']}: container port '{SERVE_PORT_NAME}' "
+                    f"must be the Serve HTTP port {port}"
+                )
             env = {e["name"] for e in c.get("env") or []}
             for app in serve.get("applications") or []:
                 args = app.get("args") or {}
@@ -263,8 +280,10 @@ def _check_rayservice(doc: dict, services: dict) -> list[str]:
                         problems.append(f"{label} {group}/{c['name']}: env {args[key]} ({key}) not set")
     head = rc["headGroupSpec"]["template"]["spec"]["containers"][0]
     if (head.get("readinessProbe") or {}).get("httpGet", {}).get("path") == HEALTH_PATH:
-        problems.append(f"{label}: the head must not gate readiness on {HEALTH_PATH}: KubeRay "
-                        "deploys serveConfigV2 only after the head is Ready")
+        problems.append(
+            f"{label}: the head must not gate readiness on {HEALTH_PATH}: KubeRay "
+            "deploys serveConfigV2 only after the head is Ready"
+        )
     idle = (rc.get("autoscalerOptions") or {}).get("idleTimeoutSeconds", 60)
     for group in rc.get("workerGroupSpecs") or []:
         name = group["groupName"]
@@ -276,8 +295,9 @@ def _check_rayservice(doc: dict, services: dict) -> list[str]:
         live = c.get("livenessProbe") or {}
         window = live.get("periodSeconds", 10) * live.get("failureThreshold", 3)
         if window <= idle:
-            problems.append(f"{label} {name}: liveness window {window}s must exceed the "
-                            f"autoscaler idle timeout {idle}s")
+            problems.append(
+                f"{label} {name}: liveness window {window}s must exceed the autoscaler idle timeout {idle}s"
+            )
         if not group["minReplicas"] <= group.get("replicas", group["minReplicas"]) <= group["maxReplicas"]:
             problems.append(f"{label} {name}: replicas outside [minReplicas, maxReplicas]")
         gpus = _quantity((c.get("resources") or {}).get("limits", {}).get("nvidia.com/gpu"))
@@ -287,24 +307,28 @@ def _check_rayservice(doc: dict, services: dict) -> list[str]:
             scaling = args.get("autoscaling") or {}
             if gpus:
                 if gpus % tp:
-                    problems.append(f"{label} {name}: {gpus} GPUs per pod is not a multiple of "
-                                    f"tensor_parallel_size {tp}")
+                    problems.append(
+                        f"{label} {name}: {gpus} GPUs per pod is not a multiple of tensor_parallel_size {tp}"
+                    )
                 elif scaling.get("max_replicas", 1) > group["maxReplicas"] * (gpus // tp):
-                    problems.append(f"{label} {name}: Serve max_replicas {scaling['max_replicas']} "
-                                    f"cannot fit in {group['maxReplicas']} pods of {gpus} GPUs")
+                    problems.append(
+                        f"{label} {name}: Serve max_replicas {scaling['max_replicas']} "
+                        f"cannot fit in {group['maxReplicas']} pods of {gpus} GPUs"
+                    )
             elif tp > 1 and args.get("model") != "embedded":
                 problems.append(f"{label} {name}: tensor_parallel_size {tp} without GPUs")
             host, _, qport = str(args.get("qdrant_url", "")).split("://")[-1].partition(":")
-            if args.get("qdrant_url") and (host.split(".")[0] not in services
-                                           or int(qport or 80) not in services[host.split(".")[0]]):
+            if args.get("qdrant_url") and (
+                host.split(".")[0] not in services or int(qport or 80) not in services[host.split(".")[0]]
+            ):
                 problems.append(f"{label}: qdrant_url {args['qdrant_url']} names no rendered Service port")
     return problems
 
 
 # ---------------------------------------------------------------- everything
 
-def validate_documents(docs: list[dict], version: str = KUBERNETES_VERSION,
-                       crd_path: str | None = None) -> list[dict]:
+
+def validate_documents(docs: list[dict], version: str = KUBERNETES_VERSION, crd_path: str | None = None) -> list[dict]:
     """Validate every document; raise one ManifestError listing all problems."""
     import kubernetes_validate
 

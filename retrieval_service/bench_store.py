@@ -97,17 +97,24 @@ def to_markdown(out: dict) -> str:
         "",
         f"{st['points']} points, dim {st['dim']}, {st['tenants']} tenants x {st['tools']} tools, top-{st['k']}, "
         f"{st['queries']} queries, one search thread, shared 2-core CPU. Versions: "
-        + ", ".join(f"{k} {v}" for k, v in out["versions"].items()) + ".",
+        + ", ".join(f"{k} {v}" for k, v in out["versions"].items())
+        + ".",
         "",
         "| backend | search tenant+tool median / p95 ms | tenant only median / p95 ms | one add median ms | fill (batches of 500) s | reopen s |",
         "|---|---|---|---|---|---|",
     ]
     for r in out["results"]:
         a, b = r["search_tenant_and_tool"], r["search_tenant_only"]
-        lines.append(f"| {r['backend']} | {a['median_ms']} / {a['p95_ms']} | {b['median_ms']} / {b['p95_ms']} | "
-                     f"{r['add_one']['median_ms']} | {r['fill_s_batches_of_500']} | {r['reopen_s']} |")
-    lines += ["", "Embedded default: `edge` (`retrieval_service.store.EMBEDDED_BACKEND`). Produced by "
-              "`OMP_NUM_THREADS=1 python -m retrieval_service.bench_store`.", ""]
+        lines.append(
+            f"| {r['backend']} | {a['median_ms']} / {a['p95_ms']} | {b['median_ms']} / {b['p95_ms']} | "
+            f"{r['add_one']['median_ms']} | {r['fill_s_batches_of_500']} | {r['reopen_s']} |"
+        )
+    lines += [
+        "",
+        "Embedded default: `edge` (`retrieval_service.store.EMBEDDED_BACKEND`). Produced by "
+        "`OMP_NUM_THREADS=1 python -m retrieval_service.bench_store`.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -125,8 +132,24 @@ def main(argv=None) -> None:
     root = Path(tempfile.mkdtemp(prefix="store-bench-"))
     try:
         results = [
-            bench("edge (qdrant-edge-py)", lambda: EdgeStore(str(root / "edge"), dim=args.dim), records, args.queries, args.adds, args.tenants, args.tools),
-            bench("qdrant_local (qdrant-client path=)", lambda: QdrantStore(path=str(root / "ql"), dim=args.dim), records, args.queries, args.adds, args.tenants, args.tools),
+            bench(
+                "edge (qdrant-edge-py)",
+                lambda: EdgeStore(str(root / "edge"), dim=args.dim),
+                records,
+                args.queries,
+                args.adds,
+                args.tenants,
+                args.tools,
+            ),
+            bench(
+                "qdrant_local (qdrant-client path=)",
+                lambda: QdrantStore(path=str(root / "ql"), dim=args.dim),
+                records,
+                args.queries,
+                args.adds,
+                args.tenants,
+                args.tools,
+            ),
         ]
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -134,10 +157,16 @@ def main(argv=None) -> None:
         "setup": vars(args) | {"k": 10, "search_threads": 1, "machine": platform.processor() or platform.machine()},
         "results": results,
     }
-    import qdrant_client
     from importlib.metadata import version
 
-    out["versions"] = {"qdrant-client": qdrant_client.__version__ if hasattr(qdrant_client, "__version__") else version("qdrant-client"), "qdrant-edge-py": version("qdrant-edge-py")}
+    import qdrant_client
+
+    out["versions"] = {
+        "qdrant-client": qdrant_client.__version__
+        if hasattr(qdrant_client, "__version__")
+        else version("qdrant-client"),
+        "qdrant-edge-py": version("qdrant-edge-py"),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     Path(args.out).with_suffix(".md").write_text(to_markdown(out))

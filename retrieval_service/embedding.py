@@ -132,7 +132,7 @@ def lexical_features(text: str, names: Sequence[str] = (), char_n: tuple[int, ..
         padded = f"#{w}#"
         for n in char_n:
             for j in range(max(0, len(padded) - n + 1)):
-                put(f"c{n}:{padded[j:j + n]}", 0.5)
+                put(f"c{n}:{padded[j : j + n]}", 0.5)
     for name in names:
         put("t:" + name, 2.0)
     return feats
@@ -177,7 +177,9 @@ class HFEmbedder:
     Qwen3-Embedding is trained for, with ``prefix`` set to its query instruction).
     """
 
-    def __init__(self, model_dir: str, pooling: str = "mean", max_length: int = 512, prefix: str = "", threads: int | None = None):
+    def __init__(
+        self, model_dir: str, pooling: str = "mean", max_length: int = 512, prefix: str = "", threads: int | None = None
+    ):
         import torch
         from transformers import AutoModel, AutoTokenizer
 

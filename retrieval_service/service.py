@@ -22,9 +22,19 @@ class RetrievalService:
         self.config = config if isinstance(config, StoreConfig) else StoreConfig(**(config or {}))
         self.store = store if store is not None else make_store(self.config)
         self._lock = threading.Lock()
-        self._stats = {"searches": 0, "hits": 0, "adds": 0, "not_remembered": 0, "errors": 0, "search_s": 0.0, "add_s": 0.0}
+        self._stats = {
+            "searches": 0,
+            "hits": 0,
+            "adds": 0,
+            "not_remembered": 0,
+            "errors": 0,
+            "search_s": 0.0,
+            "add_s": 0.0,
+        }
 
-    def search(self, tenant: str, embedding: Sequence[float], tool_names: list[str] | None = None, k: int = 10) -> list[dict]:
+    def search(
+        self, tenant: str, embedding: Sequence[float], tool_names: list[str] | None = None, k: int = 10
+    ) -> list[dict]:
         """Top-``k`` past calls of ``tenant`` by cosine to ``embedding``, restricted to
         ``tool_names`` when given (the request's offered tools, or the tool the FSM settled on).
         Identical call texts are returned once (best score)."""

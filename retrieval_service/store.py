@@ -22,12 +22,11 @@ so results never depend on when eviction last ran.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import os
 import threading
 import time
 import warnings
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Literal, Protocol, Sequence, runtime_checkable
 
@@ -112,7 +111,9 @@ def make_store(config: StoreConfig | dict | None = None) -> CallStore:
     if cfg.backend == "memory":
         return MemoryStore(dim=cfg.dim, **cfg.limits())
     if cfg.backend == "edge":
-        return EdgeStore(cfg.path, dim=cfg.dim, collection=cfg.collection, search_threads=cfg.search_threads, **cfg.limits())
+        return EdgeStore(
+            cfg.path, dim=cfg.dim, collection=cfg.collection, search_threads=cfg.search_threads, **cfg.limits()
+        )
     if cfg.backend == "qdrant_local":
         return QdrantStore(path=cfg.path, dim=cfg.dim, collection=cfg.collection, **cfg.limits())
     return QdrantStore(url=cfg.url, api_key=cfg.api_key, dim=cfg.dim, collection=cfg.collection, **cfg.limits())
@@ -211,7 +212,9 @@ class _LimitedStore(ABC):
                 for tenant in dict.fromkeys(r.tenant for r in records):
                     self._evict_size(tenant, self._count(tenant))
 
-    def search(self, tenant: str, embedding, tool_name: ToolFilter = None, k: int = 10) -> list[tuple[CallRecord, float]]:
+    def search(
+        self, tenant: str, embedding, tool_name: ToolFilter = None, k: int = 10
+    ) -> list[tuple[CallRecord, float]]:
         check_tenant(tenant)
         if k <= 0:
             return []
@@ -280,7 +283,9 @@ class _TenantRows:
     def matrix(self) -> tuple[list[str], np.ndarray]:
         if self._dirty:
             self._ids = list(self.vecs)
-            self._mat = np.stack([self.vecs[i] for i in self._ids]) if self._ids else np.zeros((0, self.dim), np.float32)
+            self._mat = (
+                np.stack([self.vecs[i] for i in self._ids]) if self._ids else np.zeros((0, self.dim), np.float32)
+            )
             self._dirty = False
         return self._ids, self._mat
 
@@ -309,7 +314,9 @@ class MemoryStore(_LimitedStore):
             wanted = set(tools) if tools is not None else None
             for j, rid in enumerate(ids):
                 r = rows.records[rid]
-                keep[j] = (wanted is None or r.tool_name in wanted) and (min_created is None or r.created_at >= min_created)
+                keep[j] = (wanted is None or r.tool_name in wanted) and (
+                    min_created is None or r.created_at >= min_created
+                )
         idx = np.flatnonzero(keep)
         if idx.size == 0:
             return []
@@ -323,7 +330,9 @@ class MemoryStore(_LimitedStore):
         return sum(len(r.records) for r in self._tenants.values())
 
     def _delete_older(self, cutoff):
-        old = [(t, rid) for t, rows in self._tenants.items() for rid, r in rows.records.items() if r.created_at < cutoff]
+        old = [
+            (t, rid) for t, rows in self._tenants.items() for rid, r in rows.records.items() if r.created_at < cutoff
+        ]
         for t, rid in old:
             self._drop(t, rid)
         return len(old)
@@ -372,7 +381,9 @@ class EdgeStore(_LimitedStore):
     filtered searches slower (0.27 -> 0.69 ms, HNSW vs a plain segment + payload index); space
     of evicted points is reclaimed only by an explicit ``shard.optimize()``."""
 
-    def __init__(self, path: str, dim: int = 896, collection: str = "toolspec_calls", search_threads: int = 1, **limits):
+    def __init__(
+        self, path: str, dim: int = 896, collection: str = "toolspec_calls", search_threads: int = 1, **limits
+    ):
         super().__init__(dim, **limits)
         self.q = q = _import("qdrant_edge", "qdrant-edge-py")
         self.path = Path(path) / collection

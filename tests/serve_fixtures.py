@@ -47,8 +47,15 @@ def make_tiny_model(out_dir, seed: int = 0, context: int = 2048) -> str:
 
     tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
     cfg = Qwen2Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=context, tie_word_embeddings=True, initializer_range=0.2,
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
     )
     torch.manual_seed(seed)
     Qwen2ForCausalLM(cfg).save_pretrained(str(out_dir))
@@ -111,8 +118,12 @@ def tiny_app(serve_port, tiny_model_dir) -> str:
     """Tiny random model, method toolspec, in-memory library (fast: most tests use it)."""
     return deploy(
         "tiny",
-        {"model": tiny_model_dir, "method": "toolspec", "max_tokens_default": 24,
-         "retrieval": {"store": {"backend": "memory"}, "timeout_s": 1.0}},
+        {
+            "model": tiny_model_dir,
+            "method": "toolspec",
+            "max_tokens_default": 24,
+            "retrieval": {"store": {"backend": "memory"}, "timeout_s": 1.0},
+        },
         serve_port,
     )
 
@@ -122,8 +133,12 @@ def real_app(serve_port) -> str:
     """The embedded Qwen2.5-Coder-0.5B (real tool calls), method toolspec."""
     return deploy(
         "real",
-        {"model": "embedded", "method": "toolspec", "max_tokens_default": 96,
-         "retrieval": {"store": {"backend": "memory"}, "timeout_s": 1.0}},
+        {
+            "model": "embedded",
+            "method": "toolspec",
+            "max_tokens_default": 96,
+            "retrieval": {"store": {"backend": "memory"}, "timeout_s": 1.0},
+        },
         serve_port,
     )
 

@@ -13,7 +13,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "toolspec_core"
 # what the engine may never import: the serving / retrieval / benchmark layers and their heavy dependencies
-FORBIDDEN = ("deployments", "benchmarks", "retrieval_service", "ray", "qdrant_client", "qdrant_edge", "deepspeed", "fastapi")
+FORBIDDEN = (
+    "deployments",
+    "benchmarks",
+    "retrieval_service",
+    "ray",
+    "qdrant_client",
+    "qdrant_edge",
+    "deepspeed",
+    "fastapi",
+)
 
 
 def core_modules() -> dict[str, Path]:
@@ -58,7 +67,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         stack.append(n)
         for m in sorted(edges.get(n, ())):
             if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in state and (cyc := visit(m)):
                 return cyc
         state[n] = 2

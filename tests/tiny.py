@@ -23,14 +23,30 @@ class CharTokenizer:
         return None
 
 
-def tiny_model(vocab: int = 96, hidden: int = 64, layers: int = 2, seed: int = 0, attn: str = "sdpa", init: float = 0.3, eos: int | None = None):
+def tiny_model(
+    vocab: int = 96,
+    hidden: int = 64,
+    layers: int = 2,
+    seed: int = 0,
+    attn: str = "sdpa",
+    init: float = 0.3,
+    eos: int | None = None,
+):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, initializer_range=init,
-        tie_word_embeddings=False, attn_implementation=attn, eos_token_id=eos,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=init,
+        tie_word_embeddings=False,
+        attn_implementation=attn,
+        eos_token_id=eos,
     )
     model = Qwen2ForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = eos
@@ -46,7 +62,11 @@ def tiny_target(vocab: int = 96, eos: int | None = None, **kw):
 def hf_greedy(target, prompt, n):
     """Plain greedy with HF generate (the reference everything must equal)."""
     out = target.model.generate(
-        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()

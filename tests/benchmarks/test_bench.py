@@ -23,11 +23,27 @@ from toolspec_core.model.target import from_model
 
 def rec(item, method, gen, acc, drafted, decode_s, prefill_s, labels=None, has_call=False, lib=None):
     return {
-        "item": item, "benchmark": "b", "index": 0 if item == "A" else 1, "method": method, "library": lib,
-        "generated_tokens": gen, "forwards": len(acc), "mat": (gen - 1) / len(acc), "decode_s": decode_s, "prefill_s": prefill_s,
-        "accepted_per_step": acc, "drafted_per_step": drafted, "step_labels": labels or ["none"] * len(acc),
-        "label_drafted": {}, "label_accepted": {}, "exact_match": True, "has_call": has_call, "valid": has_call,
-        "gold_name_match": has_call, "gold_match": False, "calls": [{"name": "t", "arguments": {}}] if has_call else [],
+        "item": item,
+        "benchmark": "b",
+        "index": 0 if item == "A" else 1,
+        "method": method,
+        "library": lib,
+        "generated_tokens": gen,
+        "forwards": len(acc),
+        "mat": (gen - 1) / len(acc),
+        "decode_s": decode_s,
+        "prefill_s": prefill_s,
+        "accepted_per_step": acc,
+        "drafted_per_step": drafted,
+        "step_labels": labels or ["none"] * len(acc),
+        "label_drafted": {},
+        "label_accepted": {},
+        "exact_match": True,
+        "has_call": has_call,
+        "valid": has_call,
+        "gold_name_match": has_call,
+        "gold_match": False,
+        "calls": [{"name": "t", "arguments": {}}] if has_call else [],
     }
 
 
@@ -35,9 +51,14 @@ def rec(item, method, gen, acc, drafted, decode_s, prefill_s, labels=None, has_c
 def trace():
     # item A: 11 tokens (10 decoded); greedy 10 steps in 1.0 s, method 4 steps [3,3,0,0] in 0.5 s
     # item B: 5 tokens (4 decoded); greedy 4 steps in 0.4 s, method 2 steps [2,0] in 0.4 s
-    ar = {"A": rec("A", "ar", 11, [0] * 10, [0] * 10, 1.0, 0.5, has_call=True), "B": rec("B", "ar", 5, [0] * 4, [0] * 4, 0.4, 0.3)}
-    me = [rec("A", "m", 11, [3, 3, 0, 0], [4, 4, 2, 0], 0.5, 0.5, ["x", "x", "y", "none"], True),
-          rec("B", "m", 5, [2, 0], [2, 1], 0.4, 0.3, ["x", "y"])]
+    ar = {
+        "A": rec("A", "ar", 11, [0] * 10, [0] * 10, 1.0, 0.5, has_call=True),
+        "B": rec("B", "ar", 5, [0] * 4, [0] * 4, 0.4, 0.3),
+    }
+    me = [
+        rec("A", "m", 11, [3, 3, 0, 0], [4, 4, 2, 0], 0.5, 0.5, ["x", "x", "y", "none"], True),
+        rec("B", "m", 5, [2, 0], [2, 1], 0.4, 0.3, ["x", "y"]),
+    ]
     return ar, me
 
 
@@ -49,7 +70,7 @@ def test_metrics_hand_computed(trace):
     assert s["mat"] == pytest.approx(14 / 6)  # (10 + 4) decoded / (4 + 2) forwards
     assert s["decode_speedup"] == pytest.approx(1.4 / 0.9)  # total-time ratio
     assert s["mean_item_speedup"] == pytest.approx((2.0 + 1.0) / 2)
-    assert s["geomean_item_speedup"] == pytest.approx(2 ** 0.5)
+    assert s["geomean_item_speedup"] == pytest.approx(2**0.5)
     assert s["e2e_speedup"] == pytest.approx((1.5 + 0.7) / (1.0 + 0.7))
     assert s["exact_match"] == 1.0 and s["validity"] == 1.0 and s["gold_name_agreement"] == 0.5
     # projected: greedy 14 steps of c(1)=1; method trees 4,4,2,0,2,1 -> c(5)+c(5)+c(3)+c(1)+c(3)+c(2)=19
@@ -82,22 +103,33 @@ def test_build_runs_subsets(trace):
     got = {(r["method"], r["subset"]): r for r in runs}
     assert set(got) == {(m, s) for m in ("ar", "m") for s in ("all", "calls", "prose")}
     calls = got[("m", "calls")]
-    assert calls["items"] == 1 and calls["mat"] == pytest.approx(10 / 4) and calls["decode_speedup"] == pytest.approx(2.0)
+    assert (
+        calls["items"] == 1 and calls["mat"] == pytest.approx(10 / 4) and calls["decode_speedup"] == pytest.approx(2.0)
+    )
     prose = got[("m", "prose")]  # item B: no call in plain greedy output
-    assert prose["items"] == 1 and prose["mat"] == pytest.approx(4 / 2) and prose["decode_speedup"] == pytest.approx(1.0)
+    assert (
+        prose["items"] == 1 and prose["mat"] == pytest.approx(4 / 2) and prose["decode_speedup"] == pytest.approx(1.0)
+    )
     assert projected_speedup([ar["A"]], [me[0]], curve_from_points({1: 1, 64: 1})) == pytest.approx(2.5)
     # in seconds with host time: greedy 10 steps x 0.01 s + 0.02 s host; method 4 x 0.01 + 0.04 + 0.01
     host_ar, host_me = dict(ar["A"], draft_s=0.02), dict(me[0], draft_s=0.04, commit_s=0.01)
     flat = curve_from_points({1: 1, 64: 1})
     assert projected_speedup([host_ar], [host_me], flat, step_s=0.01) == pytest.approx(0.12 / 0.09)
-    s = summarize([host_me], {"A": host_ar}, {"flat": flat, "linear": [0.0] + [float(k) for k in range(1, 65)]}, {"flat": 0.01})
+    s = summarize(
+        [host_me], {"A": host_ar}, {"flat": flat, "linear": [0.0] + [float(k) for k in range(1, 65)]}, {"flat": 0.01}
+    )
     assert s["projected_speedup_with_host"] == {"flat": pytest.approx(0.12 / 0.09)}  # only curves with seconds
     assert s["host_ms_per_step"] == pytest.approx(1000 * 0.05 / 4)
     assert prior_tool_calls(ar, {"B": "t"}) == {"A": 0, "B": 1}
 
 
 def test_call_metrics_and_gold():
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {}, "b": {}}, "required": ["a"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"properties": {"a": {}, "b": {}}, "required": ["a"]}},
+        }
+    ]
     item = {"tools": tools, "gold_calls": [{"name": "f", "arguments": {"a": 1}}]}
     m = call_metrics('```json\n{"name": "f", "arguments": {"a": 1.0}}\n```', item)
     assert m["has_call"] and m["valid"] and m["complete"] and m["gold_name_match"] and m["gold_match"]
@@ -107,7 +139,11 @@ def test_call_metrics_and_gold():
     bfcl = {**item, "gold_alternatives": [{"name": "f", "arguments": {"a": [1, 2], "b": ["", "x"]}}]}
     assert call_metrics('{"name": "f", "arguments": {"a": 2}}', bfcl)["gold_match"]
     assert not call_metrics('{"name": "f", "arguments": {"a": 3}}', bfcl)["gold_match"]
-    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None and first_mismatch([1, 5], [1, 2, 3]) == 1 and first_mismatch([1], [1, 2]) == 1
+    assert (
+        first_mismatch([1, 2, 3], [1, 2, 3]) is None
+        and first_mismatch([1, 5], [1, 2, 3]) == 1
+        and first_mismatch([1], [1, 2]) == 1
+    )
 
 
 # --------------------------------------------------------------------------- tiny end-to-end run
@@ -134,15 +170,22 @@ class AsciiTokenizer:
     def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, tokenize=True, **kw):
         text = "[" + ",".join(t["function"]["name"] for t in tools or []) + "]"
         for m in messages:
-            text += f"<{m['role'][0]}>{m.get('content') or ''}" + "".join(json.dumps(tc["function"]) for tc in m.get("tool_calls") or [])
+            text += f"<{m['role'][0]}>{m.get('content') or ''}" + "".join(
+                json.dumps(tc["function"]) for tc in m.get("tool_calls") or []
+            )
         text += "<a>" if add_generation_prompt else ""
         return self.encode(text) if tokenize else text
 
 
 def _item(i, bench="syn", tool="get_x"):
     tools = [{"type": "function", "function": {"name": tool, "parameters": {"properties": {"q": {"type": "string"}}}}}]
-    return {"id": f"{bench}-{i}", "benchmark": bench, "tools": tools,
-            "messages": [{"role": "user", "content": f"abcabc {i} abcabc"}], "gold_calls": [{"name": tool, "arguments": {"q": str(i)}}]}
+    return {
+        "id": f"{bench}-{i}",
+        "benchmark": bench,
+        "tools": tools,
+        "messages": [{"role": "user", "content": f"abcabc {i} abcabc"}],
+        "gold_calls": [{"name": tool, "arguments": {"q": str(i)}}],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +204,15 @@ def data(tmp_path):
 
 def _cfg(data, tmp_path, **kw):
     path, warm = data
-    base = dict(data=[str(path)], out=str(tmp_path / "run"), methods=["ar", "pld", "suffix", "token_recycling", "toolspec"],
-                libraries=["cold", "online", "warm"], warm_files=[str(warm)], max_new_tokens=12, cost="reference")
+    base = dict(
+        data=[str(path)],
+        out=str(tmp_path / "run"),
+        methods=["ar", "pld", "suffix", "token_recycling", "toolspec"],
+        libraries=["cold", "online", "warm"],
+        warm_files=[str(warm)],
+        max_new_tokens=12,
+        cost="reference",
+    )
     return RunConfig(**{**base, **kw})
 
 
@@ -192,14 +242,23 @@ def test_resumable_run_and_report(tiny, data, tmp_path, monkeypatch):
     assert len(recs) == 3 * per_item and all(r["exact_match"] for r in recs)
     assert {r["library"] for r in recs if r["method"] == "suffix"} == {"cold", "online", "warm"}
     assert {r["library"] for r in recs if r["method"] == "pld"} == {None}
-    assert all(r["tokens"] == next(a["tokens"] for a in recs if a["method"] == "ar" and a["item"] == r["item"]) for r in recs)
+    assert all(
+        r["tokens"] == next(a["tokens"] for a in recs if a["method"] == "ar" and a["item"] == r["item"]) for r in recs
+    )
 
     results = tmp_path / "results"
     rep = build_report(tmp_path / "run", "tiny", results)
-    assert set(rep) >= {"model", "hardware", "runs"} and rep["model"] == "tiny-qwen2" and isinstance(rep["hardware"], str)
+    assert (
+        set(rep) >= {"model", "hardware", "runs"} and rep["model"] == "tiny-qwen2" and isinstance(rep["hardware"], str)
+    )
     for r in rep["runs"]:
         assert r["benchmark"] == "syn" and r["subset"] in ("all", "calls", "prose") and r["items"] == 3
-        assert r["method"] in ("ar", "pld", "suffix", "token_recycling") and r["library"] in (None, "cold", "online", "warm")
+        assert r["method"] in ("ar", "pld", "suffix", "token_recycling") and r["library"] in (
+            None,
+            "cold",
+            "online",
+            "warm",
+        )
         assert isinstance(r["mat"], float) and isinstance(r["decode_speedup"], float) and r["exact_match"] == 1.0
         assert {"flat", "run", "cpu_reference"} <= set(r["projected_speedup"])
     assert not rep["mismatches"]
@@ -212,16 +271,43 @@ def test_resumable_run_and_report(tiny, data, tmp_path, monkeypatch):
     assert (results / "tiny_plots" / "accepted_by_state.png").exists()
     # the report subcommand rebuilds without decoding
     calls.clear()
-    assert bench_main(["report", "--out", str(tmp_path / "run"), "--name", "again", "--results-dir", str(results), "--no-plots"]) == 0
+    assert (
+        bench_main(
+            ["report", "--out", str(tmp_path / "run"), "--name", "again", "--results-dir", str(results), "--no-plots"]
+        )
+        == 0
+    )
     assert not calls and json.loads((results / "again.json").read_text())["runs"] == on_disk["runs"]
     # a run made on another machine (a GPU's): its config's data paths are not here; --data re-points them
     import benchmarks.report as report_mod
 
     read = []
     monkeypatch.setattr(report_mod, "_gold_tools", lambda paths: read.append(list(paths)) or {})
-    assert bench_main(["report", "--out", str(tmp_path / "run"), "--name", "x", "--results-dir", str(results), "--no-plots"]) == 0
-    assert bench_main(["report", "--out", str(tmp_path / "run"), "--name", "y", "--results-dir", str(results), "--no-plots",
-                       "--data", "/here/a.jsonl", "--data", "/here/b.jsonl"]) == 0
+    assert (
+        bench_main(
+            ["report", "--out", str(tmp_path / "run"), "--name", "x", "--results-dir", str(results), "--no-plots"]
+        )
+        == 0
+    )
+    assert (
+        bench_main(
+            [
+                "report",
+                "--out",
+                str(tmp_path / "run"),
+                "--name",
+                "y",
+                "--results-dir",
+                str(results),
+                "--no-plots",
+                "--data",
+                "/here/a.jsonl",
+                "--data",
+                "/here/b.jsonl",
+            ]
+        )
+        == 0
+    )
     assert read == [cfg.data, ["/here/a.jsonl", "/here/b.jsonl"]]
 
 
@@ -230,7 +316,9 @@ def test_resume_with_new_methods_retimes_plain_greedy(tiny, data, tmp_path, monk
     run (the machine's speed drifts between runs), not against the stored time."""
     calls = []
     real = runner_mod.decode_record
-    monkeypatch.setattr(runner_mod, "decode_record", lambda t, p, m, *a, **k: calls.append(m.name) or real(t, p, m, *a, **k))
+    monkeypatch.setattr(
+        runner_mod, "decode_record", lambda t, p, m, *a, **k: calls.append(m.name) or real(t, p, m, *a, **k)
+    )
     Runner(_cfg(data, tmp_path, methods=["ar", "pld"], libraries=["online"]), tiny).run(max_items=2)
     assert calls == ["ar", "pld"] * 2
     calls.clear()
@@ -251,7 +339,12 @@ def test_resume_with_new_methods_retimes_plain_greedy(tiny, data, tmp_path, monk
     sfx = [r for r in recs.values() if r["method"] == "suffix"]
     s = summarize(sfx, ar)
     assert s["decode_speedup"] == pytest.approx(sum(r["ar_decode_s"] for r in sfx) / sum(r["decode_s"] for r in sfx))
-    assert Runner(_cfg(data, tmp_path, methods=["ar", "pld", "suffix"], libraries=["online"], retime_reference=False), tiny).retime_reference(None, None, None, {}) is None
+    assert (
+        Runner(
+            _cfg(data, tmp_path, methods=["ar", "pld", "suffix"], libraries=["online"], retime_reference=False), tiny
+        ).retime_reference(None, None, None, {})
+        is None
+    )
 
 
 def test_online_replay_on_resume(tiny, data, tmp_path):
@@ -270,8 +363,21 @@ def test_cli_max_items_stops_early_and_resumes(tiny, data, tmp_path, monkeypatch
 
     monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: tiny)
     out = tmp_path / "cli-run"
-    args = ["--data", str(data[0]), "--out", str(out), "--methods", "ar,pld", "--cost", "reference",
-            "--max-new-tokens", "8", "--no-report", "--seed", "-1"]
+    args = [
+        "--data",
+        str(data[0]),
+        "--out",
+        str(out),
+        "--methods",
+        "ar,pld",
+        "--cost",
+        "reference",
+        "--max-new-tokens",
+        "8",
+        "--no-report",
+        "--seed",
+        "-1",
+    ]
     assert bench_main(args + ["--max-items", "2"]) == 0
     items = [json.loads(line)["item"] for line in (out / "items.jsonl").read_text().splitlines()]
     assert items == ["syn-0", "syn-0", "syn-1", "syn-1"]
@@ -283,7 +389,13 @@ def test_stream_selection(data, tmp_path):
     path, _ = data
     other = tmp_path / "other.jsonl"
     other.write_text("".join(json.dumps(_item(i, bench="oth")) + "\n" for i in range(2)))
-    assert [it["id"] for it in load_stream([str(path), str(other)], None, None)] == ["syn-0", "oth-0", "syn-1", "oth-1", "syn-2"]
+    assert [it["id"] for it in load_stream([str(path), str(other)], None, None)] == [
+        "syn-0",
+        "oth-0",
+        "syn-1",
+        "oth-1",
+        "syn-2",
+    ]
     items = [_item(i) for i in range(10)]
     picked = select_items(items, 4, seed=0)
     assert len(picked) == 4 and picked == sorted(picked, key=lambda it: int(it["id"].split("-")[1]))
@@ -297,7 +409,25 @@ def test_bench_cost_on_tiny_hf_dir(tmp_path):
 
     tiny_model(vocab=128).save_pretrained(str(tmp_path / "tiny"))
     out = tmp_path / "res" / "cost-cpu-tiny.json"
-    assert main(["--model", str(tmp_path / "tiny"), "--device", "cpu", "--ks", "1,2,4", "--repeats", "1", "--prefix-len", "32", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(tmp_path / "tiny"),
+                "--device",
+                "cpu",
+                "--ks",
+                "1,2,4",
+                "--repeats",
+                "1",
+                "--prefix-len",
+                "32",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     d = json.loads(out.read_text())
     assert d["points"]["1"] == 1.0 and set(d["points"]) == {"1", "2", "4"} and d["device"] == "cpu"
     assert d["via"] == "engine" and set(d["seconds"]) == {"1", "2", "4"} and all(v > 0 for v in d["seconds"].values())
@@ -315,12 +445,48 @@ def test_bench_cost_named_shape_random_bf16(tmp_path, monkeypatch):
     """A named shape is built from its config with random weights (here a tiny one, bf16 on CPU)."""
     from benchmarks import cost
 
-    monkeypatch.setitem(cost.SHAPES, "test-tiny", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                                       num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False))
+    monkeypatch.setitem(
+        cost.SHAPES,
+        "test-tiny",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            tie_word_embeddings=False,
+        ),
+    )
     out = tmp_path / "c.json"
-    assert cost.main(["--model", "test-tiny", "--device", "cpu", "--dtype", "bfloat16", "--ks", "1,8", "--repeats", "1", "--prefix-len", "16", "--out", str(out)]) == 0
+    assert (
+        cost.main(
+            [
+                "--model",
+                "test-tiny",
+                "--device",
+                "cpu",
+                "--dtype",
+                "bfloat16",
+                "--ks",
+                "1,8",
+                "--repeats",
+                "1",
+                "--prefix-len",
+                "16",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     d = json.loads(out.read_text())
-    assert d["random_weights"] and d["dtype"] == "bfloat16" and d["shape"] == "test-tiny" and set(d["points"]) == {"1", "8"}
+    assert (
+        d["random_weights"]
+        and d["dtype"] == "bfloat16"
+        and d["shape"] == "test-tiny"
+        and set(d["points"]) == {"1", "8"}
+    )
 
 
 def test_engine_check_all_drafters_equal_plain_greedy_in_fp32():
@@ -348,11 +514,21 @@ def test_markdown_bound_states_and_repeated_calls(trace):
     runs = build_runs(list(ar.values()) + me, ar, {})
     calls = next(r for r in runs if r["method"] == "toolspec_schema" and r["subset"] == "calls")
     assert calls["mat_of_bound"] == pytest.approx([2.5 / b for b in MAT_BOUND["api_bank"]])
-    report = {"name": "t", "model": "m", "hardware": "h", "projection_curves": [], "mismatches": [], "headline": [], "runs": runs,
-              "mat_vs_prior_calls": {"toolspec_schema": {"0": {"items": 1, "mat": 2.5}, "1": {"items": 1, "mat": 2.0}}}}
+    report = {
+        "name": "t",
+        "model": "m",
+        "hardware": "h",
+        "projection_curves": [],
+        "mismatches": [],
+        "headline": [],
+        "runs": runs,
+        "mat_vs_prior_calls": {"toolspec_schema": {"0": {"items": 1, "mat": 2.5}, "1": {"items": 1, "mat": 2.0}}},
+    }
     md = markdown(report)
     assert "| api_bank | toolspec_schema | 2.50 | 4.1 / 5.1 | 49% – 61% |" in md
-    assert "| api_bank | toolspec_schema | x | 2 | 50% | 3.00 |" in md  # item A: steps x,x,y,none: x twice, 3 accepted each
+    assert (
+        "| api_bank | toolspec_schema | x | 2 | 50% | 3.00 |" in md
+    )  # item A: steps x,x,y,none: x twice, 3 accepted each
     assert "| toolspec_schema | 2.50 (1) | 2.00 (1) |" in md
     assert "(subset `prose`)" in md
 
@@ -427,10 +603,16 @@ def test_region_summary_hand_computed():
     def regs(before, call, after):
         return {"before": [1.0, 1, before], "call": [2.0, 10, call], "after": [1.0, 1, after]}
 
-    out = summarize_regions({"ar": regs(2, 10, 4), "pld": regs(2, 8, 3), "suffix": regs(2, 6, 2), "toolspec": regs(2, 4, 2)})
+    out = summarize_regions(
+        {"ar": regs(2, 10, 4), "pld": regs(2, 8, 3), "suffix": regs(2, 6, 2), "toolspec": regs(2, 4, 2)}
+    )
     assert out["best_baseline"] == "suffix"
     ts = out["methods"]["toolspec"]
-    assert ts["over_best"] == pytest.approx(10 / 8, abs=1e-3) and ts["call"]["over_best"] == 1.5 and ts["call"]["speedup"] == 2.5
+    assert (
+        ts["over_best"] == pytest.approx(10 / 8, abs=1e-3)
+        and ts["call"]["over_best"] == 1.5
+        and ts["call"]["speedup"] == 2.5
+    )
     # 1.5x over 10 s leaves 10 / 1.5 - 4 s (before + after) for a call the baseline writes in 6 s
     assert ts["call_over_best_for_target"] == pytest.approx(6 / (10 / 1.5 - 4), abs=0.01)
     assert ts["call"]["mat"] == 5.0 and ts["call"]["share"] == 0.5
@@ -447,7 +629,11 @@ def test_copy_bound_hand_computed():
     assert copy_lengths([a, b, c, d, x], text_of, "bcd", anchor=1) == [0, 0, 2, 1, 0]  # "ab" is in no source
     assert copy_lengths([a, b, a, b, a], text_of, "") == [0, 0, 2, 2, 1]  # copies of the output itself
     rec = {"method": "suffix", "drafted_per_step": [4, 2, 3], "accepted_per_step": [2, 0, 1]}
-    assert recorded_trace(rec) == [(1, 4, 2, "suffix"), (4, 2, 0, "suffix"), (5, 3, 1, "suffix")]  # the first token: prefill
+    assert recorded_trace(rec) == [
+        (1, 4, 2, "suffix"),
+        (4, 2, 0, "suffix"),
+        (5, 3, 1, "suffix"),
+    ]  # the first token: prefill
     assert best_chains([0, 3, 2, 1, 0], lambda j: 1 + 0.1 * j) == [(1, 3)]  # one step drafts 3, writes 4: cost 1.3
     # a steep curve (1, 1.3, 2.2, 3.7) splits it: two chains of one (1.3 + 1.3) beat the whole chain (3.7),
     # one of two then none (2.2 + 1), and four plain steps (4)

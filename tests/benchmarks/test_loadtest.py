@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(120)
 
 # ------------------------------------------------------------------ the fake server
 
+
 def _make_app(state: dict):
     # (no `from __future__ import annotations` here: FastAPI resolves these annotations at runtime)
     from fastapi import FastAPI, Request
@@ -64,24 +65,48 @@ def _make_app(state: dict):
         usage = {"prompt_tokens": 20, "completion_tokens": 7, "total_tokens": 27}
         if body.get("stream"):
             return StreamingResponse(_sse(call, usage, body), media_type="text/event-stream")
-        return {"id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
-                "choices": [{"index": 0, "finish_reason": "tool_calls",
-                             "message": {"role": "assistant", "content": None, "tool_calls": [call]}}],
-                "usage": usage, "toolspec": {"mat": 2.5}}
+        return {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "model": body["model"],
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "tool_calls",
+                    "message": {"role": "assistant", "content": None, "tool_calls": [call]},
+                }
+            ],
+            "usage": usage,
+            "toolspec": {"mat": 2.5},
+        }
 
     return app
 
 
 async def _sse(call: dict, usage: dict, body: dict):
     def chunk(delta, finish=None, **extra):
-        return "data: " + json.dumps({"object": "chat.completion.chunk", "choices": [
-            {"index": 0, "delta": delta, "finish_reason": finish}], **extra}) + "\n\n"
+        return (
+            "data: "
+            + json.dumps(
+                {
+                    "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                    **extra,
+                }
+            )
+            + "\n\n"
+        )
 
     yield chunk({"role": "assistant", "content": ""})
     await asyncio.sleep(0.01)
     fn = call["function"]
-    yield chunk({"tool_calls": [{"index": 0, "id": call["id"], "type": "function",
-                                 "function": {"name": fn["name"], "arguments": ""}}]})
+    yield chunk(
+        {
+            "tool_calls": [
+                {"index": 0, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}
+            ]
+        }
+    )
     half = len(fn["arguments"]) // 2
     for part in (fn["arguments"][:half], fn["arguments"][half:]):
         await asyncio.sleep(0.01)
@@ -97,8 +122,9 @@ def server():
     import uvicorn
 
     state: dict = {}
-    config = uvicorn.Config(_make_app(state), host="127.0.0.1", port=0, log_level="warning",
-                            lifespan="off", timeout_graceful_shutdown=1)
+    config = uvicorn.Config(
+        _make_app(state), host="127.0.0.1", port=0, log_level="warning", lifespan="off", timeout_graceful_shutdown=1
+    )
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -115,17 +141,38 @@ def server():
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "mini.jsonl"
-    tools = [{"type": "function", "function": {"name": "search", "description": "find things",
-                                               "parameters": {"type": "object", "properties": {
-                                                   "query": {"type": "string"}}, "required": ["query"]}}},
-             {"type": "function", "function": {"name": "get_weather", "description": "weather",
-                                               "parameters": {"type": "object", "properties": {
-                                                   "city": {"type": "string"}}}}}]
-    rows = [{"id": f"item-{i}", "benchmark": "mini", "tools": tools,
-             "messages": [{"role": "system", "content": "Use the tools."},
-                          {"role": "user", "content": f"question number {i}"}],
-             "gold_calls": [{"name": "search", "arguments": {"query": f"q{i}"}}], "meta": {}}
-            for i in range(5)]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "search",
+                "description": "find things",
+                "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+            },
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        },
+    ]
+    rows = [
+        {
+            "id": f"item-{i}",
+            "benchmark": "mini",
+            "tools": tools,
+            "messages": [
+                {"role": "system", "content": "Use the tools."},
+                {"role": "user", "content": f"question number {i}"},
+            ],
+            "gold_calls": [{"name": "search", "arguments": {"query": f"q{i}"}}],
+            "meta": {},
+        }
+        for i in range(5)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -145,6 +192,7 @@ def _run(tmp_path, dataset, *extra) -> tuple[int, dict, Path]:
 
 
 # ------------------------------------------------------------------ arithmetic and plumbing
+
 
 def test_percentiles_on_fixed_set():
     values = [float(v) for v in range(1, 101)]
@@ -184,10 +232,17 @@ def test_split_jobs_and_merge():
     assert [len(part) for part, _ in parts] == [5, 3, 2]
     assert len(loadtest.split_jobs(jobs, concurrency=2, tasks=8)) == 2
     assert len(loadtest.split_jobs(jobs[:1], concurrency=4, tasks=4)) == 1
-    outs = [{"records": [{"index": 3}, {"index": 1}], "started": 10.0, "finished": 12.0, "node": "b",
-             "timed_out": False, "unsent": 0},
-            {"records": [{"index": 2}], "started": 9.5, "finished": 11.0, "node": "a",
-             "timed_out": True, "unsent": 2}]
+    outs = [
+        {
+            "records": [{"index": 3}, {"index": 1}],
+            "started": 10.0,
+            "finished": 12.0,
+            "node": "b",
+            "timed_out": False,
+            "unsent": 0,
+        },
+        {"records": [{"index": 2}], "started": 9.5, "finished": 11.0, "node": "a", "timed_out": True, "unsent": 2},
+    ]
     merged = loadtest.merge_slices(outs)
     assert [r["index"] for r in merged["records"]] == [1, 2, 3]
     assert (merged["started"], merged["finished"], merged["nodes"]) == (9.5, 12.0, ["a", "b"])
@@ -205,11 +260,22 @@ def test_cli_dispatch_and_bad_arguments(dataset):
 
 # ------------------------------------------------------------------ end to end
 
+
 def test_counts_add_up_and_reports_written(server, dataset, tmp_path):
     state = server["state"]
     before = dict(state.get("flaky", {"received": 0, "failed": 0}))
-    code, report, out = _run(tmp_path, dataset, "--endpoint", f"flaky={server['base']}/flaky/v1",
-                             "--concurrency", "1,3", "--requests-per-level", "7", "--max-tokens", "32")
+    code, report, out = _run(
+        tmp_path,
+        dataset,
+        "--endpoint",
+        f"flaky={server['base']}/flaky/v1",
+        "--concurrency",
+        "1,3",
+        "--requests-per-level",
+        "7",
+        "--max-tokens",
+        "32",
+    )
     assert code == 0
     levels = report["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 3]
@@ -237,12 +303,27 @@ def test_counts_add_up_and_reports_written(server, dataset, tmp_path):
 
 
 def test_two_endpoints_side_by_side(server, dataset, tmp_path):
-    code, report, out = _run(tmp_path, dataset, "--endpoint", f"fast={server['base']}/fast/v1",
-                             "--endpoint", f"delayed={server['base']}/delay/v1",
-                             "--concurrency", "1,2", "--requests-per-level", "6", "--model", "m")
+    code, report, out = _run(
+        tmp_path,
+        dataset,
+        "--endpoint",
+        f"fast={server['base']}/fast/v1",
+        "--endpoint",
+        f"delayed={server['base']}/delay/v1",
+        "--concurrency",
+        "1,2",
+        "--requests-per-level",
+        "6",
+        "--model",
+        "m",
+    )
     assert code == 0 and report["baseline"] == "delayed"
     assert [(lv["endpoint"], lv["concurrency"]) for lv in report["levels"]] == [
-        ("fast", 1), ("delayed", 1), ("fast", 2), ("delayed", 2)]
+        ("fast", 1),
+        ("delayed", 1),
+        ("fast", 2),
+        ("delayed", 2),
+    ]
     for lv in report["levels"]:  # the fields the committed report must carry, with their types
         assert isinstance(lv["endpoint"], str) and isinstance(lv["concurrency"], int)
         assert isinstance(lv["requests"], int) and lv["errors"] == 0
@@ -259,9 +340,20 @@ def test_two_endpoints_side_by_side(server, dataset, tmp_path):
 
 def test_max_seconds_bounds_each_level(server, dataset, tmp_path):
     t0 = time.monotonic()
-    code, report, out = _run(tmp_path, dataset, "--endpoint", f"slow={server['base']}/slow/v1",
-                             "--concurrency", "1,2", "--requests-per-level", "10", "--max-seconds", "1",
-                             "--model", "m")
+    code, report, out = _run(
+        tmp_path,
+        dataset,
+        "--endpoint",
+        f"slow={server['base']}/slow/v1",
+        "--concurrency",
+        "1,2",
+        "--requests-per-level",
+        "10",
+        "--max-seconds",
+        "1",
+        "--model",
+        "m",
+    )
     elapsed = time.monotonic() - t0
     assert "stopped at the 1.0 s limit, 8 requests unsent" in next(out.glob("*.md")).read_text()
     assert code == 0 and elapsed < 8, f"took {elapsed:.1f}s for two 1-second levels"
@@ -279,8 +371,16 @@ def test_max_seconds_bounds_each_level(server, dataset, tmp_path):
 def test_errors_counted_when_nothing_listens(dataset, tmp_path):
     port = _free_port()
     t0 = time.monotonic()
-    code, report, _ = _run(tmp_path, dataset, "--endpoint", f"nothing=http://127.0.0.1:{port}/v1",
-                           "--concurrency", "1,2", "--requests-per-level", "5")
+    code, report, _ = _run(
+        tmp_path,
+        dataset,
+        "--endpoint",
+        f"nothing=http://127.0.0.1:{port}/v1",
+        "--concurrency",
+        "1,2",
+        "--requests-per-level",
+        "5",
+    )
     assert code == 0 and time.monotonic() - t0 < 30
     for lv in report["levels"]:
         assert lv["requests"] == lv["errors"] == 5 and lv["ok"] == 0
@@ -290,29 +390,66 @@ def test_errors_counted_when_nothing_listens(dataset, tmp_path):
 
 
 def test_streaming_measures_ttft_and_reassembles_calls(server, dataset, tmp_path):
-    code, report, _ = _run(tmp_path, dataset, "--endpoint", f"fast={server['base']}/fast/v1",
-                           "--concurrency", "2", "--requests-per-level", "4", "--stream")
+    code, report, _ = _run(
+        tmp_path,
+        dataset,
+        "--endpoint",
+        f"fast={server['base']}/fast/v1",
+        "--concurrency",
+        "2",
+        "--requests-per-level",
+        "4",
+        "--stream",
+    )
     assert code == 0
     (lv,) = report["levels"]
     assert lv["errors"] == 0 and lv["tool_call_validity"] == 1.0 and lv["gold_name_match"] == 1.0
     assert 0 < lv["mean_ttft_ms"] < lv["mean_ms"] and lv["mean_mat"] == 3.0
     assert lv["completion_tokens"] == 4 * 7  # from the final usage chunk
-    code, report, _ = _run(tmp_path, dataset, "--endpoint", f"fast={server['base']}/fast/v1",
-                           "--concurrency", "1", "--requests-per-level", "2", "--stream", "--no-stream-usage")
+    code, report, _ = _run(
+        tmp_path,
+        dataset,
+        "--endpoint",
+        f"fast={server['base']}/fast/v1",
+        "--concurrency",
+        "1",
+        "--requests-per-level",
+        "2",
+        "--stream",
+        "--no-stream-usage",
+    )
     assert report["levels"][0]["completion_tokens"] == 2 * 3  # counted streamed chunks instead
 
 
 def test_invalid_tool_calls_are_reported(server, dataset, tmp_path):
-    code, report, _ = _run(tmp_path, dataset, "--endpoint", f"bad={server['base']}/badcall/v1",
-                           "--concurrency", "1", "--requests-per-level", "3")
+    code, report, _ = _run(
+        tmp_path,
+        dataset,
+        "--endpoint",
+        f"bad={server['base']}/badcall/v1",
+        "--concurrency",
+        "1",
+        "--requests-per-level",
+        "3",
+    )
     (lv,) = report["levels"]
     assert code == 0 and lv["errors"] == 0 and lv["tool_call_validity"] == 0.0
     assert lv["gold_name_match"] == 0.0
 
 
 def test_api_key_sent_but_not_written(server, dataset, tmp_path):
-    code, report, out = _run(tmp_path, dataset, "--endpoint", f"fast={server['base']}/fast/v1",
-                             "--concurrency", "1", "--requests-per-level", "1", "--api-key", "sekrit-123")
+    code, report, out = _run(
+        tmp_path,
+        dataset,
+        "--endpoint",
+        f"fast={server['base']}/fast/v1",
+        "--concurrency",
+        "1",
+        "--requests-per-level",
+        "1",
+        "--api-key",
+        "sekrit-123",
+    )
     assert code == 0 and report["config"]["api_key"] == "set"
     assert "sekrit-123" not in "".join(p.read_text() for p in out.glob("*.json"))
     assert "sekrit-123" not in "".join(p.read_text() for p in out.glob("*.md"))
@@ -321,14 +458,42 @@ def test_api_key_sent_but_not_written(server, dataset, tmp_path):
 def test_ray_fanout_runs_slices_as_tasks(server, dataset, tmp_path):
     """--ray local: a throwaway 2-CPU Ray; each level is split over 2 tasks in other processes."""
     out = tmp_path / "ray"
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        RAY_AUTH_MODE="disabled",
+        RAY_USAGE_STATS_ENABLED="0",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.loadtest", "--dataset", str(dataset), "--out", str(out),
-         "--endpoint", f"flaky={server['base']}/flaky/v1", "--concurrency", "2,4",
-         "--requests-per-level", "9", "--ray", "local", "--ray-tasks", "2", "--ray-local-cpus", "2",
-         "--ray-task-cpus", "0.5"],
-        capture_output=True, text=True, timeout=110, env=env, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.loadtest",
+            "--dataset",
+            str(dataset),
+            "--out",
+            str(out),
+            "--endpoint",
+            f"flaky={server['base']}/flaky/v1",
+            "--concurrency",
+            "2,4",
+            "--requests-per-level",
+            "9",
+            "--ray",
+            "local",
+            "--ray-tasks",
+            "2",
+            "--ray-local-cpus",
+            "2",
+            "--ray-task-cpus",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(next(out.glob("loadtest-*.json")).read_text())
     assert report["runner"].startswith("ray")

@@ -37,10 +37,47 @@ MSG = [{"role": "user", "content": "hi"}]
         ({"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"messages": MSG, "n": 2}, "n"),
         ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
-        ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "array"}}}]}, "tools[0].function.parameters"),
-        ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}}}}]}, "tools[0].function.parameters"),
-        ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {}, "required": ["x"]}}}]}, "tools[0].function.parameters"),
-        ({"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
+        (
+            {
+                "messages": MSG,
+                "tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "array"}}}],
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "messages": MSG,
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "a",
+                            "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}},
+                        },
+                    }
+                ],
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "messages": MSG,
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "a",
+                            "parameters": {"type": "object", "properties": {}, "required": ["x"]},
+                        },
+                    }
+                ],
+            },
+            "tools[0].function.parameters",
+        ),
+        (
+            {"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}},
+            "tool_choice",
+        ),
         ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
         ({"messages": MSG, "tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"messages": MSG, "toolspec": {"remember": "no"}}, "toolspec.remember"),
@@ -66,9 +103,18 @@ def test_wrong_model_is_404_and_body_must_be_object():
 
 def test_engine_request_normalises():
     req = parse_request(
-        {"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "send_email"}},
-         "max_completion_tokens": 7, "stop": "x", "user": "acme", "toolspec": {"remember": False}, "seed": 3},
-        "m", 100,
+        {
+            "messages": MSG,
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "send_email"}},
+            "max_completion_tokens": 7,
+            "stop": "x",
+            "user": "acme",
+            "toolspec": {"remember": False},
+            "seed": 3,
+        },
+        "m",
+        100,
     )
     e = engine_request(req)
     assert e["tool_choice"] == {"type": "function", "function": {"name": "send_email"}}
@@ -81,13 +127,15 @@ def test_engine_request_normalises():
 CALL = '{"name": "get_current_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 LAYOUTS = {
     "hermes": f"<tool_call>\n{CALL}\n</tool_call>",
-    "hermes_two": f"Let me check.\n<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n" + '{"name": "send_email", "arguments": {"to": "a@b.c", "subject": "hi"}}' + "\n</tool_call>",
+    "hermes_two": f"Let me check.\n<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n"
+    + '{"name": "send_email", "arguments": {"to": "a@b.c", "subject": "hi"}}'
+    + "\n</tool_call>",
     "fence": '```json\n{\n  "name": "get_current_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
     "bare": CALL,
     "list": "[" + CALL + ", " + CALL + "]",
     "text_with_braces": "Use a dict like {a: 1} or [x] here, not a call.",
     "plain": "The weather in Paris is sunny.   ",
-    "unclosed": "<tool_call>\n{\"name\": \"get_current_weather\", \"arguments\": {\"city\": \"Par",
+    "unclosed": '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "Par',
 }
 
 
@@ -110,9 +158,13 @@ def reassemble(chunks: list[dict]) -> dict:
 
 
 def non_stream_view(text: str, parse: bool, reason: str = "stop") -> dict:
-    resp = chat_completion({"text": text, "finish_reason": reason, "prompt_tokens": 1, "completion_tokens": 1}, parse, "m")
+    resp = chat_completion(
+        {"text": text, "finish_reason": reason, "prompt_tokens": 1, "completion_tokens": 1}, parse, "m"
+    )
     msg = resp["choices"][0]["message"]
-    calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg.get("tool_calls", [])]
+    calls = [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg.get("tool_calls", [])
+    ]
     return {"content": msg["content"] or "", "calls": calls, "finish": resp["choices"][0]["finish_reason"]}
 
 
@@ -131,7 +183,9 @@ def test_stream_deltas_reassemble_to_the_non_streaming_message(layout, step):
         assert not sh.mismatch
         assert got["role"] == "assistant" and got["finish"] == want["finish"]
         assert got["content"] == want["content"]
-        assert [(c["name"], c["arguments"]) for c in got["calls"]] == [(c["name"], c["arguments"]) for c in want["calls"]]
+        assert [(c["name"], c["arguments"]) for c in got["calls"]] == [
+            (c["name"], c["arguments"]) for c in want["calls"]
+        ]
         assert all(c["id"].startswith("call_") for c in got["calls"])
         assert chunks[-1]["usage"]["total_tokens"] == 3 and chunks[-1]["choices"] == []
 
@@ -205,17 +259,29 @@ def test_shared_prefix_is_the_first_turn_and_never_the_whole_prompt():
 def test_config_validates_once_and_accepts_the_k8s_args():
     from deployments.app import build_app, check_method
 
-    cfg = ServeAppConfig.model_validate({
-        "model": "/models/Qwen2.5-72B-Instruct", "tensor_parallel_size": "8", "dtype": "bfloat16",
-        "qdrant_url": "http://qdrant:6333", "qdrant_api_key_env": "QDRANT_API_KEY", "api_key_env": "TOOLSPEC_API_KEY",
-        "max_ongoing_requests": 8, "autoscaling": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 4},
-        "retrieval": {"enabled": True},
-    })
+    cfg = ServeAppConfig.model_validate(
+        {
+            "model": "/models/Qwen2.5-72B-Instruct",
+            "tensor_parallel_size": "8",
+            "dtype": "bfloat16",
+            "qdrant_url": "http://qdrant:6333",
+            "qdrant_api_key_env": "QDRANT_API_KEY",
+            "api_key_env": "TOOLSPEC_API_KEY",
+            "max_ongoing_requests": 8,
+            "autoscaling": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 4},
+            "retrieval": {"enabled": True},
+        }
+    )
     assert cfg.tensor_parallel_size == 8
     assert cfg.store_config(1024)["backend"] == "qdrant_url"
     assert cfg.deployment_options()["autoscaling_config"]["max_replicas"] == 4
-    for bad in ({"tensor_parallel_size": 0}, {"autoscaling": {"min_replicas": 3, "max_replicas": 1}}, {"unknown": 1},
-                {"max_tokens_default": 10, "max_tokens_limit": 5}, {"device": "cpu", "dtype": "float16"}):
+    for bad in (
+        {"tensor_parallel_size": 0},
+        {"autoscaling": {"min_replicas": 3, "max_replicas": 1}},
+        {"unknown": 1},
+        {"max_tokens_default": 10, "max_tokens_limit": 5},
+        {"device": "cpu", "dtype": "float16"},
+    ):
         with pytest.raises(ValueError):
             ServeAppConfig.model_validate(bad)
     with pytest.raises(ValueError, match="unknown method"):
@@ -265,7 +331,11 @@ def local(tiny_model_dir):  # noqa: F811
     from deployments.retrieval import RetrievalClient, RetrievalServer
 
     cfg = ServeAppConfig(
-        model=tiny_model_dir, method="toolspec", cost_model="reference", max_tokens_default=20, served_model_name="tiny",
+        model=tiny_model_dir,
+        method="toolspec",
+        cost_model="reference",
+        max_tokens_default=20,
+        served_model_name="tiny",
         retrieval={"store": {"backend": "memory"}, "timeout_s": 2.0},
     )
     handle = FakeHandle(RetrievalServer(cfg.store_config(cfg.retrieval.lexical_dim)))
@@ -303,7 +373,9 @@ def test_greedy_through_the_api_equals_plain_greedy(local):
     async def go():
         c = aclient(app)
         r1 = await c.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=20)
-        r2 = await c.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=20)  # prefix hit
+        r2 = await c.chat.completions.create(
+            model="tiny", messages=messages, temperature=0, max_tokens=20
+        )  # prefix hit
         return r1, r2
 
     r1, r2 = run(go())
@@ -315,11 +387,16 @@ def test_greedy_through_the_api_equals_plain_greedy(local):
 
 def test_concurrent_requests_are_independent(local):
     _, app, _, _ = local
-    prompts = [[{"role": "system", "content": "S"}, {"role": "user", "content": f"question number {i} " * (i + 1)}] for i in range(5)]
+    prompts = [
+        [{"role": "system", "content": "S"}, {"role": "user", "content": f"question number {i} " * (i + 1)}]
+        for i in range(5)
+    ]
 
     async def one(c, m):
         r = await c.chat.completions.create(model="tiny", messages=m, tools=TOOLS, temperature=0, max_tokens=16)
-        return r.choices[0].message.content, [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []]
+        return r.choices[0].message.content, [
+            (t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []
+        ]
 
     async def go():
         c = aclient(app)
@@ -337,9 +414,16 @@ def test_stream_matches_non_stream(local):
 
     async def go():
         c = aclient(app)
-        full = await c.chat.completions.create(model="tiny", messages=WEATHER_MESSAGES, tools=TOOLS, temperature=0, max_tokens=20)
+        full = await c.chat.completions.create(
+            model="tiny", messages=WEATHER_MESSAGES, tools=TOOLS, temperature=0, max_tokens=20
+        )
         stream = await c.chat.completions.create(
-            model="tiny", messages=WEATHER_MESSAGES, tools=TOOLS, temperature=0, max_tokens=20, stream=True,
+            model="tiny",
+            messages=WEATHER_MESSAGES,
+            tools=TOOLS,
+            temperature=0,
+            max_tokens=20,
+            stream=True,
             stream_options={"include_usage": True},
         )
         chunks = [ch.model_dump() async for ch in stream]
@@ -349,7 +433,9 @@ def test_stream_matches_non_stream(local):
     got = reassemble(chunks)
     msg = full.choices[0].message
     assert got["content"] == (msg.content or "")
-    assert [(c["name"], c["arguments"]) for c in got["calls"]] == [(t.function.name, t.function.arguments) for t in msg.tool_calls or []]
+    assert [(c["name"], c["arguments"]) for c in got["calls"]] == [
+        (t.function.name, t.function.arguments) for t in msg.tool_calls or []
+    ]
     assert got["finish"] == full.choices[0].finish_reason
     assert chunks[-1]["usage"]["completion_tokens"] == full.usage.completion_tokens
 
@@ -362,12 +448,29 @@ def test_bad_input_gets_4xx_and_the_engine_keeps_serving(local):
     async def go():
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
         out = []
-        out.append(await http.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}))
+        out.append(
+            await http.post(
+                "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}
+            )
+        )
         out.append(await http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": "ten"}))
-        out.append(await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 2100}]}))
-        out.append(await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 2100}], "stream": True}))
-        out.append(await http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2040}))  # prompt + max_tokens > context
-        out.append(await http.post("/v1/chat/completions", json={"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}))
+        out.append(
+            await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 2100}]})
+        )
+        out.append(
+            await http.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 2100}], "stream": True}
+            )
+        )
+        out.append(
+            await http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2040})
+        )  # prompt + max_tokens > context
+        out.append(
+            await http.post(
+                "/v1/chat/completions",
+                json={"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            )
+        )
         ok = await http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 3})
         return out, ok
 
@@ -395,8 +498,14 @@ def test_models_health_metrics(local):
     assert models.json()["data"][0]["id"] == "tiny"
     assert health.json()["status"] == "ok"
     text = metrics.text
-    for name in ("toolspec_requests_total", "toolspec_request_latency_seconds_bucket", "toolspec_tokens_per_second",
-                 "toolspec_mean_accepted_tokens", "toolspec_draft_tokens_total", "toolspec_retrieval_fallbacks_total"):
+    for name in (
+        "toolspec_requests_total",
+        "toolspec_request_latency_seconds_bucket",
+        "toolspec_tokens_per_second",
+        "toolspec_mean_accepted_tokens",
+        "toolspec_draft_tokens_total",
+        "toolspec_retrieval_fallbacks_total",
+    ):
         assert name in text, name
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
@@ -424,7 +533,14 @@ def test_retrieval_down_falls_back_and_is_counted(local):
 
     async def go(tag):
         c = aclient(app)
-        r = await c.chat.completions.create(model="tiny", messages=msgs[:1] + [{"role": "user", "content": tag}], tools=TOOLS, temperature=0, max_tokens=12, user="acme")
+        r = await c.chat.completions.create(
+            model="tiny",
+            messages=msgs[:1] + [{"role": "user", "content": tag}],
+            tools=TOOLS,
+            temperature=0,
+            max_tokens=12,
+            user="acme",
+        )
         return r
 
     up = run(go("weather in Rome please"))
@@ -441,8 +557,18 @@ def test_retrieval_down_falls_back_and_is_counted(local):
 
 def test_streamed_deltas_with_stop_strings_are_the_final_text(local):
     host, _, _, _ = local
-    base = {"messages": [{"role": "user", "content": "Say something long."}], "tools": [], "tool_choice": "none", "max_tokens": 40,
-            "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "tenant": "t", "remember": False}
+    base = {
+        "messages": [{"role": "user", "content": "Say something long."}],
+        "tools": [],
+        "tool_choice": "none",
+        "max_tokens": 40,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "seed": None,
+        "tenant": "t",
+        "remember": False,
+    }
 
     async def events(stop):
         return [ev async for ev in host.stream({**base, "stop": stop})]
@@ -458,8 +584,19 @@ def test_streamed_deltas_with_stop_strings_are_the_final_text(local):
 
 def test_closing_a_stream_cancels_the_decode(local):
     host, _, _, _ = local
-    req = {"messages": [{"role": "user", "content": "go on forever"}], "tools": [], "tool_choice": "none", "max_tokens": 1500,
-           "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": [], "tenant": "t", "remember": True}
+    req = {
+        "messages": [{"role": "user", "content": "go on forever"}],
+        "tools": [],
+        "tool_choice": "none",
+        "max_tokens": 1500,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "seed": None,
+        "stop": [],
+        "tenant": "t",
+        "remember": True,
+    }
     before = host.stats.cancelled
 
     async def go():
@@ -498,7 +635,14 @@ def test_completed_calls_go_to_the_library_unless_told_not_to(local):
 
     assert run(go(False)) == 0
     assert run(go(True)) == 1
-    hits = asyncio.run(handle.server.search("acme", host.embedder.embed_request([{"role": "user", "content": "weather in Lima"}], TOOLS).tolist(), ["get_current_weather"], 5))
+    hits = asyncio.run(
+        handle.server.search(
+            "acme",
+            host.embedder.embed_request([{"role": "user", "content": "weather in Lima"}], TOOLS).tolist(),
+            ["get_current_weather"],
+            5,
+        )
+    )
     assert hits and hits[0]["tool_name"] == "get_current_weather" and hits[0]["arguments"] == {"city": "Lima"}
 
 
@@ -507,12 +651,28 @@ def test_hidden_state_retrieval_key(tiny_model_dir):  # noqa: F811
     from deployments.app import retrieval_dim
     from deployments.retrieval import RetrievalClient, RetrievalServer
 
-    cfg = ServeAppConfig(model=tiny_model_dir, method="toolspec", cost_model="none", retrieval={"store": {"backend": "memory"}, "key": "hidden", "timeout_s": 2.0})
+    cfg = ServeAppConfig(
+        model=tiny_model_dir,
+        method="toolspec",
+        cost_model="none",
+        retrieval={"store": {"backend": "memory"}, "key": "hidden", "timeout_s": 2.0},
+    )
     assert retrieval_dim(cfg) == 64
     handle = FakeHandle(RetrievalServer(cfg.store_config(retrieval_dim(cfg))))
     host = EngineHost.build(cfg, RetrievalClient(handle, cfg.retrieval))
-    req = {"messages": WEATHER_MESSAGES, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 6, "temperature": None,
-           "top_p": 1.0, "top_k": 0, "seed": None, "stop": [], "tenant": "t", "remember": True}
+    req = {
+        "messages": WEATHER_MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "max_tokens": 6,
+        "temperature": None,
+        "top_p": 1.0,
+        "top_k": 0,
+        "seed": None,
+        "stop": [],
+        "tenant": "t",
+        "remember": True,
+    }
     try:
         done = run(host.generate(req))
     finally:
@@ -521,7 +681,9 @@ def test_hidden_state_retrieval_key(tiny_model_dir):  # noqa: F811
 
 
 @pytest.mark.parametrize(
-    "tool_choice", ["required", {"type": "function", "function": {"name": "get_current_weather"}}], ids=["required", "named"]
+    "tool_choice",
+    ["required", {"type": "function", "function": {"name": "get_current_weather"}}],
+    ids=["required", "named"],
 )
 def test_forced_tool_choice_is_a_valid_call_even_from_a_random_model(local, tool_choice):
     """The grammar constraint guarantees a schema-valid call whatever the target prefers (as long
@@ -532,8 +694,12 @@ def test_forced_tool_choice_is_a_valid_call_even_from_a_random_model(local, tool
 
     async def go():
         return await aclient(app).chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hello"}], tools=TOOLS, tool_choice=tool_choice,
-            temperature=0, max_tokens=400,
+            model="tiny",
+            messages=[{"role": "user", "content": "hello"}],
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            temperature=0,
+            max_tokens=400,
         )
 
     r = run(go())

@@ -58,7 +58,7 @@ def weather_call(real_app):
 def test_real_tool_call_comes_back_parsed(weather_call):
     choice = weather_call.choices[0]
     assert choice.finish_reason == "tool_calls"
-    (name, args), = calls_of(weather_call)
+    ((name, args),) = calls_of(weather_call)
     assert name == "get_current_weather" and args["city"] == "Paris"
     assert choice.message.tool_calls[0].id.startswith("call_") and choice.message.tool_calls[0].type == "function"
     stats = weather_call.model_extra["toolspec"]
@@ -73,7 +73,9 @@ def test_streamed_deltas_reassemble_to_the_same_call(real_app, weather_call):
     got = reassemble(stream)
     assert got["finish"] == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for c in got["calls"]] == calls_of(weather_call)
-    assert [c["arguments"] for c in got["calls"]] == [t.function.arguments for t in weather_call.choices[0].message.tool_calls]
+    assert [c["arguments"] for c in got["calls"]] == [
+        t.function.arguments for t in weather_call.choices[0].message.tool_calls
+    ]
     assert got["content"] == (weather_call.choices[0].message.content or "")
     assert got["toolspec"]["mat"] >= 1.0
 
@@ -123,8 +125,13 @@ def test_finished_calls_reach_the_shared_library(real_app, weather_call):
     assert wait_until(lambda: lib.stats.remote().result()["records"] >= 1, timeout=30)
     before = lib.stats.remote().result()
     client(real_app).chat.completions.create(
-        model="real", messages=WEATHER_MESSAGES, tools=TOOLS, temperature=0, max_tokens=96,
-        extra_body={"toolspec": {"remember": False}}, user="private",
+        model="real",
+        messages=WEATHER_MESSAGES,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=96,
+        extra_body={"toolspec": {"remember": False}},
+        user="private",
     )
     time.sleep(1.0)
     after = lib.stats.remote().result()
@@ -142,7 +149,9 @@ def test_server_greedy_equals_engine_greedy_tiny(tiny_app, tiny_model_dir):
 
     target = load_target(tiny_model_dir)
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Write anything."}]
-    want = generate(target, render_prompt(target.tokenizer, msgs, None), NoDrafter(), DecodeConfig(max_new_tokens=24)).text
+    want = generate(
+        target, render_prompt(target.tokenizer, msgs, None), NoDrafter(), DecodeConfig(max_new_tokens=24)
+    ).text
     c = client(tiny_app)
     for _ in range(2):  # the second request reuses the cached system-prompt KV
         r = c.chat.completions.create(model="tiny", messages=msgs, temperature=0, max_tokens=24)
@@ -153,13 +162,22 @@ def test_server_greedy_equals_engine_greedy_tiny(tiny_app, tiny_model_dir):
 def test_concurrent_requests_complete_with_independent_outputs(tiny_app):
     c = client(tiny_app)
     prompts = [
-        [{"role": "system", "content": "Shared system prompt."}, {"role": "user", "content": f"request {i}: " + "go " * i}]
+        [
+            {"role": "system", "content": "Shared system prompt."},
+            {"role": "user", "content": f"request {i}: " + "go " * i},
+        ]
         for i in range(6)
     ]
 
     def one(i):
-        r = c.chat.completions.create(model="tiny", messages=prompts[i], tools=TOOLS, temperature=0, max_tokens=20, user=f"t{i % 2}")
-        return r.choices[0].message.content, [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []], r.usage.completion_tokens
+        r = c.chat.completions.create(
+            model="tiny", messages=prompts[i], tools=TOOLS, temperature=0, max_tokens=20, user=f"t{i % 2}"
+        )
+        return (
+            r.choices[0].message.content,
+            [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []],
+            r.usage.completion_tokens,
+        )
 
     single = [one(i) for i in range(len(prompts))]
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
@@ -182,10 +200,18 @@ def test_bad_input_is_4xx_openai_error_and_the_replica_keeps_serving(tiny_app):
     ]
     with httpx.Client(timeout=120) as http:
         for raw, body in bad:
-            r = http.post(url, content=raw, headers={"content-type": "application/json"}) if raw else http.post(url, json=body)
+            r = (
+                http.post(url, content=raw, headers={"content-type": "application/json"})
+                if raw
+                else http.post(url, json=body)
+            )
             assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
             err = r.json()["error"]
-            assert err["type"] == "invalid_request_error" and err["message"] and set(err) == {"message", "type", "param", "code"}
+            assert (
+                err["type"] == "invalid_request_error"
+                and err["message"]
+                and set(err) == {"message", "type", "param", "code"}
+            )
         ok = http.post(url, json=good)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 
@@ -197,8 +223,13 @@ def test_models_health_metrics_over_http(tiny_app):
         h = http.get(root + "/health").json()
         assert h["status"] == "ok" and h["engine"]["method"] == "toolspec"
         m = http.get(root + "/metrics").text
-    for name in ("toolspec_requests_total", "toolspec_request_latency_seconds_bucket", "toolspec_mean_accepted_tokens_bucket",
-                 "toolspec_acceptance_rate", "toolspec_retrieval_fallbacks_total"):
+    for name in (
+        "toolspec_requests_total",
+        "toolspec_request_latency_seconds_bucket",
+        "toolspec_mean_accepted_tokens_bucket",
+        "toolspec_acceptance_rate",
+        "toolspec_retrieval_fallbacks_total",
+    ):
         assert name in m
 
 
@@ -216,7 +247,9 @@ def test_retrieval_killed_mid_run_requests_still_succeed(tiny_app, ray_cluster):
 
     def one(i):
         msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": f"weather in city number {i}"}]
-        r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, temperature=0, max_tokens=12, user="acme")
+        r = c.chat.completions.create(
+            model="tiny", messages=msgs, tools=TOOLS, temperature=0, max_tokens=12, user="acme"
+        )
         return r.model_extra["toolspec"]["retrieval"]["status"], r.choices[0].finish_reason
 
     assert one(0)[0] in ("ok", "cache")

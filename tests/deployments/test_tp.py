@@ -45,7 +45,9 @@ def _local_tp_target(ref):
 
     w = TPWorker.__new__(TPWorker)
     w.rank, w.world, w.dtype, w.model, w.head, w.caches = 0, 1, "float32", ref.model, None, {}
-    tp = TPTarget(model=ref.model, tokenizer=ref.tokenizer, name="local", eos_ids=ref.eos_ids, max_context=ref.max_context)
+    tp = TPTarget(
+        model=ref.model, tokenizer=ref.tokenizer, name="local", eos_ids=ref.eos_ids, max_context=ref.max_context
+    )
     tp.group = TPGroup([w], local=True)
     return tp
 
@@ -74,7 +76,9 @@ def test_shadow_cache_replays_the_engine_kv_commits(tiny_model_dir):  # noqa: F8
     assert tp.group.live_caches() == [0]  # every clone was freed on the rank
 
 
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed (pip install -e '.[tp]')")
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed (pip install -e '.[tp]')"
+)
 
 
 @needs_deepspeed
@@ -85,7 +89,13 @@ def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):  
     from deployments.config import ServeAppConfig
     from deployments.engine_host import EngineHost
 
-    base = dict(model=tiny_model_dir, method="toolspec", cost_model="reference", retrieval={"enabled": False}, max_tokens_default=24)
+    base = dict(
+        model=tiny_model_dir,
+        method="toolspec",
+        cost_model="reference",
+        retrieval={"enabled": False},
+        max_tokens_default=24,
+    )
     single = EngineHost.build(ServeAppConfig(**base))
     tp = EngineHost.build(ServeAppConfig(**base, tensor_parallel_size=2))
     try:
@@ -93,9 +103,22 @@ def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):  
         _check_equal(single.target, tp.target, n=24)
 
         reqs = [
-            {"messages": [{"role": "system", "content": "Shared."}, {"role": "user", "content": f"call {i} " * (i + 1)}],
-             "tools": TOOLS if i % 2 else [], "tool_choice": "auto" if i % 2 else "none", "max_tokens": 24,
-             "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": [], "tenant": "t", "remember": True}
+            {
+                "messages": [
+                    {"role": "system", "content": "Shared."},
+                    {"role": "user", "content": f"call {i} " * (i + 1)},
+                ],
+                "tools": TOOLS if i % 2 else [],
+                "tool_choice": "auto" if i % 2 else "none",
+                "max_tokens": 24,
+                "temperature": 0.0,
+                "top_p": 1.0,
+                "top_k": 0,
+                "seed": None,
+                "stop": [],
+                "tenant": "t",
+                "remember": True,
+            }
             for i in range(4)
         ]
 

@@ -21,8 +21,14 @@ from toolspec_core.engine.detokenize import Detokenizer
 from toolspec_core.engine.loop import DecodeConfig, _Stopper, decode, generate, prefill
 
 QWEN_EOS = (151645, 151643)  # <|im_end|>, <|endoftext|>
-TRICKY = ["停 😀 日本語 é中文 🇫🇷 👩‍👩‍👧 ", "naïve café — “quotes” … ½ ∑", "\ufffd a real replacement character \ufffd",
-          '<tool_call>\n{"name": "f", "arguments": {"q": "东京 🗼"}}\n</tool_call>', "  \n\n\t x  ", "é" * 40]
+TRICKY = [
+    "停 😀 日本語 é中文 🇫🇷 👩‍👩‍👧 ",
+    "naïve café — “quotes” … ½ ∑",
+    "\ufffd a real replacement character \ufffd",
+    '<tool_call>\n{"name": "f", "arguments": {"q": "东京 🗼"}}\n</tool_call>',
+    "  \n\n\t x  ",
+    "é" * 40,
+]
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +115,25 @@ def test_qwen_split_characters_special_tokens_and_random_ids(qwen_tok):
     for text in TRICKY:
         ids = qwen_tok.encode(text, add_special_tokens=False)
         # single-byte tokens: every multi-byte character arrives in pieces
-        byte_ids = [qwen_tok.convert_tokens_to_ids(qwen_tok.convert_ids_to_tokens(i)[k]) for i in ids
-                    for k in range(len(qwen_tok.convert_ids_to_tokens(i)))]
+        byte_ids = [
+            qwen_tok.convert_tokens_to_ids(qwen_tok.convert_ids_to_tokens(i)[k])
+            for i in ids
+            for k in range(len(qwen_tok.convert_ids_to_tokens(i)))
+        ]
         assert qwen_tok.decode(byte_ids) == qwen_tok.decode(ids)
         _check(qwen_tok, byte_ids)
-    specials = [151644, 151657, 151658, 151652, 151659]  # <|im_start|>, <tool_call>, </tool_call>, <|vision_start|>, <|fim_prefix|>
+    specials = [
+        151644,
+        151657,
+        151658,
+        151652,
+        151659,
+    ]  # <|im_start|>, <tool_call>, </tool_call>, <|vision_start|>, <|fim_prefix|>
     rng = random.Random(0)
     for _ in range(40):
-        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(151643) for _ in range(rng.randrange(1, 60))]
+        ids = [
+            rng.choice(specials) if rng.random() < 0.1 else rng.randrange(151643) for _ in range(rng.randrange(1, 60))
+        ]
         _check(qwen_tok, ids, QWEN_EOS)
 
 
@@ -147,7 +164,16 @@ def test_toy_tokenizers():
     chars = CharTokenizer(96)
     rng = random.Random(1)
     _check(chars, [rng.randrange(96) for _ in range(50)], eos=(95,))
-    pieces = [b"a", b"b\xe5", b"\x81\x9c", b"\xf0\x9f", b"\x98\x80", b" ", b"\xff", b"\x80"]  # \xff, \x80: invalid bytes
+    pieces = [
+        b"a",
+        b"b\xe5",
+        b"\x81\x9c",
+        b"\xf0\x9f",
+        b"\x98\x80",
+        b" ",
+        b"\xff",
+        b"\x80",
+    ]  # \xff, \x80: invalid bytes
     for _ in range(30):
         _check(ByteTok(pieces), [rng.randrange(len(pieces)) for _ in range(rng.randrange(1, 30))])
     words = ["▁the", "▁cat", "s", "▁sat", ",", "▁on", "▁mat", "."]
@@ -214,8 +240,14 @@ def test_drafters_and_the_caller_read_the_one_text_of_the_request():
 
     detok = Detokenizer(tiny.tokenizer, tiny.eos_ids)
     texts = []
-    res = decode(tiny, prefill(tiny, PROMPT), ScriptedDrafter(fn), DecodeConfig(max_new_tokens=N),
-                 on_tokens=lambda ids: texts.append(detok.text), detokenizer=detok)
+    res = decode(
+        tiny,
+        prefill(tiny, PROMPT),
+        ScriptedDrafter(fn),
+        DecodeConfig(max_new_tokens=N),
+        on_tokens=lambda ids: texts.append(detok.text),
+        detokenizer=detok,
+    )
     assert seen and texts
     for text, n, gen in seen:
         assert n == len(gen) and text == tiny.tokenizer.decode(gen)
@@ -238,7 +270,10 @@ def test_the_schema_fsm_reads_the_shared_text_as_the_tokenizer_spells_it(qwen_to
         prompt = render_prompt(qwen_tok, it["messages"], it["tools"])
         for layout in ("hermes", "fence"):
             out = qwen_tok.encode("Sure 😀 停. " + render_calls(it["gold_calls"], layout_by_name(layout))) + [151645]
-            shared, own = method.drafter(RequestInfo(prompt, it["tools"])), method.drafter(RequestInfo(prompt, it["tools"]))
+            shared, own = (
+                method.drafter(RequestInfo(prompt, it["tools"])),
+                method.drafter(RequestInfo(prompt, it["tools"])),
+            )
             detok = Detokenizer(qwen_tok, QWEN_EOS)
             for k in range(1, len(out)):
                 detok.feed(out[k - 1 : k])

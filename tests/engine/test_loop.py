@@ -56,12 +56,22 @@ def test_stop_string_inside_an_accepted_draft(tiny, reference):
 
 def test_streaming_callback_sees_every_token_once(tiny, reference):
     seen = []
-    res = decode(tiny, prefill(tiny, PROMPT), ScriptedDrafter(branching(reference)), DecodeConfig(max_new_tokens=N),
-                 on_tokens=lambda ids: seen.extend(ids))
+    res = decode(
+        tiny,
+        prefill(tiny, PROMPT),
+        ScriptedDrafter(branching(reference)),
+        DecodeConfig(max_new_tokens=N),
+        on_tokens=lambda ids: seen.extend(ids),
+    )
     assert seen == res.tokens == reference
     stop_after = []
-    res = decode(tiny, prefill(tiny, PROMPT), None, DecodeConfig(max_new_tokens=N),
-                 on_tokens=lambda ids: stop_after.extend(ids) or len(stop_after) < 3)
+    res = decode(
+        tiny,
+        prefill(tiny, PROMPT),
+        None,
+        DecodeConfig(max_new_tokens=N),
+        on_tokens=lambda ids: stop_after.extend(ids) or len(stop_after) < 3,
+    )
     assert res.finish_reason == "cancelled" and len(res.tokens) == 3
 
 
@@ -95,7 +105,14 @@ def test_bad_decode_config(kwargs):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(temperature=-1), dict(temperature=float("nan")), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1), dict(seed="x")],
+    [
+        dict(temperature=-1),
+        dict(temperature=float("nan")),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-1),
+        dict(seed="x"),
+    ],
 )
 def test_bad_sampling_params(kwargs):
     with pytest.raises(InvalidRequestError):

@@ -32,7 +32,9 @@ def _fit(counts: np.ndarray, probs: np.ndarray) -> float:
     return chisquare(counts[keep], exp).pvalue
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8, top_k=5)])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8, top_k=5)]
+)
 def test_sample_walk_first_and_second_token_marginals(params):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(8, V, generator=g) * 1.5  # rows: root + 7 nodes
@@ -86,7 +88,10 @@ def test_speculative_sampling_matches_exact_sequence_distribution():
     with torch.inference_mode():
         p1 = torch.softmax(tg.model(torch.tensor([prompt])).logits[0, -1], -1)
         p2 = torch.stack([torch.softmax(tg.model(torch.tensor([prompt + [a]])).logits[0, -1], -1) for a in range(V)])
-        p3 = {(a, b): torch.softmax(tg.model(torch.tensor([prompt + [a, b]])).logits[0, -1], -1) for a, b in itertools.product(range(V), range(V))}
+        p3 = {
+            (a, b): torch.softmax(tg.model(torch.tensor([prompt + [a, b]])).logits[0, -1], -1)
+            for a, b in itertools.product(range(V), range(V))
+        }
     exact = np.array([float(p1[a] * p2[a, b] * p3[(a, b)][c]) for a, b, c in itertools.product(range(V), repeat=3)])
     likely = torch.argsort(p1, descending=True).tolist()
     counts = np.zeros(V**3)

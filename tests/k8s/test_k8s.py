@@ -60,8 +60,13 @@ def test_both_overlays_exist():
 def test_overlay_renders_and_validates(rendered, crd_path, overlay):
     docs = k8s_validate.validate_documents(rendered[overlay], crd_path=crd_path)
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    assert {("RayService", "toolspec"), ("StatefulSet", "qdrant"), ("Service", "qdrant"),
-            ("Secret", "toolspec-secrets"), ("Namespace", docs[0]["metadata"]["name"])} <= kinds
+    assert {
+        ("RayService", "toolspec"),
+        ("StatefulSet", "qdrant"),
+        ("Service", "qdrant"),
+        ("Secret", "toolspec-secrets"),
+        ("Namespace", docs[0]["metadata"]["name"]),
+    } <= kinds
     namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"}
     assert namespaces == {_one(docs, "Namespace")["metadata"]["name"]}
     sts = _one(docs, "StatefulSet", "qdrant")
@@ -89,8 +94,16 @@ def test_rayservice_serve_config(rendered):
         (app,) = k8s_validate.applications(rs)
         assert app["import_path"] == BUILDER, overlay
         args = app["args"]
-        assert {"model", "tensor_parallel_size", "dtype", "qdrant_url", "api_key_env",
-                "max_ongoing_requests", "autoscaling", "retrieval"} <= set(args), overlay
+        assert {
+            "model",
+            "tensor_parallel_size",
+            "dtype",
+            "qdrant_url",
+            "api_key_env",
+            "max_ongoing_requests",
+            "autoscaling",
+            "retrieval",
+        } <= set(args), overlay
         assert {"min_replicas", "max_replicas", "target_ongoing_requests"} <= set(args["autoscaling"])
         assert args["retrieval"]["enabled"] is True
 
@@ -148,6 +161,7 @@ def test_base_alone_is_not_deployable(crd_path):
 
 # ------------------------------------------------------------- planted errors must fail
 
+
 def _rs(d):
     return d["spec"]["rayClusterConfig"]
 
@@ -159,30 +173,54 @@ def _serve(d, old, new):
 
 PLANTED = {
     "sts wrong type": ("StatefulSet", lambda d: d["spec"].__setitem__("replicas", "one"), "replicas"),
-    "sts unknown field": ("StatefulSet", lambda d: d["spec"]["template"]["spec"]["containers"][0]
-                          .__setitem__("imagePullPolicyy", "Always"), "imagePullPolicyy"),
+    "sts unknown field": (
+        "StatefulSet",
+        lambda d: d["spec"]["template"]["spec"]["containers"][0].__setitem__("imagePullPolicyy", "Always"),
+        "imagePullPolicyy",
+    ),
     "service bad port": ("Service", lambda d: d["spec"]["ports"][0].__setitem__("port", "http"), "port"),
     "secret unknown field": ("Secret", lambda d: d.__setitem__("stringdata", {}), "stringdata"),
-    "rayservice wrong type": ("RayService", lambda d: _rs(d).__setitem__("enableInTreeAutoscaling", "yes"),
-                              "enableInTreeAutoscaling"),
-    "rayservice unknown field": ("RayService", lambda d: _rs(d)["workerGroupSpecs"][0].__setitem__("maxReplica", 3),
-                                 "maxReplica"),
-    "rayservice missing required": ("RayService", lambda d: _rs(d)["workerGroupSpecs"][0].pop("minReplicas"),
-                                    "minReplicas"),
-    "rayStartParams not string": ("RayService",
-                                  lambda d: _rs(d)["headGroupSpec"]["rayStartParams"].__setitem__("num-cpus", 0),
-                                  "num-cpus"),
+    "rayservice wrong type": (
+        "RayService",
+        lambda d: _rs(d).__setitem__("enableInTreeAutoscaling", "yes"),
+        "enableInTreeAutoscaling",
+    ),
+    "rayservice unknown field": (
+        "RayService",
+        lambda d: _rs(d)["workerGroupSpecs"][0].__setitem__("maxReplica", 3),
+        "maxReplica",
+    ),
+    "rayservice missing required": (
+        "RayService",
+        lambda d: _rs(d)["workerGroupSpecs"][0].pop("minReplicas"),
+        "minReplicas",
+    ),
+    "rayStartParams not string": (
+        "RayService",
+        lambda d: _rs(d)["headGroupSpec"]["rayStartParams"].__setitem__("num-cpus", 0),
+        "num-cpus",
+    ),
     "serve config bad type": ("RayService", lambda d: _serve(d, "port: 8000", "port: eighty"), "http_options.port"),
     "serve config unknown key": ("RayService", lambda d: _serve(d, "route_prefix:", "route_prefx:"), "route_prefx"),
     "serve config bad import path": ("RayService", lambda d: _serve(d, BUILDER, "build_app"), "import"),
     "serve config not yaml": ("RayService", lambda d: d["spec"].__setitem__("serveConfigV2", "a: [1"), "YAML"),
-    "head readiness on /health": ("RayService", lambda d: _rs(d)["headGroupSpec"]["template"]["spec"]["containers"][0]
-                                  .__setitem__("readinessProbe", {"httpGet": {"path": "/health", "port": "serve"}}),
-                                  "head"),
-    "dangling secret key": ("RayService", lambda d: _serve(d, "api_key_env: TOOLSPEC_API_KEY",
-                                                           "api_key_env: MISSING_KEY"), "MISSING_KEY"),
-    "qdrant url to nowhere": ("RayService", lambda d: _serve(d, "http://qdrant:6333", "http://qdrant:7000"),
-                              "qdrant_url"),
+    "head readiness on /health": (
+        "RayService",
+        lambda d: _rs(d)["headGroupSpec"]["template"]["spec"]["containers"][0].__setitem__(
+            "readinessProbe", {"httpGet": {"path": "/health", "port": "serve"}}
+        ),
+        "head",
+    ),
+    "dangling secret key": (
+        "RayService",
+        lambda d: _serve(d, "api_key_env: TOOLSPEC_API_KEY", "api_key_env: MISSING_KEY"),
+        "MISSING_KEY",
+    ),
+    "qdrant url to nowhere": (
+        "RayService",
+        lambda d: _serve(d, "http://qdrant:6333", "http://qdrant:7000"),
+        "qdrant_url",
+    ),
 }
 
 
@@ -196,8 +234,9 @@ def test_planted_error_fails(rendered, crd_path, case):
 
 
 def test_gpu_sizing_mismatch_fails(rendered, crd_path):
-    broken = k8s_validate.mutated(rendered["gpu-prod"], "RayService",
-                                  lambda d: _serve(d, "tensor_parallel_size: 8", "tensor_parallel_size: 3"))
+    broken = k8s_validate.mutated(
+        rendered["gpu-prod"], "RayService", lambda d: _serve(d, "tensor_parallel_size: 8", "tensor_parallel_size: 3")
+    )
     with pytest.raises(ManifestError, match="multiple of tensor_parallel_size"):
         k8s_validate.validate_documents(broken, crd_path=crd_path)
 
@@ -227,8 +266,11 @@ def test_broken_crd_field_in_file_fails(k8s_copy, crd_path):
 
 
 def test_patch_to_missing_path_fails_to_render(k8s_copy):
-    _edit(k8s_copy / "overlays" / "cpu-dev" / "rayservice-cpu.yaml", "workerGroupSpecs/0/groupName",
-          "workerGroupSpecs/1/groupName")
+    _edit(
+        k8s_copy / "overlays" / "cpu-dev" / "rayservice-cpu.yaml",
+        "workerGroupSpecs/0/groupName",
+        "workerGroupSpecs/1/groupName",
+    )
     with pytest.raises(k8s_render.KustomizeError):
         k8s_render.render(k8s_copy / "overlays" / "cpu-dev")
 
@@ -246,26 +288,40 @@ def test_validate_cli(capsys):
 
 # ------------------------------------------------------------- renderer unit checks
 
+
 def test_json6902_ops():
     doc = {"a": {"b": [1, 2]}, "c": "x"}
-    out = k8s_render.json6902(doc, [
-        {"op": "add", "path": "/a/b/-", "value": 3},
-        {"op": "replace", "path": "/c", "value": "y"},
-        {"op": "remove", "path": "/a/b/0"},
-        {"op": "copy", "from": "/c", "path": "/d~1e"},
-    ])
+    out = k8s_render.json6902(
+        doc,
+        [
+            {"op": "add", "path": "/a/b/-", "value": 3},
+            {"op": "replace", "path": "/c", "value": "y"},
+            {"op": "remove", "path": "/a/b/0"},
+            {"op": "copy", "from": "/c", "path": "/d~1e"},
+        ],
+    )
     assert out == {"a": {"b": [2, 3]}, "c": "y", "d/e": "y"} and doc["c"] == "x"
     with pytest.raises(KeyError):
         k8s_render.json6902(doc, [{"op": "replace", "path": "/missing", "value": 1}])
 
 
 def test_strategic_merge_keys_only_for_builtin_kinds():
-    base = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"},
-            "spec": {"template": {"spec": {"containers": [{"name": "a", "image": "i", "args": ["1"]}],
-                                            "tolerations": [{"key": "k"}]}}}}
-    patch = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"},
-             "spec": {"template": {"spec": {"containers": [{"name": "a", "args": ["2"]}],
-                                            "tolerations": [{"key": "t"}]}}}}
+    base = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "d"},
+        "spec": {
+            "template": {
+                "spec": {"containers": [{"name": "a", "image": "i", "args": ["1"]}], "tolerations": [{"key": "k"}]}
+            }
+        },
+    }
+    patch = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "d"},
+        "spec": {"template": {"spec": {"containers": [{"name": "a", "args": ["2"]}], "tolerations": [{"key": "t"}]}}},
+    }
     out = k8s_render.strategic_merge(base, patch)["spec"]["template"]["spec"]
     assert out["containers"] == [{"name": "a", "image": "i", "args": ["2"]}]
     assert out["tolerations"] == [{"key": "t"}]
@@ -274,11 +330,14 @@ def test_strategic_merge_keys_only_for_builtin_kinds():
     assert out["spec"]["template"]["spec"]["containers"] == [{"name": "a", "args": ["2"]}]
 
 
-@pytest.mark.parametrize("image,parts", [
-    ("toolspec", ("toolspec", None, None)),
-    ("qdrant/qdrant:v1.13.0", ("qdrant/qdrant", "v1.13.0", None)),
-    ("reg:5000/a/b:1@sha256:ab", ("reg:5000/a/b", "1", "sha256:ab")),
-    ("reg:5000/a/b", ("reg:5000/a/b", None, None)),
-])
+@pytest.mark.parametrize(
+    "image,parts",
+    [
+        ("toolspec", ("toolspec", None, None)),
+        ("qdrant/qdrant:v1.13.0", ("qdrant/qdrant", "v1.13.0", None)),
+        ("reg:5000/a/b:1@sha256:ab", ("reg:5000/a/b", "1", "sha256:ab")),
+        ("reg:5000/a/b", ("reg:5000/a/b", None, None)),
+    ],
+)
 def test_split_image(image, parts):
     assert k8s_render.split_image(image) == parts

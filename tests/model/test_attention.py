@@ -35,7 +35,7 @@ def test_grouped_sdpa_equals_hf_sdpa(kind, t):
     visible[..., 0] = True  # every row sees something
     mask = visible if kind == "bool" else torch.where(visible, 0.0, torch.finfo(torch.float32).min)
     module = _Module(h // hkv)
-    got, weights = grouped_sdpa(module, q, k, v, mask, scaling=d ** -0.5)
+    got, weights = grouped_sdpa(module, q, k, v, mask, scaling=d**-0.5)
     assert weights is None and got.shape == (b, t, h, d)
     # a mask may be wider than the keys (HF slices it): the reference gets the slice
     torch.testing.assert_close(got, _reference(module, q, k, v, mask[..., :s]), rtol=1e-5, atol=1e-5)
@@ -57,6 +57,7 @@ def test_models_are_switched_and_tree_verify_never_repeats_kv_heads(monkeypatch)
             model.model(input_ids=prompt, use_cache=True, past_key_values=cache)
         ids, pos, mask = tree_inputs(2, tree, prompt.shape[1])
         if model is target.model:
+
             def no_repeat(*a, **kw):
                 raise AssertionError("KV heads repeated under a tree mask")
 

@@ -24,7 +24,9 @@ def test_packed_linear_matches_linear():
     assert packed is not None  # the CPU wheel ships MKL: the tuned path is really exercised
     for shape in ((4, 24), (1, 7, 24), (16, 24)):
         x = torch.randn(*shape)
-        torch.testing.assert_close(packed_linear(x, packed, w, b, 16), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            packed_linear(x, packed, w, b, 16), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_onednn_linear_matches_linear():
@@ -36,8 +38,12 @@ def test_onednn_linear_matches_linear():
     assert packed is not None  # the CPU wheel ships oneDNN: the tuned path is really exercised
     for shape in ((4, 24), (1, 7, 24), (16, 24), (1, 64, 24)):
         x = torch.randn(*shape)
-        torch.testing.assert_close(onednn_linear(x, packed, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(onednn_linear(x, packed, None), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            onednn_linear(x, packed, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5
+        )
+        torch.testing.assert_close(
+            onednn_linear(x, packed, None), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("packed_rows", [16, 0])
@@ -57,7 +63,13 @@ def test_tuned_cpu_linears_keep_greedy_output(reference, packed_rows):
         h = torch.randn(rows, plain.model.config.hidden_size)
         torch.testing.assert_close(tuned.logits(h), plain.logits(h), rtol=1e-5, atol=1e-5)
     for make in (oracle, branching):
-        res = decode(tuned, prefill(tuned, PROMPT), ScriptedDrafter(make(reference)), DecodeConfig(max_new_tokens=N), CostModel.flat())
+        res = decode(
+            tuned,
+            prefill(tuned, PROMPT),
+            ScriptedDrafter(make(reference)),
+            DecodeConfig(max_new_tokens=N),
+            CostModel.flat(),
+        )
         assert res.tokens == reference
 
 

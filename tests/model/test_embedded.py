@@ -49,6 +49,7 @@ def test_missing_model_file(tmp_path):
 
 # ---------------------------------------------------------------- slow: real weights
 
+
 def _items(bench: str, n: int, step: int = 1):
     with open(DATA / f"{bench}.dev.jsonl") as f:
         rows = [json.loads(line) for line in f]
@@ -67,8 +68,12 @@ def test_embedded_greedy_equals_hf_generate_for_oracle_garbage_branching(qwen):
         prompt = render_prompt(qwen.tokenizer, it["messages"], it["tools"])
         n = 40
         with torch.inference_mode():
-            ref = qwen.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                      max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+            ref = qwen.model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=n,
+                do_sample=False,
+            )[0, len(prompt) :].tolist()
         eos = set(qwen.eos_ids)
         ref = ref[: next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))]
         pre = prefill(qwen, prompt)

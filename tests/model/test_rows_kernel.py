@@ -45,14 +45,20 @@ def test_rows_kernel_builds_agree_bit_for_bit():
     if not rows_kernel.wide_registers() or rows_kernel.load() is None:
         pytest.skip("needs an AVX-512 CPU to compare both builds")
     # the AVX2 build an AVX2-only machine gets, cached beside this machine's (rebuilt when the source changes)
-    avx2 = rows_kernel.build(rows_kernel.SOURCE, "toolspec_rows_linear_avx2", rows_kernel.build_dir("avx2-check"), rows_kernel.AVX2_FLAGS)
+    avx2 = rows_kernel.build(
+        rows_kernel.SOURCE, "toolspec_rows_linear_avx2", rows_kernel.build_dir("avx2-check"), rows_kernel.AVX2_FLAGS
+    )
     wide = rows_kernel.load()
     g = torch.Generator().manual_seed(1)
     for out_f, in_f in ((37, 900), (130, 896), (9, 4864)):
         w = torch.randn(out_f, in_f, generator=g)
         x = torch.randn(40, in_f, generator=g)
         for rows in (1, 2, 3, 4, 6, 7, 9, 16, 20, 33, 40):
-            assert torch.equal(avx2.rows_linear(x[:rows], w, None), wide.rows_linear(x[:rows], w, None)), (out_f, in_f, rows)
+            assert torch.equal(avx2.rows_linear(x[:rows], w, None), wide.rows_linear(x[:rows], w, None)), (
+                out_f,
+                in_f,
+                rows,
+            )
 
 
 def test_rows_kernel_off_or_unbuildable_keeps_the_other_dispatch(monkeypatch):

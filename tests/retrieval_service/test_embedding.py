@@ -21,7 +21,10 @@ from retrieval_service.embedding import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOLS = [{"type": "function", "function": {"name": "GetWeather", "parameters": {}}}, {"type": "function", "function": {"name": "BookHotel"}}]
+TOOLS = [
+    {"type": "function", "function": {"name": "GetWeather", "parameters": {}}},
+    {"type": "function", "function": {"name": "BookHotel"}},
+]
 MSGS = [
     {"role": "system", "content": "be brief"},
     {"role": "user", "content": "What is the weather in Paris tomorrow?"},
@@ -41,7 +44,9 @@ def test_lexical_is_unit_deterministic_and_similarity_ordered():
     a = lex.embed_request(MSGS, TOOLS)
     assert a.shape == (256,) and a.dtype == np.float32 and np.linalg.norm(a) == pytest.approx(1.0, abs=1e-5)
     near = lex.embed_request([{"role": "user", "content": "weather in Paris on Friday?"}], TOOLS)
-    far = lex.embed_request([{"role": "user", "content": "open a bank account for user1"}], [{"name": "OpenBankAccount"}])
+    far = lex.embed_request(
+        [{"role": "user", "content": "open a bank account for user1"}], [{"name": "OpenBankAccount"}]
+    )
     assert float(a @ near) > float(a @ far)
     assert np.array_equal(lex.embed({"messages": MSGS, "tools": TOOLS}), a)
     with pytest.raises(TypeError):
@@ -77,7 +82,9 @@ def test_retrieval_service_never_imports_the_engine():
     import re
 
     # import statements, and module names in strings (importlib)
-    banned = re.compile(r"^\s*(?:from|import)\s+(?:toolspec_core|deployments|benchmarks)\b|[\"'](?:toolspec_core|deployments)\b", re.M)
+    banned = re.compile(
+        r"^\s*(?:from|import)\s+(?:toolspec_core|deployments|benchmarks)\b|[\"'](?:toolspec_core|deployments)\b", re.M
+    )
     for path in sorted((ROOT / "retrieval_service").glob("*.py")):
         assert not banned.search(path.read_text()), path.name
 
@@ -91,12 +98,21 @@ def tiny_model_dir(tmp_path_factory):
     # byte-level BPE like Qwen's (AutoTokenizer maps a qwen2 config to Qwen2Tokenizer, which
     # rebuilds a byte-level BPE from tokenizer.json's vocab + merges)
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(["user assistant weather in paris hotel tools : ?"] * 4, vocab_size=300, special_tokens=["<s>", "[PAD]"])
+    bpe.train_from_iterator(
+        ["user assistant weather in paris hotel tools : ?"] * 4, vocab_size=300, special_tokens=["<s>", "[PAD]"]
+    )
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, pad_token="[PAD]", eos_token="<s>")
     hf_tok.chat_template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}assistant :"
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=320, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=128)
+    cfg = Qwen2Config(
+        vocab_size=320,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+    )
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     d = tmp_path_factory.mktemp("tiny")
     model.save_pretrained(d)

@@ -93,7 +93,9 @@ def test_write_and_filtered_search(store):
     assert [h[1] for h in hits] == sorted((h[1] for h in hits), reverse=True)
     assert hits[0][0].arguments == {"city": "c0"} and hits[0][1] == pytest.approx(1.0, abs=1e-4)
     top = hits[0][0]
-    assert top.tenant == "t1" and top.tool_name == "GetWeather" and top.token_ids == [1, 2, 0] and top.schema_hash == "abc"
+    assert (
+        top.tenant == "t1" and top.tool_name == "GetWeather" and top.token_ids == [1, 2, 0] and top.schema_hash == "abc"
+    )
 
     only = store.search("t1", q, tool_name="GetWeather", k=10)
     assert {r.tool_name for r, _ in only} == {"GetWeather"} and len(only) == 2
@@ -108,7 +110,7 @@ def test_same_call_upserts_one_record(store):
     store.add(rec(seed=0, created_at=1e9))
     store.add(rec(seed=0, emb=vec(5)))  # same tenant/tool/schema/text -> same id, newer key
     assert store.count() == 1
-    (r, score), = store.search("t1", vec(5), k=5)
+    ((r, score),) = store.search("t1", vec(5), k=5)
     assert score == pytest.approx(1.0, abs=1e-4) and r.created_at > 1e9
 
 
@@ -138,7 +140,9 @@ def test_tenant_isolation_identical_embeddings(store):
         hits = store.search(tenant, e, k=50)
         assert len(hits) == 3
         assert all(r.tenant == tenant and other not in json.dumps(r.arguments) for r, _ in hits)
-        assert store.search(tenant, e, tool_name="GetWeather", k=50) and all(r.tenant == tenant for r, _ in store.search(tenant, e, tool_name="GetWeather"))
+        assert store.search(tenant, e, tool_name="GetWeather", k=50) and all(
+            r.tenant == tenant for r, _ in store.search(tenant, e, tool_name="GetWeather")
+        )
     assert store.search("carol", e, k=50) == []
     assert store.count("alice") == 3 and store.count() == 6
     assert store.delete_tenant("alice") == 3
@@ -218,7 +222,9 @@ _CHILD = textwrap.dedent(
 def _child(backend: str, path: Path, mode: str) -> dict | None:
     code = _CHILD.format(root=str(ROOT), dim=DIM)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code, backend, str(path), mode], capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code, backend, str(path), mode], capture_output=True, text=True, timeout=60, env=env
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1]) if mode == "read" else None
 
@@ -255,7 +261,14 @@ def _service(backend: str, tmp_path: Path, **limits) -> RetrievalService:
 
 def test_service_no_remember_flag(backend, tmp_path):
     svc = _service(backend, tmp_path)
-    args = dict(tool_name="Pay", schema_hash="h", text='{"name": "Pay"}', token_ids=[1], arguments={"card": "4111"}, embedding=vec(0).tolist())
+    args = dict(
+        tool_name="Pay",
+        schema_hash="h",
+        text='{"name": "Pay"}',
+        token_ids=[1],
+        arguments={"card": "4111"},
+        embedding=vec(0).tolist(),
+    )
     assert svc.add("t1", remember=False, **args) is None
     assert svc.stats()["records"] == 0 and svc.stats()["not_remembered"] == 1
     assert svc.search("t1", vec(0).tolist()) == []
@@ -267,7 +280,9 @@ def test_service_no_remember_flag(backend, tmp_path):
 def test_service_search_results_are_json(backend, tmp_path):
     svc = _service(backend, tmp_path)
     e = vec(3).tolist()
-    svc.add("t1", "GetWeather", "h1", '{"name": "GetWeather", "arguments": {"city": "Oslo"}}', [5, 6], {"city": "Oslo"}, e)
+    svc.add(
+        "t1", "GetWeather", "h1", '{"name": "GetWeather", "arguments": {"city": "Oslo"}}', [5, 6], {"city": "Oslo"}, e
+    )
     svc.add("t1", "BookHotel", "h2", '{"name": "BookHotel", "arguments": {}}', [7], {}, e)
     svc.add("t2", "GetWeather", "h1", '{"name": "GetWeather", "arguments": {"city": "Rome"}}', [8], {"city": "Rome"}, e)
     out = svc.search("t1", e, tool_names=["GetWeather"], k=10)
@@ -330,7 +345,11 @@ def test_qdrant_server_collection_and_filters():
 def test_reopen_with_other_dim_fails_clearly(backend, tmp_path):
     open_store(backend, tmp_path).close()
     with pytest.raises(StoreError):
-        (EdgeStore(str(tmp_path / "edge"), dim=DIM * 2) if backend == "edge" else QdrantStore(path=str(tmp_path / "qdrant"), dim=DIM * 2))
+        (
+            EdgeStore(str(tmp_path / "edge"), dim=DIM * 2)
+            if backend == "edge"
+            else QdrantStore(path=str(tmp_path / "qdrant"), dim=DIM * 2)
+        )
 
 
 def test_qdrant_local_path_is_single_writer(tmp_path):
@@ -344,7 +363,14 @@ def test_qdrant_local_path_is_single_writer(tmp_path):
 
 
 def test_schema_hash_is_stable_and_ignores_descriptions():
-    tool = {"type": "function", "function": {"name": "F", "description": "d", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "F",
+            "description": "d",
+            "parameters": {"type": "object", "properties": {"a": {"type": "string"}}},
+        },
+    }
     h = schema_hash(tool)
     assert h == schema_hash(tool["function"]) and len(h) == 16
     assert h == schema_hash({"type": "function", "function": dict(tool["function"], description="other")})
@@ -375,7 +401,15 @@ def test_package_imports_without_qdrant_or_torch():
 def test_service_add_many_warms_and_respects_remember(tmp_path):
     svc = RetrievalService(StoreConfig(backend="edge", path=str(tmp_path / "warm"), dim=DIM, max_records_per_tenant=2))
     calls = [
-        dict(tool_name="T", schema_hash="h", text=f"call {i}", token_ids=[i], arguments={"i": i}, embedding=vec(i).tolist(), created_at=float(i))
+        dict(
+            tool_name="T",
+            schema_hash="h",
+            text=f"call {i}",
+            token_ids=[i],
+            arguments={"i": i},
+            embedding=vec(i).tolist(),
+            created_at=float(i),
+        )
         for i in range(3)
     ]
     calls.append(dict(calls[0], text="private", remember=False))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from toolspec_core.drafters.labels import base_label, is_chain
-from toolspec_core.engine.tree import DraftTree, ROOT, tried
+from toolspec_core.engine.tree import ROOT, DraftTree, tried
 from toolspec_core.engine.verify import VerifyResult
 
 
@@ -41,7 +41,9 @@ class Drafter(Protocol):
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None: ...
 
 
-def add_copies(tree: DraftTree, conts: list[list[int]], label: str, rates: "LabelRates", shares: list[float] | None = None) -> DraftTree:
+def add_copies(
+    tree: DraftTree, conts: list[list[int]], label: str, rates: "LabelRates", shares: list[float] | None = None
+) -> DraftTree:
     """Copy drafts as chains: first token at the label's rate (× share, default 1/rank), the rest at
     the continuation rate -- the one conf rule of prompt lookup, value spans and retrieval."""
     first, more = rates.rate(label), rates.rate(label + "+")
@@ -111,7 +113,9 @@ def node_paths(tree: DraftTree) -> list[tuple[int, ...]]:
     return out
 
 
-def update_keyed_rates(rates: LabelRates, tree: DraftTree, result: VerifyResult, keys: dict, label: str | None = None) -> None:
+def update_keyed_rates(
+    rates: LabelRates, tree: DraftTree, result: VerifyResult, keys: dict, label: str | None = None
+) -> None:
     """Like ``LabelRates.update`` but counts node i under ``keys[path of i]`` (its rate key).
 
     Only nodes whose parent was accepted count as tries (they had their chance); with ``label``,

@@ -5,15 +5,14 @@ appended is the continuation of a copy that has started matching."""
 
 from __future__ import annotations
 
-
-
-
 # Copy-draft labels (one place, so the chain rule below knows them all): once a copy starts
 # matching it tends to go on, so its first token and its continuation learn separate rates.
 PLD = "pld"  # prompt lookup (n-gram over the context)
 
 
-RETRIEVAL = "retrieval"  # drafts taken from retrieved past calls (values in candidates, whole calls in toolcall.drafter)
+RETRIEVAL = (
+    "retrieval"  # drafts taken from retrieved past calls (values in candidates, whole calls in toolcall.drafter)
+)
 SPAN = "span"  # argument value copied from the context (values.value_spans)
 DERIVED = "derived"  # values rendered from the context in the call's form (dates: values.date_values)
 PATTERN = "pattern"  # a counting run a value has begun, continued (values.digit_run)
@@ -22,7 +21,7 @@ CHAIN_LABELS = (PLD, RETRIEVAL, SPAN, DERIVED, PATTERN, OWN_CALL)
 
 
 def base_label(key: str) -> str:
-    """"pld:long+" -> "pld": the draft source a rate key belongs to."""
+    """ "pld:long+" -> "pld": the draft source a rate key belongs to."""
     return key.split(":")[0].rstrip("+")
 
 

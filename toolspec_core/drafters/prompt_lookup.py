@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from toolspec_core.drafters.base import DraftContext, Drafter, LabelRates, add_copies
 from toolspec_core.drafters.labels import PLD, match_label
 from toolspec_core.drafters.methods import RequestInfo
@@ -55,14 +54,23 @@ class PromptLookupDrafter:
 
     label = PLD
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, length: int = 10, branches: int = 1, rates: LabelRates | None = None,
-                 long_at: int = 3):
+    def __init__(
+        self,
+        max_ngram: int = 4,
+        min_ngram: int = 2,
+        length: int = 10,
+        branches: int = 1,
+        rates: LabelRates | None = None,
+        long_at: int = 3,
+    ):
         self.max_ngram, self.min_ngram, self.length, self.branches = max_ngram, min_ngram, length, branches
         self.long_at = long_at  # matches of at least this many tokens learn their own rate
         self.rates = rates or LabelRates({self.label: 0.5, self.label + "+": 0.8})
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        n, conts = ngram_match(ctx.tokens, self.max_ngram, self.min_ngram, min(self.length, ctx.max_depth), self.branches)
+        n, conts = ngram_match(
+            ctx.tokens, self.max_ngram, self.min_ngram, min(self.length, ctx.max_depth), self.branches
+        )
         return add_copies(DraftTree(), conts, match_label(self.label, n, self.long_at), self.rates)
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:

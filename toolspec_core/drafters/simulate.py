@@ -6,7 +6,6 @@ Used by tests (tokenization at boundaries, FSM coverage) and to study drafters o
 
 from __future__ import annotations
 
-
 from toolspec_core.drafters.base import DraftContext
 from toolspec_core.engine.detokenize import Detokenizer
 from toolspec_core.engine.tree import ROOT, DraftTree
@@ -25,7 +24,9 @@ def oracle_walk(tree: DraftTree, truth: list[int]) -> VerifyResult:
     return VerifyResult(path, bonus)
 
 
-def simulate(drafter, prompt_ids: list[int], output_ids: list[int], cost=None, trace: list | None = None, tokenizer=None) -> dict:
+def simulate(
+    drafter, prompt_ids: list[int], output_ids: list[int], cost=None, trace: list | None = None, tokenizer=None
+) -> dict:
     """Steps/MAT of ``drafter`` if the target wrote ``output_ids`` (the first comes from prefill).
 
     With ``tokenizer``, the committed tokens are decoded by a ``Detokenizer`` and the contexts

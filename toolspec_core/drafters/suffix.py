@@ -20,15 +20,22 @@ from toolspec_core.drafters.base import DraftContext, LabelRates, update_keyed_r
 from toolspec_core.drafters.history import TenantHistories
 from toolspec_core.drafters.labels import SUFFIX
 from toolspec_core.drafters.suffix_trie import ContextIndex, SuffixTrie
-from toolspec_core.engine.tree import DraftTree, ROOT
+from toolspec_core.engine.tree import ROOT, DraftTree
 from toolspec_core.engine.verify import VerifyResult
 
-
 SUFFIX_PRIOR = {
-    "suffix:hi:L": 0.85, "suffix:mid:L": 0.5, "suffix:lo:L": 0.2,
-    "suffix:hi:l": 0.8, "suffix:mid:l": 0.5, "suffix:lo:l": 0.2,
-    "suffix:hi:s": 0.5, "suffix:mid:s": 0.3, "suffix:lo:s": 0.1,
-    "suffix:hi:L:1": 0.7, "suffix:hi:l:1": 0.6, "suffix:hi:s:1": 0.3,
+    "suffix:hi:L": 0.85,
+    "suffix:mid:L": 0.5,
+    "suffix:lo:L": 0.2,
+    "suffix:hi:l": 0.8,
+    "suffix:mid:l": 0.5,
+    "suffix:lo:l": 0.2,
+    "suffix:hi:s": 0.5,
+    "suffix:mid:s": 0.3,
+    "suffix:lo:s": 0.1,
+    "suffix:hi:L:1": 0.7,
+    "suffix:hi:l:1": 0.6,
+    "suffix:hi:s:1": 0.3,
 }
 
 
@@ -45,9 +52,19 @@ def suffix_key(freq: float, match_len: int, seen: int = 2) -> str:
 
 
 def grow_from_trie(
-    tree: DraftTree, keys: dict, trie: SuffixTrie, node: int, match_len: int, rates: LabelRates,
-    max_nodes: int, max_depth: int, min_prob: float = 0.01, label: str = SUFFIX,
-    parent: int = ROOT, prefix: tuple[int, ...] = (), prob: float = 1.0,
+    tree: DraftTree,
+    keys: dict,
+    trie: SuffixTrie,
+    node: int,
+    match_len: int,
+    rates: LabelRates,
+    max_nodes: int,
+    max_depth: int,
+    min_prob: float = 0.01,
+    label: str = SUFFIX,
+    parent: int = ROOT,
+    prefix: tuple[int, ...] = (),
+    prob: float = 1.0,
 ) -> None:
     """Best-first expansion of ``trie`` below ``node`` into ``tree`` by path probability.
 
@@ -84,7 +101,9 @@ class SuffixDrafter:
 
     label = SUFFIX
 
-    def __init__(self, history: SuffixTrie, rates: LabelRates, depth: int = 32, max_match: int = 8, max_nodes: int = 64):
+    def __init__(
+        self, history: SuffixTrie, rates: LabelRates, depth: int = 32, max_match: int = 8, max_nodes: int = 64
+    ):
         self.history, self.rates = history, rates
         self.context = ContextIndex(depth)
         self.max_match, self.max_nodes = max_match, max_nodes
@@ -119,8 +138,19 @@ class SuffixDrafter:
             found.append((self.history, self.history.longest_match(tail, self.max_match)))
         for trie, (node, m) in found:
             if node >= 0:
-                grow_from_trie(tree, self.keys, trie, node, m, self.rates, self.max_nodes, depth,
-                               parent=parent, prefix=tuple(chain), prob=prob)
+                grow_from_trie(
+                    tree,
+                    self.keys,
+                    trie,
+                    node,
+                    m,
+                    self.rates,
+                    self.max_nodes,
+                    depth,
+                    parent=parent,
+                    prefix=tuple(chain),
+                    prob=prob,
+                )
 
     def feedback(self, tree: DraftTree, result: VerifyResult, owned: bool = False) -> None:
         """``owned``: the tree merged other sources' drafts; learn only from the nodes whose conf is
@@ -139,17 +169,28 @@ class SuffixMethod:
     name = "suffix"
     uses_history, uses_library = True, False
 
-    def __init__(self, tokenizer=None, depth: int = 32, max_match: int = 8, max_nodes: int = 64, prompt_tail: int = 8,
-                 history_tokens: int = 32768):
+    def __init__(
+        self,
+        tokenizer=None,
+        depth: int = 32,
+        max_match: int = 8,
+        max_nodes: int = 64,
+        prompt_tail: int = 8,
+        history_tokens: int = 32768,
+    ):
 
         self.depth, self.max_match, self.max_nodes, self.prompt_tail = depth, max_match, max_nodes, prompt_tail
         self.history = TenantHistories(depth, history_tokens)  # bounded, per tenant, thread-safe
         self.rates = LabelRates(SUFFIX_PRIOR)
 
     def drafter(self, req) -> SuffixDrafter:
-        return SuffixDrafter(self.history.trie(getattr(req, "tenant", "default")), self.rates, self.depth, self.max_match, self.max_nodes)
+        return SuffixDrafter(
+            self.history.trie(getattr(req, "tenant", "default")), self.rates, self.depth, self.max_match, self.max_nodes
+        )
 
     def observe(self, req, output_ids: list[int], text: str) -> None:
         if getattr(req, "remember", True):
             # every output counts, repeats included: SuffixDecoding's frequencies
-            self.history.add(getattr(req, "tenant", "default"), output_ids, req.prompt_ids[-self.prompt_tail :], dedupe=False)
+            self.history.add(
+                getattr(req, "tenant", "default"), output_ids, req.prompt_ids[-self.prompt_tail :], dedupe=False
+            )

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import heapq
 from itertools import count
+
 import torch
 
 from toolspec_core.drafters.base import DraftContext, LabelRates, update_keyed_rates
 from toolspec_core.drafters.labels import TOKEN_RECYCLING
-from toolspec_core.engine.tree import DraftTree, ROOT
+from toolspec_core.engine.tree import ROOT, DraftTree
 from toolspec_core.engine.verify import VerifyResult
-
 
 TR_TOPK = 8
 TR_RANK_PRIOR = (0.55, 0.15, 0.07, 0.05, 0.035, 0.03, 0.025, 0.02)  # shapes the static tree
@@ -104,7 +104,9 @@ class TokenRecyclingMethod:
     uses_history, uses_library = True, False
 
     def __init__(self, tokenizer=None, vocab_size: int | None = None, tree_size: int = 80, topk: int = TR_TOPK):
-        self.vocab_size = vocab_size or (len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else 0)
+        self.vocab_size = vocab_size or (
+            len(tokenizer) if tokenizer is not None and hasattr(tokenizer, "__len__") else 0
+        )
         self.topk = topk
         self.template = bfs_template(tree_size, TR_RANK_PRIOR[:topk])
         self.matrix = torch.full((max(self.vocab_size, 1), topk), -1, dtype=torch.int32)  # [V, k]; -1 = unseen

@@ -9,10 +9,10 @@ to every tree method and a step never costs more than it is expected to gain.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 
 from toolspec_core.engine.tree import DraftTree, prune_to_budget
-
 
 # c(k) of Qwen2.5-0.5B in fp32 over a ~500-token prefix on a 2-core x86 CPU through the oneDNN /
 # F.linear dispatch: the budget's curve when none is measured (``cost_model: reference``).
@@ -65,12 +65,20 @@ class CostModel:
         return self.curve[min(tree_size + 1, len(self.curve) - 1)]
 
     def to_dict(self) -> dict:
-        return {"points": {str(k): v for k, v in self.points.items()}, "max_nodes": self.max_nodes, "source": self.source}
+        return {
+            "points": {str(k): v for k, v in self.points.items()},
+            "max_nodes": self.max_nodes,
+            "source": self.source,
+        }
 
     @classmethod
     def from_dict(cls, d: dict, source: str | None = None) -> "CostModel":
         """The inverse of ``to_dict`` (a saved curve)."""
-        return cls({int(k): float(v) for k, v in d["points"].items()}, int(d.get("max_nodes", 63)), source or d.get("source", "file"))
+        return cls(
+            {int(k): float(v) for k, v in d["points"].items()},
+            int(d.get("max_nodes", 63)),
+            source or d.get("source", "file"),
+        )
 
     @classmethod
     def cpu_reference(cls, max_nodes: int = 63) -> "CostModel":
@@ -111,5 +119,8 @@ class Calibration:
             if self.count % self.every or len(self.times[1]) < self.min_steps:
                 return None
             base = float(np.median(self.times[1]))
-            return {k: max(float(np.median(t)) / base, 1.0) for k, t in self.times.items()
-                    if k != 1 and len(t) >= self.min_steps}
+            return {
+                k: max(float(np.median(t)) / base, 1.0)
+                for k, t in self.times.items()
+                if k != 1 and len(t) >= self.min_steps
+            }

@@ -5,8 +5,9 @@ except ``clone_cache``, which a cached prompt prefix needs once per request."""
 
 from __future__ import annotations
 
-import torch
 import copy
+
+import torch
 
 
 def kv_rows(path: list[int], n_roots: int = 1) -> list[int]:

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import time
 from pathlib import Path
 
-import functools
-import time
 import numpy as np
 import torch
 
@@ -17,11 +17,26 @@ from toolspec_core.engine.sampling import SamplingParams
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import verify_step
 
+DEFAULT_KS = (
+    1,
+    2,
+    3,
+    4,
+    6,
+    8,
+    12,
+    16,
+    17,
+    24,
+    32,
+    48,
+    64,
+)  # 16 | 17: where a CPU kernel may switch; 3, 6: small trees are common
 
-DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 48, 64)  # 16 | 17: where a CPU kernel may switch; 3, 6: small trees are common
 
-
-def measure_cost_points(target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 7) -> tuple[dict[int, float], dict[int, float]]:
+def measure_cost_points(
+    target, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 7
+) -> tuple[dict[int, float], dict[int, float]]:
     """(median seconds, cost relative to k=1) of one verify step of k tree tokens (chain) over a
     ``prefix_len`` cache -- the curve the budget uses, and ``toolspec bench-cost``'s measurement.
 
@@ -91,7 +106,9 @@ def paired_cost(once, ks, repeats: int) -> tuple[dict[int, float], dict[int, flo
     return {k: float(np.median(t)) for k, t in times.items()}, {1: 1.0, **points}
 
 
-def measure_cost_model(target, prefix_len: int = 500, max_nodes: int = 63, repeats: int = 7, calibrate: bool = False) -> CostModel:
+def measure_cost_model(
+    target, prefix_len: int = 500, max_nodes: int = 63, repeats: int = 7, calibrate: bool = False
+) -> CostModel:
     ks = tuple(k for k in DEFAULT_KS if k <= max_nodes + 1)
     return CostModel(measure_cost_points(target, prefix_len, ks, repeats)[1], max_nodes, "measured", calibrate)
 

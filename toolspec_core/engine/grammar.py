@@ -39,12 +39,14 @@ def call_schema(tools: list[dict], only: str | None = None) -> dict:
         if only is not None and fn.get("name") != only:
             continue
         params = fn.get("parameters") or {"type": "object", "properties": {}}
-        alts.append({
-            "type": "object",
-            "properties": {"name": {"const": fn["name"]}, "arguments": params},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })
+        alts.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     if not alts:
         raise InvalidRequestError(f"tool_choice names a tool that is not in tools: {only!r}", "tool_choice")
     return alts[0] if len(alts) == 1 else {"anyOf": alts}
@@ -66,10 +68,7 @@ def _tag(tokenizer, text: str) -> str:
 def call_grammar(tools: list[dict], only: str | None = None, tokenizer=None) -> str:
     schema = json.dumps({**call_schema(tools, only), "x-guidance": JSON_OPTIONS})
     open_tag, close_tag = _tag(tokenizer, "<tool_call>"), _tag(tokenizer, "</tool_call>")
-    lark = (
-        f'start: {open_tag} "\\n" call "\\n" {close_tag} | "```json\\n" call "\\n```" | call\n'
-        f"call: %json {schema}\n"
-    )
+    lark = f'start: {open_tag} "\\n" call "\\n" {close_tag} | "```json\\n" call "\\n```" | call\ncall: %json {schema}\n'
     import llguidance
 
     return llguidance.LLMatcher.grammar_from_lark(lark)
@@ -104,7 +103,9 @@ class GrammarConstraint:
         return ff
 
 
-def make_tool_constraint(tokenizer, tools: list[dict] | None, tool_choice, vocab_size: int | None = None) -> GrammarConstraint | None:
+def make_tool_constraint(
+    tokenizer, tools: list[dict] | None, tool_choice, vocab_size: int | None = None
+) -> GrammarConstraint | None:
     """A constraint for ``tool_choice`` "required" or {"type": "function", "function": {"name": ...}}.
 
     Returns None for "auto" / "none" / absent (free decoding).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Callable
+
 import torch
 
 from toolspec_core.drafters.base import DraftContext, Drafter, NoDrafter
@@ -63,7 +64,11 @@ def prefill(target: Target, prompt_ids: list[int], prefix: Prefilled | None = No
     check_prompt(target, prompt_ids)
     t0 = time.perf_counter()
     start, cache = 0, target.new_cache()
-    if prefix is not None and len(prefix.prompt_ids) < len(prompt_ids) and prompt_ids[: len(prefix.prompt_ids)] == prefix.prompt_ids:
+    if (
+        prefix is not None
+        and len(prefix.prompt_ids) < len(prompt_ids)
+        and prompt_ids[: len(prefix.prompt_ids)] == prefix.prompt_ids
+    ):
         start, cache = len(prefix.prompt_ids), clone_cache(prefix.cache)
     hidden = None
     for s in range(start, len(prompt_ids), chunk):

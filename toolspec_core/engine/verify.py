@@ -8,11 +8,12 @@ the target (the bonus/correction token).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import torch
 
 from toolspec_core.engine.commit import commit_kv, kv_rows
 from toolspec_core.engine.sampling import SamplingParams, sample, target_probs
-from toolspec_core.engine.tree import DraftTree, ROOT, depths
+from toolspec_core.engine.tree import ROOT, DraftTree, depths
 from toolspec_core.model.target import Target
 
 
@@ -36,7 +37,10 @@ def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int, dtype=
     roots = [roots] if isinstance(roots, int) else list(roots)
     r, n = len(roots), len(roots) + len(tree)
     ids = torch.tensor([list(roots) + tree.tokens], dtype=torch.long)
-    pos = torch.tensor([list(range(prefix_len, prefix_len + r)) + [prefix_len + r - 1 + d for d in depths(tree.parents)]], dtype=torch.long)
+    pos = torch.tensor(
+        [list(range(prefix_len, prefix_len + r)) + [prefix_len + r - 1 + d for d in depths(tree.parents)]],
+        dtype=torch.long,
+    )
     visible = torch.zeros(n, n, dtype=torch.bool)
     visible[:r, :r] = torch.tril(torch.ones(r, r, dtype=torch.bool))
     visible[r:, :r] = True
@@ -84,8 +88,12 @@ def constrained_greedy_walk(tree: DraftTree, logits: torch.Tensor, constraint, r
 
 
 def sample_walk(
-    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-    constraint=None, root_row: int = 0,
+    tree: DraftTree,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    constraint=None,
+    root_row: int = 0,
 ) -> VerifyResult:
     """Recursive rejection sampling for point-mass drafts (lossless for any tree).
 
@@ -119,7 +127,9 @@ def sample_walk(
             constraint.consume(tree.tokens[node])
 
 
-def verify_step(target: Target, tree: DraftTree, roots: list[int] | int, cache, params: SamplingParams, gen, constraint=None):
+def verify_step(
+    target: Target, tree: DraftTree, roots: list[int] | int, cache, params: SamplingParams, gen, constraint=None
+):
     """One target forward over the root chain + tree.
 
     Returns the accepted path + the target's token (``result.logits``: all rows, for drafters that learn).

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 NAME = "toolspec_grouped_sdpa"
 
 
-def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
+def grouped_sdpa(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
+):
     """An HF attention function: query [B, H, T, D], key/value [B, Hkv, S, D] -> ([B, T, H, D], None).
 
     Falls back to HF's own SDPA function whenever its fast paths apply (no mask, one query
@@ -28,10 +30,17 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
 
     b, h, t, d = query.shape
     hkv = key.shape[1]
-    if (attention_mask is None or t == 1 or hkv == h or dropout or kwargs.get("position_bias") is not None
-            or kwargs.get("softcap") is not None):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+    if (
+        attention_mask is None
+        or t == 1
+        or hkv == h
+        or dropout
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     g = h // hkv
     q = query.reshape(b, hkv, g * t, d)  # head hkv*g+i, row j -> row i*t+j of KV head hkv
     mask = attention_mask[:, :, :, : key.shape[-2]]  # [B|1, 1|H, T, S]

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import time
+
 import torch
-
-
 
 SMALL_ROWS = 3  # up to this many rows the BLAS's own matrix-vector kernel may be fastest: measured at load
 ONEDNN_WINS = 0.9  # at 1-3 rows oneDNN replaces F.linear only when at least this much faster (timing noise)
@@ -63,7 +62,9 @@ def median_seconds(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def small_row_kernels(weight: torch.Tensor, dnn: torch.Tensor | None, small_rows: int = SMALL_ROWS, repeats: int = 5) -> tuple[bool, ...]:
+def small_row_kernels(
+    weight: torch.Tensor, dnn: torch.Tensor | None, small_rows: int = SMALL_ROWS, repeats: int = 5
+) -> tuple[bool, ...]:
     """For 1..``small_rows`` rows: whether oneDNN (``dnn``) beats ``F.linear`` on this weight here.
 
     Why measured: which kernel is fastest at a few rows depends on the CPU, not the model. On
@@ -87,8 +88,14 @@ def small_row_kernels(weight: torch.Tensor, dnn: torch.Tensor | None, small_rows
     return tuple(out)
 
 
-def tune_cpu_linears(model: torch.nn.Module, small_rows: int = SMALL_ROWS, packed_rows: int = 0,
-                     small_kernels: dict | None = None, rows_kernel: bool = True, kernel_module=None) -> int:
+def tune_cpu_linears(
+    model: torch.nn.Module,
+    small_rows: int = SMALL_ROWS,
+    packed_rows: int = 0,
+    small_kernels: dict | None = None,
+    rows_kernel: bool = True,
+    kernel_module=None,
+) -> int:
     """Make every ``nn.Linear`` of a CPU model fast for a few rows at a time (tree verification).
 
     Why: on x86 CPUs ``F.linear`` switches from a matrix-vector kernel to a GEMM path at 4 rows

@@ -66,7 +66,9 @@ def load():
     try:
         return build(SOURCE, "toolspec_rows_linear", build_dir())
     except Exception as exc:  # no compiler / headers: a slower kernel, never a failed load
-        log.warning("rows kernel unavailable (%s: %s); linears keep the oneDNN / F.linear dispatch", type(exc).__name__, exc)
+        log.warning(
+            "rows kernel unavailable (%s: %s); linears keep the oneDNN / F.linear dispatch", type(exc).__name__, exc
+        )
         return None
 
 
@@ -77,6 +79,11 @@ def build(source: Path, name: str, directory: Path, flags: list[str] | None = No
     from torch.utils.cpp_extension import load as load_extension
 
     directory.mkdir(parents=True, exist_ok=True)
-    return load_extension(name=name, sources=[str(source)], build_directory=str(directory),
-                          extra_cflags=["-O3", "-ffp-contract=off", *(isa_flags() if flags is None else flags), "-fopenmp"],
-                          extra_ldflags=["-fopenmp"], verbose=False)
+    return load_extension(
+        name=name,
+        sources=[str(source)],
+        build_directory=str(directory),
+        extra_cflags=["-O3", "-ffp-contract=off", *(isa_flags() if flags is None else flags), "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )

@@ -6,12 +6,12 @@ import functools
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 
 from toolspec_core.model.attention import use_grouped_sdpa
 from toolspec_core.model.cpu_linears import tune_cpu_linears
 from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME, ModelFileError, embedded_model_dir
-
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,7 +64,10 @@ class Target:
             mask = None if mask is None else mask.to(dev, non_blocking=True)
         with torch.inference_mode():
             out = self.model.model(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=mask,
+                use_cache=True,
                 **{cache_kwarg(self.model.model): cache},
             )
         return out.last_hidden_state[0]
@@ -147,8 +150,14 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch
     return model.eval()
 
 
-def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32, threads: int | None = None,
-                tune_gemm: bool = True, packed_rows: int = 0, device: str = "cpu") -> Target:
+def load_target(
+    path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    threads: int | None = None,
+    tune_gemm: bool = True,
+    packed_rows: int = 0,
+    device: str = "cpu",
+) -> Target:
     """Load a local HF model directory, or the embedded default when ``path`` is None/"embedded".
 
     Both go through the same ``from_pretrained`` code path; SDPA attention is required because

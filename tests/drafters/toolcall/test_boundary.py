@@ -23,7 +23,13 @@ def test_boundary_encodes_like_the_tokenizer(qwen_tok):
     """The Rust backend gives the wrapper's ids (special tokens in the text, unicode, whitespace)."""
     bt = BoundaryTokenizer(qwen_tok)
     assert bt._backend is not None  # the embedded tokenizer is a fast one: the backend path is tested
-    texts = ['<|im_end|>\n<|im_start|>assistant\n```json\n{"a": 1}', '": "', " é中文 😀 ", "  }\n}\n```<|im_end|>",
-             '{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n\n\t x"]
+    texts = [
+        '<|im_end|>\n<|im_start|>assistant\n```json\n{"a": 1}',
+        '": "',
+        " é中文 😀 ",
+        "  }\n}\n```<|im_end|>",
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        "\n\n\t x",
+    ]
     for text in texts:
         assert list(bt._encode_uncached(text)) == qwen_tok.encode(text, add_special_tokens=False), text

@@ -31,7 +31,9 @@ def _gold_items(n_per=20):
 
 
 def test_candidates_tool_names_consistent_with_prefix():
-    texts = _texts(continuations(tracker('<tool_call>\n{"name": "get_'), ToolIndex.from_tools(TOOLS), Priors(), [0], levels=1))
+    texts = _texts(
+        continuations(tracker('<tool_call>\n{"name": "get_'), ToolIndex.from_tools(TOOLS), Priors(), [0], levels=1)
+    )
     assert any(t.startswith('weather", "arguments": {"') for t in texts)
     assert any(t.startswith('time", "arguments": {"tz": ') for t in texts)
     assert not any("ping" in t for t in texts)
@@ -47,35 +49,63 @@ def test_candidates_argument_names_required_first_unused_only():
 
 def test_value_type_drafting_enum_bool_and_closing():
     idx = ToolIndex.from_tools(TOOLS)
-    texts = _texts(continuations(tracker('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": '), idx, Priors(), [0], levels=2))
+    texts = _texts(
+        continuations(
+            tracker('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": '),
+            idx,
+            Priors(),
+            [0],
+            levels=2,
+        )
+    )
     assert any(x.startswith('"celsius"') for x in texts) and any(x.startswith('"fahrenheit"') for x in texts)
-    texts = _texts(continuations(tracker('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "alerts": '), idx, Priors(), [0], levels=2))
+    texts = _texts(
+        continuations(
+            tracker('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "alerts": '),
+            idx,
+            Priors(),
+            [0],
+            levels=2,
+        )
+    )
     assert any(x.startswith("true") for x in texts) and any(x.startswith("false") for x in texts)
-    texts = _texts(continuations(tracker('<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"'), idx, Priors(), [7], levels=2))
+    texts = _texts(
+        continuations(
+            tracker('<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"'), idx, Priors(), [7], levels=2
+        )
+    )
     assert "}}\n</tool_call>" in texts
     texts = _texts(continuations(tracker('{"name": "ping", "arguments": '), idx, Priors(), [7], levels=2))
-    assert texts[0] == "{}}" and all(t.startswith("{}}\n{") for t in texts[1:])  # empty arguments, close the call (bare: no closer; a next object may follow)
+    assert texts[0] == "{}}" and all(
+        t.startswith("{}}\n{") for t in texts[1:]
+    )  # empty arguments, close the call (bare: no closer; a next object may follow)
 
 
-@pytest.mark.parametrize("text,want", [
-    ('<tool_call>\n{"name": "get_time",', ' "arguments": {"tz": '),
-    ('{"name": "get_time", ', '"arguments": {"tz": '),
-    ('```json\n{\n  "name": "get_time",\n', '  "arguments": {\n    "tz": '),
-    ('```json\n{\n  "name": "get_time",', '\n  "arguments": {\n    "tz": '),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ('<tool_call>\n{"name": "get_time",', ' "arguments": {"tz": '),
+        ('{"name": "get_time", ', '"arguments": {"tz": '),
+        ('```json\n{\n  "name": "get_time",\n', '  "arguments": {\n    "tz": '),
+        ('```json\n{\n  "name": "get_time",', '\n  "arguments": {\n    "tz": '),
+    ],
+)
 def test_after_the_comma_that_follows_the_tool_name_the_arguments_key_is_drafted(text, want):
     # a step may end right after the comma (`",` or `",\n` is one token); the schema still knows what follows
     texts = _texts(continuations(tracker(text), ToolIndex.from_tools(TOOLS), Priors(), [0], levels=2))
     assert texts and texts[0].startswith(want), texts[:2]
 
 
-@pytest.mark.parametrize("text,want", [
-    ('{"name":', ' "get_'),
-    ('{"name": "get_time", "arguments":', ' {"tz": '),
-    ('{"name": "get_time", "arguments": {"tz":', ' "'),
-    ('{"name": "get_weather", "arguments": {"city": "Oslo", "unit":', ' "celsius"'),
-    ('{"name": "get_time", "arguments": {"tz": ', '"'),  # the space written: not drafted again
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ('{"name":', ' "get_'),
+        ('{"name": "get_time", "arguments":', ' {"tz": '),
+        ('{"name": "get_time", "arguments": {"tz":', ' "'),
+        ('{"name": "get_weather", "arguments": {"city": "Oslo", "unit":', ' "celsius"'),
+        ('{"name": "get_time", "arguments": {"tz": ', '"'),  # the space written: not drafted again
+    ],
+)
 def test_a_step_that_ends_on_the_colon_gets_the_separators_space_drafted(text, want):
     # `":` is one token and ` "` the next: a step often ends between them; the drafts go on with the space
     texts = _texts(continuations(tracker(text), ToolIndex.from_tools(TOOLS), Priors(), [0], levels=2))
@@ -114,7 +144,7 @@ def test_the_drafter_passes_the_calls_this_output_finished(qwen_tok):
     gen = qwen_tok.encode(first + '{"name":')
     tree = drafter.propose(DraftContext(prompt + gen, len(prompt), 40))
     assert drafter._own_calls() == [("get_time", {"tz": "UTC"})]
-    truth = qwen_tok.encode(first + '{"name": "get_time", "arguments": {"tz": "UTC"}}')[len(gen):]
+    truth = qwen_tok.encode(first + '{"name": "get_time", "arguments": {"tz": "UTC"}}')[len(gen) :]
     res = oracle_walk(tree, truth)
     assert len(res.path) >= len(truth) - 1  # the repeat drafted whole (the budget decides what is kept)
 
@@ -126,14 +156,20 @@ def test_an_object_after_a_finished_call_is_labelled_apart():
     first = continuations(tracker('{"'), idx, Priors(), [0], levels=1)
     assert first and all(c.segs[0][1] == CALL_KEY for c in first)
     # a second bare object after a call: a parallel call, or (some models) an invented tool result
-    second = continuations(tracker('{"name": "get_time", "arguments": {"tz": "UTC"}}\n{"'), idx, Priors(), [0], levels=1)
+    second = continuations(
+        tracker('{"name": "get_time", "arguments": {"tz": "UTC"}}\n{"'), idx, Priors(), [0], levels=1
+    )
     assert second and all(c.segs[0][1] == NEXT_CALL for c in second)
     assert _texts(second)[0].startswith('name": "')
     # drafted before the model has begun it (a new line after a bare call), the head is labelled the same way
     ahead = continuations(tracker('{"name": "get_time", "arguments": {"tz": "UTC"}}\n'), idx, Priors(), [0], levels=1)
-    assert [c.segs[1][1] for c in ahead if len(c.segs) > 1] and all(c.segs[1][1] == NEXT_CALL for c in ahead if len(c.segs) > 1)
+    assert [c.segs[1][1] for c in ahead if len(c.segs) > 1] and all(
+        c.segs[1][1] == NEXT_CALL for c in ahead if len(c.segs) > 1
+    )
     # calls inside a list are parallel calls by construction
-    listed = continuations(tracker('[{"name": "get_time", "arguments": {"tz": "UTC"}}, {"'), idx, Priors(), [0], levels=1)
+    listed = continuations(
+        tracker('[{"name": "get_time", "arguments": {"tz": "UTC"}}, {"'), idx, Priors(), [0], levels=1
+    )
     assert listed and all(c.segs[0][1] == CALL_KEY for c in listed)
 
 
@@ -148,7 +184,9 @@ def test_a_call_announced_in_prose_gets_its_opener_drafted_but_inline_code_does_
         return out
 
     announced = openers("Here is the call:\n\n")
-    assert "```json\n" in announced and "<tool_call>\n" in announced and "" in announced  # every layout may open on a new line
+    assert (
+        "```json\n" in announced and "<tool_call>\n" in announced and "" in announced
+    )  # every layout may open on a new line
     assert sum(announced.values()) > sum(openers("Some prose.\n\n").values())  # a colon announces the call
     assert openers("Use the `") == {}  # a backtick inside a line is inline code, not the start of a fence
     assert "``json\n" in openers("Here it is:\n`")  # a backtick that begins a line may be one
@@ -173,7 +211,9 @@ def test_context_dates_become_value_branches_of_date_arguments_only():
     assert any(x.startswith('3-19"') for x in mid)
     assert any(x.startswith('3-19 09:30:00"') for x in mid)  # the time forms are branches too
     assert not any(lab == DERIVED for c in cands('{"name": "book", "arguments": {"city": ') for _, lab in c.segs)
-    assert not any(c.segs[0][1] == DERIVED for c in cands('{"name": "book", "arguments": {"city": "Os'))  # city's own text
+    assert not any(
+        c.segs[0][1] == DERIVED for c in cands('{"name": "book", "arguments": {"city": "Os')
+    )  # city's own text
     # without dates in the conversation the tree is what it was
     t = CallTracker(idx)
     t.feed('{"name": "book", "arguments": {"city": "Oslo", "date": ')
@@ -194,7 +234,12 @@ def test_drafting_along_gold_calls_yields_canonical_tokens(qwen_tok, layout):
         trace = []
         res = simulate(drafter, prompt, out, None, trace, tokenizer=qwen_tok)
         # the first schema step (opener + name + ...) reaches at least the tool name's end
-        name_tokens = len(qwen_tok.encode(render_calls(it["gold_calls"][:1], layout_by_name(layout)).split(it["gold_calls"][0]["name"])[0] + it["gold_calls"][0]["name"]))
+        name_tokens = len(
+            qwen_tok.encode(
+                render_calls(it["gold_calls"][:1], layout_by_name(layout)).split(it["gold_calls"][0]["name"])[0]
+                + it["gold_calls"][0]["name"]
+            )
+        )
         assert trace[0][2] + 2 >= name_tokens - 1, (it["id"], trace[:2])
         assert res["mat"] > 2.0, it["id"]
         checked += 1
@@ -227,18 +272,35 @@ def test_a_closer_that_is_text_is_drafted_both_ending_the_turn_and_followed_by_p
         truth = qwen_tok.encode(text)
         assert len(oracle_walk(tree, truth).path) == len(truth) - (text.endswith("This")), text
     # bare JSON has no closer: the turn ends (or another object follows on the next line)
-    texts = _texts(continuations(tracker('{"name": "get_time", "arguments": {"tz": "UTC"}}'), ToolIndex.from_tools(TOOLS), Priors(), [7], levels=1))
+    texts = _texts(
+        continuations(
+            tracker('{"name": "get_time", "arguments": {"tz": "UTC"}}'),
+            ToolIndex.from_tools(TOOLS),
+            Priors(),
+            [7],
+            levels=1,
+        )
+    )
     assert texts[0] == "" and all(t.startswith('\n{"name": "') for t in texts[1:])
 
 
-@pytest.mark.parametrize("truth", ['}}\n{"output_parameters": {"time": "10:00"}}', '}}\n{"name": "get_weather", "arguments": {}}',
-                                   "}}\n<|im_end|>", "}}<|im_end|>"])
+@pytest.mark.parametrize(
+    "truth",
+    [
+        '}}\n{"output_parameters": {"time": "10:00"}}',
+        '}}\n{"name": "get_weather", "arguments": {}}',
+        "}}\n<|im_end|>",
+        "}}<|im_end|>",
+    ],
+)
 def test_after_a_bare_call_the_end_of_turn_and_a_next_object_are_both_drafted(qwen_tok, truth):
     # small models go on after a bare call with a second object (a made-up tool result, another
     # call) on the next line; Qwen writes "}}\n" as one token, so the next line is drafted with the closer
     bt, idx, rates = BoundaryTokenizer(qwen_tok), ToolIndex.from_tools(TOOLS), LabelRates(DEFAULT_RATES)
     out = '{"name": "get_time", "arguments": {"tz": "UTC"'
-    steps = [(out, truth)] + ([(out + "}}\n", truth[3:])] if truth.startswith("}}\n") else [])  # at the value's end; on the new line
+    steps = [(out, truth)] + (
+        [(out + "}}\n", truth[3:])] if truth.startswith("}}\n") else []
+    )  # at the value's end; on the new line
     for done, rest in steps:
         gen, want = qwen_tok.encode(done), qwen_tok.encode(rest)
         tree = candidates_to_tree(bt, gen, continuations(tracker(done), idx, Priors(), [151645], levels=1), rates)
@@ -265,7 +327,7 @@ def test_value_drafted_from_the_conversation(qwen_tok):
     gen = qwen_tok.encode(call)
     drafter = SchemaMethod(qwen_tok).drafter(RequestInfo(prompt, TOOLS))
     tree = drafter.propose(DraftContext(prompt + gen, len(prompt), 40))
-    truth = qwen_tok.encode(call + ' Francisco de Campeche"')[len(gen):]
+    truth = qwen_tok.encode(call + ' Francisco de Campeche"')[len(gen) :]
     res = oracle_walk(tree, truth)
     assert len(res.path) == len(truth) - 1 and res.token == truth[-1]  # the span runs on past the value
     assert "span" in {tree.labels[i] for i in res.path}
@@ -293,11 +355,15 @@ def test_a_copied_value_is_drafted_on_through_what_follows_it(qwen_tok):
     call = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe'
     gen = qwen_tok.encode(call)
     rest = '/Paris"}}\n</tool_call>'
-    truth = qwen_tok.encode(call + rest)[len(gen):] + [151645]
+    truth = qwen_tok.encode(call + rest)[len(gen) :] + [151645]
     assert '"' not in [qwen_tok.decode([t]) for t in truth]  # the quote is merged with what follows
-    tree = SchemaMethod(qwen_tok).drafter(RequestInfo(prompt, TOOLS)).propose(DraftContext(prompt + gen, len(prompt), 40))
+    tree = (
+        SchemaMethod(qwen_tok).drafter(RequestInfo(prompt, TOOLS)).propose(DraftContext(prompt + gen, len(prompt), 40))
+    )
     res = oracle_walk(tree, truth)
-    assert len(res.path) == len(truth) and tree.labels[res.path[0]] == SPAN  # the value, the call's end, the end of the turn
+    assert (
+        len(res.path) == len(truth) and tree.labels[res.path[0]] == SPAN
+    )  # the value, the call's end, the end of the turn
 
 
 def test_a_value_copied_from_prose_may_end_where_the_word_does(qwen_tok):
@@ -310,8 +376,10 @@ def test_a_value_copied_from_prose_may_end_where_the_word_does(qwen_tok):
     prompt = render_prompt(qwen_tok, [{"role": "user", "content": "What time is it in UTC please?"}], TOOLS)
     call = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC'
     gen = qwen_tok.encode(call)
-    truth = qwen_tok.encode(call + '"}}\n</tool_call>')[len(gen):] + [151645]
-    tree = SchemaMethod(qwen_tok).drafter(RequestInfo(prompt, TOOLS)).propose(DraftContext(prompt + gen, len(prompt), 40))
+    truth = qwen_tok.encode(call + '"}}\n</tool_call>')[len(gen) :] + [151645]
+    tree = (
+        SchemaMethod(qwen_tok).drafter(RequestInfo(prompt, TOOLS)).propose(DraftContext(prompt + gen, len(prompt), 40))
+    )
     res = oracle_walk(tree, truth)
     assert len(res.path) == len(truth) and tree.labels[res.path[0]] == SPAN
     assert tree.conf[res.path[0]] >= SchemaDrafter.WORD_END * DEFAULT_RATES[SPAN] * 0.99
@@ -319,11 +387,18 @@ def test_a_value_copied_from_prose_may_end_where_the_word_does(qwen_tok):
 
 def test_retrieved_values_and_argument_order_become_branches():
     """Past calls of the tool: their values (in this output's style) and their argument order."""
-    past = [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Paris", "days": 5}), ("get_time", {"tz": "UTC"})]
+    past = [
+        ("get_weather", {"city": "Paris", "days": 3}),
+        ("get_weather", {"city": "Paris", "days": 5}),
+        ("get_time", {"tz": "UTC"}),
+    ]
     tools = ToolIndex.from_tools(TOOLS)
 
     def texts(t, **kw):
-        return {"".join(s for s, _ in c.segs if isinstance(s, str)): c for c in continuations(t, tools, Priors(), [151645], levels=1, **kw)}
+        return {
+            "".join(s for s, _ in c.segs if isinstance(s, str)): c
+            for c in continuations(t, tools, Priors(), [151645], levels=1, **kw)
+        }
 
     at_value = texts(tracker('{"name": "get_weather", "arguments": {"city": '), past=past)
     assert any(k.startswith('"Paris"') for k in at_value)
@@ -334,7 +409,14 @@ def test_retrieved_values_and_argument_order_become_branches():
     assert any(k.startswith('ris"') for k in inside)
     assert not any(k.startswith('ris"') for k in texts(tracker('{"name": "get_weather", "arguments": {"city": "Pa')))
     # after "city" both past calls went on with "days": it outweighs the schema's order ("unit" first)
-    nxt = continuations(tracker('{"name": "get_weather", "arguments": {"city": "Paris", "'), tools, Priors(), [151645], levels=0, past=past)
+    nxt = continuations(
+        tracker('{"name": "get_weather", "arguments": {"city": "Paris", "'),
+        tools,
+        Priors(),
+        [151645],
+        levels=0,
+        past=past,
+    )
     assert "".join(s for s, _ in nxt[0].segs if isinstance(s, str)).startswith("days")
     # values of another tool's calls are never offered
     assert not any("UTC" in k for k in at_value)
@@ -357,7 +439,11 @@ def test_a_misspelt_tool_name_takes_the_schema_of_the_closest_offered_tool():
     # models write names the request does not offer (getFruitsByFamily for getFruitByFamily)
     idx = ToolIndex.from_tools(TOOLS)
     assert idx.resolve("get_weather") == "get_weather" and idx.resolve("get_weathers") == "get_weather"
-    assert idx.resolve("calculateMonthlySalary") is None and idx.free("calculateMonthlySalary") and not idx.free("get_weathers")
+    assert (
+        idx.resolve("calculateMonthlySalary") is None
+        and idx.free("calculateMonthlySalary")
+        and not idx.free("get_weathers")
+    )
     texts = _texts(continuations(tracker('{"name": "get_weathers", "arguments": {'), idx, Priors(), [0], levels=1))
     assert texts[0].startswith('"city": ')
 
@@ -367,11 +453,24 @@ def test_a_call_of_an_unknown_tool_still_gets_its_structure_drafted():
     idx = ToolIndex.from_tools(TOOLS)
     texts = _texts(continuations(tracker('```json\n{\n  "name": "calculateSalary",'), idx, Priors(), [0], levels=2))
     assert texts == ['\n  "arguments": {\n    "']
-    texts = _texts(continuations(tracker('```json\n{\n  "name": "calculateSalary",\n  "arguments": {\n    "sal'), idx, Priors(), [0], levels=2))
+    texts = _texts(
+        continuations(
+            tracker('```json\n{\n  "name": "calculateSalary",\n  "arguments": {\n    "sal'),
+            idx,
+            Priors(),
+            [0],
+            levels=2,
+        )
+    )
     assert texts == ['": ']
-    texts = _texts(continuations(tracker('{"name": "calculateSalary", "arguments": {"salary": 5000'), idx, Priors(), [7], levels=2))
+    texts = _texts(
+        continuations(tracker('{"name": "calculateSalary", "arguments": {"salary": 5000'), idx, Priors(), [7], levels=2)
+    )
     assert ', "' in texts and "}}" in texts
-    assert _texts(continuations(tracker('{"name": "calculateSalary", "arguments": {"'), idx, Priors(), [0], levels=2)) == []
+    assert (
+        _texts(continuations(tracker('{"name": "calculateSalary", "arguments": {"'), idx, Priors(), [0], levels=2))
+        == []
+    )
 
 
 def test_first_call_end_feeds_each_token_once(qwen_tok):
@@ -388,9 +487,11 @@ def test_first_call_end_feeds_each_token_once(qwen_tok):
                 return i + 1
         return None
 
-    for text in ['Sure — 天气 ☀️ first.\n{"name": "get_time", "arguments": {"tz": "東京"}}\n{"result": "ok"}',
-                 '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Zürich"\n  }\n}\n```\nDone.',
-                 "No call here, only prose 🙂"]:
+    for text in [
+        'Sure — 天气 ☀️ first.\n{"name": "get_time", "arguments": {"tz": "東京"}}\n{"result": "ok"}',
+        '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Zürich"\n  }\n}\n```\nDone.',
+        "No call here, only prose 🙂",
+    ]:
         tokens = qwen_tok.encode(text)
         assert first_call_end(qwen_tok, TOOLS, tokens) == by_prefix(tokens)
     assert first_call_end(qwen_tok, TOOLS, qwen_tok.encode("No call here")) is None
@@ -401,8 +502,10 @@ def test_call_bounds_start_at_the_token_that_opens_the_call_object(qwen_tok):
     opener before it is text) and ends where ``first_call_end`` says."""
     from benchmarks.tokens_after_call import call_bounds, first_call_end
 
-    for text in ['Here you go:\n```json\n{\n  "name": "get_time",\n  "arguments": {"tz": "UTC"}\n}\n```\nDone.',
-                 '{"name": "get_weather", "arguments": {"city": "Zürich"}}\n{"result": 1}']:
+    for text in [
+        'Here you go:\n```json\n{\n  "name": "get_time",\n  "arguments": {"tz": "UTC"}\n}\n```\nDone.',
+        '{"name": "get_weather", "arguments": {"city": "Zürich"}}\n{"result": 1}',
+    ]:
         tokens = qwen_tok.encode(text)
         start, end = call_bounds(qwen_tok, TOOLS, tokens)
         assert "{" not in qwen_tok.decode(tokens[:start]) and qwen_tok.decode(tokens[: start + 1]).count("{") == 1

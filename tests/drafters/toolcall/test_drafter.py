@@ -23,11 +23,29 @@ from toolspec_core.model.prompting import render_prompt
 from toolspec_core.model.target import from_model
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"]}}},
-    {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": {
-        "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Time in a zone",
+            "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
+        },
+    },
 ]
 MESSAGES = [{"role": "user", "content": "What's the weather in Paris, in celsius?"}]
 
@@ -47,8 +65,17 @@ def tiny_qwen(qwen_tok):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.3, attn_implementation="sdpa")
+    cfg = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.3,
+        attn_implementation="sdpa",
+    )
     return from_model(Qwen2ForCausalLM(cfg).eval(), qwen_tok, "tiny-qwen")
 
 
@@ -71,8 +98,13 @@ def _prompt(tok):
 def _poisoned_library(tok, tenant="t1") -> MemoryLibrary:
     lib = MemoryLibrary()
     for city in ("Berlin", "Tokyo", "Lima"):
-        text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s", "unit": "fahrenheit"}}\n</tool_call>' % city
-        lib.add(tenant, PastCall("get_weather", tok.encode(text), text, {"city": city, "unit": "fahrenheit"}), [1.0, 0.0])
+        text = (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s", "unit": "fahrenheit"}}\n</tool_call>'
+            % city
+        )
+        lib.add(
+            tenant, PastCall("get_weather", tok.encode(text), text, {"city": city, "unit": "fahrenheit"}), [1.0, 0.0]
+        )
     return lib
 
 
@@ -108,7 +140,9 @@ def test_constrained_tool_choice_always_gives_a_valid_call(closing_qwen, qwen_to
     pre = prefill(tiny_qwen, prompt)
     cfg = DecodeConfig(max_new_tokens=120)
     outs = []
-    for drafter in ([None] if method is None else [None, make_method(method, qwen_tok).drafter(RequestInfo(prompt, TOOLS))]):
+    for drafter in (
+        [None] if method is None else [None, make_method(method, qwen_tok).drafter(RequestInfo(prompt, TOOLS))]
+    ):
         c = make_tool_constraint(qwen_tok, TOOLS, choice, tiny_qwen.model.config.vocab_size)
         res = decode(tiny_qwen, pre, drafter, cfg, CostModel.flat(), constraint=c)
         outs.append(res.tokens)
@@ -124,7 +158,9 @@ def test_constrained_tool_choice_always_gives_a_valid_call(closing_qwen, qwen_to
     assert all(o == outs[0] for o in outs)  # drafting does not change the constrained output
 
 
-@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "nope"}}, "sometimes", {"type": "function"}])
+@pytest.mark.parametrize(
+    "choice", [{"type": "function", "function": {"name": "nope"}}, "sometimes", {"type": "function"}]
+)
 def test_bad_tool_choice(qwen_tok, choice):
     with pytest.raises(InvalidRequestError):
         make_tool_constraint(qwen_tok, TOOLS, choice)
@@ -139,7 +175,9 @@ def test_retrieval_drafter_continues_a_past_call(qwen_tok):
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
     ids = qwen_tok.encode(text)
     other = qwen_tok.encode('<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>')
-    d = RetrievalDrafter([PastCall("get_weather", ids, text), PastCall("get_time", other)], LabelRates({"retrieval": 0.6}))
+    d = RetrievalDrafter(
+        [PastCall("get_weather", ids, text), PastCall("get_time", other)], LabelRates({"retrieval": 0.6})
+    )
     written = ids[:12]
     ctx = DraftContext([1, 2, 3] + written, 3, 64)
     tree = d.tree(ctx, "get_weather")
@@ -167,14 +205,20 @@ def test_how_outputs_begin_and_what_follows_a_closer_are_learned(qwen_tok):
     from toolspec_core.drafters.toolcall.parse import parse_tool_calls
 
     two = '```json\n{"name": "a", "arguments": {}}\n```\n\nThen:\n```json\n{"name": "b", "arguments": {}}\n```'
-    assert [two[:e].endswith("```") for _, e in parse_tool_calls(two).spans] == [True, True]  # the closers the prior counts
+    assert [two[:e].endswith("```") for _, e in parse_tool_calls(two).spans] == [
+        True,
+        True,
+    ]  # the closers the prior counts
     m = make_method("toolspec_schema", qwen_tok)
     start, after = m.priors.call_start, m.priors.prose_after
     fence = '```json\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n```\n\nThis returns the time.'
     for _ in range(6):
         m.observe(RequestInfo([1], TOOLS), qwen_tok.encode(fence), fence)
     assert m.priors.call_start > start and m.priors.prose_after > after
-    assert m.priors.events.tries == {"call_start": 6.0, "prose_after": 6.0} and m.priors.events.hits == m.priors.events.tries
+    assert (
+        m.priors.events.tries == {"call_start": 6.0, "prose_after": 6.0}
+        and m.priors.events.hits == m.priors.events.tries
+    )
     m.observe(RequestInfo([1], TOOLS), qwen_tok.encode(two), two)  # text after the first closer, none after the second
     assert m.priors.events.tries["prose_after"] == 8.0 and m.priors.events.hits["prose_after"] == 7.0
     prose = "Which city do you mean?"

@@ -33,7 +33,9 @@ def test_fsm_states(text, state):
 
 
 def test_fsm_escaped_quotes_nested_values_and_arrays():
-    t = tracker('{"name": "get_weather", "arguments": {"city": "Say \\"hi\\", {x}", "where": {"lat": 1.5}, "tags": ["a", "b, c"]')
+    t = tracker(
+        '{"name": "get_weather", "arguments": {"city": "Say \\"hi\\", {x}", "where": {"lat": 1.5}, "tags": ["a", "b, c"]'
+    )
     assert t.state == BETWEEN
     args = t.frame("args")
     assert args.keys == ["city", "where", "tags"]
@@ -42,7 +44,9 @@ def test_fsm_escaped_quotes_nested_values_and_arrays():
 
 
 def test_fsm_two_calls_in_one_turn_and_text_before():
-    t = tracker('Let me check both.\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>\n<tool_call>\n{"name": "get_w')
+    t = tracker(
+        'Let me check both.\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>\n<tool_call>\n{"name": "get_w'
+    )
     assert t.state == TOOL_NAME and t.layout.name == "hermes"
     assert [c["name"] for c in t.calls] == ["get_time"]
     t.feed('eather", "arguments": {"city": "Oslo"}}\n</tool_call>')
@@ -60,7 +64,13 @@ def test_fsm_is_a_pure_function_of_text():
     pieces = CallTracker(ToolIndex.from_tools(TOOLS))
     for i in range(0, len(text), 3):
         pieces.feed(text[i : i + 3])
-    assert (pieces.state, pieces.name, pieces.pretty, pieces.indent_unit, pieces.buf) == (whole.state, whole.name, whole.pretty, whole.indent_unit, whole.buf)
+    assert (pieces.state, pieces.name, pieces.pretty, pieces.indent_unit, pieces.buf) == (
+        whole.state,
+        whole.name,
+        whole.pretty,
+        whole.indent_unit,
+        whole.buf,
+    )
     assert whole.pretty is True and whole.indent_unit == 2 and whole.name == "get_weather"
 
 
@@ -69,4 +79,6 @@ def test_a_fork_of_the_tracker_leaves_it_as_it_was():
     fork = t.fork()
     fork.feed('is", "days": 3')
     assert fork.state == VALUE and fork.frame("args").keys == ["city", "days"]
-    assert t.state == VALUE and t.buf == "Par" and t.frame("args").keys == ["city"] and t.frame("args").expect == "value"
+    assert (
+        t.state == VALUE and t.buf == "Par" and t.frame("args").keys == ["city"] and t.frame("args").expect == "value"
+    )

@@ -7,24 +7,34 @@ from toolcall_cases import TOOLS, _texts, tracker
 from toolspec_core.drafters.toolcall.candidates import Priors, continuations
 from toolspec_core.drafters.toolcall.fsm import ToolIndex
 
-RESULT_CONTEXT = ('Tool result: {"name": "get_time", "output_parameters": {"time": {"type": "str", "description": "Local time."}, '
-                  '"zone": {"type": "str", "description": "Zone name, like \\"CET\\" {not a key}."}}}\n')
+RESULT_CONTEXT = (
+    'Tool result: {"name": "get_time", "output_parameters": {"time": {"type": "str", "description": "Local time."}, '
+    '"zone": {"type": "str", "description": "Zone name, like \\"CET\\" {not a key}."}}}\n'
+)
 
 
 def test_key_scanner_reads_objects_in_prose_whole_or_in_pieces():
     from toolspec_core.drafters.toolcall.objkeys import KeyScanner, ObjectKeys
 
-    text = 'He said "hi": fine. ' + RESULT_CONTEXT + 'Then [{"a": 1, "b": [2]}, {"a": 3}] and a stray " quote\n{"c": {}}'
+    text = (
+        'He said "hi": fine. ' + RESULT_CONTEXT + 'Then [{"a": 1, "b": [2]}, {"a": 3}] and a stray " quote\n{"c": {}}'
+    )
     whole = KeyScanner().feed(text).index.objects
     pieces = KeyScanner()
     for i in range(0, len(text), 3):
         pieces.feed(text[i : i + 3])
     assert pieces.index.objects == whole
-    assert ObjectKeys("output_parameters", ("time", "zone")) in whole  # braces / quotes inside strings are not structure
+    assert (
+        ObjectKeys("output_parameters", ("time", "zone")) in whole
+    )  # braces / quotes inside strings are not structure
     assert ObjectKeys("time", ("type", "description")) in whole
     assert ObjectKeys(None, ("name", "output_parameters")) in whole
-    assert whole.count(ObjectKeys(None, ("a", "b"))) == 1 and ObjectKeys(None, ("a",)) in whole  # array records: parent of the array
-    assert ObjectKeys(None, ("c",)) in whole  # "hi" (no object open) is no key; a quote left open on its line is no string
+    assert (
+        whole.count(ObjectKeys(None, ("a", "b"))) == 1 and ObjectKeys(None, ("a",)) in whole
+    )  # array records: parent of the array
+    assert (
+        ObjectKeys(None, ("c",)) in whole
+    )  # "hi" (no object open) is no key; a quote left open on its line is no string
 
 
 def test_key_candidates_follow_seen_objects():
@@ -48,7 +58,9 @@ def test_objects_no_schema_describes_are_drafted_from_the_objects_seen():
     call = '{"name": "get_time", "arguments": {"tz": "UTC"}}\n'
 
     def texts(out: str) -> list[str]:
-        cands = continuations(tracker(out), idx, Priors(), [0], levels=2, context_keys=KeyScanner().feed(RESULT_CONTEXT).index)
+        cands = continuations(
+            tracker(out), idx, Priors(), [0], levels=2, context_keys=KeyScanner().feed(RESULT_CONTEXT).index
+        )
         assert all(seg[1] == OBJ_KEY for c in cands for seg in c.segs)
         return _texts(cands)
 
@@ -57,7 +69,9 @@ def test_objects_no_schema_describes_are_drafted_from_the_objects_seen():
     assert texts(call + '{"output_parameters": {"time": "10:00"')[0] == ', "zone": '
     assert texts(call + '{"output_parameters": {"time": "10:00", "zone": "CET"')[0] == "}"
     assert texts(call + '{"output_parameters": {"time": "10:00", "zo')[0] == 'ne": '
-    assert '": ' in texts(call + '{"output_parameters": {"new_key')  # an unseen key most likely ends at the token boundary
+    assert '": ' in texts(
+        call + '{"output_parameters": {"new_key'
+    )  # an unseen key most likely ends at the token boundary
     # records of an array (here a nested argument): the next record starts like the previous one
     rec = '{"name": "get_weather", "arguments": {"city": "Oslo", "tags": [{"k": 1, "v": 2}'
     assert texts(rec)[0] == ', {"k": '

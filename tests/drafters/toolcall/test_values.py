@@ -14,8 +14,10 @@ from toolspec_core.drafters.toolcall.drafter import SchemaMethod
 def test_context_dates_found_in_the_forms_people_write():
     from toolspec_core.drafters.toolcall.values import context_dates
 
-    text = ("The current year is 2023. Cancel the switch for March 19th at 9:30 AM, or on 5 April 2022 at 14:00. "
-            "Also 03/07/2021. Not a date: 10000025, version 2.1, room 12.")
+    text = (
+        "The current year is 2023. Cancel the switch for March 19th at 9:30 AM, or on 5 April 2022 at 14:00. "
+        "Also 03/07/2021. Not a date: 10000025, version 2.1, room 12."
+    )
     assert context_dates(text) == [((2021, 3, 7), None), ((2022, 4, 5), (14, 0)), ((2023, 3, 19), (9, 30))]
     # no year written anywhere: nothing can be rendered; a year written later still counts
     assert context_dates("See you on June 1st.") == []
@@ -29,9 +31,18 @@ def test_date_values_use_the_schema_format_first_then_iso_forms():
     dates = [((2023, 3, 19), (9, 30)), ((2023, 2, 30), None), ((2022, 4, 5), None)]
     props = DATE_TOOLS[0]["function"]["parameters"]["properties"]
     assert date_values(dates, {"description": "Format: %Y-%m-%d %H:%M:%S"})[0] == "2023-03-19 09:30:00"
-    assert date_values(dates, props["date"]) == ["2023-03-19", "2023-03-19 09:30:00", "2023-03-19 09:30", "09:30:00", "09:30", "2022-04-05"]
+    assert date_values(dates, props["date"]) == [
+        "2023-03-19",
+        "2023-03-19 09:30:00",
+        "2023-03-19 09:30",
+        "09:30:00",
+        "09:30",
+        "2022-04-05",
+    ]
     assert date_values(dates, props["slot"]) == ["09:30:00", "09:30"]
-    assert date_values([((2022, 4, 5), None)], {"description": "Format: %Y-%m-%d %H:%M"}) == ["2022-04-05"]  # no time: no made-up 00:00
+    assert date_values([((2022, 4, 5), None)], {"description": "Format: %Y-%m-%d %H:%M"}) == [
+        "2022-04-05"
+    ]  # no time: no made-up 00:00
     assert wants_date("date", props["date"]) and wants_date("time", props["time"]) and wants_date("slot", props["slot"])
     assert not wants_date("city", props["city"])
 
@@ -55,9 +66,11 @@ def test_value_spans_copy_from_word_starts():
     from toolspec_core.drafters.toolcall.values import value_spans
 
     src = 'remind me on 2022-05-10 10:00:00 please. {"token": "n9m8k7"} and a 12.5 kg parcel'
-    assert value_spans(src, "2", False) == ["022-05-10 10:00:00 please. {\""]
+    assert value_spans(src, "2", False) == ['022-05-10 10:00:00 please. {"']
     assert value_spans(src, "n9", False) == ['m8k7"']  # a JSON string in the source: closing quote too
     assert value_spans(src, "1", True) == ["2.5", "0"]  # numbers stop where the number stops
     assert value_spans(src, "m8", False) == []  # not at a word start
     assert value_spans(src, "", False) == [] and value_spans(src, '"', False) == []
-    assert value_spans(src, "-12", True) == [".5"] and value_spans(src, "-", True) == []  # a sign the source did not write
+    assert (
+        value_spans(src, "-12", True) == [".5"] and value_spans(src, "-", True) == []
+    )  # a sign the source did not write

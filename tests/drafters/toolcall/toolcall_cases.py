@@ -7,12 +7,31 @@ import pytest
 from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer"}, "alerts": {"type": "boolean"},
-        "where": {"type": "object", "properties": {"lat": {"type": "number"}}}, "tags": {"type": "array", "items": {"type": "string"}}},
-        "required": ["city"]}}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                    "days": {"type": "integer"},
+                    "alerts": {"type": "boolean"},
+                    "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
+        },
+    },
     {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}},
 ]
 
@@ -27,11 +46,24 @@ def _texts(cands):
     return ["".join(s for s, _ in c.segs if isinstance(s, str)) for c in cands]
 
 
-DATE_TOOLS = [{"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string"},
-    "date": {"type": "string", "description": "The date. Format: %Y-%m-%d"},
-    "time": {"type": "string", "description": "When it starts"},
-    "slot": {"type": "string", "format": "time"}}, "required": ["city", "date"]}}}]
+DATE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "date": {"type": "string", "description": "The date. Format: %Y-%m-%d"},
+                    "time": {"type": "string", "description": "When it starts"},
+                    "slot": {"type": "string", "format": "time"},
+                },
+                "required": ["city", "date"],
+            },
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from toolspec_core.drafters.base import LabelRates
-from toolspec_core.drafters.labels import ARG_NAME, CALL_KEY, DERIVED, END, NEXT_CALL, OBJ_KEY, OPENER, OWN_CALL, RETRIEVAL, TOOL_NAME, VALUE
+from toolspec_core.drafters.labels import (
+    ARG_NAME,
+    CALL_KEY,
+    DERIVED,
+    END,
+    NEXT_CALL,
+    OBJ_KEY,
+    OPENER,
+    OWN_CALL,
+    RETRIEVAL,
+    TOOL_NAME,
+    VALUE,
+)
 from toolspec_core.drafters.toolcall.fsm import CallTracker, Frame, ToolIndex
 from toolspec_core.drafters.toolcall.layouts import LAYOUTS, Layout
 from toolspec_core.drafters.toolcall.objkeys import CLOSE, KeyIndex, key_candidates
 from toolspec_core.drafters.toolcall.values import date_values, wants_date
-
 
 Seg = tuple  # (text: str | list[int], label: str)
 
@@ -60,7 +71,9 @@ class Priors:
 
 def _past_values(past: list[tuple[str, dict]], name: str, key: str) -> list[tuple[object, float]]:
     """Distinct scalar values past calls of ``name`` passed as ``key``, with their share of those calls."""
-    vals = [a[key] for n, a in past if n == name and isinstance(a, dict) and isinstance(a.get(key), (str, int, float, bool))]
+    vals = [
+        a[key] for n, a in past if n == name and isinstance(a, dict) and isinstance(a.get(key), (str, int, float, bool))
+    ]
     n_calls = sum(1 for n, _ in past if n == name)
     out: dict[str, tuple[object, int]] = {}
     for v in vals:
@@ -81,14 +94,26 @@ class _Builder:
     AFTER_PROSE = 0.15  # P(a call opens | a new line of prose)
     ANNOUNCED = 0.5  # ... when the prose ended with a colon ("Here's the call:\n\n")
 
-    def __init__(self, tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int, past=(), dates=(),
-                 context_keys: KeyIndex | None = None, own=()):
+    def __init__(
+        self,
+        tr: CallTracker,
+        tools: ToolIndex,
+        priors: Priors,
+        eos: list[int],
+        levels: int,
+        past=(),
+        dates=(),
+        context_keys: KeyIndex | None = None,
+        own=(),
+    ):
         self.tr, self.tools, self.priors, self.eos = tr, tools, priors, eos
         self.levels = levels
         self.past = list(past)  # (tool name, arguments) of retrieved past calls
         self.own = list(own)  # (tool name, arguments) of the calls this output has finished
         self.dates = list(dates)  # dates the conversation mentions (values.context_dates)
-        self.objects = ([(context_keys, 1.0)] if context_keys is not None else []) + [(tr.objects, self.OUTPUT_KEYS_WEIGHT)]
+        self.objects = ([(context_keys, 1.0)] if context_keys is not None else []) + [
+            (tr.objects, self.OUTPUT_KEYS_WEIGHT)
+        ]
 
     def tool_weights(self, names: list[str]) -> list[float]:
         """Learned tool frequencies, half the mass moved to the tools this output already called."""
@@ -109,7 +134,12 @@ class _Builder:
 
     def derived(self, key: str, schema: dict) -> list[str]:
         """Context dates rendered for a string argument that may hold one (most likely first)."""
-        if not self.dates or schema.get("type", "string") != "string" or "enum" in schema or not wants_date(key, schema):
+        if (
+            not self.dates
+            or schema.get("type", "string") != "string"
+            or "enum" in schema
+            or not wants_date(key, schema)
+        ):
             return []
         return date_values(self.dates, schema)
 
@@ -134,7 +164,7 @@ class _Builder:
 
     @staticmethod
     def rest(expected_ws: str, since: str) -> str:
-        return expected_ws[len(since):] if expected_ws.startswith(since) else ""
+        return expected_ws[len(since) :] if expected_ws.startswith(since) else ""
 
     # ---- structures (each returns list[Cand]) ----
     def seq(self, segs: list[Seg], tails: list[Cand] | None, prob: float = 1.0) -> list[Cand]:
@@ -142,7 +172,9 @@ class _Builder:
             return [Cand(list(segs), prob)]
         return [Cand(list(segs) + t.segs, prob * t.prob) for t in tails]
 
-    def call_body(self, layout: Layout, call_indent: int, lv: int, label: str | None = None, key: str | None = None) -> list[Cand]:
+    def call_body(
+        self, layout: Layout, call_indent: int, lv: int, label: str | None = None, key: str | None = None
+    ) -> list[Cand]:
         """From just after the call's '{': "name": "<tool>", "arguments": {...}. ``key``: the text
         still to write up to the end of the "name" key (default: all of it, after the opening
         whitespace). The head is labelled as the tracker's position says (``head_label``) unless
@@ -157,17 +189,25 @@ class _Builder:
             return []
         out = []
         for name, w in zip(names, self.tool_weights(names)):
-            segs = [(name[len(prefix):] + '"', TOOL_NAME)]
+            segs = [(name[len(prefix) :] + '"', TOOL_NAME)]
             tail = self.after_name(name, layout, call_indent, lv - 1) if lv > 0 else None
             out += self.seq(segs, tail, w)
         return out
 
-    def after_name(self, name: str, layout: Layout, call_indent: int, lv: int, since: str = "", after_comma: bool = False) -> list[Cand]:
+    def after_name(
+        self, name: str, layout: Layout, call_indent: int, lv: int, since: str = "", after_comma: bool = False
+    ) -> list[Cand]:
         """From after the tool name's closing quote (or, ``after_comma``, the comma that follows it)."""
         key = layout.args_key if layout else "arguments"
-        text = self.rest(self.sep(call_indent, layout)[1:], since) if since or after_comma else self.sep(call_indent, layout)
+        text = (
+            self.rest(self.sep(call_indent, layout)[1:], since)
+            if since or after_comma
+            else self.sep(call_indent, layout)
+        )
         segs = [(text + '"' + key + '"' + self.tr.kv_sep + "{", CALL_KEY)]
-        return self.seq(segs, self.args_open(name, layout, call_indent + self.tr.indent_unit if self.pretty(layout) else 0, lv))
+        return self.seq(
+            segs, self.args_open(name, layout, call_indent + self.tr.indent_unit if self.pretty(layout) else 0, lv)
+        )
 
     def args_open(self, name: str, layout: Layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
         free = self.tools.free(name)  # a tool the request does not offer: a key of unknown name, most likely
@@ -210,8 +250,10 @@ class _Builder:
         cands = [a for a in props if a not in used and a.startswith(prefix)]
         out = []
         for a, w in zip(cands, self.arg_weights(name, used, cands)):
-            segs = [(a[len(prefix):] + '"' + self.tr.kv_sep, ARG_NAME)]
-            tail = self.value_start(name, used + [a], props.get(a) or {}, layout, args_indent, lv - 1) if lv > 0 else None
+            segs = [(a[len(prefix) :] + '"' + self.tr.kv_sep, ARG_NAME)]
+            tail = (
+                self.value_start(name, used + [a], props.get(a) or {}, layout, args_indent, lv - 1) if lv > 0 else None
+            )
             out += self.seq(segs, tail, w)
         return out
 
@@ -220,7 +262,9 @@ class _Builder:
         seen = self.seen_values(name, used[-1]) if used else []
         out = []
         for v, share, label in seen:
-            out += self.seq([(_json_scalar(v), label)], self.after_value(name, used, layout, args_indent, lv - 1), share)
+            out += self.seq(
+                [(_json_scalar(v), label)], self.after_value(name, used, layout, args_indent, lv - 1), share
+            )
         rest = 1.0 - sum(sh for _, sh, _ in seen)
         derived = self.derived(used[-1], schema) if used else []
         if derived:
@@ -228,7 +272,9 @@ class _Builder:
             for v, share in zip(derived, _rank_shares(len(derived), 0.5 * rest)):
                 out += self.seq([('"', VALUE), (v, DERIVED), ('"', VALUE)], after, share)
             rest *= 0.5
-        return out + [Cand(c.segs, c.prob * rest) for c in self.typed_start(name, used, schema, layout, args_indent, lv)]
+        return out + [
+            Cand(c.segs, c.prob * rest) for c in self.typed_start(name, used, schema, layout, args_indent, lv)
+        ]
 
     def typed_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
         """Typed value openings: enum values, booleans, null, the quote of a string."""
@@ -242,7 +288,11 @@ class _Builder:
                 out += self.seq([(v, VALUE)], self.after_value(name, used, layout, args_indent, lv - 1), w)
             return out
         if typ == "boolean":
-            return [c for v in ("true", "false") for c in self.seq([(v, VALUE)], self.after_value(name, used, layout, args_indent, lv - 1), 0.5)]
+            return [
+                c
+                for v in ("true", "false")
+                for c in self.seq([(v, VALUE)], self.after_value(name, used, layout, args_indent, lv - 1), 0.5)
+            ]
         if typ == "null":
             return self.seq([("null", VALUE)], self.after_value(name, used, layout, args_indent, lv - 1))
         if typ == "string":
@@ -279,7 +329,9 @@ class _Builder:
         call_indent = call.indent if call is not None else 0
         text = self.rest(self.ws_close(call_indent, layout), since) + "}"
         if self.tr.frame("calls") is None and layout is not None:
-            return self.seq([(text, END)], self.after_closer(layout.closer) if layout.closer else self.after_bare_call(layout, ""))
+            return self.seq(
+                [(text, END)], self.after_closer(layout.closer) if layout.closer else self.after_bare_call(layout, "")
+            )
         return [Cand([(text, END)], 1.0)]
 
     def after_closer(self, rest: str) -> list[Cand]:
@@ -330,7 +382,7 @@ class _Builder:
         if not lay.closer:
             return self.after_bare_call(lay, written)
         if lay.closer.startswith(written):
-            return [Cand(c.segs, 0.9 * c.prob) for c in self.after_closer(lay.closer[len(written):])]
+            return [Cand(c.segs, 0.9 * c.prob) for c in self.after_closer(lay.closer[len(written) :])]
         return []
 
     def after_bare_call(self, layout: Layout, written: str) -> list[Cand]:
@@ -353,20 +405,27 @@ class _Builder:
             if not need.startswith(tr.buf):
                 return []
             if need == "name":
-                return self.call_body(lay, f.indent, lv, key=need[len(tr.buf):] + '"')
-            return self.seq([(need[len(tr.buf):] + '"' + tr.kv_sep + "{", CALL_KEY)], self.args_open(tr.name, lay, self._args_indent(f, lay), lv))
+                return self.call_body(lay, f.indent, lv, key=need[len(tr.buf) :] + '"')
+            return self.seq(
+                [(need[len(tr.buf) :] + '"' + tr.kv_sep + "{", CALL_KEY)],
+                self.args_open(tr.name, lay, self._args_indent(f, lay), lv),
+            )
         if tr.in_str == "value" and f.key == "name":
             return self.tool_names(tr.buf, lay, f.indent, lv)
         if f.expect == "key" and "name" not in f.keys:
             return self.call_body(lay, f.indent, lv, key=self.rest(self.ws_key(f.indent, lay), tr.since) + '"name"')
         if f.expect == "key" and not any(k in f.keys for k in ("arguments", "parameters")):
-            return self.after_name(tr.name or "", lay, f.indent, lv, since=tr.since, after_comma=True)  # a step may end on the comma
+            return self.after_name(
+                tr.name or "", lay, f.indent, lv, since=tr.since, after_comma=True
+            )  # a step may end on the comma
         if f.expect in ("colon", "value") and f.key == "name":
             return self.seq([(self.after_colon(f) + '"', CALL_KEY)], self.tool_names("", lay, f.indent, lv))
         if f.expect == "next" and f.key == "name":
             return self.after_name(tr.name or "", lay, f.indent, lv, since=tr.since)
         if f.expect in ("colon", "value") and f.key in ("arguments", "parameters"):
-            return self.seq([(self.after_colon(f) + "{", CALL_KEY)], self.args_open(tr.name, lay, self._args_indent(f, lay), lv))
+            return self.seq(
+                [(self.after_colon(f) + "{", CALL_KEY)], self.args_open(tr.name, lay, self._args_indent(f, lay), lv)
+            )
         if f.expect == "next":
             return self.close_call(lay, lv, since=tr.since) if self.tr.frame("args") is None else []
         return []
@@ -388,7 +447,9 @@ class _Builder:
         tr, lay = self.tr, self.tr.layout
         if tr.in_str == "key":
             # a key seen before, or (keys end at token boundaries more often than not) this one ends here
-            out = [Cand([(k[len(tr.buf):] + '"' + tr.kv_sep, OBJ_KEY)], 0.7 * p) for k, p in self.object_keys(f, tr.buf)]
+            out = [
+                Cand([(k[len(tr.buf) :] + '"' + tr.kv_sep, OBJ_KEY)], 0.7 * p) for k, p in self.object_keys(f, tr.buf)
+            ]
             return out + ([Cand([('"' + tr.kv_sep, OBJ_KEY)], 0.3 if out else 0.5)] if tr.buf else [])
         if f.expect == "key":
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
@@ -411,8 +472,24 @@ class _Builder:
         if f.expect != "next" or tr.since or f.parent_key not in tr.objects.first:
             return []
         firsts = [(k, p) for k, p in key_candidates([(tr.objects, 1.0)], f.parent_key, []) if k != CLOSE]
-        out = [Cand([(self.sep(f.indent, lay) + "{" + self.ws_in(f.indent + self.tr.indent_unit, lay) + '"' + k + '"' + tr.kv_sep, OBJ_KEY)], 0.5 * p)
-               for k, p in firsts]
+        out = [
+            Cand(
+                [
+                    (
+                        self.sep(f.indent, lay)
+                        + "{"
+                        + self.ws_in(f.indent + self.tr.indent_unit, lay)
+                        + '"'
+                        + k
+                        + '"'
+                        + tr.kv_sep,
+                        OBJ_KEY,
+                    )
+                ],
+                0.5 * p,
+            )
+            for k, p in firsts
+        ]
         return out + [Cand([(self.ws_close(f.indent, lay) + "]", OBJ_KEY)], 0.5)]
 
     def head_label(self) -> str:
@@ -459,7 +536,9 @@ class _Builder:
             vals = [e for e in enum if isinstance(e, str) and e.startswith(buf)]
             out = []
             for v in vals:
-                out += self.seq([(v[len(buf):] + '"', VALUE)], self.after_value(name, used, lay, indent, lv - 1), 1.0 / len(vals))
+                out += self.seq(
+                    [(v[len(buf) :] + '"', VALUE)], self.after_value(name, used, lay, indent, lv - 1), 1.0 / len(vals)
+                )
             return out
         # the string may end here: closing quote + what follows (low prior; the budget decides)
         after = self.after_value(name, used, lay, indent, lv - 1)
@@ -467,17 +546,17 @@ class _Builder:
         for v, share, label in self.seen_values(name, used[-1]) if used else []:
             text = _json_scalar(v)[1:] if isinstance(v, str) else ""
             if text.startswith(buf) and len(text) > len(buf) + 1:
-                out += self.seq([(text[len(buf):], label)], after, share)
+                out += self.seq([(text[len(buf) :], label)], after, share)
         derived = [v for v in self.derived(used[-1], schema) if v.startswith(buf) and len(v) > len(buf)] if used else []
         for v, share in zip(derived, _rank_shares(len(derived), 0.6)):
-            out += self.seq([(v[len(buf):], DERIVED), ('"', VALUE)], after, share)
+            out += self.seq([(v[len(buf) :], DERIVED), ('"', VALUE)], after, share)
         return out
 
     def scalar_value(self, name, used, schema, lay, indent, lv) -> list[Cand]:
         buf = self.tr.buf
         for word in ("true", "false", "null"):
             if word.startswith(buf) and word != buf:
-                return self.seq([(word[len(buf):], VALUE)], self.after_value(name, used, lay, indent, lv - 1))
+                return self.seq([(word[len(buf) :], VALUE)], self.after_value(name, used, lay, indent, lv - 1))
         return [Cand(c.segs, c.prob * 0.3) for c in self.after_value(name, used, lay, indent, lv - 1)]
 
 
@@ -501,8 +580,18 @@ def _overlap(text: str, full: str) -> int:
     return 0
 
 
-def continuations(tr: CallTracker, tools: ToolIndex, priors: Priors, eos: list[int], levels: int = 3, max_cands: int = 64,
-                  past=(), dates=(), context_keys: KeyIndex | None = None, own=()) -> list[Cand]:
+def continuations(
+    tr: CallTracker,
+    tools: ToolIndex,
+    priors: Priors,
+    eos: list[int],
+    levels: int = 3,
+    max_cands: int = 64,
+    past=(),
+    dates=(),
+    context_keys: KeyIndex | None = None,
+    own=(),
+) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first.
 
     ``past``: (tool name, arguments) of retrieved past calls -- their argument order and values

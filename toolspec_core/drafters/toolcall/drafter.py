@@ -12,8 +12,24 @@ from __future__ import annotations
 from toolspec_core.drafters.base import DraftContext, LabelRates, add_copies, rate_key
 from toolspec_core.drafters.history import TenantHistories
 from toolspec_core.drafters.labels import (
-    ARG_NAME, CALL_KEY, DERIVED, END, NEXT_CALL, OBJ_KEY, OPENER, OWN_CALL, PATTERN, RETRIEVAL, SPAN, SUFFIX, SUFFIX_STATES,
-    TOOL_NAME, VALUE, base_label, is_chain, match_label,
+    ARG_NAME,
+    CALL_KEY,
+    DERIVED,
+    END,
+    NEXT_CALL,
+    OBJ_KEY,
+    OPENER,
+    OWN_CALL,
+    PATTERN,
+    RETRIEVAL,
+    SPAN,
+    SUFFIX,
+    SUFFIX_STATES,
+    TOOL_NAME,
+    VALUE,
+    base_label,
+    is_chain,
+    match_label,
 )
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter
@@ -27,19 +43,38 @@ from toolspec_core.drafters.toolcall.objkeys import KeyIndex, KeyScanner
 from toolspec_core.drafters.toolcall.parse import parse_tool_calls
 from toolspec_core.drafters.toolcall.values import context_dates, digit_run, value_spans
 from toolspec_core.engine.detokenize import Detokenizer
-from toolspec_core.engine.tree import DraftTree, ROOT
+from toolspec_core.engine.tree import ROOT, DraftTree
 from toolspec_core.engine.verify import VerifyResult
 from toolspec_core.model.target import turn_end_ids
 
-
-DEFAULT_RATES = {CALL_KEY: 0.97, TOOL_NAME: 0.97, ARG_NAME: 0.97, VALUE: 0.9, END: 0.95, OPENER: 0.9,
-                 RETRIEVAL: 0.6, RETRIEVAL + "+": 0.85, OWN_CALL: 0.5, OWN_CALL + "+": 0.85, SPAN: 0.6, SPAN + "+": 0.85, DERIVED: 0.5, DERIVED + "+": 0.85, PATTERN: 0.5, PATTERN + "+": 0.85, NEXT_CALL: 0.5, OBJ_KEY: 0.6}
+DEFAULT_RATES = {
+    CALL_KEY: 0.97,
+    TOOL_NAME: 0.97,
+    ARG_NAME: 0.97,
+    VALUE: 0.9,
+    END: 0.95,
+    OPENER: 0.9,
+    RETRIEVAL: 0.6,
+    RETRIEVAL + "+": 0.85,
+    OWN_CALL: 0.5,
+    OWN_CALL + "+": 0.85,
+    SPAN: 0.6,
+    SPAN + "+": 0.85,
+    DERIVED: 0.5,
+    DERIVED + "+": 0.85,
+    PATTERN: 0.5,
+    PATTERN + "+": 0.85,
+    NEXT_CALL: 0.5,
+    OBJ_KEY: 0.6,
+}
 
 
 DET = 0.99  # a node whose share of its parent's mass is at least this is "deterministic"
 
 
-def candidates_to_tree(bt: BoundaryTokenizer, committed: list[int], cands: list[Cand], rates: LabelRates, max_tokens: int = 96) -> DraftTree:
+def candidates_to_tree(
+    bt: BoundaryTokenizer, committed: list[int], cands: list[Cand], rates: LabelRates, max_tokens: int = 96
+) -> DraftTree:
     """Tokenize each candidate after ``committed`` and merge them into one tree.
 
     Node mass = sum of the probabilities of the candidates through it; conf = mass share of the
@@ -100,8 +135,16 @@ class RetrievalDrafter:
     output that occurs in a past call decides; its continuation is drafted whole.
     """
 
-    def __init__(self, calls: list[PastCall], rates: LabelRates, max_ngram: int = 8, length: int = 48, branches: int = 3, min_ngram: int = 2,
-                 long_at: int = 4):
+    def __init__(
+        self,
+        calls: list[PastCall],
+        rates: LabelRates,
+        max_ngram: int = 8,
+        length: int = 48,
+        branches: int = 3,
+        min_ngram: int = 2,
+        long_at: int = 4,
+    ):
         self.calls, self.rates = calls, rates
         self.max_ngram, self.length, self.branches = max_ngram, length, branches
         self.min_ngram = min_ngram  # a one-token match ('"', ':') says nothing about what follows
@@ -164,8 +207,17 @@ class SchemaDrafter:
     TAILS = 8  # most probable continuations drafted after a copied value (each is tokenized with the span)
     WORD_END = 0.3  # share of a prose span's mass on the value ending where the source's word ends
 
-    def __init__(self, bt: BoundaryTokenizer, tools: ToolIndex, priors: Priors, rates: LabelRates, eos: list[int],
-                 suffix: SuffixDrafter, retrieval: RetrievalDrafter | None = None, schema: bool = True):
+    def __init__(
+        self,
+        bt: BoundaryTokenizer,
+        tools: ToolIndex,
+        priors: Priors,
+        rates: LabelRates,
+        eos: list[int],
+        suffix: SuffixDrafter,
+        retrieval: RetrievalDrafter | None = None,
+        schema: bool = True,
+    ):
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
         self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
         self.tracker = CallTracker(tools)
@@ -188,9 +240,9 @@ class SchemaDrafter:
         if text is None:
             if self._detok is None:
                 self._detok = Detokenizer(self.bt.tok)
-            self._detok.feed(ctx.generated[len(self._detok.ids):])
+            self._detok.feed(ctx.generated[len(self._detok.ids) :])
             text, n = self._detok.text, self._detok.read
-        self.tracker.feed(text[self._n_chars:])
+        self.tracker.feed(text[self._n_chars :])
         self._n_chars, self._n_fed = len(text), n
 
     def propose(self, ctx: DraftContext) -> DraftTree:
@@ -217,8 +269,17 @@ class SchemaDrafter:
     def _continuations(self, ctx: DraftContext, tracker: CallTracker, max_cands: int = 64) -> list[Cand]:
         """What the schemas allow after ``tracker``'s text (this output's tracker, or a fork of it)."""
         past = [(c.tool_name, c.arguments) for c in self.retrieval.calls] if self.retrieval is not None else ()
-        return continuations(tracker, self.tools, self.priors, self.eos, max_cands=max_cands, past=past,
-                             dates=self._context_dates(ctx), context_keys=self._context_keys(ctx), own=self._own_calls())
+        return continuations(
+            tracker,
+            self.tools,
+            self.priors,
+            self.eos,
+            max_cands=max_cands,
+            past=past,
+            dates=self._context_dates(ctx),
+            context_keys=self._context_keys(ctx),
+            own=self._own_calls(),
+        )
 
     def _own_calls(self) -> list[tuple[str, dict]]:
         """This output's finished calls with their arguments, parsed again only when one more has closed."""
@@ -247,7 +308,12 @@ class SchemaDrafter:
     def _value_tree(self, ctx: DraftContext) -> DraftTree:
         """The current argument value continued as in the context (see ``values``)."""
         tr, tree = self.tracker, DraftTree()
-        if self._n_fed != len(ctx.generated) or tr.state != VALUE or not (tr.in_str == "value" or tr.in_scalar) or not tr.buf:
+        if (
+            self._n_fed != len(ctx.generated)
+            or tr.state != VALUE
+            or not (tr.in_str == "value" or tr.in_scalar)
+            or not tr.buf
+        ):
             return tree
         source = self._prompt(ctx) + tr.text[: len(tr.text) - len(tr.buf)]
         schema = self.schema and bool(self.tools.names)  # the schema says what follows a value
@@ -263,12 +329,18 @@ class SchemaDrafter:
                 closes = tr.in_scalar or text.endswith('"')
                 tails = self._after_value(ctx, text, memo) if schema and closes else []
                 total = sum(t.prob for t in tails)
-                cands += [Cand([(text, SPAN)] + t.segs, p * t.prob / total) for t in tails] if total > 0 else [Cand([(text, SPAN)], p)]
+                cands += (
+                    [Cand([(text, SPAN)] + t.segs, p * t.prob / total) for t in tails]
+                    if total > 0
+                    else [Cand([(text, SPAN)], p)]
+                )
         if cands:
             tree = candidates_to_tree(self.bt, ctx.tokens, cands, self.rates)
         run = digit_run(tr.buf)
         if run:
-            tree.merge(add_copies(DraftTree(), [self.bt.continuation(ctx.tokens, run)[: ctx.max_depth]], PATTERN, self.rates))
+            tree.merge(
+                add_copies(DraftTree(), [self.bt.continuation(ctx.tokens, run)[: ctx.max_depth]], PATTERN, self.rates)
+            )
         return tree
 
     def _after_value(self, ctx: DraftContext, span: str, memo: dict) -> list[Cand]:
@@ -288,8 +360,13 @@ class SchemaDrafter:
         """Learn label rates from deterministic nodes only (branch losers are expected); suffix
         drafts learn their own keyed rates (by the path they proposed) from the nodes they own."""
         self.suffix.feedback(tree, result, owned=True)
-        self.rates.update(tree, result, skip=lambda i, key: base_label(key) == SUFFIX
-                          or (not is_chain(key) and tree.conf[i] < DET * self.rates.rate(key)))
+        self.rates.update(
+            tree,
+            result,
+            skip=lambda i, key: (
+                base_label(key) == SUFFIX or (not is_chain(key) and tree.conf[i] < DET * self.rates.rate(key))
+            ),
+        )
 
 
 def _word_end(text: str) -> int:
@@ -320,9 +397,18 @@ class SchemaMethod:
     use_schema, use_retrieval = True, False
     uses_history, uses_library = False, True
 
-    def __init__(self, tokenizer, library: CallLibrary | None = None, retrieve_k: int = 8, eos_ids: list[int] | None = None,
-                 suffix_depth: int = 32, suffix_nodes: int = 64, max_match: int = 8, prompt_tail: int = 8,
-                 history_tokens: int = 32768):
+    def __init__(
+        self,
+        tokenizer,
+        library: CallLibrary | None = None,
+        retrieve_k: int = 8,
+        eos_ids: list[int] | None = None,
+        suffix_depth: int = 32,
+        suffix_nodes: int = 64,
+        max_match: int = 8,
+        prompt_tail: int = 8,
+        history_tokens: int = 32768,
+    ):
         self.tok = tokenizer
         self.bt = BoundaryTokenizer(tokenizer)
         self.rates = LabelRates(DEFAULT_RATES)
@@ -330,7 +416,12 @@ class SchemaMethod:
         self.priors = Priors()
         self.library = library if library is not None else (MemoryLibrary() if self.use_retrieval else None)
         self.retrieve_k = retrieve_k
-        self.suffix_depth, self.suffix_nodes, self.max_match, self.prompt_tail = suffix_depth, suffix_nodes, max_match, prompt_tail
+        self.suffix_depth, self.suffix_nodes, self.max_match, self.prompt_tail = (
+            suffix_depth,
+            suffix_nodes,
+            max_match,
+            prompt_tail,
+        )
         # history of earlier outputs (retrieval methods): one suffix trie per tenant, so a tenant's
         # outputs are never drafted for another. It lives in this process (per replica) and takes in
         # this replica's outputs plus the past calls retrieval brings from the shared library
@@ -360,7 +451,9 @@ class SchemaMethod:
                 self.history.add(req.tenant, c.token_ids)
             history = self.history.trie(req.tenant)
         suffix = SuffixDrafter(history, self.suffix_rates, self.suffix_depth, self.max_match, self.suffix_nodes)
-        return SchemaDrafter(self.bt, self._tools(req.tools), self.priors, self.rates, self.eos, suffix, retrieval, self.use_schema)
+        return SchemaDrafter(
+            self.bt, self._tools(req.tools), self.priors, self.rates, self.eos, suffix, retrieval, self.use_schema
+        )
 
     def observe(self, req: RequestInfo, output_ids: list[int], text: str) -> None:
         """Learn tool/layout frequencies; remember the output (suffix history) and its calls (library)
@@ -381,7 +474,9 @@ class SchemaMethod:
         self.priors.layout_counts[lay] = self.priors.layout_counts.get(lay, 0.0) + 1.0
         if self.library is not None and req.remember:
             for c in parsed.calls:
-                self.library.add(req.tenant, PastCall(c.name, list(output_ids), text, c.arguments), req.embedding, req.remember)
+                self.library.add(
+                    req.tenant, PastCall(c.name, list(output_ids), text, c.arguments), req.embedding, req.remember
+                )
 
 
 class RetrievalMethod(SchemaMethod):
@@ -405,7 +500,13 @@ class ToolSpecMethod(SchemaMethod):
 def _as_past_call(c) -> PastCall:
     if isinstance(c, PastCall):
         return c
-    return PastCall(c.get("tool_name", ""), list(c.get("token_ids") or []), c.get("text", ""), c.get("arguments") or {}, float(c.get("score", 0.0)))
+    return PastCall(
+        c.get("tool_name", ""),
+        list(c.get("token_ids") or []),
+        c.get("text", ""),
+        c.get("arguments") or {},
+        float(c.get("score", 0.0)),
+    )
 
 
 TEXT_CLOSERS = tuple(sorted({lay.closer.strip() for lay in LAYOUTS if lay.closer}))  # "</tool_call>", "```"

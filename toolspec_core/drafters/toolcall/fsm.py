@@ -252,7 +252,9 @@ class CallTracker:
         if role == "call":
             self.name = None
         parent_key = (parent.key if parent.kind == "obj" else parent.parent_key) if parent is not None else None
-        self.stack.append(Frame(kind, role, self.line_indent, schema, "key" if kind == "obj" else "value", parent_key=parent_key))
+        self.stack.append(
+            Frame(kind, role, self.line_indent, schema, "key" if kind == "obj" else "value", parent_key=parent_key)
+        )
         self.since, self.event = "", ch
 
     def _close(self) -> None:

@@ -60,5 +60,8 @@ def layout_of(output: str) -> Layout:
 def render_calls(calls: list[dict], layout: Layout) -> str:
     """Calls ``[{"name", "arguments"}]`` written as a model writes them in ``layout``, one per line."""
     indent = layout.indent if layout.pretty else None
-    objs = [json.dumps({"name": c["name"], layout.args_key: c["arguments"]}, ensure_ascii=False, indent=indent) for c in calls]
+    objs = [
+        json.dumps({"name": c["name"], layout.args_key: c["arguments"]}, ensure_ascii=False, indent=indent)
+        for c in calls
+    ]
     return "\n".join(layout.opener + o + layout.closer for o in objs)

@@ -95,7 +95,11 @@ class KeyScanner:
         elif ch in "{[":
             if len(self._stack) >= self.max_depth:
                 self._stack.clear()
-            parent = (top.keys[-1] if top.keys else None) if top is not None and top.kind == "{" else (top.parent if top else None)
+            parent = (
+                (top.keys[-1] if top.keys else None)
+                if top is not None and top.kind == "{"
+                else (top.parent if top else None)
+            )
             self._stack.append(_Open(ch, parent))
         elif ch in "}]" and top is not None:
             self._stack.pop()
@@ -103,8 +107,14 @@ class KeyScanner:
                 self.index.add(top.parent, top.keys)
 
 
-def key_candidates(sources: list[tuple[KeyIndex, float]], parent: str | None, used: list[str], prefix: str = "",
-                   schema_keys: list[str] | tuple = (), limit: int = 4) -> list[tuple[str, float]]:
+def key_candidates(
+    sources: list[tuple[KeyIndex, float]],
+    parent: str | None,
+    used: list[str],
+    prefix: str = "",
+    schema_keys: list[str] | tuple = (),
+    limit: int = 4,
+) -> list[tuple[str, float]]:
     """What comes next in an object under ``parent`` whose keys so far are ``used``: up to
     ``limit`` keys (or ``CLOSE``) with their share of the evidence, most likely first.
 
@@ -131,7 +141,11 @@ def key_candidates(sources: list[tuple[KeyIndex, float]], parent: str | None, us
             for k in index.keys:
                 if k.startswith(prefix):
                     votes[k] += weight
-    cands = [(k, v) for k, v in votes.items() if (k == CLOSE and not prefix) or (k != CLOSE and k not in used and k.startswith(prefix))]
+    cands = [
+        (k, v)
+        for k, v in votes.items()
+        if (k == CLOSE and not prefix) or (k != CLOSE and k not in used and k.startswith(prefix))
+    ]
     total = sum(v for _, v in cands)
     cands.sort(key=lambda kv: -kv[1])
     return [(k, v / total) for k, v in cands[:limit]] if total > 0 else []

@@ -29,7 +29,9 @@ class ToolCall:
 class ParsedOutput:
     content: str | None  # text outside the calls (None when there is none)
     calls: list[ToolCall] = field(default_factory=list)
-    spans: list[tuple[int, int]] = field(default_factory=list)  # where the calls are in the text (tags / fences included)
+    spans: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # where the calls are in the text (tags / fences included)
 
 
 def _as_calls(obj) -> list[ToolCall]:

@@ -51,7 +51,12 @@ def digit_run(prefix: str, min_run: int = 3, stop: str = "0") -> str:
     phone numbers and account numbers models make up count up, and digits are one token each.
     Ends after ``stop`` ("...890"); the verifier keeps what the model really writes."""
     run = 1
-    while run < len(prefix) and prefix[-run - 1].isdigit() and prefix[-run].isdigit() and (int(prefix[-run]) - int(prefix[-run - 1])) % 10 == 1:
+    while (
+        run < len(prefix)
+        and prefix[-run - 1].isdigit()
+        and prefix[-run].isdigit()
+        and (int(prefix[-run]) - int(prefix[-run - 1])) % 10 == 1
+    ):
         run += 1
     if run < min_run or not prefix[-1].isdigit() or prefix[-1] == stop:
         return ""
@@ -67,8 +72,25 @@ def digit_run(prefix: str, min_run: int = 3, stop: str = "0") -> str:
 # each, so such a value costs a step per digit unless it is drafted whole: render every date the
 # conversation mentions in the forms a call would use (the schema's own strftime format first).
 
-_MONTHS = {m: i + 1 for i, m in enumerate(
-    ("january", "february", "march", "april", "may", "june", "july", "august", "september", "october", "november", "december"))}
+_MONTHS = {
+    m: i + 1
+    for i, m in enumerate(
+        (
+            "january",
+            "february",
+            "march",
+            "april",
+            "may",
+            "june",
+            "july",
+            "august",
+            "september",
+            "october",
+            "november",
+            "december",
+        )
+    )
+}
 _MONTHS.update({m[:3]: i for m, i in list(_MONTHS.items())})
 _MONTHS["sept"] = 9
 _MON = r"(?P<mon>" + "|".join(sorted(_MONTHS, key=len, reverse=True)) + r")\.?"
@@ -79,8 +101,10 @@ _DATE_PATTERNS = (
     re.compile(r"\b" + _DAY + r"\s+(?:of\s+)?" + _MON + r"\b(?:,?\s+" + _YEAR + r"\b)?", re.IGNORECASE),
     re.compile(r"\b(?P<mnum>[01]?\d)/(?P<day>[0-3]?\d)/" + _YEAR + r"\b"),
 )
-_TIME = re.compile(r"\b(?P<h>[012]?\d)(?::(?P<m>[0-5]\d))?(?::[0-5]\d)?\s*(?P<ap>[ap])\.?m\b\.?|\b(?P<h24>[012]?\d):(?P<m24>[0-5]\d)\b",
-                   re.IGNORECASE)
+_TIME = re.compile(
+    r"\b(?P<h>[012]?\d)(?::(?P<m>[0-5]\d))?(?::[0-5]\d)?\s*(?P<ap>[ap])\.?m\b\.?|\b(?P<h24>[012]?\d):(?P<m24>[0-5]\d)\b",
+    re.IGNORECASE,
+)
 _ANY_YEAR = re.compile(r"\b" + _YEAR + r"\b")
 _STRFTIME = re.compile(r"%[YmdHMSIpyBbj](?:[^%\"'a-zA-Z\n]{0,3}%[YmdHMSIpyBbj])*")
 _DATE_WORDS = re.compile(r"date|time|day|when|deadline|start|end|birth|schedule|expir", re.IGNORECASE)
@@ -103,7 +127,11 @@ def context_dates(text: str, window: int = 60) -> list[tuple[tuple[int, int, int
             year = int(m.group("year")) if m.group("year") else _year_near(years, m.start())
             if year is None or not (1 <= month <= 12 and 1 <= day <= 31) or m.start() in found:
                 continue
-            near = [(g, hm) for a, b, hm in times if hm is not None and (g := _gap(text, m.start(), m.end(), a, b)) <= window]
+            near = [
+                (g, hm)
+                for a, b, hm in times
+                if hm is not None and (g := _gap(text, m.start(), m.end(), a, b)) <= window
+            ]
             found[m.start()] = ((year, month, day), min(near)[1] if near else None)
     return [found[k] for k in sorted(found, reverse=True)]
 
@@ -140,10 +168,14 @@ def _wants_date(key: str, description: str, fmt: str) -> bool:
     return fmt in ("date", "date-time", "time") or bool(_DATE_WORDS.search(key)) or bool(_STRFTIME.search(description))
 
 
-def date_values(dates: list[tuple[tuple[int, int, int], tuple[int, int] | None]], schema: dict, max_values: int = 6) -> list[str]:
+def date_values(
+    dates: list[tuple[tuple[int, int, int], tuple[int, int] | None]], schema: dict, max_values: int = 6
+) -> list[str]:
     """The context's dates rendered as a call would write them: the format the schema's
     description gives (``Format: %Y-%m-%d``), then ISO date, date + time and time forms."""
-    return list(_date_values(tuple(dates), str(schema.get("description") or ""), str(schema.get("format") or ""), max_values))
+    return list(
+        _date_values(tuple(dates), str(schema.get("description") or ""), str(schema.get("format") or ""), max_values)
+    )
 
 
 @functools.lru_cache(maxsize=4096)  # the schema tree asks again at every step
@@ -161,7 +193,11 @@ def _date_values(dates: tuple, description: str, fmt: str, max_values: int) -> t
         if fmt == "time":
             forms += ["%H:%M:%S", "%H:%M"] if hm else []
         else:
-            forms += (["%Y-%m-%d %H:%M:%S", "%Y-%m-%d %H:%M"] if hm else []) + ["%Y-%m-%d"] + (["%H:%M:%S", "%H:%M"] if hm else [])
+            forms += (
+                (["%Y-%m-%d %H:%M:%S", "%Y-%m-%d %H:%M"] if hm else [])
+                + ["%Y-%m-%d"]
+                + (["%H:%M:%S", "%H:%M"] if hm else [])
+            )
         for f in forms:
             v = when.strftime(f)
             if v not in out:
