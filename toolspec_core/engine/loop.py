@@ -13,7 +13,7 @@ from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import clone_cache
 from toolspec_core.engine.detokenize import Detokenizer
 from toolspec_core.engine.sampling import SamplingParams, sample, target_probs
-from toolspec_core.engine.stats import GenerationResult, GenerationStats, _record
+from toolspec_core.engine.stats import GenerationResult, GenerationStats, record_step
 from toolspec_core.engine.tree import DraftTree, depths, select
 from toolspec_core.engine.verify import verify_step
 from toolspec_core.errors import ContextLengthError, InvalidRequestError
@@ -186,7 +186,7 @@ def decode(
         result = verify_step(target, tree, roots, cache, cfg.sampling, gen, constraint)
         t2 = time.perf_counter()
         drafter.feedback(tree, result)
-        _record(stats, tree, result)
+        record_step(stats, tree, result)
         emitted = len(generated)
         new = [tree.tokens[i] for i in result.path] + [result.token]
         forced = constraint.forced() if constraint is not None else []

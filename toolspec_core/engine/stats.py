@@ -67,7 +67,8 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def _record(stats: GenerationStats, tree: DraftTree, result: VerifyResult) -> None:
+def record_step(stats: GenerationStats, tree: DraftTree, result: VerifyResult) -> None:
+    """Count one verify step: its tree size, accepted path and labels."""
     stats.forwards += 1
     stats.accepted.append(len(result.path))
     stats.drafted.append(len(tree))
