@@ -2,9 +2,10 @@
 
 Starts one local Ray cluster with two applications built from the same config except the method
 (``toolspec`` at /toolspec, ``ar`` = plain greedy at /greedy), runs ``toolspec loadtest`` against
-both side by side, then shuts everything down.
+both side by side, then shuts everything down. Arguments it does not know go to
+``toolspec loadtest`` unchanged (e.g. ``--workload conversations``, ``--request-rate``, ``--slo``).
 
-    python -m benchmarks.loadtest_local --concurrency 1,2,4,8 --requests-per-level 8 --max-seconds 300
+    python -m benchmarks.loadtest_local --concurrency 1,2,4,8 --num-requests 8 --max-seconds 300
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.loadtest_local", description=__doc__)
-    p.add_argument(
-        "--dataset", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "api_bank.dev.jsonl")
-    )
+    p.add_argument("--dataset", action="append", default=[], help="default: toolspec loadtest's for the workload")
     p.add_argument("--concurrency", default="1,2,4,8")
-    p.add_argument("--requests-per-level", default="8")
+    p.add_argument("--num-requests", "--requests-per-level", dest="num_requests", default="8")
     p.add_argument("--max-seconds", default="300")
     p.add_argument("--max-tokens", default="128")
     p.add_argument("--warmup", default="2")
@@ -29,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=JSON", help="extra ServeAppConfig keys for both apps"
     )
-    ns = p.parse_args(argv)
+    ns, passthrough = p.parse_known_args(argv)
 
     import ray.serve._private.api as serve_api
 
@@ -67,13 +66,11 @@ def main(argv: list[str] | None = None) -> int:
             cfg = ServeAppConfig.model_validate({**base, **extra, "route_prefix": f"/{name}"})
             urls[name] = start_server(cfg, app_name=name, quiet=True)
             print(f"{name}: {urls[name]}/v1 (method {method})", flush=True)
-        args = [
-            "--dataset",
-            ns.dataset,
+        args = [a for path in ns.dataset for a in ("--dataset", path)] + [
             "--concurrency",
             ns.concurrency,
-            "--requests-per-level",
-            ns.requests_per_level,
+            "--num-requests",
+            ns.num_requests,
             "--max-seconds",
             ns.max_seconds,
             "--max-tokens",
@@ -89,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for name, url in urls.items():
             args += ["--endpoint", f"{name}={url}/v1"]
+        args += passthrough
         return loadtest_main(args)
     finally:
         stop_server()

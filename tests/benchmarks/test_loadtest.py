@@ -1,9 +1,11 @@
-"""The load-test tool (issue 7) against a small OpenAI-compatible server in this process.
+"""The load-test tool (issues 7 and 31) against a small OpenAI-compatible server in this process.
 
 The server (FastAPI + uvicorn on 127.0.0.1, in a thread) answers every chat completion with a
 deterministic tool call; the path prefix picks its behaviour: /fast, /delay (50 ms), /slow
 (30 s), /flaky (every third request is a 500), /badcall (a call to an unknown tool with broken
-JSON arguments).
+JSON arguments), /count (50 ms, and it notes the most requests it had in flight at once),
+/script (streams on a fixed timetable: first token chunk after 200 ms, then four chunks 100 ms
+apart, 9 completion tokens).
 """
 
 import asyncio
@@ -19,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import loadtest
+from benchmarks.loadtest import client, main, metrics, schedule, workloads
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
@@ -42,11 +44,16 @@ def _make_app(state: dict):
     @app.post("/{mode}/v1/chat/completions")
     async def chat(mode: str, request: Request):
         body = await request.json()
-        counts = state.setdefault(mode, {"received": 0, "failed": 0})
+        counts = state.setdefault(mode, {"received": 0, "failed": 0, "now": 0, "peak": 0})
         counts["received"] += 1
         state.setdefault("bodies", []).append(body)
         if mode == "delay":
             await asyncio.sleep(0.05)
+        elif mode == "count":
+            counts["now"] += 1
+            counts["peak"] = max(counts["peak"], counts["now"])
+            await asyncio.sleep(0.05)
+            counts["now"] -= 1
         elif mode == "slow":  # until the client gives up (then note that it hung up)
             for _ in range(600):
                 if await request.is_disconnected():
@@ -63,6 +70,8 @@ def _make_app(state: dict):
             name, args = "no_such_tool", "{not json"
         call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": args}}
         usage = {"prompt_tokens": 20, "completion_tokens": 7, "total_tokens": 27}
+        if mode == "script":
+            return StreamingResponse(_scripted_sse(call), media_type="text/event-stream")
         if body.get("stream"):
             return StreamingResponse(_sse(call, usage, body), media_type="text/event-stream")
         return {
@@ -114,6 +123,35 @@ async def _sse(call: dict, usage: dict, body: dict):
     yield chunk({}, "tool_calls", toolspec={"mat": 3.0})
     if (body.get("stream_options") or {}).get("include_usage"):
         yield "data: " + json.dumps({"object": "chat.completion.chunk", "choices": [], "usage": usage}) + "\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _scripted_sse(call: dict):
+    def chunk(delta, **extra):
+        return "data: " + json.dumps({"choices": [{"index": 0, "delta": delta}], **extra}) + "\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    await asyncio.sleep(0.2)
+    fn = call["function"]
+    yield chunk({"tool_calls": [{"index": 0, "id": "c", "type": "function", "function": {"name": fn["name"]}}]})
+    args = fn["arguments"]
+    for k in range(4):
+        await asyncio.sleep(0.1)
+        yield chunk(
+            {
+                "tool_calls": [
+                    {"index": 0, "function": {"arguments": args[k * len(args) // 4 : (k + 1) * len(args) // 4]}}
+                ]
+            }
+        )
+    usage = {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29}
+    yield (
+        "data: "
+        + json.dumps(
+            {"choices": [], "usage": usage, "toolspec": {"mat": 2.0, "drafted_tokens": 10, "accepted_tokens": 4}}
+        )
+        + "\n\n"
+    )
     yield "data: [DONE]\n\n"
 
 
@@ -177,6 +215,38 @@ def dataset(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory) -> Path:
+    """Two agent conversations in the bfcl_v3_multi_turn layout: 2 turns, the first with 2 calls."""
+    path = tmp_path_factory.mktemp("conv") / "multi.jsonl"
+    tool = {
+        "type": "function",
+        "function": {"name": "cd", "parameters": {"type": "object", "properties": {"folder": {}}}},
+    }
+    rows = []
+    for c in range(2):
+        turn0 = [{"role": "user", "content": f"conversation {c}: go to a then b"}]
+        calls = [{"name": "cd", "arguments": {"folder": "a"}}, {"name": "cd", "arguments": {"folder": "b"}}]
+        meta0 = {"entry_id": f"conv{c}", "turn": 0, "gold_call_results": ["in a", "in b"]}
+        rows.append({"id": f"conv{c}-turn0", "tools": [tool], "messages": turn0, "gold_calls": calls, "meta": meta0})
+        history = list(turn0)
+        for j, call in enumerate(calls):
+            cid = f"call_{j}"
+            fn = {"name": "cd", "arguments": json.dumps(call["arguments"])}
+            history.append(
+                {"role": "assistant", "content": None, "tool_calls": [{"id": cid, "type": "function", "function": fn}]}
+            )
+            history.append(
+                {"role": "tool", "tool_call_id": cid, "name": "cd", "content": meta0["gold_call_results"][j]}
+            )
+        turn1 = history + [{"role": "user", "content": "now go back"}]
+        meta1 = {"entry_id": f"conv{c}", "turn": 1, "gold_call_results": ["in a"]}
+        calls1 = [{"name": "cd", "arguments": {"folder": ".."}}]
+        rows.append({"id": f"conv{c}-turn1", "tools": [tool], "messages": turn1, "gold_calls": calls1, "meta": meta1})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -185,8 +255,8 @@ def _free_port() -> int:
 
 def _run(tmp_path, dataset, *extra) -> tuple[int, dict, Path]:
     out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
-    code = loadtest.main(["--dataset", str(dataset), "--out", str(out), "--quiet", *extra])
-    files = sorted(out.glob("loadtest-*.json"))
+    code = main(["--dataset", str(dataset), "--out", str(out), "--quiet", *extra])
+    files = sorted(out.glob("*.json"), key=lambda p: p.stat().st_mtime)
     report = json.loads(files[-1].read_text()) if files else {}
     return code, report, out
 
@@ -196,56 +266,55 @@ def _run(tmp_path, dataset, *extra) -> tuple[int, dict, Path]:
 
 def test_percentiles_on_fixed_set():
     values = [float(v) for v in range(1, 101)]
-    assert loadtest.percentile(values, 50) == pytest.approx(50.5)
-    assert loadtest.percentile(values, 95) == pytest.approx(95.05)
-    assert loadtest.percentile(values, 99) == pytest.approx(99.01)
+    assert metrics.percentile(values, 50) == pytest.approx(50.5)
+    assert metrics.percentile(values, 95) == pytest.approx(95.05)
+    assert metrics.percentile(values, 99) == pytest.approx(99.01)
     odd = [12.0, 3.0, 7.0, 250.0, 41.0, 8.0, 9.5]
     for q in (0, 10, 50, 90, 95, 99, 100):
-        assert loadtest.percentile(odd, q) == pytest.approx(np.percentile(odd, q))
-    assert loadtest.percentile([4.0], 99) == 4.0
-    assert loadtest.percentile([], 50) is None
+        assert metrics.percentile(odd, q) == pytest.approx(np.percentile(odd, q))
+    assert metrics.percentile([4.0], 99) == 4.0
+    assert metrics.percentile([], 50) is None
 
 
 def test_urls_and_endpoints():
-    assert loadtest.chat_url("http://h:8000/v1") == "http://h:8000/v1/chat/completions"
-    assert loadtest.chat_url("http://h:8000/") == "http://h:8000/v1/chat/completions"
-    assert loadtest.chat_url("http://h/x/v1/chat/completions") == "http://h/x/v1/chat/completions"
-    assert loadtest.parse_endpoint("toolspec=http://127.0.0.1:8000/v1") == ("toolspec", "http://127.0.0.1:8000/v1")
-    assert loadtest.parse_endpoint("http://127.0.0.1:9/v1")[0] == "127.0.0.1:9"
+    assert client.chat_url("http://h:8000/v1") == "http://h:8000/v1/chat/completions"
+    assert client.chat_url("http://h:8000/") == "http://h:8000/v1/chat/completions"
+    assert client.chat_url("http://h/x/v1/chat/completions") == "http://h/x/v1/chat/completions"
+    assert client.parse_endpoint("toolspec=http://127.0.0.1:8000/v1") == ("toolspec", "http://127.0.0.1:8000/v1")
+    assert client.parse_endpoint("http://127.0.0.1:9/v1")[0] == "127.0.0.1:9"
 
 
 def test_tool_call_validity_rules():
     names = ["search"]
     good = [{"function": {"name": "search", "arguments": '{"query": "x"}'}}]
-    assert loadtest.check_tool_calls(good, names)
-    assert not loadtest.check_tool_calls([{"function": {"name": "other", "arguments": "{}"}}], names)
-    assert not loadtest.check_tool_calls([{"function": {"name": "search", "arguments": "{bad"}}], names)
-    assert not loadtest.check_tool_calls([{"function": {"name": "search", "arguments": "[1]"}}], names)
+    assert client.check_tool_calls(good, names)
+    assert not client.check_tool_calls([{"function": {"name": "other", "arguments": "{}"}}], names)
+    assert not client.check_tool_calls([{"function": {"name": "search", "arguments": "{bad"}}], names)
+    assert not client.check_tool_calls([{"function": {"name": "search", "arguments": "[1]"}}], names)
 
 
 def test_split_jobs_and_merge():
-    jobs = loadtest.level_jobs([{"id": "a"}, {"id": "b"}, {"id": "c"}], 10)
+    jobs = workloads.level_jobs([{"id": "a"}, {"id": "b"}, {"id": "c"}], 10)
     assert [i for i, _ in jobs] == list(range(10)) and jobs[4][1]["id"] == "b"
-    parts = loadtest.split_jobs(jobs, concurrency=4, tasks=3)
+    parts = schedule.split_jobs(jobs, concurrency=4, tasks=3)
     assert [share for _, share in parts] == [2, 1, 1]
     assert sorted(i for part, _ in parts for i, _ in part) == list(range(10))
     assert [len(part) for part, _ in parts] == [5, 3, 2]
-    assert len(loadtest.split_jobs(jobs, concurrency=2, tasks=8)) == 2
-    assert len(loadtest.split_jobs(jobs[:1], concurrency=4, tasks=4)) == 1
+    assert len(schedule.split_jobs(jobs, concurrency=2, tasks=8)) == 2
+    assert len(schedule.split_jobs(jobs[:1], concurrency=4, tasks=4)) == 1
     outs = [
         {
             "records": [{"index": 3}, {"index": 1}],
-            "started": 10.0,
-            "finished": 12.0,
+            "duration_s": 2.0,
             "node": "b",
             "timed_out": False,
             "unsent": 0,
         },
-        {"records": [{"index": 2}], "started": 9.5, "finished": 11.0, "node": "a", "timed_out": True, "unsent": 2},
+        {"records": [{"index": 2}], "duration_s": 1.5, "node": "a", "timed_out": True, "unsent": 2},
     ]
-    merged = loadtest.merge_slices(outs)
+    merged = schedule.merge_slices(outs)
     assert [r["index"] for r in merged["records"]] == [1, 2, 3]
-    assert (merged["started"], merged["finished"], merged["nodes"]) == (9.5, 12.0, ["a", "b"])
+    assert (merged["duration_s"], merged["nodes"]) == (2.0, ["a", "b"])  # slices start together
     assert merged["timed_out"] and merged["unsent"] == 2
 
 
@@ -253,9 +322,9 @@ def test_cli_dispatch_and_bad_arguments(dataset):
     from deployments import cli
 
     assert cli.main(["loadtest", "--help"]) == 0
-    assert loadtest.main(["--dataset", str(dataset)]) == 2  # no endpoint
-    assert loadtest.main(["--dataset", str(dataset), "--endpoint", "x=ftp://h", "--quiet"]) == 2
-    assert loadtest.main(["--dataset", "/nonexistent.jsonl", "--endpoint", "x=http://127.0.0.1:9/v1"]) == 2
+    assert main(["--dataset", str(dataset)]) == 2  # no endpoint
+    assert main(["--dataset", str(dataset), "--endpoint", "x=ftp://h", "--quiet"]) == 2
+    assert main(["--dataset", "/nonexistent.jsonl", "--endpoint", "x=http://127.0.0.1:9/v1"]) == 2
 
 
 # ------------------------------------------------------------------ end to end
@@ -284,10 +353,13 @@ def test_counts_add_up_and_reports_written(server, dataset, tmp_path):
         assert set(lv["error_kinds"]) <= {"http_500"} and sum(lv["error_kinds"].values()) == lv["errors"]
         assert lv["tool_call_validity"] == 1.0 and lv["tool_call_responses"] == lv["ok"]
         assert lv["gold_name_match"] == 1.0
-        assert lv["p50_ms"] <= lv["p95_ms"] <= lv["p99_ms"]
-        assert lv["throughput_rps"] > 0 and lv["tokens_per_s"] > 0 and lv["completion_tokens"] == 7 * lv["ok"]
-        assert lv["mean_ttft_ms"] is None  # not streaming
-        assert lv["mean_mat"] == 2.5  # the server's own statistics, when it sends them
+        e2e = lv["e2e_ms"]
+        assert e2e["p50"] <= e2e["p90"] <= e2e["p95"] <= e2e["p99"]
+        assert lv["requests_per_s"] > 0 and lv["output_tokens_per_s"] > 0 and lv["completion_tokens"] == 7 * lv["ok"]
+        assert lv["total_tokens_per_s"] == pytest.approx(lv["output_tokens_per_s"] * 27 / 7)
+        assert lv["ttft_ms"]["mean"] is None and lv["tpot_ms"]["p50"] is None  # not streaming
+        assert lv["goodput_rps"] is None  # no --slo
+        assert lv["mat"] == 2.5  # the server's own statistics, when it sends them
     sent = state["flaky"]["received"] - before["received"]
     failed = state["flaky"]["failed"] - before["failed"]
     assert sent == 14 and sum(lv["errors"] for lv in levels) == failed == 14 // 3
@@ -299,7 +371,7 @@ def test_counts_add_up_and_reports_written(server, dataset, tmp_path):
         assert (out / (stem.name + suffix)).is_file()
     assert (out / (stem.name + ".png")).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / (stem.name + ".md")).read_text()
-    assert "| flaky | 3 | 7 |" in md and "http_500" in md
+    assert "| flaky | c=3 | 7 |" in md and "http_500" in md
 
 
 def test_two_endpoints_side_by_side(server, dataset, tmp_path):
@@ -327,8 +399,12 @@ def test_two_endpoints_side_by_side(server, dataset, tmp_path):
     for lv in report["levels"]:  # the fields the committed report must carry, with their types
         assert isinstance(lv["endpoint"], str) and isinstance(lv["concurrency"], int)
         assert isinstance(lv["requests"], int) and lv["errors"] == 0
-        for key in ("p50_ms", "p95_ms", "p99_ms", "throughput_rps"):
-            assert isinstance(lv[key], float)
+        assert lv["request_rate"] is None and isinstance(lv["requests_per_s"], float)
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert set(lv[key]) == {"mean", "p50", "p90", "p95", "p99"}
+        for q in ("mean", "p50", "p90", "p95", "p99"):
+            assert isinstance(lv["e2e_ms"][q], float)
+        assert lv["identical_outputs"] == (1.0 if lv["endpoint"] == "fast" else None)
     rows = report["speedup"]
     assert [(r["endpoint"], r["concurrency"]) for r in rows] == [("fast", 1), ("fast", 2)]
     for row in rows:
@@ -385,7 +461,7 @@ def test_errors_counted_when_nothing_listens(dataset, tmp_path):
     for lv in report["levels"]:
         assert lv["requests"] == lv["errors"] == 5 and lv["ok"] == 0
         assert lv["error_kinds"] == {"connect": 5}
-        assert lv["p50_ms"] is None and lv["throughput_rps"] == 0
+        assert lv["e2e_ms"]["p50"] is None and lv["requests_per_s"] == 0
     assert report["endpoints"][0]["model"] == "default"
 
 
@@ -404,7 +480,8 @@ def test_streaming_measures_ttft_and_reassembles_calls(server, dataset, tmp_path
     assert code == 0
     (lv,) = report["levels"]
     assert lv["errors"] == 0 and lv["tool_call_validity"] == 1.0 and lv["gold_name_match"] == 1.0
-    assert 0 < lv["mean_ttft_ms"] < lv["mean_ms"] and lv["mean_mat"] == 3.0
+    assert 0 < lv["ttft_ms"]["mean"] < lv["e2e_ms"]["mean"] and lv["mat"] == 3.0
+    assert lv["tpot_ms"]["mean"] > 0 and lv["itl_ms"]["mean"] > 0
     assert lv["completion_tokens"] == 4 * 7  # from the final usage chunk
     code, report, _ = _run(
         tmp_path,
@@ -455,8 +532,118 @@ def test_api_key_sent_but_not_written(server, dataset, tmp_path):
     assert "sekrit-123" not in "".join(p.read_text() for p in out.glob("*.md"))
 
 
+# ------------------------------------------------------------------ issue 31: timings, loops, workloads
+
+
+def test_scripted_token_timings_give_ttft_tpot_itl_and_goodput(server, dataset, tmp_path):
+    """/script: first chunk at 200 ms, four more 100 ms apart, 9 tokens -> TPOT = ITL = 50 ms."""
+    common = ["--endpoint", f"s={server['base']}/script/v1", "--concurrency", "2", "--num-requests", "4", "--stream"]
+    code, report, out = _run(tmp_path, dataset, *common, "--slo", "ttft:1000,tpot:80,e2e:3000", "--save-records")
+    assert code == 0
+    (lv,) = report["levels"]
+    assert lv["errors"] == 0 and lv["completion_tokens"] == 4 * 9
+    # the exact arithmetic is tested on hand-made traces (test_loadtest_metrics.py); here the
+    # scripted timetable must come through a real HTTP stream, with slack for a busy machine
+    assert 200 <= lv["ttft_ms"]["p50"] < 1000 and 600 <= lv["e2e_ms"]["mean"] < 1500
+    assert 25 < lv["tpot_ms"]["mean"] < 150  # (600 - 200) / (9 - 1) = 50
+    assert 20 < lv["itl_ms"]["p50"] < 150  # 100 ms per chunk of 2 tokens = 50
+    assert lv["ttft_ms"]["p50"] > 2 * lv["itl_ms"]["p50"]  # the 200 ms wait is before the first token only
+    assert lv["goodput_rps"] == pytest.approx(lv["requests_per_s"])  # every request meets the SLO
+    assert lv["mat"] == 2.0 and lv["acceptance_rate"] == pytest.approx(0.4)
+    rows = [json.loads(line) for line in next(out.glob("*.records.jsonl")).read_text().splitlines()]
+    assert len(rows) == 4 and all(len(r["itl_ms"]) == 4 and r["endpoint"] == "s" for r in rows)
+    _, report, _ = _run(tmp_path, dataset, *common, "--slo", "ttft:50")
+    assert report["levels"][0]["goodput_rps"] == 0.0  # no request has its first token within 50 ms
+    assert "ttft ≤ 50 ms" in next((tmp_path / "out1").glob("*.md")).read_text()
+
+
+def test_closed_loop_never_exceeds_its_concurrency(server, dataset, tmp_path):
+    for concurrency in (1, 3):
+        server["state"].pop("count", None)
+        code, report, _ = _run(
+            tmp_path,
+            dataset,
+            "--endpoint",
+            f"c={server['base']}/count/v1",
+            "--concurrency",
+            str(concurrency),
+            "--num-requests",
+            "9",
+        )
+        (lv,) = report["levels"]
+        assert code == 0 and lv["requests"] == 9 and lv["errors"] == 0
+        assert server["state"]["count"]["peak"] == concurrency == lv["peak_in_flight"]
+
+
+def test_open_loop_rate_and_max_concurrency(server, dataset, tmp_path):
+    server["state"].pop("count", None)
+    code, report, out = _run(
+        tmp_path,
+        dataset,
+        "--endpoint",
+        f"c={server['base']}/count/v1",
+        "--request-rate",
+        "inf,20",
+        "--max-concurrency",
+        "2",
+        "--num-requests",
+        "8",
+        "--name",
+        "open",
+    )
+    assert code == 0 and (out / "open.json").is_file() and (out / "open.png").is_file()
+    assert [(lv["concurrency"], lv["request_rate"]) for lv in report["levels"]] == [
+        (None, "inf"),
+        (None, 20.0),
+    ]  # strict JSON
+    for lv in report["levels"]:
+        assert lv["requests"] == 8 and lv["errors"] == 0 and lv["peak_in_flight"] == 2
+    assert server["state"]["count"]["peak"] == 2
+    uncapped = _run(
+        tmp_path, dataset, "--endpoint", f"c={server['base']}/count/v1", "--request-rate", "inf", "--num-requests", "6"
+    )
+    assert uncapped[1]["levels"][0]["peak_in_flight"] == 6  # open loop: all sent at once, nothing waits
+
+
+def test_duration_bounds_a_level(server, dataset, tmp_path):
+    t0 = time.monotonic()
+    code, report, _ = _run(
+        tmp_path, dataset, "--endpoint", f"d={server['base']}/delay/v1", "--concurrency", "2", "--duration", "0.5"
+    )
+    (lv,) = report["levels"]
+    assert code == 0 and time.monotonic() - t0 < 10
+    assert lv["errors"] == 0 and 2 <= lv["requests"] < 60 and not lv["stopped_by_time"]
+
+
+def test_agent_conversations_are_replayed_in_order(server, conversations, tmp_path):
+    bodies = server["state"].setdefault("bodies", [])
+    start = len(bodies)
+    code, report, out = _run(
+        tmp_path,
+        conversations,
+        "--workload",
+        "conversations",
+        "--endpoint",
+        f"fast={server['base']}/fast/v1",
+        "--concurrency",
+        "1",
+        "--num-requests",
+        "10",
+    )
+    assert code == 0 and report["workload"] == "conversations" and report["workload_units"] == 2
+    (lv,) = report["levels"]
+    assert lv["requests"] == 10 and lv["errors"] == 0  # 2 conversations x (3 + 2) agent steps
+    sent = [b["messages"] for b in bodies[start:]]
+    assert len(sent) == 10
+    for conv in (sent[:5], sent[5:]):  # one client: a conversation's steps in order, each extending the last
+        assert [len(m) for m in conv] == [1, 3, 5, 6, 8]
+        for prev, nxt in zip(conv, conv[1:], strict=False):
+            assert nxt[: len(prev)] == prev
+    assert "**conversations**" in next(out.glob("*.md")).read_text()
+
+
 def test_ray_fanout_runs_slices_as_tasks(server, dataset, tmp_path):
-    """--ray local: a throwaway 2-CPU Ray; each level is split over 2 tasks in other processes."""
+    """--ray local: a throwaway 2-CPU Ray; each level is split over 2 client actors in other processes."""
     out = tmp_path / "ray"
     env = dict(
         os.environ,
@@ -481,11 +668,11 @@ def test_ray_fanout_runs_slices_as_tasks(server, dataset, tmp_path):
             "9",
             "--ray",
             "local",
-            "--ray-tasks",
+            "--clients-per-node",
             "2",
             "--ray-local-cpus",
             "2",
-            "--ray-task-cpus",
+            "--ray-actor-cpus",
             "0.5",
         ],
         capture_output=True,
@@ -500,4 +687,5 @@ def test_ray_fanout_runs_slices_as_tasks(server, dataset, tmp_path):
     for lv in report["levels"]:
         assert lv["requests"] == 9 == lv["ok"] + lv["errors"]
         assert set(lv["error_kinds"]) <= {"http_500"}
-        assert len(lv["nodes"]) == 2  # two task processes ran client slices
+        assert len(lv["nodes"]) == 2  # two actor processes ran client slices, merged into one level
+    assert report["runner"] == "ray (local, 2 actors)"

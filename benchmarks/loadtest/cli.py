@@ -1,0 +1,261 @@
+"""``toolspec loadtest``: the command line and the run over levels and endpoints."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import platform
+import socket
+import sys
+from pathlib import Path
+
+from . import __doc__ as PACKAGE_DOC
+from .client import chat_url, parse_endpoint
+from .metrics import compare, parse_slo, summarize
+from .report import fmt, level_label, write_reports
+from .schedule import arrival_offsets, run_level_local
+from .workloads import default_datasets, level_sessions, load_workload
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "loadtest"  # not method runs: their own folder
+DURATION_REQUEST_CAP = 100_000  # requests prepared per level when only --duration bounds it
+
+
+def parse_levels(text: str) -> list[int]:
+    levels = [int(x) for x in text.split(",") if x.strip()]
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be positive integers: {text!r}")
+    return levels
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [float(x) for x in text.split(",") if x.strip()]
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"request rates must be positive (inf allowed): {text!r}")
+    return rates
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="toolspec loadtest",
+        description=PACKAGE_DOC.split("\n\n")[0],
+        epilog="\n\n".join(PACKAGE_DOC.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=["single", "conversations"], default="single")
+    g.add_argument(
+        "--dataset",
+        action="append",
+        help="JSONL (shared/data format); repeat to mix. Default: api_bank + bfcl_v3 + toolalpaca dev sets "
+        "(single) or bfcl_v3_multi_turn (conversations)",
+    )
+    g.add_argument("--limit", type=int, help="use only the first N items (conversations) of each dataset")
+    g.add_argument("--seed", type=int, default=0, help="chooses and orders the requests (same for every endpoint)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--tool-choice", choices=["auto", "none", "required"], help="default: not sent")
+    g.add_argument(
+        "--fresh-requests",
+        action="store_true",
+        help="each level (and the warm-up) uses different requests, so no request repeats",
+    )
+    g = p.add_argument_group("endpoints")
+    g.add_argument(
+        "--endpoint",
+        action="append",
+        type=parse_endpoint,
+        required=True,
+        metavar="NAME=URL",
+        help="OpenAI base URL (…/v1); repeat to compare side by side",
+    )
+    g.add_argument("--baseline", help="endpoint the others are compared with (default: the last)")
+    g.add_argument("--model", help="model name sent in requests (default: first id of GET /v1/models)")
+    g.add_argument("--stream", action="store_true", help="stream (SSE): needed for TTFT, TPOT and ITL")
+    g.add_argument(
+        "--no-stream-usage",
+        dest="stream_usage",
+        action="store_false",
+        help="do not send stream_options.include_usage (count streamed chunks as tokens instead)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("TOOLSPEC_API_KEY"),
+        help="bearer token (default: $TOOLSPEC_API_KEY); never written to reports",
+    )
+    g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    g = p.add_argument_group("load")
+    g.add_argument("--concurrency", type=parse_levels, default=[1, 2, 4, 8], help="closed loop levels, e.g. 1,2,4,8")
+    g.add_argument("--request-rate", type=parse_rates, help="open loop levels in requests/s, e.g. 1,2,inf")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times (1 = Poisson)")
+    g.add_argument("--max-concurrency", type=int, help="open loop: at most this many requests in flight")
+    g.add_argument("--num-requests", "--requests-per-level", dest="num_requests", type=int, help="per level")
+    g.add_argument("--duration", type=float, help="per level: send no new request after this many seconds")
+    g.add_argument("--max-seconds", type=float, default=300.0, help="hard time limit per endpoint x level")
+    g.add_argument("--warmup", type=int, default=0, help="requests per endpoint first, not counted")
+    g.add_argument("--slo", type=parse_slo, help="goodput SLO, e.g. ttft:500,tpot:50,e2e:5000 (ms)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=str(DEFAULT_OUT), help="directory for the reports")
+    g.add_argument("--name", help="report file name without suffix (default: loadtest-<stamp>)")
+    g.add_argument("--hardware", help="what the servers run on, for the report (default: this host)")
+    g.add_argument("--save-records", action="store_true", help="also write every request as JSONL")
+    g.add_argument("--quiet", action="store_true")
+    g = p.add_argument_group("many nodes")
+    g.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run clients as Ray actors: 'auto', 'ray://host:10001', or 'local' (new local Ray)",
+    )
+    g.add_argument("--clients-per-node", type=int, help="client actors per alive node (default 1)")
+    g.add_argument("--ray-actors", type=int, help="client actors in all (overrides --clients-per-node)")
+    g.add_argument("--ray-actor-cpus", type=float, default=1.0)
+    g.add_argument("--ray-local-cpus", type=int, default=2, help="CPUs of the Ray started by --ray local")
+    return p
+
+
+async def _discover_model(url: str, api_key: str | None, timeout: float) -> str | None:
+    """First model id the endpoint lists; None when it cannot say."""
+    import httpx
+
+    models_url = chat_url(url).rsplit("/chat/completions", 1)[0] + "/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            response = await client.get(models_url, headers=headers)
+            return response.json()["data"][0]["id"] if response.status_code == 200 else None
+    except Exception:  # an unreachable endpoint is reported by the run itself
+        return None
+
+
+def resolve_endpoints(args: argparse.Namespace) -> tuple[list[dict], str]:
+    """Endpoints with their chat URL and model name, and the baseline's name."""
+    names = [n for n, _ in args.endpoint]
+    if len(set(names)) != len(names):
+        raise SystemExit("endpoint names must be unique")
+    baseline = args.baseline or names[-1]
+    if baseline not in names:
+        raise SystemExit(f"--baseline {baseline!r} is not an endpoint")
+    endpoints = []
+    for name, url in args.endpoint:
+        model = args.model or asyncio.run(_discover_model(url, args.api_key, 10.0)) or "default"
+        endpoints.append({"name": name, "url": url, "chat_url": chat_url(url), "model": model})
+    return endpoints, baseline
+
+
+def level_plans(args: argparse.Namespace) -> list[dict]:
+    """One plan per level (schedule.py) without its arrival offsets: closed loop by --concurrency,
+    or open loop by --request-rate (offsets drawn per level once its sessions are known)."""
+    base = {"max_seconds": args.max_seconds, "duration": args.duration, "offsets": None, "max_concurrency": None}
+    if not args.request_rate:
+        return [dict(base, concurrency=c, request_rate=None) for c in args.concurrency]
+    return [
+        dict(base, concurrency=None, request_rate=r, max_concurrency=args.max_concurrency) for r in args.request_rate
+    ]
+
+
+def _progress(total: int, desc: str, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=quiet, leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
+def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
+    """Each level, each endpoint in turn on the same requests; summaries and raw records."""
+    base_opts = {
+        "max_tokens": args.max_tokens,
+        "stream": args.stream,
+        "api_key": args.api_key,
+        "tool_choice": args.tool_choice,
+        "timeout": args.timeout,
+        "stream_usage": args.stream_usage,
+    }
+    n = args.num_requests or (DURATION_REQUEST_CAP if args.duration else 32)
+    warmup, used = level_sessions(units, args.warmup) if args.warmup else ([], 0)
+    for ep in endpoints if warmup else []:
+        plan = {"concurrency": 1, "offsets": None, "max_seconds": args.max_seconds, "duration": None}
+        run_level_local(ep["chat_url"], warmup, plan, dict(base_opts, model=ep["model"]))
+    offset = used if args.fresh_requests else 0
+    levels, records = [], {}
+    sessions, used = level_sessions(units, n, offset)
+    for level_no, plan in enumerate(level_plans(args)):
+        # --fresh-requests: no request repeats across warm-up and levels, so a server that learns
+        # from history (ToolSpec's call library) cannot replay answers it saw at an earlier level
+        if args.fresh_requests and level_no:
+            offset += used
+            sessions, used = level_sessions(units, n, offset)
+        if plan["request_rate"] is not None:
+            plan = dict(plan, offsets=arrival_offsets(len(sessions), plan["request_rate"], args.burstiness, args.seed))
+        for ep in endpoints:
+            opts = dict(base_opts, model=ep["model"])
+            level_runner = runner.run_level if runner else run_level_local
+            desc = f"{ep['name']} {level_label(plan)}"
+            with _progress(n, desc, args.quiet) as bar:
+                result = level_runner(ep["chat_url"], sessions, plan, opts, on_done=bar.update)
+            lv = summarize(ep["name"], ep["url"], plan["concurrency"], plan["request_rate"], result, args.slo)
+            lv.update(level_no=level_no, max_concurrency=plan.get("max_concurrency"))
+            levels.append(lv)
+            records[(ep["name"], level_no)] = result["records"]
+            log(
+                f"[loadtest] {ep['name']:>12s} {level_label(plan):<10s} requests={lv['requests']} "
+                f"errors={lv['errors']} ttft_p50={fmt(lv['ttft_ms']['p50'])} "
+                f"e2e_p50={fmt(lv['e2e_ms']['p50'])} req/s={lv['requests_per_s']:.3f}"
+            )
+    return levels, records
+
+
+def hardware_text(args) -> str:
+    return args.hardware or f"{socket.gethostname()} ({platform.machine()}, {os.cpu_count()} CPUs)"
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Execute the whole load test; returns the report dict (also written to disk)."""
+    log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    args.dataset = args.dataset or default_datasets(args.workload)
+    units = load_workload(args.workload, args.dataset, args.limit, args.seed)
+    endpoints, baseline = resolve_endpoints(args)
+    runner = None
+    if args.ray:
+        from .ray_clients import RayRunner
+
+        runner = RayRunner(args.ray, args.clients_per_node, args.ray_actors, args.ray_actor_cpus, args.ray_local_cpus)
+    levels, records = run_levels(args, units, endpoints, runner, log)
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "endpoint")}
+    config["api_key"] = "set" if args.api_key else None
+    config["num_requests"] = args.num_requests or (DURATION_REQUEST_CAP if args.duration else 32)
+    now = dt.datetime.now()
+    stamp = now.strftime("%Y%m%d-%H%M%S")
+    report = {
+        "tool": "toolspec loadtest",
+        "name": args.name or f"loadtest-{stamp}",
+        "stamp": stamp,
+        "created": now.isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "hardware": hardware_text(args),
+        "workload": args.workload,
+        "workload_units": len(units),
+        "runner": f"ray ({args.ray}, {len(runner.actors)} actors)" if runner else "local asyncio",
+        "config": config,
+        "endpoints": [{k: e[k] for k in ("name", "url", "model")} for e in endpoints],
+        "baseline": baseline,
+        "levels": levels,
+    }
+    report["speedup"] = compare(levels, records, baseline)
+    write_reports(report, records, Path(args.out), args.save_records)
+    log(f"[loadtest] wrote {', '.join(report['files'])}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry (`toolspec loadtest`); 0 when the run completed, 2 on bad arguments."""
+    try:
+        args = build_parser().parse_args(argv)
+        run(args)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(f"toolspec loadtest: {exc.code}", file=sys.stderr)
+            return 2
+        return int(exc.code or 0)
+    except (OSError, ValueError) as exc:
+        print(f"toolspec loadtest: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,247 @@
+"""One request: payload, HTTP + SSE with per-chunk timestamps, tool-call validity, its record."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+
+from .metrics import request_timings
+
+ERROR_BODY_CHARS = 200
+
+
+def parse_endpoint(spec: str) -> tuple[str, str]:
+    """'name=url' -> (name, url); a bare URL is named after its host:port."""
+    name, sep, url = spec.partition("=")
+    if not sep:
+        url = spec
+        name = url.split("://")[-1].split("/")[0]
+    if not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"endpoint URL must start with http(s)://: {spec!r}")
+    return name.strip(), url.strip()
+
+
+def chat_url(base_url: str) -> str:
+    """OpenAI base URL ('.../v1', as given to the openai client) -> its chat completions URL."""
+    base = base_url.rstrip("/")
+    if base.endswith("/chat/completions"):
+        return base
+    if not base.endswith("/v1"):
+        base += "/v1"
+    return base + "/chat/completions"
+
+
+def build_payload(
+    item: dict, model: str, max_tokens: int, stream: bool, tool_choice: str | None = None, stream_usage: bool = True
+) -> dict:
+    payload = {
+        "model": model,
+        "messages": item["messages"],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+    if item["tools"]:
+        payload["tools"] = item["tools"]
+        if tool_choice:
+            payload["tool_choice"] = tool_choice
+    if stream and stream_usage:
+        payload["stream_options"] = {"include_usage": True}
+    return payload
+
+
+# ------------------------------------------------------------------ tool-call validity
+
+
+def tool_call_problem(calls: list[dict], tool_args: dict[str, list[str] | None]) -> str | None:
+    """Why the calls are not valid, or None: every call must name an offered tool, its arguments
+    must parse as a JSON object, and every argument name must be in that tool's schema.
+
+    ``tool_args`` maps each offered tool to its parameter names (None: the schema lists none).
+    """
+    for call in calls:
+        fn = call.get("function") or {}
+        if fn.get("name") not in tool_args:
+            return "tool_not_offered"
+        try:
+            args = json.loads(fn.get("arguments") or "")
+        except (TypeError, ValueError):
+            return "unparsable_arguments"
+        if not isinstance(args, dict):
+            return "unparsable_arguments"
+        allowed = tool_args[fn["name"]]
+        if allowed is not None and not set(args) <= set(allowed):
+            return "unknown_argument"
+    return None
+
+
+def check_tool_calls(calls: list[dict], tool_args) -> bool:
+    """Valid calls (see tool_call_problem); a plain list of tool names allows any argument names."""
+    if not isinstance(tool_args, dict):
+        tool_args = dict.fromkeys(tool_args)
+    return tool_call_problem(calls, tool_args) is None
+
+
+def output_digest(content: str | None, calls: list[dict]) -> str:
+    """Hash of what the model produced, to see whether two endpoints answered identically."""
+    norm = [[(c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments")] for c in calls]
+    blob = json.dumps({"content": content or "", "calls": norm}, sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------ HTTP
+
+
+class ServerError(Exception):
+    def __init__(self, kind: str, detail: str = ""):
+        super().__init__(detail)
+        self.kind = kind
+
+
+def _merge_tool_call_deltas(acc: dict[int, dict], deltas: list[dict]) -> None:
+    """OpenAI streams a call as deltas: id/name first, then argument fragments, keyed by index."""
+    for d in deltas:
+        slot = acc.setdefault(
+            d.get("index", len(acc)), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+        )
+        if d.get("id"):
+            slot["id"] = d["id"]
+        fn = d.get("function") or {}
+        if fn.get("name"):
+            slot["function"]["name"] += fn["name"]
+        if fn.get("arguments"):
+            slot["function"]["arguments"] += fn["arguments"]
+
+
+async def read_stream(response) -> dict:
+    """Consume an SSE stream; note when each content / tool-call chunk arrived (perf_counter)."""
+    content, calls, usage, stats, chunk_times = [], {}, None, None, []
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        event = json.loads(data)
+        if event.get("error"):
+            raise ServerError("stream_error", str(event["error"])[:ERROR_BODY_CHARS])
+        usage = event.get("usage") or usage
+        stats = event.get("toolspec") or stats
+        for choice in event.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content") or delta.get("tool_calls"):
+                chunk_times.append(time.perf_counter())
+            if delta.get("content"):
+                content.append(delta["content"])
+            if delta.get("tool_calls"):
+                _merge_tool_call_deltas(calls, delta["tool_calls"])
+    return {
+        "content": "".join(content),
+        "tool_calls": [calls[k] for k in sorted(calls)],
+        "usage": usage,
+        "chunk_times": chunk_times,
+        "server_stats": stats,
+    }
+
+
+async def send_one(client, url: str, payload: dict, headers: dict) -> dict:
+    """One request -> a result dict with perf_counter ``sent``/``finished``; raises on failure."""
+    sent = time.perf_counter()
+    if payload.get("stream"):
+        async with client.stream("POST", url, json=payload, headers=headers) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                raise ServerError(f"http_{response.status_code}", body[:ERROR_BODY_CHARS])
+            out = await read_stream(response)
+    else:
+        response = await client.post(url, json=payload, headers=headers)
+        if response.status_code != 200:
+            raise ServerError(f"http_{response.status_code}", response.text[:ERROR_BODY_CHARS])
+        body = response.json()
+        try:
+            message = body["choices"][0]["message"]
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ServerError("bad_response", str(body)[:ERROR_BODY_CHARS]) from exc
+        out = {
+            "content": message.get("content"),
+            "tool_calls": message.get("tool_calls") or [],
+            "usage": body.get("usage"),
+            "chunk_times": None,
+            "server_stats": body.get("toolspec"),
+        }
+    out["sent"], out["finished"] = sent, time.perf_counter()
+    return out
+
+
+def error_kind(exc: BaseException) -> str:
+    import httpx
+
+    if isinstance(exc, ServerError):
+        return exc.kind
+    if isinstance(exc, httpx.ConnectError):
+        return "connect"
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(exc, (json.JSONDecodeError, httpx.DecodingError)):
+        return "bad_response"
+    if isinstance(exc, httpx.HTTPError):
+        return "http_error"
+    return type(exc).__name__
+
+
+# ------------------------------------------------------------------ records
+
+
+def new_record(index: int, item: dict, node: str, session: int, turn: int) -> dict:
+    """The per-request row; ``started`` is wall time (for the records file), latencies are not."""
+    return {
+        "index": index,
+        "item_id": item["id"],
+        "session": session,
+        "turn": turn,
+        "ok": False,
+        "error": None,
+        "detail": None,
+        "e2e_ms": None,
+        "ttft_ms": None,
+        "tpot_ms": None,
+        "itl_ms": [],
+        "prompt_tokens": None,
+        "completion_tokens": None,
+        "tool_calls": 0,
+        "tool_call_problem": None,
+        "gold_name_match": None,
+        "mat": None,
+        "drafted_tokens": None,
+        "accepted_tokens": None,
+        "digest": None,
+        "started": time.time(),
+        "node": node,
+    }
+
+
+def fill_success(rec: dict, item: dict, out: dict) -> None:
+    calls = out["tool_calls"]
+    usage = out.get("usage") or {}
+    stats = out.get("server_stats")
+    if isinstance(stats, dict):  # ToolSpec servers report their speculation statistics per response
+        if isinstance(stats.get("mat"), (int, float)):
+            rec["mat"] = float(stats["mat"])
+        rec["drafted_tokens"] = stats.get("drafted_tokens")
+        rec["accepted_tokens"] = stats.get("accepted_tokens")
+    chunks = out["chunk_times"]
+    tokens = usage.get("completion_tokens", len(chunks) if chunks is not None else None)
+    rec.update(request_timings(out["sent"], chunks, out["finished"], tokens))
+    rec.update(
+        ok=True,
+        prompt_tokens=usage.get("prompt_tokens"),
+        completion_tokens=tokens,
+        tool_calls=len(calls),
+        digest=output_digest(out["content"], calls),
+    )
+    if calls:
+        rec["tool_call_problem"] = tool_call_problem(calls, item["tool_args"])
+    if item["gold_names"]:
+        rec["gold_name_match"] = [(c.get("function") or {}).get("name") for c in calls][:1] == item["gold_names"][:1]

@@ -1,0 +1,165 @@
+"""The run's files: <name>.json (the report), .md (tables), .png (plots), optional .records.jsonl."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def fmt(value, digits=1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def level_label(lv: dict) -> str:
+    if lv["request_rate"] is None:
+        return f"c={lv['concurrency']}"
+    cap = f", max {lv['max_concurrency']}" if lv.get("max_concurrency") else ""
+    return f"{lv['request_rate']:g}/s{cap}"
+
+
+def write_markdown(report: dict, path: Path) -> None:
+    cfg = report["config"]
+    limit = f"{cfg['num_requests']} requests" + (f" or {cfg['duration']} s" if cfg.get("duration") else "")
+    mode = (
+        f"open loop, Poisson-like arrivals (burstiness {cfg['burstiness']})"
+        if cfg.get("request_rate")
+        else "closed loop (each client sends its next request when the last one finished)"
+    )
+    lines = [
+        f"# Load test {report['name']}",
+        "",
+        f"- workload: **{report['workload']}** from "
+        + ", ".join(f"`{d}`" for d in cfg["dataset"])
+        + f" ({report['workload_units']} units, seed {cfg['seed']}); max_tokens {cfg['max_tokens']}, "
+        f"temperature 0, stream {cfg['stream']}",
+        f"- {mode}; per level: {limit}, at most {cfg['max_seconds']} s; warm-up {cfg['warmup']} requests "
+        f"(not counted); clients: {report['runner']}",
+        f"- hardware: {report['hardware']}",
+        "- endpoints: " + ", ".join(f"`{e['name']}` {e['url']} (model `{e['model']}`)" for e in report["endpoints"]),
+        "- SLO: " + (", ".join(f"{k} ≤ {v:g} ms" for k, v in cfg["slo"].items()) if cfg.get("slo") else "none"),
+        "",
+        "| endpoint | level | requests | errors | TTFT ms mean / p50 / p99 | TPOT ms mean / p99 "
+        "| ITL ms mean / p99 | E2E ms p50 / p90 / p99 | out tok/s | req/s | goodput req/s "
+        "| tool-call valid | identical | MAT |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for lv in report["levels"]:
+        t, p, i, e = lv["ttft_ms"], lv["tpot_ms"], lv["itl_ms"], lv["e2e_ms"]
+        lines.append(
+            f"| {lv['endpoint']} | {level_label(lv)} | {lv['requests']} | {lv['errors']} "
+            f"| {fmt(t['mean'])} / {fmt(t['p50'])} / {fmt(t['p99'])} | {fmt(p['mean'])} / {fmt(p['p99'])} "
+            f"| {fmt(i['mean'])} / {fmt(i['p99'])} | {fmt(e['p50'])} / {fmt(e['p90'])} / {fmt(e['p99'])} "
+            f"| {fmt(lv['output_tokens_per_s'])} | {fmt(lv['requests_per_s'], 3)} | {fmt(lv['goodput_rps'], 3)} "
+            f"| {fmt(lv['tool_call_validity'], 3)} ({lv['tool_call_responses']}) "
+            f"| {fmt(lv['identical_outputs'], 3)} | {fmt(lv['mat'], 2)} |"
+        )
+    if report["speedup"]:
+        lines += [
+            "",
+            f"## Speedup vs `{report['baseline']}`",
+            "",
+            "| endpoint | level | throughput speedup | p50 latency speedup | p95 latency speedup | identical outputs |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for row in report["speedup"]:
+            lines.append(
+                f"| {row['endpoint']} | {level_label(row)} | {fmt(row['throughput_speedup'], 2)}x "
+                f"| {fmt(row['p50_latency_speedup'], 2)}x | {fmt(row['p95_latency_speedup'], 2)}x "
+                f"| {row['identical_outputs']}/{row['compared_outputs']} |"
+            )
+    failed = [lv for lv in report["levels"] if lv["errors"] or lv["stopped_by_time"] or lv["invalid_calls"]]
+    if failed:
+        lines += ["", "## Errors, invalid calls and time limits", ""]
+        for lv in failed:
+            notes = [f"{k} × {v}" for k, v in lv["error_kinds"].items()]
+            notes += [f"invalid call ({k}) × {v}" for k, v in lv["invalid_calls"].items()]
+            if lv["stopped_by_time"]:
+                notes.append(f"stopped at the {cfg['max_seconds']} s limit, {lv['unsent']} requests unsent")
+            lines.append(f"- {lv['endpoint']} @ {level_label(lv)}: " + "; ".join(notes))
+    lines += ["", f"![latency and throughput]({path.with_suffix('.png').name})", ""]
+    path.write_text("\n".join(lines))
+
+
+def write_plot(report: dict, path: Path) -> None:
+    """TTFT, TPOT and E2E percentiles and output tokens/s against concurrency or rate, a colour per endpoint."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    open_loop = any(lv["request_rate"] is not None for lv in report["levels"])
+    xkey = "request_rate" if open_loop else "concurrency"
+    panels = (("ttft_ms", "TTFT", "ms"), ("tpot_ms", "TPOT", "ms"), ("e2e_ms", "E2E latency", "ms"))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+    finite = sorted({lv[xkey] for lv in report["levels"] if lv[xkey] is not None and math.isfinite(lv[xkey])})
+    for n, ep in enumerate(e["name"] for e in report["endpoints"]):
+        rows = [lv for lv in report["levels"] if lv["endpoint"] == ep]
+        xs = [lv[xkey] if math.isfinite(lv[xkey]) else (max(finite, default=1) * 2) for lv in rows]
+        color = f"C{n}"
+        for ax, (key, _, _) in zip(axes, panels, strict=False):
+            for q, style in (("p50", "o-"), ("p99", "s--")):
+                ys = [lv[key][q] if lv[key][q] is not None else math.nan for lv in rows]
+                ax.plot(xs, ys, style, color=color, alpha=1.0 if q == "p50" else 0.6, label=f"{ep} {q}")
+        tps = [lv["output_tokens_per_s"] if lv["output_tokens_per_s"] is not None else math.nan for lv in rows]
+        axes[3].plot(xs, tps, "o-", color=color, label=ep)
+    titles = [(title, unit) for _, title, unit in panels] + [("output tokens / s", "tokens / s")]
+    for ax, (title, unit) in zip(axes, titles, strict=True):
+        if not open_loop:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(finite, [str(c) for c in finite])
+        ax.set_xlabel("request rate (req/s)" if open_loop else "concurrency")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"toolspec loadtest {report['name']} ({report['workload']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def strict_json(value):
+    """``value`` with every non-finite float as the string "inf" / "-inf" / "nan" (as vLLM's result
+    files write an unbounded request rate): the reports stay JSON that any parser reads."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def write_reports(report: dict, records: dict, out: Path, save_records: bool) -> list[str]:
+    """<name>.json/.md/.png (+ .records.jsonl); never overwrites an earlier run."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem, n = out / report["name"], 1
+    while stem.with_suffix(".json").exists():
+        n += 1
+        stem = out / f"{report['name']}-{n}"
+    report["name"] = stem.name
+    suffixes = [".json", ".md", ".png"] + ([".records.jsonl"] if save_records else [])
+    report["files"] = [str(stem.with_suffix(s)) for s in suffixes]
+    stem.with_suffix(".json").write_text(json.dumps(strict_json(report), indent=2, allow_nan=False) + "\n")
+    write_markdown(report, stem.with_suffix(".md"))
+    write_plot(report, stem.with_suffix(".png"))
+    if save_records:
+        with open(stem.with_suffix(".records.jsonl"), "w") as fh:
+            for (ep, level_no), recs in records.items():
+                lv = next(lv for lv in report["levels"] if lv["endpoint"] == ep and lv["level_no"] == level_no)
+                for r in recs:
+                    fh.write(
+                        json.dumps(
+                            strict_json(
+                                dict(r, endpoint=ep, concurrency=lv["concurrency"], request_rate=lv["request_rate"])
+                            ),
+                            allow_nan=False,
+                        )
+                        + "\n"
+                    )
+    return report["files"]
