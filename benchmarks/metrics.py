@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from toolspec_core.drafters.toolcall.parse import parse_tool_calls, validate_call
+from toolspec_core.drafters.toolcall.parse import is_name_problem, parse_tool_calls, validate_call
 
 from .cost import host_seconds, projected_speedup
 
@@ -80,7 +80,7 @@ def call_metrics(text: str, item: dict) -> dict:
     arguments present) and agreement with gold."""
     parsed = parse_tool_calls(text)
     problems = [p for c in parsed.calls for p in validate_call(c, item.get("tools") or [])]
-    bad_names = [p for p in problems if p.startswith("unknown")]
+    bad_names = [p for p in problems if is_name_problem(p)]
     name_ok, full_ok = gold_agreement(parsed.calls, item.get("gold_calls") or [], item.get("gold_alternatives"))
     return {
         "calls": [{"name": c.name, "arguments": c.arguments} for c in parsed.calls],

@@ -59,17 +59,10 @@ def _item(row: dict, item_id: str, messages: list[dict], gold_names: list[str]) 
     tools = _renamed_tools(row.get("tools") or [])
     messages = _renamed_messages(messages)
     gold_names = [api_name(n) for n in gold_names]
-    tool_args = {}
-    for tool in tools:
-        fn = tool.get("function") or {}
-        if "name" in fn:
-            props = (fn.get("parameters") or {}).get("properties")
-            tool_args[fn["name"]] = sorted(props) if isinstance(props, dict) else None
     return {
         "id": item_id,
         "messages": messages,
         "tools": tools,
-        "tool_args": tool_args,
         "gold_names": gold_names,
     }
 

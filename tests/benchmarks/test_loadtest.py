@@ -285,12 +285,12 @@ def test_urls_and_endpoints():
 
 
 def test_tool_call_validity_rules():
-    names = ["search"]
+    tools = [{"type": "function", "function": {"name": "search"}}]
     good = [{"function": {"name": "search", "arguments": '{"query": "x"}'}}]
-    assert client.check_tool_calls(good, names)
-    assert not client.check_tool_calls([{"function": {"name": "other", "arguments": "{}"}}], names)
-    assert not client.check_tool_calls([{"function": {"name": "search", "arguments": "{bad"}}], names)
-    assert not client.check_tool_calls([{"function": {"name": "search", "arguments": "[1]"}}], names)
+    assert client.tool_call_problem(good, tools) is None
+    assert client.tool_call_problem([{"function": {"name": "other", "arguments": "{}"}}], tools)
+    assert client.tool_call_problem([{"function": {"name": "search", "arguments": "{bad"}}], tools)
+    assert client.tool_call_problem([{"function": {"name": "search", "arguments": "[1]"}}], tools)
 
 
 def test_split_jobs_and_merge():

@@ -135,12 +135,16 @@ def test_identical_outputs_against_the_baseline():
 
 
 def test_tool_call_validity_checks_offered_tools_and_argument_names():
-    tool_args = {"search": ["query", "limit"], "free": None}
+    search = {"type": "object", "properties": {"query": {}, "limit": {}}, "required": ["query", "limit"]}
+    tool_args = [
+        {"type": "function", "function": {"name": "search", "parameters": search}},
+        {"function": {"name": "free"}},
+    ]
     call = lambda name, args: {"function": {"name": name, "arguments": args}}  # noqa: E731
-    assert client.tool_call_problem([call("search", '{"query": "x"}')], tool_args) is None
+    assert client.tool_call_problem([call("search", '{"query": "x"}')], tool_args) is None  # incomplete, valid
     assert client.tool_call_problem([call("free", '{"anything": 1}')], tool_args) is None
     assert client.tool_call_problem([call("search", '{"q": "x"}')], tool_args) == "unknown_argument"
-    assert client.tool_call_problem([call("other", "{}")], tool_args) == "tool_not_offered"
+    assert client.tool_call_problem([call("other", "{}")], tool_args) == "unknown_tool"
     assert client.tool_call_problem([call("search", "{bad")], tool_args) == "unparsable_arguments"
     assert client.tool_call_problem([call("search", "[1]")], tool_args) == "unparsable_arguments"
 
@@ -232,7 +236,10 @@ def test_dotted_tool_names_are_sent_as_openai_accepts_them(tmp_path):
     }
     path.write_text(json.dumps(row) + "\n")
     (item,) = workloads.load_items(path)
-    assert item["tools"][0]["function"]["name"] == "math_gcd" and item["tool_args"] == {"math_gcd": ["a", "b"]}
+    assert (
+        item["tools"][0]["function"]["name"] == "math_gcd"
+        and "a" in item["tools"][0]["function"]["parameters"]["properties"]
+    )
     assert item["messages"][1]["tool_calls"][0]["function"]["name"] == "math_gcd" and item["gold_names"] == ["math_gcd"]
     assert fn["name"] == "math.gcd"  # the dataset row itself is left as it was
 

@@ -99,6 +99,12 @@ def parse_tool_calls(text: str) -> ParsedOutput:
     return ParsedOutput(content or None, calls, spans)
 
 
+def is_name_problem(problem: str) -> bool:
+    """Whether a ``validate_call`` problem makes the call invalid (a tool or argument name the
+    request does not offer) rather than only incomplete (a missing required argument)."""
+    return problem.startswith("unknown")
+
+
 def validate_call(call: ToolCall, tools: list[dict]) -> list[str]:
     """Problems of ``call`` against OpenAI-style ``tools`` (empty list = valid)."""
     by_name = {t["function"]["name"]: t["function"] for t in tools if t.get("type", "function") == "function"}
