@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "rows_linear.cpp"
 # up to this many rows the kernel beats oneDNN on the dev CPU (whole-model forwards at 16-64 tokens take
-# 0.70-0.94x oneDNN's time, docs/cpu-kernel.md): every verify step the budget allows (root + 63 nodes)
-# goes through it
+# 0.70-0.94x oneDNN's time: measurements/rows-kernel-vs-onednn-cpu-avx512-afe9e69.json), so every
+# verify step the budget allows (root + 63 nodes) goes through it
 MAX_ROWS = 64
 
 

@@ -5,9 +5,10 @@
 // in its own [out, in] layout (no copy), NB weight rows at a time (a block) against passes of at
 // most MB input rows (NB x MB accumulators of 8 floats). Every pass of a block prefetches its share
 // of the weight rows DIST rows ahead into L2, spread evenly over its k loop, so DRAM streams at
-// every row count while the passes compute (one-row products read the weight at close to what
-// torch.sum reads it at: docs/cpu-kernel.md). Where the compiler may use AVX-512VL, the 32 ymm
-// registers hold bigger tiles (up to 4 x 6 accumulators instead of 3 x 4).
+// every row count while the passes compute (one-row products read the weights at 23-29 GB/s where
+// torch.sum reads 25-38: benchmarks/results/measurements/linear-bandwidth-cpu-avx512-093f8a8.json).
+// Where the compiler may use AVX-512VL, the 32 ymm registers hold bigger tiles (up to 4 x 6
+// accumulators instead of 3 x 4).
 //
 // Every output y[m, n] is one dot product accumulated in the same order (8 lanes over k, then a
 // fixed horizontal sum, then the k tail) whatever M is and whichever tile computes it: a row's
