@@ -28,19 +28,11 @@ class HiddenStateEmbedder:
 
     def states(self, prompt_ids: list[int]):
         """(Prefilled, all last-layer prompt states [T, H]) from one prefill."""
-        import torch
 
         from toolspec_core.engine.loop import prefill
 
-        captured: list = []
-        hook = self.target.model.model.register_forward_hook(
-            lambda m, i, o: captured.append(o.last_hidden_state[0].float())
-        )
-        try:
-            pre = prefill(self.target, list(prompt_ids))
-        finally:
-            hook.remove()
-        return pre, torch.cat(captured, 0)
+        pre = prefill(self.target, list(prompt_ids), states=True)
+        return pre, pre.states
 
     def embed(self, x) -> np.ndarray:
         ids = self.target.tokenizer(x, add_special_tokens=False)["input_ids"] if isinstance(x, str) else list(x)

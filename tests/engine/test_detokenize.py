@@ -18,7 +18,8 @@ from toolspec_core.drafters.simulate import simulate
 from toolspec_core.drafters.toolcall.drafter import SchemaMethod
 from toolspec_core.drafters.toolcall.layouts import layout_by_name, render_calls
 from toolspec_core.engine.detokenize import Detokenizer
-from toolspec_core.engine.loop import DecodeConfig, _Stopper, decode, generate, prefill
+from toolspec_core.engine.loop import DecodeConfig, decode, generate, prefill
+from toolspec_core.engine.sequence import Stopper as _Stopper
 
 QWEN_EOS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 TRICKY = [

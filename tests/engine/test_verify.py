@@ -44,14 +44,15 @@ def test_tree_forward_equals_per_branch_runs(tiny):
 def test_eager_attention_with_our_float_mask_is_right():
     """A bool 4D mask is silently misread under eager attention; our float mask must not be."""
     tg = tiny_target(attn="eager")
-    pre = prefill(tg, PROMPT)
+    cache = tg.hf_cache()  # HF's own forward, eager attention
+    tg.hidden(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None], None, cache)
     tree = DraftTree()
     tree.add_path([10, 11], 1.0, "x")
     tree.add_path([20, 21], 1.0, "x")
-    kv = pre.cache.get_seq_length()
+    kv = cache.get_seq_length()
     ids, pos, mask = tree_inputs(PROMPT[-1], tree, kv)
     assert mask.dtype == torch.float32
-    logits = tg.logits(tg.hidden(ids, pos, mask, pre.cache))
+    logits = tg.logits(tg.hidden(ids, pos, mask, cache))
     branch = [20, 21]
     ref = tg.model(torch.tensor([PROMPT + [PROMPT[-1]] + branch])).logits[0, -1]
     assert torch.allclose(logits[4], ref, atol=2e-5)

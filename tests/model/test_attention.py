@@ -52,7 +52,7 @@ def test_models_are_switched_and_tree_verify_never_repeats_kv_heads(monkeypatch)
     tree = DraftTree(tokens=[7, 9, 11, 4, 6], parents=[-1, 0, 0, 2, -1], conf=[0.5] * 5)
     outs = []
     for model in (target.model, plain):
-        cache = target.new_cache()
+        cache = target.hf_cache()  # HF's own forward: the grouped attention is what it runs
         with torch.inference_mode():
             model.model(input_ids=prompt, use_cache=True, past_key_values=cache)
         ids, pos, mask = tree_inputs(2, tree, prompt.shape[1])

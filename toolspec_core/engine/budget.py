@@ -1,9 +1,10 @@
 """Hardware-aware draft budget: a measured verify-cost curve and the pruning rule built on it.
 
-``cost(k)`` is the time of one target forward of ``k`` new tokens over a cached prefix,
-relative to ``k = 1`` (plain decoding). A tree is cut to the node set maximising expected
-tokens per unit cost (see :func:`toolspec_core.engine.tree.prune_to_budget`), so the same rule applies
-to every tree method and a step never costs more than it is expected to gain.
+``cost(k)`` is the time of one target forward of ``k`` new rows over cached prefixes, relative
+to ``k = 1`` (plain decoding of one sequence). A batch's trees are cut together to the node set
+maximising expected tokens per unit cost (:func:`toolspec_core.engine.tree.allocate`; one
+sequence is the batch of one, :func:`~toolspec_core.engine.tree.prune_to_budget`), so the same
+rule applies to every tree method and a step never costs more than it is expected to gain.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toolspec_core.engine.tree import DraftTree, prune_to_budget
+from toolspec_core.engine.tree import DraftTree, allocate, prune_to_budget
 
 # c(k) of Qwen2.5-0.5B in fp32 over a ~500-token prefix on a 2-core x86 CPU through the oneDNN /
 # F.linear dispatch: the budget's curve when none is measured (``cost_model: reference``).
@@ -39,16 +40,28 @@ def interpolate(points: dict[int, float], max_k: int) -> list[float]:
 @dataclass
 class CostModel:
     points: dict[int, float]
-    max_nodes: int = 63  # tree size cap (forward of root + 63 = 64 tokens)
+    max_nodes: int = 63  # tree size cap per sequence (forward of root + 63 = 64 tokens)
     source: str = "reference"
     calibrate: bool = False  # learn the curve from the steps decoding really pays (observe)
+    max_rows: int = 0  # rows of a batched forward the curve covers (0: one sequence, max_nodes + 1)
 
     def __post_init__(self):
-        self.curve = interpolate(self.points, self.max_nodes + 1)
+        self.max_rows = max(self.max_rows, self.max_nodes + 1)
+        self.curve = interpolate(self.points, self.max_rows)
         self._calibration: Calibration | None = None
 
     def prune(self, tree: DraftTree) -> DraftTree:
         return prune_to_budget(tree, self.curve, self.max_nodes)
+
+    def ensure_rows(self, rows: int) -> None:
+        """Extend the curve to forwards of ``rows`` rows (past the last point: its last slope)."""
+        if rows > self.max_rows:
+            self.max_rows = rows
+            self.curve = interpolate(self.points, self.max_rows)
+
+    def allocate(self, trees: list[DraftTree], base_rows: int) -> list[DraftTree]:
+        """The batch's trees cut together (:func:`~toolspec_core.engine.tree.allocate`)."""
+        return allocate(trees, self.curve, base_rows, self.max_nodes)
 
     def observe(self, rows: int, seconds: float) -> None:
         """One verify forward of ``rows`` tokens took ``seconds``; refits the curve from time to time."""
@@ -59,7 +72,7 @@ class CostModel:
         fitted = self._calibration.add(rows, seconds)
         if fitted:
             self.points = {**self.points, **fitted}
-            self.curve = interpolate(self.points, self.max_nodes + 1)
+            self.curve = interpolate(self.points, self.max_rows)
 
     def step_cost(self, tree_size: int) -> float:
         return self.curve[min(tree_size + 1, len(self.curve) - 1)]
@@ -68,6 +81,7 @@ class CostModel:
         return {
             "points": {str(k): v for k, v in self.points.items()},
             "max_nodes": self.max_nodes,
+            "max_rows": self.max_rows,
             "source": self.source,
         }
 
@@ -78,6 +92,7 @@ class CostModel:
             {int(k): float(v) for k, v in d["points"].items()},
             int(d.get("max_nodes", 63)),
             source or d.get("source", "file"),
+            max_rows=int(d.get("max_rows", 0)),
         )
 
     @classmethod

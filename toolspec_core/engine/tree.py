@@ -116,31 +116,52 @@ def select(tree: DraftTree, keep: list[int]) -> DraftTree:
 
 
 def prune_to_budget(tree: DraftTree, cost: "list[float]", max_nodes: int | None = None) -> DraftTree:
-    """Keep the node set that maximises expected tokens per unit of verify cost.
+    """Keep the node set of one sequence's tree that maximises expected tokens per unit of verify
+    cost: :func:`allocate` for a batch of one (one root row, one token it always yields)."""
+    return allocate([tree], cost, base_rows=1, max_nodes=max_nodes)[0]
 
-    ``cost[k]`` is the relative cost of a forward of ``k`` new tokens (root included, so
-    ``cost[1] == 1`` is plain decoding). Nodes are ranked by path probability -- a node never
-    ranks above its parent since ``conf <= 1`` -- and the best prefix of that ranking is kept:
-    argmax over n of ``(1 + sum of top-n path probs) / cost[n + 1]``. n = 0 (draft nothing)
-    is always a candidate, so a step never costs more than it is expected to gain.
+
+def allocate(
+    trees: "list[DraftTree]", cost: "list[float]", base_rows: int, max_nodes: int | None = None
+) -> "list[DraftTree]":
+    """One budget across a batch: the node sets that maximise expected tokens per unit of cost.
+
+    ``cost[k]`` is the relative cost of a forward of ``k`` rows in all. ``base_rows`` rows run
+    whatever is chosen (every sequence's root chain, prefill chunks); each of the ``len(trees)``
+    sequences yields one token from its root. A node adds its path probability (the product of
+    ``conf`` down to it) to the expected tokens and one row to the forward. Nodes of all trees
+    are ranked together by path probability -- a node never ranks above its parent since
+    ``conf <= 1`` -- and the best prefix of the ranking is kept: argmax over n of
+    ``(len(trees) + sum of the top-n probabilities) / cost[base_rows + n]``. n = 0 (draft
+    nothing) is always a candidate, so a step is never expected to be slower than plain decoding
+    of the same sequences; as the batch grows each extra row costs more and trees shrink.
+    ``max_nodes`` caps each tree.
     """
-    if not tree.tokens:
-        return tree
-    probs = path_probs(tree)
-    limit = len(cost) - 2 if max_nodes is None else min(max_nodes, len(cost) - 2)
-    # Stable order: by probability, parents before children on ties.
-    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))[: max(limit, 0)]
-    best_n, best_rate, gain = 0, 1.0 / cost[1], 1.0
-    for n, i in enumerate(order, start=1):
-        gain += probs[i]
-        rate = gain / cost[n + 1]
+    if not any(t.tokens for t in trees):
+        return list(trees)
+    ranked = []  # (-prob, tree index, node): stable, parents before children on ties
+    for ti, tree in enumerate(trees):
+        probs = path_probs(tree)
+        order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+        ranked += [(-probs[i], ti, i) for i in order[: max_nodes if max_nodes is not None else len(order)]]
+    ranked.sort()
+    limit = max(0, min(len(ranked), len(cost) - 1 - base_rows))
+    best_n, gain = 0, float(len(trees))
+    best_rate = gain / cost[min(base_rows, len(cost) - 1)]
+    for n, (neg, _, _) in enumerate(ranked[:limit], start=1):
+        gain -= neg
+        rate = gain / cost[base_rows + n]
         if rate > best_rate:
             best_n, best_rate = n, rate
-    keep = set(order[:best_n])
-    # Ties can leave a child without its parent; close the set under parents.
-    for i in list(keep):
-        p = tree.parents[i]
-        while p != ROOT and p not in keep:
-            keep.add(p)
-            p = tree.parents[p]
-    return select(tree, list(keep))
+    keep: list[set[int]] = [set() for _ in trees]
+    for _, ti, i in ranked[:best_n]:
+        keep[ti].add(i)
+    out = []
+    for tree, nodes in zip(trees, keep):
+        for i in list(nodes):  # ties can leave a child without its parent; close the set under parents
+            p = tree.parents[i]
+            while p != ROOT and p not in nodes:
+                nodes.add(p)
+                p = tree.parents[p]
+        out.append(select(tree, list(nodes)) if len(nodes) < len(tree) else tree)
+    return out

@@ -127,10 +127,32 @@ def sample_walk(
             constraint.consume(tree.tokens[node])
 
 
+def walk(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    gen,
+    constraint=None,
+    root_row: int = 0,
+    choice: list[int] | None = None,
+) -> VerifyResult:
+    """The accepted path and the target's token from one sequence's logits [R+T, V] (its rows of a
+    forward): greedy, grammar-constrained greedy or sampling, by the sequence's own settings.
+    ``choice``: the rows' argmax when the caller has it (one sync for a whole batch)."""
+    if not params.greedy:
+        return sample_walk(tree, logits.cpu(), params, gen, constraint, root_row)  # CPU generator
+    if constraint is not None:
+        return constrained_greedy_walk(tree, logits.cpu(), constraint, root_row)  # grammar mask on the host
+    if choice is None:
+        choice = torch.argmax(logits, -1).tolist()  # argmax on device, one sync
+    return greedy_walk(tree, choice, root_row)
+
+
 def verify_step(
     target: Target, tree: DraftTree, roots: list[int] | int, cache, params: SamplingParams, gen, constraint=None
 ):
-    """One target forward over the root chain + tree.
+    """One sequence's target forward over the root chain + tree, its walk and its KV commit (the
+    scheduler does the same for a whole batch in one forward).
 
     Returns the accepted path + the target's token (``result.logits``: all rows, for drafters that learn).
     """
@@ -140,15 +162,7 @@ def verify_step(
     single = len(roots) == 1 and not tree.tokens
     hidden = target.hidden(ids, pos, None if single else mask, cache)
     logits = target.logits(hidden)  # [R+T, V] on the model's device
-    root_row = len(roots) - 1
-    if not params.greedy or constraint is not None:
-        logits = logits.cpu()  # row-by-row walks with a CPU generator / grammar mask
-    if not params.greedy:
-        result = sample_walk(tree, logits, params, gen, constraint, root_row)
-    elif constraint is not None:
-        result = constrained_greedy_walk(tree, logits, constraint, root_row)
-    else:
-        result = greedy_walk(tree, torch.argmax(logits, -1).tolist(), root_row)  # argmax on device, one sync
+    result = walk(tree, logits, params, gen, constraint, len(roots) - 1)
     commit_kv(cache, kv_len, kv_rows(result.path, len(roots)))
     result.logits = logits  # for drafters that learn from the target (token recycling)
     return result

@@ -10,8 +10,10 @@ from pathlib import Path
 import torch
 
 from toolspec_core.model.attention import use_grouped_sdpa
+from toolspec_core.model.batch_forward import Segment, batched_forward, supports_batched
 from toolspec_core.model.cpu_linears import tune_cpu_linears
 from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME, ModelFileError, embedded_model_dir
+from toolspec_core.model.kv import SeqKV
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,9 +31,12 @@ def resolve_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 @dataclass
 class Target:
-    """An HF causal LM plus its tokenizer: the two calls the engine makes (``hidden``, ``logits``).
+    """An HF causal LM plus its tokenizer: the calls the engine makes (``forward``, ``logits``).
 
-    A tensor-parallel target (``deployments/tp.py``) is a subclass that runs them on its workers."""
+    ``forward`` runs the rows of many sequences in one pass (:mod:`toolspec_core.model.batch_forward`)
+    where the model's family allows it; otherwise, and for a tensor-parallel target
+    (``deployments/tp.py``, a subclass whose ``hidden`` runs on its workers), one ``hidden`` call
+    per sequence."""
 
     model: torch.nn.Module
     tokenizer: object
@@ -47,17 +52,39 @@ class Target:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @functools.cached_property
+    def batched(self) -> bool:
+        """Whether ``forward`` runs all sequences in one pass (the model's family is supported)."""
+        return supports_batched(self.model)
+
     def new_cache(self):
+        """An empty KV cache of the kind ``forward`` takes: a :class:`SeqKV`, or HF's own cache."""
+        if self.batched:
+            return SeqKV(self.model.config.num_hidden_layers)
+        return self.hf_cache()
+
+    def hf_cache(self):
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
 
-    def hidden(self, input_ids, position_ids, mask, cache) -> torch.Tensor:
-        """input_ids/position_ids: [1, T]; mask: [1, 1, T, S] additive or None (causal).
+    def forward(self, segments: list[Segment]) -> torch.Tensor:
+        """Last-layer hidden states [N, H] of every segment's rows, concatenated in order."""
+        if self.batched and all(isinstance(s.cache, SeqKV) for s in segments):
+            return batched_forward(self.model, segments)
+        outs = [self.hidden(s.ids[None], s.pos[None], s.mask, s.cache) for s in segments]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-        Inputs are built on the CPU and moved to the model's device here. Returns last-layer
-        hidden states [T, H] on that device; the cache grows by T rows.
+    def hidden(self, input_ids, position_ids, mask, cache) -> torch.Tensor:
+        """One sequence: input_ids/position_ids: [1, T]; mask: [1, 1, T, S] additive or None (causal).
+
+        A :class:`SeqKV` cache goes through the batched forward (as a batch of one); an HF cache
+        through HF's own forward, the reference the batched one is tested against. Inputs are
+        built on the CPU and moved to the model's device here. Returns last-layer hidden states
+        [T, H] on that device; the cache grows by T rows.
         """
+        if isinstance(cache, SeqKV):
+            return batched_forward(self.model, [Segment(cache, input_ids[0], position_ids[0], mask)])
         dev = self.device
         if dev.type != "cpu":
             input_ids, position_ids = input_ids.to(dev, non_blocking=True), position_ids.to(dev, non_blocking=True)

@@ -1,0 +1,233 @@
+"""The step scheduler: every running sequence proposes, all are verified in one forward, each commits.
+
+One :meth:`Scheduler.step` is one target forward. It admits waiting sequences (limits: running
+sequences and reserved KV rows), gives at most ``prefill_chunk`` prompt rows to sequences still
+prefilling -- so a long prompt stalls the running sequences by one chunk a step at most --,
+asks each decoding sequence's drafter for its tree, cuts all trees together under one budget
+(:meth:`~toolspec_core.engine.budget.CostModel.allocate`), runs one forward over the rows of all
+sequences (:meth:`~toolspec_core.model.target.Target.forward`), then walks, commits, emits and
+feeds back per sequence. A single request is a batch of one through the same step
+(:func:`toolspec_core.engine.loop.decode`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from toolspec_core.engine.budget import CostModel
+from toolspec_core.engine.commit import commit_kv, kv_rows
+from toolspec_core.engine.sequence import Sequence, cap_depth
+from toolspec_core.engine.stats import GenerationResult, record_step
+from toolspec_core.engine.tree import DraftTree
+from toolspec_core.engine.verify import tree_inputs, walk
+from toolspec_core.model.batch_forward import Segment
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """What one scheduler runs at once: ``max_running`` sequences, whose reserved KV rows (prompt +
+    max_new_tokens each) sum to at most ``max_kv_tokens`` (None: no limit); ``prefill_chunk``
+    prompt rows per step."""
+
+    max_running: int = 16
+    max_kv_tokens: int | None = None
+    prefill_chunk: int = 512
+
+    def __post_init__(self):
+        for name in ("max_running", "prefill_chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_kv_tokens is not None and (not isinstance(self.max_kv_tokens, int) or self.max_kv_tokens <= 0):
+            raise ValueError(f"max_kv_tokens must be a positive integer or None, got {self.max_kv_tokens!r}")
+
+
+@dataclass
+class StepRecord:
+    """One step: rows of the forward (prefill + decode), sequences decoded, and where the time went."""
+
+    rows: int
+    prefill_rows: int
+    sequences: int
+    forward_s: float
+    host_s: float  # drafting + budget + walks + commits + emits
+
+
+@dataclass
+class _Row:
+    """Where a decoding sequence's rows sit in the step's logits."""
+
+    seq: Sequence
+    tree: DraftTree
+    kv_len: int
+    start: int  # first logits row
+    n: int
+
+
+class Scheduler:
+    """Owns the waiting and running sequences of one target and runs them a step at a time.
+
+    ``cost``: the budget's curve over total rows of a forward (None: trees as drafted). Not
+    thread-safe: one thread steps it (the server's engine thread).
+    """
+
+    def __init__(self, target, cost: CostModel | None = None, limits: BatchLimits = BatchLimits()):
+        self.target, self.cost, self.limits = target, cost, limits
+        if cost is not None:
+            cost.ensure_rows(limits.max_running * (cost.max_nodes + 2) + limits.prefill_chunk)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.steps: list[StepRecord] = []
+
+    def add(self, seq: Sequence) -> Sequence:
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop ``seq`` at the next step (finish_reason "cancelled"); the others are untouched."""
+        seq.cancelled = True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run(self) -> None:
+        while self.has_work():
+            self.step()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[Sequence]:
+        """One forward over every running sequence; returns the sequences that finished in it."""
+        t0 = time.perf_counter()
+        finished: list[Sequence] = []
+        for seq in list(self.waiting):
+            if seq.cancelled:
+                self.waiting.remove(seq)
+                seq.reason = "cancelled"
+                seq.finish()
+                finished.append(seq)
+        self._admit()
+        self._reap(finished)
+
+        segments: list[Segment] = []
+        prefills: list[tuple[Sequence, int, bool]] = []  # (seq, its rows, prompt complete)
+        budget = self.limits.prefill_chunk
+        for seq in self.running:
+            if seq.prefilling and budget > 0:
+                a = seq.filled
+                n = min(budget, len(seq.prompt_ids) - a)
+                segments.append(Segment(seq.cache, torch.tensor(seq.prompt_ids[a : a + n]), torch.arange(a, a + n)))
+                prefills.append((seq, n, a + n == len(seq.prompt_ids)))
+                seq.filled += n
+                budget -= n
+        prefill_rows = self.limits.prefill_chunk - budget
+
+        decoding = [s for s in self.running if s.decoding]
+        trees = []
+        for seq in decoding:
+            t = time.perf_counter()
+            ctx = seq.context()
+            trees.append(cap_depth(seq.drafter.propose(ctx), ctx.max_depth))
+            seq.stats.draft_s += time.perf_counter() - t
+        if self.cost is not None and decoding:
+            trees = self.cost.allocate(trees, prefill_rows + sum(len(s.roots) for s in decoding))
+
+        rows: list[_Row] = []
+        logit_rows: list[int] = []  # hidden rows whose logits the step needs
+        o = 0
+        for _, n, done in prefills:
+            o += n
+            if done:
+                logit_rows.append(o - 1)
+        for seq, tree in zip(decoding, trees):
+            kv_len = seq.cache.get_seq_length()
+            ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, self.target.dtype)
+            single = len(seq.roots) == 1 and not tree.tokens
+            segments.append(Segment(seq.cache, ids[0], pos[0], None if single else mask))
+            n = ids.shape[1]
+            rows.append(_Row(seq, tree, kv_len, len(logit_rows), n))
+            logit_rows.extend(range(o, o + n))
+            o += n
+        if not segments:
+            return finished
+        t1 = time.perf_counter()
+        hidden = self.target.forward(segments)  # [N, H]
+        picked = hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows]
+        logits = self.target.logits(picked)  # [M, V]
+        greedy = any(r.seq.cfg.sampling.greedy and r.seq.constraint is None for r in rows)
+        choice = torch.argmax(logits, -1).tolist() if greedy else None  # one sync for the whole batch
+        t2 = time.perf_counter()
+        fwd = t2 - t1
+
+        j, end = 0, 0
+        for seq, n, done in prefills:
+            seq.stats.prefill_s += fwd
+            end += n
+            if done:
+                seq.hidden = hidden[end - 1].cpu()
+                seq.start(logits[j].cpu())
+                j += 1
+        for r in rows:
+            self._commit(r, logits, choice, fwd)
+        total_rows = int(hidden.shape[0])
+        if self.cost is not None and rows and not prefills:
+            self.cost.observe(total_rows, fwd)
+        self._reap(finished)
+        self.steps.append(StepRecord(total_rows, prefill_rows, len(rows), fwd, time.perf_counter() - t0 - fwd))
+        return finished
+
+    def _commit(self, r: _Row, logits: torch.Tensor, choice: list[int] | None, fwd: float) -> None:
+        seq, tree = r.seq, r.tree
+        t = time.perf_counter()
+        own = logits[r.start : r.start + r.n]  # [R+T, V] this sequence's rows
+        root_row = len(seq.roots) - 1
+        mine = None if choice is None else choice[r.start : r.start + r.n]
+        result = walk(tree, own, seq.cfg.sampling, seq.gen, seq.constraint, root_row, mine)
+        commit_kv(seq.cache, r.kv_len, kv_rows(result.path, len(seq.roots)))
+        result.logits = own  # for drafters that learn from the target (token recycling)
+        seq.drafter.feedback(tree, result)
+        record_step(seq.stats, tree, result)
+        forced = seq.constraint.forced() if seq.constraint is not None else []
+        seq.stats.forced += len(forced)
+        seq.emit([tree.tokens[i] for i in result.path] + [result.token] + forced)
+        seq.roots = [result.token] + forced
+        seq.stats.verify_s += fwd
+        seq.stats.verify_step_s.append(fwd)
+        seq.stats.commit_s += time.perf_counter() - t
+
+    def _admit(self) -> None:
+        lim = self.limits
+        reserved = sum(s.reserved_tokens for s in self.running)
+        while self.waiting and len(self.running) < lim.max_running:
+            seq = self.waiting[0]
+            fits = lim.max_kv_tokens is None or reserved + seq.reserved_tokens <= lim.max_kv_tokens
+            if not fits and self.running:  # one sequence alone is always admitted: nothing else would free room
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            reserved += seq.reserved_tokens
+            seq.take_prefilled()
+
+    def _reap(self, finished: list[Sequence]) -> None:
+        for seq in list(self.running):
+            if seq.cancelled and seq.reason is None:
+                seq.reason = "cancelled"
+            if seq.reason is not None:
+                self.running.remove(seq)
+                seq.finish()
+                finished.append(seq)
+
+
+def run_batch(target, seqs: list[Sequence], cost: CostModel | None = None, limits: BatchLimits | None = None):
+    """Decode ``seqs`` together to the end; their results in order."""
+    sched = Scheduler(target, cost, limits or BatchLimits(max_running=max(1, len(seqs))))
+    for s in seqs:
+        sched.add(s)
+    sched.run()
+    return [s.result for s in seqs]
+
+
+__all__ = ["BatchLimits", "GenerationResult", "Scheduler", "Sequence", "StepRecord", "run_batch"]

@@ -1,0 +1,232 @@
+"""One sequence's decoding state and the per-sequence rules the step scheduler applies to it.
+
+A :class:`Sequence` owns what is really its own -- KV cache, drafter, sampler seed, grammar,
+detokenizer, stop rules, output -- so any batch it runs in leaves its output what it is alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from toolspec_core.drafters.base import DraftContext, Drafter, NoDrafter
+from toolspec_core.engine.commit import clone_cache
+from toolspec_core.engine.detokenize import Detokenizer
+from toolspec_core.engine.sampling import SamplingParams, sample, target_probs
+from toolspec_core.engine.stats import GenerationResult, GenerationStats
+from toolspec_core.engine.tree import DraftTree, depths, select
+from toolspec_core.errors import ContextLengthError, InvalidRequestError
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    sampling: SamplingParams = SamplingParams()
+
+    def __post_init__(self):
+        m = self.max_new_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
+            raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {m!r}", "max_tokens")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop must be non-empty strings", "stop")
+
+
+@dataclass
+class Prefilled:
+    """A prompt whose KV is cached; ``logits`` [V] predict the first generated token."""
+
+    prompt_ids: list[int]
+    cache: object
+    logits: torch.Tensor
+    hidden: torch.Tensor  # [H] last-layer state of the final prompt token (retrieval key)
+    seconds: float = 0.0
+    states: torch.Tensor | None = None  # [T, H] every prompt token's state, when asked for
+
+
+def check_prompt(target, prompt_ids: list[int], max_new_tokens: int = 1) -> None:
+    if not prompt_ids:
+        raise InvalidRequestError("prompt is empty", "messages")
+    if len(prompt_ids) + max_new_tokens > target.max_context:
+        raise ContextLengthError(
+            f"prompt of {len(prompt_ids)} tokens + max_tokens {max_new_tokens} exceeds the context window "
+            f"of {target.max_context} tokens",
+            "messages",
+        )
+
+
+class Stopper:
+    """EOS / max_new_tokens / stop strings, checked after every emitted token.
+
+    Emitted tokens go into the request's ``Detokenizer``; a stop string is looked for only in
+    what a token added plus the longest stop string's length of lookback, so a check costs the
+    same at any output length. The pending text (a token that ends inside a character) is
+    searched too: a stop string counts at the token that writes it.
+    """
+
+    def __init__(self, detok: Detokenizer, eos_ids, cfg: DecodeConfig):
+        self.detok, self.eos, self.cfg = detok, set(eos_ids), cfg
+        self.back = max((len(s) for s in cfg.stop), default=1) - 1
+        self.seen = 0  # committed text searched so far (the pending text is searched again)
+
+    def done(self, generated: list[int]) -> str | None:
+        if generated[-1] in self.eos:
+            return "stop"
+        self.detok.feed(generated[-1:])
+        if self.cfg.stop:
+            new = self.detok.tail(max(0, self.seen - self.back))
+            self.seen = len(self.detok.text)
+            if any(s in new for s in self.cfg.stop):
+                return "stop"
+        if len(generated) >= self.cfg.max_new_tokens:
+            return "length"
+        return None
+
+    def text(self) -> str:
+        """The output's text (EOS is not text), cut before the first stop string."""
+        text = self.detok.final()
+        cuts = [text.find(s) for s in self.cfg.stop if s in text]
+        return text[: min(cuts)] if cuts else text
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, gen) -> int:
+    return int(torch.argmax(logits)) if params.greedy else sample(target_probs(logits, params), gen)
+
+
+def cap_depth(tree: DraftTree, max_depth: int) -> DraftTree:
+    if not tree.tokens or max_depth <= 0:
+        return DraftTree()
+    d = depths(tree.parents)
+    if max(d) <= max_depth:
+        return tree
+    return select(tree, [i for i, x in enumerate(d) if x <= max_depth])
+
+
+def first_tokens(logits: torch.Tensor, params: SamplingParams, gen, constraint) -> list[int]:
+    """The first generated token(s): forced by the grammar, or chosen from the prompt's last logits [V]."""
+    if constraint is not None:
+        forced = constraint.forced()
+        if forced:
+            return forced
+        logits = logits.masked_fill(~constraint.mask(), float("-inf"))
+        tok = choose(logits, params, gen)
+        constraint.consume(tok)
+        return [tok] + constraint.forced()
+    return [choose(logits, params, gen)]
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """One request being decoded.
+
+    ``prefilled``: a prompt already in a KV cache (cloned unless ``own_cache``; then consumed);
+    otherwise the scheduler prefills the prompt in chunks, reusing ``prefix`` (a ``Prefilled``
+    whose prompt is a strict prefix of this one) when given. ``on_tokens(new_ids)`` is called
+    after each commit with the newly emitted tokens (streaming); returning ``False`` cancels the
+    sequence (finish_reason "cancelled"). ``constraint`` (:mod:`toolspec_core.engine.grammar`)
+    restricts the target to a grammar; tokens it forces are emitted without verification and
+    enter the next forward as part of the root chain. One ``Detokenizer`` decodes the output
+    once, incrementally, for stop strings, the drafter (``DraftContext.text``) and the final
+    text; a caller that reads the text while decoding passes its own as ``detokenizer``.
+    """
+
+    def __init__(
+        self,
+        target,
+        prompt_ids: list[int],
+        drafter: Drafter | None = None,
+        cfg: DecodeConfig = DecodeConfig(),
+        constraint=None,
+        on_tokens: Callable[[list[int]], bool | None] | None = None,
+        detokenizer: Detokenizer | None = None,
+        prefilled: Prefilled | None = None,
+        own_cache: bool = False,
+        prefix: Prefilled | None = None,
+    ):
+        self.prompt_ids = list(prefilled.prompt_ids if prefilled is not None else prompt_ids)
+        check_prompt(target, self.prompt_ids, cfg.max_new_tokens)
+        self.id = next(_ids)
+        self.drafter = drafter or NoDrafter()
+        self.cfg, self.constraint, self.on_tokens = cfg, constraint, on_tokens
+        self.gen = cfg.sampling.generator()
+        self.detok = detokenizer if detokenizer is not None else Detokenizer(target.tokenizer, target.eos_ids)
+        self.stopper = Stopper(self.detok, target.eos_ids, cfg)
+        self.tokens = list(self.prompt_ids)  # prompt + emitted
+        self.generated: list[int] = []
+        self.roots: list[int] = []  # emitted tokens whose KV is not cached yet (the next forward's chain)
+        self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
+        self.reason: str | None = None
+        self.result: GenerationResult | None = None
+        self.cancelled = False
+        self.hidden: torch.Tensor | None = None  # [H] the prompt's last state, once prefilled
+        self._prefilled = prefilled
+        if prefilled is not None:
+            self.cache, self.filled = (
+                prefilled.cache if own_cache else clone_cache(prefilled.cache),
+                len(self.prompt_ids),
+            )
+            self.stats.prefill_s = prefilled.seconds
+            self.hidden = prefilled.hidden
+        elif (
+            prefix is not None
+            and len(prefix.prompt_ids) < len(self.prompt_ids)
+            and self.prompt_ids[: len(prefix.prompt_ids)] == prefix.prompt_ids
+        ):
+            self.cache, self.filled = clone_cache(prefix.cache), len(prefix.prompt_ids)
+        else:
+            self.cache, self.filled = target.new_cache(), 0
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV rows this sequence may come to hold (what admission counts)."""
+        return len(self.prompt_ids) + self.cfg.max_new_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        return self.filled < len(self.prompt_ids)
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.roots) and self.reason is None
+
+    def take_prefilled(self) -> bool:
+        """Start from the ``prefilled`` prompt given at construction, if any (at admission)."""
+        if self._prefilled is None:
+            return False
+        logits, self._prefilled = self._prefilled.logits, None
+        self.start(logits)
+        return True
+
+    def start(self, logits: torch.Tensor) -> None:
+        """The prompt is cached: emit the first token(s) from its last logits [V]."""
+        self.emit(first_tokens(logits, self.cfg.sampling, self.gen, self.constraint))
+        self.roots = list(self.generated)
+
+    def context(self) -> DraftContext:
+        remaining = self.cfg.max_new_tokens - len(self.generated) - 1
+        return DraftContext(self.tokens, len(self.prompt_ids), remaining, self.detok.text, self.detok.read)
+
+    def emit(self, new: list[int]) -> None:
+        """Append tokens one by one until a stop condition (never past EOS / stop / max tokens), then stream them."""
+        before = len(self.generated)
+        for tok in new:
+            self.tokens.append(tok)
+            self.generated.append(tok)
+            self.reason = self.stopper.done(self.generated)
+            if self.reason:
+                break
+        if self.on_tokens is not None and self.on_tokens(self.generated[before:]) is False:
+            self.reason = self.reason or "cancelled"
+
+    def finish(self) -> GenerationResult:
+        self.stats.generated_tokens = len(self.generated)
+        self.result = GenerationResult(self.generated, self.stopper.text(), self.reason, self.stats)
+        self.cache = None  # the KV goes with the sequence
+        return self.result

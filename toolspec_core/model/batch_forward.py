@@ -1,0 +1,131 @@
+"""One target forward over the rows of many sequences, each attending only to its own KV.
+
+Every row of every sequence (prefill chunks, root chains, draft trees) is concatenated into one
+[1, N, H] activation: embeddings, norms, the q / k / v / o projections and the MLP run once over
+all N rows -- the weights are read once per step however many sequences run, which is where a
+batch's speed comes from. Attention alone is per sequence: its rows' keys and values are written
+into its own :class:`~toolspec_core.model.kv.SeqKV` and its queries attend over that cache with
+its own tree mask. Rows never see another sequence's, so a sequence's output is what it is
+alone up to the linears' row-count-dependent rounding (the same as a bigger draft tree).
+
+The decoder layers are the HF modules themselves (``input_layernorm``, ``self_attn.q_proj``,
+...), so the CPU linears (:mod:`toolspec_core.model.cpu_linears`) and tensor-parallel shards
+that replace those modules are used as they are. Families with this layer shape (Llama, Qwen2,
+Qwen3, Mistral without a sliding window) are supported; :func:`supports_batched` says which.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass
+class Segment:
+    """One sequence's rows in a batched forward.
+
+    ``ids`` / ``pos`` [n] (long); ``mask`` [1, 1, n, S] additive float over the cache's ``S - n``
+    rows plus these, or None for causal rows (a prefill chunk; a single decode row sees everything).
+    """
+
+    cache: object
+    ids: torch.Tensor
+    pos: torch.Tensor
+    mask: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+
+def supports_batched(model: torch.nn.Module) -> bool:
+    """Whether :func:`batched_forward` reproduces this HF model's forward."""
+    cfg = getattr(model, "config", None)
+    core = getattr(model, "model", None)
+    if cfg is None or core is None or getattr(cfg, "model_type", None) not in FAMILIES:
+        return False
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+        return False
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        return False
+    layer = core.layers[0]
+    attn = getattr(layer, "self_attn", None)
+    return all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")) and all(
+        hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm", "mlp")
+    )
+
+
+def _rope_fn(attn):
+    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+
+def causal_mask(prefix: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[1, 1, n, prefix + n] additive: row i sees the prefix and rows <= i."""
+    cols = torch.arange(prefix + n, device=device)
+    rows = torch.arange(n, device=device)[:, None] + prefix
+    return torch.where(cols[None, :] <= rows, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+
+
+def segment_attention(q, k, v, mask, scale: float) -> torch.Tensor:
+    """q [1, H, n, D], k / v [1, H_kv, S, D], mask [1, 1, n, S] or None -> [1, n, H * D].
+
+    The ``g = H / H_kv`` query heads that share a KV head are stacked as ``g * n`` rows of that
+    head (the mask repeated ``g`` times), so the KV heads are never copied
+    (:mod:`toolspec_core.model.attention` measures why).
+    """
+    _, h, n, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    qg = q.reshape(1, hkv, g * n, d)
+    m = None if mask is None else mask.repeat(1, 1, g, 1)  # [1, 1, g*n, S]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)  # [1, H_kv, g*n, D]
+    return out.reshape(1, h, n, d).transpose(1, 2).reshape(1, n, h * d)
+
+
+def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Tensor:
+    """Last-layer hidden states [N, H] of all segments' rows, in order; every cache grows by its rows.
+
+    Inputs may be on the CPU; they are moved to the model's device here.
+    """
+    core = model.model
+    dev = core.embed_tokens.weight.device
+    dtype = core.embed_tokens.weight.dtype
+    ids = torch.cat([s.ids for s in segments]).to(dev, non_blocking=True)[None]  # [1, N]
+    pos = torch.cat([s.pos for s in segments]).to(dev, non_blocking=True)[None]  # [1, N]
+    bounds, masks, o = [], [], 0
+    for s in segments:
+        n, prefix = len(s), s.cache.get_seq_length()
+        bounds.append((o, o + n))
+        o += n
+        if s.mask is not None:
+            masks.append(s.mask.to(dev, dtype, non_blocking=True))
+        elif n > 1:
+            masks.append(causal_mask(prefix, n, dtype, dev))
+        else:
+            masks.append(None)  # one row attends to the whole cache
+    with torch.inference_mode():
+        x = core.embed_tokens(ids)  # [1, N, H]
+        cos, sin = core.rotary_emb(x, pos)  # [1, N, D] each
+        for li, layer in enumerate(core.layers[: model.config.num_hidden_layers]):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            shape = (1, h.shape[1], -1, attn.head_dim)
+            q, k, v = attn.q_proj(h).view(shape), attn.k_proj(h).view(shape), attn.v_proj(h).view(shape)
+            if hasattr(attn, "q_norm"):  # Qwen3: per-head norms before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, N, D]
+            q, k = _rope_fn(attn)(q, k, cos, sin)
+            outs = []
+            for s, (a, b), m in zip(segments, bounds, masks):
+                keys, values = s.cache.write(li, k[:, :, a:b], v[:, :, a:b])  # [1, H_kv, S, D]
+                outs.append(segment_attention(q[:, :, a:b], keys, values, m, attn.scaling))
+            x = x + attn.o_proj(torch.cat(outs, 1) if len(outs) > 1 else outs[0])
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = core.norm(x)
+    for s in segments:
+        s.cache.advance(len(s))
+    return x[0]
