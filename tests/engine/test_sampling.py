@@ -15,8 +15,11 @@ from scipy.stats import chisquare
 from tiny import tiny_target
 
 from toolspec_core.drafters.base import DraftContext
+from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.loop import DecodeConfig, decode, prefill
 from toolspec_core.engine.sampling import SamplingParams, target_probs
+from toolspec_core.engine.scheduler import run_batch
+from toolspec_core.engine.sequence import Sequence
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import sample_walk
 
@@ -81,10 +84,7 @@ class FixedTree:
         return None
 
 
-def test_speculative_sampling_matches_exact_sequence_distribution():
-    tg = tiny_target(vocab=V, hidden=32, init=0.4, seed=3)
-    prompt = [1, 2, 3]
-    pre = prefill(tg, prompt)
+def _exact_three_token_distribution(tg, prompt):
     with torch.inference_mode():
         p1 = torch.softmax(tg.model(torch.tensor([prompt])).logits[0, -1], -1)
         p2 = torch.stack([torch.softmax(tg.model(torch.tensor([prompt + [a]])).logits[0, -1], -1) for a in range(V)])
@@ -93,7 +93,23 @@ def test_speculative_sampling_matches_exact_sequence_distribution():
             for a, b in itertools.product(range(V), range(V))
         }
     exact = np.array([float(p1[a] * p2[a, b] * p3[(a, b)][c]) for a, b, c in itertools.product(range(V), repeat=3)])
-    likely = torch.argsort(p1, descending=True).tolist()
+    return exact, torch.argsort(p1, descending=True).tolist()
+
+
+def _chi_square_p(counts: np.ndarray, exact: np.ndarray) -> float:
+    # pool rare outcomes so the chi-square approximation holds
+    order = np.argsort(-exact)
+    top, rest = order[:40], order[40:]
+    obs = np.append(counts[top], counts[rest].sum())
+    exp = np.append(exact[top], exact[rest].sum())
+    return chisquare(obs, exp.astype(np.float64) / exp.sum() * obs.sum()).pvalue
+
+
+def test_speculative_sampling_matches_exact_sequence_distribution():
+    tg = tiny_target(vocab=V, hidden=32, init=0.4, seed=3)
+    prompt = [1, 2, 3]
+    pre = prefill(tg, prompt)
+    exact, likely = _exact_three_token_distribution(tg, prompt)
     counts = np.zeros(V**3)
     n = 3000
     for s in range(n):
@@ -101,13 +117,43 @@ def test_speculative_sampling_matches_exact_sequence_distribution():
         res = decode(tg, pre, FixedTree(likely), cfg)
         a, b, c = res.tokens
         counts[a * V * V + b * V + c] += 1
-    # pool rare outcomes so the chi-square approximation holds
-    order = np.argsort(-exact)
-    top = order[:40]
-    rest = order[40:]
-    obs = np.append(counts[top], counts[rest].sum())
-    exp = np.append(exact[top], exact[rest].sum())
-    assert chisquare(obs, exp.astype(np.float64) / exp.sum() * obs.sum()).pvalue > 1e-3
+    assert _chi_square_p(counts, exact) > 1e-3
+
+
+def test_speculative_sampling_inside_mixed_batches_matches_exact_distribution():
+    """The same test with every sample decoded in a batch of 16 beside greedy and other sampled
+    sequences (other prompts, other trees, other temperatures) under one batch-wide budget."""
+    tg = tiny_target(vocab=V, hidden=32, init=0.4, seed=3)
+    prompt = [1, 2, 3]
+    pre = prefill(tg, prompt)
+    exact, likely = _exact_three_token_distribution(tg, prompt)
+    counts = np.zeros(V**3)
+    n, per_batch = 3000, 12
+    greedy_ref = None
+    for b in range(n // per_batch):
+        seqs = [
+            Sequence(
+                tg,
+                prompt,
+                FixedTree(likely),
+                DecodeConfig(max_new_tokens=3, sampling=SamplingParams(temperature=1.0, seed=1000 + b * per_batch + i)),
+                prefilled=pre,
+            )
+            for i in range(per_batch)
+        ]
+        others = [
+            Sequence(tg, [4, 5, 6, 7], FixedTree(likely[::-1]), DecodeConfig(max_new_tokens=4)),
+            Sequence(tg, [2, 2], None, DecodeConfig(max_new_tokens=2, sampling=SamplingParams(temperature=0.5))),
+            Sequence(tg, [7], FixedTree(likely), DecodeConfig(max_new_tokens=5, sampling=SamplingParams(top_k=2))),
+        ]
+        mixed = seqs[: b % per_batch] + others + seqs[b % per_batch :]  # the batch's order varies too
+        run_batch(tg, mixed, CostModel.cpu_reference() if b % 2 else CostModel.flat())
+        for s in seqs:
+            a, b2, c = s.result.tokens
+            counts[a * V * V + b2 * V + c] += 1
+        greedy_ref = greedy_ref or others[0].result.tokens
+        assert others[0].result.tokens == greedy_ref
+    assert _chi_square_p(counts, exact) > 1e-3
 
 
 def test_seed_makes_sampling_reproducible():

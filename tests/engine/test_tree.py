@@ -53,3 +53,28 @@ def test_select_reindexes():
     tree.add_path([4, 5], 0.9, "b")
     sub = select(tree, [0, 1, 3])
     assert sub.tokens == [1, 2, 4] and sub.parents == [-1, 0, -1]
+
+
+def test_allocate_across_a_batch_on_a_hand_computed_curve():
+    """Two sequences: A drafts a sure chain (path probs 0.9, 0.81), B one guess (0.5); both roots run.
+
+    rows 2 (roots only): 2 / 1.2 = 1.67 tokens per cost; + a1: 2.9 / 1.3 = 2.23; + a2: 3.71 / 1.4
+    = 2.65; + b1: 4.21 / 2.8 = 1.50 -> keep A's chain, draft nothing for B. With a 5-row forward
+    at 1.5, + b1 gives 4.21 / 1.5 = 2.81 > 2.65 -> keep everything.
+    """
+    from toolspec_core.engine.tree import allocate
+
+    a, b = DraftTree(), DraftTree()
+    a.add_path([10, 11], 0.9, "x")
+    b.add(-1, 20, 0.5, "x")
+    dear = [0.0, 1.0, 1.2, 1.3, 1.4, 2.8, 3.0]
+    kept = allocate([a, b], dear, base_rows=2)
+    assert kept[0].tokens == [10, 11] and kept[1].tokens == []
+    cheap = dear[:5] + [1.5, 3.0]
+    kept = allocate([a, b], cheap, base_rows=2)
+    assert kept[0].tokens == [10, 11] and kept[1].tokens == [20]
+    # compute-bound (cost proportional to rows, a big batch): no guess below certainty pays
+    bound = [float(k) for k in range(12)]
+    assert [len(t) for t in allocate([a, b], bound, base_rows=2)] == [0, 0]
+    # a batch of one is prune_to_budget
+    assert allocate([a], dear, base_rows=1)[0].tokens == prune_to_budget(a, dear).tokens

@@ -255,3 +255,42 @@ def test_history_drafts_per_tenant_and_never_private_outputs(qwen_tok):
         meth.observe(RequestInfo([1, 2], TOOLS, tenant="a"), out, text)
     assert out[4] in drafted(m, "a")
     assert out[4] not in drafted(m, "b") and out[4] not in drafted(schema, "a")
+
+
+def test_toolspec_and_grammar_sequences_in_one_batch(closing_qwen, qwen_tok):
+    """ToolSpec drafting, a grammar-constrained call and plain decoding verified together: each is
+    what it is alone, and the constrained one is still a valid call."""
+    from toolspec_core.engine.scheduler import run_batch
+    from toolspec_core.engine.sequence import Sequence
+
+    tg = closing_qwen
+    prompt = _prompt(qwen_tok)
+    other = render_prompt(qwen_tok, [{"role": "user", "content": "What time is it in Lima?"}], TOOLS)
+    pre, pre2 = prefill(tg, prompt), prefill(tg, other)
+    cfg = DecodeConfig(max_new_tokens=60)
+
+    def grammar():
+        return make_tool_constraint(qwen_tok, TOOLS, "required", tg.model.config.vocab_size)
+
+    def toolspec(p):
+        return make_method("toolspec", qwen_tok, library=_poisoned_library(qwen_tok)).drafter(
+            RequestInfo(p, TOOLS, tenant="t1", embedding=[1.0, 0.0])
+        )
+
+    alone = [
+        decode(tg, pre, toolspec(prompt), cfg, CostModel.flat()).tokens,
+        decode(tg, pre2, None, cfg, constraint=grammar()).tokens,
+        decode(tg, pre2, None, cfg).tokens,
+        decode(tg, pre, toolspec(prompt), cfg, CostModel.flat(), constraint=grammar()).tokens,
+    ]
+    seqs = [
+        Sequence(tg, prompt, toolspec(prompt), cfg, prefilled=pre),
+        Sequence(tg, other, None, cfg, constraint=grammar(), prefilled=pre2),
+        Sequence(tg, other, None, cfg),  # prefilled by the scheduler, beside the others
+        Sequence(tg, prompt, toolspec(prompt), cfg, constraint=grammar(), prefilled=pre),
+    ]
+    out = run_batch(tg, seqs, CostModel.cpu_reference())
+    assert [r.tokens for r in out] == alone
+    for r in (out[1], out[3]):
+        calls = parse_tool_calls(r.text).calls
+        assert r.finish_reason == "stop" and len(calls) == 1 and validate_call(calls[0], TOOLS) == [], r.text

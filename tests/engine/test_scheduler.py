@@ -1,0 +1,198 @@
+"""The step scheduler on tiny random Qwen2 models: any batch leaves every sequence's output what it is alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scripted import PROMPT, N, ScriptedDrafter, branching, garbage, oracle
+from scripted import reference as reference
+from scripted import tiny as tiny
+from tiny import hf_greedy
+
+from toolspec_core.engine.budget import CostModel
+from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+from toolspec_core.engine.sampling import SamplingParams
+from toolspec_core.engine.scheduler import BatchLimits, Scheduler, run_batch
+from toolspec_core.engine.sequence import Sequence
+
+MAKERS = {"none": None, "oracle": oracle, "garbage": garbage, "branching": branching}
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 96) for _ in range(rng.randint(2, 40))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def refs(tiny):
+    prompts = _prompts(10, 0)
+    return prompts, [hf_greedy(tiny, p, N) for p in prompts]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_in_any_batch_equals_plain_greedy(tiny, refs, seed):
+    """Random arrival steps, batch limits, prefill chunks, budgets, drafters and lengths."""
+    prompts, want = refs
+    rng = random.Random(seed)
+    cost = rng.choice([None, CostModel.flat(), CostModel.cpu_reference()])
+    limits = BatchLimits(max_running=rng.choice([1, 2, 3, 5, 16]), prefill_chunk=rng.choice([3, 8, 512]))
+    sched = Scheduler(tiny, cost, limits)
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    seqs, arrivals = {}, {i: rng.randrange(0, 12) for i in order}
+    step = 0
+    while len(seqs) < len(order) or sched.has_work():
+        for i in order:
+            if i not in seqs and arrivals[i] <= step:
+                make = MAKERS[rng.choice(list(MAKERS))]
+                drafter = ScriptedDrafter(make(want[i])) if make else None
+                n = rng.choice([N, N, 7, 1])
+                seqs[i] = sched.add(Sequence(tiny, prompts[i], drafter, DecodeConfig(max_new_tokens=n)))
+        sched.step()
+        assert len(sched.running) <= limits.max_running
+        step += 1
+    for i, seq in seqs.items():
+        n = seq.cfg.max_new_tokens
+        assert seq.result.tokens == want[i][:n], (seed, i)
+        assert seq.result.finish_reason == "length"
+    assert all(r.prefill_rows <= limits.prefill_chunk for r in sched.steps)
+    if limits.max_running > 1:
+        assert max(r.sequences for r in sched.steps) > 1  # sequences really were verified together
+
+
+def test_decode_is_a_batch_of_one(tiny, reference):
+    pre = prefill(tiny, PROMPT)
+    seq = Sequence(tiny, PROMPT, ScriptedDrafter(branching(reference)), DecodeConfig(max_new_tokens=N), prefilled=pre)
+    batch = run_batch(tiny, [seq])[0]
+    alone = decode(tiny, pre, ScriptedDrafter(branching(reference)), DecodeConfig(max_new_tokens=N))
+    assert batch.tokens == alone.tokens == reference
+    assert batch.stats.forwards == alone.stats.forwards and batch.stats.accepted == alone.stats.accepted
+
+
+def test_long_prompt_prefills_a_chunk_per_step_while_others_decode(tiny, refs, reference):
+    prompts, _ = refs
+    long_prompt = (prompts[0] * 20)[:300]
+    long_ref = hf_greedy(tiny, long_prompt, 4)
+    sched = Scheduler(tiny, None, BatchLimits(max_running=4, prefill_chunk=16))
+    short = sched.add(Sequence(tiny, PROMPT, None, DecodeConfig(max_new_tokens=N)))
+    sched.step()  # the short prompt (< one chunk) is prefilled and emits its first token
+    assert len(short.generated) == 1
+    long = sched.add(Sequence(tiny, long_prompt, None, DecodeConfig(max_new_tokens=4)))
+    while long.prefilling:
+        before = len(short.generated)
+        sched.step()
+        assert sched.steps[-1].prefill_rows <= 16
+        assert len(short.generated) == before + 1  # the running sequence never waits for the whole prompt
+    sched.run()
+    assert short.result.tokens == reference and long.result.tokens == long_ref
+
+
+def test_admission_limits(tiny, refs):
+    prompts, want = refs
+    cfg = DecodeConfig(max_new_tokens=6)
+    reserve = [len(p) + 6 for p in prompts[:6]]
+    limit = max(reserve[0] + reserve[1], max(reserve))
+    sched = Scheduler(tiny, None, BatchLimits(max_running=3, max_kv_tokens=limit))
+    seqs = [sched.add(Sequence(tiny, p, None, cfg)) for p in prompts[:6]]
+    while sched.has_work():
+        sched.step()
+        assert len(sched.running) <= 3
+        assert sum(s.reserved_tokens for s in sched.running) <= limit or len(sched.running) == 1
+    assert [s.result.tokens for s in seqs] == [w[:6] for w in want[:6]]
+
+
+def test_cancelling_one_sequence_leaves_the_others_unchanged(tiny, refs):
+    prompts, want = refs
+    sched = Scheduler(tiny, CostModel.flat(), BatchLimits(max_running=4))
+    seqs = [
+        sched.add(Sequence(tiny, p, ScriptedDrafter(make(w)), DecodeConfig(max_new_tokens=N)))
+        for p, w, make in zip(prompts[:3], want[:3], (oracle, garbage, branching))
+    ]
+    stop_after = {"n": 0}
+
+    def on_tokens(ids):
+        stop_after["n"] += len(ids)
+        return stop_after["n"] < 5  # the client goes away after 5 tokens
+
+    streamed = sched.add(Sequence(tiny, prompts[3], None, DecodeConfig(max_new_tokens=N), on_tokens=on_tokens))
+    for _ in range(3):
+        sched.step()
+    sched.cancel(seqs[1])
+    sched.run()
+    assert seqs[1].result.finish_reason == "cancelled" and seqs[1].result.tokens == want[1][: len(seqs[1].generated)]
+    assert streamed.result.finish_reason == "cancelled" and streamed.result.tokens == want[3][:5]
+    for i in (0, 2):
+        assert seqs[i].result.tokens == want[i] and seqs[i].result.finish_reason == "length"
+
+
+def test_cancelled_while_waiting_never_runs(tiny, refs):
+    prompts, _ = refs
+    sched = Scheduler(tiny, None, BatchLimits(max_running=1))
+    a = sched.add(Sequence(tiny, prompts[0], None, DecodeConfig(max_new_tokens=3)))
+    b = sched.add(Sequence(tiny, prompts[1], None, DecodeConfig(max_new_tokens=3)))
+    sched.cancel(b)
+    done = sched.step()
+    assert b in done and b.result.finish_reason == "cancelled" and b.result.tokens == []
+    sched.run()
+    assert a.result.finish_reason == "length"
+
+
+def test_sampled_sequence_in_a_batch_is_reproducible_and_leaves_greedy_alone(tiny, refs):
+    """A sampled sequence depends only on its own seed and trees, whatever runs beside it (a flat
+    cost keeps every tree whole, alone and in the batch)."""
+    prompts, want = refs
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    cfg = DecodeConfig(max_new_tokens=N, sampling=params)
+    alone = decode(tiny, prefill(tiny, prompts[0]), ScriptedDrafter(garbage(want[0])), cfg, CostModel.flat()).tokens
+    mixed = [
+        Sequence(tiny, prompts[0], ScriptedDrafter(garbage(want[0])), DecodeConfig(max_new_tokens=N, sampling=params)),
+        Sequence(tiny, prompts[1], ScriptedDrafter(oracle(want[1])), DecodeConfig(max_new_tokens=N)),
+        Sequence(tiny, prompts[2], None, DecodeConfig(max_new_tokens=N)),
+    ]
+    out = run_batch(tiny, mixed, CostModel.flat())
+    assert out[0].tokens == alone
+    assert out[1].tokens == want[1] and out[2].tokens == want[2]
+
+
+def test_batched_forward_steps_have_many_rows(tiny, refs):
+    """One forward per step carries every running sequence's rows (not one forward per sequence)."""
+    prompts, want = refs
+    calls = []
+    forward = tiny.forward
+
+    def counting(segments):
+        calls.append(len(segments))
+        return forward(segments)
+
+    tiny.forward = counting
+    try:
+        seqs = [
+            Sequence(tiny, p, ScriptedDrafter(oracle(w)), DecodeConfig(max_new_tokens=8))
+            for p, w in zip(prompts[:5], want[:5])
+        ]
+        run_batch(tiny, seqs, CostModel.flat())
+    finally:
+        del tiny.forward
+    assert max(calls) == len(seqs)
+    assert [s.result.tokens for s in seqs] == [w[:8] for w in want[: len(seqs)]]
+
+
+def test_batch_wide_budget_shrinks_trees_as_the_batch_grows(tiny, refs):
+    """On a curve where rows get dear past 8, eight sequences draft less each than one does."""
+    curve = CostModel({1: 1.0, 4: 1.05, 8: 1.1, 16: 3.0, 64: 12.0}, max_nodes=15)
+    prompts, want = refs
+    sizes = {}
+    for b in (1, 8):
+        seqs = [
+            Sequence(tiny, prompts[i % len(prompts)], ScriptedDrafter(oracle(want[i % len(prompts)])), DecodeConfig(N))
+            for i in range(b)
+        ]
+        sched = Scheduler(tiny, curve, BatchLimits(max_running=b))
+        for s in seqs:
+            sched.add(s)
+        sched.run()
+        decode_steps = [r for r in sched.steps if r.prefill_rows == 0]
+        sizes[b] = max(r.rows for r in decode_steps) / b
+        assert [s.result.tokens for s in seqs] == [want[i % len(prompts)] for i in range(b)]
+    assert sizes[1] > sizes[8] >= 1.0
