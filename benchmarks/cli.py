@@ -72,6 +72,14 @@ def _parser() -> argparse.ArgumentParser:
         help="on resume, compare new methods with the stored plain-greedy time instead of timing it again",
     )
     ap.add_argument("--no-report", action="store_true")
+    ap.add_argument(
+        "--batch",
+        type=lambda s: [int(x) for x in _csv(s)],
+        default=None,
+        help="batch sizes, e.g. 1,2,4,8,16: decode B items together per method (benchmarks/batch.py)",
+    )
+    ap.add_argument("--hardware", default=None, help="what the run ran on, for the --batch report")
+    ap.add_argument("--report-only", action="store_true", help="--batch: rebuild the report from --out, no decoding")
     return ap
 
 
@@ -126,6 +134,15 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     _check(args, ap)
+    if args.batch:
+        if any(b <= 0 for b in args.batch):
+            ap.error("--batch sizes must be positive")
+        if args.methods and args.methods[0] != "ar":
+            args.methods = ["ar"] + [m for m in args.methods if m != "ar"]  # the reference runs first
+        from .batch import batch_main
+
+        args.batch = sorted(set(args.batch) | {1})  # B = 1 plain greedy is the exact-match reference
+        return batch_main(args)
     from .runner import run
 
     cfg = RunConfig(

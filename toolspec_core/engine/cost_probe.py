@@ -32,6 +32,8 @@ DEFAULT_KS = (
     48,
     64,
 )  # 16 | 17: where a CPU kernel may switch; 3, 6: small trees are common
+# forwards of a batch: every sequence's root plus the trees the budget keeps across all of them
+BATCH_KS = (96, 128, 192, 256)
 
 
 def measure_cost_points(
@@ -107,21 +109,31 @@ def paired_cost(once, ks, repeats: int) -> tuple[dict[int, float], dict[int, flo
 
 
 def measure_cost_model(
-    target, prefix_len: int = 500, max_nodes: int = 63, repeats: int = 7, calibrate: bool = False
+    target,
+    prefix_len: int = 500,
+    max_nodes: int = 63,
+    repeats: int = 7,
+    calibrate: bool = False,
+    max_rows: int = 0,
 ) -> CostModel:
-    ks = tuple(k for k in DEFAULT_KS if k <= max_nodes + 1)
-    return CostModel(measure_cost_points(target, prefix_len, ks, repeats)[1], max_nodes, "measured", calibrate)
+    """The curve over one sequence's trees (k <= max_nodes + 1), and over a batch's forwards up to
+    ``max_rows`` rows: k rows are timed in one sequence, which costs what k rows spread over a
+    batch do in the linears and MLP (the bulk of a step) -- each sequence's attention over its
+    own KV is the part it leaves out."""
+    ks = tuple(k for k in DEFAULT_KS if k <= max_nodes + 1) + tuple(k for k in BATCH_KS if k <= max_rows)
+    points = measure_cost_points(target, prefix_len, ks, repeats)[1]
+    return CostModel(points, max_nodes, "measured", calibrate, max_rows=max_rows)
 
 
 COST_SPECS = ("measure", "reference", "flat", "none")
 
 
-def cost_model_for(spec: str, target=None, calibrate: bool = False) -> CostModel | None:
-    """The cost model a config names: ``measure`` (probe ``target`` now), ``reference`` (the CPU
-    reference curve), ``flat`` (free verification), ``none`` (no budget), or a path to a saved
-    ``CostModel.to_dict`` JSON."""
+def cost_model_for(spec: str, target=None, calibrate: bool = False, max_rows: int = 0) -> CostModel | None:
+    """The cost model a config names: ``measure`` (probe ``target`` now, up to ``max_rows`` rows for
+    batches), ``reference`` (the CPU reference curve), ``flat`` (free verification), ``none`` (no
+    budget), or a path to a saved ``CostModel.to_dict`` JSON."""
     if spec in ("measure", "measured"):
-        cost = measure_cost_model(target)
+        cost = measure_cost_model(target, max_rows=max_rows)
     elif spec == "reference":
         cost = CostModel.cpu_reference()
     elif spec == "flat":

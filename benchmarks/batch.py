@@ -1,0 +1,323 @@
+"""``toolspec bench --batch 1,2,4,8,16``: decode throughput of batched methods at each batch size.
+
+For each benchmark, batch size B and method (``ar`` first): the items are cut into groups of B
+in stream order; each group is prefilled (not timed, one prefill per item for the whole run)
+and decoded together on one step scheduler, every sequence with its own drafter, under the
+batch-wide budget. Reported per (benchmark, method, B): decode-phase output tokens/s (all
+tokens of all groups over the summed wall time of their decode phases), the ratio to batched
+plain greedy at the same B, MAT, rows per forward, forward and host (drafting + budget + walks
++ commits) time per step, and exact match per item against single-stream plain greedy
+(``ar`` at B = 1, the first run of each item). One JSON line per group goes to
+``<out>/batch.jsonl`` as it finishes, so an interrupted run resumes where it stopped.
+
+    toolspec bench --batch 1,2,4,8,16 --data ../shared/data/api_bank.dev.jsonl --limit 48 \\
+        --methods ar,suffix,toolspec --out benchmarks/runs/batch-cpu --name batch-3bench-cpu
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from toolspec_core.drafters.methods import RequestInfo
+from toolspec_core.engine.loop import DecodeConfig, prefill
+from toolspec_core.engine.scheduler import BatchLimits, Scheduler
+from toolspec_core.engine.sequence import Sequence
+from toolspec_core.errors import ToolSpecError
+
+from .cost import hardware_string
+from .data import load_items, prompt_ids, select_items
+from .metrics import first_mismatch
+from .runner import MethodPool, log
+
+MAX_ROWS = 256  # the batch budget's curve is measured up to forwards of this many rows
+
+
+def _groups(items: list[dict], b: int) -> list[list[dict]]:
+    return [items[i : i + b] for i in range(0, len(items), b)]
+
+
+def resolve_batch_cost(spec: str, target, out: Path):
+    """The one cost model of the run (measured up to MAX_ROWS rows), saved in the run directory and reused."""
+    from toolspec_core.engine.budget import CostModel
+    from toolspec_core.engine.cost_probe import cost_model_for
+
+    saved = out / "cost.json"
+    if saved.exists():
+        return CostModel.from_dict(json.loads(saved.read_text()))
+    log("measuring the batch cost curve of this target ...")
+    cm = cost_model_for(spec, target, max_rows=MAX_ROWS)
+    if cm is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps({**cm.to_dict(), "spec": spec}, indent=2) + "\n")
+        log("cost curve c(rows): " + ", ".join(f"{k}:{v:.2f}" for k, v in sorted(cm.points.items())))
+    return cm
+
+
+class BatchRun:
+    def __init__(self, args, target=None):
+        self.args, self.out = args, Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        if target is None:
+            from toolspec_core.model.target import load_target
+
+            target = load_target(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+        self.target = target
+        self.benches = [
+            select_items(load_items(p), args.limit, None if args.seed < 0 else args.seed) for p in args.data
+        ]
+        self.dcfg = DecodeConfig(max_new_tokens=args.max_new_tokens)
+        self.cost = resolve_batch_cost(args.cost, target, self.out)
+        self.path = self.out / "batch.jsonl"
+        self.done: dict[tuple, dict] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                rec = json.loads(line)
+                self.done[(rec["benchmark"], rec["method"], rec["batch"], rec["group"])] = rec
+        self.prefills: dict[str, object] = {}
+        (self.out / "config.json").write_text(json.dumps({**vars(args), "tool": "toolspec bench --batch"}, indent=2))
+
+    def prefilled(self, item: dict):
+        if item["id"] not in self.prefills:
+            self.prefills[item["id"]] = prefill(self.target, prompt_ids(self.target.tokenizer, item))
+        return self.prefills[item["id"]]
+
+    def run(self) -> None:
+        from tqdm import tqdm
+
+        a = self.args
+        total = sum(len(_groups(items, b)) for items in self.benches for b in a.batch) * len(a.methods)
+        with tqdm(total=total, initial=len(self.done), unit="group", dynamic_ncols=True) as bar:
+            for items in self.benches:
+                items = [it for it in items if self._fits(it)]
+                for b in a.batch:
+                    for name in a.methods:
+                        pool = MethodPool(self.target.tokenizer)  # a fresh online library per (B, method)
+                        warm = False
+                        for gi, group in enumerate(_groups(items, b)):
+                            key = (group[0]["benchmark"], name, b, gi)
+                            if key in self.done:
+                                self._replay(pool, name, group, self.done[key])
+                                continue
+                            if not warm:
+                                self._warm_up(group)
+                                warm = True
+                            bar.set_postfix_str(f"{key[0]} B={b} {name} group {gi}", refresh=False)
+                            rec = self.run_group(pool, name, b, gi, group)
+                            with self.path.open("a") as f:
+                                f.write(json.dumps(rec) + "\n")
+                            self.done[key] = rec
+                            bar.update(1)
+                self.prefills.clear()  # a benchmark's prefills go once all its runs are done
+
+    def _fits(self, item: dict) -> bool:
+        try:
+            self.prefilled(item)
+            return True
+        except ToolSpecError as exc:
+            log(f"skipping item {item['id']}: {exc}")
+            return False
+
+    def _warm_up(self, group: list[dict]) -> None:
+        """An untimed 2-token batch first: the first decode after big prefills pays one-off costs."""
+        sched = Scheduler(self.target, None, BatchLimits(max_running=len(group)))
+        for it in group:
+            sched.add(Sequence(self.target, None, None, DecodeConfig(max_new_tokens=2), prefilled=self.prefilled(it)))
+        sched.run()
+
+    def _request(self, item: dict) -> RequestInfo:
+        pre = self.prefilled(item)
+        return RequestInfo(prompt_ids=pre.prompt_ids, tools=item.get("tools") or [], embedding=pre.hidden)
+
+    def _replay(self, pool: MethodPool, name: str, group: list[dict], rec: dict) -> None:
+        """A resumed group: the online library observes the outputs it produced, as it did then."""
+        for it in group:
+            out = rec["outputs"].get(it["id"])
+            if out is not None:
+                pool.after_item(it["benchmark"], name, "online", self._request(it), out)
+
+    def run_group(self, pool: MethodPool, name: str, b: int, gi: int, group: list[dict]) -> dict:
+        bench = group[0]["benchmark"]
+        method = pool.get(bench, name, "online")
+        sched = Scheduler(self.target, self.cost, BatchLimits(max_running=b))
+        reqs = [self._request(it) for it in group]
+        seqs = [  # cache clones happen here, outside the timed phase (the same for every method)
+            Sequence(self.target, None, None, self.dcfg, prefilled=self.prefilled(it)) for it in group
+        ]
+        t0 = time.perf_counter()
+        for seq, req in zip(seqs, reqs):
+            seq.drafter = method.drafter(req)  # drafter setup (retrieval) is part of the decode phase
+            sched.add(seq)
+        sched.run()
+        decode_s = time.perf_counter() - t0
+        outputs = {}
+        for it, seq, req in zip(group, seqs, reqs):
+            r = seq.result
+            outputs[it["id"]] = {"tokens": r.tokens, "text": r.text, "forwards": r.stats.forwards, "mat": r.stats.mat}
+            pool.after_item(bench, name, "online", req, outputs[it["id"]])
+        steps = [s for s in sched.steps if s.sequences]
+        return {
+            "benchmark": bench,
+            "method": name,
+            "batch": b,
+            "group": gi,
+            "items": [it["id"] for it in group],
+            "decode_s": decode_s,
+            "generated": sum(len(s.result.tokens) for s in seqs),
+            "steps": len(steps),
+            "rows": sum(s.rows for s in steps),
+            "forward_s": sum(s.forward_s for s in steps),
+            "host_s": sum(s.host_s for s in steps),
+            "outputs": outputs,
+        }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One run per (benchmark, method, batch), with exact match against single-stream plain greedy."""
+    ref = {}
+    for r in records:
+        if r["method"] == "ar" and r["batch"] == 1:
+            ref.update({i: o["tokens"] for i, o in r["outputs"].items()})
+    runs: dict[tuple, dict] = {}
+    for r in records:
+        k = (r["benchmark"], r["method"], r["batch"])
+        run = runs.setdefault(k, {"decode_s": 0.0, "generated": 0, "steps": 0, "rows": 0, "forward_s": 0.0})
+        for f in ("decode_s", "generated", "steps", "rows", "forward_s"):
+            run[f] += r[f]
+        run["host_s"] = run.get("host_s", 0.0) + r["host_s"]
+        run.setdefault("mats", []).extend(o["mat"] for o in r["outputs"].values())
+        run.setdefault("exact", []).extend(
+            ref.get(i) is not None and first_mismatch(o["tokens"], ref[i]) is None for i, o in r["outputs"].items()
+        )
+        run.setdefault("mismatched", []).extend(
+            i for i, o in r["outputs"].items() if ref.get(i) is not None and o["tokens"] != ref[i]
+        )
+    out = []
+    for (bench, method, b), run in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][2], _order(kv[0][1]))):
+        tps = run["generated"] / run["decode_s"] if run["decode_s"] else None
+        out.append(
+            {
+                "benchmark": bench,
+                "method": method,
+                "batch": b,
+                "items": len(run["exact"]),
+                "decode_tokens_per_s": tps,
+                "speedup_vs_ar": None,
+                "mat": sum(run["mats"]) / len(run["mats"]) if run["mats"] else None,
+                "exact_match": sum(run["exact"]) / len(run["exact"]) if run["exact"] else None,
+                "rows_per_step": run["rows"] / run["steps"] if run["steps"] else None,
+                "forward_ms_per_step": 1000 * run["forward_s"] / run["steps"] if run["steps"] else None,
+                "host_ms_per_step": 1000 * run["host_s"] / run["steps"] if run["steps"] else None,
+                "steps": run["steps"],
+                "mismatched_items": run["mismatched"],
+            }
+        )
+    ar = {(r["benchmark"], r["batch"]): r["decode_tokens_per_s"] for r in out if r["method"] == "ar"}
+    for r in out:
+        base = ar.get((r["benchmark"], r["batch"]))
+        if base and r["decode_tokens_per_s"]:
+            r["speedup_vs_ar"] = r["decode_tokens_per_s"] / base
+    return out
+
+
+def _order(method: str) -> int:
+    return {"ar": 0, "suffix": 1}.get(method, 2)
+
+
+def build_report(out: Path, name: str, results: Path, hardware: str, model: str, plots: bool = True) -> dict:
+    records = [json.loads(line) for line in (out / "batch.jsonl").read_text().splitlines()]
+    cost = json.loads((out / "cost.json").read_text()) if (out / "cost.json").exists() else None
+    report = {
+        "tool": "toolspec bench --batch",
+        "name": name,
+        "model": model,
+        "hardware": hardware,
+        "config": json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {},
+        "cost_model": cost,
+        "runs": summarize(records),
+    }
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (results / f"{name}.md").write_text(markdown(report))
+    if plots:
+        plot(report, results / f"{name}.png")
+    return report
+
+
+def _f(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"# {report['name']}: batched decoding",
+        "",
+        f"Model {report['model']} on {report['hardware']}. Decode-phase output tokens/s of B sequences decoded "
+        "together (prefill not timed); speedup against batched plain greedy (`ar`) at the same B; exact match "
+        "per item against single-stream plain greedy.",
+        "",
+        "| benchmark | method | B | items | tok/s | vs ar | MAT | rows/step | forward ms/step | host ms/step | exact |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["runs"]:
+        lines.append(
+            f"| {r['benchmark']} | {r['method']} | {r['batch']} | {r['items']} | {_f(r['decode_tokens_per_s'], '.1f')} "
+            f"| {_f(r['speedup_vs_ar'])}x | {_f(r['mat'])} | {_f(r['rows_per_step'], '.1f')} "
+            f"| {_f(r['forward_ms_per_step'], '.0f')} | {_f(r['host_ms_per_step'], '.1f')} "
+            f"| {_f(100 * r['exact_match'] if r['exact_match'] is not None else None, '.0f')}% |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    benches = sorted({r["benchmark"] for r in report["runs"]})
+    fig, axes = plt.subplots(1, len(benches), figsize=(5.5 * len(benches), 4), squeeze=False)
+    for ax, bench in zip(axes[0], benches):
+        for method in sorted({r["method"] for r in report["runs"]}, key=_order):
+            pts = sorted(
+                (r["batch"], r["decode_tokens_per_s"])
+                for r in report["runs"]
+                if (r["benchmark"], r["method"]) == (bench, method)
+            )
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size B")
+        ax.set_ylabel("decode output tokens/s")
+        ax.set_title(bench)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{report['model']} on {report['hardware']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def batch_main(args) -> int:
+    if args.report_only:
+        model = args.model or "embedded"
+    else:
+        run = BatchRun(args)
+        run.run()
+        model = run.target.name
+    name = args.name or Path(args.out).name
+    rep = build_report(
+        Path(args.out), name, Path(args.results_dir), args.hardware or hardware_string(args.device), model
+    )
+    print((Path(args.results_dir) / f"{name}.md").read_text())
+    bad = [r for r in rep["runs"] if r["exact_match"] is not None and r["exact_match"] < 1.0]
+    if bad:
+        log(f"!!! exact-match failures in {len(bad)} runs (see the report)")
+    return 0
