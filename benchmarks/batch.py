@@ -73,6 +73,8 @@ class BatchRun:
         ]
         self.dcfg = DecodeConfig(max_new_tokens=args.max_new_tokens)
         self.cost = resolve_batch_cost(args.cost, target, self.out)
+        if self.cost is not None:
+            self.cost.calibrate = bool(args.calibrate)  # learns from the batched steps it pays (budget.Calibration)
         self.path = self.out / "batch.jsonl"
         self.done: dict[tuple, dict] = {}
         if self.path.exists():

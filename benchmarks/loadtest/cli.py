@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import json
 import os
 import platform
 import socket
@@ -99,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--name", help="report file name without suffix (default: loadtest-<stamp>)")
     g.add_argument("--hardware", help="what the servers run on, for the report (default: this host)")
     g.add_argument("--save-records", action="store_true", help="also write every request as JSONL")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --name: keep each finished endpoint x level in <out>/<name>.partial.jsonl and skip those "
+        "already there (a run longer than one sitting of the machine)",
+    )
     g.add_argument("--quiet", action="store_true")
     g = p.add_argument_group("many nodes")
     g.add_argument(
@@ -176,6 +183,7 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
         run_level_local(ep["chat_url"], warmup, plan, dict(base_opts, model=ep["model"]))
     offset = used if args.fresh_requests else 0
     levels, records = [], {}
+    partial = Partial(Path(args.out) / f"{args.name}.partial.jsonl") if args.resume else None
     sessions, used = level_sessions(units, n, offset)
     for level_no, plan in enumerate(level_plans(args)):
         # --fresh-requests: no request repeats across warm-up and levels, so a server that learns
@@ -186,6 +194,12 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
         if plan["request_rate"] is not None:
             plan = dict(plan, offsets=arrival_offsets(len(sessions), plan["request_rate"], args.burstiness, args.seed))
         for ep in endpoints:
+            saved = partial.get(ep["name"], level_no) if partial else None
+            if saved is not None:
+                lv, records[(ep["name"], level_no)] = saved
+                levels.append(lv)
+                log(f"[loadtest] {ep['name']:>12s} {level_label(plan):<10s} resumed from {partial.path.name}")
+                continue
             opts = dict(base_opts, model=ep["model"])
             level_runner = runner.run_level if runner else run_level_local
             desc = f"{ep['name']} {level_label(plan)}"
@@ -195,12 +209,35 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
             lv.update(level_no=level_no, max_concurrency=plan.get("max_concurrency"))
             levels.append(lv)
             records[(ep["name"], level_no)] = result["records"]
+            if partial:
+                partial.put(ep["name"], level_no, lv, result["records"])
             log(
                 f"[loadtest] {ep['name']:>12s} {level_label(plan):<10s} requests={lv['requests']} "
                 f"errors={lv['errors']} ttft_p50={fmt(lv['ttft_ms']['p50'])} "
                 f"e2e_p50={fmt(lv['e2e_ms']['p50'])} req/s={lv['requests_per_s']:.3f}"
             )
     return levels, records
+
+
+class Partial:
+    """Finished endpoint x level summaries and records of a resumable run, one JSON line each."""
+
+    def __init__(self, path: Path):
+        self.path, self.done = path, {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                d = json.loads(line)
+                self.done[(d["endpoint"], d["level_no"])] = (d["summary"], d["records"])
+
+    def get(self, endpoint: str, level_no: int):
+        return self.done.get((endpoint, level_no))
+
+    def put(self, endpoint: str, level_no: int, summary: dict, records: list[dict]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = {"endpoint": endpoint, "level_no": level_no, "summary": summary, "records": records}
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")  # Infinity stays a float on the way back
+        self.done[(endpoint, level_no)] = (summary, records)
 
 
 def hardware_text(args) -> str:
@@ -248,7 +285,10 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (`toolspec loadtest`); 0 when the run completed, 2 on bad arguments."""
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.resume and not args.name:
+            parser.error("--resume needs --name (the run it continues)")
         run(args)
     except SystemExit as exc:
         if isinstance(exc.code, str):

@@ -414,6 +414,25 @@ def test_two_endpoints_side_by_side(server, dataset, tmp_path):
     assert "Speedup vs `delayed`" in md
 
 
+def test_resume_skips_finished_levels_and_gives_the_same_report(server, dataset, tmp_path):
+    """A run cut after its first level continues from <name>.partial.jsonl: the finished level is
+    not sent again and the report holds both levels."""
+    args = ["--endpoint", f"fast={server['base']}/fast/v1", "--requests-per-level", "4", "--model", "m"]
+    args += ["--name", "long-run", "--resume"]
+    out = tmp_path / "resumed"
+    common = ["--dataset", str(dataset), "--out", str(out), "--quiet", *args]
+    assert main([*common, "--concurrency", "1"]) == 0  # the first sitting: level c=1 only
+    first = json.loads((out / "long-run.json").read_text())
+    before = server["state"]["fast"]["received"]
+    assert main([*common, "--concurrency", "1,2"]) == 0
+    sent = server["state"]["fast"]["received"] - before
+    assert sent == 4  # only c=2's requests (no warm-up asked for)
+    report = json.loads((out / "long-run-2.json").read_text())
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 2]
+    assert report["levels"][0] == first["levels"][0]
+    assert main(["--dataset", str(dataset), "--out", str(out), "--resume", "--concurrency", "1"]) == 2  # no --name
+
+
 def test_max_seconds_bounds_each_level(server, dataset, tmp_path):
     t0 = time.monotonic()
     code, report, out = _run(

@@ -31,3 +31,18 @@ def test_cost_model_calibrates_from_real_steps():
     assert cm.points[16] == pytest.approx(2.5) and cm.points[4] == 1.2 and cm.points[64] == 3.0
     assert cm.curve[16] == pytest.approx(2.5) and cm.curve[10] > 1.2  # re-interpolated
     assert cm.step_cost(15) == pytest.approx(2.5)
+
+
+def test_calibration_without_one_row_steps_anchors_on_the_busiest_bucket():
+    """A batch rarely runs a 1-row forward: the bucket most steps fall in keeps its point and the
+    others are scaled to it by their measured time ratios."""
+    from toolspec_core.engine.budget import CostModel
+
+    cm = CostModel({1: 1.0, 8: 1.1, 16: 1.5, 32: 2.4, 64: 4.0}, calibrate=True, max_rows=64)
+    for _ in range(20):
+        cm.observe(8, 0.20)  # bucket 8: the anchor (most steps), stays 1.1
+        cm.observe(8, 0.20)
+        cm.observe(14, 0.33)  # bucket 16: 0.33 / 0.20 * 1.1 = 1.815
+    assert cm.points[8] == 1.1 and cm.points[1] == 1.0 and cm.points[32] == 2.4
+    assert cm.points[16] == pytest.approx(1.815)
+    assert cm.curve[16] == pytest.approx(1.815)

@@ -108,3 +108,34 @@ def test_embedded_toolspec_greedy_identical_on_30_real_prompts(qwen):
         method.observe(req, spec.tokens, spec.text)
         accepted += sum(spec.stats.accepted)
     assert accepted > 0
+
+
+@pytest.mark.slow
+def test_embedded_batch_of_4_equals_single_stream_greedy_on_30_real_prompts(qwen):
+    """30 real dev prompts decoded four at a time -- ToolSpec, suffix and plain sequences mixed,
+    one batch-wide budget -- equal single-stream plain greedy token for token."""
+    from toolspec_core.engine.scheduler import BatchLimits, Scheduler
+    from toolspec_core.engine.sequence import Sequence
+
+    items = _items("api_bank", 12, 25) + _items("bfcl_v3", 10, 97) + _items("toolalpaca", 8, 11)
+    cfg = DecodeConfig(max_new_tokens=64)
+    methods = {name: make_method(name, qwen.tokenizer) for name in ("toolspec", "suffix")}
+    cost = CostModel.cpu_reference()
+    for start in range(0, len(items), 4):
+        group = items[start : start + 4]
+        prompts = [render_prompt(qwen.tokenizer, it["messages"], it["tools"]) for it in group]
+        pres = [prefill(qwen, p) for p in prompts]
+        plain = [decode(qwen, pre, None, cfg).tokens for pre in pres]
+        sched = Scheduler(qwen, cost, BatchLimits(max_running=4))
+        seqs = []
+        for i, (it, p, pre) in enumerate(zip(group, prompts, pres)):
+            name = ("toolspec", "suffix", "toolspec", None)[(start // 4 + i) % 4]
+            drafter = methods[name].drafter(RequestInfo(p, it["tools"], embedding=pre.hidden)) if name else None
+            seqs.append(sched.add(Sequence(qwen, p, drafter, cfg, prefilled=pre)))
+        sched.run()
+        assert max(s.sequences for s in sched.steps) == len(group)
+        for it, seq, want in zip(group, seqs, plain):
+            assert seq.result.tokens == want, it["id"]
+        for name, method in methods.items():
+            for it, p, seq in zip(group, prompts, seqs):
+                method.observe(RequestInfo(p, it["tools"]), seq.result.tokens, seq.result.text)

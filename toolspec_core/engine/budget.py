@@ -69,7 +69,7 @@ class CostModel:
             return
         if self._calibration is None:
             self._calibration = Calibration(sorted(self.points))
-        fitted = self._calibration.add(rows, seconds)
+        fitted = self._calibration.add(rows, seconds, self.points)
         if fitted:
             self.points = {**self.points, **fitted}
             self.curve = interpolate(self.points, self.max_rows)
@@ -112,7 +112,8 @@ class Calibration:
     came out ~25-40% cheaper relative to one token than real steps did, ``python -m
     benchmarks.kernel_ab``), and an accelerator's curve moves with load. Each
     step's seconds go to the bucket of the smallest measured k >= rows; every ``every`` steps a
-    bucket with ``min_steps`` recent steps gets median(bucket) / median(1-token steps). Buckets
+    bucket with ``min_steps`` recent steps gets median(bucket) / median(anchor bucket), scaled to
+    the anchor's point (see ``add``). Buckets
     decoding never uses keep their start-up value, so a too-cheap one gets tried and corrected.
     Thread-safe: concurrent requests share one model.
     """
@@ -126,16 +127,22 @@ class Calibration:
         self.count = 0
         self.lock = threading.Lock()
 
-    def add(self, rows: int, seconds: float) -> dict[int, float] | None:
+    def add(self, rows: int, seconds: float, points: dict[int, float] | None = None) -> dict[int, float] | None:
+        """Record one step; now and then the refitted points (relative costs), else None.
+
+        Buckets are scaled to the curve through an anchor: the 1-row bucket when it has enough
+        steps (plain decoding of one sequence), otherwise the bucket most steps fell in -- a batch
+        rarely runs a 1-row forward -- which keeps its current value in ``points``.
+        """
         k = next((k for k in self.ks if k >= rows), self.ks[-1])
         with self.lock:
             self.times[k].append(seconds)
             self.count += 1
-            if self.count % self.every or len(self.times[1]) < self.min_steps:
+            if self.count % self.every:
                 return None
-            base = float(np.median(self.times[1]))
-            return {
-                k: max(float(np.median(t)) / base, 1.0)
-                for k, t in self.times.items()
-                if k != 1 and len(t) >= self.min_steps
-            }
+            full = {k: t for k, t in self.times.items() if len(t) >= self.min_steps}
+            if not full:
+                return None
+            anchor = 1 if 1 in full else max(full, key=lambda k: len(full[k]))
+            scale = (points or {}).get(anchor, 1.0) / float(np.median(full[anchor]))
+            return {k: max(float(np.median(t)) * scale, 1.0) for k, t in full.items() if k != anchor}

@@ -71,19 +71,23 @@ def causal_mask(prefix: int, n: int, dtype: torch.dtype, device) -> torch.Tensor
 
 
 def segment_attention(q, k, v, mask, scale: float) -> torch.Tensor:
-    """q [1, H, n, D], k / v [1, H_kv, S, D], mask [1, 1, n, S] or None -> [1, n, H * D].
+    """q [1, H, n, D], k / v [1, H_kv, S, D], mask [1, 1, g * n, S] (see :func:`grouped_mask`) or
+    None -> [1, n, H * D].
 
     The ``g = H / H_kv`` query heads that share a KV head are stacked as ``g * n`` rows of that
-    head (the mask repeated ``g`` times), so the KV heads are never copied
-    (:mod:`toolspec_core.model.attention` measures why).
+    head, so the KV heads are never copied (:mod:`toolspec_core.model.attention` measures why).
     """
     _, h, n, d = q.shape
     hkv = k.shape[1]
-    g = h // hkv
-    qg = q.reshape(1, hkv, g * n, d)
-    m = None if mask is None else mask.repeat(1, 1, g, 1)  # [1, 1, g*n, S]
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)  # [1, H_kv, g*n, D]
+    qg = q.reshape(1, hkv, (h // hkv) * n, d)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [1, H_kv, g*n, D]
     return out.reshape(1, h, n, d).transpose(1, 2).reshape(1, n, h * d)
+
+
+def grouped_mask(mask: torch.Tensor, g: int) -> torch.Tensor:
+    """[1, 1, n, S] -> [1, 1, g * n, S]: the mask of the stacked query rows, built once a forward
+    (not once a layer)."""
+    return mask.repeat(1, 1, g, 1)
 
 
 def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Tensor:
@@ -96,15 +100,17 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
     dtype = core.embed_tokens.weight.dtype
     ids = torch.cat([s.ids for s in segments]).to(dev, non_blocking=True)[None]  # [1, N]
     pos = torch.cat([s.pos for s in segments]).to(dev, non_blocking=True)[None]  # [1, N]
+    cfg = model.config
+    g = cfg.num_attention_heads // cfg.num_key_value_heads  # query heads per KV head (the same on a TP shard)
     bounds, masks, o = [], [], 0
     for s in segments:
         n, prefix = len(s), s.cache.get_seq_length()
         bounds.append((o, o + n))
         o += n
         if s.mask is not None:
-            masks.append(s.mask.to(dev, dtype, non_blocking=True))
+            masks.append(grouped_mask(s.mask.to(dev, dtype, non_blocking=True), g))
         elif n > 1:
-            masks.append(causal_mask(prefix, n, dtype, dev))
+            masks.append(grouped_mask(causal_mask(prefix, n, dtype, dev), g))
         else:
             masks.append(None)  # one row attends to the whole cache
     with torch.inference_mode():
