@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="with --name: keep each finished endpoint x level in <out>/<name>.partial.jsonl and skip those "
-        "already there (a run longer than one sitting of the machine)",
+        "already there (an interrupted run continues where it stopped)",
     )
     g.add_argument("--quiet", action="store_true")
     g = p.add_argument_group("many nodes")

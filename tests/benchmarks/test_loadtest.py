@@ -421,7 +421,7 @@ def test_resume_skips_finished_levels_and_gives_the_same_report(server, dataset,
     args += ["--name", "long-run", "--resume"]
     out = tmp_path / "resumed"
     common = ["--dataset", str(dataset), "--out", str(out), "--quiet", *args]
-    assert main([*common, "--concurrency", "1"]) == 0  # the first sitting: level c=1 only
+    assert main([*common, "--concurrency", "1"]) == 0  # interrupted after level c=1
     first = json.loads((out / "long-run.json").read_text())
     before = server["state"]["fast"]["received"]
     assert main([*common, "--concurrency", "1,2"]) == 0

@@ -21,7 +21,7 @@ import torch
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import commit_kv, kv_rows
 from toolspec_core.engine.sequence import Sequence, cap_depth
-from toolspec_core.engine.stats import GenerationResult, record_step
+from toolspec_core.engine.stats import record_step
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs, walk
 from toolspec_core.model.batch_forward import Segment
@@ -228,6 +228,3 @@ def run_batch(target, seqs: list[Sequence], cost: CostModel | None = None, limit
         sched.add(s)
     sched.run()
     return [s.result for s in seqs]
-
-
-__all__ = ["BatchLimits", "GenerationResult", "Scheduler", "Sequence", "StepRecord", "run_batch"]
