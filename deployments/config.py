@@ -80,6 +80,8 @@ class ServeAppConfig(BaseModel):
 
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(8, ge=1, le=1024)
+    # sequences one replica's engine verifies together in each forward (more wait for admission)
+    max_num_seqs: int = Field(16, ge=1, le=1024)
     autoscaling: AutoscalingConfig | None = None
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)

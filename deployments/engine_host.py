@@ -1,8 +1,10 @@
 """The engine inside one replica: target, method, prefix KV cache, request pipeline.
 
-No Ray here (the replica deployment wraps it; unit tests drive it directly). Every heavy call
-(tokenise, prefill, decode) runs in a worker thread, so the event loop keeps accepting and
-streaming; each request owns its KV cache (the shared prefix entry is cloned, never mutated).
+No Ray here (the replica deployment wraps it; unit tests drive it directly). Decoding runs on one
+engine thread per replica (:class:`EngineLoop`): a step scheduler verifies every running request
+in one target forward per step. Tokenising, prefill and drafter set-up run in worker threads, so
+the event loop only accepts, enqueues and streams; each request owns its KV cache (the shared
+prefix entry is cloned, never mutated).
 """
 
 from __future__ import annotations
@@ -139,6 +141,80 @@ class HostStats:
     cancelled: int = 0  # streams closed by the client mid-decode
 
 
+# ---------------------------------------------------------------------------------------- engine thread
+
+
+class EngineLoop:
+    """The replica's decode thread: one :class:`~toolspec_core.engine.scheduler.Scheduler` over
+    every running request. Request threads ``submit`` a sequence and wait on its event; the thread
+    steps while there is work and sleeps otherwise. A step that raises ends the sequences it held
+    with finish_reason "error" (their requests fail cleanly) and the loop goes on."""
+
+    def __init__(self, target, cost, limits):
+        from toolspec_core.engine.scheduler import Scheduler
+
+        self.scheduler = Scheduler(target, cost, limits)
+        self._cv = threading.Condition()
+        self._incoming: list = []
+        self._events: dict[int, threading.Event] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="toolspec-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, seq) -> threading.Event:
+        done = threading.Event()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is shut down")
+            self._events[seq.id] = done
+            self._incoming.append(seq)
+            self._cv.notify()
+        return done
+
+    def cancel(self, seq) -> None:
+        self.scheduler.cancel(seq)  # read by the engine thread at its next step
+
+    def load(self) -> dict:
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting) + len(self._incoming), "steps": len(s.steps)}
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._closed or self._incoming or self.scheduler.has_work()):
+                    self._cv.wait()
+                if self._closed:
+                    finished = self.scheduler.fail_all(RuntimeError("the engine is shut down"))
+                    finished += self._incoming
+                    self._incoming = []
+                    self._finish(finished)
+                    return
+                for seq in self._incoming:
+                    self.scheduler.add(seq)
+                self._incoming = []
+            try:
+                finished = self.scheduler.step()
+            except Exception as exc:
+                log.exception("engine step failed; ending the sequences it held")
+                finished = self.scheduler.fail_all(exc)
+            if len(self.scheduler.steps) > 4096:  # keep the step records bounded
+                del self.scheduler.steps[:2048]
+            self._finish(finished)
+
+    def _finish(self, seqs) -> None:
+        with self._cv:
+            events = [self._events.pop(s.id, None) for s in seqs]
+        for ev in events:
+            if ev is not None:
+                ev.set()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+
 # ---------------------------------------------------------------------------------------- host
 
 
@@ -155,6 +231,9 @@ class EngineHost:
         self.turn_end = set(turn_end_tokens(target.tokenizer))
         self.stats = HostStats()
         self.name = served_name(cfg)
+        from toolspec_core.engine.scheduler import BatchLimits
+
+        self.engine = EngineLoop(target, cost, BatchLimits(max_running=cfg.max_num_seqs))
 
     # ------------------------------------------------------------------ start-up
     @classmethod
@@ -200,6 +279,7 @@ class EngineHost:
             "prefix_hits": self.prefixes.hits,
             "prefix_misses": self.prefixes.misses,
             "retrieval": self.retrieval.counters() if self.retrieval is not None else None,
+            "engine": self.engine.load(),
         }
 
     # ------------------------------------------------------------------ blocking steps (threads)
@@ -246,22 +326,28 @@ class EngineHost:
                 prep.prefix_len = n
         return prefill(self.target, ids, prefix)
 
-    def _decode(self, prep: Prepared, pre, info, on_tokens, detok=None):
-        from toolspec_core.engine.loop import decode
+    def _decode(self, prep: Prepared, pre, info, on_tokens, detok=None, holder: list | None = None):
+        """Build the request's drafter, hand its sequence to the engine thread, wait for the end."""
+        from toolspec_core.engine.sequence import Sequence
 
-        kwargs = {"constraint": prep.constraint} if prep.constraint is not None else {}
         drafter = self.method.drafter(info)
-        result = decode(
+        seq = Sequence(
             self.target,
-            pre,
+            None,
             drafter,
             prep.decode_cfg,
-            self.cost,
+            prep.constraint,
+            on_tokens,
+            detok,
+            prefilled=pre,
             own_cache=True,
-            on_tokens=on_tokens,
-            detokenizer=detok,
-            **kwargs,
         )
+        if holder is not None:
+            holder.append(seq)
+        self.engine.submit(seq).wait()
+        if seq.error is not None:
+            raise RuntimeError(f"decoding failed: {type(seq.error).__name__}: {seq.error}") from seq.error
+        result = seq.result
         if result.finish_reason != "cancelled":
             try:
                 self.method.observe(info, result.tokens, result.text)
@@ -323,9 +409,11 @@ class EngineHost:
             loop.call_soon_threadsafe(queue.put_nowait, detok.text)
             return not cancel.is_set()
 
+        holder: list = []  # the request's sequence, so a client that leaves can cancel it
+
         def run():
             try:
-                return self._decode(prep, pre, info, on_tokens, detok)
+                return self._decode(prep, pre, info, on_tokens, detok, holder)
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, done)
 
@@ -345,6 +433,8 @@ class EngineHost:
             raise
         finally:
             cancel.set()
+            for seq in holder:  # also ends a sequence still waiting for admission
+                self.engine.cancel(seq)
         tail = streamer.finish(result.text)
         if tail:
             yield {"event": "text", "delta": tail}
@@ -375,6 +465,7 @@ class EngineHost:
         return last
 
     def close(self) -> None:
+        self.engine.close()
         group = getattr(self.target, "group", None)
         if group is not None:
             group.shutdown()

@@ -386,7 +386,9 @@ def test_greedy_through_the_api_equals_plain_greedy(local):
 
 
 def test_concurrent_requests_are_independent(local):
-    _, app, _, _ = local
+    """Requests in flight together are verified together (one engine thread, batched steps) and
+    each gets what it gets alone."""
+    host, app, _, _ = local
     prompts = [
         [{"role": "system", "content": "S"}, {"role": "user", "content": f"question number {i} " * (i + 1)}]
         for i in range(5)
@@ -401,12 +403,15 @@ def test_concurrent_requests_are_independent(local):
     async def go():
         c = aclient(app)
         single = [await one(c, m) for m in prompts]
+        mark = len(host.engine.scheduler.steps)
         together = await asyncio.gather(*(one(c, m) for m in prompts))
-        return single, list(together)
+        return single, list(together), host.engine.scheduler.steps[mark:]
 
-    single, together = run(go())
+    single, together, steps = run(go())
     assert single == together
     assert len(set(map(str, single))) > 1
+    assert max(s.sequences for s in steps) > 1  # decoded in shared forwards, not one forward each
+    assert host.engine.load()["running"] == 0
 
 
 def test_stream_matches_non_stream(local):
@@ -609,8 +614,12 @@ def test_closing_a_stream_cancels_the_decode(local):
     t0 = time.perf_counter()
     run(go())
     assert host.stats.cancelled == before + 1
-    # the decode thread saw the flag at its next step: the pool is free long before 1500 tokens
+    # the engine saw the flag at its next step: the pool is free long before 1500 tokens
     assert host.pool.submit(lambda: 1).result(timeout=30) == 1 and time.perf_counter() - t0 < 30
+    deadline = time.time() + 10
+    while host.engine.load()["running"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert host.engine.load() == {**host.engine.load(), "running": 0, "waiting": 0}  # the sequence left the batch
 
 
 def test_completed_calls_go_to_the_library_unless_told_not_to(local):
@@ -721,3 +730,29 @@ def test_target_placement_replica_or_workers():
     assert target_placement(1, "cuda", 0) == "workers"
     assert target_placement(2, "cpu", 0) == "workers"
     assert target_placement(4, "cuda", 0) == "workers"
+
+
+def test_engine_loop_fails_a_broken_step_cleanly_and_keeps_serving():
+    """A step that raises ends the sequences it held with an error (their requests do not hang) and
+    the engine thread goes on with the next ones."""
+    from tiny import tiny_target
+
+    from deployments.engine_host import EngineLoop
+    from toolspec_core.engine.loop import DecodeConfig
+    from toolspec_core.engine.scheduler import BatchLimits
+    from toolspec_core.engine.sequence import Sequence
+
+    tg = tiny_target()
+    engine = EngineLoop(tg, None, BatchLimits(max_running=4))
+    try:
+        forward = tg.forward
+        tg.forward = lambda segments: (_ for _ in ()).throw(RuntimeError("device lost"))
+        bad = Sequence(tg, [1, 2, 3], None, DecodeConfig(max_new_tokens=4))
+        assert engine.submit(bad).wait(timeout=30)
+        assert bad.result.finish_reason == "error" and "device lost" in str(bad.error)
+        tg.forward = forward
+        good = Sequence(tg, [1, 2, 3], None, DecodeConfig(max_new_tokens=4))
+        assert engine.submit(good).wait(timeout=30)
+        assert good.error is None and len(good.result.tokens) == 4
+    finally:
+        engine.close()

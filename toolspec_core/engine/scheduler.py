@@ -12,12 +12,14 @@ feeds back per sequence. A single request is a batch of one through the same ste
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
+from toolspec_core.drafters.base import NoDrafter
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import commit_kv, kv_rows
 from toolspec_core.engine.sequence import Sequence, cap_depth
@@ -25,6 +27,8 @@ from toolspec_core.engine.stats import record_step
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs, walk
 from toolspec_core.model.batch_forward import Segment
+
+log = logging.getLogger("toolspec.engine")
 
 
 @dataclass(frozen=True)
@@ -126,12 +130,7 @@ class Scheduler:
         prefill_rows = self.limits.prefill_chunk - budget
 
         decoding = [s for s in self.running if s.decoding]
-        trees = []
-        for seq in decoding:
-            t = time.perf_counter()
-            ctx = seq.context()
-            trees.append(cap_depth(seq.drafter.propose(ctx), ctx.max_depth))
-            seq.stats.draft_s += time.perf_counter() - t
+        trees = [self._propose(seq) for seq in decoding]
         if self.cost is not None and decoding:
             trees = self.cost.allocate(trees, prefill_rows + sum(len(s.roots) for s in decoding))
 
@@ -179,6 +178,30 @@ class Scheduler:
         self.steps.append(StepRecord(total_rows, prefill_rows, len(rows), fwd, time.perf_counter() - t0 - fwd))
         return finished
 
+    def _propose(self, seq: Sequence) -> DraftTree:
+        """The sequence's tree; a drafter that fails is dropped (the sequence decodes on without
+        drafts, its output unchanged) so it cannot stop the batch."""
+        t = time.perf_counter()
+        try:
+            ctx = seq.context()
+            tree = cap_depth(seq.drafter.propose(ctx), ctx.max_depth)
+        except Exception:
+            log.exception("drafter of sequence %s failed; it decodes on without drafts", seq.id)
+            seq.drafter, tree = NoDrafter(), DraftTree()
+        seq.stats.draft_s += time.perf_counter() - t
+        return tree
+
+    def fail_all(self, exc: BaseException) -> list[Sequence]:
+        """A step raised: every sequence ends with finish_reason "error" and ``seq.error`` (their KV
+        state is no longer known to be consistent); the scheduler is empty and usable again."""
+        out = list(self.waiting) + self.running
+        self.waiting.clear()
+        self.running = []
+        for seq in out:
+            seq.reason, seq.error = "error", exc
+            seq.finish()
+        return out
+
     def _commit(self, r: _Row, logits: torch.Tensor, choice: list[int] | None, fwd: float) -> None:
         seq, tree = r.seq, r.tree
         t = time.perf_counter()
@@ -188,7 +211,11 @@ class Scheduler:
         result = walk(tree, own, seq.cfg.sampling, seq.gen, seq.constraint, root_row, mine)
         commit_kv(seq.cache, r.kv_len, kv_rows(result.path, len(seq.roots)))
         result.logits = own  # for drafters that learn from the target (token recycling)
-        seq.drafter.feedback(tree, result)
+        try:
+            seq.drafter.feedback(tree, result)
+        except Exception:
+            log.exception("drafter feedback of sequence %s failed; it decodes on without drafts", seq.id)
+            seq.drafter = NoDrafter()
         record_step(seq.stats, tree, result)
         forced = seq.constraint.forced() if seq.constraint is not None else []
         seq.stats.forced += len(forced)

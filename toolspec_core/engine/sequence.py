@@ -165,6 +165,7 @@ class Sequence:
         self.reason: str | None = None
         self.result: GenerationResult | None = None
         self.cancelled = False
+        self.error: BaseException | None = None  # why the sequence ended with finish_reason "error"
         self.hidden: torch.Tensor | None = None  # [H] the prompt's last state, once prefilled
         self._prefilled = prefilled
         if prefilled is not None:
