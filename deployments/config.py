@@ -82,6 +82,9 @@ class ServeAppConfig(BaseModel):
     max_ongoing_requests: int = Field(8, ge=1, le=1024)
     # sequences one replica's engine verifies together in each forward (more wait for admission)
     max_num_seqs: int = Field(16, ge=1, le=1024)
+    # "batched": one engine thread verifies all running requests together; "threads": each request
+    # decodes alone in its own thread (a batch of one each), the reference the batched engine is measured against
+    engine: Literal["batched", "threads"] = "batched"
     autoscaling: AutoscalingConfig | None = None
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)

@@ -171,9 +171,6 @@ class EngineLoop:
             self._cv.notify()
         return done
 
-    def cancel(self, seq) -> None:
-        self.scheduler.cancel(seq)  # read by the engine thread at its next step
-
     def load(self) -> dict:
         s = self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting) + len(self._incoming), "steps": len(s.steps)}
@@ -233,7 +230,9 @@ class EngineHost:
         self.name = served_name(cfg)
         from toolspec_core.engine.scheduler import BatchLimits
 
-        self.engine = EngineLoop(target, cost, BatchLimits(max_running=cfg.max_num_seqs))
+        self.engine = (
+            EngineLoop(target, cost, BatchLimits(max_running=cfg.max_num_seqs)) if cfg.engine == "batched" else None
+        )
 
     # ------------------------------------------------------------------ start-up
     @classmethod
@@ -279,7 +278,7 @@ class EngineHost:
             "prefix_hits": self.prefixes.hits,
             "prefix_misses": self.prefixes.misses,
             "retrieval": self.retrieval.counters() if self.retrieval is not None else None,
-            "engine": self.engine.load(),
+            "engine": self.engine.load() if self.engine is not None else {"mode": "threads"},
         }
 
     # ------------------------------------------------------------------ blocking steps (threads)
@@ -344,7 +343,12 @@ class EngineHost:
         )
         if holder is not None:
             holder.append(seq)
-        self.engine.submit(seq).wait()
+        if self.engine is None:  # engine "threads": this thread decodes the request alone
+            from toolspec_core.engine.scheduler import run_batch
+
+            run_batch(self.target, [seq], self.cost)
+        else:
+            self.engine.submit(seq).wait()
         if seq.error is not None:
             raise RuntimeError(f"decoding failed: {type(seq.error).__name__}: {seq.error}") from seq.error
         result = seq.result
@@ -433,8 +437,8 @@ class EngineHost:
             raise
         finally:
             cancel.set()
-            for seq in holder:  # also ends a sequence still waiting for admission
-                self.engine.cancel(seq)
+            for seq in holder:  # Scheduler.cancel: read at the next step, also while waiting for admission
+                seq.cancelled = True
         tail = streamer.finish(result.text)
         if tail:
             yield {"event": "text", "delta": tail}
@@ -465,7 +469,8 @@ class EngineHost:
         return last
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
         group = getattr(self.target, "group", None)
         if group is not None:
             group.shutdown()

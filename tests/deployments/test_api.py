@@ -756,3 +756,30 @@ def test_engine_loop_fails_a_broken_step_cleanly_and_keeps_serving():
         assert good.error is None and len(good.result.tokens) == 4
     finally:
         engine.close()
+
+
+def test_thread_per_request_engine_gives_the_same_outputs(tiny_model_dir, local):  # noqa: F811
+    """engine: threads (each request decodes alone in its own thread, the reference the batched
+    engine is measured against) answers concurrent requests exactly as the batched engine does."""
+    from deployments.http import LocalBackend, make_api
+
+    _, batched_app, cfg, _ = local
+    threads_cfg = cfg.model_copy(
+        update={"engine": "threads", "retrieval": cfg.retrieval.model_copy(update={"enabled": False})}
+    )
+    host = EngineHost.build(threads_cfg)
+    assert host.engine is None and host.info()["engine"] == {"mode": "threads"}
+    app = make_api(LocalBackend(host), threads_cfg)
+    prompts = [[{"role": "user", "content": f"count to {i}"}] for i in range(3)]
+
+    async def answers(a):
+        c = aclient(a)
+        rs = await asyncio.gather(
+            *(c.chat.completions.create(model="tiny", messages=m, temperature=0, max_tokens=12) for m in prompts)
+        )
+        return [r.choices[0].message.content for r in rs]
+
+    try:
+        assert run(answers(app)) == run(answers(batched_app))
+    finally:
+        host.close()
