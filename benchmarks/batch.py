@@ -182,15 +182,33 @@ class BatchRun:
 # --------------------------------------------------------------------------- report
 
 
+POOLED = "pooled"
+
+
 def summarize(records: list[dict]) -> list[dict]:
-    """One run per (benchmark, method, batch), with exact match against single-stream plain greedy."""
+    """One run per (benchmark, method, batch), plus ``pooled`` over the benchmarks that have every
+    (method, batch) of the run, with exact match against single-stream plain greedy."""
     ref = {}
     for r in records:
         if r["method"] == "ar" and r["batch"] == 1:
             ref.update({i: o["tokens"] for i, o in r["outputs"].items()})
-    runs: dict[tuple, dict] = {}
+    combos = {(r["method"], r["batch"]) for r in records}
+    n_items: dict[str, int] = {}  # items of a benchmark: its single-stream reference decodes
+    groups: dict[tuple, int] = {}
     for r in records:
-        k = (r["benchmark"], r["method"], r["batch"])
+        groups[(r["benchmark"], r["method"], r["batch"])] = groups.get((r["benchmark"], r["method"], r["batch"]), 0) + 1
+        if r["method"] == "ar" and r["batch"] == 1:
+            n_items[r["benchmark"]] = n_items.get(r["benchmark"], 0) + len(r["outputs"])
+
+    def whole(bench: str, method: str, b: int) -> bool:
+        return groups.get((bench, method, b), 0) == -(-n_items.get(bench, 0) // b) > 0
+
+    complete = {bench for bench in n_items if all(whole(bench, m, b) for m, b in combos)}
+    keyed = [(r, (r["benchmark"], r["method"], r["batch"])) for r in records]
+    if len(complete) > 1:
+        keyed += [(r, (POOLED, r["method"], r["batch"])) for r in records if r["benchmark"] in complete]
+    runs: dict[tuple, dict] = {}
+    for r, k in keyed:
         run = runs.setdefault(k, {"decode_s": 0.0, "generated": 0, "steps": 0, "rows": 0, "forward_s": 0.0})
         for f in ("decode_s", "generated", "steps", "rows", "forward_s"):
             run[f] += r[f]
@@ -203,7 +221,9 @@ def summarize(records: list[dict]) -> list[dict]:
             i for i, o in r["outputs"].items() if ref.get(i) is not None and o["tokens"] != ref[i]
         )
     out = []
-    for (bench, method, b), run in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][2], _order(kv[0][1]))):
+    for (bench, method, b), run in sorted(
+        runs.items(), key=lambda kv: (kv[0][0] == POOLED, kv[0][0], kv[0][2], _order(kv[0][1]))
+    ):
         tps = run["generated"] / run["decode_s"] if run["decode_s"] else None
         out.append(
             {
@@ -219,6 +239,7 @@ def summarize(records: list[dict]) -> list[dict]:
                 "forward_ms_per_step": 1000 * run["forward_s"] / run["steps"] if run["steps"] else None,
                 "host_ms_per_step": 1000 * run["host_s"] / run["steps"] if run["steps"] else None,
                 "steps": run["steps"],
+                "complete": bench == POOLED or whole(bench, method, b),  # every group of the items decoded
                 "mismatched_items": run["mismatched"],
             }
         )
@@ -271,7 +292,7 @@ def markdown(report: dict) -> str:
     ]
     for r in report["runs"]:
         lines.append(
-            f"| {r['benchmark']} | {r['method']} | {r['batch']} | {r['items']} | {_f(r['decode_tokens_per_s'], '.1f')} "
+            f"| {r['benchmark']} | {r['method']} | {r['batch']} | {r['items']}{'' if r['complete'] else ' (partial)'} | {_f(r['decode_tokens_per_s'], '.1f')} "
             f"| {_f(r['speedup_vs_ar'])}x | {_f(r['mat'])} | {_f(r['rows_per_step'], '.1f')} "
             f"| {_f(r['forward_ms_per_step'], '.0f')} | {_f(r['host_ms_per_step'], '.1f')} "
             f"| {_f(100 * r['exact_match'] if r['exact_match'] is not None else None, '.0f')}% |"

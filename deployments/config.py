@@ -82,6 +82,9 @@ class ServeAppConfig(BaseModel):
     max_ongoing_requests: int = Field(8, ge=1, le=1024)
     # sequences one replica's engine verifies together in each forward (more wait for admission)
     max_num_seqs: int = Field(16, ge=1, le=1024)
+    # prompt rows the engine prefills per step, beside the decoding sequences (a long prompt
+    # stalls them by one chunk a step at most)
+    prefill_chunk_tokens: int = Field(512, ge=16, le=65536)
     # "batched": one engine thread verifies all running requests together; "threads": each request
     # decodes alone in its own thread (a batch of one each), the reference the batched engine is measured against
     engine: Literal["batched", "threads"] = "batched"

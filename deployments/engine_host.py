@@ -231,7 +231,9 @@ class EngineHost:
         from toolspec_core.engine.scheduler import BatchLimits
 
         self.engine = (
-            EngineLoop(target, cost, BatchLimits(max_running=cfg.max_num_seqs)) if cfg.engine == "batched" else None
+            EngineLoop(target, cost, BatchLimits(max_running=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk_tokens))
+            if cfg.engine == "batched"
+            else None
         )
 
     # ------------------------------------------------------------------ start-up
@@ -309,30 +311,39 @@ class EngineHost:
         key = self.embedder.embed_request(req["messages"], tools) if self.embedder is not None and tools else None
         return Prepared(prompt, cfg, constraint, key=key)
 
-    def _prefill(self, prep: Prepared):
+    def _shared_prefix(self, prep: Prepared):
+        """The cached first turn of the prompt (prefilled here on a miss), or None."""
         from toolspec_core.engine.loop import prefill
 
         ids = prep.prompt_ids
         n = shared_prefix_len(ids, self.turn_end) if self.cfg.prefix_cache_entries else 0
-        prefix = None
-        if n:
-            key = tuple(ids[:n])
-            prefix = self.prefixes.get(key)
-            if prefix is None:
-                prefix = prefill(self.target, list(key))
-                self.prefixes.put(key, prefix)
-            else:
-                prep.prefix_len = n
-        return prefill(self.target, ids, prefix)
+        if not n:
+            return None
+        key = tuple(ids[:n])
+        prefix = self.prefixes.get(key)
+        if prefix is None:
+            prefix = prefill(self.target, list(key))
+            self.prefixes.put(key, prefix)
+        else:
+            prep.prefix_len = n
+        return prefix
 
-    def _decode(self, prep: Prepared, pre, info, on_tokens, detok=None, holder: list | None = None):
-        """Build the request's drafter, hand its sequence to the engine thread, wait for the end."""
+    def _prefill(self, prep: Prepared):
+        from toolspec_core.engine.loop import prefill
+
+        return prefill(self.target, prep.prompt_ids, self._shared_prefix(prep))
+
+    def _decode(self, prep: Prepared, pre, info, on_tokens, detok=None, holder: list | None = None, prefix=None):
+        """Build the request's drafter, hand its sequence to the engine thread, wait for the end.
+
+        ``pre``: the prompt prefilled in this thread; None: the engine prefills it in chunks
+        between decode steps, after the cached ``prefix`` (if any)."""
         from toolspec_core.engine.sequence import Sequence
 
         drafter = self.method.drafter(info)
         seq = Sequence(
             self.target,
-            None,
+            prep.prompt_ids,
             drafter,
             prep.decode_cfg,
             prep.constraint,
@@ -340,6 +351,7 @@ class EngineHost:
             detok,
             prefilled=pre,
             own_cache=True,
+            prefix=prefix,
         )
         if holder is not None:
             holder.append(seq)
@@ -384,7 +396,14 @@ class EngineHost:
         embedding, search = prep.key, None
         if wants_history and embedding is not None:
             search = asyncio.ensure_future(self._retrieve(req, embedding))
-        pre = await loop.run_in_executor(self.pool, self._prefill, prep)
+        # the batched engine prefills the prompt itself, in chunks between decode steps, unless the
+        # retrieval key is the prompt's hidden state (then the prefill must come first, here)
+        in_engine = self.engine is not None and not (wants_history and embedding is None)
+        pre, prefix = None, None
+        if in_engine:
+            prefix = await loop.run_in_executor(self.pool, self._shared_prefix, prep)
+        else:
+            pre = await loop.run_in_executor(self.pool, self._prefill, prep)
         if wants_history and embedding is None:
             from retrieval_service.embedding import from_hidden
 
@@ -417,7 +436,7 @@ class EngineHost:
 
         def run():
             try:
-                return self._decode(prep, pre, info, on_tokens, detok, holder)
+                return self._decode(prep, pre, info, on_tokens, detok, holder, prefix)
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, done)
 

@@ -1,0 +1,101 @@
+"""``toolspec bench --batch``: groups decoded together, exact against single-stream greedy, resumable, reported."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from test_bench import AsciiTokenizer, _item
+from tiny import tiny_model
+
+from benchmarks.batch import BatchRun, build_report, summarize
+from toolspec_core.model.target import from_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return from_model(tiny_model(vocab=128), AsciiTokenizer(), name="tiny-qwen2")
+
+
+def _args(tmp_path, data, **kw):
+    base = dict(
+        data=[str(p) for p in data],
+        out=str(tmp_path / "run"),
+        limit=None,
+        seed=0,
+        methods=["ar", "suffix", "toolspec"],
+        batch=[1, 2, 4],
+        max_new_tokens=10,
+        cost="reference",
+        calibrate=True,
+        model=None,
+        threads=None,
+        dtype="float32",
+        device="cpu",
+    )
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_batch_run_is_exact_resumable_and_reported(tiny, tmp_path):
+    paths = []
+    for bench in ("syn", "two"):
+        p = tmp_path / f"{bench}.jsonl"
+        p.write_text("".join(json.dumps(_item(i, bench)) + "\n" for i in range(5)))
+        paths.append(p)
+    args = _args(tmp_path, paths)
+    run = BatchRun(args, tiny)
+    run.run()
+    lines = (tmp_path / "run" / "batch.jsonl").read_text().splitlines()
+    assert len(lines) == 2 * 3 * (5 + 3 + 2)  # benchmarks x methods x groups of B = 1, 2, 4
+    again = BatchRun(args, tiny)
+    again.run()  # nothing left to do: every group is on file
+    assert (tmp_path / "run" / "batch.jsonl").read_text().splitlines() == lines
+    rep = build_report(tmp_path / "run", "batch-tiny", tmp_path / "results", "test box", "tiny-qwen2")
+    runs = rep["runs"]
+    assert {(r["benchmark"], r["method"], r["batch"]) for r in runs} >= {("pooled", "toolspec", 4), ("syn", "ar", 1)}
+    for r in runs:
+        assert set(r) >= {"benchmark", "method", "batch", "items", "decode_tokens_per_s", "speedup_vs_ar", "mat"}
+        assert r["exact_match"] == 1.0 and r["complete"]
+        assert r["items"] == (10 if r["benchmark"] == "pooled" else 5)
+        if r["method"] == "ar":
+            assert r["speedup_vs_ar"] == pytest.approx(1.0) and r["mat"] == pytest.approx(1.0)
+    four = next(r for r in runs if (r["benchmark"], r["method"], r["batch"]) == ("syn", "ar", 4))
+    assert four["rows_per_step"] > 1  # the group's sequences shared forwards
+    assert (tmp_path / "results" / "batch-tiny.md").read_text().count("| syn |") == 9
+    assert (tmp_path / "results" / "batch-tiny.png").stat().st_size > 0
+
+
+def test_summary_marks_partial_runs_and_pools_only_complete_benchmarks():
+    def rec(bench, method, b, group, ids, toks, decode_s=1.0):
+        outs = {i: {"tokens": t, "text": "", "forwards": len(t), "mat": 1.0} for i, t in zip(ids, toks)}
+        return dict(
+            benchmark=bench,
+            method=method,
+            batch=b,
+            group=group,
+            items=ids,
+            decode_s=decode_s,
+            generated=sum(map(len, toks)),
+            steps=3,
+            rows=6,
+            forward_s=0.5,
+            host_s=0.1,
+            outputs=outs,
+        )
+
+    recs = [
+        rec("a", "ar", 1, 0, ["a0"], [[1, 2]]),
+        rec("a", "ar", 1, 1, ["a1"], [[3]]),
+        rec("a", "ar", 2, 0, ["a0", "a1"], [[1, 2], [3, 9]]),  # a1 differs from its single-stream output
+        rec("b", "ar", 1, 0, ["b0"], [[5]]),
+        rec("b", "ar", 1, 1, ["b1"], [[6]]),
+        rec("b", "ar", 1, 2, ["b2"], [[7]]),  # b has no B = 2 run yet
+    ]
+    runs = {(r["benchmark"], r["method"], r["batch"]): r for r in summarize(recs)}
+    assert ("pooled", "ar", 1) not in runs  # one complete benchmark: nothing to pool
+    assert runs[("a", "ar", 2)]["exact_match"] == 0.5 and runs[("a", "ar", 2)]["mismatched_items"] == ["a1"]
+    assert runs[("a", "ar", 2)]["decode_tokens_per_s"] == 4.0 and runs[("a", "ar", 2)]["complete"]
+    recs.append(rec("b", "ar", 2, 0, ["b0", "b1"], [[5], [6]]))  # one of b's two groups at B = 2: partial
+    runs = {(r["benchmark"], r["method"], r["batch"]): r for r in summarize(recs)}
+    assert not runs[("b", "ar", 2)]["complete"] and ("pooled", "ar", 2) not in runs
