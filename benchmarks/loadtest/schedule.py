@@ -54,9 +54,6 @@ async def run_slice(url: str, sessions: list[list[tuple[int, dict]]], plan: dict
     headers = {"Authorization": f"Bearer {opts['api_key']}"} if opts.get("api_key") else {}
     records: list[dict] = []
     loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    deadline = t0 + plan["max_seconds"]
-    stop_new = min(deadline, t0 + plan["duration"]) if plan.get("duration") else deadline
     closed = plan.get("offsets") is None
     cap = plan["concurrency"] if closed else plan.get("max_concurrency")
     gate = asyncio.Semaphore(cap) if cap and not closed else None
@@ -121,6 +118,11 @@ async def run_slice(url: str, sessions: list[list[tuple[int, dict]]], plan: dict
     limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap)
     timeout = httpx.Timeout(opts.get("timeout", 600.0), connect=min(10.0, opts.get("timeout", 600.0)))
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        # the level's clock starts once the client exists (building it can take a while on a busy
+        # machine, and a short --duration must still send its first requests)
+        t0 = loop.time()
+        deadline = t0 + plan["max_seconds"]
+        stop_new = min(deadline, t0 + plan["duration"]) if plan.get("duration") else deadline
         if closed:
             pending = collections.deque(enumerate(sessions))
             tasks = [asyncio.create_task(closed_client(client, pending)) for _ in range(max(1, cap))]
