@@ -88,6 +88,12 @@ class ServeAppConfig(BaseModel):
     # "batched": one engine thread verifies all running requests together; "threads": each request
     # decodes alone in its own thread (a batch of one each), the reference the batched engine is measured against
     engine: Literal["batched", "threads"] = "batched"
+    # the batched engine's KV block pool, allocated once per replica: its size in tokens (None: on
+    # cuda kv_memory_fraction of the memory free after the weights; on cpu 32768 tokens, or the
+    # model's context window if larger), tokens per block, and the prefix cache kept in it
+    kv_pool_tokens: int | None = Field(None, ge=64)
+    kv_block_tokens: int = Field(16, ge=1, le=256)
+    kv_memory_fraction: float = Field(0.9, gt=0, le=0.98)
     autoscaling: AutoscalingConfig | None = None
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)

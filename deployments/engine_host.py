@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -150,14 +152,15 @@ class EngineLoop:
     steps while there is work and sleeps otherwise. A step that raises ends the sequences it held
     with finish_reason "error" (their requests fail cleanly) and the loop goes on."""
 
-    def __init__(self, target, cost, limits):
+    def __init__(self, target, cost, limits, pool=None):
         from toolspec_core.engine.scheduler import Scheduler
 
-        self.scheduler = Scheduler(target, cost, limits)
+        self.scheduler = Scheduler(target, cost, limits, pool)
         self._cv = threading.Condition()
         self._incoming: list = []
         self._events: dict[int, threading.Event] = {}
         self._closed = False
+        self.total_steps = 0  # steps whose records were dropped (the records are kept bounded)
         self._thread = threading.Thread(target=self._run, name="toolspec-engine", daemon=True)
         self._thread.start()
 
@@ -172,8 +175,35 @@ class EngineLoop:
         return done
 
     def load(self) -> dict:
+        """What /health and /metrics report: sequences, the last steps' shape and time, the pool.
+        Read without the engine's lock (counts may be a step apart)."""
         s = self.scheduler
-        return {"running": len(s.running), "waiting": len(s.waiting) + len(self._incoming), "steps": len(s.steps)}
+        recent = s.steps[-64:]
+        n = len(recent) or 1
+        out = {
+            "mode": "batched",
+            "running": len(s.running),
+            "waiting": len(s.waiting) + len(self._incoming),
+            "steps": self.total_steps + len(s.steps),
+            "step_rows": sum(r.rows for r in recent) / n,
+            "step_sequences": sum(r.sequences for r in recent) / n,
+            "step_s": sum(r.forward_s + r.host_s for r in recent) / n,
+        }
+        if s.pool is not None:
+            st = s.pool.stats()
+            out["kv_pool"] = {
+                "blocks": st.blocks,
+                "block_tokens": st.block_tokens,
+                "used_blocks": st.used_blocks,
+                "cached_blocks": st.cached_blocks,
+                "free_blocks": st.free_blocks,
+                "usage": st.usage,
+                "prefix_queried_tokens": st.queried_tokens,
+                "prefix_hit_tokens": st.hit_tokens,
+                "prefix_hit_rate": st.hit_rate,
+                "evictions": st.evictions,
+            }
+        return out
 
     def _run(self) -> None:
         while True:
@@ -186,9 +216,16 @@ class EngineLoop:
                     self._incoming = []
                     self._finish(finished)
                     return
+                refused = []
                 for seq in self._incoming:
-                    self.scheduler.add(seq)
+                    try:
+                        self.scheduler.add(seq)
+                    except Exception as exc:  # checked at the request already; never stop the loop
+                        seq.reason, seq.error = "error", exc
+                        seq.finish()
+                        refused.append(seq)
                 self._incoming = []
+            self._finish(refused)
             try:
                 finished = self.scheduler.step()
             except Exception as exc:
@@ -196,6 +233,7 @@ class EngineLoop:
                 finished = self.scheduler.fail_all(exc)
             if len(self.scheduler.steps) > 4096:  # keep the step records bounded
                 del self.scheduler.steps[:2048]
+                self.total_steps += 2048
             self._finish(finished)
 
     def _finish(self, seqs) -> None:
@@ -228,13 +266,16 @@ class EngineHost:
         self.turn_end = set(turn_end_tokens(target.tokenizer))
         self.stats = HostStats()
         self.name = served_name(cfg)
+        self.replica_id = f"{socket.gethostname()}:{os.getpid()}"
         from toolspec_core.engine.scheduler import BatchLimits
 
-        self.engine = (
-            EngineLoop(target, cost, BatchLimits(max_running=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk_tokens))
-            if cfg.engine == "batched"
-            else None
-        )
+        self.engine = None
+        if cfg.engine == "batched":
+            limits = BatchLimits(max_running=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk_tokens)
+            kv_pool = None  # a target the batched forward does not cover (a TP group) keeps per-sequence caches
+            if target.batched:
+                kv_pool = target.block_pool(kv_pool_tokens(cfg, target, limits.tree_rows), cfg.kv_block_tokens)
+            self.engine = EngineLoop(target, cost, limits, kv_pool)
 
     # ------------------------------------------------------------------ start-up
     @classmethod
@@ -272,6 +313,7 @@ class EngineHost:
 
     def info(self) -> dict:
         return {
+            "replica": self.replica_id,
             "model": self.name,
             "max_context": self.target.max_context,
             "method": getattr(self.method, "name", self.cfg.method),
@@ -302,9 +344,14 @@ class EngineHost:
             if room < 1:
                 check_prompt(self.target, prompt, 1)
             max_new = min(self.cfg.max_tokens_default, room)
+            pool_room = self.engine.scheduler.max_new_tokens(len(prompt)) if self.engine is not None else None
+            if pool_room is not None and pool_room >= 1:
+                max_new = min(max_new, pool_room)
         else:
             max_new = max(1, req["max_tokens"])
         check_prompt(self.target, prompt, max_new)
+        if self.engine is not None:
+            self.engine.scheduler.check_fits(len(prompt), max_new)
         temperature = req["temperature"] if req["temperature"] is not None else self.cfg.default_temperature
         sampling = SamplingParams(temperature, req["top_p"], req["top_k"], req["seed"])
         cfg = DecodeConfig(max_new, tuple(req["stop"]), sampling)
@@ -401,7 +448,8 @@ class EngineHost:
         in_engine = self.engine is not None and not (wants_history and embedding is None)
         pre, prefix = None, None
         if in_engine:
-            prefix = await loop.run_in_executor(self.pool, self._shared_prefix, prep)
+            if self.engine.scheduler.pool is None:  # a block pool caches prefixes itself
+                prefix = await loop.run_in_executor(self.pool, self._shared_prefix, prep)
         else:
             pre = await loop.run_in_executor(self.pool, self._prefill, prep)
         if wants_history and embedding is None:
@@ -464,7 +512,7 @@ class EngineHost:
         stats = result.stats.to_dict()
         extra = {
             "method": getattr(self.method, "name", self.cfg.method),
-            "prefix_cached_tokens": prep.prefix_len,
+            "prefix_cached_tokens": prep.prefix_len + result.stats.cached_tokens,
             "retrieval": rinfo,
             "latency_s": time.perf_counter() - t0,
             "constrained": prep.constraint is not None,
@@ -494,6 +542,22 @@ class EngineHost:
         if group is not None:
             group.shutdown()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def kv_pool_tokens(cfg: ServeAppConfig, target, tree_rows: int) -> int:
+    """Tokens of the replica's KV block pool: ``kv_pool_tokens``, else on cuda a fraction of the
+    memory free after the weights, else 32768 (at least one full context window and a tree)."""
+    if cfg.kv_pool_tokens is not None:
+        return cfg.kv_pool_tokens
+    if target.device.type == "cuda":
+        import torch
+
+        from toolspec_core.model.block_pool import kv_bytes_per_token
+
+        free, _ = torch.cuda.mem_get_info(target.device)
+        per_token = kv_bytes_per_token(target.model.config, target.dtype)
+        return max(int(free * cfg.kv_memory_fraction) // per_token, cfg.kv_block_tokens)
+    return max(32768, target.max_context + tree_rows)
 
 
 def load_serving_target(cfg: ServeAppConfig):

@@ -104,6 +104,10 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
 
     @app.get("/metrics")
     async def prometheus():
+        try:  # the engine's gauges; the request counters are there even when a replica is busy
+            metrics.observe_engine(await asyncio.wait_for(backend.info(), 2.0))
+        except Exception as exc:
+            log.debug("engine info for /metrics unavailable: %s", exc)
         body, ctype = metrics.render()
         return Response(body, media_type=ctype)
 

@@ -54,6 +54,19 @@ class Metrics:
             "toolspec_retrieval_fallbacks", "Requests served without the library (slow or down)", registry=r
         )
         self.inflight = Gauge("toolspec_requests_in_flight", "Requests in flight at this ingress", registry=r)
+        # the engine of a replica, read from its info() when /metrics is scraped (label: replica)
+
+        def g(name: str, doc: str, *labels: str):
+            return Gauge(name, doc, ["replica", *labels], registry=r)
+
+        self.running = g("toolspec_engine_running_sequences", "Sequences in the replica's running batch")
+        self.waiting = g("toolspec_engine_waiting_sequences", "Sequences waiting for admission (batch or KV full)")
+        self.step_rows = g("toolspec_engine_step_rows", "Rows per engine forward, mean of the last 64 steps")
+        self.step_seqs = g("toolspec_engine_step_sequences", "Sequences per engine step, mean of the last 64 steps")
+        self.step_s = g("toolspec_engine_step_seconds", "Seconds per engine step, mean of the last 64 steps")
+        self.kv_usage = g("toolspec_kv_pool_usage", "Fraction of KV blocks referenced by running sequences")
+        self.kv_blocks = g("toolspec_kv_pool_blocks", "KV blocks by state", "state")
+        self.prefix_hit = g("toolspec_prefix_cache_hit_rate", "Prompt tokens found in the KV prefix cache / looked up")
         self._totals: dict[str, list[float]] = {}
 
     def observe_error(self, stream: bool) -> None:
@@ -86,6 +99,25 @@ class Metrics:
             self.retrieval.labels(r["status"]).inc()
             if r["status"] == "fallback":
                 self.fallbacks.inc()
+
+    def observe_engine(self, info: dict) -> None:
+        """Set the engine gauges from one replica's ``info()`` (a scrape reaches one replica; each
+        keeps its own labelled series)."""
+        eng = info.get("engine") or {}
+        if eng.get("mode") != "batched":
+            return
+        rep = str(info.get("replica", "0"))
+        self.running.labels(rep).set(eng.get("running", 0))
+        self.waiting.labels(rep).set(eng.get("waiting", 0))
+        self.step_rows.labels(rep).set(eng.get("step_rows", 0.0))
+        self.step_seqs.labels(rep).set(eng.get("step_sequences", 0.0))
+        self.step_s.labels(rep).set(eng.get("step_s", 0.0))
+        pool = eng.get("kv_pool")
+        if pool:
+            self.kv_usage.labels(rep).set(pool["usage"])
+            for state in ("used", "cached", "free"):
+                self.kv_blocks.labels(rep, state).set(pool[f"{state}_blocks"])
+            self.prefix_hit.labels(rep).set(pool["prefix_hit_rate"])
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -363,11 +363,16 @@ def stats_extra(stats: dict, extra: dict | None = None) -> dict:
     return out
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(result: dict) -> dict:
+    """OpenAI's usage object of a replica result; ``cached_tokens``: prompt tokens whose KV came
+    from the prefix cache."""
+    p, c = result["prompt_tokens"], result["completion_tokens"]
+    cached = (result.get("extra") or {}).get("prefix_cached_tokens", 0)
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -393,7 +398,7 @@ def chat_completion(result: dict, parse: bool, model: str, cid: str | None = Non
                 "finish_reason": finish_reason(result["finish_reason"], bool(parsed.calls)),
             }
         ],
-        "usage": usage(result["prompt_tokens"], result["completion_tokens"]),
+        "usage": usage(result),
         "toolspec": stats_extra(result.get("stats", {}), result.get("extra")),
     }
 
@@ -506,7 +511,7 @@ class StreamShaper:
         extra = {"toolspec": stats_extra(result.get("stats", {}), result.get("extra"))}
         yield self.chunk({}, reason, **extra)
         if self.include_usage:
-            u = self.chunk({}, None, usage=usage(result["prompt_tokens"], result["completion_tokens"]))
+            u = self.chunk({}, None, usage=usage(result))
             u["choices"] = []
             yield u
 

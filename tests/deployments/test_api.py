@@ -510,8 +510,17 @@ def test_models_health_metrics(local):
         "toolspec_mean_accepted_tokens",
         "toolspec_draft_tokens_total",
         "toolspec_retrieval_fallbacks_total",
+        "toolspec_engine_running_sequences",
+        "toolspec_engine_waiting_sequences",
+        "toolspec_engine_step_rows",
+        "toolspec_engine_step_sequences",
+        "toolspec_engine_step_seconds",
+        "toolspec_kv_pool_usage",
+        'toolspec_kv_pool_blocks{replica="',
+        "toolspec_prefix_cache_hit_rate",
     ):
         assert name in text, name
+    assert health.json()["engine"]["engine"]["kv_pool"]["blocks"] > 0
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
@@ -620,6 +629,7 @@ def test_closing_a_stream_cancels_the_decode(local):
     while host.engine.load()["running"] and time.time() < deadline:
         time.sleep(0.05)
     assert host.engine.load() == {**host.engine.load(), "running": 0, "waiting": 0}  # the sequence left the batch
+    assert host.engine.load()["kv_pool"]["used_blocks"] == 0  # and gave its KV blocks back
 
 
 def test_completed_calls_go_to_the_library_unless_told_not_to(local):
@@ -781,5 +791,90 @@ def test_thread_per_request_engine_gives_the_same_outputs(tiny_model_dir, local)
 
     try:
         assert run(answers(app)) == run(answers(batched_app))
+    finally:
+        host.close()
+
+
+def test_an_agents_next_turn_reuses_the_previous_turns_kv(local):
+    """Turn 2 repeats turn 1's prompt and the call the model wrote, then adds the tool result:
+    those tokens come from the prefix cache (usage.prompt_tokens_details.cached_tokens) and the
+    answer is still plain greedy's."""
+    host, app, _, _ = local
+    turn1 = [
+        {"role": "system", "content": "You are an agent. Call tools when you need facts."},
+        {"role": "user", "content": "Check the weather in Oslo and then email it to me at a@b.c, please."},
+    ]
+
+    async def go():
+        c = aclient(app)
+        r1 = await c.chat.completions.create(model="tiny", messages=turn1, tools=TOOLS, temperature=0, max_tokens=24)
+        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+        turn2 = turn1 + [
+            {"role": "assistant", "content": r1.choices[0].message.content or "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 4, "sky": "rain"}'},
+        ]
+        r2 = await c.chat.completions.create(model="tiny", messages=turn2, tools=TOOLS, temperature=0, max_tokens=16)
+        return r1, r2, turn2
+
+    r1, r2, turn2 = run(go())
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert r1.usage.prompt_tokens_details.cached_tokens % 16 == 0
+    assert cached >= r1.usage.prompt_tokens // 16 * 16 > 0  # at least all of turn 1's full blocks
+    assert cached < r2.usage.prompt_tokens
+    assert r2.model_extra["toolspec"]["prefix_cached_tokens"] == cached
+    assert not r2.choices[0].message.tool_calls  # a random model writes text: compare it whole
+    assert r2.choices[0].message.content == engine_greedy(host, turn2, TOOLS, 16)
+
+
+def test_a_small_kv_pool_queues_requests_and_refuses_what_never_fits(tiny_model_dir):  # noqa: F811
+    """A pool of 256 tokens holds two of these requests at once: the others wait for blocks and
+    still answer as plain greedy does; a request the pool could never hold is a 400."""
+    import httpx
+
+    from deployments.http import LocalBackend, make_api
+
+    cfg = ServeAppConfig(
+        model=tiny_model_dir,
+        method="toolspec",
+        cost_model="flat",
+        served_model_name="tiny",
+        kv_pool_tokens=256,
+        max_tokens_default=1000,
+        max_tokens_limit=2000,
+        retrieval={"enabled": False},
+    )
+    host = EngineHost.build(cfg)
+    app = make_api(LocalBackend(host), cfg)
+    prompts = [[{"role": "user", "content": f"list {i} things " * (1 + i % 2)}] for i in range(5)]
+    waited = []
+
+    async def go():
+        c = aclient(app)
+
+        async def watch():
+            while True:
+                waited.append(host.engine.load()["waiting"])
+                await asyncio.sleep(0.01)
+
+        w = asyncio.ensure_future(watch())
+        rs = await asyncio.gather(
+            *(c.chat.completions.create(model="tiny", messages=m, temperature=0, max_tokens=20) for m in prompts)
+        )
+        w.cancel()
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        too_big = await http.post("/v1/chat/completions", json={"messages": prompts[0], "max_tokens": 400})
+        default = await http.post("/v1/chat/completions", json={"messages": prompts[0]})  # capped to the pool
+        return rs, too_big, default
+
+    try:
+        rs, too_big, default = run(go())
+        assert [r.choices[0].message.content for r in rs] == [engine_greedy(host, m, None, 20) for m in prompts]
+        assert max(waited) > 0  # some requests waited for KV blocks
+        assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "context_length_exceeded"
+        assert "KV pool" in too_big.json()["error"]["message"]
+        assert default.status_code == 200, default.text
+        u = default.json()["usage"]
+        assert u["prompt_tokens"] + u["completion_tokens"] <= 256
+        assert host.engine.load()["kv_pool"]["used_blocks"] == 0
     finally:
         host.close()

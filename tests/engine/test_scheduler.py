@@ -196,3 +196,116 @@ def test_batch_wide_budget_shrinks_trees_as_the_batch_grows(tiny, refs):
         sizes[b] = max(r.rows for r in decode_steps) / b
         assert [s.result.tokens for s in seqs] == [want[i % len(prompts)] for i in range(b)]
     assert sizes[1] > sizes[8] >= 1.0
+
+
+# ---------------------------------------------------------------------- with a KV block pool
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pooled_greedy_in_any_batch_equals_plain_greedy(tiny, refs, seed):
+    """Prompts that share prefixes run from one small pool: cached blocks are reused, a full pool
+    makes sequences wait, blocks are evicted, and every output stays plain greedy's."""
+    prompts, _ = refs
+    rng = random.Random(100 + seed)
+    base = [rng.randrange(1, 96) for _ in range(24)]  # a shared "system prompt" of three blocks
+    family = [base + p[: rng.randint(1, 12)] for p in prompts[:6]] + [p for p in prompts[6:]]
+    want = [hf_greedy(tiny, p, 10) for p in family]
+    pool = tiny.block_pool(rng.choice([160, 256]), 8)
+    limits = BatchLimits(max_running=rng.choice([2, 4, 16]), prefill_chunk=rng.choice([8, 512]), tree_rows=16)
+    sched = Scheduler(tiny, rng.choice([None, CostModel.flat()]), limits, pool)
+    order = list(range(len(family))) * 2  # every prompt twice: the second time its blocks are cached
+    seqs = []
+    for i in order:
+        drafter = ScriptedDrafter(rng.choice([oracle, garbage, branching])(want[i]))
+        seqs.append((i, sched.add(Sequence(tiny, family[i], drafter, DecodeConfig(max_new_tokens=10)))))
+        if rng.random() < 0.5:
+            sched.step()
+    while sched.has_work():
+        sched.step()
+        used = sum(1 for r in pool.refs if r > 0)
+        assert used <= pool.num_blocks
+    for i, seq in seqs:
+        assert seq.result.tokens == want[i], (seed, i)
+    assert pool.stats().hit_tokens > 0
+    assert any(s.stats.cached_tokens > 0 for _, s in seqs)
+    assert all(r == 0 for r in pool.refs)  # every block given back
+
+
+def test_second_turn_prefills_only_its_new_tokens(tiny, refs):
+    """An agent's next turn repeats the previous prompt and output: their full blocks are cached."""
+    prompts, _ = refs
+    pool = tiny.block_pool(512, 8)
+    sched = Scheduler(tiny, None, BatchLimits(max_running=4), pool)
+    turn1 = (prompts[0] * 3)[:45]
+    first = sched.add(Sequence(tiny, turn1, None, DecodeConfig(max_new_tokens=12)))
+    sched.run()
+    assert first.stats.cached_tokens == 0
+    turn2 = turn1 + first.result.tokens + [7, 8, 9, 10, 11]
+    rows = []
+    forward = tiny.forward
+
+    def counting(segments):
+        rows.append(sum(len(s) for s in segments))
+        return forward(segments)
+
+    tiny.forward = counting
+    try:
+        second = sched.add(Sequence(tiny, turn2, None, DecodeConfig(max_new_tokens=6)))
+        sched.run()
+    finally:
+        del tiny.forward
+    committed = len(turn1) + len(first.result.tokens) - 1  # the last output token's KV was never written
+    assert second.stats.cached_tokens == committed // 8 * 8 > 0
+    assert rows[0] == len(turn2) - second.stats.cached_tokens  # the prefill forward had only the new rows
+    assert second.result.tokens == hf_greedy(tiny, turn2, 6)
+
+
+def test_full_pool_makes_requests_wait_then_serves_them(tiny, refs):
+    prompts, want = refs
+    pool = tiny.block_pool(96, 8)  # 12 blocks; each sequence here needs 3-8
+    limits = BatchLimits(max_running=8, tree_rows=8)
+    sched = Scheduler(tiny, None, limits, pool)
+    seqs = [
+        sched.add(Sequence(tiny, p, ScriptedDrafter(oracle(w)), DecodeConfig(max_new_tokens=N)))
+        for p, w in zip(prompts, want)
+    ]
+    waited = False
+    while sched.has_work():
+        sched.step()
+        waited |= bool(sched.waiting) and len(sched.running) < limits.max_running
+    assert waited
+    assert [s.result.tokens for s in seqs] == want
+
+
+def test_pool_refuses_a_sequence_it_can_never_hold(tiny):
+    from toolspec_core.errors import ContextLengthError
+
+    sched = Scheduler(tiny, None, BatchLimits(tree_rows=8), tiny.block_pool(64, 8))
+    with pytest.raises(ContextLengthError, match="KV pool"):
+        sched.add(Sequence(tiny, list(range(1, 50)), None, DecodeConfig(max_new_tokens=16)))
+    assert not sched.has_work()
+
+
+def test_cancel_and_failure_give_every_block_back(tiny, refs):
+    prompts, _ = refs
+    pool = tiny.block_pool(512, 8)
+    sched = Scheduler(tiny, None, BatchLimits(max_running=4), pool)
+    a = sched.add(Sequence(tiny, prompts[0], None, DecodeConfig(max_new_tokens=N)))
+    b = sched.add(Sequence(tiny, prompts[1], None, DecodeConfig(max_new_tokens=N)))
+    sched.step()
+    sched.step()
+    assert sum(1 for r in pool.refs if r) > 0
+    sched.cancel(a)
+    sched.step()
+    assert a.result.finish_reason == "cancelled" and a.cache is None
+    c = sched.add(Sequence(tiny, prompts[2], None, DecodeConfig(max_new_tokens=N)))
+    sched.step()
+    failed = sched.fail_all(RuntimeError("boom"))
+    assert {s.id for s in failed} == {b.id, c.id}
+    assert all(r == 0 for r in pool.refs)
+    # a failed sequence keeps only its prompt blocks findable (registered when its prefill
+    # completed); the rows it decoded are not registered
+    b_tokens = prompts[1] + b.result.tokens + [0] * 16
+    found, _ = pool.match(b_tokens, len(b_tokens))
+    pool.release(found)
+    assert len(b.result.tokens) >= 2 and len(found) == len(prompts[1]) // 8

@@ -22,7 +22,9 @@ def commit_kv(cache, prefix_len: int, rows: list[int]) -> None:
     """
     total = cache.get_seq_length()
     keep = len(rows)
-    if rows != list(range(keep)):
+    if rows != list(range(keep)) and hasattr(cache, "move_rows"):  # a pooled cache moves its own slots
+        cache.move_rows(prefix_len, rows)
+    elif rows != list(range(keep)):
         src = torch.tensor([prefix_len + r for r in rows], dtype=torch.long, device=cache.layers[0].keys.device)
         with torch.inference_mode():  # cache tensors are inference tensors
             _gather_rows(cache, prefix_len, keep, src)

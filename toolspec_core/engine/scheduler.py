@@ -8,6 +8,12 @@ asks each decoding sequence's drafter for its tree, cuts all trees together unde
 sequences (:meth:`~toolspec_core.model.target.Target.forward`), then walks, commits, emits and
 feeds back per sequence. A single request is a batch of one through the same step
 (:func:`toolspec_core.engine.loop.decode`).
+
+With a :class:`~toolspec_core.model.block_pool.BlockPool`, admission gives each sequence a block
+table: the cached blocks its prompt begins with (those rows are not prefilled again) and its own
+blocks for the rest of the prompt, ``max_new_tokens`` and one draft tree. A sequence the pool has
+no room for waits (first come, first served) until finished sequences give blocks back; its full
+blocks are registered for later prompts when its prefill completes and when it finishes.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import commit_kv, kv_rows
 from toolspec_core.engine.sequence import Sequence, cap_depth
 from toolspec_core.engine.stats import record_step
-from toolspec_core.engine.tree import DraftTree
+from toolspec_core.engine.tree import DraftTree, select
 from toolspec_core.engine.verify import tree_inputs, walk
+from toolspec_core.errors import ContextLengthError
 from toolspec_core.model.batch_forward import Segment
+from toolspec_core.model.block_pool import BlockPool, PagedKV
 
 log = logging.getLogger("toolspec.engine")
 
@@ -34,15 +42,17 @@ log = logging.getLogger("toolspec.engine")
 @dataclass(frozen=True)
 class BatchLimits:
     """What one scheduler runs at once: ``max_running`` sequences, whose reserved KV rows (prompt +
-    max_new_tokens each) sum to at most ``max_kv_tokens`` (None: no limit); ``prefill_chunk``
-    prompt rows per step."""
+    max_new_tokens each) sum to at most ``max_kv_tokens`` (None: no limit; with a block pool the
+    pool's free blocks are the limit); ``prefill_chunk`` prompt rows per step; ``tree_rows``: KV
+    rows a pooled sequence keeps for one draft tree beyond its tokens (a larger tree is cut)."""
 
     max_running: int = 16
     max_kv_tokens: int | None = None
     prefill_chunk: int = 512
+    tree_rows: int = 64
 
     def __post_init__(self):
-        for name in ("max_running", "prefill_chunk"):
+        for name in ("max_running", "prefill_chunk", "tree_rows"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -75,12 +85,15 @@ class _Row:
 class Scheduler:
     """Owns the waiting and running sequences of one target and runs them a step at a time.
 
-    ``cost``: the budget's curve over total rows of a forward (None: trees as drafted). Not
+    ``cost``: the budget's curve over total rows of a forward (None: trees as drafted); ``pool``:
+    the KV block pool sequences are admitted into (None: each sequence grows its own cache). Not
     thread-safe: one thread steps it (the server's engine thread).
     """
 
-    def __init__(self, target, cost: CostModel | None = None, limits: BatchLimits = BatchLimits()):
-        self.target, self.cost, self.limits = target, cost, limits
+    def __init__(
+        self, target, cost: CostModel | None = None, limits: BatchLimits = BatchLimits(), pool: BlockPool | None = None
+    ):
+        self.target, self.cost, self.limits, self.pool = target, cost, limits, pool
         if cost is not None:
             cost.ensure_rows(limits.max_running * (cost.max_nodes + 2) + limits.prefill_chunk)
         self.waiting: deque[Sequence] = deque()
@@ -88,8 +101,32 @@ class Scheduler:
         self.steps: list[StepRecord] = []
 
     def add(self, seq: Sequence) -> Sequence:
+        """Queue ``seq``; a sequence the whole pool could never hold is refused here."""
+        if self.pool is not None and seq.prefill_pending:
+            self.check_fits(len(seq.prompt_ids), seq.cfg.max_new_tokens)
         self.waiting.append(seq)
         return seq
+
+    def max_new_tokens(self, prompt_tokens: int) -> int | None:
+        """The most tokens a prompt of this length may ask for here (None: the pool sets no limit).
+        Reads only fixed sizes, so any thread may ask."""
+        if self.pool is None:
+            return None
+        return self.pool.capacity_tokens - prompt_tokens - self.limits.tree_rows
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise ContextLengthError for a request the whole pool could never hold (any thread)."""
+        room = self.max_new_tokens(prompt_tokens)
+        if room is not None and max_new_tokens > room:
+            raise ContextLengthError(
+                f"prompt of {prompt_tokens} tokens + max_tokens {max_new_tokens} exceeds the replica's KV pool of "
+                f"{self.pool.capacity_tokens} tokens ({self.limits.tree_rows} kept for a draft tree); ask for at most "
+                f"{max(0, room)} tokens or shorten the prompt",
+                "messages",
+            )
+
+    def _rows_needed(self, seq: Sequence) -> int:
+        return seq.reserved_tokens + self.limits.tree_rows
 
     def cancel(self, seq: Sequence) -> None:
         """Stop ``seq`` at the next step (finish_reason "cancelled"); the others are untouched."""
@@ -130,7 +167,7 @@ class Scheduler:
         prefill_rows = self.limits.prefill_chunk - budget
 
         decoding = [s for s in self.running if s.decoding]
-        trees = [self._propose(seq) for seq in decoding]
+        trees = [fit_room(seq, self._propose(seq)) for seq in decoding]
         if self.cost is not None and decoding:
             trees = self.cost.allocate(trees, prefill_rows + sum(len(s.roots) for s in decoding))
 
@@ -169,6 +206,10 @@ class Scheduler:
                 seq.hidden = hidden[end - 1].cpu()
                 seq.start(logits[j].cpu())
                 j += 1
+                if isinstance(seq.cache, PagedKV):  # later prompts that begin with this one reuse its blocks
+                    seq.cache.keys = self.pool.register(
+                        seq.cache.table, seq.cache.keys, seq.prompt_ids, len(seq.prompt_ids)
+                    )
         for r in rows:
             self._commit(r, logits, choice, fwd)
         total_rows = int(hidden.shape[0])
@@ -193,11 +234,14 @@ class Scheduler:
 
     def fail_all(self, exc: BaseException) -> list[Sequence]:
         """A step raised: every sequence ends with finish_reason "error" and ``seq.error`` (their KV
-        state is no longer known to be consistent); the scheduler is empty and usable again."""
+        state is no longer known to be consistent, so none of it is registered for reuse); the
+        scheduler is empty and usable again."""
         out = list(self.waiting) + self.running
         self.waiting.clear()
         self.running = []
         for seq in out:
+            if isinstance(seq.cache, PagedKV):
+                seq.cache.release()
             seq.reason, seq.error = "error", exc
             seq.finish()
         return out
@@ -230,13 +274,31 @@ class Scheduler:
         reserved = sum(s.reserved_tokens for s in self.running)
         while self.waiting and len(self.running) < lim.max_running:
             seq = self.waiting[0]
-            fits = lim.max_kv_tokens is None or reserved + seq.reserved_tokens <= lim.max_kv_tokens
-            if not fits and self.running:  # one sequence alone is always admitted: nothing else would free room
-                break
+            if self.pool is not None and seq.prefill_pending:
+                if not self._place(seq):  # the pool is full: wait for blocks (first come, first served)
+                    break
+            else:
+                fits = lim.max_kv_tokens is None or reserved + seq.reserved_tokens <= lim.max_kv_tokens
+                if not fits and self.running:  # one sequence alone is always admitted: nothing else would free room
+                    break
             self.waiting.popleft()
             self.running.append(seq)
             reserved += seq.reserved_tokens
             seq.take_prefilled()
+
+    def _place(self, seq: Sequence) -> bool:
+        """Give ``seq`` a block table in the pool: its prompt's cached blocks (at least one prompt
+        token is left to prefill: its logits start the output), then its own. False: no room yet."""
+        pool = self.pool
+        shared, keys = pool.match(seq.prompt_ids, len(seq.prompt_ids) - 1)
+        need = pool.blocks_for(self._rows_needed(seq)) - len(shared)
+        if need > pool.available():
+            pool.release(shared)
+            return False
+        cache = PagedKV(pool, shared + pool.allocate(need), len(shared), keys)
+        pool.count_query(len(seq.prompt_ids), cache.length)
+        seq.cache, seq.filled, seq.stats.cached_tokens = cache, cache.length, cache.length
+        return True
 
     def _reap(self, finished: list[Sequence]) -> None:
         for seq in list(self.running):
@@ -244,13 +306,28 @@ class Scheduler:
                 seq.reason = "cancelled"
             if seq.reason is not None:
                 self.running.remove(seq)
+                if isinstance(seq.cache, PagedKV):  # its committed rows stay findable until evicted
+                    seq.cache.release(seq.tokens)
                 seq.finish()
                 finished.append(seq)
 
 
-def run_batch(target, seqs: list[Sequence], cost: CostModel | None = None, limits: BatchLimits | None = None):
+def fit_room(seq: Sequence, tree: DraftTree) -> DraftTree:
+    """``tree`` cut to the KV rows a pooled sequence has left after its root chain (parents
+    precede children, so the first nodes are a tree)."""
+    room = seq.cache.room() - len(seq.roots) if isinstance(seq.cache, PagedKV) else len(tree)
+    return tree if len(tree) <= room else select(tree, list(range(max(0, room))))
+
+
+def run_batch(
+    target,
+    seqs: list[Sequence],
+    cost: CostModel | None = None,
+    limits: BatchLimits | None = None,
+    pool: BlockPool | None = None,
+):
     """Decode ``seqs`` together to the end; their results in order."""
-    sched = Scheduler(target, cost, limits or BatchLimits(max_running=max(1, len(seqs))))
+    sched = Scheduler(target, cost, limits or BatchLimits(max_running=max(1, len(seqs))), pool)
     for s in seqs:
         sched.add(s)
     sched.run()

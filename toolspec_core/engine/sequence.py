@@ -190,6 +190,11 @@ class Sequence:
         return len(self.prompt_ids) + self.cfg.max_new_tokens
 
     @property
+    def prefill_pending(self) -> bool:
+        """Nothing of the prompt is cached yet: the scheduler chooses where its KV goes."""
+        return self._prefilled is None and self.filled == 0
+
+    @property
     def prefilling(self) -> bool:
         return self.filled < len(self.prompt_ids)
 

@@ -12,6 +12,7 @@ from toolspec_core.engine.verify import VerifyResult
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled)
     generated_tokens: int = 0
     forwards: int = 0  # decode-phase target forward passes
     forced: int = 0  # tokens forced by a grammar constraint (emitted without verification)
@@ -39,6 +40,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,
             "forwards": self.forwards,
             "forced_tokens": self.forced,

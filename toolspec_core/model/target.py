@@ -11,9 +11,12 @@ import torch
 
 from toolspec_core.model.attention import use_grouped_sdpa
 from toolspec_core.model.batch_forward import Segment, batched_forward, supports_batched
+from toolspec_core.model.block_pool import PagedKV, pool_for
 from toolspec_core.model.cpu_linears import tune_cpu_linears
 from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME, ModelFileError, embedded_model_dir
 from toolspec_core.model.kv import SeqKV
+
+ENGINE_CACHES = (SeqKV, PagedKV)  # caches the batched forward writes into
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,6 +66,11 @@ class Target:
             return SeqKV(self.model.config.num_hidden_layers)
         return self.hf_cache()
 
+    def block_pool(self, tokens: int, block_tokens: int = 16):
+        """A KV block pool of ``tokens`` rows for this target's sequences, or None where ``forward``
+        cannot use one (a family the batched forward does not cover)."""
+        return pool_for(self.model, tokens, block_tokens) if self.batched else None
+
     def hf_cache(self):
         from transformers import DynamicCache
 
@@ -70,7 +78,7 @@ class Target:
 
     def forward(self, segments: list[Segment]) -> torch.Tensor:
         """Last-layer hidden states [N, H] of every segment's rows, concatenated in order."""
-        if self.batched and all(isinstance(s.cache, SeqKV) for s in segments):
+        if self.batched and all(isinstance(s.cache, ENGINE_CACHES) for s in segments):
             return batched_forward(self.model, segments)
         outs = [self.hidden(s.ids[None], s.pos[None], s.mask, s.cache) for s in segments]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -83,7 +91,7 @@ class Target:
         built on the CPU and moved to the model's device here. Returns last-layer hidden states
         [T, H] on that device; the cache grows by T rows.
         """
-        if isinstance(cache, SeqKV):
+        if isinstance(cache, ENGINE_CACHES):
             return batched_forward(self.model, [Segment(cache, input_ids[0], position_ids[0], mask)])
         dev = self.device
         if dev.type != "cpu":
