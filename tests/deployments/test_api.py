@@ -808,7 +808,11 @@ def test_an_agents_next_turn_reuses_the_previous_turns_kv(local):
     async def go():
         c = aclient(app)
         r1 = await c.chat.completions.create(model="tiny", messages=turn1, tools=TOOLS, temperature=0, max_tokens=24)
-        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+        call = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        }
         turn2 = turn1 + [
             {"role": "assistant", "content": r1.choices[0].message.content or "", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 4, "sky": "rain"}'},
