@@ -1,8 +1,10 @@
-"""The committed load-test report: ToolSpec vs plain greedy served by the same app, on loopback.
+"""The committed load-test reports: several apps from one config on loopback, side by side.
 
-Starts one local Ray cluster with two applications built from the same config except the method
-(``toolspec`` at /toolspec, ``ar`` = plain greedy at /greedy), runs ``toolspec loadtest`` against
-both side by side, then shuts everything down. Arguments it does not know go to
+Starts one local Ray cluster with one application per ``--apps`` entry, built from the same config
+except the method and its options (default: ``toolspec`` at /toolspec and plain greedy at
+/greedy; ``+threads`` serves an app on the thread-per-request engine, ``+nocache`` without prefix
+caching), runs ``toolspec loadtest`` against all of them, the last one the baseline, then shuts
+everything down. Arguments it does not know go to
 ``toolspec loadtest`` unchanged (e.g. ``--workload conversations``, ``--request-rate``, ``--slo``).
 
     python -m benchmarks.loadtest_local --concurrency 1,2,4,8 --num-requests 8 --max-seconds 300
@@ -13,6 +15,31 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+OPTIONS = {
+    "threads": {"engine": "threads"},
+    "nocache": {"prefix_caching": False, "prefix_cache_entries": 0},
+}
+
+
+def app_config(spec: str, library: str) -> tuple[str, dict]:
+    """``NAME=METHOD[+OPTION...]`` -> (name, ServeAppConfig keys). A method that drafts from the
+    call library gets its own under ``library`` (an embedded Qdrant store that starts empty, like a
+    new deployment)."""
+    name, _, rest = spec.partition("=")
+    method, *options = (rest or name).split("+")
+    if not name or any(o not in OPTIONS for o in options):
+        raise SystemExit(f"--apps: cannot read {spec!r} (NAME=METHOD[+{'|'.join(OPTIONS)}])")
+    extra: dict = {"method": method}
+    from toolspec_core.drafters.methods import method_class
+
+    if method_class(method).uses_library:
+        extra["retrieval"] = {"store": {"backend": "edge", "path": os.path.join(library, name)}}
+    else:
+        extra["retrieval"] = {"enabled": False}
+    for o in options:
+        extra.update(OPTIONS[o])
+    return name, extra
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "loadtest"))
     p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=JSON", help="extra ServeAppConfig keys for both apps"
+        "--set", action="append", default=[], metavar="KEY=JSON", help="extra ServeAppConfig keys for every app"
+    )
+    p.add_argument(
+        "--apps",
+        default="toolspec=toolspec,greedy=ar",
+        help="endpoints as NAME=METHOD[+OPTION...], the last one the baseline; options: threads (a thread per "
+        "request, the reference engine), nocache (no prefix caching), e.g. "
+        "toolspec-threads=toolspec+threads,ar=ar,suffix=suffix,toolspec=toolspec",
     )
     ns, passthrough = p.parse_known_args(argv)
 
@@ -46,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from .loadtest import main as loadtest_main
 
-    base = {"port": ns.port, "max_ongoing_requests": 8, "cost_model": "measure"}
+    # every request of a level up to 16 reaches the replica (waiting for the batch counts as ongoing)
+    base = {"port": ns.port, "max_ongoing_requests": 16, "cost_model": "measure"}
     for item in ns.set:
         import json
 
@@ -55,10 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     library = tempfile.mkdtemp(prefix="toolspec-loadtest-library-")  # starts empty: online, like a new deployment
-    apps = (
-        ("toolspec", {"method": "toolspec", "retrieval": {"store": {"backend": "edge", "path": library}}}),
-        ("greedy", {"method": "ar", "retrieval": {"enabled": False}}),  # plain greedy needs no library
-    )
+    apps = [app_config(spec, library) for spec in ns.apps.split(",")]
     urls = {}
     try:
         for name, extra in apps:
@@ -82,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             "--out",
             ns.out,
             "--baseline",
-            "greedy",
+            apps[-1][0],
         ]
         for name, url in urls.items():
             args += ["--endpoint", f"{name}={url}/v1"]

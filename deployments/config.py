@@ -94,6 +94,8 @@ class ServeAppConfig(BaseModel):
     kv_pool_tokens: int | None = Field(None, ge=64)
     kv_block_tokens: int = Field(16, ge=1, le=256)
     kv_memory_fraction: float = Field(0.9, gt=0, le=0.98)
+    # automatic prefix caching in the pool (false: every prompt is prefilled whole, e.g. to measure it)
+    prefix_caching: bool = True
     autoscaling: AutoscalingConfig | None = None
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)

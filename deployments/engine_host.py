@@ -274,7 +274,8 @@ class EngineHost:
             limits = BatchLimits(max_running=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk_tokens)
             kv_pool = None  # a target the batched forward does not cover (a TP group) keeps per-sequence caches
             if target.batched:
-                kv_pool = target.block_pool(kv_pool_tokens(cfg, target, limits.tree_rows), cfg.kv_block_tokens)
+                tokens = kv_pool_tokens(cfg, target, limits.tree_rows)
+                kv_pool = target.block_pool(tokens, cfg.kv_block_tokens, cfg.prefix_caching)
             self.engine = EngineLoop(target, cost, limits, kv_pool)
 
     # ------------------------------------------------------------------ start-up

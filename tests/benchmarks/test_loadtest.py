@@ -708,3 +708,17 @@ def test_ray_fanout_runs_slices_as_tasks(server, dataset, tmp_path):
         assert set(lv["error_kinds"]) <= {"http_500"}
         assert len(lv["nodes"]) == 2  # two actor processes ran client slices, merged into one level
     assert report["runner"] == "ray (local, 2 actors)"
+
+
+def test_loadtest_local_app_specs():
+    from benchmarks.loadtest_local import app_config
+
+    name, cfg = app_config("toolspec-threads=toolspec+threads", "/tmp/lib")
+    assert name == "toolspec-threads" and cfg["engine"] == "threads" and cfg["method"] == "toolspec"
+    assert cfg["retrieval"]["store"]["path"] == "/tmp/lib/toolspec-threads"  # a library of its own
+    name, cfg = app_config("ar=ar", "/tmp/lib")
+    assert cfg == {"method": "ar", "retrieval": {"enabled": False}}
+    _, cfg = app_config("nocache=toolspec+nocache", "/tmp/lib")
+    assert cfg["prefix_caching"] is False and cfg["prefix_cache_entries"] == 0
+    with pytest.raises(SystemExit):
+        app_config("x=toolspec+fast", "/tmp/lib")

@@ -145,3 +145,11 @@ def test_pool_sizes_follow_the_model():
     assert pool.num_blocks == 7 and pool.capacity_tokens == 112
     with pytest.raises(ValueError):
         BlockPool(2, 2, 4, 0)
+
+
+def test_without_prefix_caching_nothing_is_shared():
+    pool = BlockPool(2, 2, 4, 8, BT, prefix_caching=False)
+    table = pool.allocate(3)
+    assert pool.register(table, [], list(range(12)), 12) == []
+    pool.release(table)
+    assert pool.match(list(range(12)), 12)[0] == [] and pool.stats().free_blocks == 8

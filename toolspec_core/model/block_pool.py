@@ -78,10 +78,12 @@ class BlockPool:
         block_tokens: int = 16,
         dtype: torch.dtype = torch.float32,
         device="cpu",
+        prefix_caching: bool = True,
     ):
         if num_blocks <= 0 or block_tokens <= 0:
             raise ValueError(f"a pool needs positive num_blocks and block_tokens, got {num_blocks}, {block_tokens}")
         self.n_layers, self.num_blocks, self.block_tokens = n_layers, num_blocks, block_tokens
+        self.prefix_caching = prefix_caching  # False: blocks are never registered, so never shared
         shape = (n_layers, kv_heads, num_blocks * block_tokens, head_dim)
         # untouched pages cost no host memory until a block is first written
         self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, H_kv, slots, D]
@@ -129,6 +131,8 @@ class BlockPool:
 
         ``keys``: the keys already known for the table's leading blocks (extended and returned).
         A block whose prefix another block already holds stays unregistered (freed at release)."""
+        if not self.prefix_caching:
+            return keys
         n = min(rows // self.block_tokens, len(table))
         if n > len(keys):
             prev = keys[-1] if keys else b""
@@ -326,7 +330,8 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def pool_for(model: torch.nn.Module, tokens: int, block_tokens: int = 16) -> BlockPool:
+def pool_for(model: torch.nn.Module, tokens: int, block_tokens: int = 16, prefix_caching: bool = True) -> BlockPool:
     """A pool of at least ``tokens`` rows shaped for ``model`` (an HF causal LM), on its device and dtype."""
     w = model.model.embed_tokens.weight
-    return BlockPool(*kv_shape(model.config), -(-tokens // block_tokens), block_tokens, w.dtype, w.device)
+    blocks = -(-tokens // block_tokens)
+    return BlockPool(*kv_shape(model.config), blocks, block_tokens, w.dtype, w.device, prefix_caching)

@@ -66,10 +66,10 @@ class Target:
             return SeqKV(self.model.config.num_hidden_layers)
         return self.hf_cache()
 
-    def block_pool(self, tokens: int, block_tokens: int = 16):
+    def block_pool(self, tokens: int, block_tokens: int = 16, prefix_caching: bool = True):
         """A KV block pool of ``tokens`` rows for this target's sequences, or None where ``forward``
         cannot use one (a family the batched forward does not cover)."""
-        return pool_for(self.model, tokens, block_tokens) if self.batched else None
+        return pool_for(self.model, tokens, block_tokens, prefix_caching) if self.batched else None
 
     def hf_cache(self):
         from transformers import DynamicCache
