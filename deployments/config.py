@@ -79,7 +79,9 @@ class ServeAppConfig(BaseModel):
     api_key_env: str | None = "TOOLSPEC_API_KEY"
 
     num_replicas: int = Field(1, ge=1)
-    max_ongoing_requests: int = Field(8, ge=1, le=1024)
+    # requests in flight per replica, those waiting for the batch or for KV blocks included (what
+    # Serve's autoscaling counts); at least max_num_seqs keeps the batch full
+    max_ongoing_requests: int = Field(16, ge=1, le=1024)
     # sequences one replica's engine verifies together in each forward (more wait for admission)
     max_num_seqs: int = Field(16, ge=1, le=1024)
     # prompt rows the engine prefills per step, beside the decoding sequences (a long prompt
