@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     from .loadtest import main as loadtest_main
 
     # every request of a level up to 16 reaches the replica (waiting for the batch counts as ongoing)
-    base = {"port": ns.port, "max_ongoing_requests": 16, "cost_model": "measure"}
+    # replicas ask Ray for no CPU: the local cluster has as many as the machine, and the apps take
+    # turns (one endpoint is measured at a time)
+    base = {"port": ns.port, "max_ongoing_requests": 16, "cost_model": "measure", "replica_num_cpus": 0}
     for item in ns.set:
         import json
 

@@ -186,6 +186,46 @@ def test_concurrent_requests_complete_with_independent_outputs(tiny_app):
     assert len({str(s) for s in single}) == len(single)
 
 
+def test_concurrent_streams_each_equal_single_stream_greedy(tiny_app, tiny_model_dir):
+    """Six streamed requests at once through the real app share engine steps and KV blocks (one
+    system prompt, so cached blocks too) and each streams exactly its plain greedy text."""
+    from toolspec_core.drafters.base import NoDrafter
+    from toolspec_core.engine.loop import DecodeConfig, generate
+    from toolspec_core.model.prompting import render_prompt
+    from toolspec_core.model.target import load_target
+
+    target = load_target(tiny_model_dir)
+    system = {"role": "system", "content": "You are a careful assistant who answers in one line. " * 3}
+    prompts = [[system, {"role": "user", "content": f"stream {i}: " + "more " * i}] for i in range(6)]
+    want = [
+        generate(target, render_prompt(target.tokenizer, m, None), NoDrafter(), DecodeConfig(max_new_tokens=20)).text
+        for m in prompts
+    ]
+    c = client(tiny_app)
+
+    def one(m):
+        chunks = list(
+            c.chat.completions.create(
+                model="tiny",
+                messages=m,
+                temperature=0,
+                max_tokens=20,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        return reassemble(chunks)["content"], chunks[-1].usage
+
+    first = one(prompts[0])  # leaves the system prompt's blocks in the pool
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(one, prompts))
+    assert first[0] == want[0] and [g[0] for g in got] == want
+    assert all(u.prompt_tokens_details.cached_tokens >= 16 for _, u in got)  # the system prompt's blocks
+    with httpx.Client(timeout=60) as http:
+        m = http.get(tiny_app[: -len("/v1")] + "/metrics").text
+    assert "toolspec_kv_pool_usage{" in m and "toolspec_prefix_cache_hit_rate{" in m
+
+
 def test_bad_input_is_4xx_openai_error_and_the_replica_keeps_serving(tiny_app):
     url = tiny_app + "/chat/completions"
     good = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
