@@ -206,6 +206,9 @@ def new_record(index: int, item: dict, node: str, session: int, turn: int) -> di
         "tool_call_problem": None,
         "gold_name_match": None,
         "mat": None,
+        "cached_tokens": None,
+        "server_prefill_ms": None,
+        "server_decode_ms": None,
         "drafted_tokens": None,
         "accepted_tokens": None,
         "digest": None,
@@ -223,12 +226,19 @@ def fill_success(rec: dict, item: dict, out: dict) -> None:
             rec["mat"] = float(stats["mat"])
         rec["drafted_tokens"] = stats.get("drafted_tokens")
         rec["accepted_tokens"] = stats.get("accepted_tokens")
+        # where the server's time went: forwards that held this request's prompt rows / its drafts
+        rec["server_prefill_ms"] = (
+            1000 * stats["prefill_s"] if isinstance(stats.get("prefill_s"), (int, float)) else None
+        )
+        rec["server_decode_ms"] = 1000 * stats["decode_s"] if isinstance(stats.get("decode_s"), (int, float)) else None
     chunks = out["chunk_times"]
     tokens = usage.get("completion_tokens", len(chunks) if chunks is not None else None)
     rec.update(request_timings(out["sent"], chunks, out["finished"], tokens))
+    details = usage.get("prompt_tokens_details") or {}
     rec.update(
         ok=True,
         prompt_tokens=usage.get("prompt_tokens"),
+        cached_tokens=details.get("cached_tokens"),
         completion_tokens=tokens,
         tool_calls=len(calls),
         digest=output_digest(out["content"], calls),
