@@ -67,6 +67,23 @@ def _bucket(n: int) -> str:
     return next(lab for lo, hi, lab in PRIOR_BUCKETS if lo <= n <= hi)
 
 
+def agreed_keys(run: dict) -> dict:
+    """A single-stream run in the results format every report shares (the batched benchmark's
+    too): batch 1, decode tokens/s and the speedup over plain greedy named as there."""
+    decode_s = run.get("decode_s") or 0.0
+    return {
+        "benchmark": run.pop("benchmark"),
+        "method": run.pop("method"),
+        "batch": 1,
+        "items": run.pop("items"),
+        "decode_tokens_per_s": run["generated_tokens"] / decode_s if decode_s else None,
+        "speedup_vs_ar": run["decode_speedup"],
+        "mat": run.pop("mat"),
+        "exact_match": run.pop("exact_match"),
+        **run,
+    }
+
+
 def build_runs(recs: list[dict], ar: dict[str, dict], curves: dict, step_seconds: dict | None = None) -> list[dict]:
     """One run entry per (benchmark, method, library, subset) in the issue-5 format + extras."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -83,19 +100,7 @@ def build_runs(recs: list[dict], ar: dict[str, dict], curves: dict, step_seconds
                 continue
             s = summarize(sub, ar, curves, step_seconds)
             bound = MAT_BOUND.get(bench)
-            runs.append(
-                {
-                    "benchmark": bench,
-                    "method": method,
-                    "library": lib,
-                    "items": s.pop("items"),
-                    "mat": s.pop("mat"),
-                    "decode_speedup": s.pop("decode_speedup"),
-                    "exact_match": s.pop("exact_match"),
-                    "subset": subset,
-                    **s,
-                }
-            )
+            runs.append(agreed_keys({"benchmark": bench, "method": method, "library": lib, "subset": subset, **s}))
             if bound and subset == "calls":
                 runs[-1]["mat_bound"] = list(bound)
                 runs[-1]["mat_of_bound"] = [runs[-1]["mat"] / b for b in bound]
