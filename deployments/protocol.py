@@ -14,7 +14,7 @@ from typing import Any, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from toolspec_core.drafters.toolcall.parse import ParsedOutput, ToolCall, parse_tool_calls
+from toolspec_core.drafters.toolcall.parse import ParsedOutput, ToolCall, parse_tool_calls, raw_arguments, stream_calls
 
 # ---------------------------------------------------------------------------------------- errors
 
@@ -333,7 +333,9 @@ def tool_call_dict(call: ToolCall, cid: str | None = None) -> dict:
 
 
 def split_output(text: str, parse: bool) -> ParsedOutput:
-    return parse_tool_calls(text) if parse else ParsedOutput(text, [])
+    """Content and calls of a response; a call cut off by the token limit or a stop string is
+    reported with the arguments written so far, as OpenAI reports one."""
+    return parse_tool_calls(text, partial=True) if parse else ParsedOutput(text, [])
 
 
 def finish_reason(engine_reason: str, has_calls: bool) -> str:
@@ -426,10 +428,12 @@ def _hold_from(text: str) -> int:
 class StreamShaper:
     """Turns replica events into OpenAI ``chat.completion.chunk`` dicts.
 
-    Content is streamed as it is generated, except text that may start a tool call; calls are
-    emitted (id/type/name first, then the arguments) as soon as a ``<tool_call>`` block closes,
-    and the rest at the end -- always consistent with the full-text parse the non-streaming
-    response uses, so the deltas reassemble to the same message.
+    Content is streamed as it is generated, except text that may start a tool call. A call is
+    streamed as OpenAI streams one: its ``id`` / ``type`` / ``function.name`` once the name is
+    complete, then ``arguments`` fragments as the model writes them (the arguments string is the
+    model's own text, so the fragments are prefixes of it), in every layout the parser reads.
+    ``finish`` checks what was sent against the full-text parse the non-streaming response uses
+    and sends the rest, so the deltas reassemble to the same message.
     """
 
     def __init__(self, model: str, parse: bool, include_usage: bool = False, cid: str | None = None):
@@ -437,7 +441,7 @@ class StreamShaper:
         self.id, self.created = cid or completion_id(), int(time.time())
         self.text = ""
         self.sent_content = ""
-        self.sent_calls: list[ToolCall] = []
+        self.sent_calls: list[tuple[str, str]] = []  # (name, arguments sent so far) per call index
         self.mismatch = False
 
     def chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
@@ -463,25 +467,19 @@ class StreamShaper:
         else:
             self.mismatch = True
 
-    def _call_deltas(self, calls: list[ToolCall]) -> Iterator[dict]:
-        for call in calls[len(self.sent_calls) :]:
-            index = len(self.sent_calls)
-            self.sent_calls.append(call)
-            args = call.arguments_json()
-            yield self.chunk(
-                {
-                    "tool_calls": [
-                        {
-                            "index": index,
-                            "id": call_id(),
-                            "type": "function",
-                            "function": {"name": call.name, "arguments": ""},
-                        }
-                    ]
-                }
-            )
-            for j in range(0, len(args), 16):
-                yield self.chunk({"tool_calls": [{"index": index, "function": {"arguments": args[j : j + 16]}}]})
+    def _call_delta(self, index: int, name: str, args: str) -> Iterator[dict]:
+        """The deltas taking call ``index`` to ``name`` with ``args`` (a header first if it is new)."""
+        if index == len(self.sent_calls):
+            self.sent_calls.append((name, ""))
+            head = {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
+            yield self.chunk({"tool_calls": [head]})
+        sent_name, sent = self.sent_calls[index]
+        if sent_name != name or not args.startswith(sent):
+            self.mismatch = True
+            return
+        if len(args) > len(sent):
+            self.sent_calls[index] = (name, args)
+            yield self.chunk({"tool_calls": [{"index": index, "function": {"arguments": args[len(sent) :]}}]})
 
     def feed(self, delta: str) -> Iterator[dict]:
         self.text += delta
@@ -490,11 +488,12 @@ class StreamShaper:
             return
         visible = self.text[: _hold_from(self.text)].strip()
         yield from self._content_delta(visible)
-        closed = self.text.rfind("</tool_call>")
-        if closed >= 0 and not self.mismatch:
-            calls = parse_tool_calls(self.text[: closed + len("</tool_call>")]).calls
-            if len(calls) > len(self.sent_calls):
-                yield from self._call_deltas(calls)
+        for index, scan in enumerate(stream_calls(self.text)):
+            if self.mismatch or not scan.ready(self.text):
+                return
+            yield from self._call_delta(index, scan.name, raw_arguments(self.text, scan) or "")
+            if scan.end is None:  # a later call cannot have begun
+                return
 
     def finish(self, result: dict) -> Iterator[dict]:
         """Flush against the authoritative full text; then the finish (and usage) chunks."""
@@ -502,10 +501,12 @@ class StreamShaper:
         if text.startswith(self.text) and len(text) > len(self.text):
             self.text = text
         parsed = split_output(text, self.parse)
-        if parsed.calls[: len(self.sent_calls)] != self.sent_calls:
+        if len(parsed.calls) < len(self.sent_calls):
             self.mismatch = True
-        else:
-            yield from self._call_deltas(parsed.calls)
+        for index, call in enumerate(parsed.calls):
+            if self.mismatch:
+                break
+            yield from self._call_delta(index, call.name, call.arguments_json())
         yield from self._content_delta(parsed.content or "")
         reason = finish_reason(result["finish_reason"], bool(parsed.calls))
         extra = {"toolspec": stats_extra(result.get("stats", {}), result.get("extra"))}

@@ -136,7 +136,14 @@ LAYOUTS = {
     "text_with_braces": "Use a dict like {a: 1} or [x] here, not a call.",
     "plain": "The weather in Paris is sunny.   ",
     "unclosed": '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "Par',
+    "unclosed_name": '<tool_call>\n{"name": "get_curr',
+    "llama": '{"name": "get_current_weather", "parameters": {"city": "Paris", "days": [1, 2]}}',
+    "string_args": '{"name": "get_current_weather", "arguments": "{\\"city\\": \\"Par\\u00eds\\"}"}',
+    "name_last": '<tool_call>\n{"arguments": {"city": "Paris"}, "name": "get_current_weather"}\n</tool_call>',
+    "json_answer": 'Here: {"temperature": 21, "unit": "celsius"}',
 }
+# the layouts holding a call whose arguments are long enough to see streamed in pieces
+STREAMED = ["hermes", "hermes_two", "fence", "bare", "list", "llama", "string_args", "unclosed"]
 
 
 def reassemble(chunks: list[dict]) -> dict:
@@ -188,6 +195,40 @@ def test_stream_deltas_reassemble_to_the_non_streaming_message(layout, step):
         ]
         assert all(c["id"].startswith("call_") for c in got["calls"])
         assert chunks[-1]["usage"]["total_tokens"] == 3 and chunks[-1]["choices"] == []
+
+
+@pytest.mark.parametrize("layout", STREAMED)
+def test_calls_stream_their_name_then_arguments_while_they_are_written(layout):
+    """Fed a character at a time, the first call's name is sent before its arguments end, and
+    its arguments arrive in several fragments, each sent before the call's text is complete."""
+    text = LAYOUTS[layout]
+    sh = StreamShaper("m", True)
+    seen = []  # (characters fed, the first call's arguments so far) after each feed
+    chunks = []
+    for i in range(len(text)):
+        chunks += list(sh.feed(text[i]))
+        calls = reassemble(chunks)["calls"]
+        if calls:
+            seen.append((i + 1, calls[0]["arguments"]))
+    whole = non_stream_view(text, True)["calls"][0]
+    assert seen and seen[0][0] < len(text) - len(whole["arguments"]) // 2
+    assert reassemble(chunks)["calls"][0]["name"] == whole["name"]
+    partial = {a for n, a in seen if 0 < len(a) < len(whole["arguments"])}
+    assert len(partial) >= 3 and all(whole["arguments"].startswith(a) for a in partial)
+    assert not sh.mismatch
+
+
+def test_a_cut_off_call_reports_the_arguments_written_so_far():
+    resp = chat_completion(
+        {"text": LAYOUTS["unclosed"], "finish_reason": "length", "prompt_tokens": 1, "completion_tokens": 1},
+        True,
+        "m",
+    )
+    choice = resp["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [
+        ("get_current_weather", '{"city": "Par')
+    ]
 
 
 def test_hermes_calls_stream_before_generation_ends():
