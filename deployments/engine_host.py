@@ -47,23 +47,26 @@ class TextStreamer:
     It is fed the request's decoded text (``Detokenizer.text``, complete characters only, decoded
     once by the engine and shared with stop strings and the drafter) and does no decoding: with
     stop strings it holds back the tail that could still become one (the final text is cut
-    before it), searching only the new text plus that lookback.
+    before it), searching only the new text plus that lookback; ``end_after`` strings end the
+    text after them (:func:`~toolspec_core.engine.sequence.end_text`).
     """
 
-    def __init__(self, stop: list[str]):
-        self.stop = list(stop)
+    def __init__(self, stop: list[str], end_after: tuple[str, ...] = ()):
+        self.stop, self.end_after = list(stop), tuple(end_after)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.back = max((len(s) for s in (*self.stop, *self.end_after)), default=1) - 1
         self.text = ""  # the text last fed; ``text[:sent]`` has been sent
         self.sent = 0
-        self.cut: int | None = None  # where the first stop string starts, once seen
+        self.cut: int | None = None  # where the text ends (a stop string's start), once seen
         self._searched = 0
 
     def feed(self, text: str) -> str:
         """The delta safe to send now that the output's text is ``text`` (an extension of the last)."""
         self.text = text
-        if self.cut is None and self.stop:
-            start = max(0, self._searched - self.hold)
+        if self.cut is None and (self.stop or self.end_after):
+            start = max(0, self._searched - self.back)
             hits = [k for k in (text.find(s, start) for s in self.stop) if k >= 0]
+            hits += [k + len(s) for s in self.end_after if (k := text.find(s, start)) >= 0]
             self._searched = len(text)
             if hits:
                 self.cut = min(hits)
@@ -337,9 +340,10 @@ class EngineHost:
         tools = req["tools"] if req["tool_choice"] != "none" else []
         prompt = render_prompt(tok, req["messages"], tools or None)
         constraint = None
+        parallel = req.get("parallel_tool_calls", True)
         if tools and req["tool_choice"] not in ("auto", "none"):
             vocab = getattr(self.target.model.config, "vocab_size", None)
-            constraint = make_tool_constraint(tok, tools, req["tool_choice"], vocab_size=vocab)
+            constraint = make_tool_constraint(tok, tools, req["tool_choice"], vocab, parallel)
         room = self.target.max_context - len(prompt)
         if req["max_tokens"] is None:
             if room < 1:
@@ -355,7 +359,10 @@ class EngineHost:
             self.engine.scheduler.check_fits(len(prompt), max_new)
         temperature = req["temperature"] if req["temperature"] is not None else self.cfg.default_temperature
         sampling = SamplingParams(temperature, req["top_p"], req["top_k"], req["seed"])
-        cfg = DecodeConfig(max_new, tuple(req["stop"]), sampling)
+        # no parallel calls: the output ends with the first call's closer (the grammar does that
+        # for a forced tool_choice; fences and bare JSON hold one call in the drafted layouts)
+        end_after = ("</tool_call>",) if tools and not parallel else ()
+        cfg = DecodeConfig(max_new, tuple(req["stop"]), sampling, end_after)
         key = self.embedder.embed_request(req["messages"], tools) if self.embedder is not None and tools else None
         return Prepared(prompt, cfg, constraint, key=key)
 
@@ -472,7 +479,7 @@ class EngineHost:
         # the decode thread writes the request's text into ``detok``; each commit hands the
         # streamer a snapshot of it (a str, so the event loop never sees it half-written)
         detok = Detokenizer(self.target.tokenizer, self.target.eos_ids)
-        streamer = TextStreamer(req["stop"])
+        streamer = TextStreamer(req["stop"], prep.decode_cfg.end_after)
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
         done = object()

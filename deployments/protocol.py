@@ -306,6 +306,7 @@ def engine_request(req: ChatRequest) -> dict:
         "stop": stops,
         "tenant": req.user or "default",
         "remember": req.toolspec.remember if req.toolspec else True,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
     }
 
 

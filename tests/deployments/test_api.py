@@ -238,6 +238,12 @@ def test_hermes_calls_stream_before_generation_ends():
     assert reassemble(out)["content"] == "Let me check."
 
 
+def test_text_streamer_ends_after_an_end_after_string():
+    s = TextStreamer([], ("</tool_call>",))
+    sent = s.feed("a <tool_call>{}</tool") + s.feed("a <tool_call>{}</tool_call>\nmore")
+    assert sent == "a <tool_call>{}</tool_call>" and s.finish("a <tool_call>{}</tool_call>") == ""
+
+
 class _CharTok:
     """Byte-level toy tokenizer: multi-byte characters span several tokens."""
 
@@ -769,6 +775,23 @@ def test_forced_tool_choice_is_a_valid_call_even_from_a_random_model(local, tool
     if isinstance(tool_choice, dict):
         assert call.function.name == "get_current_weather"
     assert r.model_extra["toolspec"]["constrained"] is True and r.model_extra["toolspec"]["forced_tokens"] > 0
+
+
+def test_parallel_tool_calls_false_ends_the_output_after_one_call(local):
+    """auto: the output ends with the first call's closer; required: a one-call grammar."""
+    host = local[0]
+    base = engine_request(parse_request({"messages": MSG, "tools": TOOLS}, "tiny", 100))
+    assert base["parallel_tool_calls"] is True and host._prepare(base).decode_cfg.end_after == ()
+    off = engine_request(parse_request({"messages": MSG, "tools": TOOLS, "parallel_tool_calls": False}, "tiny", 100))
+    assert off["parallel_tool_calls"] is False
+    assert host._prepare(off).decode_cfg.end_after == ("</tool_call>",)
+    tok = host.target.tokenizer
+    one = '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "Lima"}}\n</tool_call>'
+    for parallel, allowed in ((True, True), (False, False)):
+        prep = host._prepare({**base, "tool_choice": "required", "parallel_tool_calls": parallel})
+        for t in tok.encode(one):
+            prep.constraint.consume(t)
+        assert bool(prep.constraint.mask()[tok.encode("\n<tool_call>")[0]]) is allowed
 
 
 def test_target_placement_replica_or_workers():

@@ -54,6 +54,18 @@ def test_stop_string_inside_an_accepted_draft(tiny, reference):
     assert text.startswith(spec.text) and len(spec.tokens) < N
 
 
+def test_end_after_string_ends_the_output_and_stays_in_it(tiny, reference):
+    """``end_after`` (a call's closer when parallel calls are off) ends the output at the token that
+    writes it, keeps it in the text, and is the same with or without drafts."""
+    text = tiny.tokenizer.decode(reference)
+    end = text[12:16]
+    plain = generate(tiny, PROMPT, NoDrafter(), DecodeConfig(max_new_tokens=N, end_after=(end,)))
+    spec = generate(tiny, PROMPT, ScriptedDrafter(oracle(reference)), DecodeConfig(max_new_tokens=N, end_after=end))
+    assert spec.tokens == plain.tokens and spec.text == plain.text
+    assert spec.finish_reason == "stop" and spec.text == text[: text.index(end) + len(end)]
+    assert spec.tokens == reference[: len(spec.tokens)] and len(spec.tokens) < N
+
+
 def test_streaming_callback_sees_every_token_once(tiny, reference):
     seen = []
     res = decode(

@@ -1,7 +1,8 @@
 """Grammar-constrained tool calls for ``tool_choice`` "required" / a named function.
 
 The output must be a valid call: a JSON object ``{"name": <tool>, "arguments": <its schema>}``,
-in any layout the model likes (``<tool_call>`` tags, a ```` ```json ```` fence, bare JSON).
+in any layout the model likes (``<tool_call>`` tags, a ```` ```json ```` fence, bare JSON);
+"required" with parallel calls allowed takes one or more tagged calls, one per line.
 llguidance compiles that into a token-level matcher; the engine masks the target's logits with
 it at every verified row, and tokens the grammar forces are emitted without verification.
 """
@@ -65,10 +66,16 @@ def _tag(tokenizer, text: str) -> str:
     return json.dumps(text)
 
 
-def call_grammar(tools: list[dict], only: str | None = None, tokenizer=None) -> str:
+def call_grammar(tools: list[dict], only: str | None = None, tokenizer=None, parallel: bool = False) -> str:
+    """``parallel``: tagged calls may follow one another (a fence or bare JSON holds one call)."""
     schema = json.dumps({**call_schema(tools, only), "x-guidance": JSON_OPTIONS})
     open_tag, close_tag = _tag(tokenizer, "<tool_call>"), _tag(tokenizer, "</tool_call>")
-    lark = f'start: {open_tag} "\\n" call "\\n" {close_tag} | "```json\\n" call "\\n```" | call\ncall: %json {schema}\n'
+    more = ' ("\\n" tagged)*' if parallel else ""
+    lark = (
+        f'start: tagged{more} | "```json\\n" call "\\n```" | call\n'
+        f'tagged: {open_tag} "\\n" call "\\n" {close_tag}\n'
+        f"call: %json {schema}\n"
+    )
     import llguidance
 
     return llguidance.LLMatcher.grammar_from_lark(lark)
@@ -104,9 +111,10 @@ class GrammarConstraint:
 
 
 def make_tool_constraint(
-    tokenizer, tools: list[dict] | None, tool_choice, vocab_size: int | None = None
+    tokenizer, tools: list[dict] | None, tool_choice, vocab_size: int | None = None, parallel: bool = True
 ) -> GrammarConstraint | None:
-    """A constraint for ``tool_choice`` "required" or {"type": "function", "function": {"name": ...}}.
+    """A constraint for ``tool_choice`` "required" (one or more calls; one when ``parallel`` is
+    False) or {"type": "function", "function": {"name": ...}} (one call of that function).
 
     Returns None for "auto" / "none" / absent (free decoding).
     """
@@ -123,7 +131,8 @@ def make_tool_constraint(
     import llguidance
 
     lltok = _lltokenizer(tokenizer)
-    matcher = llguidance.LLMatcher(lltok, call_grammar(tools, only, tokenizer), log_level=0)
+    grammar = call_grammar(tools, only, tokenizer, parallel=parallel and only is None)
+    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
     if matcher.is_error():
         raise InvalidRequestError(f"tool schema cannot be used as a grammar: {matcher.get_error()}", "tools")
     return GrammarConstraint(matcher, vocab_size or len(tokenizer))

@@ -24,17 +24,19 @@ from toolspec_core.errors import ContextLengthError, InvalidRequestError
 @dataclass(frozen=True)
 class DecodeConfig:
     max_new_tokens: int = 256
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()  # end the output, cut from it
     sampling: SamplingParams = SamplingParams()
+    end_after: tuple[str, ...] = ()  # end the output, kept in it (a call's closer: no parallel calls)
 
     def __post_init__(self):
         m = self.max_new_tokens
         if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
             raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {m!r}", "max_tokens")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError("stop must be non-empty strings", "stop")
+        for name in ("stop", "end_after"):
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),))
+            if any(not isinstance(s, str) or not s for s in getattr(self, name)):
+                raise InvalidRequestError(f"{name} must be non-empty strings", "stop")
 
 
 @dataclass
@@ -61,7 +63,7 @@ def check_prompt(target, prompt_ids: list[int], max_new_tokens: int = 1) -> None
 
 
 class Stopper:
-    """EOS / max_new_tokens / stop strings, checked after every emitted token.
+    """EOS / max_new_tokens / stop strings (and ``end_after`` strings), checked after every emitted token.
 
     Emitted tokens go into the request's ``Detokenizer``; a stop string is looked for only in
     what a token added plus the longest stop string's length of lookback, so a check costs the
@@ -71,27 +73,33 @@ class Stopper:
 
     def __init__(self, detok: Detokenizer, eos_ids, cfg: DecodeConfig):
         self.detok, self.eos, self.cfg = detok, set(eos_ids), cfg
-        self.back = max((len(s) for s in cfg.stop), default=1) - 1
+        self.ends = cfg.stop + cfg.end_after
+        self.back = max((len(s) for s in self.ends), default=1) - 1
         self.seen = 0  # committed text searched so far (the pending text is searched again)
 
     def done(self, generated: list[int]) -> str | None:
         if generated[-1] in self.eos:
             return "stop"
         self.detok.feed(generated[-1:])
-        if self.cfg.stop:
+        if self.ends:
             new = self.detok.tail(max(0, self.seen - self.back))
             self.seen = len(self.detok.text)
-            if any(s in new for s in self.cfg.stop):
+            if any(s in new for s in self.ends):
                 return "stop"
         if len(generated) >= self.cfg.max_new_tokens:
             return "length"
         return None
 
     def text(self) -> str:
-        """The output's text (EOS is not text), cut before the first stop string."""
-        text = self.detok.final()
-        cuts = [text.find(s) for s in self.cfg.stop if s in text]
-        return text[: min(cuts)] if cuts else text
+        """The output's text (EOS is not text), cut before the first stop string or after the first
+        ``end_after`` string."""
+        return end_text(self.detok.final(), self.cfg.stop, self.cfg.end_after)
+
+
+def end_text(text: str, stop: tuple[str, ...], end_after: tuple[str, ...] = ()) -> str:
+    """``text`` cut where the first stop string starts or the first ``end_after`` string ends."""
+    cuts = [text.find(s) for s in stop if s in text] + [text.find(s) + len(s) for s in end_after if s in text]
+    return text[: min(cuts)] if cuts else text
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, gen) -> int:

@@ -158,6 +158,22 @@ def test_constrained_tool_choice_always_gives_a_valid_call(closing_qwen, qwen_to
     assert all(o == outs[0] for o in outs)  # drafting does not change the constrained output
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_takes_several_calls_unless_parallel_calls_are_off(qwen_tok, parallel):
+    """tool_choice "required": one or more tagged calls; with parallel_tool_calls false, one."""
+    one = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+    c = make_tool_constraint(qwen_tok, TOOLS, "required", len(qwen_tok), parallel=parallel)
+    for t in qwen_tok.encode(one):
+        c.consume(t)
+    second = qwen_tok.encode("\n<tool_call>")
+    assert bool(c.mask()[second[0]]) is parallel
+    assert bool(c.mask()[qwen_tok.convert_tokens_to_ids("<|im_end|>")]) or c.m.is_accepting()
+    named = make_tool_constraint(qwen_tok, TOOLS, {"type": "function", "function": {"name": "get_time"}}, len(qwen_tok))
+    for t in qwen_tok.encode(one):
+        named.consume(t)
+    assert not bool(named.mask()[second[0]])  # a named tool_choice is one call
+
+
 @pytest.mark.parametrize(
     "choice", [{"type": "function", "function": {"name": "nope"}}, "sometimes", {"type": "function"}]
 )
