@@ -87,6 +87,45 @@ class TextStreamer:
         return self._delta(final_text, len(final_text))
 
 
+class TokenText:
+    """OpenAI's logprob entries (``token``, ``logprob``, ``bytes``, ``top_logprobs``) of engine
+    ``TokenLogprob`` tuples. A byte-level BPE token's bytes come from its own symbols, so a token
+    holding part of a character still has its exact bytes; EOS tokens are not output text and get
+    no entry."""
+
+    def __init__(self, tokenizer, eos_ids):
+        self.tokenizer, self.eos = tokenizer, set(eos_ids)
+        self._bytes: dict[int, bytes] = {}
+        try:
+            from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+            self._decoder = {c: b for b, c in bytes_to_unicode().items()}
+        except ImportError:
+            self._decoder = {}
+
+    def bytes_of(self, tid: int) -> bytes:
+        out = self._bytes.get(tid)
+        if out is None:
+            piece = self.tokenizer.convert_ids_to_tokens(int(tid))
+            if isinstance(piece, str) and piece and all(c in self._decoder for c in piece):
+                out = bytes(self._decoder[c] for c in piece)
+            else:
+                out = self.tokenizer.decode([int(tid)]).encode()
+            self._bytes[tid] = out
+        return out
+
+    def entry(self, tid: int, logprob: float) -> dict:
+        raw = self.bytes_of(tid)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def entries(self, logprobs) -> list[dict]:
+        return [
+            {**self.entry(t, lp), "top_logprobs": [self.entry(a, alp) for a, alp in top]}
+            for t, lp, top in logprobs
+            if t not in self.eos
+        ]
+
+
 class PrefixCache:
     """Small LRU of prefilled shared prefixes (system prompt + tools), keyed by token ids."""
 
@@ -267,6 +306,7 @@ class EngineHost:
         from toolspec_core.model.target import turn_end_tokens
 
         self.turn_end = set(turn_end_tokens(target.tokenizer))
+        self.token_text = TokenText(target.tokenizer, target.eos_ids)
         self.stats = HostStats()
         self.name = served_name(cfg)
         self.replica_id = f"{socket.gethostname()}:{os.getpid()}"
@@ -362,7 +402,7 @@ class EngineHost:
         # no parallel calls: the output ends with the first call's closer (the grammar does that
         # for a forced tool_choice; fences and bare JSON hold one call in the drafted layouts)
         end_after = ("</tool_call>",) if tools and not parallel else ()
-        cfg = DecodeConfig(max_new, tuple(req["stop"]), sampling, end_after)
+        cfg = DecodeConfig(max_new, tuple(req["stop"]), sampling, end_after, req.get("logprobs"))
         key = self.embedder.embed_request(req["messages"], tools) if self.embedder is not None and tools else None
         return Prepared(prompt, cfg, constraint, key=key)
 
@@ -484,11 +524,12 @@ class EngineHost:
         cancel = threading.Event()
         done = object()
 
-        def on_tokens(ids: list[int]):
-            loop.call_soon_threadsafe(queue.put_nowait, detok.text)
-            return not cancel.is_set()
-
         holder: list = []  # the request's sequence, so a client that leaves can cancel it
+
+        def on_tokens(ids: list[int]):
+            lps = holder[0].logprobs if holder else None  # appended by this thread only
+            loop.call_soon_threadsafe(queue.put_nowait, (detok.text, len(lps) if lps is not None else 0))
+            return not cancel.is_set()
 
         def run():
             try:
@@ -497,14 +538,21 @@ class EngineHost:
                 loop.call_soon_threadsafe(queue.put_nowait, done)
 
         fut = loop.run_in_executor(self.pool, run)
+        sent_logprobs = 0
         try:
             while True:
                 item = await queue.get()
                 if item is done:
                     break
-                delta = streamer.feed(item)
-                if delta:
-                    yield {"event": "text", "delta": delta}
+                text, n_logprobs = item
+                delta = streamer.feed(text)
+                lps = holder[0].logprobs[sent_logprobs:n_logprobs] if n_logprobs > sent_logprobs else None
+                if delta or lps:
+                    sent_logprobs = max(sent_logprobs, n_logprobs)
+                    ev = {"event": "text", "delta": delta}
+                    if lps:
+                        ev["logprobs"] = self.token_text.entries(lps)
+                    yield ev
             result = await fut
         except (asyncio.CancelledError, GeneratorExit):
             cancel.set()
@@ -515,8 +563,12 @@ class EngineHost:
             for seq in holder:  # Scheduler.cancel: read at the next step, also while waiting for admission
                 seq.cancelled = True
         tail = streamer.finish(result.text)
-        if tail:
-            yield {"event": "text", "delta": tail}
+        rest = result.logprobs[sent_logprobs:] if result.logprobs is not None else None
+        if tail or rest:
+            ev = {"event": "text", "delta": tail}
+            if rest:
+                ev["logprobs"] = self.token_text.entries(rest)
+            yield ev
         stats = result.stats.to_dict()
         extra = {
             "method": getattr(self.method, "name", self.cfg.method),
@@ -533,6 +585,7 @@ class EngineHost:
             "completion_tokens": len(result.tokens),
             "stats": {k: v for k, v in stats.items() if not k.endswith("_per_step") and k != "step_labels"},
             "extra": extra,
+            "logprobs": self.token_text.entries(result.logprobs) if result.logprobs is not None else None,
         }
 
     async def generate(self, req: dict) -> dict:

@@ -175,7 +175,7 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
                 yield sse(shaper.start())
                 async for ev in events:
                     if ev["event"] == "text":
-                        for ch in shaper.feed(ev["delta"]):
+                        for ch in shaper.feed(ev["delta"], ev.get("logprobs")):
                             if first_delta:
                                 metrics.ttft.observe(time.perf_counter() - t0)
                                 first_delta = False

@@ -173,6 +173,7 @@ class ChatRequest(_Strict):
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     store: StrictBool | None = None
@@ -273,8 +274,12 @@ def parse_request(body: Any, served_model: str, max_tokens_limit: int) -> ChatRe
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > 4 or any(not s for s in stops):
         raise APIError("'stop' takes up to 4 non-empty strings", param="stop", code="invalid_value")
-    if req.logprobs:
-        raise APIError("logprobs are not supported", param="logprobs", code="unsupported_value")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(
+            "Invalid 'top_logprobs': 'logprobs' must be set to true when 'top_logprobs' is used",
+            param="top_logprobs",
+            code="invalid_value",
+        )
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise APIError(
             "only response_format {'type': 'text'} is supported; use tools for structured output",
@@ -307,6 +312,7 @@ def engine_request(req: ChatRequest) -> dict:
         "tenant": req.user or "default",
         "remember": req.toolspec.remember if req.toolspec else True,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "logprobs": (req.top_logprobs or 0) if req.logprobs else None,  # None: none; k: k alternatives
     }
 
 
@@ -379,6 +385,11 @@ def usage(result: dict) -> dict:
     }
 
 
+def _logprobs(entries: list | None) -> dict | None:
+    """OpenAI's ``choices[].logprobs``: every output token's entry (a call's tokens too)."""
+    return None if entries is None else {"content": entries, "refusal": None}
+
+
 def chat_completion(result: dict, parse: bool, model: str, cid: str | None = None, created: int | None = None) -> dict:
     """A full (non-streaming) response from the replica's result dict."""
     parsed = split_output(result["text"], parse)
@@ -397,7 +408,7 @@ def chat_completion(result: dict, parse: bool, model: str, cid: str | None = Non
             {
                 "index": 0,
                 "message": message,
-                "logprobs": None,
+                "logprobs": _logprobs(result.get("logprobs")),
                 "finish_reason": finish_reason(result["finish_reason"], bool(parsed.calls)),
             }
         ],
@@ -444,6 +455,7 @@ class StreamShaper:
         self.sent_content = ""
         self.sent_calls: list[tuple[str, str]] = []  # (name, arguments sent so far) per call index
         self.mismatch = False
+        self.logprobs: list[dict] = []  # token entries not sent yet (they ride on the next chunk)
 
     def chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
         out = {
@@ -482,7 +494,20 @@ class StreamShaper:
             self.sent_calls[index] = (name, args)
             yield self.chunk({"tool_calls": [{"index": index, "function": {"arguments": args[len(sent) :]}}]})
 
-    def feed(self, delta: str) -> Iterator[dict]:
+    def _with_logprobs(self, chunks: Iterator[dict]) -> Iterator[dict]:
+        """The chunks, the token logprobs waiting so far on the first of them."""
+        for ch in chunks:
+            if self.logprobs:
+                ch["choices"][0]["logprobs"] = _logprobs(self.logprobs)
+                self.logprobs = []
+            yield ch
+
+    def feed(self, delta: str, logprobs: list[dict] | None = None) -> Iterator[dict]:
+        """Chunks for ``delta`` of text; ``logprobs``: the entries of the tokens it came from."""
+        self.logprobs += logprobs or []
+        yield from self._with_logprobs(self._feed(delta))
+
+    def _feed(self, delta: str) -> Iterator[dict]:
         self.text += delta
         if not self.parse:
             yield from self._content_delta(self.text)
@@ -498,6 +523,9 @@ class StreamShaper:
 
     def finish(self, result: dict) -> Iterator[dict]:
         """Flush against the authoritative full text; then the finish (and usage) chunks."""
+        yield from self._with_logprobs(self._finish(result))
+
+    def _finish(self, result: dict) -> Iterator[dict]:
         text = result["text"]
         if text.startswith(self.text) and len(text) > len(self.text):
             self.text = text

@@ -81,7 +81,8 @@ MSG = [{"role": "user", "content": "hi"}]
         ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
         ({"messages": MSG, "tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"messages": MSG, "toolspec": {"remember": "no"}}, "toolspec.remember"),
-        ({"messages": MSG, "logprobs": True}, "logprobs"),
+        ({"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_bad_requests_are_openai_errors(body, param):
@@ -492,6 +493,42 @@ def test_stream_matches_non_stream(local):
     assert chunks[-1]["usage"]["completion_tokens"] == full.usage.completion_tokens
 
 
+def test_logprobs_equal_plain_decoding_and_stream_with_the_chunks(local):
+    """logprobs / top_logprobs: one entry per output token, equal to what plain decoding of the
+    same model reports, the same streamed (spread over the chunks) as in the whole response."""
+    from toolspec_core.drafters.base import NoDrafter
+    from toolspec_core.engine.loop import DecodeConfig, generate
+    from toolspec_core.model.prompting import render_prompt
+
+    host, app, _, _ = local
+    kw = dict(model="tiny", messages=WEATHER_MESSAGES, tools=TOOLS, temperature=0, max_tokens=20)
+
+    async def go():
+        c = aclient(app)
+        full = await c.chat.completions.create(**kw, logprobs=True, top_logprobs=3)
+        stream = await c.chat.completions.create(**kw, logprobs=True, top_logprobs=3, stream=True)
+        chunks = [ch.model_dump() async for ch in stream]
+        bare = await c.chat.completions.create(**kw)
+        return full, chunks, bare
+
+    full, chunks, bare = run(go())
+    got = full.choices[0].logprobs.content
+    ids = render_prompt(host.target.tokenizer, WEATHER_MESSAGES, TOOLS)
+    plain = generate(host.target, ids, NoDrafter(), DecodeConfig(max_new_tokens=20, logprobs=3))
+    want = [e for e in plain.logprobs if e[0] not in host.target.eos_ids]
+    assert len(got) == len(want) > 0
+    for entry, (tok, lp, top) in zip(got, want):
+        assert bytes(entry.bytes) == host.token_text.bytes_of(tok)
+        assert entry.logprob == pytest.approx(lp, abs=1e-4) and len(entry.top_logprobs) == 3
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([v for _, v in top], abs=1e-4)
+    text = (full.choices[0].message.content or "").encode()
+    assert text in b"".join(bytes(e.bytes) for e in got)  # the entries spell the output
+    streamed = [e for ch in chunks for c in ch["choices"] if c.get("logprobs") for e in c["logprobs"]["content"]]
+    assert [(e["token"], e["bytes"]) for e in streamed] == [(e.token, e.bytes) for e in got]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e.logprob for e in got], abs=1e-5)
+    assert bare.choices[0].logprobs is None
+
+
 def test_bad_input_gets_4xx_and_the_engine_keeps_serving(local):
     import httpx
 
@@ -766,6 +803,7 @@ def test_forced_tool_choice_is_a_valid_call_even_from_a_random_model(local, tool
             tool_choice=tool_choice,
             temperature=0,
             max_tokens=400,
+            logprobs=True,
         )
 
     r = run(go())
@@ -775,6 +813,9 @@ def test_forced_tool_choice_is_a_valid_call_even_from_a_random_model(local, tool
     if isinstance(tool_choice, dict):
         assert call.function.name == "get_current_weather"
     assert r.model_extra["toolspec"]["constrained"] is True and r.model_extra["toolspec"]["forced_tokens"] > 0
+    # tokens the grammar forced are certain under it: logprob 0
+    certain = sum(e.logprob == 0.0 for e in r.choices[0].logprobs.content)
+    assert certain >= r.model_extra["toolspec"]["forced_tokens"]
 
 
 def test_parallel_tool_calls_false_ends_the_output_after_one_call(local):

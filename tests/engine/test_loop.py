@@ -66,6 +66,26 @@ def test_end_after_string_ends_the_output_and_stays_in_it(tiny, reference):
     assert spec.tokens == reference[: len(spec.tokens)] and len(spec.tokens) < N
 
 
+@pytest.mark.parametrize("make", [None, oracle, branching], ids=["plain", "oracle", "branching"])
+def test_logprobs_are_the_models_whatever_the_drafts(tiny, reference, make):
+    """Each token's logprob and top alternatives equal one full forward of the model over prompt +
+    output, whether the token came from an accepted draft or was the target's own choice."""
+    import torch
+
+    drafter = NoDrafter() if make is None else ScriptedDrafter(make(reference))
+    res = generate(tiny, PROMPT, drafter, DecodeConfig(max_new_tokens=N, logprobs=3))
+    assert res.tokens == reference and len(res.logprobs) == N
+    with torch.no_grad():
+        logits = tiny.model(torch.tensor([PROMPT + reference])).logits[0, len(PROMPT) - 1 : -1]
+    want = torch.log_softmax(logits.float(), -1)  # [N, V]
+    for k, (tok, lp, top) in enumerate(res.logprobs):
+        assert tok == reference[k] and lp == pytest.approx(float(want[k, tok]), abs=1e-4)
+        vals, ids = want[k].topk(3)
+        assert [t for t, _ in top] == ids.tolist()
+        assert [v for _, v in top] == pytest.approx(vals.tolist(), abs=1e-4)
+    assert generate(tiny, PROMPT, NoDrafter(), DecodeConfig(max_new_tokens=4)).logprobs is None
+
+
 def test_streaming_callback_sees_every_token_once(tiny, reference):
     seen = []
     res = decode(

@@ -66,3 +66,30 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+# (token, logprob, [(alternative, logprob), ...]) for one emitted token
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+
+MAX_TOP_LOGPROBS = 20
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """The target's log-probabilities of ``tokens``, each from the logits row [K, V] that chose it,
+    with the ``top`` most likely alternatives. The raw model distribution (no temperature, top-p or
+    grammar mask), as OpenAI and vLLM report it; one device sync for all rows."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits.float(), -1)  # [K, V]
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if top > 0:
+        vals, ids = lp.topk(top, -1)  # [K, top]
+        alts = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    else:
+        alts = [[] for _ in tokens]
+    return [(t, c, a) for t, c, a in zip(tokens, chosen, alts)]
+
+
+def forced_logprobs(tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Tokens a grammar forced (no forward chose them): certain under the constrained distribution."""
+    return [(t, 0.0, [(t, 0.0)] if top > 0 else []) for t in tokens]

@@ -263,7 +263,11 @@ class Scheduler:
         record_step(seq.stats, tree, result)
         forced = seq.constraint.forced() if seq.constraint is not None else []
         seq.stats.forced += len(forced)
-        seq.emit([tree.tokens[i] for i in result.path] + [result.token] + forced)
+        chosen = [tree.tokens[i] for i in result.path] + [result.token]
+        # token k of ``chosen`` was chosen at the row of its parent: the root's, then each accepted node's
+        rows = [root_row] + [root_row + 1 + i for i in result.path]
+        logprobs = seq.token_logprobs(own[rows], chosen, forced) if seq.logprobs is not None else None
+        seq.emit(chosen + forced, logprobs)
         seq.roots = [result.token] + forced
         seq.stats.verify_s += fwd
         seq.stats.verify_step_s.append(fwd)

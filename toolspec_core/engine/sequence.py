@@ -15,7 +15,15 @@ import torch
 from toolspec_core.drafters.base import DraftContext, Drafter, NoDrafter
 from toolspec_core.engine.commit import clone_cache
 from toolspec_core.engine.detokenize import Detokenizer
-from toolspec_core.engine.sampling import SamplingParams, sample, target_probs
+from toolspec_core.engine.sampling import (
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    TokenLogprob,
+    forced_logprobs,
+    sample,
+    target_probs,
+    token_logprobs,
+)
 from toolspec_core.engine.stats import GenerationResult, GenerationStats
 from toolspec_core.engine.tree import DraftTree, depths, select
 from toolspec_core.errors import ContextLengthError, InvalidRequestError
@@ -27,6 +35,7 @@ class DecodeConfig:
     stop: tuple[str, ...] = ()  # end the output, cut from it
     sampling: SamplingParams = SamplingParams()
     end_after: tuple[str, ...] = ()  # end the output, kept in it (a call's closer: no parallel calls)
+    logprobs: int | None = None  # None: none; k: each token's logprob and its k top alternatives
 
     def __post_init__(self):
         m = self.max_new_tokens
@@ -37,6 +46,9 @@ class DecodeConfig:
                 object.__setattr__(self, name, (getattr(self, name),))
             if any(not isinstance(s, str) or not s for s in getattr(self, name)):
                 raise InvalidRequestError(f"{name} must be non-empty strings", "stop")
+        k = self.logprobs
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k!r}", "top_logprobs")
 
 
 @dataclass
@@ -115,17 +127,18 @@ def cap_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     return select(tree, [i for i, x in enumerate(d) if x <= max_depth])
 
 
-def first_tokens(logits: torch.Tensor, params: SamplingParams, gen, constraint) -> list[int]:
-    """The first generated token(s): forced by the grammar, or chosen from the prompt's last logits [V]."""
+def first_tokens(logits: torch.Tensor, params: SamplingParams, gen, constraint) -> tuple[list[int], int]:
+    """The first generated token(s): forced by the grammar, or chosen from the prompt's last logits
+    [V] (then any the grammar forces after it); and how many were chosen (0 or 1, the first)."""
     if constraint is not None:
         forced = constraint.forced()
         if forced:
-            return forced
+            return forced, 0
         logits = logits.masked_fill(~constraint.mask(), float("-inf"))
         tok = choose(logits, params, gen)
         constraint.consume(tok)
-        return [tok] + constraint.forced()
-    return [choose(logits, params, gen)]
+        return [tok] + constraint.forced(), 1
+    return [choose(logits, params, gen)], 1
 
 
 _ids = itertools.count()
@@ -168,6 +181,7 @@ class Sequence:
         self.stopper = Stopper(self.detok, target.eos_ids, cfg)
         self.tokens = list(self.prompt_ids)  # prompt + emitted
         self.generated: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if cfg.logprobs is not None else None
         self.roots: list[int] = []  # emitted tokens whose KV is not cached yet (the next forward's chain)
         self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
         self.reason: str | None = None
@@ -220,19 +234,31 @@ class Sequence:
 
     def start(self, logits: torch.Tensor) -> None:
         """The prompt is cached: emit the first token(s) from its last logits [V]."""
-        self.emit(first_tokens(logits, self.cfg.sampling, self.gen, self.constraint))
+        new, chosen = first_tokens(logits, self.cfg.sampling, self.gen, self.constraint)
+        self.emit(new, self.token_logprobs(logits[None], new[:chosen], new[chosen:]))
         self.roots = list(self.generated)
 
     def context(self) -> DraftContext:
         remaining = self.cfg.max_new_tokens - len(self.generated) - 1
         return DraftContext(self.tokens, len(self.prompt_ids), remaining, self.detok.text, self.detok.read)
 
-    def emit(self, new: list[int]) -> None:
-        """Append tokens one by one until a stop condition (never past EOS / stop / max tokens), then stream them."""
+    def token_logprobs(self, rows: torch.Tensor, chosen: list[int], forced: list[int]) -> list[TokenLogprob] | None:
+        """Logprobs of tokens about to be emitted, when the request asks for them: ``chosen`` from
+        the logits ``rows`` [len(chosen), V] that chose them, then ``forced`` ones (grammar)."""
+        if self.logprobs is None:
+            return None
+        top = self.cfg.logprobs
+        return token_logprobs(rows, chosen, top) + forced_logprobs(forced, top)
+
+    def emit(self, new: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append tokens one by one until a stop condition (never past EOS / stop / max tokens), then
+        stream them; ``logprobs``: one entry per token of ``new`` (kept for those appended)."""
         before = len(self.generated)
-        for tok in new:
+        for k, tok in enumerate(new):
             self.tokens.append(tok)
             self.generated.append(tok)
+            if logprobs is not None and self.logprobs is not None:
+                self.logprobs.append(logprobs[k])
             self.reason = self.stopper.done(self.generated)
             if self.reason:
                 break
@@ -241,6 +267,6 @@ class Sequence:
 
     def finish(self) -> GenerationResult:
         self.stats.generated_tokens = len(self.generated)
-        self.result = GenerationResult(self.generated, self.stopper.text(), self.reason, self.stats)
+        self.result = GenerationResult(self.generated, self.stopper.text(), self.reason, self.stats, self.logprobs)
         self.cache = None  # the KV goes with the sequence
         return self.result

@@ -67,6 +67,7 @@ class GenerationResult:
     text: str  # decoded text, cut before a stop string; EOS not included
     finish_reason: str  # "stop" | "length"
     stats: GenerationStats
+    logprobs: list | None = None  # a TokenLogprob per token, when asked for (DecodeConfig.logprobs)
 
 
 def record_step(stats: GenerationStats, tree: DraftTree, result: VerifyResult) -> None:
