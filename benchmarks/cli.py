@@ -46,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
         help="stop after this many items of the interleaved stream (the first of a --limit sample; resumable)",
     )
     ap.add_argument("--seed", type=int, default=0, help="sampling seed for --limit; -1 = the first N items")
+    ap.add_argument(
+        "--structured",
+        action="store_true",
+        help="structured outputs: each item's task becomes its gold call's arguments as a response_format "
+        "json_schema answer (benchmark structured_<set>)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--cost", default="measured", help="measured | reference | flat | path to a cost JSON")
     ap.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
@@ -134,6 +140,8 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     _check(args, ap)
+    if args.batch and args.structured:
+        ap.error("--structured runs single-stream (no --batch)")
     if args.batch:
         if any(b <= 0 for b in args.batch):
             ap.error("--batch sizes must be positive")
@@ -165,6 +173,7 @@ def bench_main(argv: list[str] | None = None) -> int:
         calibrate=args.calibrate,
         device=args.device,
         dtype=args.dtype,
+        structured=args.structured,
     )
     runner = run(cfg, max_items=args.max_items)
     if runner.pool.unavailable:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 from toolspec_core.drafters.methods import RequestInfo
@@ -17,8 +18,9 @@ from toolspec_core.model.target import turn_end_tokens
 LAYOUTS = ("fence", "template")
 
 
-def load_items(path: str | Path) -> list[dict]:
-    """All items of one JSONL file; ``benchmark`` defaults to the file stem."""
+def load_items(path: str | Path, structured: bool = False) -> list[dict]:
+    """All items of one JSONL file; ``benchmark`` defaults to the file stem. ``structured``: the
+    structured-output tasks made from them instead (:func:`structured_item`)."""
     items = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
@@ -31,13 +33,15 @@ def load_items(path: str | Path) -> list[dict]:
             item.setdefault("tools", [])
             item.setdefault("gold_calls", [])
             items.append(item)
+    if structured:
+        items = [s for s in map(structured_item, items) if s is not None]
     return items
 
 
 def run_items(raw: str | Path) -> dict[str, dict]:
     """The items of a run's data files (its raw folder's config.json), by id."""
-    paths = json.loads((Path(raw) / "config.json").read_text())["data"]
-    return {it["id"]: it for p in paths for it in load_items(p)}
+    cfg = json.loads((Path(raw) / "config.json").read_text())
+    return {it["id"]: it for p in cfg["data"] for it in load_items(p, cfg.get("structured", False))}
 
 
 def select_items(items: list[dict], limit: int | None, seed: int | None) -> list[dict]:
@@ -60,8 +64,8 @@ def interleave(streams: list[list[dict]]) -> list[dict]:
     return out
 
 
-def load_stream(paths: list[str], limit: int | None, seed: int | None) -> list[dict]:
-    streams = [select_items(load_items(p), limit, seed) for p in paths]
+def load_stream(paths: list[str], limit: int | None, seed: int | None, structured: bool = False) -> list[dict]:
+    streams = [select_items(load_items(p, structured), limit, seed) for p in paths]
     seen: set[str] = set()
     for s in streams:
         for it in s:
@@ -69,6 +73,47 @@ def load_stream(paths: list[str], limit: int | None, seed: int | None) -> list[d
                 raise ValueError(f"duplicate item id {it['id']!r} across data files")
             seen.add(it["id"])
     return interleave(streams)
+
+
+STRUCTURED_SYSTEM = (
+    "Extract the arguments of the function `{name}` ({description}) from the user's request. "
+    "Answer with the JSON object of its arguments only."
+)
+
+
+def structured_item(item: dict) -> dict | None:
+    """The structured-output task made from a tool-call item: produce the arguments object of its
+    (first) gold call as a JSON answer to a ``response_format`` json_schema -- the tool's parameters
+    schema -- from the same conversation, no tools offered. None when the item has no gold call of
+    an offered tool with named parameters."""
+    gold = (item.get("gold_calls") or [None])[0]
+    tools = {t["function"]["name"]: t["function"] for t in item.get("tools") or [] if "function" in t}
+    fn = tools.get(gold["name"]) if gold else None
+    params = (fn or {}).get("parameters") or {}
+    if not fn or not params.get("properties"):
+        return None
+    system = STRUCTURED_SYSTEM.format(name=fn["name"], description=(fn.get("description") or "").strip().rstrip("."))
+    convo = [m for m in item["messages"] if m.get("role") in ("user", "assistant") and not m.get("tool_calls")]
+    name = re.sub(r"[^a-zA-Z0-9_-]", "_", fn["name"])[:64]
+    return {
+        "id": f"structured-{item['id']}",
+        "benchmark": f"structured_{item['benchmark']}",
+        "messages": [{"role": "system", "content": system}, *convo],
+        "tools": [],
+        "gold_calls": [],
+        "gold_answer": gold.get("arguments"),
+        "response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": params, "strict": True}},
+    }
+
+
+def response_schema(item: dict) -> dict | None:
+    """The JSON schema an item's answer must follow (``response_format``), None for free text."""
+    rf = item.get("response_format") or {}
+    if rf.get("type") == "json_object":
+        return {"type": "object"}
+    if rf.get("type") == "json_schema":
+        return (rf.get("json_schema") or {}).get("schema") or {"type": "object"}
+    return None
 
 
 def prompt_ids(tokenizer, item: dict) -> list[int]:

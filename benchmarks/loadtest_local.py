@@ -3,7 +3,7 @@
 Starts one local Ray cluster with one application per ``--apps`` entry, built from the same config
 except the method and its options (default: ``toolspec`` at /toolspec and plain greedy at
 /greedy; ``+threads`` serves an app on the thread-per-request engine, ``+nocache`` without prefix
-caching), runs ``toolspec loadtest`` against all of them, the last one the baseline, then shuts
+caching, ``+chunkN`` with ``prefill_chunk_tokens`` N), runs ``toolspec loadtest`` against all of them, the last one the baseline, then shuts
 everything down. Arguments it does not know go to
 ``toolspec loadtest`` unchanged (e.g. ``--workload conversations``, ``--request-rate``, ``--slo``).
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 OPTIONS = {
@@ -28,8 +29,8 @@ def app_config(spec: str, library: str) -> tuple[str, dict]:
     new deployment)."""
     name, _, rest = spec.partition("=")
     method, *options = (rest or name).split("+")
-    if not name or any(o not in OPTIONS for o in options):
-        raise SystemExit(f"--apps: cannot read {spec!r} (NAME=METHOD[+{'|'.join(OPTIONS)}])")
+    if not name or any(o not in OPTIONS and not re.fullmatch(r"chunk[1-9][0-9]*", o) for o in options):
+        raise SystemExit(f"--apps: cannot read {spec!r} (NAME=METHOD[+{'|'.join(OPTIONS)}|+chunkN])")
     extra: dict = {"method": method}
     from toolspec_core.drafters.methods import method_class
 
@@ -38,7 +39,7 @@ def app_config(spec: str, library: str) -> tuple[str, dict]:
     else:
         extra["retrieval"] = {"enabled": False}
     for o in options:
-        extra.update(OPTIONS[o])
+        extra.update(OPTIONS[o] if o in OPTIONS else {"prefill_chunk_tokens": int(o[5:])})
     return name, extra
 
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         "--apps",
         default="toolspec=toolspec,greedy=ar",
         help="endpoints as NAME=METHOD[+OPTION...], the last one the baseline; options: threads (a thread per "
-        "request, the reference engine), nocache (no prefix caching), e.g. "
+        "request, the reference engine), nocache (no prefix caching), chunkN (prefill N prompt rows a step), e.g. "
         "toolspec-threads=toolspec+threads,ar=ar,suffix=suffix,toolspec=toolspec",
     )
     ns, passthrough = p.parse_known_args(argv)

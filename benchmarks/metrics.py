@@ -9,6 +9,7 @@ A record is one (item, method, library) decode; the fields used here are ``gener
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 
@@ -90,6 +91,37 @@ def call_metrics(text: str, item: dict) -> dict:
         "problems": problems,
         "gold_name_match": name_ok,
         "gold_match": full_ok,
+    }
+
+
+def answer_metrics(text: str, item: dict) -> dict:
+    """A structured answer's metrics under the call metrics' keys: ``valid`` -- JSON that follows
+    the item's ``response_format`` schema; ``gold_match`` -- equal to the gold arguments."""
+    from .data import response_schema
+
+    problems: list[str] = []
+    try:
+        answer = json.loads(text)
+    except json.JSONDecodeError as exc:
+        answer, problems = None, [f"not JSON: {exc.msg}"]
+    if not problems:
+        try:
+            import jsonschema
+
+            jsonschema.validate(answer, response_schema(item) or {})
+        except jsonschema.ValidationError as exc:
+            problems = [f"schema: {exc.message}"]
+    gold = item.get("gold_answer")
+    match = gold is not None and isinstance(answer, dict) and _args_match(answer, gold, None)
+    return {
+        "calls": [],
+        "has_call": False,
+        "answer": answer,
+        "valid": not problems,
+        "complete": not problems,
+        "problems": problems,
+        "gold_name_match": not problems,
+        "gold_match": match,
     }
 
 

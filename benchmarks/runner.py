@@ -31,8 +31,8 @@ from toolspec_core.engine.cost_probe import cost_model_for
 from toolspec_core.engine.loop import DecodeConfig, decode, prefill
 from toolspec_core.errors import ToolSpecError
 
-from .data import load_items, load_stream, prompt_ids, select_items, warm_documents
-from .metrics import call_metrics, first_mismatch
+from .data import load_items, load_stream, prompt_ids, response_schema, select_items, warm_documents
+from .metrics import answer_metrics, call_metrics, first_mismatch
 
 ALL_METHODS = ("ar", "pld", "suffix", "token_recycling", "toolspec_schema", "toolspec_retrieval", "toolspec")
 LIBRARIES = ("cold", "online", "warm")
@@ -59,6 +59,7 @@ class RunConfig:
     calibrate: bool = False  # the shared cost curve learns from the steps really paid (budget.Calibration)
     device: str = "cpu"  # where the target runs (cuda: float32 unless dtype says otherwise)
     dtype: str = "float32"
+    structured: bool = False  # the structured-output tasks made from the items (data.structured_item)
 
 
 def run_pairs(cfg: RunConfig) -> list[tuple[str, str | None]]:
@@ -227,12 +228,18 @@ def decode_record(target, pre, method, req: RequestInfo, dcfg: DecodeConfig, cos
     """Decode with ``method`` and return the timing / acceptance part of a record.
 
     decode_s = drafter setup (e.g. retrieval) + the loop's draft/verify/commit time; the prefix
-    cache clone is excluded (identical for every method, including plain greedy).
+    cache clone and a structured answer's grammar (the same for every method) are excluded.
     """
+    constraint = None
+    if req.response_schema is not None:  # every method decodes under the answer's grammar
+        from toolspec_core.engine.grammar import make_tool_constraint
+
+        vocab = getattr(target.model.config, "vocab_size", None)
+        constraint = make_tool_constraint(target.tokenizer, [], "none", vocab, response=req.response_schema)
     t0 = time.perf_counter()
     drafter = method.drafter(req)
     setup = time.perf_counter() - t0
-    res = decode(target, pre, drafter, dcfg, cost)
+    res = decode(target, pre, drafter, dcfg, cost, constraint=constraint)
     stats = res.stats.to_dict()
     stats["decode_s"] += setup
     return {"tokens": res.tokens, "text": res.text, "finish_reason": res.finish_reason, "setup_s": setup, **stats}
@@ -245,7 +252,7 @@ def finish_record(rec: dict, item: dict, ar: dict | None, ref: dict | None = Non
     from an earlier run); the speedup is against its time, not the stored one, because a
     shared machine's speed drifts between runs.
     """
-    rec.update(call_metrics(rec["text"], item))
+    rec.update(call_metrics(rec["text"], item) if response_schema(item) is None else answer_metrics(rec["text"], item))
     if ar is None:  # this is plain greedy itself
         rec.update(
             exact_match=True, first_mismatch=None, ar_decode_s=rec["decode_s"], speedup=1.0, ar_step_s=_median_step(rec)
@@ -294,7 +301,7 @@ class Runner:
                 **({} if cfg.packed_rows is None else {"packed_rows": cfg.packed_rows}),
             )
         self.target = target
-        self.stream = load_stream(cfg.data, cfg.limit, cfg.seed)
+        self.stream = load_stream(cfg.data, cfg.limit, cfg.seed, cfg.structured)
         self.pairs = run_pairs(cfg)
         self.store = item_store(self.out)
         self.prefills = PrefillCache(self.out / "prefill.jsonl")
@@ -375,7 +382,9 @@ class Runner:
             # decode's one-off costs after a large prefill (allocator, caches)
             decode(self.target, pre, None, DecodeConfig(max_new_tokens=2))
         emb = pre.hidden if pre is not None else (decode_hidden(pinfo["hidden"]) if pinfo else None)
-        req = RequestInfo(prompt_ids=ids, tools=item.get("tools") or [], embedding=emb)
+        req = RequestInfo(
+            prompt_ids=ids, tools=item.get("tools") or [], embedding=emb, response_schema=response_schema(item)
+        )
         ar = self.store.records.get(pair_key(item["id"], "ar", None))
         stored_ar, ref = ar is not None, None
         for name, lib in self.pairs:

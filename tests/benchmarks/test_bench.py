@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import DATA
 from tiny import tiny_model
 
 from benchmarks import runner as runner_mod
@@ -638,3 +639,71 @@ def test_copy_bound_hand_computed():
     # a steep curve (1, 1.3, 2.2, 3.7) splits it: two chains of one (1.3 + 1.3) beat the whole chain (3.7),
     # one of two then none (2.2 + 1), and four plain steps (4)
     assert best_chains([0, 3, 2, 1, 0], lambda j: 1 + 0.3 * j * j) == [(1, 1), (3, 1)]
+
+
+# --------------------------------------------------------------------------- structured outputs
+
+
+def test_structured_items_come_from_the_dev_sets_gold_calls():
+    from benchmarks.data import load_items, response_schema, structured_item
+
+    path = DATA / "api_bank.dev.jsonl"
+    items = load_items(path)
+    made = load_items(path, structured=True)
+    assert 0 < len(made) <= len(items)
+    first = made[0]
+    src = next(it for it in items if f"structured-{it['id']}" == first["id"])
+    assert structured_item(src) == first and first["benchmark"] == "structured_api_bank" and first["tools"] == []
+    fn = next(t["function"] for t in src["tools"] if t["function"]["name"] == src["gold_calls"][0]["name"])
+    assert response_schema(first) == fn["parameters"] and first["gold_answer"] == src["gold_calls"][0]["arguments"]
+    assert first["messages"][0]["role"] == "system" and fn["name"] in first["messages"][0]["content"]
+
+
+def test_answer_metrics_check_json_against_the_schema():
+    from benchmarks.metrics import answer_metrics
+
+    item = {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "w", "schema": {"type": "object", "required": ["city"]}},
+        },
+        "gold_answer": {"city": "Paris"},
+    }
+    assert answer_metrics('{"city": "Paris"}', item)["gold_match"] is True
+    ok = answer_metrics('{"city": "Lima"}', item)
+    assert ok["valid"] and not ok["gold_match"]
+    assert not answer_metrics('{"town": "Lima"}', item)["valid"]
+    assert answer_metrics('{"city": ', item)["problems"][0].startswith("not JSON")
+
+
+def test_structured_run_is_exact_under_the_answer_grammar(tmp_path):
+    """`toolspec bench --structured` on a tiny random Qwen2 (real tokenizer, so grammars apply):
+    every method decodes under the answer's grammar and equals plain greedy."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from toolspec_core.model.embedded import embedded_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    )  # fmt: skip
+    target = from_model(Qwen2ForCausalLM(cfg).eval(), tok, "tiny-qwen")
+    data = DATA / "toolalpaca.dev.jsonl"
+    run_cfg = RunConfig(
+        data=[str(data)],
+        out=str(tmp_path / "run"),
+        methods=["ar", "toolspec_schema"],
+        limit=2,
+        max_new_tokens=24,
+        cost="reference",
+        structured=True,
+    )
+    runner = Runner(run_cfg, target)
+    runner.run()
+    recs = list(runner.store.records.values())
+    assert len(recs) == 4 and {r["benchmark"] for r in recs} == {"structured_toolalpaca"}
+    assert all(r["exact_match"] for r in recs) and all(r["forced_tokens"] > 0 for r in recs)
+    assert all(set(r) >= {"valid", "gold_match", "answer"} for r in recs)

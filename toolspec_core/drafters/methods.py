@@ -25,6 +25,7 @@ class RequestInfo:
     embedding: Any = None  # e.g. last-layer hidden state of the final prompt token
     remember: bool = True  # False: never store this request's output in any history
     retrieved: Any = None  # past calls fetched for this request (retrieval methods)
+    response_schema: dict | None = None  # the answer is JSON of this schema (response_format; {}: any object)
 
 
 class Method(Protocol):

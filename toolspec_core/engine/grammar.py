@@ -2,7 +2,8 @@
 
 The output must be a valid call: a JSON object ``{"name": <tool>, "arguments": <its schema>}``,
 in any layout the model likes (``<tool_call>`` tags, a ```` ```json ```` fence, bare JSON);
-"required" with parallel calls allowed takes one or more tagged calls, one per line.
+"required" with parallel calls allowed takes one or more tagged calls, one per line. A structured
+answer (``response_format``) is JSON of its schema; with tools on "auto", tagged calls or that answer.
 llguidance compiles that into a token-level matcher; the engine masks the target's logits with
 it at every verified row, and tokens the grammar forces are emitted without verification.
 """
@@ -110,16 +111,51 @@ class GrammarConstraint:
         return ff
 
 
+def answer_grammar(schema: dict, tools: list[dict] | None = None, tokenizer=None, parallel: bool = True) -> str:
+    """A JSON answer of ``schema``; with ``tools``, tagged calls as the other choice."""
+    answer = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    lark = f"start: answer\nanswer: %json {answer}\n"
+    if tools:
+        call = json.dumps({**call_schema(tools), "x-guidance": JSON_OPTIONS})
+        open_tag, close_tag = _tag(tokenizer, "<tool_call>"), _tag(tokenizer, "</tool_call>")
+        more = ' ("\\n" tagged)*' if parallel else ""
+        lark = (
+            f"start: answer | tagged{more}\nanswer: %json {answer}\n"
+            f'tagged: {open_tag} "\\n" call "\\n" {close_tag}\ncall: %json {call}\n'
+        )
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
 def make_tool_constraint(
-    tokenizer, tools: list[dict] | None, tool_choice, vocab_size: int | None = None, parallel: bool = True
+    tokenizer,
+    tools: list[dict] | None,
+    tool_choice,
+    vocab_size: int | None = None,
+    parallel: bool = True,
+    response: dict | None = None,
 ) -> GrammarConstraint | None:
     """A constraint for ``tool_choice`` "required" (one or more calls; one when ``parallel`` is
-    False) or {"type": "function", "function": {"name": ...}} (one call of that function).
+    False) or {"type": "function", "function": {"name": ...}} (one call of that function); else,
+    with ``response`` (a structured answer's JSON schema), that answer -- or, with tools on
+    "auto", tagged calls.
 
-    Returns None for "auto" / "none" / absent (free decoding).
+    Returns None for free decoding ("auto" / "none" / absent and no ``response``).
     """
     if tool_choice in (None, "auto", "none"):
-        return None
+        if response is None:
+            return None
+        import llguidance
+
+        offered = tools if tool_choice == "auto" else None
+        grammar = answer_grammar(response, offered, tokenizer, parallel)
+        matcher = llguidance.LLMatcher(_lltokenizer(tokenizer), grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(
+                f"response schema cannot be used as a grammar: {matcher.get_error()}", "response_format"
+            )
+        return GrammarConstraint(matcher, vocab_size or len(tokenizer))
     if not tools:
         raise InvalidRequestError("tool_choice requires tools", "tool_choice")
     if tool_choice == "required":

@@ -310,3 +310,59 @@ def test_toolspec_and_grammar_sequences_in_one_batch(closing_qwen, qwen_tok):
     for r in (out[1], out[3]):
         calls = parse_tool_calls(r.text).calls
         assert r.finish_reason == "stop" and len(calls) == 1 and validate_call(calls[0], TOOLS) == [], r.text
+
+
+WEATHER = TOOLS[0]["function"]["parameters"]
+
+
+def _chain(tree) -> list[int]:
+    """The tree's most confident path from the root."""
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(tree.parents):
+        kids.setdefault(p, []).append(i)
+    node, out = -1, []
+    while node in kids:
+        node = max(kids[node], key=lambda i: tree.conf[i])
+        out.append(tree.tokens[node])
+    return out
+
+
+@pytest.mark.parametrize(
+    "written, drafted",
+    [
+        ("", '{"'),  # the answer opens: '{' and a key of the schema
+        ('{"city": "Paris"', ', "unit": "'),  # the next key, as the output writes them
+        ('{\n  "city": "Paris",\n  ', '"unit": "'),  # pretty-printed, in its own indent
+        ('{"city": "Paris", "unit": "celsius"', "}"),  # all keys written: the object closes
+    ],
+)
+def test_a_structured_answer_is_drafted_from_its_schema(qwen_tok, written, drafted):
+    """response_format: the answer object is drafted as a call's arguments are (keys, separators,
+    enum values, the closing brace), in the layout the output is written in."""
+    prompt = qwen_tok.encode("Weather for Paris in celsius, as JSON.")
+    gen = qwen_tok.encode(written) if written else []
+    drafter = make_method("toolspec_schema", qwen_tok).drafter(RequestInfo(prompt, [], response_schema=WEATHER))
+    tree = drafter.propose(DraftContext(prompt + gen, len(prompt), 64, written, len(gen)))
+    assert qwen_tok.decode(_chain(tree)).startswith(drafted)
+    if written == "":
+        keys = {qwen_tok.decode(_chain(tree))[2:6]}
+        assert keys <= {"city", "unit"}
+
+
+@pytest.mark.parametrize("method", ["toolspec_schema", "toolspec"])
+def test_a_structured_answer_is_lossless_under_its_grammar(closing_qwen, qwen_tok, method):
+    """Drafted or not, a response_format answer is the same tokens, valid JSON of the schema."""
+    tg = closing_qwen
+    prompt = render_prompt(qwen_tok, MESSAGES, None)
+    pre = prefill(tg, prompt)
+    cfg = DecodeConfig(max_new_tokens=80)
+
+    def grammar():
+        return make_tool_constraint(qwen_tok, [], "none", tg.model.config.vocab_size, response=WEATHER)
+
+    plain = decode(tg, pre, None, cfg, constraint=grammar())
+    drafter = make_method(method, qwen_tok).drafter(RequestInfo(prompt, [], response_schema=WEATHER))
+    spec = decode(tg, pre, drafter, cfg, CostModel.flat(), constraint=grammar())
+    assert spec.tokens == plain.tokens and spec.finish_reason == "stop", plain.text
+    jsonschema.validate(json.loads(spec.text), WEATHER)
+    assert spec.stats.forced > 0

@@ -26,7 +26,7 @@ from toolspec_core.drafters.labels import (
     VALUE,
 )
 from toolspec_core.drafters.toolcall.fsm import CallTracker, Frame, ToolIndex
-from toolspec_core.drafters.toolcall.layouts import LAYOUTS, Layout
+from toolspec_core.drafters.toolcall.layouts import BARE, BARE_PRETTY, LAYOUTS, Layout
 from toolspec_core.drafters.toolcall.objkeys import CLOSE, KeyIndex, key_candidates
 from toolspec_core.drafters.toolcall.values import date_values, wants_date
 
@@ -324,7 +324,9 @@ class _Builder:
 
     def close_call(self, layout: Layout | None, lv: int, since: str = "") -> list[Cand]:
         """From after the arguments' '}' (and ``since``, whitespace already written after it): the
-        call's '}', the layout closer, then end of turn."""
+        call's '}', the layout closer, then end of turn (a structured answer: the end of turn)."""
+        if self.tr.root is not None:
+            return self.end_turn()
         call = self.tr.frame("call")
         call_indent = call.indent if call is not None else 0
         text = self.rest(self.ws_close(call_indent, layout), since) + "}"
@@ -343,9 +345,23 @@ class _Builder:
         p = self.priors.prose_after
         return [Cand([(rest, END), (list(self.eos[:1]), END)], 1.0 - p), Cand([(rest + "\n\n", END)], p)]
 
+    def end_turn(self) -> list[Cand]:
+        return [Cand([(list(self.eos[:1]), END)], 1.0)]
+
+    def answer_open(self) -> list[Cand]:
+        """A structured answer from its start: '{' and its keys, compact or pretty-printed."""
+        if self.tr.text_since_json.strip():
+            return []
+        out = []
+        for lay in (BARE, BARE_PRETTY):
+            out += self.seq([("{", OPENER)], self.args_open(self.tr.root, lay, 0, self.levels), 0.5)
+        return out
+
     # ---- entry: from the tracker's current position ----
     def build(self) -> list[Cand]:
         tr = self.tr
+        if not tr.stack and tr.root is not None:
+            return self.end_turn() if tr.after_json else self.answer_open()
         if not tr.stack:
             return self.closer() if tr.after_json else self.opener()
         top = tr.stack[-1]

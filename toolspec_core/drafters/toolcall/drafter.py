@@ -36,7 +36,7 @@ from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter
 from toolspec_core.drafters.suffix_trie import SuffixTrie
 from toolspec_core.drafters.toolcall.boundary import BoundaryTokenizer
 from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
-from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
+from toolspec_core.drafters.toolcall.fsm import RESPONSE, CallTracker, ToolIndex
 from toolspec_core.drafters.toolcall.layouts import LAYOUTS, layout_of
 from toolspec_core.drafters.toolcall.library import CallLibrary, MemoryLibrary, PastCall
 from toolspec_core.drafters.toolcall.objkeys import KeyIndex, KeyScanner
@@ -217,10 +217,13 @@ class SchemaDrafter:
         suffix: SuffixDrafter,
         retrieval: RetrievalDrafter | None = None,
         schema: bool = True,
+        answer: bool = False,
     ):
+        """``answer``: the output is a structured answer (response_format) whose schema ``tools``
+        holds under ``RESPONSE``."""
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
         self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
-        self.tracker = CallTracker(tools)
+        self.tracker = CallTracker(tools, RESPONSE if answer else None)
         self._n_fed = 0  # committed tokens whose text the tracker has seen
         self._n_chars = 0  # characters of the output text the tracker has seen
         self._detok: Detokenizer | None = None  # spells the output of contexts built by hand
@@ -248,7 +251,7 @@ class SchemaDrafter:
     def propose(self, ctx: DraftContext) -> DraftTree:
         self._sync(ctx)
         tree = DraftTree()
-        if self.schema and self.tools.names:
+        if self.schema and (self.tools.names or self.tracker.root is not None):
             tree = candidates_to_tree(self.bt, ctx.tokens, self._continuations(ctx, self.tracker), self.rates)
         if self.retrieval is not None:
             tree.merge(self.retrieval.tree(ctx, self.tracker.name))
@@ -430,12 +433,12 @@ class SchemaMethod:
         self.eos = list(eos_ids) if eos_ids else turn_end_ids(tokenizer)
         self._tools_cache: dict[str, ToolIndex] = {}
 
-    def _tools(self, tools: list[dict]) -> ToolIndex:
+    def _tools(self, tools: list[dict], response: dict | None = None) -> ToolIndex:
         import json
 
-        key = json.dumps(tools, sort_keys=True)
+        key = json.dumps([tools, response], sort_keys=True)
         if key not in self._tools_cache:
-            self._tools_cache[key] = ToolIndex.from_tools(tools)
+            self._tools_cache[key] = ToolIndex.from_tools(tools, response)
         return self._tools_cache[key]
 
     def drafter(self, req: RequestInfo) -> SchemaDrafter:
@@ -452,7 +455,15 @@ class SchemaMethod:
             history = self.history.trie(req.tenant)
         suffix = SuffixDrafter(history, self.suffix_rates, self.suffix_depth, self.max_match, self.suffix_nodes)
         return SchemaDrafter(
-            self.bt, self._tools(req.tools), self.priors, self.rates, self.eos, suffix, retrieval, self.use_schema
+            self.bt,
+            self._tools(req.tools, req.response_schema),
+            self.priors,
+            self.rates,
+            self.eos,
+            suffix,
+            retrieval,
+            self.use_schema,
+            answer=req.response_schema is not None and not req.tools,
         )
 
     def observe(self, req: RequestInfo, output_ids: list[int], text: str) -> None:
@@ -460,6 +471,8 @@ class SchemaMethod:
         unless told not to."""
         if self.use_retrieval and req.remember:
             self.history.add(req.tenant, output_ids, req.prompt_ids[-self.prompt_tail :])
+        if req.response_schema is not None and not req.tools:  # a structured answer holds no calls
+            return
         parsed = parse_tool_calls(text)
         spans = parsed.spans
         self.priors.events.count("call_start", bool(spans) and not text[: spans[0][0]].strip())

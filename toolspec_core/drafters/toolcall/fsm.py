@@ -30,9 +30,15 @@ class Frame:
     parent_key: str | None = None  # the key this container is the value of (array elements: the array's)
 
 
+# The schema of a structured answer (response_format) is held as the parameters of a tool of this
+# name, which no offered tool can have: the answer object is then drafted as a call's arguments are.
+RESPONSE = "\x00response"
+
+
 @dataclass
 class ToolIndex:
-    """The request's tools, prepared once: name -> parameters schema."""
+    """The request's tools, prepared once: name -> parameters schema (and the structured answer's
+    schema under :data:`RESPONSE`, which is not among the names a call may take)."""
 
     names: list[str]
     params: dict[str, dict]
@@ -42,8 +48,10 @@ class ToolIndex:
     SIMILAR = 0.75
 
     @classmethod
-    def from_tools(cls, tools: list[dict]) -> "ToolIndex":
+    def from_tools(cls, tools: list[dict], response: dict | None = None) -> "ToolIndex":
         names, params = [], {}
+        if response and response.get("properties"):  # else: a free object (json_object)
+            params[RESPONSE] = response
         for t in tools or []:
             fn = t.get("function", t) if isinstance(t, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -61,6 +69,8 @@ class ToolIndex:
             return None
         if name in self.params:
             return name
+        if name == RESPONSE:  # a structured answer with no schema of its own: a free object
+            return None
         if name not in self._resolved:
             import difflib
 
@@ -85,10 +95,11 @@ class ToolIndex:
 
 
 class CallTracker:
-    """Incremental, deterministic parser of the assistant's output."""
+    """Incremental, deterministic parser of the assistant's output. With ``root`` (:data:`RESPONSE`)
+    the output's top-level object is the structured answer, followed as a call's arguments."""
 
-    def __init__(self, tools: ToolIndex):
-        self.tools = tools
+    def __init__(self, tools: ToolIndex, root: str | None = None):
+        self.tools, self.root = tools, root
         self.text = ""
         self.stack: list[Frame] = []
         self.in_str: str | None = None  # None | "key" | "value"
@@ -235,7 +246,9 @@ class CallTracker:
     def _open(self, ch: str) -> None:
         parent = self.stack[-1] if self.stack else None
         kind = "obj" if ch == "{" else "arr"
-        if parent is None:
+        if parent is None and self.root is not None and kind == "obj":
+            role, self.name = "args", self.root
+        elif parent is None:
             role = "call" if kind == "obj" else "calls"
         elif parent.role == "calls" and kind == "obj":
             role = "call"

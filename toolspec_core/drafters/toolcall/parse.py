@@ -85,17 +85,18 @@ def _json_objects(text: str):
         i = end
 
 
-def parse_tool_calls(text: str, partial: bool = False) -> ParsedOutput:
+def parse_tool_calls(text: str, partial: bool = False, tags_only: bool = False) -> ParsedOutput:
     """Split model output into free text and tool calls (empty list when there are none).
 
     ``partial``: the output may stop inside a call (a length limit, a stop string); a last call
     whose name is complete is then reported with the arguments text written so far, as a stream
-    shows it (OpenAI does the same with a truncated call).
+    shows it (OpenAI does the same with a truncated call). ``tags_only``: only ``<tool_call>``
+    blocks are calls (the rest is an answer that may itself be JSON: a structured answer).
     """
-    cut = _unfinished_region(text) if partial else None
+    cut = _unfinished_region(text, tags_only) if partial else None
     if cut is not None:
         opener, scans = cut
-        head = parse_tool_calls(text[:opener])
+        head = parse_tool_calls(text[:opener], tags_only=tags_only)
         calls = list(head.calls)
         try:
             for scan in scans[:-1]:
@@ -108,7 +109,7 @@ def parse_tool_calls(text: str, partial: bool = False) -> ParsedOutput:
             return ParsedOutput(_outside(text, spans), calls, spans)
     spans: list[tuple[int, int]] = []
     calls: list[ToolCall] = []
-    for pattern in (_TAG, _FENCE):
+    for pattern in (_TAG,) if tags_only else (_TAG, _FENCE):
         for m in pattern.finditer(text):
             found = []
             for s, _, val in _json_objects(m.group(1)):
@@ -118,7 +119,7 @@ def parse_tool_calls(text: str, partial: bool = False) -> ParsedOutput:
                 spans.append(m.span())
         if calls:
             break
-    if not calls:
+    if not calls and not tags_only:
         for s, e, val in _json_objects(text):
             found = _as_calls(val, text, s)
             if found:
@@ -275,10 +276,12 @@ def scan_calls(text: str, start: int) -> tuple[list[CallScan], int | None] | Non
         return out, None
 
 
-def _regions(text: str):
+def _regions(text: str, tags_only: bool = False):
     """(opener, value start, scans, value end) of each call-looking JSON value, by the layout rules of
     :func:`parse_tool_calls`: ``<tool_call>`` tags if there are any, else fences, else bare JSON."""
     tags = [m.start() for m in re.finditer("<tool_call>", text)]
+    if tags_only and not tags:
+        return
     fences = [m for m in _FENCE.finditer(text)] if not tags else []
     if tags or fences:
         heads = [(t, t + len("<tool_call>")) for t in tags] or [(m.start(), m.start(1)) for m in fences]
@@ -306,15 +309,15 @@ def _regions(text: str):
         i = found[1]
 
 
-def stream_calls(text: str) -> list[CallScan]:
+def stream_calls(text: str, tags_only: bool = False) -> list[CallScan]:
     """The calls of an output that is still being written, in order, each as far as it goes."""
-    return [scan for *_, scans, _ in _regions(text) for scan in scans]
+    return [scan for *_, scans, _ in _regions(text, tags_only) for scan in scans]
 
 
-def _unfinished_region(text: str) -> tuple[int, list[CallScan]] | None:
+def _unfinished_region(text: str, tags_only: bool = False) -> tuple[int, list[CallScan]] | None:
     """(opener, scans) of the last call region when the text stops inside it with a call begun."""
     last = None
-    for opener, _, scans, end in _regions(text):
+    for opener, _, scans, end in _regions(text, tags_only):
         last = (opener, scans, end)
     if last is None or last[2] is not None or not last[1] or not last[1][-1].ready(text):
         return None
