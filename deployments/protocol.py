@@ -470,7 +470,7 @@ def chat_completion(result: dict, parse: bool, model: str, cid: str | None = Non
 
 # ---------------------------------------------------------------------------------------- streaming
 
-_CALL_OPENERS = ("<tool_call>", "```", "{", "[")
+_CALL_OPENERS = ("<tool_call>", "```", "{", "[", "<|python_tag|>")
 
 
 def _hold_from(text: str, tags_only: bool = False) -> int:

@@ -152,12 +152,13 @@ LAYOUTS = {
     "unclosed": '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "Par',
     "unclosed_name": '<tool_call>\n{"name": "get_curr',
     "llama": '{"name": "get_current_weather", "parameters": {"city": "Paris", "days": [1, 2]}}',
+    "llama_tag": '<|python_tag|>{"name": "get_current_weather", "parameters": {"city": "Paris", "days": [1, 2]}}',
     "string_args": '{"name": "get_current_weather", "arguments": "{\\"city\\": \\"Par\\u00eds\\"}"}',
     "name_last": '<tool_call>\n{"arguments": {"city": "Paris"}, "name": "get_current_weather"}\n</tool_call>',
     "json_answer": 'Here: {"temperature": 21, "unit": "celsius"}',
 }
 # the layouts holding a call whose arguments are long enough to see streamed in pieces
-STREAMED = ["hermes", "hermes_two", "fence", "bare", "list", "llama", "string_args", "unclosed"]
+STREAMED = ["hermes", "hermes_two", "fence", "bare", "list", "llama", "llama_tag", "string_args", "unclosed"]
 
 
 def reassemble(chunks: list[dict]) -> dict:

@@ -33,8 +33,16 @@ def _lltokenizer(tokenizer):
         return _LLTOK[key]
 
 
-def call_schema(tools: list[dict], only: str | None = None) -> dict:
-    """JSON schema of one call of any tool in ``tools`` (or only the one named ``only``)."""
+def args_key(tokenizer) -> str:
+    """The key a target writes a call's arguments under: "parameters" for Llama 3.1's template."""
+    from toolspec_core.drafters.toolcall.layouts import layouts_for
+
+    return layouts_for(tokenizer)[0].args_key if tokenizer is not None else "arguments"
+
+
+def call_schema(tools: list[dict], only: str | None = None, key: str = "arguments") -> dict:
+    """JSON schema of one call of any tool in ``tools`` (or only the one named ``only``), its
+    arguments under ``key``."""
     alts = []
     for t in tools:
         fn = t.get("function", t)
@@ -44,8 +52,8 @@ def call_schema(tools: list[dict], only: str | None = None) -> dict:
         alts.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": fn["name"]}, key: params},
+                "required": ["name", key],
                 "additionalProperties": False,
             }
         )
@@ -69,7 +77,7 @@ def _tag(tokenizer, text: str) -> str:
 
 def call_grammar(tools: list[dict], only: str | None = None, tokenizer=None, parallel: bool = False) -> str:
     """``parallel``: tagged calls may follow one another (a fence or bare JSON holds one call)."""
-    schema = json.dumps({**call_schema(tools, only), "x-guidance": JSON_OPTIONS})
+    schema = json.dumps({**call_schema(tools, only, args_key(tokenizer)), "x-guidance": JSON_OPTIONS})
     open_tag, close_tag = _tag(tokenizer, "<tool_call>"), _tag(tokenizer, "</tool_call>")
     more = ' ("\\n" tagged)*' if parallel else ""
     lark = (
@@ -116,7 +124,7 @@ def answer_grammar(schema: dict, tools: list[dict] | None = None, tokenizer=None
     answer = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
     lark = f"start: answer\nanswer: %json {answer}\n"
     if tools:
-        call = json.dumps({**call_schema(tools), "x-guidance": JSON_OPTIONS})
+        call = json.dumps({**call_schema(tools, key=args_key(tokenizer)), "x-guidance": JSON_OPTIONS})
         open_tag, close_tag = _tag(tokenizer, "<tool_call>"), _tag(tokenizer, "</tool_call>")
         more = ' ("\\n" tagged)*' if parallel else ""
         lark = (

@@ -127,7 +127,7 @@ def _cache_kwarg_of(cls: type) -> str:
 
 # Tokens that end a chat turn, the chat template's own first: Qwen / ChatML, Llama 3, Phi, and the
 # document end token some templates close a turn with.
-TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>")
 
 
 def turn_end_tokens(tokenizer) -> list[int]:

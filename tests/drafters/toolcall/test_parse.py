@@ -30,6 +30,8 @@ def test_the_arguments_string_is_the_models_own_text(layout):
     if layout != "string_args":  # a JSON-string value is reported decoded
         assert all(c.arguments_json() in text for c in calls)
     assert parse_tool_calls(text, partial=True).calls == calls
+    if layout in ("hermes", "fence", "bare", "list", "llama", "string_args"):
+        assert parse_tool_calls(text).content is None  # tags, fences and <|python_tag|> are the call's
 
 
 @pytest.mark.parametrize("layout", sorted(TEXTS))

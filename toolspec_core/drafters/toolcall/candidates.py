@@ -26,7 +26,7 @@ from toolspec_core.drafters.labels import (
     VALUE,
 )
 from toolspec_core.drafters.toolcall.fsm import CallTracker, Frame, ToolIndex
-from toolspec_core.drafters.toolcall.layouts import BARE, BARE_PRETTY, LAYOUTS, Layout
+from toolspec_core.drafters.toolcall.layouts import BARE, BARE_PRETTY, Layout
 from toolspec_core.drafters.toolcall.objkeys import CLOSE, KeyIndex, key_candidates
 from toolspec_core.drafters.toolcall.values import date_values, wants_date
 
@@ -377,7 +377,8 @@ class _Builder:
         # after prose a call starts on a new line, most often once the prose has announced it ("...:\n\n")
         p_line = self.ANNOUNCED if text.rstrip().endswith(":") else self.AFTER_PROSE
         out = []
-        for lay, w in zip(LAYOUTS, self.priors.layout_weights(LAYOUTS)):
+        family = self.tr.layouts
+        for lay, w in zip(family, self.priors.layout_weights(family)):
             full = lay.opener + "{"
             j = _overlap(text, full) if lay.opener else 0
             if j and not (text[:-j] == "" or text[:-j].endswith("\n")):

@@ -37,7 +37,7 @@ from toolspec_core.drafters.suffix_trie import SuffixTrie
 from toolspec_core.drafters.toolcall.boundary import BoundaryTokenizer
 from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
 from toolspec_core.drafters.toolcall.fsm import RESPONSE, CallTracker, ToolIndex
-from toolspec_core.drafters.toolcall.layouts import LAYOUTS, layout_of
+from toolspec_core.drafters.toolcall.layouts import LAYOUTS, LLAMA_LAYOUTS, layout_of, layouts_for
 from toolspec_core.drafters.toolcall.library import CallLibrary, MemoryLibrary, PastCall
 from toolspec_core.drafters.toolcall.objkeys import KeyIndex, KeyScanner
 from toolspec_core.drafters.toolcall.parse import parse_tool_calls
@@ -218,12 +218,13 @@ class SchemaDrafter:
         retrieval: RetrievalDrafter | None = None,
         schema: bool = True,
         answer: bool = False,
+        layouts: tuple = LAYOUTS,
     ):
         """``answer``: the output is a structured answer (response_format) whose schema ``tools``
-        holds under ``RESPONSE``."""
+        holds under ``RESPONSE``; ``layouts``: the target's call layouts (``layouts_for``)."""
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
         self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
-        self.tracker = CallTracker(tools, RESPONSE if answer else None)
+        self.tracker = CallTracker(tools, RESPONSE if answer else None, layouts)
         self._n_fed = 0  # committed tokens whose text the tracker has seen
         self._n_chars = 0  # characters of the output text the tracker has seen
         self._detok: Detokenizer | None = None  # spells the output of contexts built by hand
@@ -431,6 +432,7 @@ class SchemaMethod:
         # (other replicas' outputs, outputs from before a restart), each output once.
         self.history = TenantHistories(suffix_depth, history_tokens)
         self.eos = list(eos_ids) if eos_ids else turn_end_ids(tokenizer)
+        self.layouts = layouts_for(tokenizer)
         self._tools_cache: dict[str, ToolIndex] = {}
 
     def _tools(self, tools: list[dict], response: dict | None = None) -> ToolIndex:
@@ -464,6 +466,7 @@ class SchemaMethod:
             retrieval,
             self.use_schema,
             answer=req.response_schema is not None and not req.tools,
+            layouts=self.layouts,
         )
 
     def observe(self, req: RequestInfo, output_ids: list[int], text: str) -> None:
@@ -522,4 +525,6 @@ def _as_past_call(c) -> PastCall:
     )
 
 
-TEXT_CLOSERS = tuple(sorted({lay.closer.strip() for lay in LAYOUTS if lay.closer}))  # "</tool_call>", "```"
+TEXT_CLOSERS = tuple(
+    sorted({lay.closer.strip() for lay in LAYOUTS + LLAMA_LAYOUTS if lay.closer})
+)  # "</tool_call>", "```"

@@ -14,7 +14,7 @@ import copy
 from dataclasses import dataclass, field, replace
 
 from toolspec_core.drafters.labels import ARG_NAME, BETWEEN, CALL_KEY, END, TEXT, TOOL_NAME, VALUE
-from toolspec_core.drafters.toolcall.layouts import Layout, opened_by
+from toolspec_core.drafters.toolcall.layouts import LAYOUTS, PYTHON_TAG, Layout, opened_by
 from toolspec_core.drafters.toolcall.objkeys import KeyIndex
 
 
@@ -98,8 +98,9 @@ class CallTracker:
     """Incremental, deterministic parser of the assistant's output. With ``root`` (:data:`RESPONSE`)
     the output's top-level object is the structured answer, followed as a call's arguments."""
 
-    def __init__(self, tools: ToolIndex, root: str | None = None):
+    def __init__(self, tools: ToolIndex, root: str | None = None, layouts: tuple[Layout, ...] = LAYOUTS):
         self.tools, self.root = tools, root
+        self.layouts = layouts  # the target's layout family (``layouts_for``)
         self.text = ""
         self.stack: list[Frame] = []
         self.in_str: str | None = None  # None | "key" | "value"
@@ -159,7 +160,7 @@ class CallTracker:
 
     def _text_char(self, ch: str) -> None:
         if ch in "{[" and self._json_may_start():
-            self.layout = opened_by(self.text_since_json)
+            self.layout = opened_by(self.text_since_json, self.layouts)
             self.after_json = False
             self._open(ch)
             return
@@ -169,7 +170,7 @@ class CallTracker:
     def _json_may_start(self) -> bool:
         before = self.text_since_json
         stripped = before.rstrip(" \t")
-        return stripped == "" or stripped.endswith("\n") or stripped.endswith("<tool_call>")
+        return stripped == "" or stripped.endswith(("\n", "<tool_call>", PYTHON_TAG))
 
     def _str_char(self, ch: str) -> None:
         if self.esc:

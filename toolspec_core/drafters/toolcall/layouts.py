@@ -27,24 +27,48 @@ BARE_PRETTY = Layout("bare_pretty", "", "", pretty=True)
 BARE = Layout("bare", "", "", pretty=False)
 LAYOUTS: tuple[Layout, ...] = (HERMES, FENCE, BARE_PRETTY, BARE)
 
+# Llama 3.1's chat template asks for {"name": ..., "parameters": {...}}, bare (custom tools) or
+# after <|python_tag|>; the turn then ends with <|eot_id|> (or <|eom_id|>)
+PYTHON_TAG = "<|python_tag|>"
+LLAMA = Layout("llama", "", "", pretty=False, args_key="parameters")
+LLAMA_TAG = Layout("llama_tag", PYTHON_TAG, "", pretty=False, args_key="parameters")
+LLAMA_LAYOUTS: tuple[Layout, ...] = (LLAMA, LLAMA_TAG)
+
 CALL_KEYS = ("name", "arguments", "parameters")
 
 
+def layouts_for(tokenizer) -> tuple[Layout, ...]:
+    """The layouts a target writes calls in, read from its chat template once: a template that
+    asks for "parameters" (Llama 3.1) and has no ``<tool_call>`` tag gets the Llama layouts."""
+    tmpl = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(tmpl, dict):  # named templates
+        tmpl = " ".join(str(t) for t in tmpl.values())
+    if isinstance(tmpl, list):
+        tmpl = " ".join(str(t.get("template", "")) for t in tmpl if isinstance(t, dict))
+    if '"parameters"' in tmpl and "<tool_call>" not in tmpl:
+        return LLAMA_LAYOUTS
+    return LAYOUTS
+
+
 def layout_by_name(name: str) -> Layout:
-    for lay in LAYOUTS:
+    for lay in LAYOUTS + LLAMA_LAYOUTS:
         if lay.name == name:
             return lay
-    raise ValueError(f"unknown layout {name!r}; known: {', '.join(lay.name for lay in LAYOUTS)}")
+    known = ", ".join(lay.name for lay in LAYOUTS + LLAMA_LAYOUTS)
+    raise ValueError(f"unknown layout {name!r}; known: {known}")
 
 
-def opened_by(text_before: str) -> Layout:
-    """The layout of a call object that starts after ``text_before`` (the text since the last JSON)."""
+def opened_by(text_before: str, family: tuple[Layout, ...] = LAYOUTS) -> Layout:
+    """The layout of a call object that starts after ``text_before`` (the text since the last JSON),
+    among the target's ``family`` of layouts."""
     before = text_before.rstrip()
     if before.endswith(HERMES.opener.strip()):
         return HERMES
     if before.endswith(FENCE.opener.strip()) or before.endswith("```"):
         return FENCE
-    return BARE_PRETTY
+    if before.endswith(PYTHON_TAG):
+        return LLAMA_TAG
+    return LLAMA if family is LLAMA_LAYOUTS else BARE_PRETTY
 
 
 def layout_of(output: str) -> Layout:
@@ -54,6 +78,10 @@ def layout_of(output: str) -> Layout:
         return HERMES
     if s.startswith("```"):
         return FENCE
+    if s.startswith(PYTHON_TAG):
+        return LLAMA_TAG
+    if s.startswith("{") and '"parameters"' in s[:200] and '"arguments"' not in s[:200]:
+        return LLAMA
     return BARE_PRETTY if s.startswith("{\n") else BARE
 
 

@@ -18,6 +18,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from toolspec_core.drafters.toolcall.layouts import PYTHON_TAG
+
 _TAG = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 _FENCE = re.compile(r"```(?:json|JSON)?\s*\n?(.*?)(?:```|$)", re.S)
 
@@ -124,7 +126,7 @@ def parse_tool_calls(text: str, partial: bool = False, tags_only: bool = False) 
             found = _as_calls(val, text, s)
             if found:
                 calls.extend(found)
-                spans.append((s, e))
+                spans.append((_tag_start(text, s), e))
     spans.sort()
     return ParsedOutput(_outside(text, spans), calls, spans)
 
@@ -303,10 +305,16 @@ def _regions(text: str, tags_only: bool = False):
         if found is None:
             i = j + 1
             continue
-        yield j, j, found[0], found[1]
+        yield _tag_start(text, j), j, found[0], found[1]
         if found[1] is None:
             return
         i = found[1]
+
+
+def _tag_start(text: str, j: int) -> int:
+    """Where a bare call at ``j`` begins, counting a ``<|python_tag|>`` right before it (Llama 3.1)."""
+    head = text[:j].rstrip()
+    return len(head) - len(PYTHON_TAG) if head.endswith(PYTHON_TAG) else j
 
 
 def stream_calls(text: str, tags_only: bool = False) -> list[CallScan]:
