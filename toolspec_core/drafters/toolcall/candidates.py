@@ -28,7 +28,9 @@ from toolspec_core.drafters.labels import (
 from toolspec_core.drafters.toolcall.fsm import CallTracker, Frame, ToolIndex
 from toolspec_core.drafters.toolcall.layouts import BARE, BARE_PRETTY, Layout
 from toolspec_core.drafters.toolcall.objkeys import CLOSE, KeyIndex, key_candidates
-from toolspec_core.drafters.toolcall.values import date_values, wants_date
+from toolspec_core.drafters.toolcall.schema import enum_values, variants
+from toolspec_core.drafters.toolcall.schema import properties as schema_properties
+from toolspec_core.drafters.toolcall.values import date_values, numbers_for, wants_date
 
 Seg = tuple  # (text: str | list[int], label: str)
 
@@ -105,8 +107,10 @@ class _Builder:
         dates=(),
         context_keys: KeyIndex | None = None,
         own=(),
+        numbers=(),
     ):
         self.tr, self.tools, self.priors, self.eos = tr, tools, priors, eos
+        self.numbers = list(numbers)  # numbers the conversation mentions (values.context_numbers)
         self.levels = levels
         self.past = list(past)  # (tool name, arguments) of retrieved past calls
         self.own = list(own)  # (tool name, arguments) of the calls this output has finished
@@ -134,14 +138,10 @@ class _Builder:
 
     def derived(self, key: str, schema: dict) -> list[str]:
         """Context dates rendered for a string argument that may hold one (most likely first)."""
-        if (
-            not self.dates
-            or schema.get("type", "string") != "string"
-            or "enum" in schema
-            or not wants_date(key, schema)
-        ):
+        strings = [v for v in variants(schema) if v.get("type", "string") == "string" and "enum" not in v]
+        if not self.dates or not strings or not wants_date(key, strings[0]):
             return []
-        return date_values(self.dates, schema)
+        return date_values(self.dates, strings[0])
 
     # ---- style ----
     def pretty(self, layout: Layout | None) -> bool:
@@ -277,24 +277,31 @@ class _Builder:
         ]
 
     def typed_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
-        """Typed value openings: enum values, booleans, null, the quote of a string."""
+        """Typed value openings, the schema's alternatives (``anyOf`` / ``oneOf`` branches, type
+        lists) sharing the mass: enum values, booleans, null, numbers from the context, the quote of
+        a string, an array's or object's opening."""
+        alts = variants(schema)
+        out = []
+        for v in alts:
+            out += [Cand(c.segs, c.prob / len(alts)) for c in self._typed_start(name, used, v, layout, args_indent, lv)]
+        return out
+
+    def _typed_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
         typ = schema.get("type")
         enum = schema.get("enum")
+        after = self.after_value(name, used, layout, args_indent, lv - 1) if lv > 0 else None
         if isinstance(enum, list) and enum and all(isinstance(e, (str, int, float, bool)) for e in enum):
             vals = [_json_scalar(e) for e in enum]
-            w = 1.0 / len(vals)
-            out = []
-            for v in vals:
-                out += self.seq([(v, VALUE)], self.after_value(name, used, layout, args_indent, lv - 1), w)
-            return out
+            return [c for v in vals for c in self.seq([(v, VALUE)], after, 1.0 / len(vals))]
         if typ == "boolean":
-            return [
-                c
-                for v in ("true", "false")
-                for c in self.seq([(v, VALUE)], self.after_value(name, used, layout, args_indent, lv - 1), 0.5)
-            ]
+            return [c for v in ("true", "false") for c in self.seq([(v, VALUE)], after, 0.5)]
         if typ == "null":
-            return self.seq([("null", VALUE)], self.after_value(name, used, layout, args_indent, lv - 1))
+            return self.seq([("null", VALUE)], after)
+        if typ in ("integer", "number"):
+            nums = numbers_for(self.numbers, schema)
+            return [
+                c for v, share in zip(nums, _rank_shares(len(nums), 0.6)) for c in self.seq([(v, VALUE)], after, share)
+            ]
         if typ == "string":
             return [Cand([('"', VALUE)], 1.0)]
         if typ == "array":
@@ -454,8 +461,7 @@ class _Builder:
         return self.tr.in_str == "key" and not "name".startswith(self.tr.buf)
 
     def object_keys(self, f: Frame, prefix: str = "") -> list[tuple[str, float]]:
-        schema = f.schema if isinstance(f.schema, dict) else {}
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        props = schema_properties(f.schema) if isinstance(f.schema, dict) else {}
         return key_candidates(self.objects, f.parent_key, list(f.keys), prefix, list(props))
 
     def in_object(self, f: Frame) -> list[Cand]:
@@ -548,7 +554,7 @@ class _Builder:
 
     def string_value(self, name, used, schema, lay, indent, lv) -> list[Cand]:
         buf = self.tr.buf
-        enum = schema.get("enum")
+        enum = enum_values(schema)
         if isinstance(enum, list):
             vals = [e for e in enum if isinstance(e, str) and e.startswith(buf)]
             out = []
@@ -608,6 +614,7 @@ def continuations(
     dates=(),
     context_keys: KeyIndex | None = None,
     own=(),
+    numbers=(),
 ) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first.
 
@@ -617,10 +624,12 @@ def continuations(
     repeats one (small models) or calls the same tool again with other values (parallel calls).
     ``dates``: dates the conversation mentions (``values.context_dates``) -- rendered as date
     arguments are written, they become value branches.
+    ``numbers``: numbers the conversation mentions (``values.context_numbers``) -- number arguments
+    drafted whole, within the schema's type and bounds.
     ``context_keys``: the conversation's JSON objects (``objkeys.KeyScanner``) -- with the output's
     own (``tr.objects``), the keys of objects no schema describes (made-up results, records) follow them.
     """
-    cands = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys, own).build()
+    cands = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys, own, numbers).build()
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
     cands.sort(key=lambda c: -c.prob)
     return cands[:max_cands]

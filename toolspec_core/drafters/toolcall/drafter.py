@@ -41,7 +41,7 @@ from toolspec_core.drafters.toolcall.layouts import LAYOUTS, LLAMA_LAYOUTS, layo
 from toolspec_core.drafters.toolcall.library import CallLibrary, MemoryLibrary, PastCall
 from toolspec_core.drafters.toolcall.objkeys import KeyIndex, KeyScanner
 from toolspec_core.drafters.toolcall.parse import parse_tool_calls
-from toolspec_core.drafters.toolcall.values import context_dates, digit_run, value_spans
+from toolspec_core.drafters.toolcall.values import context_dates, context_numbers, digit_run, value_spans
 from toolspec_core.engine.detokenize import Detokenizer
 from toolspec_core.engine.tree import ROOT, DraftTree
 from toolspec_core.engine.verify import VerifyResult
@@ -230,6 +230,7 @@ class SchemaDrafter:
         self._detok: Detokenizer | None = None  # spells the output of contexts built by hand
         self._prompt_text: str | None = None
         self._dates: list | None = None
+        self._numbers: list[str] | None = None
         self._prompt_keys: KeyIndex | None = None  # objects of the conversation (objkeys)
         self._own: tuple[int, list] = (0, [])  # (tracker.calls seen, (name, arguments) of this output's finished calls)
 
@@ -283,6 +284,7 @@ class SchemaDrafter:
             dates=self._context_dates(ctx),
             context_keys=self._context_keys(ctx),
             own=self._own_calls(),
+            numbers=self._context_numbers(ctx),
         )
 
     def _own_calls(self) -> list[tuple[str, dict]]:
@@ -296,6 +298,12 @@ class SchemaDrafter:
         if self._prompt_text is None:
             self._prompt_text = self.bt.tok.decode(ctx.tokens[: ctx.prompt_len], skip_special_tokens=True)
         return self._prompt_text
+
+    def _context_numbers(self, ctx: DraftContext) -> list[str]:
+        """Numbers the conversation writes, found once per request (values.context_numbers)."""
+        if self._numbers is None:
+            self._numbers = context_numbers(self._prompt(ctx))
+        return self._numbers
 
     def _context_dates(self, ctx: DraftContext) -> list:
         """Dates the conversation mentions, found once per request (values.context_dates)."""

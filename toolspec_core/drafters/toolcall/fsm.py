@@ -16,6 +16,10 @@ from dataclasses import dataclass, field, replace
 from toolspec_core.drafters.labels import ARG_NAME, BETWEEN, CALL_KEY, END, TEXT, TOOL_NAME, VALUE
 from toolspec_core.drafters.toolcall.layouts import LAYOUTS, PYTHON_TAG, Layout, opened_by
 from toolspec_core.drafters.toolcall.objkeys import KeyIndex
+from toolspec_core.drafters.toolcall.schema import inline_refs
+from toolspec_core.drafters.toolcall.schema import items as schema_items
+from toolspec_core.drafters.toolcall.schema import properties as schema_properties
+from toolspec_core.drafters.toolcall.schema import required as schema_required
 
 
 @dataclass
@@ -50,15 +54,15 @@ class ToolIndex:
     @classmethod
     def from_tools(cls, tools: list[dict], response: dict | None = None) -> "ToolIndex":
         names, params = [], {}
-        if response and response.get("properties"):  # else: a free object (json_object)
-            params[RESPONSE] = response
+        if response and schema_properties(response):  # else: a free object (json_object)
+            params[RESPONSE] = inline_refs(response)
         for t in tools or []:
             fn = t.get("function", t) if isinstance(t, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 continue
             names.append(fn["name"])
             p = fn.get("parameters") or {}
-            params[fn["name"]] = p if isinstance(p, dict) else {}
+            params[fn["name"]] = inline_refs(p) if isinstance(p, dict) else {}
         return cls(names, params)
 
     def resolve(self, name: str | None) -> str | None:
@@ -84,10 +88,10 @@ class ToolIndex:
         return self.params.get(self.resolve(name) or "", {}) or {}
 
     def properties(self, name: str | None) -> dict:
-        return self.params_of(name).get("properties") or {}
+        return schema_properties(self.params_of(name))
 
     def required(self, name: str | None) -> list[str]:
-        return list(self.params_of(name).get("required") or [])
+        return schema_required(self.params_of(name))
 
     def free(self, name: str | None) -> bool:
         """A call of a tool no schema describes: its argument names and types are unknown."""
@@ -262,7 +266,7 @@ class CallTracker:
             schema = self.tools.params_of(self.name)
         elif parent is not None and parent.role in ("args", "value") and parent.schema is not None:
             ps = parent.schema
-            schema = (ps.get("properties") or {}).get(parent.key or "") if parent.kind == "obj" else ps.get("items")
+            schema = schema_properties(ps).get(parent.key or "") if parent.kind == "obj" else schema_items(ps)
         if role == "call":
             self.name = None
         parent_key = (parent.key if parent.kind == "obj" else parent.parent_key) if parent is not None else None

@@ -203,3 +203,44 @@ def _date_values(dates: tuple, description: str, fmt: str, max_values: int) -> t
             if v not in out:
                 out.append(v)
     return tuple(out[:max_values])
+
+
+# ---- numbers: a number argument is most often one the conversation wrote ----
+
+_WRITTEN_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w.])")
+
+
+def context_numbers(text: str, max_numbers: int = 16) -> list[str]:
+    """Distinct numbers the text writes (as JSON numbers: no leading zeros), latest first."""
+    out: list[str] = []
+    for m in reversed(list(_WRITTEN_NUMBER.finditer(text))):
+        v = m.group()
+        digits = v.lstrip("-")
+        if len(digits) > 1 and digits[0] == "0" and not digits.startswith("0."):
+            continue
+        if v not in out:
+            out.append(v)
+        if len(out) >= max_numbers:
+            break
+    return out
+
+
+def numbers_for(numbers: list[str], schema: dict, max_values: int = 4) -> list[str]:
+    """The context's numbers a number / integer argument of ``schema`` may take: integers only for
+    "integer", none below ``minimum`` / above ``maximum`` (exclusive bounds too), none negative
+    where the schema forbids a sign."""
+    out = []
+    for v in numbers:
+        if schema.get("type") == "integer" and "." in v:
+            continue
+        x = float(v)
+        lo, hi = schema.get("minimum"), schema.get("maximum")
+        xlo, xhi = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
+        if (isinstance(lo, (int, float)) and x < lo) or (isinstance(hi, (int, float)) and x > hi):
+            continue
+        if (isinstance(xlo, (int, float)) and x <= xlo) or (isinstance(xhi, (int, float)) and x >= xhi):
+            continue
+        out.append(v)
+        if len(out) >= max_values:
+            break
+    return out
