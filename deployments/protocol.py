@@ -212,8 +212,35 @@ def _check_json_schema(schema: dict, param: str) -> None:
     _check_schema(schema, param, "Invalid schema for function parameters", "invalid_function_parameters")
 
 
+MAX_SCHEMA_DEPTH = 32  # nesting of objects / arrays in one schema; real tool schemas stay under 10
+MAX_SCHEMA_NODES = 20_000
+
+
+def schema_size(schema) -> tuple[int, int]:
+    """(deepest nesting, number of JSON nodes) of a decoded JSON value, walked without recursion."""
+    depth, nodes, stack = 0, 0, [(schema, 1)]
+    while stack:
+        node, d = stack.pop()
+        nodes += 1
+        depth = max(depth, d)
+        if nodes > MAX_SCHEMA_NODES or depth > MAX_SCHEMA_DEPTH:
+            break  # over a limit already: no need to see the rest
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((c, d + 1) for c in children)
+    return depth, nodes
+
+
 def _check_schema(schema: dict, param: str, what: str, code: str = "invalid_value") -> None:
-    """A valid JSON schema (draft 2020-12), or a 400 saying what is wrong with it."""
+    """A valid JSON schema (draft 2020-12) within the size limits, or a 400 saying what is wrong.
+    The size is checked first, iteratively, so no schema reaches a recursive validator too deep."""
+    depth, nodes = schema_size(schema)
+    if depth > MAX_SCHEMA_DEPTH or nodes > MAX_SCHEMA_NODES:
+        raise APIError(
+            f"{what}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels or has more than "
+            f"{MAX_SCHEMA_NODES} nodes",
+            param=param,
+            code="schema_too_large",
+        )
     try:
         from jsonschema import Draft202012Validator
         from jsonschema.exceptions import SchemaError

@@ -107,6 +107,22 @@ def test_bad_requests_are_openai_errors(body, param):
     assert e.param == param
 
 
+def test_a_200_deep_schema_is_a_400_not_a_recursion():
+    deep: dict = {"type": "object"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"a": deep}}
+    for body, param in (
+        ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": deep}}]}, "tools"),
+        (
+            {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": deep}}},
+            "response_format",
+        ),
+    ):
+        with pytest.raises(APIError) as err:
+            parse_request(body, "m", 100)
+        assert err.value.status == 400 and err.value.code == "schema_too_large" and err.value.param.startswith(param)
+
+
 def test_wrong_model_is_404_and_body_must_be_object():
     with pytest.raises(APIError) as err:
         parse_request({"model": "gpt-4", "messages": MSG}, "m", 10)
