@@ -236,8 +236,7 @@ def _check_schema(schema: dict, param: str, what: str, code: str = "invalid_valu
     depth, nodes = schema_size(schema)
     if depth > MAX_SCHEMA_DEPTH or nodes > MAX_SCHEMA_NODES:
         raise APIError(
-            f"{what}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels or has more than "
-            f"{MAX_SCHEMA_NODES} nodes",
+            f"{what}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels or has more than {MAX_SCHEMA_NODES} nodes",
             param=param,
             code="schema_too_large",
         )
