@@ -238,7 +238,8 @@ def summarize(
         "draft_s": sum(r.get("draft_s", 0.0) for r in records),
         "host_ms_per_step": 1000 * sum(host_seconds(r) for r in records) / forwards if forwards else None,
         "mean_tree_size": _mean(k for r in records for k in r["drafted_per_step"]),
-        "validity": _mean(float(r["valid"]) for r in records if r["has_call"]),
+        # of the calls written, or of the structured answers (every record that has one)
+        "validity": _mean(float(r["valid"]) for r in records if r["has_call"] or "answer" in r),
         "completeness": _mean(float(r.get("complete", False)) for r in records if r["has_call"]),
         "gold_name_agreement": sum(bool(r["gold_name_match"]) for r in records) / n if n else None,
         "gold_agreement": sum(bool(r["gold_match"]) for r in records) / n if n else None,

@@ -95,6 +95,8 @@ def build_runs(recs: list[dict], ar: dict[str, dict], curves: dict, step_seconds
         groups.items(), key=lambda kv: (kv[0][0], _method_order(kv[0][1]), kv[0][2] or "")
     ):
         for subset in SUBSETS:
+            if subset != "all" and bench.startswith("structured_"):
+                continue  # answers, never calls: only the whole set
             sub = rs if subset == "all" else [r for r in rs if ar[r["item"]]["has_call"] == (subset == "calls")]
             if not sub:
                 continue
