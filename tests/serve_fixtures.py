@@ -1,7 +1,7 @@
 """Fixtures of the serving tests: a tiny random Qwen2 directory, ONE Ray cluster, the apps.
 
-Imported by the test modules (``from serve_fixtures import ...``). The cluster fixture is
-idempotent (reuses a running Ray), so modules importing it share one cluster per session.
+The fixtures are registered once, in ``tests/deployments/conftest.py``; test modules import only
+the helpers and constants. The cluster fixture is idempotent (it reuses a running Ray).
 """
 
 from __future__ import annotations

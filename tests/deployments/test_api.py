@@ -9,7 +9,6 @@ import time
 
 import pytest
 from serve_fixtures import TOOLS, WEATHER_MESSAGES
-from serve_fixtures import tiny_model_dir as tiny_model_dir
 
 from deployments.config import ServeAppConfig
 from deployments.engine_host import EngineHost, PrefixCache, TextStreamer, shared_prefix_len
@@ -404,7 +403,7 @@ class FakeHandle:
 
 
 @pytest.fixture(scope="module")
-def local(tiny_model_dir):  # noqa: F811
+def local(tiny_model_dir):
     from deployments.http import LocalBackend, make_api
     from deployments.retrieval import RetrievalClient, RetrievalServer
 
@@ -638,7 +637,7 @@ def test_models_health_metrics(local):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
-def test_bearer_auth(tiny_model_dir, local):  # noqa: F811
+def test_bearer_auth(tiny_model_dir, local):
     import openai
 
     from deployments.http import LocalBackend, make_api
@@ -779,7 +778,7 @@ def test_completed_calls_go_to_the_library_unless_told_not_to(local):
     assert hits and hits[0]["tool_name"] == "get_current_weather" and hits[0]["arguments"] == {"city": "Lima"}
 
 
-def test_hidden_state_retrieval_key(tiny_model_dir):  # noqa: F811
+def test_hidden_state_retrieval_key(tiny_model_dir):
     """retrieval.key=hidden: the library is keyed on the target's last hidden state (after prefill)."""
     from deployments.app import retrieval_dim
     from deployments.retrieval import RetrievalClient, RetrievalServer
@@ -961,7 +960,7 @@ def test_engine_loop_fails_a_broken_step_cleanly_and_keeps_serving():
         engine.close()
 
 
-def test_thread_per_request_engine_gives_the_same_outputs(tiny_model_dir, local):  # noqa: F811
+def test_thread_per_request_engine_gives_the_same_outputs(tiny_model_dir, local):
     """engine: threads (each request decodes alone in its own thread, the reference the batched
     engine is measured against) answers concurrent requests exactly as the batched engine does."""
     from deployments.http import LocalBackend, make_api
@@ -1023,7 +1022,7 @@ def test_an_agents_next_turn_reuses_the_previous_turns_kv(local):
     assert r2.choices[0].message.content == engine_greedy(host, turn2, TOOLS, 16)
 
 
-def test_a_small_kv_pool_queues_requests_and_refuses_what_never_fits(tiny_model_dir):  # noqa: F811
+def test_a_small_kv_pool_queues_requests_and_refuses_what_never_fits(tiny_model_dir):
     """A pool of 256 tokens holds two of these requests at once: the others wait for blocks and
     still answer as plain greedy does; a request the pool could never hold is a 400."""
     import httpx

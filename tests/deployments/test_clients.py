@@ -8,9 +8,6 @@ import asyncio
 
 import pytest
 from serve_fixtures import WEATHER_MESSAGES
-from serve_fixtures import ray_cluster as ray_cluster
-from serve_fixtures import real_app as real_app
-from serve_fixtures import serve_port as serve_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.timeout(600)]
 

@@ -14,11 +14,6 @@ import time
 import httpx
 import pytest
 from serve_fixtures import TOOLS, WEATHER_MESSAGES, client, wait_until
-from serve_fixtures import ray_cluster as ray_cluster
-from serve_fixtures import real_app as real_app
-from serve_fixtures import serve_port as serve_port
-from serve_fixtures import tiny_app as tiny_app
-from serve_fixtures import tiny_model_dir as tiny_model_dir
 
 from toolspec_core.drafters.toolcall.parse import ToolCall, validate_call
 

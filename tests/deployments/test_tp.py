@@ -9,8 +9,6 @@ import importlib.util
 
 import pytest
 from serve_fixtures import TOOLS
-from serve_fixtures import ray_cluster as ray_cluster
-from serve_fixtures import tiny_model_dir as tiny_model_dir
 
 from toolspec_core.engine.loop import DecodeConfig, decode, generate, prefill
 from toolspec_core.engine.tree import DraftTree
@@ -66,7 +64,7 @@ def _check_equal(ref, tp, n: int = 30):
     return ids, want
 
 
-def test_shadow_cache_replays_the_engine_kv_commits(tiny_model_dir):  # noqa: F811
+def test_shadow_cache_replays_the_engine_kv_commits(tiny_model_dir):
     from toolspec_core.model.target import load_target
 
     ref = load_target(tiny_model_dir)
@@ -84,7 +82,7 @@ needs_deepspeed = pytest.mark.skipif(
 @needs_deepspeed
 @pytest.mark.serve
 @pytest.mark.timeout(900)
-def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):  # noqa: F811
+def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):
     """DeepSpeed AutoTP over 2 Ray actors (gloo on CPU) vs the single-process engine: identical."""
     from deployments.config import ServeAppConfig
     from deployments.engine_host import EngineHost
@@ -139,7 +137,7 @@ def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):  
 
 
 @pytest.mark.serve
-def test_single_remote_worker_equals_in_process(ray_cluster, tiny_model_dir):  # noqa: F811
+def test_single_remote_worker_equals_in_process(ray_cluster, tiny_model_dir):
     """tp_size 1 through a worker actor (the accelerator path, no DeepSpeed) changes nothing."""
     from deployments.tp import start_tp_target
     from toolspec_core.model.target import load_target

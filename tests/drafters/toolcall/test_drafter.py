@@ -366,3 +366,13 @@ def test_a_structured_answer_is_lossless_under_its_grammar(closing_qwen, qwen_to
     assert spec.tokens == plain.tokens and spec.finish_reason == "stop", plain.text
     jsonschema.validate(json.loads(spec.text), WEATHER)
     assert spec.stats.forced > 0
+
+
+def test_the_prepared_tool_sets_are_bounded(qwen_tok):
+    method = make_method("toolspec_schema", qwen_tok)
+    method.TOOLS_CACHE = 4
+    for i in range(10):
+        method._tools([{"type": "function", "function": {"name": f"t{i}", "parameters": {}}}])
+    assert len(method._tools_cache) == 4
+    first = method._tools(TOOLS)
+    assert method._tools(TOOLS) is first  # a hit is the same prepared index

@@ -443,13 +443,17 @@ class SchemaMethod:
         self.layouts = layouts_for(tokenizer)
         self._tools_cache: dict[str, ToolIndex] = {}
 
+    TOOLS_CACHE = 256  # tool sets (with their answer schema) kept prepared, least recently used dropped
+
     def _tools(self, tools: list[dict], response: dict | None = None) -> ToolIndex:
         import json
 
         key = json.dumps([tools, response], sort_keys=True)
-        if key not in self._tools_cache:
-            self._tools_cache[key] = ToolIndex.from_tools(tools, response)
-        return self._tools_cache[key]
+        index = self._tools_cache.pop(key, None) or ToolIndex.from_tools(tools, response)
+        self._tools_cache[key] = index  # dicts keep insertion order: the first key is the least recent
+        if len(self._tools_cache) > self.TOOLS_CACHE:
+            del self._tools_cache[next(iter(self._tools_cache))]
+        return index
 
     def drafter(self, req: RequestInfo) -> SchemaDrafter:
         retrieval, history = None, SuffixTrie(self.suffix_depth)  # no history: an empty trie
