@@ -52,6 +52,21 @@ class RetrievalConfig(BaseModel):
     num_cpus: float = Field(0.0, ge=0)
 
 
+class RequestLimits(BaseModel):
+    """What one request may hold. Each breach is a 4xx naming the limit (413 for the body), checked
+    before any of the request reaches the engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    body_bytes: int = Field(4 * 2**20, ge=1024)
+    messages: int = Field(1024, ge=1)
+    tools: int = Field(256, ge=1)
+    stop: int = Field(4, ge=0, le=64)
+    schema_depth: int = Field(32, ge=2, le=256)  # nesting of objects / arrays in one JSON schema
+    schema_nodes: int = Field(20_000, ge=10)  # JSON values in one schema
+    prompt_tokens: int | None = Field(None, ge=1)  # None: the model's context window
+
+
 class ServeAppConfig(BaseModel):
     """Everything ``build_app`` needs; see deployments/README.md for a commented example."""
 
@@ -110,6 +125,7 @@ class ServeAppConfig(BaseModel):
     prefix_cache_entries: int = Field(8, ge=0, le=1024)
     max_tokens_default: int = Field(512, ge=1)
     max_tokens_limit: int = Field(4096, ge=1)
+    limits: RequestLimits = Field(default_factory=RequestLimits)
     # temperature when a request sends none (OpenAI's is 1.0; greedy keeps tool calls deterministic)
     default_temperature: float = Field(0.0, ge=0, le=2)
 

@@ -379,6 +379,12 @@ class EngineHost:
         tok = self.target.tokenizer
         tools = req["tools"] if req["tool_choice"] != "none" else []
         prompt = render_prompt(tok, req["messages"], tools or None)
+        most = self.cfg.limits.prompt_tokens
+        if most is not None and len(prompt) > most:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens; this server takes at most {most} (limits.prompt_tokens)",
+                "messages",
+            )
         constraint = None
         parallel = req.get("parallel_tool_calls", True)
         answer = req.get("response_schema")

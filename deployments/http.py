@@ -134,7 +134,17 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         t0 = time.perf_counter()
-        raw = await request.body()
+        most = cfg.limits.body_bytes
+        sent = request.headers.get("content-length", "")
+        if sent.isdigit() and int(sent) > most:  # refused before it is read
+            metrics.observe_error(False)
+            raise APIError(f"Request body over {most} bytes (limits.body_bytes)", 413, code="request_too_large")
+        raw = b""
+        async for part in request.stream():
+            raw += part
+            if len(raw) > most:
+                metrics.observe_error(False)
+                raise APIError(f"Request body over {most} bytes (limits.body_bytes)", 413, code="request_too_large")
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -145,7 +155,7 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
                 code="invalid_json",
             )
         try:
-            req = parse_request(body, model, cfg.max_tokens_limit)
+            req = parse_request(body, model, cfg.max_tokens_limit, cfg.limits)
         except APIError:
             metrics.observe_error(bool(isinstance(body, dict) and body.get("stream") is True))
             raise

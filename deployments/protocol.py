@@ -180,7 +180,7 @@ class ChatRequest(_Strict):
     service_tier: StrictStr | None = None
 
 
-def _check_json_schema(schema: dict, param: str) -> None:
+def _check_json_schema(schema: dict, param: str, limits: Any = None) -> None:
     """A function's ``parameters`` must be a JSON-schema object (OpenAI requires type object)."""
     if schema.get("type", "object") != "object":
         raise APIError(
@@ -209,34 +209,35 @@ def _check_json_schema(schema: dict, param: str) -> None:
             param=param,
             code="invalid_function_parameters",
         )
-    _check_schema(schema, param, "Invalid schema for function parameters", "invalid_function_parameters")
+    _check_schema(schema, param, "Invalid schema for function parameters", "invalid_function_parameters", limits)
 
 
-MAX_SCHEMA_DEPTH = 32  # nesting of objects / arrays in one schema; real tool schemas stay under 10
-MAX_SCHEMA_NODES = 20_000
-
-
-def schema_size(schema) -> tuple[int, int]:
-    """(deepest nesting, number of JSON nodes) of a decoded JSON value, walked without recursion."""
+def schema_size(schema, max_depth: int, max_nodes: int) -> tuple[int, int]:
+    """(deepest nesting, number of JSON values) of a decoded JSON value, walked without recursion
+    and stopped as soon as either passes its limit."""
     depth, nodes, stack = 0, 0, [(schema, 1)]
     while stack:
         node, d = stack.pop()
         nodes += 1
         depth = max(depth, d)
-        if nodes > MAX_SCHEMA_NODES or depth > MAX_SCHEMA_DEPTH:
-            break  # over a limit already: no need to see the rest
+        if nodes > max_nodes or depth > max_depth:
+            break
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         stack.extend((c, d + 1) for c in children)
     return depth, nodes
 
 
-def _check_schema(schema: dict, param: str, what: str, code: str = "invalid_value") -> None:
+def _check_schema(schema: dict, param: str, what: str, code: str = "invalid_value", limits: Any = None) -> None:
     """A valid JSON schema (draft 2020-12) within the size limits, or a 400 saying what is wrong.
     The size is checked first, iteratively, so no schema reaches a recursive validator too deep."""
-    depth, nodes = schema_size(schema)
-    if depth > MAX_SCHEMA_DEPTH or nodes > MAX_SCHEMA_NODES:
+    from .config import RequestLimits
+
+    limits = limits or RequestLimits()
+    depth, nodes = schema_size(schema, limits.schema_depth, limits.schema_nodes)
+    if depth > limits.schema_depth or nodes > limits.schema_nodes:
         raise APIError(
-            f"{what}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels or has more than {MAX_SCHEMA_NODES} nodes",
+            f"{what}: the schema nests deeper than {limits.schema_depth} levels (limits.schema_depth) "
+            f"or has more than {limits.schema_nodes} values (limits.schema_nodes)",
             param=param,
             code="schema_too_large",
         )
@@ -251,8 +252,12 @@ def _check_schema(schema: dict, param: str, what: str, code: str = "invalid_valu
         raise APIError(f"{what}: {exc.message}", param=param, code=code) from None
 
 
-def parse_request(body: Any, served_model: str, max_tokens_limit: int) -> ChatRequest:
-    """Validate a decoded JSON body; raises :class:`APIError` (4xx) for anything malformed."""
+def parse_request(body: Any, served_model: str, max_tokens_limit: int, limits: Any = None) -> ChatRequest:
+    """Validate a decoded JSON body; raises :class:`APIError` (4xx) for anything malformed or over
+    ``limits`` (a ``RequestLimits``; None: its defaults)."""
+    from .config import RequestLimits
+
+    limits = limits or RequestLimits()
     if not isinstance(body, dict):
         raise APIError("The request body must be a JSON object.", code="invalid_json")
     try:
@@ -261,6 +266,16 @@ def parse_request(body: Any, served_model: str, max_tokens_limit: int) -> ChatRe
         raise validation_error(exc) from None
     if req.model not in (None, "", served_model):
         raise APIError(f"The model '{req.model}' does not exist", 404, param="model", code="model_not_found")
+    for field, n, most in (
+        ("messages", len(req.messages), limits.messages),
+        ("tools", len(req.tools or []), limits.tools),
+    ):
+        if n > most:
+            raise APIError(
+                f"Invalid '{field}': {n} given, this server takes at most {most} (limits.{field})",
+                param=field,
+                code="too_many_" + field,
+            )
     names: list[str] = []
     for i, tool in enumerate(req.tools or []):
         name = tool.function.name
@@ -274,7 +289,7 @@ def parse_request(body: Any, served_model: str, max_tokens_limit: int) -> ChatRe
             raise APIError(f"Duplicate tool name {name!r}", param=f"tools[{i}].function.name", code="invalid_value")
         names.append(name)
         if tool.function.parameters is not None:
-            _check_json_schema(tool.function.parameters, f"tools[{i}].function.parameters")
+            _check_json_schema(tool.function.parameters, f"tools[{i}].function.parameters", limits)
     choice = req.tool_choice
     if choice is not None and choice not in ("none", "auto") and not names:
         raise APIError("tool_choice requires tools to be specified", param="tool_choice", code="invalid_value")
@@ -301,21 +316,23 @@ def parse_request(body: Any, served_model: str, max_tokens_limit: int) -> ChatRe
                 code="invalid_value",
             )
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stops) > 4 or any(not s for s in stops):
-        raise APIError("'stop' takes up to 4 non-empty strings", param="stop", code="invalid_value")
+    if len(stops) > limits.stop or any(not s for s in stops):
+        raise APIError(
+            f"'stop' takes up to {limits.stop} non-empty strings (limits.stop)", param="stop", code="invalid_value"
+        )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(
             "Invalid 'top_logprobs': 'logprobs' must be set to true when 'top_logprobs' is used",
             param="top_logprobs",
             code="invalid_value",
         )
-    response_schema(req)  # validated here, used by engine_request
+    response_schema(req, limits)  # validated here, used by engine_request
     return req
 
 
-def response_schema(req: ChatRequest) -> dict | None:
+def response_schema(req: ChatRequest, limits: Any = None, check: bool = True) -> dict | None:
     """The JSON schema ``response_format`` asks the answer to follow (``json_object``: any object;
-    None for text); raises :class:`APIError` for a malformed one."""
+    None for text); raises :class:`APIError` for a malformed one (``check``: its schema too)."""
     rf = req.response_format
     if rf is None:
         return None
@@ -350,7 +367,8 @@ def response_schema(req: ChatRequest) -> dict | None:
     schema = js.get("schema", {"type": "object"})
     if not isinstance(schema, dict):
         raise APIError("Invalid 'response_format.json_schema.schema': must be an object", param=param + ".schema")
-    _check_schema(schema, param + ".schema", "Invalid JSON schema for response_format")
+    if check:
+        _check_schema(schema, param + ".schema", "Invalid JSON schema for response_format", limits=limits)
     return schema
 
 
@@ -378,7 +396,7 @@ def engine_request(req: ChatRequest) -> dict:
         "remember": req.toolspec.remember if req.toolspec else True,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "logprobs": (req.top_logprobs or 0) if req.logprobs else None,  # None: none; k: k alternatives
-        "response_schema": response_schema(req),  # None: a free-text answer
+        "response_schema": response_schema(req, check=False),  # None: free text (parse_request checked it)
     }
 
 

@@ -122,6 +122,42 @@ def test_a_200_deep_schema_is_a_400_not_a_recursion():
         assert err.value.status == 400 and err.value.code == "schema_too_large" and err.value.param.startswith(param)
 
 
+def test_request_limits_are_4xx_naming_the_limit(local, monkeypatch):
+    """limits.*: body bytes (413, refused before the engine), messages, tools, stop strings, prompt
+    tokens -- each a 4xx whose message names the limit, and the server serves on."""
+    import httpx
+
+    from deployments.config import RequestLimits
+    from deployments.http import LocalBackend, make_api
+
+    host, _, cfg, _ = local
+    tight = cfg.model_copy(
+        update={"limits": RequestLimits(body_bytes=2048, messages=3, tools=1, stop=2, prompt_tokens=40)}
+    )
+    app = make_api(LocalBackend(host), tight)
+    monkeypatch.setattr(host, "cfg", tight)
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        post = lambda body: http.post("/v1/chat/completions", json={"max_tokens": 4, **body})  # noqa: E731
+        return [
+            await post({"messages": [{"role": "user", "content": "x" * 4000}]}),
+            await post({"messages": MSG * 4}),
+            await post({"messages": MSG, "tools": TOOLS}),
+            await post({"messages": MSG, "stop": ["a", "b", "c"]}),
+            await post({"messages": [{"role": "user", "content": "word " * 60}]}),
+            await post({"messages": MSG}),
+        ]
+
+    big, msgs, tools, stop, prompt, ok = run(go())
+    assert big.status_code == 413 and "limits.body_bytes" in big.json()["error"]["message"]
+    assert msgs.status_code == 400 and msgs.json()["error"]["code"] == "too_many_messages"
+    assert tools.status_code == 400 and "limits.tools" in tools.json()["error"]["message"]
+    assert stop.status_code == 400 and "limits.stop" in stop.json()["error"]["message"]
+    assert prompt.status_code == 400 and "limits.prompt_tokens" in prompt.json()["error"]["message"]
+    assert ok.status_code == 200
+
+
 def test_wrong_model_is_404_and_body_must_be_object():
     with pytest.raises(APIError) as err:
         parse_request({"model": "gpt-4", "messages": MSG}, "m", 10)
