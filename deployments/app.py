@@ -50,6 +50,9 @@ class Replica:
     async def info(self) -> dict:
         return self.host.info()
 
+    async def library(self, op: str, tenant: str) -> dict:
+        return await self.host.library_admin(op, tenant)
+
     def __del__(self):
         host = getattr(self, "host", None)
         if host is not None:

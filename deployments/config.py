@@ -90,7 +90,8 @@ class ServeAppConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     route_prefix: str = "/"
-    api_key: SecretStr | None = None
+    api_key: SecretStr | None = None  # one key for everything: tenant "default", admin
+    api_keys_file: str | None = None  # keys -> tenants and limits (deployments/keys.py), e.g. a mounted Secret
     api_key_env: str | None = "TOOLSPEC_API_KEY"
 
     num_replicas: int = Field(1, ge=1)

@@ -596,6 +596,33 @@ class EngineHost:
             "logprobs": self.token_text.entries(result.logprobs) if result.logprobs is not None else None,
         }
 
+    async def library_admin(self, op: str, tenant: str) -> dict:
+        """``forget``: delete the calls of ``tenant`` and its users from the shared library and this
+        replica's history of their outputs; ``stats``: how many calls the library holds for them.
+        Other engine replicas' in-memory histories (bounded per tenant) are not reached."""
+        from toolspec_core.drafters.toolcall.library import MemoryLibrary
+
+        history = getattr(self.method, "history", None)
+        local = getattr(self.method, "library", None)
+        if op == "forget":
+            deleted = 0
+            if self.retrieval is not None:
+                deleted = await self.retrieval.forget_tenant(tenant)
+            elif isinstance(local, MemoryLibrary):
+                deleted = local.forget(tenant)
+            outputs = history.forget(tenant) if history is not None else 0
+            return {"tenant": tenant, "deleted": deleted, "history_outputs": outputs}
+        if op == "stats":
+            if self.retrieval is not None:
+                out = await self.retrieval.tenant_stats(tenant)
+            elif isinstance(local, MemoryLibrary):
+                subs = local.tenants_of(tenant)
+                out = {"tenant": tenant, "records": sum(len(local.records[t]) for t in subs), "sub_tenants": len(subs)}
+            else:
+                out = {"tenant": tenant, "records": 0, "sub_tenants": 0}
+            return out
+        raise ValueError(f"unknown library operation {op!r}")
+
     async def generate(self, req: dict) -> dict:
         """Non-streaming: the ``error`` or ``done`` event."""
         last: dict = {}

@@ -6,12 +6,13 @@ replica events), ``generate(req)`` and ``info()`` -- a Serve handle in productio
 """
 
 import asyncio
-import hmac
 import json
 import logging
+import math
 import time
 
 from .config import ServeAppConfig, served_name
+from .keys import OPEN, KeyLimiter, KeyRing
 from .metrics import Metrics
 from .protocol import APIError, StreamShaper, chat_completion, engine_request, parse_request, parses_tools, sse
 
@@ -34,6 +35,9 @@ class HandleBackend:
     async def info(self) -> dict:
         return await self.handle.info.remote()
 
+    async def library(self, op: str, tenant: str) -> dict:
+        return await self.handle.library.remote(op, tenant)
+
 
 class LocalBackend:
     """An ``EngineHost`` in this process (tests, single-process use)."""
@@ -50,11 +54,19 @@ class LocalBackend:
     async def info(self) -> dict:
         return self.host.info()
 
+    async def library(self, op: str, tenant: str) -> dict:
+        return await self.host.library_admin(op, tenant)
+
+
+def _tokens(result: dict) -> int:
+    """Prompt + completion tokens of a finished replica result (0 when there is none)."""
+    return int(result.get("prompt_tokens", 0)) + int(result.get("completion_tokens", 0)) if result else 0
+
 
 def _error(exc: APIError):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
 
 def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
@@ -68,17 +80,39 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
     app = FastAPI(title="ToolSpec", docs_url=None, redoc_url=None)
     metrics = metrics or Metrics()
     model = served_name(cfg)
-    api_key = cfg.resolved_api_key()
+    keys = KeyRing.load(cfg.api_keys_file, cfg.resolved_api_key())
+    limiter = KeyLimiter()
     app.state.metrics = metrics
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
-        if api_key and "/v1/" in request.url.path + "/":
+        """The caller's key (its tenant and limits) on ``request.state.key``; an open server's
+        callers are all the one local tenant."""
+        request.state.key = OPEN
+        if keys is not None and "/v1/" in request.url.path + "/":
             sent = request.headers.get("authorization", "")
-            token = sent[7:] if sent.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
+            key = keys.lookup(sent[7:] if sent.lower().startswith("bearer ") else "")
+            if key is None:
                 return _error(APIError("Incorrect API key provided.", 401, param=None, code="invalid_api_key"))
+            request.state.key = key
         return await call_next(request)
+
+    def admin(request: Request, tenant: str):
+        if not request.state.key.admin:
+            raise APIError("This key may not administer libraries.", 403, type="permission_error", code="not_admin")
+        if not tenant or "/" in tenant:
+            raise APIError(f"Invalid tenant {tenant!r}", 400, param="tenant", code="invalid_value")
+
+    @app.delete("/v1/toolspec/library/{tenant}")
+    async def forget_library(request: Request, tenant: str):
+        """Forget every stored call of ``tenant`` and its users (admin keys only)."""
+        admin(request, tenant)
+        return await backend.library("forget", tenant)
+
+    @app.get("/v1/toolspec/library/{tenant}/stats")
+    async def library_stats(request: Request, tenant: str):
+        admin(request, tenant)
+        return await backend.library("stats", tenant)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -159,20 +193,41 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
         except APIError:
             metrics.observe_error(bool(isinstance(body, dict) and body.get("stream") is True))
             raise
-        ereq = engine_request(req)
+        key = request.state.key
+        ereq = engine_request(req, key.library_tenant(req.user))
         parse = parses_tools(ereq)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        refused = limiter.admit(key)
+        if refused is not None:
+            limit, wait = refused
+            metrics.observe_error(req.stream)
+            raise APIError(
+                f"Rate limit reached for this key ({limit}); retry in {max(1, math.ceil(wait))} s.",
+                429,
+                type="tokens" if limit == "tokens_per_minute" else "requests",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
         if not req.stream:
-            result = await backend.generate(ereq)
+            result = {}
+            try:
+                result = await backend.generate(ereq)
+            finally:
+                limiter.done(key, _tokens(result))
             if result.get("event") == "error":
                 metrics.observe_error(False)
                 return JSONResponse({"error": result["error"]}, status_code=result.get("status", 400))
             metrics.observe_done(result, False, time.perf_counter() - t0)
             return JSONResponse(chat_completion(result, parse, model))
 
-        events = backend.stream(ereq).__aiter__()
-        first = await events.__anext__()
+        try:
+            events = backend.stream(ereq).__aiter__()
+            first = await events.__anext__()
+        except BaseException:
+            limiter.done(key)
+            raise
         if first["event"] == "error":
+            limiter.done(key)
             metrics.observe_error(True)
             await events.aclose()
             return JSONResponse({"error": first["error"]}, status_code=first.get("status", 400))
@@ -180,7 +235,7 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
         async def body_iter():
             shaper = StreamShaper(model, parse, include_usage)
             metrics.inflight.inc()
-            first_delta = True
+            first_delta, done = True, {}
             try:
                 yield sse(shaper.start())
                 async for ev in events:
@@ -191,6 +246,7 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
                                 first_delta = False
                             yield sse(ch)
                     elif ev["event"] == "done":
+                        done = ev
                         for ch in shaper.finish(ev):
                             yield sse(ch)
                         if shaper.mismatch:
@@ -202,6 +258,7 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
                 yield sse(APIError(f"internal error: {type(exc).__name__}", 500, type="server_error").body())
             finally:
                 metrics.inflight.dec()
+                limiter.done(key, _tokens(done))
             yield sse("[DONE]")
 
         return StreamingResponse(body_iter(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -29,9 +29,11 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -372,8 +374,9 @@ def response_schema(req: ChatRequest, limits: Any = None, check: bool = True) ->
     return schema
 
 
-def engine_request(req: ChatRequest) -> dict:
-    """The plain dict the engine replica gets (JSON-able, everything already validated)."""
+def engine_request(req: ChatRequest, tenant: str = "default") -> dict:
+    """The plain dict the engine replica gets (JSON-able, everything already validated);
+    ``tenant``: the library tenant (the caller's key's, narrowed by ``user``)."""
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice):
         choice = {"type": "function", "function": {"name": choice.function.name}}
@@ -392,7 +395,7 @@ def engine_request(req: ChatRequest) -> dict:
         "top_k": req.top_k or 0,
         "seed": req.seed,
         "stop": stops,
-        "tenant": req.user or "default",
+        "tenant": tenant,
         "remember": req.toolspec.remember if req.toolspec else True,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "logprobs": (req.top_logprobs or 0) if req.logprobs else None,  # None: none; k: k alternatives

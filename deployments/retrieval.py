@@ -50,6 +50,12 @@ class RetrievalServer:
     async def stats(self) -> dict:
         return await asyncio.to_thread(self.svc.stats)
 
+    async def forget_tenant(self, tenant: str) -> int:
+        return await asyncio.to_thread(self.svc.forget_tenant, tenant)
+
+    async def tenant_stats(self, tenant: str) -> dict:
+        return await asyncio.to_thread(self.svc.tenant_stats, tenant)
+
 
 def _digest(embedding) -> str:
     import numpy as np
@@ -117,6 +123,18 @@ class RetrievalClient:
         self._remember(self._exact, key, (time.monotonic(), results))
         self._remember(self._last, (tenant, names), results)
         return results, {"status": "ok", "hits": len(results), "ms": 1e3 * (time.perf_counter() - t0)}
+
+    async def forget_tenant(self, tenant: str) -> int:
+        """Delete the tenant's (and its users') calls in the shared library; the search caches
+        drop them too, so no later request of this replica drafts from them."""
+        n = await _awaitable(self.handle.forget_tenant.remote(tenant))
+        for cache in (self._exact, self._last):
+            for key in [k for k in cache if k[0] == tenant or k[0].startswith(tenant + "/")]:
+                del cache[key]
+        return n
+
+    async def tenant_stats(self, tenant: str) -> dict:
+        return await _awaitable(self.handle.tenant_stats.remote(tenant))
 
     def add_nowait(self, **kwargs) -> None:
         """Send a completed call to the library without waiting (call on the event loop)."""

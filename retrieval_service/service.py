@@ -106,8 +106,17 @@ class RetrievalService:
     def evict(self) -> int:
         return self.store.evict()
 
+    def tenants_of(self, tenant: str) -> dict[str, int]:
+        """Records of ``tenant`` and of its sub-tenants (``tenant/user``), by stored tenant."""
+        return {t: n for t, n in self.store.tenant_counts().items() if t == tenant or t.startswith(tenant + "/")}
+
     def forget_tenant(self, tenant: str) -> int:
-        return self.store.delete_tenant(tenant)
+        """Delete every call of ``tenant`` and of its sub-tenants; how many were deleted."""
+        return sum(self.store.delete_tenant(t) for t in self.tenants_of(tenant))
+
+    def tenant_stats(self, tenant: str) -> dict:
+        subs = self.tenants_of(tenant)
+        return {"tenant": tenant, "records": sum(subs.values()), "sub_tenants": len(subs)}
 
     def stats(self) -> dict:
         with self._lock:

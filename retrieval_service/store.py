@@ -53,6 +53,8 @@ class CallStore(Protocol):
 
     def count(self, tenant: str | None = None) -> int: ...
 
+    def tenant_counts(self) -> dict[str, int]: ...
+
     def evict(self, now: float | None = None) -> int: ...
 
     def delete_tenant(self, tenant: str) -> int: ...
@@ -226,6 +228,11 @@ class _LimitedStore(ABC):
     def count(self, tenant: str | None = None) -> int:
         with self._lock:
             return self._count(check_tenant(tenant) if tenant is not None else None)
+
+    def tenant_counts(self) -> dict[str, int]:
+        """Records per tenant."""
+        with self._lock:
+            return dict(self._tenant_counts())
 
     def evict(self, now: float | None = None) -> int:
         """Apply both limits to every tenant now; returns how many records were removed."""

@@ -1,6 +1,6 @@
 """Fixtures of the serving tests: a tiny random Qwen2 directory, ONE Ray cluster, the apps.
 
-The fixtures are registered once, in ``tests/deployments/conftest.py``; test modules import only
+The fixtures are registered once, in ``tests/conftest.py``; test modules import only
 the helpers and constants. The cluster fixture is idempotent (it reuses a running Ray).
 """
 

@@ -181,9 +181,11 @@ def test_engine_request_normalises():
         "m",
         100,
     )
-    e = engine_request(req)
+    from deployments.keys import OPEN
+
+    e = engine_request(req, OPEN.library_tenant(req.user))
     assert e["tool_choice"] == {"type": "function", "function": {"name": "send_email"}}
-    assert e["max_tokens"] == 7 and e["stop"] == ["x"] and e["tenant"] == "acme" and e["remember"] is False
+    assert e["max_tokens"] == 7 and e["stop"] == ["x"] and e["tenant"] == "default/acme" and e["remember"] is False
     assert e["temperature"] is None and e["seed"] == 3
     assert engine_request(parse_request({"messages": MSG, "tools": TOOLS}, "m", 10))["tool_choice"] == "auto"
     assert engine_request(parse_request({"messages": MSG}, "m", 10))["tool_choice"] == "none"
@@ -435,7 +437,12 @@ class FakeHandle:
 
                 return call()
 
-        self.search, self.add = _M("search"), _M("add")
+        self._method = _M
+
+    def __getattr__(self, name):  # handle.<method>.remote(...), as on a Serve handle
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self._method(name)
 
 
 @pytest.fixture(scope="module")
@@ -812,6 +819,106 @@ def test_completed_calls_go_to_the_library_unless_told_not_to(local):
         )
     )
     assert hits and hits[0]["tool_name"] == "get_current_weather" and hits[0]["arguments"] == {"city": "Lima"}
+
+
+def _keys_app(local, tmp_path, entries):
+    import json as _json
+
+    from deployments.http import LocalBackend, make_api
+
+    host, _, cfg, handle = local
+    path = tmp_path / "keys.json"
+    path.write_text(_json.dumps(entries))
+    return make_api(LocalBackend(host), cfg.model_copy(update={"api_keys_file": str(path)})), host, handle
+
+
+KEYS = [
+    {"key": "sk-acme", "tenant": "acme"},
+    {"sha256": __import__("hashlib").sha256(b"sk-beta").hexdigest(), "tenant": "beta", "requests_per_minute": 2},
+    {"key": "sk-admin", "tenant": "ops", "admin": True},
+]
+
+
+def test_a_key_is_its_tenant_and_user_only_narrows_within_it(local, tmp_path):
+    """Tenant isolation through the HTTP API: two keys, the same request -- only the key whose
+    tenant holds the past call gets it as a draft source; `user` narrows to tenant/user."""
+    app, host, handle = _keys_app(local, tmp_path, KEYS)
+    msgs = [{"role": "user", "content": "weather in Quito please"}]
+    emb = host.embedder.embed_request(msgs, TOOLS).tolist()
+    text = '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "Quito"}}\n</tool_call>'
+    ids = host.target.tokenizer(text, add_special_tokens=False)["input_ids"]
+    for tenant in ("acme", "acme/bob"):
+        run(handle.server.add(tenant, "get_current_weather", "", text, ids, {"city": "Quito"}, emb))
+
+    async def hits(key, **kw):
+        c = aclient(app, api_key=key)
+        r = await c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=4, temperature=0, **kw)
+        return r.model_extra["toolspec"]["retrieval"]["hits"]
+
+    assert run(hits("sk-acme")) >= 1 and run(hits("sk-acme", user="bob")) >= 1
+    assert run(hits("sk-beta")) == 0 and run(hits("sk-beta", user="bob")) == 0  # not acme's calls
+    assert run(hits("sk-acme", user="eve")) == 0  # another user of acme: not bob's
+
+    async def unauthorised():
+        import httpx
+
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        no_key = await http.post("/v1/chat/completions", json={"messages": MSG})
+        wrong = await http.post("/v1/chat/completions", json={"messages": MSG}, headers={"Authorization": "Bearer x"})
+        return no_key.status_code, wrong.json()["error"]["code"]
+
+    assert run(unauthorised()) == (401, "invalid_api_key")
+
+
+def test_only_an_admin_key_forgets_or_counts_a_tenants_library(local, tmp_path):
+    import httpx
+
+    app, host, handle = _keys_app(local, tmp_path, KEYS)
+    emb = host.embedder.embed_request(MSG, TOOLS).tolist()
+    for tenant in ("gamma", "gamma/u1", "gamma/u2", "gammax"):
+        run(handle.server.add(tenant, "get_current_weather", "", "t", [1, 2], {"city": "X"}, emb))
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        admin = {"Authorization": "Bearer sk-admin"}
+        return [
+            await http.get("/v1/toolspec/library/gamma/stats", headers={"Authorization": "Bearer sk-acme"}),
+            await http.delete("/v1/toolspec/library/gamma", headers={"Authorization": "Bearer sk-acme"}),
+            await http.get("/v1/toolspec/library/gamma/stats", headers=admin),
+            await http.delete("/v1/toolspec/library/gamma", headers=admin),
+            await http.get("/v1/toolspec/library/gamma/stats", headers=admin),
+            await http.get("/v1/toolspec/library/gammax/stats", headers=admin),
+        ]
+
+    denied, denied_delete, before, forget, after, other = run(go())
+    assert denied.status_code == 403 and denied_delete.status_code == 403
+    assert denied.json()["error"]["code"] == "not_admin"
+    assert before.json() == {"tenant": "gamma", "records": 3, "sub_tenants": 3}
+    assert forget.status_code == 200 and forget.json()["deleted"] == 3
+    assert after.json()["records"] == 0 and other.json()["records"] == 1  # "gammax" is another tenant
+
+
+def test_a_key_over_its_rate_limit_gets_429_with_retry_after(local, tmp_path):
+    import httpx
+
+    app, _, _ = _keys_app(local, tmp_path, KEYS)
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        beta = {"Authorization": "Bearer sk-beta"}
+        body = {"messages": MSG, "max_tokens": 2}
+        out = [await http.post("/v1/chat/completions", json=body, headers=beta) for _ in range(3)]
+        out.append(await http.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-acme"}))
+        return out
+
+    first, second, third, other = run(go())
+    assert first.status_code == second.status_code == 200
+    assert third.status_code == 429 and 1 <= int(third.headers["retry-after"]) <= 60
+    err = third.json()["error"]
+    assert (
+        err["code"] == "rate_limit_exceeded" and err["type"] == "requests" and "requests_per_minute" in err["message"]
+    )
+    assert other.status_code == 200  # another key is not limited by beta's
 
 
 def test_hidden_state_retrieval_key(tiny_model_dir):

@@ -64,6 +64,15 @@ class TenantHistories:
     def tokens(self, tenant: str) -> int:
         return self._tokens.get(tenant, 0)
 
+    def forget(self, tenant: str) -> int:
+        """Drop the history of ``tenant`` and its users (``tenant/...``); how many outputs it held."""
+        with self._lock:
+            gone = [t for t in self._tries if t == tenant or t.startswith(tenant + "/")]
+            n = sum(len(self._docs.get(t, ())) for t in gone)
+            for t in gone:
+                self._drop(t)
+            return n
+
     def _shrink(self, tenant: str) -> None:
         docs = self._docs[tenant]
         while docs and self._tokens[tenant] > self.max_tokens // 2:

@@ -423,8 +423,9 @@ class SchemaMethod:
     ):
         self.tok = tokenizer
         self.bt = BoundaryTokenizer(tokenizer)
-        self.rates = LabelRates(DEFAULT_RATES)
-        self.suffix_rates = LabelRates(SUFFIX_PRIOR)  # keyed like the suffix baseline's
+        # acceptance rates are learned per tenant (one tenant's model habits or poisoned library
+        # never shape another's trees): (schema rates, suffix rates), least recently used dropped
+        self._tenant_rates: dict[str, tuple[LabelRates, LabelRates]] = {}
         self.priors = Priors()
         self.library = library if library is not None else (MemoryLibrary() if self.use_retrieval else None)
         self.retrieve_k = retrieve_k
@@ -455,7 +456,23 @@ class SchemaMethod:
             del self._tools_cache[next(iter(self._tools_cache))]
         return index
 
+    MAX_TENANTS = 256  # tenants whose acceptance rates are kept
+
+    def rates_for(self, tenant: str) -> tuple[LabelRates, LabelRates]:
+        """The tenant's (schema, suffix) acceptance rates, from the priors on first use."""
+        pair = self._tenant_rates.pop(tenant, None) or (LabelRates(DEFAULT_RATES), LabelRates(SUFFIX_PRIOR))
+        self._tenant_rates[tenant] = pair  # most recent last
+        if len(self._tenant_rates) > self.MAX_TENANTS:
+            del self._tenant_rates[next(iter(self._tenant_rates))]
+        return pair
+
+    @property
+    def rates(self) -> LabelRates:
+        """The default tenant's schema rates (single-tenant use: benchmarks, tests)."""
+        return self.rates_for("default")[0]
+
     def drafter(self, req: RequestInfo) -> SchemaDrafter:
+        rates, suffix_rates = self.rates_for(req.tenant)
         retrieval, history = None, SuffixTrie(self.suffix_depth)  # no history: an empty trie
         if self.use_retrieval:
             calls = req.retrieved
@@ -463,16 +480,16 @@ class SchemaMethod:
                 names = [t["function"]["name"] for t in req.tools or [] if "function" in t]
                 calls = self.library.search(req.tenant, req.embedding, names or None, self.retrieve_k)
             past = [_as_past_call(c) for c in calls or []]
-            retrieval = RetrievalDrafter(past, self.rates)
+            retrieval = RetrievalDrafter(past, rates)
             for c in past:
                 self.history.add(req.tenant, c.token_ids)
             history = self.history.trie(req.tenant)
-        suffix = SuffixDrafter(history, self.suffix_rates, self.suffix_depth, self.max_match, self.suffix_nodes)
+        suffix = SuffixDrafter(history, suffix_rates, self.suffix_depth, self.max_match, self.suffix_nodes)
         return SchemaDrafter(
             self.bt,
             self._tools(req.tools, req.response_schema),
             self.priors,
-            self.rates,
+            rates,
             self.eos,
             suffix,
             retrieval,

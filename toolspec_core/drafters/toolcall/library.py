@@ -64,3 +64,11 @@ class MemoryLibrary:
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.records.values())
+
+    def tenants_of(self, tenant: str) -> list[str]:
+        """``tenant`` and its users (``tenant/...``) that hold calls."""
+        return [t for t in self.records if t == tenant or t.startswith(tenant + "/")]
+
+    def forget(self, tenant: str) -> int:
+        """Drop the calls of ``tenant`` and its users; how many there were."""
+        return sum(len(self.records.pop(t)) for t in self.tenants_of(tenant))
