@@ -45,7 +45,11 @@ MESSAGE = st.fixed_dictionaries(
         "content": CONTENT,
         "tool_calls": st.lists(
             st.fixed_dictionaries(
-                {"function": st.fixed_dictionaries({"name": st.text(max_size=20), "arguments": st.one_of(st.text(max_size=40), JSON)})},
+                {
+                    "function": st.fixed_dictionaries(
+                        {"name": st.text(max_size=20), "arguments": st.one_of(st.text(max_size=40), JSON)}
+                    )
+                },
                 optional={"id": st.text(max_size=10), "type": st.just("function")},
             ),
             max_size=2,
@@ -69,7 +73,9 @@ BODY = st.fixed_dictionaries(
         "tools": st.one_of(st.lists(TOOL, max_size=3), JSON),
         "tool_choice": st.one_of(
             st.sampled_from(["auto", "none", "required", "sometimes"]),
-            st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.text(max_size=12)})}),
+            st.fixed_dictionaries(
+                {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.text(max_size=12)})}
+            ),
             JSON,
         ),
         "max_tokens": st.one_of(st.integers(-5, 5000), JSON),
@@ -83,7 +89,10 @@ BODY = st.fixed_dictionaries(
         "response_format": st.one_of(
             st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])}),
             st.fixed_dictionaries(
-                {"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries({"name": st.text(max_size=10), "schema": SCHEMAS})}
+                {
+                    "type": st.just("json_schema"),
+                    "json_schema": st.fixed_dictionaries({"name": st.text(max_size=10), "schema": SCHEMAS}),
+                }
             ),
             JSON,
         ),
@@ -122,7 +131,13 @@ async def _send(app, body, raw: bytes | None = None):
         return r
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(body=BODY, junk=st.one_of(st.none(), st.binary(max_size=64)))
 def test_generated_requests_never_get_a_5xx_or_hang(fuzz_app, body, junk):
     if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 0:
