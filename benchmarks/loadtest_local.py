@@ -43,6 +43,59 @@ def app_config(spec: str, library: str) -> tuple[str, dict]:
     return name, extra
 
 
+class RssSampler:
+    """Resident memory of every engine replica process (``ray::ServeReplica:<app>:Replica``) every
+    ``every`` seconds, in a thread, until ``stop`` writes the series and a summary."""
+
+    def __init__(self, every: float):
+        import threading
+        import time
+
+        self.every, self.t0, self.samples = every, time.time(), []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import time
+
+        import psutil
+
+        while not self._stop.is_set():
+            for proc in psutil.process_iter(["pid", "cmdline"]):
+                title = " ".join(proc.info.get("cmdline") or [])
+                if "ServeReplica:" in title and ":Replica" in title:
+                    try:
+                        rss = proc.memory_info().rss
+                    except psutil.Error:
+                        continue
+                    self.samples.append(
+                        {"t": round(time.time() - self.t0, 1), "pid": proc.info["pid"], "rss_mb": rss / 2**20}
+                    )
+            self._stop.wait(self.every)
+
+    def stop(self, path: str) -> None:
+        import json
+
+        self._stop.set()
+        self._thread.join(timeout=30)
+        rss = [s["rss_mb"] for s in self.samples]
+        tail = [s["rss_mb"] for s in self.samples if s["t"] >= self.samples[-1]["t"] * 0.2] if self.samples else []
+        summary = {
+            "samples": len(rss),
+            "every_s": self.every,
+            "first_mb": rss[0] if rss else None,
+            "max_mb": max(rss) if rss else None,
+            "last_mb": rss[-1] if rss else None,
+            # after the first fifth (warm-up: caches, the KV pool, compiled kernels)
+            "after_warmup_min_mb": min(tail) if tail else None,
+            "after_warmup_max_mb": max(tail) if tail else None,
+        }
+        with open(path, "w") as f:
+            json.dump({"summary": summary, "series": self.samples}, f, indent=1)
+        print(f"[rss] {json.dumps(summary)} -> {path}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.loadtest_local", description=__doc__)
     p.add_argument("--dataset", action="append", default=[], help="default: toolspec loadtest's for the workload")
@@ -55,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "loadtest"))
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=JSON", help="extra ServeAppConfig keys for every app"
+    )
+    p.add_argument(
+        "--sample-rss",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="sample the engine replicas' resident memory this often; the series goes to <out>/<name>.rss.json",
     )
     p.add_argument(
         "--apps",
@@ -122,7 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, url in urls.items():
             args += ["--endpoint", f"{name}={url}/v1"]
         args += passthrough
-        return loadtest_main(args)
+        sampler = RssSampler(ns.sample_rss) if ns.sample_rss else None
+        try:
+            return loadtest_main(args)
+        finally:
+            if sampler is not None:
+                name = passthrough[passthrough.index("--name") + 1] if "--name" in passthrough else "loadtest"
+                sampler.stop(os.path.join(ns.out, f"{name}.rss.json"))
     finally:
         stop_server()
 
