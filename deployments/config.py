@@ -64,6 +64,7 @@ class RequestLimits(BaseModel):
     stop: int = Field(4, ge=0, le=64)
     schema_depth: int = Field(32, ge=2, le=256)  # nesting of objects / arrays in one JSON schema
     schema_nodes: int = Field(20_000, ge=10)  # JSON values in one schema
+    json_depth: int = Field(64, ge=8, le=512)  # nesting of the whole request body
     prompt_tokens: int | None = Field(None, ge=1)  # None: the model's context window
 
 

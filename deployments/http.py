@@ -14,7 +14,16 @@ import time
 from .config import ServeAppConfig, served_name
 from .keys import OPEN, KeyLimiter, KeyRing
 from .metrics import Metrics
-from .protocol import APIError, StreamShaper, chat_completion, engine_request, parse_request, parses_tools, sse
+from .protocol import (
+    APIError,
+    StreamShaper,
+    chat_completion,
+    engine_request,
+    parse_request,
+    parses_tools,
+    schema_size,
+    sse,
+)
 
 log = logging.getLogger("toolspec.serve")
 
@@ -187,6 +196,16 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
                 "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP library correctly.)",
                 400,
                 code="invalid_json",
+            )
+        except RecursionError:  # nested beyond the parser's stack
+            body = None
+        depth = schema_size(body, cfg.limits.json_depth, 10**9)[0] if body is not None else None
+        if depth is None or depth > cfg.limits.json_depth:
+            metrics.observe_error(False)
+            raise APIError(
+                f"The request body nests deeper than {cfg.limits.json_depth} levels (limits.json_depth)",
+                400,
+                code="json_too_deep",
             )
         try:
             req = parse_request(body, model, cfg.max_tokens_limit, cfg.limits)

@@ -158,6 +158,29 @@ def test_request_limits_are_4xx_naming_the_limit(local, monkeypatch):
     assert ok.status_code == 200
 
 
+def test_a_body_nested_beyond_the_parser_is_a_400(local):
+    """100,000 nested arrays (200 kB) would overflow the JSON parser's stack: a 400, not a 500."""
+    import httpx
+
+    _, app, _, _ = local
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        deep = b'{"messages": [{"role": "user", "content": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}"
+        nested: object = 1
+        for _ in range(70):
+            nested = [nested]
+        mid = {"messages": MSG, "metadata": {"a": nested}}
+        return (
+            await http.post("/v1/chat/completions", content=deep, headers={"content-type": "application/json"}),
+            await http.post("/v1/chat/completions", json=mid),
+        )
+
+    deep, mid = run(go())
+    assert deep.status_code == 400 and deep.json()["error"]["code"] == "json_too_deep"
+    assert mid.status_code == 400 and "limits.json_depth" in mid.json()["error"]["message"]
+
+
 def test_wrong_model_is_404_and_body_must_be_object():
     with pytest.raises(APIError) as err:
         parse_request({"model": "gpt-4", "messages": MSG}, "m", 10)
