@@ -278,6 +278,14 @@ def parse_request(body: Any, served_model: str, max_tokens_limit: int, limits: A
                 param=field,
                 code="too_many_" + field,
             )
+    for i, m in enumerate(req.messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(
+                    f"Invalid 'messages[{i}].content[{j}]': only text parts ({{'type': 'text', 'text': str}}) are supported",
+                    param=f"messages[{i}].content[{j}]",
+                    code="invalid_value",
+                )
     names: list[str] = []
     for i, tool in enumerate(req.tools or []):
         name = tool.function.name

@@ -104,6 +104,12 @@ BODY = st.fixed_dictionaries(
 )
 
 
+# bodies nested from a little to far beyond the JSON parser's stack (raw bytes: json.dumps would overflow too)
+DEEP = st.integers(1, 100_000).map(
+    lambda n: b'{"messages": [{"role": "user", "content": "hi"}], "metadata": {"a": ' + b"[" * n + b"]" * n + b"}}"
+)
+
+
 @pytest.fixture(scope="module")
 def fuzz_app(tiny_model_dir):
     from deployments.http import LocalBackend, make_api
@@ -138,7 +144,7 @@ async def _send(app, body, raw: bytes | None = None):
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-@given(body=BODY, junk=st.one_of(st.none(), st.binary(max_size=64)))
+@given(body=BODY, junk=st.one_of(st.none(), st.binary(max_size=64), DEEP))
 def test_generated_requests_never_get_a_5xx_or_hang(fuzz_app, body, junk):
     if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 0:
         body["max_tokens"] = min(body["max_tokens"], 8)  # keep each decode short; the range stays tested below 1
