@@ -9,6 +9,7 @@ import json
 import jsonschema
 import pytest
 import torch
+from toolcall_cases import CITY_TOOLS as TOOLS
 
 from toolspec_core.drafters.base import DraftContext, LabelRates
 from toolspec_core.drafters.methods import RequestInfo, make_method
@@ -22,31 +23,6 @@ from toolspec_core.errors import InvalidRequestError
 from toolspec_core.model.prompting import render_prompt
 from toolspec_core.model.target import from_model
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city", "unit"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "description": "Time in a zone",
-            "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
-        },
-    },
-]
 MESSAGES = [{"role": "user", "content": "What's the weather in Paris, in celsius?"}]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from toolcall_cases import CITY_TOOLS
 from toolcall_cases import qwen_tok as qwen_tok
 
 from toolspec_core.drafters.labels import CALL_KEY
@@ -53,23 +54,7 @@ SPECIAL = [
     "<|eom_id|>",
     "<|python_tag|>",
 ]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city", "unit"],
-            },
-        },
-    }
-]
+TOOLS = CITY_TOOLS[:1]
 MESSAGES = [{"role": "user", "content": "What's the weather in Paris, in celsius?"}]
 CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
 

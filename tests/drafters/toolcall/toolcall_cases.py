@@ -35,6 +35,33 @@ TOOLS = [
     {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}},
 ]
 
+# two described tools with required arguments (end-to-end drafting, grammars, the Llama format)
+CITY_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Time in a zone",
+            "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
+        },
+    },
+]
+
 
 def tracker(text: str) -> CallTracker:
     t = CallTracker(ToolIndex.from_tools(TOOLS))
