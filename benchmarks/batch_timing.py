@@ -6,7 +6,7 @@ verifies), through the engine's own path (``Target.forward`` over ``SeqKV`` cach
 every row, one argmax sync, a KV commit of one row per sequence). Reported: milliseconds per step,
 plain batched decoding tokens/s (t = 0), and per t the MAT a drafter must reach for the step to
 pay (``step_ms(t) / step_ms(0)``). Timing does not depend on weight values, so a named shape
-(``benchmarks/cost.py`` SHAPES) needs no download: bf16 on a GPU, fp32 on the CPU.
+(``toolspec_core/model/shapes.py``) needs no download: bf16 on a GPU, fp32 on the CPU.
 
     python -m benchmarks.batch_timing --model qwen2.5-7b --device cuda --batches 1,2,4,8,16,32,64
     python -m benchmarks.batch_timing --model embedded --batches 1,4,16     # this CPU

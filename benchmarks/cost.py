@@ -24,68 +24,12 @@ import torch
 from toolspec_core.engine.budget import CPU_REFERENCE_CURVE, interpolate
 from toolspec_core.engine.cost_probe import DEFAULT_KS
 from toolspec_core.model.attention import use_grouped_sdpa
+from toolspec_core.model.shapes import SHAPES
 from toolspec_core.model.target import load_hf_model, resolve_dtype
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CURVES = RESULTS / "curves"  # measured cost curves (not method runs): projections read them from here
 
-# Qwen2.5 architecture shapes (from the public config.json files).
-SHAPES = {
-    "qwen2.5-0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-3b": dict(
-        hidden_size=2048,
-        intermediate_size=11008,
-        num_hidden_layers=36,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-7b": dict(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    ),
-    "qwen2.5-14b": dict(
-        hidden_size=5120,
-        intermediate_size=13824,
-        num_hidden_layers=48,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    ),
-    "qwen2.5-32b": dict(
-        hidden_size=5120,
-        intermediate_size=27648,
-        num_hidden_layers=64,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    ),
-}
 
 # --------------------------------------------------------------------------- projection
 
@@ -155,7 +99,7 @@ def build_shape(name: str, device: str, dtype: torch.dtype):
 
     if name not in SHAPES:
         raise SystemExit(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    cfg = Qwen2Config(**SHAPES[name], max_position_embeddings=32768, attn_implementation="sdpa")
+    cfg = Qwen2Config(**SHAPES[name], attn_implementation="sdpa")
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

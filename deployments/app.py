@@ -16,6 +16,7 @@ from pathlib import Path
 from ray import serve
 
 from .config import ServeAppConfig
+from .plan import check_plan
 from .retrieval import RetrievalServer
 
 log = logging.getLogger("toolspec.serve")
@@ -104,6 +105,7 @@ def check_method(name: str) -> None:
 def build_app(args: dict | ServeAppConfig | None = None):
     """The Serve application for ``args`` (validated once, here)."""
     cfg = args if isinstance(args, ServeAppConfig) else ServeAppConfig.model_validate(dict(args or {}))
+    check_plan(cfg)  # with gpu_memory set: the weights and one full context must fit (deployments/plan.py)
     check_method(cfg.method)
     retrieval = None
     if cfg.retrieval.enabled:

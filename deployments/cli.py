@@ -185,6 +185,7 @@ COMMANDS = {
     "bench-cost": ("benchmarks.cost", "main", "measure the verify-cost curve of a model shape"),
     "loadtest": ("benchmarks.loadtest", "main", "load-test OpenAI-compatible endpoints"),
     "generate": ("benchmarks.generate", "main", "decode one prompt with a method and plain greedy, side by side"),
+    "plan": ("deployments.plan", "main", "capacity plan: weights per GPU, KV pool, requests at full context"),
 }
 
 

@@ -85,6 +85,14 @@ class ServeAppConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     tp_worker_num_cpus: float = Field(0.0, ge=0)
     tp_worker_num_gpus: float | None = Field(None, ge=0)  # None: 1 per TP worker on cuda, else 0
+    # the replica's placement group: its own bundle, then one per TP rank; STRICT_PACK keeps the
+    # ranks on one node (NVLink, loopback rendezvous)
+    tp_placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    tp_start_timeout_s: float = Field(600.0, gt=0)  # workers placed and sharded within this, or the replica fails
+    # capacity plan (``toolspec plan``), checked when the app is built: memory of one GPU (e.g.
+    # "80GiB"; None: not checked) and the context each request may fill (None: the model's window)
+    gpu_memory: str | None = None
+    plan_context_tokens: int | None = Field(None, ge=1)
     cost_model: Literal["measure", "reference", "flat", "none"] = "measure"
     calibrate_cost: bool = False  # refit the cost curve from the verify steps really paid (budget.Calibration)
 
@@ -138,12 +146,24 @@ class ServeAppConfig(BaseModel):
             raise ValueError("route_prefix must start with '/'")
         return v
 
+    @field_validator("gpu_memory")
+    @classmethod
+    def _gpu_memory(cls, v: str | None) -> str | None:
+        """A size the capacity plan can read (e.g. 80GiB, 141GB), refused here rather than when planning."""
+        if v is not None:
+            from .plan import parse_memory
+
+            parse_memory(v)
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> "ServeAppConfig":
         if self.max_tokens_default > self.max_tokens_limit:
             raise ValueError("max_tokens_default must be <= max_tokens_limit")
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("float16 is not supported on cpu; use float32 or bfloat16")
+        if self.tensor_parallel_size > 1 and self.engine != "batched":
+            raise ValueError("tensor_parallel_size > 1 runs on the batched engine (engine: batched)")
         if self.qdrant_url and self.retrieval.store.get("backend", "qdrant_url") != "qdrant_url":
             raise ValueError("qdrant_url conflicts with retrieval.store.backend")
         return self
@@ -167,17 +187,46 @@ class ServeAppConfig(BaseModel):
             return os.environ.get(self.api_key_env) or None
         return None
 
+    def placement_bundles(self) -> list[dict] | None:
+        """The replica's placement group when it drives tensor-parallel workers (bundle 0: the
+        replica and rank 0; one more per rank), else None. ``device: auto`` counts as cuda when the
+        cluster building the app has GPUs."""
+        from .tp.placement import placement_bundles, target_placement, worker_gpus
+
+        device = self.device
+        if device == "auto":
+            device = "cuda" if _cluster_gpus() else "cpu"
+        if target_placement(self.tensor_parallel_size, device, self.replica_num_gpus) == "replica":
+            return None
+        gpus = worker_gpus(self.tp_worker_num_gpus, device)
+        return placement_bundles(
+            self.tensor_parallel_size, self.replica_num_cpus, self.replica_num_gpus, self.tp_worker_num_cpus, gpus
+        )
+
     def deployment_options(self) -> dict:
         """Ray Serve options of the engine replica deployment."""
         opts: dict[str, Any] = {
             "max_ongoing_requests": self.max_ongoing_requests,
             "ray_actor_options": {"num_cpus": self.replica_num_cpus, "num_gpus": self.replica_num_gpus},
         }
+        bundles = self.placement_bundles()
+        if bundles is not None:
+            opts["placement_group_bundles"] = bundles
+            opts["placement_group_strategy"] = self.tp_placement_strategy
         if self.autoscaling is not None:
             opts["autoscaling_config"] = self.autoscaling.to_serve()
         else:
             opts["num_replicas"] = self.num_replicas
         return opts
+
+
+def _cluster_gpus() -> float:
+    try:
+        import ray
+
+        return ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+    except Exception:
+        return 0
 
 
 def served_name(cfg: ServeAppConfig) -> str:

@@ -315,7 +315,7 @@ class EngineHost:
         self.engine = None
         if cfg.engine == "batched":
             limits = BatchLimits(max_running=cfg.max_num_seqs, prefill_chunk=cfg.prefill_chunk_tokens)
-            kv_pool = None  # a target the batched forward does not cover (a TP group) keeps per-sequence caches
+            kv_pool = None  # a model family the batched forward does not cover keeps per-sequence caches
             if target.batched:
                 tokens = kv_pool_tokens(cfg, target, limits.tree_rows)
                 kv_pool = target.block_pool(tokens, cfg.kv_block_tokens, cfg.prefix_caching)
@@ -641,18 +641,14 @@ class EngineHost:
 
 
 def kv_pool_tokens(cfg: ServeAppConfig, target, tree_rows: int) -> int:
-    """Tokens of the replica's KV block pool: ``kv_pool_tokens``, else on cuda a fraction of the
-    memory free after the weights, else 32768 (at least one full context window and a tree)."""
+    """Tokens of the replica's KV block pool: ``kv_pool_tokens``, else on an accelerator a fraction
+    of the memory free after the weights (the least of any tensor-parallel rank's), else 32768 (at
+    least one full context window and a tree)."""
     if cfg.kv_pool_tokens is not None:
         return cfg.kv_pool_tokens
-    if target.device.type == "cuda":
-        import torch
-
-        from toolspec_core.model.block_pool import kv_bytes_per_token
-
-        free, _ = torch.cuda.mem_get_info(target.device)
-        per_token = kv_bytes_per_token(target.model.config, target.dtype)
-        return max(int(free * cfg.kv_memory_fraction) // per_token, cfg.kv_block_tokens)
+    budget = target.kv_budget_tokens(cfg.kv_memory_fraction)
+    if budget is not None:
+        return max(budget, cfg.kv_block_tokens)
     return max(32768, target.max_context + tree_rows)
 
 
@@ -660,27 +656,25 @@ def load_serving_target(cfg: ServeAppConfig):
     """Single-process target, or a tensor-parallel one whose workers are Ray actors."""
     from toolspec_core.model.target import load_target, resolve_dtype
 
+    from .tp.placement import target_placement
+
     device = resolve_device(cfg.device)
     if target_placement(cfg.tensor_parallel_size, device, cfg.replica_num_gpus) == "workers":
-        from .tp import start_tp_target
+        from .tp.placement import worker_gpus
+        from .tp.target import start_tp_target
 
-        gpus = cfg.tp_worker_num_gpus if cfg.tp_worker_num_gpus is not None else (1.0 if device == "cuda" else 0.0)
         return start_tp_target(
-            cfg.model, cfg.tensor_parallel_size, cfg.dtype, device, cfg.tp_worker_num_cpus, gpus, cfg.threads
+            cfg.model,
+            cfg.tensor_parallel_size,
+            cfg.dtype,
+            device,
+            cfg.tp_worker_num_cpus,
+            worker_gpus(cfg.tp_worker_num_gpus, device),
+            cfg.threads,
+            cfg.tp_placement_strategy,
+            cfg.tp_start_timeout_s,
         )
     return load_target(cfg.model, resolve_dtype(cfg.dtype, device), packed_rows=cfg.cpu_packed_rows, device=device)
-
-
-def target_placement(tp_size: int, device: str, replica_num_gpus: float) -> str:
-    """ "replica": the model lives in the replica's own process (CPU, or the replica's own GPU:
-    the engine moves its inputs there and reads back one row per step -- the path measured on an
-    H200); "workers": Ray actors own the model and KV caches (tensor parallel, or an accelerator the
-    replica itself was not given), the replica keeps the engine's tensors on its CPU side."""
-    if tp_size > 1:
-        return "workers"
-    if device == "cpu" or replica_num_gpus > 0:
-        return "replica"
-    return "workers"
 
 
 def resolve_device(device: str) -> str:

@@ -7,8 +7,11 @@ Checks, per rendered overlay:
   server's strict field validation is (unknown fields are errors instead of being pruned);
 - ``serveConfigV2`` with ``ray.serve.schema.ServeDeploySchema`` plus a check for unknown keys
   (the pydantic model ignores them, Serve would too, silently);
+- the Prometheus Operator ``PodMonitor`` structurally (no CRD schema ships here): known fields
+  only, a label selector, endpoints naming a port and an absolute path;
 - cross references a schema cannot see: secrets/claims/env vars/services named in one object
-  exist in another, probes hit the Serve port, GPU sizing matches tensor parallelism.
+  exist in another, probes hit the Serve port, GPU sizing matches tensor parallelism, a
+  PodMonitor selects pods that have the ports it scrapes.
 ``resolve_import_path`` and ``validate_app_args`` check the app builder itself (tests call
 them once ``deployments.app`` exists).
 
@@ -168,6 +171,116 @@ def _unknown_keys(data: dict, model, prefix: str) -> list[str]:
     return [f"unknown key {prefix}{k}" for k in data if k not in known]
 
 
+# ---------------------------------------------------------------- PodMonitor
+
+PODMONITOR_API = "monitoring.coreos.com/v1"
+# the fields of the Prometheus Operator's PodMonitor CRD (v1) a manifest here may use
+PODMONITOR_SPEC_FIELDS = {
+    "attachMetadata",
+    "bodySizeLimit",
+    "jobLabel",
+    "keepDroppedTargets",
+    "labelLimit",
+    "labelNameLengthLimit",
+    "labelValueLengthLimit",
+    "namespaceSelector",
+    "podMetricsEndpoints",
+    "podTargetLabels",
+    "sampleLimit",
+    "scrapeClass",
+    "scrapeProtocols",
+    "selector",
+    "targetLimit",
+}
+PODMONITOR_ENDPOINT_FIELDS = {
+    "authorization",
+    "basicAuth",
+    "bearerTokenSecret",
+    "enableHttp2",
+    "filterRunning",
+    "followRedirects",
+    "honorLabels",
+    "honorTimestamps",
+    "interval",
+    "metricRelabelings",
+    "params",
+    "path",
+    "port",
+    "portNumber",
+    "proxyUrl",
+    "relabelings",
+    "scheme",
+    "scrapeTimeout",
+    "tlsConfig",
+}
+DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
+
+
+def validate_podmonitor(doc: dict) -> list[str]:
+    """Problems of a PodMonitor by the structure its CRD requires (no schema of it ships here)."""
+    label = _label(doc)
+    problems = []
+    if doc.get("apiVersion") != PODMONITOR_API:
+        problems.append(f"{label}: apiVersion {doc.get('apiVersion')!r}, expected {PODMONITOR_API}")
+    problems += [f"{label}: unknown field {k}" for k in doc if k not in ("apiVersion", "kind", "metadata", "spec")]
+    name = (doc.get("metadata") or {}).get("name", "")
+    if not DNS_1123.match(name or "") or len(name) > 253:
+        problems.append(f"{label}: metadata.name {name!r} is not a DNS-1123 name")
+    spec = doc.get("spec")
+    if not isinstance(spec, dict):
+        return problems + [f"{label}: spec must be a mapping"]
+    problems += [f"{label}: spec: unknown field {k}" for k in spec if k not in PODMONITOR_SPEC_FIELDS]
+    selector = spec.get("selector")
+    labels = (selector or {}).get("matchLabels") if isinstance(selector, dict) else None
+    if not isinstance(selector, dict) or not (labels or selector.get("matchExpressions")):
+        problems.append(f"{label}: spec.selector needs matchLabels or matchExpressions")
+    elif labels is not None and not (
+        isinstance(labels, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())
+    ):
+        problems.append(f"{label}: spec.selector.matchLabels must map strings to strings")
+    endpoints = spec.get("podMetricsEndpoints")
+    if not isinstance(endpoints, list) or not endpoints:
+        return problems + [f"{label}: spec.podMetricsEndpoints must be a non-empty list"]
+    for n, ep in enumerate(endpoints):
+        where = f"{label}: spec.podMetricsEndpoints[{n}]"
+        if not isinstance(ep, dict):
+            problems.append(f"{where} must be a mapping")
+            continue
+        problems += [f"{where}: unknown field {k}" for k in ep if k not in PODMONITOR_ENDPOINT_FIELDS]
+        if not isinstance(ep.get("port"), str) and not isinstance(ep.get("portNumber"), int):
+            problems.append(f"{where}: needs port (a container port name) or portNumber")
+        if not str(ep.get("path", "/metrics")).startswith("/"):
+            problems.append(f"{where}: path {ep['path']!r} must start with '/'")
+        for key in ("interval", "scrapeTimeout"):
+            if key in ep and not DURATION.match(str(ep[key])):
+                problems.append(f"{where}: {key} {ep[key]!r} is not a duration such as 30s")
+    return problems
+
+
+def _check_podmonitor(doc: dict, docs: list[dict]) -> list[str]:
+    """The pods a PodMonitor selects exist (in its namespace) and name the ports it scrapes."""
+    labels = doc["spec"]["selector"].get("matchLabels") or {}
+    namespace = doc["metadata"].get("namespace")
+    pods = [
+        (d, group, template)
+        for d in docs
+        if d["metadata"].get("namespace") == namespace
+        for group, template in _pod_templates(d)
+        if labels.items() <= ((template.get("metadata") or {}).get("labels") or {}).items()
+    ]
+    if not pods:
+        return [f"{_label(doc)}: selector {labels} matches no pod template"]
+    problems = []
+    for ep in doc["spec"]["podMetricsEndpoints"]:
+        if "port" not in ep:
+            continue
+        for d, group, template in pods:
+            names = {p.get("name") for c in template["spec"]["containers"] for p in c.get("ports") or []}
+            if ep["port"] not in names:
+                problems.append(f"{_label(doc)}: {_label(d)} {group} has no container port named {ep['port']!r}")
+    return problems
+
+
 # ---------------------------------------------------------------- the app builder
 
 
@@ -202,14 +315,20 @@ def applications(rayservice: dict) -> list[dict]:
 # ---------------------------------------------------------------- cross references
 
 
-def _pod_specs(doc: dict) -> list[tuple[str, dict]]:
+def _pod_templates(doc: dict) -> list[tuple[str, dict]]:
+    """(group, pod template) of every pod an object creates: a RayService's head and worker
+    groups, a workload's one template."""
     if doc["kind"] == "RayService":
         rc = doc["spec"]["rayClusterConfig"]
-        out = [("head", rc["headGroupSpec"]["template"]["spec"])]
-        out += [(g["groupName"], g["template"]["spec"]) for g in rc.get("workerGroupSpecs") or []]
+        out = [("head", rc["headGroupSpec"]["template"])]
+        out += [(g["groupName"], g["template"]) for g in rc.get("workerGroupSpecs") or []]
         return out
-    spec = (doc.get("spec") or {}).get("template", {}).get("spec")
-    return [("pod", spec)] if spec else []
+    template = (doc.get("spec") or {}).get("template")
+    return [("pod", template)] if isinstance(template, dict) and template.get("spec") else []
+
+
+def _pod_specs(doc: dict) -> list[tuple[str, dict]]:
+    return [(group, template["spec"]) for group, template in _pod_templates(doc)]
 
 
 def _quantity(value: Any) -> int:
@@ -250,6 +369,8 @@ def check_references(docs: list[dict]) -> list[str]:
     for doc in docs:
         if doc["kind"] == "RayService":
             problems += _check_rayservice(doc, services)
+        elif doc["kind"] == "PodMonitor":
+            problems += _check_podmonitor(doc, docs)
     return problems
 
 
@@ -342,6 +463,9 @@ def validate_documents(docs: list[dict], version: str = KUBERNETES_VERSION, crd_
                 validate_rayservice(doc, crd_path)
             except ManifestError as exc:
                 problems.extend(exc.problems)
+            continue
+        if doc["kind"] == "PodMonitor":
+            problems += validate_podmonitor(doc)
             continue
         try:
             validate_core(doc, version)

@@ -44,6 +44,7 @@ class TokenRecyclingDrafter:
     recycles every verified row's top-k back into the matrix."""
 
     label = TOKEN_RECYCLING
+    reads_logits = True  # feedback learns from every verified row's logits, not only the argmax
 
     def __init__(self, method: "TokenRecyclingMethod"):
         self.m = method

@@ -13,9 +13,11 @@ import torch
 
 from toolspec_core.drafters.labels import PROBE
 from toolspec_core.engine.budget import CostModel
-from toolspec_core.engine.sampling import SamplingParams
+from toolspec_core.engine.commit import commit_kv
 from toolspec_core.engine.tree import DraftTree
-from toolspec_core.engine.verify import verify_step
+from toolspec_core.engine.verify import tree_inputs
+from toolspec_core.model.batch_forward import Segment
+from toolspec_core.model.block_pool import PagedKV
 
 DEFAULT_KS = (
     1,
@@ -57,20 +59,25 @@ def probe_steps(target, prefix_len: int = 500, ks=DEFAULT_KS) -> dict:
     """k -> a function running one verify step of k tree tokens (a chain of k-1 random drafts)
     over one shared random ``prefix_len``-token cache, cropping it back after, and returning the
     step's seconds (the crop untimed): what the cost probe times and ``benchmarks.verify_profile``
-    profiles."""
+    profiles. Each step is :meth:`~toolspec_core.model.target.Target.step` on a cache of the kind
+    the scheduler gives a sequence, then the KV commit of one row -- the decoding path, for a
+    tensor-parallel target too."""
 
     vocab = target.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (1, prefix_len), generator=g)
-    cache = target.new_cache()
-    target.hidden(ids, torch.arange(prefix_len)[None], None, cache)
+    ids = torch.randint(0, vocab, (prefix_len,), generator=g)
+    cache = probe_cache(target, prefix_len + max(ks) + 1)
+    target.step([Segment(cache, ids, torch.arange(prefix_len))], [], [], [], argmax=False)
     if cache.get_seq_length() != prefix_len:  # e.g. a cache argument the model ignored: k tokens would be timed alone
         raise RuntimeError(f"the prefill left {cache.get_seq_length()} cached positions, expected {prefix_len}")
-    greedy = SamplingParams()
 
     def step(tree: DraftTree) -> float:
         t0 = time.perf_counter()
-        verify_step(target, tree, 0, cache, greedy, None)
+        kv = cache.get_seq_length()
+        tids, pos, mask = tree_inputs([0], tree, kv, target.dtype)
+        rows = list(range(tids.shape[1]))
+        target.step([Segment(cache, tids[0], pos[0], mask if tree.tokens else None)], rows, [], [])
+        commit_kv(cache, kv, [0])
         dt = time.perf_counter() - t0
         cache.crop(-(cache.get_seq_length() - prefix_len))
         return dt
@@ -81,6 +88,15 @@ def probe_steps(target, prefix_len: int = 500, ks=DEFAULT_KS) -> dict:
         tree.add_path(torch.randint(0, vocab, (k - 1,), generator=g).tolist(), 0.5, PROBE)
         out[k] = functools.partial(step, tree)
     return out
+
+
+def probe_cache(target, tokens: int):
+    """An empty cache of ``tokens`` rows as decoding uses: a block table in a pool of the target's
+    (its own small one), or the target's per-sequence cache where it has no pool."""
+    pool = target.block_pool(tokens, 16, prefix_caching=False)
+    if pool is None:
+        return target.new_cache()
+    return PagedKV(pool, pool.allocate(pool.blocks_for(tokens)))
 
 
 def paired_cost(once, ks, repeats: int) -> tuple[dict[int, float], dict[int, float]]:

@@ -35,6 +35,7 @@ from toolspec_core.engine.verify import tree_inputs, walk
 from toolspec_core.errors import ContextLengthError
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import BlockPool, PagedKV
+from toolspec_core.model.target import StepOutput
 
 log = logging.getLogger("toolspec.engine")
 
@@ -189,30 +190,41 @@ class Scheduler:
             o += n
         if not segments:
             return finished
+        # full logits rows: those of sequences that read more than the argmax (a sampled or
+        # grammar-constrained walk, logprobs, a drafter that learns from logits); a tensor-parallel
+        # target sends back only these and the argmax of the rest
+        full_rows: list[int] = [j for j, (seq, _, _) in enumerate(p for p in prefills if p[2]) if reads_logits(seq)]
+        for r in rows:
+            if reads_logits(r.seq):
+                full_rows.extend(range(r.start, r.start + r.n))
+        ends, end = [], 0
+        for _, n, done in prefills:
+            end += n
+            if done:
+                ends.append(end - 1)
+        greedy = any(r.seq.cfg.sampling.greedy and r.seq.constraint is None for r in rows) or any(
+            not reads_logits(seq) for seq, _, done in prefills if done
+        )
         t1 = time.perf_counter()
-        hidden = self.target.forward(segments)  # [N, H]
-        picked = hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows]
-        logits = self.target.logits(picked)  # [M, V]
-        greedy = any(r.seq.cfg.sampling.greedy and r.seq.constraint is None for r in rows)
-        choice = torch.argmax(logits, -1).tolist() if greedy else None  # one sync for the whole batch
+        out = self.target.step(segments, logit_rows, full_rows, ends, argmax=greedy)
         t2 = time.perf_counter()
         fwd = t2 - t1
 
-        j, end = 0, 0
+        j = 0
         for seq, n, done in prefills:
             seq.stats.prefill_s += fwd
-            end += n
             if done:
-                seq.hidden = hidden[end - 1].cpu()
-                seq.start(logits[j].cpu())
+                seq.hidden = out.hidden[j].cpu()
+                first = out.rows(j, 1)
+                seq.start(None if first is None else first[0].cpu(), None if out.choice is None else out.choice[j])
                 j += 1
                 if isinstance(seq.cache, PagedKV):  # later prompts that begin with this one reuse its blocks
                     seq.cache.keys = self.pool.register(
                         seq.cache.table, seq.cache.keys, seq.prompt_ids, len(seq.prompt_ids)
                     )
         for r in rows:
-            self._commit(r, logits, choice, fwd)
-        total_rows = int(hidden.shape[0])
+            self._commit(r, out, fwd)
+        total_rows = sum(len(s) for s in segments)
         if self.cost is not None and rows and not prefills:
             self.cost.observe(total_rows, fwd)
         self._reap(finished)
@@ -246,12 +258,12 @@ class Scheduler:
             seq.finish()
         return out
 
-    def _commit(self, r: _Row, logits: torch.Tensor, choice: list[int] | None, fwd: float) -> None:
+    def _commit(self, r: _Row, out: StepOutput, fwd: float) -> None:
         seq, tree = r.seq, r.tree
         t = time.perf_counter()
-        own = logits[r.start : r.start + r.n]  # [R+T, V] this sequence's rows
+        own = out.rows(r.start, r.n)  # [R+T, V] this sequence's rows (None: only their argmax came back)
         root_row = len(seq.roots) - 1
-        mine = None if choice is None else choice[r.start : r.start + r.n]
+        mine = None if out.choice is None else out.choice[r.start : r.start + r.n]
         result = walk(tree, own, seq.cfg.sampling, seq.gen, seq.constraint, root_row, mine)
         commit_kv(seq.cache, r.kv_len, kv_rows(result.path, len(seq.roots)))
         result.logits = own  # for drafters that learn from the target (token recycling)
@@ -314,6 +326,17 @@ class Scheduler:
                     seq.cache.release(seq.tokens)
                 seq.finish()
                 finished.append(seq)
+
+
+def reads_logits(seq: Sequence) -> bool:
+    """Whether ``seq`` reads its rows' full logits, not only their argmax: sampling, a grammar,
+    logprobs, or a drafter that learns from the target's logits (``reads_logits`` on the drafter)."""
+    return (
+        not seq.cfg.sampling.greedy
+        or seq.constraint is not None
+        or seq.logprobs is not None
+        or getattr(seq.drafter, "reads_logits", False)
+    )
 
 
 def fit_room(seq: Sequence, tree: DraftTree) -> DraftTree:

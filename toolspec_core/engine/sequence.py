@@ -127,9 +127,14 @@ def cap_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     return select(tree, [i for i, x in enumerate(d) if x <= max_depth])
 
 
-def first_tokens(logits: torch.Tensor, params: SamplingParams, gen, constraint) -> tuple[list[int], int]:
+def first_tokens(
+    logits: torch.Tensor | None, params: SamplingParams, gen, constraint, choice: int | None = None
+) -> tuple[list[int], int]:
     """The first generated token(s): forced by the grammar, or chosen from the prompt's last logits
-    [V] (then any the grammar forces after it); and how many were chosen (0 or 1, the first)."""
+    [V] (then any the grammar forces after it); and how many were chosen (0 or 1, the first).
+    ``choice``: the logits' argmax when the caller has it (all a free greedy start reads)."""
+    if constraint is None and params.greedy and choice is not None:
+        return [int(choice)], 1
     if constraint is not None:
         forced = constraint.forced()
         if forced:
@@ -232,10 +237,11 @@ class Sequence:
         self.start(logits)
         return True
 
-    def start(self, logits: torch.Tensor) -> None:
-        """The prompt is cached: emit the first token(s) from its last logits [V]."""
-        new, chosen = first_tokens(logits, self.cfg.sampling, self.gen, self.constraint)
-        self.emit(new, self.token_logprobs(logits[None], new[:chosen], new[chosen:]))
+    def start(self, logits: torch.Tensor | None, choice: int | None = None) -> None:
+        """The prompt is cached: emit the first token(s) from its last logits [V] (or their argmax
+        ``choice`` alone, for a greedy sequence that reads nothing else)."""
+        new, chosen = first_tokens(logits, self.cfg.sampling, self.gen, self.constraint, choice)
+        self.emit(new, None if logits is None else self.token_logprobs(logits[None], new[:chosen], new[chosen:]))
         self.roots = list(self.generated)
 
     def context(self) -> DraftContext:

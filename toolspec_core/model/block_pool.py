@@ -192,6 +192,13 @@ class BlockPool:
                     self._free[b] = 1
                     self._n_free += 1
 
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K and V of slots ``src`` [n] to slots ``dst`` [n] in every layer (a verify
+        commit). The one storage write outside the forward, so a pool whose storage lives
+        elsewhere (the tensor-parallel ranks') can replay it there."""
+        for store in (self.k, self.v):
+            store.index_copy_(2, dst, store.index_select(2, src))
+
     def stats(self) -> PoolStats:
         used = sum(1 for r in self.refs if r > 0)
         return PoolStats(
@@ -296,9 +303,7 @@ class PagedKV:
         """Verify commit: rows ``prefix_len + r`` for r in ``rows`` move to ``prefix_len ..``, in
         order, in every layer at once (rows after the prefix are always the sequence's own)."""
         src = self.slots[torch.tensor([prefix_len + r for r in rows], dtype=torch.long, device=self.slots.device)]
-        dst = self.slots[prefix_len : prefix_len + len(rows)]
-        for store in (self.pool.k, self.pool.v):
-            store.index_copy_(2, dst, store.index_select(2, src))
+        self.pool.move_slots(src, self.slots[prefix_len : prefix_len + len(rows)])
 
     def release(self, tokens: list[int] | None = None) -> None:
         """Give the blocks back; with ``tokens`` (the sequence's committed tokens) its full blocks

@@ -71,6 +71,16 @@ class Target:
         cannot use one (a family the batched forward does not cover)."""
         return pool_for(self.model, tokens, block_tokens, prefix_caching) if self.batched else None
 
+    def kv_budget_tokens(self, fraction: float) -> int | None:
+        """KV tokens that fit in ``fraction`` of the accelerator memory free after the weights
+        (None on the CPU, where the pool's size is set, not measured)."""
+        if self.device.type != "cuda":
+            return None
+        from toolspec_core.model.block_pool import kv_bytes_per_token
+
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free * fraction) // kv_bytes_per_token(self.model.config, self.dtype)
+
     def hf_cache(self):
         from transformers import DynamicCache
 
@@ -111,6 +121,50 @@ class Target:
         """hidden [T, H] -> logits [T, V] (fp32, on the model's device)."""
         with torch.inference_mode():
             return self.model.lm_head(hidden).float()
+
+    def step(
+        self,
+        segments: list[Segment],
+        logit_rows: list[int],
+        full_rows: list[int],
+        hidden_rows: list[int],
+        argmax: bool = True,
+    ) -> StepOutput:
+        """One verify forward as the scheduler needs it: the argmax of each of ``logit_rows`` (rows
+        of the concatenated segments), the full logits of ``full_rows`` (indices into
+        ``logit_rows``: the rows a walk, a grammar, logprobs or a learning drafter read) and the
+        hidden states of ``hidden_rows``. Here every logit row's logits are at hand anyway, so all
+        are returned; a tensor-parallel target (``deployments/tp``) returns just the asked ones."""
+        hidden = self.forward(segments)  # [N, H]
+        picked = hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows]
+        logits = self.logits(picked)  # [M, V]
+        choice = torch.argmax(logits, -1).tolist() if argmax and len(logit_rows) else None  # one sync
+        return StepOutput(choice, logits, None, hidden[hidden_rows] if hidden_rows else None)
+
+
+@dataclass
+class StepOutput:
+    """What one verify forward gives back (:meth:`Target.step`).
+
+    ``choice``: argmax of every logit row (None when not asked for); ``logits`` [K, V] fp32: full
+    rows, each logit row ``j`` at ``index[j]`` (``index`` None: all logit rows, in order);
+    ``hidden`` [len(hidden_rows), H]."""
+
+    choice: list[int] | None
+    logits: torch.Tensor | None
+    index: dict[int, int] | None
+    hidden: torch.Tensor | None
+
+    def rows(self, start: int, n: int) -> torch.Tensor | None:
+        """Logits [n, V] of logit rows ``start .. start + n``, or None where they were not kept."""
+        if self.logits is None:
+            return None
+        if self.index is None:
+            return self.logits[start : start + n]
+        at = self.index.get(start)
+        if at is None:
+            return None
+        return self.logits[at : at + n]  # a sequence's rows are asked for together, in order
 
 
 def cache_kwarg(core: torch.nn.Module) -> str:
