@@ -104,6 +104,7 @@ def main(argv=None) -> int:
         retrieval={"enabled": False},
         max_num_seqs=max(args.batch, 1),
         kv_pool_tokens=65536,
+        replica_num_gpus=1 if args.device == "cuda" else 0,  # the plain engine holds its GPU itself
     )
     out: dict = {"items": [it["id"] for it in items], "config": vars(args)}
     ref = EngineHost.build(ServeAppConfig(**base))

@@ -367,6 +367,18 @@ class EngineHost:
             "prefix_misses": self.prefixes.misses,
             "retrieval": self.retrieval.counters() if self.retrieval is not None else None,
             "engine": self.engine.load() if self.engine is not None else {"mode": "threads"},
+            "tensor_parallel": self._tp_info(),
+        }
+
+    def _tp_info(self) -> dict | None:
+        group = getattr(self.target, "group", None)
+        if group is None:
+            return None
+        keys = ("rank", "device", "placement_group", "bundle", "weights_bytes", "peak_rss_bytes", "load_s")
+        return {
+            "placement_group": group.pg.id.hex() if group.pg is not None else None,
+            "workers": [{k: r.get(k) for k in keys} for r in group.reports],
+            "transport": group.transport.as_dict(),
         }
 
     # ------------------------------------------------------------------ blocking steps (threads)

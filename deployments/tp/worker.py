@@ -128,6 +128,25 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def placement() -> dict:
+    """The placement group and bundle this process runs in (as Ray assigned its resources)."""
+    import re
+
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("not in a Ray worker")
+        ctx = ray.get_runtime_context()
+        pg = ctx.get_placement_group_id()
+        bundles = {
+            int(m.group(1)) for k in ctx.get_assigned_resources() if (m := re.search(r"_group_(\d+)_[0-9a-f]+$", k))
+        }
+    except Exception:  # not in a Ray worker (a local rank)
+        return {"placement_group": None, "bundle": None}
+    return {"placement_group": pg, "bundle": min(bundles) if bundles else None}
+
+
 def extensions_dir() -> str:
     from toolspec_core.model.embedded import cache_root
 
@@ -205,6 +224,7 @@ class TPWorker:
         }
         if self.device == "cuda":
             report["free_bytes"] = torch.cuda.mem_get_info()[0]
+        report.update(placement())
         return report
 
     def kv_heads(self) -> int:

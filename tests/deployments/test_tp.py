@@ -1,24 +1,32 @@
-"""Tensor parallelism: the replica's shadow-cache protocol, and DeepSpeed AutoTP (2 ranks, gloo,
-CPU) giving exactly the single-process engine's output."""
+"""Tensor parallelism: the step protocol (replica-side block tables, rank-side KV and weights) gives
+the single-process engine's output; the sharded loader reads exactly a rank's slices; DeepSpeed
+AutoTP over 2 Ray actors (gloo, CPU) in a placement group equals the single process; workers that
+cannot be placed fail within the timeout, naming what they need."""
 
 from __future__ import annotations
 
 import asyncio
-import gc
+import copy
 import importlib.util
+import time
 
 import pytest
+import torch
 from serve_fixtures import TOOLS
 
-from toolspec_core.engine.loop import DecodeConfig, decode, generate, prefill
+from toolspec_core.engine.sampling import SamplingParams
+from toolspec_core.engine.scheduler import BatchLimits, run_batch
+from toolspec_core.engine.sequence import DecodeConfig, Sequence
 from toolspec_core.engine.tree import DraftTree
 
-CODE = "def f(x):\n    return x + 1\n\nprint(f(1))\n\ndef g(x):\n    return"
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed (pip install -e '.[tp]')"
+)
 
 
 class OracleDrafter:
     """Drafts a wrong branch first, then the reference continuation (sometimes corrupted after one
-    token): accepted rows are not a prefix of the tree, so every step gathers + crops the KV."""
+    token): accepted rows are not a prefix of the tree, so commits move KV slots on the ranks."""
 
     def __init__(self, ref: list[int]):
         self.ref = ref
@@ -26,10 +34,10 @@ class OracleDrafter:
     def propose(self, ctx) -> DraftTree:
         n = len(ctx.generated)
         tree = DraftTree()
-        tree.add_path([(x + 7) % 1000 for x in self.ref[n : n + 2]], 0.5, "junk")
+        tree.add_path([(x + 7) % 90 for x in self.ref[n : n + 2]], 0.5, "junk")
         good = self.ref[n : n + 3]
         if n % 3 == 1 and len(good) > 1:
-            good = good[:1] + [(good[1] + 3) % 1000]
+            good = good[:1] + [(good[1] + 3) % 90]
         tree.add_path(good[: ctx.max_depth], 0.9, "oracle")
         return tree
 
@@ -37,88 +45,212 @@ class OracleDrafter:
         return None
 
 
-def _local_tp_target(ref):
-    """A TPTarget whose single 'rank' is an in-process TPWorker over the full model."""
-    from deployments.tp import TPGroup, TPTarget, TPWorker
+def local_tp(ref):
+    """A one-rank TPTarget whose rank is an in-process TPWorker over a copy of ``ref``'s model with
+    a vocabulary-parallel head (the whole vocabulary): the protocol without Ray or DeepSpeed."""
+    from deployments.tp.shards import VocabParallelHead
+    from deployments.tp.target import TPGroup, TPTarget, _Config
+    from deployments.tp.worker import TPWorker
 
+    model = copy.deepcopy(ref.model)
+    vocab, hidden = model.lm_head.weight.shape
+    head = VocabParallelHead(0, vocab, hidden, torch.float32).to_empty(device="cpu")
+    head.weight.data.copy_(model.lm_head.weight.data)
+    model.lm_head = head
     w = TPWorker.__new__(TPWorker)
-    w.rank, w.world, w.dtype, w.model, w.head, w.caches = 0, 1, "float32", ref.model, None, {}
-    tp = TPTarget(
-        model=ref.model, tokenizer=ref.tokenizer, name="local", eos_ids=ref.eos_ids, max_context=ref.max_context
+    w.rank, w.world, w.model, w.views, w.steps, w._loop, w.control = 0, 1, model, {}, 0, None, None
+    return TPTarget(
+        model=_Config(ref.model.config, None, torch.float32),
+        tokenizer=ref.tokenizer,
+        name="local-tp",
+        eos_ids=ref.eos_ids,
+        max_context=ref.max_context,
+        group=TPGroup([w], [{}], local=True),
+        tp_size=1,
     )
-    tp.group = TPGroup([w], local=True)
-    return tp
 
 
-def _check_equal(ref, tp, n: int = 30):
-    ids = ref.tokenizer(CODE, add_special_tokens=False)["input_ids"]
-    cfg = DecodeConfig(max_new_tokens=n)
-    want = generate(ref, ids, None, cfg).tokens
-    for target in (ref, tp):
-        prefix = prefill(target, ids[:6])
-        pre = prefill(target, ids, prefix)  # clone of a shared prefix (a fork on the ranks)
-        for _ in range(2):  # decode twice from the same prefilled prompt: clones stay independent
-            out = decode(target, pre, OracleDrafter(want), cfg)
-            assert out.tokens == want
-            assert sum(out.stats.accepted) > 0 and out.stats.forwards < n - 1
-    return ids, want
+def _batch(target, prompts, cfgs, drafters):
+    pool = target.block_pool(4096, 16, True)
+    seqs = [Sequence(target, p, d, c) for p, c, d in zip(prompts, cfgs, drafters)]
+    return run_batch(target, seqs, None, BatchLimits(max_running=4, tree_rows=16), pool)
 
 
-def test_shadow_cache_replays_the_engine_kv_commits(tiny_model_dir):
-    from toolspec_core.model.target import load_target
+def test_step_protocol_equals_single_process():
+    """Greedy with KV moves, sampling, logprobs, shared prompt prefixes: the TP step (block tables
+    replayed on the rank, argmax and only the asked-for rows back) changes nothing."""
+    from tiny import tiny_target
 
-    ref = load_target(tiny_model_dir)
-    tp = _local_tp_target(ref)
-    _check_equal(ref, tp)
-    gc.collect()
-    assert tp.group.live_caches() == [0]  # every clone was freed on the rank
+    ref = tiny_target(vocab=90)
+    tp = local_tp(ref)
+    shared = [5, 9, 2, 44, 17, 3, 8, 60, 12, 7, 1, 33, 20, 4, 6, 2, 9, 11]  # > one 16-token block
+    prompts = [shared + [i, i + 1] for i in range(3)] + [[3, 1, 4, 1, 5]]
+    n = 20
+    plain = _batch(ref, prompts, [DecodeConfig(max_new_tokens=n)] * 4, [None] * 4)
+    cfgs = [
+        DecodeConfig(max_new_tokens=n),
+        DecodeConfig(max_new_tokens=n, logprobs=2),
+        DecodeConfig(max_new_tokens=n, sampling=SamplingParams(temperature=0.8, seed=3)),
+        DecodeConfig(max_new_tokens=n),
+    ]
+    for _ in range(2):  # the second round starts from the first round's cached prefix blocks
+        want = _batch(ref, prompts, cfgs, [OracleDrafter(r.tokens) for r in plain])
+        got = _batch(tp, prompts, cfgs, [OracleDrafter(r.tokens) for r in plain])
+        for a, b in zip(want, got):
+            assert a.tokens == b.tokens
+        assert [r.tokens for r in want[:2]] == [r.tokens for r in plain[:2]]
+        assert sum(got[0].stats.accepted) > 0
+        assert want[1].logprobs and want[1].logprobs == got[1].logprobs
+    w = tp.group.workers[0]
+    assert w.steps == tp.group.transport.calls  # one call per step
+    assert len(w.views) <= 4  # finished sequences are freed on the rank at the next step
 
 
-needs_deepspeed = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed (pip install -e '.[tp]')"
-)
+def test_vocab_parallel_argmax_and_rows_on_one_rank():
+    from deployments.tp.shards import gather_rows, vocab_argmax, vocab_range
+
+    assert [vocab_range(10, r, 3) for r in range(3)] == [(0, 4), (4, 8), (8, 10)]
+    assert [vocab_range(4, r, 8) for r in (3, 4, 7)] == [(3, 4), (4, 4), (4, 4)]  # more ranks than rows
+    x = torch.tensor([[1.0, 3.0, 3.0], [0.0, -1.0, 2.0]])
+    assert vocab_argmax(x, 5).tolist() == [6, 7]  # the first maximal index, offset by the range start
+    assert torch.equal(gather_rows(x), x)
+
+
+def test_tree_mask_matches_tree_inputs():
+    from deployments.tp.worker import tree_mask
+    from toolspec_core.engine.verify import tree_inputs
+
+    tree = DraftTree()
+    tree.add_path([4, 5, 6], 0.9, "a")
+    tree.add_path([4, 7], 0.5, "b")
+    _, _, mask = tree_inputs([1, 2], tree, 7)
+    n = mask.shape[-2]
+    assert torch.equal(tree_mask(mask[0, 0, :, -n:] == 0, 7, mask.dtype), mask)
+
+
+def test_sharded_reads_are_the_checkpoint_slices(tmp_path):
+    """read_slice (pread, dim 0 and dim 1, straight into the parameter or not) == the tensor's slice."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from deployments.tp.shards import read_slice, safetensors_header, tensor_files
+
+    w = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
+    b = torch.arange(5, dtype=torch.bfloat16)
+    save_file({"w": w, "b": b}, str(tmp_path / "model.safetensors"))
+    assert set(tensor_files(tmp_path)) == {"w", "b"}
+    base, head = safetensors_header(tmp_path / "model.safetensors")
+    fd = os.open(tmp_path / "model.safetensors", os.O_RDONLY)
+    try:
+        assert torch.equal(read_slice(fd, base, head["w"]), w)
+        assert torch.equal(read_slice(fd, base, head["w"], 0, 2, 5), w[2:5])
+        assert torch.equal(read_slice(fd, base, head["w"], 1, 3, 7), w[:, 3:7])
+        out = torch.empty(4, 8)
+        assert read_slice(fd, base, head["w"], 0, 1, 5, out=out) is out and torch.equal(out, w[1:5])
+        into_other_dtype = torch.empty(6, 4, dtype=torch.float64)
+        read_slice(fd, base, head["w"], 1, 4, 8, out=into_other_dtype)
+        assert torch.equal(into_other_dtype, w[:, 4:].double())
+        assert torch.equal(read_slice(fd, base, head["b"]), b)
+    finally:
+        os.close(fd)
+
+
+def test_shard_offset_refuses_an_unknown_layout():
+    from deployments.tp.shards import shard_offset
+
+    with pytest.raises(ValueError, match="cannot tell which slice"):
+        shard_offset(torch.nn.Linear(4, 4), 0, 8, 4)
+
+
+def test_placement_bundles_reserve_the_replica_with_rank_0():
+    from deployments.config import ServeAppConfig
+    from deployments.tp.placement import placement_bundles
+
+    assert placement_bundles(2, 1, 0, 0, 0) == [{"CPU": 1}, {"CPU": 0.01}]
+    assert placement_bundles(4, 1, 0, 2, 1) == [{"CPU": 3, "GPU": 1}] + [{"CPU": 2, "GPU": 1}] * 3
+    cfg = ServeAppConfig(tensor_parallel_size=8, device="cuda", dtype="bfloat16", replica_num_cpus=1)
+    opts = cfg.deployment_options()
+    assert len(opts["placement_group_bundles"]) == 8 and opts["placement_group_strategy"] == "STRICT_PACK"
+    assert opts["placement_group_bundles"][0] == {"CPU": 1, "GPU": 1.0}
+    assert "placement_group_bundles" not in ServeAppConfig(device="cpu").deployment_options()
+    with pytest.raises(ValueError, match="batched engine"):
+        ServeAppConfig(tensor_parallel_size=2, engine="threads")
+
+
+@pytest.mark.serve
+def test_unplaceable_workers_fail_within_the_timeout(ray_cluster):
+    """Workers asking for a GPU the cluster lacks: a clear PlacementError within the timeout, both
+    when the start makes its own placement group and inside a replica's group that cannot hold them."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from deployments.tp.placement import PlacementError, start_workers
+    from deployments.tp.worker import TPWorker
+
+    args = lambda r: ("/nonexistent", r, 2, "float32", "cuda")  # noqa: E731 -- never loaded
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match="GPU") as err:
+        start_workers(TPWorker, args, 2, {"CPU": 0.0, "GPU": 1.0}, "STRICT_PACK", 3.0)
+    assert time.monotonic() - t0 < 30 and "no room for 2 tensor-parallel workers" in str(err.value)
+
+    pg = placement_group([{"CPU": 0.01}, {"CPU": 0.01}], strategy="STRICT_PACK")
+    ray.get(pg.ready(), timeout=30)
+
+    @ray.remote(num_cpus=0)
+    def inside() -> str:
+        try:
+            start_workers(TPWorker, args, 2, {"CPU": 0.0, "GPU": 1.0}, "STRICT_PACK", 3.0)
+        except PlacementError as exc:
+            return str(exc)
+        return "started"
+
+    try:
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+        msg = ray.get(inside.options(scheduling_strategy=strategy).remote(), timeout=120)
+    finally:
+        remove_placement_group(pg)
+    assert "rank(s) [0, 1] not placed within 3 s" in msg and "'GPU': 1.0" in msg
+
+
+def _requests(n: int) -> list[dict]:
+    return [
+        {
+            "messages": [{"role": "system", "content": "Shared."}, {"role": "user", "content": f"call {i} " * (i + 1)}],
+            "tools": TOOLS if i % 2 else [],
+            "tool_choice": ("required" if i == 3 else "auto") if i % 2 else "none",
+            "max_tokens": 24,
+            "temperature": 0.7 if i == 2 else 0.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "seed": 11 if i == 2 else None,
+            "stop": [],
+            "tenant": "t",
+            "remember": True,
+        }
+        for i in range(n)
+    ]
 
 
 @needs_deepspeed
 @pytest.mark.serve
 @pytest.mark.timeout(900)
 def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):
-    """DeepSpeed AutoTP over 2 Ray actors (gloo on CPU) vs the single-process engine: identical."""
+    """DeepSpeed AutoTP over 2 Ray actors (gloo on CPU) vs the single-process engine: identical,
+    requests alone and batched (greedy, sampled with a seed, tools on auto and required)."""
     from deployments.config import ServeAppConfig
     from deployments.engine_host import EngineHost
 
     base = dict(
-        model=tiny_model_dir,
-        method="toolspec",
-        cost_model="reference",
-        retrieval={"enabled": False},
-        max_tokens_default=24,
+        model=tiny_model_dir, method="toolspec", cost_model="reference", retrieval={"enabled": False}, kv_pool_tokens=8192
     )
     single = EngineHost.build(ServeAppConfig(**base))
     tp = EngineHost.build(ServeAppConfig(**base, tensor_parallel_size=2))
     try:
-        assert tp.target.group is not None and len(tp.target.group.workers) == 2
-        _check_equal(single.target, tp.target, n=24)
-
-        reqs = [
-            {
-                "messages": [
-                    {"role": "system", "content": "Shared."},
-                    {"role": "user", "content": f"call {i} " * (i + 1)},
-                ],
-                "tools": TOOLS if i % 2 else [],
-                "tool_choice": "auto" if i % 2 else "none",
-                "max_tokens": 24,
-                "temperature": 0.0,
-                "top_p": 1.0,
-                "top_k": 0,
-                "seed": None,
-                "stop": [],
-                "tenant": "t",
-                "remember": True,
-            }
-            for i in range(4)
-        ]
+        group = tp.target.group
+        assert len(group.workers) == 2 and [r["rank"] for r in group.reports] == [0, 1]
+        reqs = _requests(4)
 
         async def run(host):
             one_by_one = [await host.generate(r) for r in reqs]
@@ -126,24 +258,49 @@ def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):
             return [r["text"] for r in one_by_one], [r["text"] for r in together]
 
         a_seq, a_par = asyncio.run(run(single))
+        calls = group.transport.calls
         b_seq, b_par = asyncio.run(run(tp))
-        assert a_seq == a_par == b_seq == b_par
-        gc.collect()
-        live = tp.target.group.live_caches()
-        assert live[0] == live[1] <= tp.cfg.prefix_cache_entries  # only cached prefixes remain
+        assert a_seq == b_seq and a_par == b_par
+        assert a_seq[:2] + a_seq[3:] == a_par[:2] + a_par[3:]  # greedy: batching changes nothing
+        steps = len(tp.engine.scheduler.steps)
+        assert group.transport.calls - calls <= steps  # one Ray call per step, none besides
+        reports = group.worker_reports()
+        assert reports[0]["steps"] == reports[1]["steps"] == group.transport.calls
     finally:
         tp.close()
         single.close()
 
 
+@needs_deepspeed
 @pytest.mark.serve
-def test_single_remote_worker_equals_in_process(ray_cluster, tiny_model_dir):
-    """tp_size 1 through a worker actor (the accelerator path, no DeepSpeed) changes nothing."""
-    from deployments.tp import start_tp_target
-    from toolspec_core.model.target import load_target
+@pytest.mark.timeout(900)
+def test_tp_replica_places_its_workers_in_its_placement_group(ray_cluster, serve_port, tiny_model_dir):
+    """A TP=2 replica deployed through Serve: a placement group of 2 bundles (replica + rank 0,
+    rank 1), and both workers run inside it."""
+    from ray import serve
+    from ray.util import placement_group_table
+    from serve_fixtures import deploy
 
-    remote = start_tp_target(tiny_model_dir, 1)
+    deploy(
+        "tp2",
+        {"model": tiny_model_dir, "tensor_parallel_size": 2, "retrieval": {"enabled": False}, "max_tokens_default": 8},
+        serve_port,
+    )
     try:
-        _check_equal(load_target(tiny_model_dir), remote, n=20)
+        handle = serve.get_deployment_handle("Replica", app_name="tp2")
+        info = None
+        for _ in range(120):
+            try:
+                info = handle.info.remote().result(timeout_s=30)
+                break
+            except Exception:
+                time.sleep(2)
+        assert info is not None, "the TP replica did not start"
+        tp = info["tensor_parallel"]
+        pg = tp["placement_group"]
+        assert pg is not None and [w["placement_group"] for w in tp["workers"]] == [pg, pg]
+        assert [w["bundle"] for w in tp["workers"]] == [0, 1]
+        table = placement_group_table()[pg]
+        assert len(table["bundles"]) == 2 and table["strategy"] == "STRICT_PACK"
     finally:
-        remote.group.shutdown()
+        serve.delete("tp2")

@@ -4,6 +4,7 @@ validates, and a planted error of each kind makes validation fail."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -65,6 +66,7 @@ def test_overlay_renders_and_validates(rendered, crd_path, overlay):
         ("StatefulSet", "qdrant"),
         ("Service", "qdrant"),
         ("Secret", "toolspec-secrets"),
+        ("PodMonitor", "toolspec"),
         ("Namespace", docs[0]["metadata"]["name"]),
     } <= kinds
     namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"}
@@ -119,6 +121,26 @@ def test_gpu_prod_is_sized_for_qwen72b(rendered):
     assert group["maxReplicas"] > group["minReplicas"] >= 1
     assert args["autoscaling"]["max_replicas"] > args["autoscaling"]["min_replicas"]
     assert _one(docs, "PersistentVolumeClaim", "toolspec-models")
+
+
+def test_gpu_prod_passes_the_capacity_plan(rendered):
+    """The app's own build-time check (deployments.plan.check_plan) on the rendered args, with the
+    built-in Qwen2.5-72B config: the model directory exists only in the cluster."""
+    from deployments.plan import check_plan, model_shape, parse_memory
+
+    docs = rendered["gpu-prod"]
+    args = _args(docs)
+    assert args["model"].endswith("/Qwen2.5-72B-Instruct")
+    assert (args["device"], args["dtype"], args["tensor_parallel_size"]) == ("cuda", "bfloat16", 8)
+    # gpu_memory is at most what the node selector's GPU has (NVIDIA-H100-80GB-HBM3: 81559MiB < 80 GiB)
+    product = _worker(docs)["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"]
+    assert 0 < parse_memory(args["gpu_memory"]) <= int(re.search(r"(\d+)GB", product).group(1)) * 2**30
+    cfg = k8s_validate.validate_app_args(args)
+    shape = model_shape("qwen2.5-72b")
+    plan = check_plan(cfg, shape)
+    assert plan.fits and plan.concurrency == 38
+    with pytest.raises(ValueError, match="does not fit"):
+        check_plan(cfg.model_copy(update={"tensor_parallel_size": 2}), shape)
 
 
 def test_cpu_dev_is_small_and_gpu_free(rendered):
@@ -215,6 +237,26 @@ PLANTED = {
         "RayService",
         lambda d: _serve(d, "api_key_env: TOOLSPEC_API_KEY", "api_key_env: MISSING_KEY"),
         "MISSING_KEY",
+    ),
+    "podmonitor port not on the pods": (
+        "PodMonitor",
+        lambda d: d["spec"]["podMetricsEndpoints"][0].__setitem__("port", "http"),
+        "no container port named 'http'",
+    ),
+    "podmonitor selects no pods": (
+        "PodMonitor",
+        lambda d: d["spec"]["selector"]["matchLabels"].__setitem__("app.kubernetes.io/component", "ray-hed"),
+        "matches no pod template",
+    ),
+    "podmonitor unknown field": (
+        "PodMonitor",
+        lambda d: d["spec"]["podMetricsEndpoints"][0].__setitem__("pathh", "/metrics"),
+        "unknown field pathh",
+    ),
+    "podmonitor bad interval": (
+        "PodMonitor",
+        lambda d: d["spec"]["podMetricsEndpoints"][0].__setitem__("interval", "30"),
+        "not a duration",
     ),
     "qdrant url to nowhere": (
         "RayService",
