@@ -11,7 +11,10 @@ MLP linears -- q, k, v, o, gate, up, down weights and the q/k/v biases -- are sp
 ranks (q / k / v / o by heads, gate / up / down by the intermediate size); ``embed_tokens``, the
 RMSNorms and ``lm_head`` are replicated whole on every rank, ``lm_head`` counted on its own only
 when the embeddings are untied. The KV cache is split by KV heads: a rank holds ``kv_heads / tp``
-of them for every token.
+of them for every token. The workers in ``deployments/tp`` split ``embed_tokens`` and ``lm_head``
+by vocabulary instead (``deployments/tp/shards.py``), so at TP > 1 this counts up to
+``(1 - 1/tp)`` of those tables more than a rank holds (Qwen2.5-72B at TP 8: 4.06 GiB in bf16): the
+plan errs towards refusing.
 
 Memory of one GPU: ``gpu_memory * kv_memory_fraction`` is what the replica may use (the fraction
 leaves the allocator its headroom, as the engine's pool sizing does); the weights and

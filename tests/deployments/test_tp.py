@@ -243,7 +243,11 @@ def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):
     from deployments.engine_host import EngineHost
 
     base = dict(
-        model=tiny_model_dir, method="toolspec", cost_model="reference", retrieval={"enabled": False}, kv_pool_tokens=8192
+        model=tiny_model_dir,
+        method="toolspec",
+        cost_model="reference",
+        retrieval={"enabled": False},
+        kv_pool_tokens=8192,
     )
     single = EngineHost.build(ServeAppConfig(**base))
     tp = EngineHost.build(ServeAppConfig(**base, tensor_parallel_size=2))
