@@ -374,7 +374,7 @@ class EngineHost:
         group = getattr(self.target, "group", None)
         if group is None:
             return None
-        keys = ("rank", "device", "placement_group", "bundle", "weights_bytes", "peak_rss_bytes", "load_s")
+        keys = ("rank", "device", "placement_group", "weights_bytes", "peak_rss_bytes", "load_s")
         return {
             "placement_group": group.pg.id.hex() if group.pg is not None else None,
             "workers": [{k: r.get(k) for k in keys} for r in group.reports],

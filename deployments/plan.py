@@ -6,15 +6,17 @@ out-of-memory error mid-traffic); the arithmetic needs nothing but the model's c
 ``toolspec plan`` prints it before anything is deployed and ``build_app`` refuses such a config
 (:func:`check_plan`) when ``gpu_memory`` is set.
 
-Sharding model, per GPU (what DeepSpeed AutoTP gives each tensor-parallel rank): the attention and
-MLP linears -- q, k, v, o, gate, up, down weights and the q/k/v biases -- are split across the
-ranks (q / k / v / o by heads, gate / up / down by the intermediate size); ``embed_tokens``, the
-RMSNorms and ``lm_head`` are replicated whole on every rank, ``lm_head`` counted on its own only
-when the embeddings are untied. The KV cache is split by KV heads: a rank holds ``kv_heads / tp``
-of them for every token. The workers in ``deployments/tp`` split ``embed_tokens`` and ``lm_head``
-by vocabulary instead (``deployments/tp/shards.py``), so at TP > 1 this counts up to
-``(1 - 1/tp)`` of those tables more than a rank holds (Qwen2.5-72B at TP 8: 4.06 GiB in bf16): the
-plan errs towards refusing.
+Sharding model, per GPU (what the workers in ``deployments/tp`` load on each tensor-parallel rank,
+``deployments/tp/shards.py``): DeepSpeed AutoTP splits the attention and MLP linears -- q, k, v, o,
+gate, up, down weights and the q/k/v biases -- across the ranks (q / k / v / o by heads, gate / up
+/ down by the intermediate size); ``embed_tokens`` and ``lm_head`` are split by vocabulary
+(``vocab_range``): rank r holds rows ``[r * ceil(V / tp), min((r + 1) * ceil(V / tp), V))`` of
+each, the head as a parameter of its own even when the checkpoint ties it to the embeddings, so
+rank 0, which holds the most, has ``2 * ceil(V / tp) * hidden`` of them. Only the RMSNorms,
+``(2 * layers + 1) * hidden``, are replicated whole on every rank. At ``tp == 1`` the model runs in
+the replica's own process (``deployments/tp/placement.py`` ``target_placement``: TP 1 on a GPU the
+replica holds), which holds the whole model: the embeddings, and ``lm_head`` only when untied. The
+KV cache is split by KV heads: a rank holds ``kv_heads / tp`` of them for every token.
 
 Memory of one GPU: ``gpu_memory * kv_memory_fraction`` is what the replica may use (the fraction
 leaves the allocator its headroom, as the engine's pool sizing does); the weights and
@@ -56,8 +58,8 @@ class Plan:
     dtype: str
     dtype_bytes: int
     params: int  # the whole model
-    split_params: int  # the linears' share one rank holds
-    replicated_params: int  # embeddings, norms, lm_head: whole on every rank
+    split_params: int  # one rank's share of the linears and its vocabulary rows of embed_tokens and lm_head
+    replicated_params: int  # the RMSNorms: whole on every rank
     weights_per_gpu: int  # (split_params + replicated_params) * dtype_bytes
     gpu_memory: int
     kv_memory_fraction: float
@@ -142,17 +144,24 @@ def qkv_bias(shape: dict) -> bool:
 
 
 def rank_params(shape: dict, tp: int) -> tuple[int, int]:
-    """(split, replicated): the parameters one of ``tp`` ranks holds of the linears AutoTP splits,
-    and of those every rank holds whole (see the module docstring). ``tp=1`` counts the model."""
+    """(split, replicated): the parameters rank 0 of ``tp`` holds of what is split across the ranks
+    -- its share of the linears and its ``ceil(vocab / tp)`` rows of ``embed_tokens`` and of
+    ``lm_head`` -- and of the RMSNorms every rank holds whole (see the module docstring). ``tp == 1``
+    is the in-process replica (``deployments/tp/placement.py`` ``target_placement``: TP 1 on a GPU
+    the replica holds), which counts the model: the embeddings, and ``lm_head`` only when untied."""
     check_tp(shape, tp)
     layers, heads, kv_heads, head_dim = kv_layout(shape)
     hidden, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     q, kv = heads // tp * head_dim, kv_heads // tp * head_dim  # this rank's output columns of q, and of k and v each
     attn = hidden * q + 2 * hidden * kv + q * hidden + (q + 2 * kv if qkv_bias(shape) else 0)  # q, k, v, o
     mlp = 3 * hidden * -(-inter // tp)  # gate, up [inter / tp, hidden], down [hidden, inter / tp]
-    untied = not shape.get("tie_word_embeddings", False)
-    replicated = vocab * hidden * (2 if untied else 1) + (2 * layers + 1) * hidden  # embed (+ lm_head), norms
-    return layers * (attn + mlp), replicated
+    if tp == 1:
+        untied = not shape.get("tie_word_embeddings", False)
+        vocab_rows = vocab * (2 if untied else 1)  # embed_tokens (+ lm_head)
+    else:
+        vocab_rows = 2 * -(-vocab // tp)  # rank 0's rows of embed_tokens and of lm_head, tied or not
+    norms = (2 * layers + 1) * hidden
+    return layers * (attn + mlp) + vocab_rows * hidden, norms
 
 
 def kv_bytes_per_token_per_gpu(shape: dict, tp: int, dtype: str) -> int:

@@ -129,12 +129,17 @@ def start_workers(worker_cls, args_of, tp_size: int, resources: dict[str, float]
     own = get_current_placement_group() is None
     pg = group_for_workers(tp_size, resources, strategy, timeout_s)
     actor = ray.remote(num_cpus=resources["CPU"], num_gpus=resources["GPU"])(worker_cls)
-    workers = [
-        actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
-            *args_of(r)
-        )
-        for r in range(tp_size)
-    ]
+    try:
+        workers = [
+            actor.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)
+            ).remote(*args_of(r))
+            for r in range(tp_size)
+        ]
+    except ValueError as exc:  # Ray refuses at once a request no bundle of the group could ever hold
+        if own:
+            stop_workers([], pg)
+        raise PlacementError(f"tensor-parallel workers cannot run in this placement group: {exc}") from None
     try:
         wait_placed(workers, resources, pg, max(1.0, timeout_s - (time.monotonic() - t0)))
     except Exception:

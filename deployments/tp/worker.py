@@ -129,22 +129,15 @@ def peak_rss_bytes() -> int:
 
 
 def placement() -> dict:
-    """The placement group and bundle this process runs in (as Ray assigned its resources)."""
-    import re
-
+    """The placement group this process runs in (None outside Ray)."""
     try:
         import ray
 
         if not ray.is_initialized():
-            raise RuntimeError("not in a Ray worker")
-        ctx = ray.get_runtime_context()
-        pg = ctx.get_placement_group_id()
-        bundles = {
-            int(m.group(1)) for k in ctx.get_assigned_resources() if (m := re.search(r"_group_(\d+)_[0-9a-f]+$", k))
-        }
-    except Exception:  # not in a Ray worker (a local rank)
-        return {"placement_group": None, "bundle": None}
-    return {"placement_group": pg, "bundle": min(bundles) if bundles else None}
+            return {"placement_group": None}
+        return {"placement_group": ray.get_runtime_context().get_placement_group_id()}
+    except ImportError:  # a local rank on a machine without Ray
+        return {"placement_group": None}
 
 
 def extensions_dir() -> str:

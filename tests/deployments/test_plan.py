@@ -58,41 +58,60 @@ def test_qwen72b_tp8_bf16_on_80gib():
     mlp = 3 * 8192 * (29568 // 8)  # gate, up, down
     per_layer = q + kv + q + bias + mlp
     assert per_layer == 109_708_544
-    assert plan.split_params == 80 * per_layer == 8_776_683_520
-    # embed_tokens and lm_head (untied), two norms a layer and the final one
-    assert plan.replicated_params == 2 * 152064 * 8192 + (2 * 80 + 1) * 8192 == 2_492_735_488
+    # the linears, and 152064 / 8 = 19008 rows of embed_tokens and of lm_head
+    assert plan.split_params == 80 * per_layer + 2 * 19008 * 8192 == 8_776_683_520 + 311_427_072 == 9_088_110_592
+    # two norms a layer and the final one
+    assert plan.replicated_params == (2 * 80 + 1) * 8192 == 1_318_912
     assert plan.params == 72_706_203_648  # the model card's 72.7B
-    assert plan.weights_per_gpu == 2 * (8_776_683_520 + 2_492_735_488) == 22_538_838_016  # 20.99 GiB
+    assert plan.weights_per_gpu == 2 * (9_088_110_592 + 1_318_912) == 18_178_859_008  # 16.93 GiB
     assert plan.usable_memory == USABLE_80GIB
-    assert plan.kv_memory == USABLE_80GIB - 22_538_838_016 - 2 * GiB == 52_623_089_664
+    assert plan.kv_memory == USABLE_80GIB - 18_178_859_008 - 2 * GiB == 56_983_068_672
     assert plan.kv_bytes_per_token == 2 * 80 * (8 // 8) * 128 * 2 == 40_960
-    blocks = 52_623_089_664 // (40_960 * 16)
-    assert blocks == 80_296
-    assert plan.pool_tokens == 16 * blocks == 1_284_736
+    blocks = 56_983_068_672 // (40_960 * 16)
+    assert blocks == 86_949
+    assert plan.pool_tokens == 16 * blocks == 1_391_184
     assert plan.context == plan.context_tokens == 32768  # max_position_embeddings
-    assert plan.concurrency == blocks // (32768 // 16) == 39
+    assert plan.concurrency == blocks // (32768 // 16) == 42
     at_8k = make_plan(model_shape("qwen2.5-72b"), 8, "bfloat16", 80 * GiB, context=8192)
-    assert at_8k.concurrency == blocks // (8192 // 16) == 156
+    assert at_8k.concurrency == blocks // (8192 // 16) == 169
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_qwen05b_fp32(tp):
     """Qwen2.5-0.5B: 24 layers, hidden 896, 14 heads of 64, 2 KV heads, intermediate 4864,
-    vocab 151936, tied embeddings (lm_head is embed_tokens: counted once)."""
+    vocab 151936, tied embeddings: the in-process replica (TP 1) counts lm_head once, as it is
+    embed_tokens; at TP 2 a rank holds 151936 / 2 = 75968 rows of embed_tokens and, a copy of its
+    own, the same rows of lm_head -- as many as the whole tied table."""
     plan = make_plan(model_shape("qwen2.5-0.5b"), tp, "float32", parse_memory("80GiB"))
     heads, kv_heads, inter = 14 // tp, 2 // tp, 4864 // tp
     per_layer = 896 * heads * 64 * 2 + 2 * 896 * kv_heads * 64 + (heads + 2 * kv_heads) * 64 + 3 * 896 * inter
     assert per_layer == {1: 14_910_592, 2: 7_455_296}[tp]
-    assert plan.split_params == 24 * per_layer
-    assert plan.replicated_params == 151936 * 896 + (2 * 24 + 1) * 896 == 136_178_560
-    assert plan.params == 24 * 14_910_592 + 136_178_560 == 494_032_768  # the model card's 0.49B
-    weights = 4 * (24 * per_layer + 136_178_560)
+    vocab_rows = {1: 151936, 2: 2 * 75968}[tp]
+    assert plan.split_params == 24 * per_layer + vocab_rows * 896 == 24 * per_layer + 136_134_656
+    assert plan.replicated_params == (2 * 24 + 1) * 896 == 43_904  # the norms
+    assert plan.params == 24 * 14_910_592 + 136_134_656 + 43_904 == 494_032_768  # the model card's 0.49B
+    weights = 4 * (24 * per_layer + 136_134_656 + 43_904)
     assert plan.weights_per_gpu == weights == {1: 1_976_131_072, 2: 1_260_422_656}[tp]
     per_token = 2 * 24 * kv_heads * 64 * 4
     assert plan.kv_bytes_per_token == per_token == {1: 24_576, 2: 12_288}[tp]
     blocks = (USABLE_80GIB - weights - 2 * GiB) // (per_token * 16)
     assert plan.pool_tokens == 16 * blocks == {1: 2_977_936, 2: 6_014_112}[tp]
     assert plan.concurrency == blocks // 2048 == {1: 90, 2: 183}[tp]
+
+
+def test_embedded_tp2_fp32_weights_match_the_workers():
+    """The embedded checkpoint (untied, vocab 151936, hidden 896) at TP 2 in fp32: the plan's
+    weights per GPU are what a TP worker measured it holds (benchmarks/runs/tp/tp2-embedded-cpu.json,
+    "workers": 1,260,422,656 B), its own rows of embed_tokens and of lm_head included."""
+    from toolspec_core.model.embedded import embedded_model_dir
+
+    config = embedded_model_dir() / "config.json"
+    if not config.is_file():
+        pytest.skip("no embedded model (scripts/setup.sh converts it)")
+    shape = model_shape(str(config))
+    assert shape["tie_word_embeddings"] is False and shape["vocab_size"] == 151936
+    plan = make_plan(shape, 2, "float32", parse_memory("80GiB"))
+    assert plan.weights_per_gpu == 4 * (24 * 7_455_296 + 2 * 75968 * 896 + (2 * 24 + 1) * 896) == 1_260_422_656
 
 
 def test_tp_must_divide_the_heads():
@@ -127,7 +146,7 @@ def test_check_plan_refuses_72b_on_one_80gib_gpu(qwen72b_dir):
     # weights per GPU 145,412,407,296 B = 2 x 72,706,203,648; 72 GiB usable; a 32,768-token context of 327,680 B a token
     for figure in ("does not fit", "145,412,407,296 B (135.43 GiB)", "77,309,411,328 B (72.00 GiB)", "327,680 B"):
         assert figure in msg
-    assert check_plan(cfg.model_copy(update={"tensor_parallel_size": 8})).concurrency == 39
+    assert check_plan(cfg.model_copy(update={"tensor_parallel_size": 8})).concurrency == 42
     assert check_plan(cfg.model_copy(update={"gpu_memory": None})) is None
 
 
@@ -135,15 +154,18 @@ def test_check_plan_context_is_plan_context_tokens(qwen72b_dir):
     cfg = ServeAppConfig(
         model=str(qwen72b_dir), dtype="bfloat16", tensor_parallel_size=8, gpu_memory="80GiB", plan_context_tokens=8192
     )
-    assert check_plan(cfg).concurrency == 156
-    # TP 4 on 48 GB GPUs: 0.9 x 48e9 B usable less 2 x (17,553,367,040 + 2,492,735,488) B of weights
-    # and the 2 GiB reserve leaves 960,311,296 B: 732 blocks of 16 tokens x 81,920 B, one context
-    # of 8,192 tokens (512 blocks) and none of the full 32,768 (2,048 blocks)
-    small = cfg.model_copy(update={"tensor_parallel_size": 4, "gpu_memory": "48GB"})
-    kv_memory = 43_200_000_000 - 2 * (17_553_367_040 + 2_492_735_488) - 2 * GiB
-    assert check_plan(small).kv_memory == kv_memory == 960_311_296
-    assert check_plan(small).pool_tokens == 16 * (kv_memory // (16 * 81_920)) == 16 * 732
-    assert check_plan(small).concurrency == 732 // 512 == 1
+    assert check_plan(cfg).concurrency == 169
+    # TP 2 on 80 GiB GPUs: 72 GiB usable less 2 x (36,352,442,368 + 1,318,912) B of weights (the
+    # linears' half and 76032 rows each of embed_tokens and lm_head, and the norms) and the 2 GiB
+    # reserve leaves 2,454,405,120 B: 936 blocks of 16 tokens x 163,840 B, one context of 8,192
+    # tokens (512 blocks) and none of the full 32,768 (2,048 blocks)
+    small = cfg.model_copy(update={"tensor_parallel_size": 2})
+    per_layer = 2 * 8192 * (32 * 128) + 2 * 8192 * (4 * 128) + (32 + 2 * 4) * 128 + 3 * 8192 * (29568 // 2)
+    assert 80 * per_layer + 2 * 76032 * 8192 == 35_106_734_080 + 1_245_708_288 == 36_352_442_368
+    kv_memory = USABLE_80GIB - 2 * (36_352_442_368 + 1_318_912) - 2 * GiB
+    assert check_plan(small).kv_memory == kv_memory == 2_454_405_120
+    assert check_plan(small).pool_tokens == 16 * (kv_memory // (16 * 163_840)) == 16 * 936
+    assert check_plan(small).concurrency == 936 // 512 == 1
     with pytest.raises(ValueError, match="one request of 32,768 tokens"):
         check_plan(small.model_copy(update={"plan_context_tokens": None}))
 
@@ -162,10 +184,10 @@ def test_cli_prints_the_plan(capsys):
     out = capsys.readouterr().out
     for figure in (
         "72,706,203,648",
-        "22,538,838,016 B (20.99 GiB)",
+        "18,178,859,008 B (16.93 GiB)",
         "40,960 B",
-        "1,284,736 tokens",
-        "39 request(s) at full context",
+        "1,391,184 tokens",
+        "42 request(s) at full context",
     ):
         assert figure in out
     assert (

@@ -195,23 +195,40 @@ def test_unplaceable_workers_fail_within_the_timeout(ray_cluster):
         start_workers(TPWorker, args, 2, {"CPU": 0.0, "GPU": 1.0}, "STRICT_PACK", 3.0)
     assert time.monotonic() - t0 < 30 and "no room for 2 tensor-parallel workers" in str(err.value)
 
+    # a replica's group whose bundles could hold the workers but are taken: they wait, then fail
     pg = placement_group([{"CPU": 0.01}, {"CPU": 0.01}], strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=30)
 
+    @ray.remote(num_cpus=0.01)
+    class Holder:
+        def ping(self) -> int:
+            return 0
+
     @ray.remote(num_cpus=0)
-    def inside() -> str:
+    def inside(resources: dict) -> str:
         try:
-            start_workers(TPWorker, args, 2, {"CPU": 0.0, "GPU": 1.0}, "STRICT_PACK", 3.0)
+            start_workers(TPWorker, args, 2, resources, "STRICT_PACK", 3.0)
         except PlacementError as exc:
             return str(exc)
         return "started"
 
+    holders = [
+        Holder.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b)
+        ).remote()
+        for b in (0, 1)
+    ]
     try:
+        ray.get([h.ping.remote() for h in holders], timeout=60)
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
-        msg = ray.get(inside.options(scheduling_strategy=strategy).remote(), timeout=120)
+        msg = ray.get(inside.options(scheduling_strategy=strategy).remote({"CPU": 0.01, "GPU": 0.0}), timeout=120)
+        never = ray.get(inside.options(scheduling_strategy=strategy).remote({"CPU": 0.0, "GPU": 1.0}), timeout=120)
     finally:
+        for h in holders:
+            ray.kill(h)
         remove_placement_group(pg)
-    assert "rank(s) [0, 1] not placed within 3 s" in msg and "'GPU': 1.0" in msg
+    assert "cannot run in this placement group" in never and "GPU" in never
+    assert "rank(s) [0, 1] not placed within 3 s" in msg and "{'CPU': 0.01, 'GPU': 0.0}" in msg
 
 
 def _requests(n: int) -> list[dict]:
@@ -303,7 +320,6 @@ def test_tp_replica_places_its_workers_in_its_placement_group(ray_cluster, serve
         tp = info["tensor_parallel"]
         pg = tp["placement_group"]
         assert pg is not None and [w["placement_group"] for w in tp["workers"]] == [pg, pg]
-        assert [w["bundle"] for w in tp["workers"]] == [0, 1]
         table = placement_group_table()[pg]
         assert len(table["bundles"]) == 2 and table["strategy"] == "STRICT_PACK"
     finally:

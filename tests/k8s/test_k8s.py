@@ -138,7 +138,9 @@ def test_gpu_prod_passes_the_capacity_plan(rendered):
     cfg = k8s_validate.validate_app_args(args)
     shape = model_shape("qwen2.5-72b")
     plan = check_plan(cfg, shape)
-    assert plan.fits and plan.concurrency == 38
+    # 81559MiB x 0.9 less 18,178,859,008 B of weights per GPU and the 2 GiB reserve: 1,382,864 tokens
+    assert plan.fits and plan.pool_tokens == 1_382_864 and plan.concurrency == 1_382_864 // 32768 == 42
+    # TP 2: 72,707,522,560 B (67.71 GiB) of weights per GPU leave 12,896 tokens, not one 32,768-token context
     with pytest.raises(ValueError, match="does not fit"):
         check_plan(cfg.model_copy(update={"tensor_parallel_size": 2}), shape)
 
