@@ -116,7 +116,8 @@ def main(argv=None) -> int:
     if args.workers == "ray":
         import ray
 
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        if not ray.is_initialized():
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
         tp = EngineHost.build(ServeAppConfig(**base, tensor_parallel_size=args.tp))
     else:  # the host's own loader would run the model in-process; give it the local worker's target
         cfg = ServeAppConfig(**base)

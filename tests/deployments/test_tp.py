@@ -324,3 +324,26 @@ def test_tp_replica_places_its_workers_in_its_placement_group(ray_cluster, serve
         assert len(table["bundles"]) == 2 and table["strategy"] == "STRICT_PACK"
     finally:
         serve.delete("tp2")
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.serve
+@pytest.mark.timeout(1500)
+def test_tp2_on_the_embedded_model_equals_single_process(ray_cluster, tmp_path):
+    """Real weights, TP = 2 (gloo): dev prompts alone and batched give the single process's output;
+    each rank holds about half the weights (the committed 30-item run: benchmarks/tp_check.py)."""
+    import json
+
+    from benchmarks.tp_check import main
+    from toolspec_core.model.embedded import embedded_model_dir
+
+    out = tmp_path / "tp2.json"
+    assert main(["--tp", "2", "--items", "3", "--max-tokens", "40", "--batch", "3", "--out", str(out)]) == 0
+    s = json.loads(out.read_text())["summary"]
+    assert s["identical_alone"] == s["identical_batched"] == s["items"] == 3
+    full = sum(f.stat().st_size for f in embedded_model_dir().glob("*.safetensors"))
+    workers = json.loads(out.read_text())["workers"]
+    assert all(w["weights_bytes"] < 0.55 * full for w in workers)  # its half of every matrix, no whole copy
+    assert all(w["rss_after_load_bytes"] - w["rss_before_load_bytes"] < 0.7 * full for w in workers)
+    assert s["ray_calls_per_step"] == 1.0

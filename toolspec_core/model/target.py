@@ -37,9 +37,9 @@ class Target:
     """An HF causal LM plus its tokenizer: the calls the engine makes (``forward``, ``logits``).
 
     ``forward`` runs the rows of many sequences in one pass (:mod:`toolspec_core.model.batch_forward`)
-    where the model's family allows it; otherwise, and for a tensor-parallel target
-    (``deployments/tp.py``, a subclass whose ``hidden`` runs on its workers), one ``hidden`` call
-    per sequence."""
+    where the model's family allows it, otherwise one ``hidden`` call per sequence; ``step`` is
+    what the scheduler calls (a tensor-parallel target, ``deployments/tp``, overrides it to run
+    on its ranks)."""
 
     model: torch.nn.Module
     tokenizer: object
