@@ -1088,18 +1088,6 @@ def test_response_format_json_object_and_text(local):
     assert run(go({"type": "text"})).model_extra["toolspec"]["constrained"] is False
 
 
-def test_target_placement_replica_or_workers():
-    """tp 1 on the CPU or on a GPU the replica itself holds: the model lives in the replica (the engine
-    path measured on an H200); tensor parallel, or a GPU only workers get: Ray worker actors."""
-    from deployments.engine_host import target_placement
-
-    assert target_placement(1, "cpu", 0) == "replica"
-    assert target_placement(1, "cuda", 1) == "replica"
-    assert target_placement(1, "cuda", 0) == "workers"
-    assert target_placement(2, "cpu", 0) == "workers"
-    assert target_placement(4, "cuda", 0) == "workers"
-
-
 def test_engine_loop_fails_a_broken_step_cleanly_and_keeps_serving():
     """A step that raises ends the sequences it held with an error (their requests do not hang) and
     the engine thread goes on with the next ones."""

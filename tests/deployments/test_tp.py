@@ -163,6 +163,18 @@ def test_shard_offset_refuses_an_unknown_layout():
         shard_offset(torch.nn.Linear(4, 4), 0, 8, 4)
 
 
+def test_target_placement_replica_or_workers():
+    """tp 1 on the CPU or on a GPU the replica itself holds: the model lives in the replica (the engine
+    path measured on an H200); tensor parallel, or a GPU only workers get: Ray worker actors."""
+    from deployments.tp.placement import target_placement
+
+    assert target_placement(1, "cpu", 0) == "replica"
+    assert target_placement(1, "cuda", 1) == "replica"
+    assert target_placement(1, "cuda", 0) == "workers"
+    assert target_placement(2, "cpu", 0) == "workers"
+    assert target_placement(4, "cuda", 0) == "workers"
+
+
 def test_placement_bundles_reserve_the_replica_with_rank_0():
     from deployments.config import ServeAppConfig
     from deployments.tp.placement import placement_bundles
