@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import json
 import logging
-from pathlib import Path
 
 from ray import serve
 
@@ -27,7 +25,7 @@ class Retrieval(RetrievalServer):
     """One owner of the call library; every engine replica asks it (time-bounded)."""
 
     def __init__(self, cfg: ServeAppConfig, dim: int):
-        super().__init__(cfg.store_config(dim))
+        super().__init__(cfg.store_config(dim), cfg.retrieval)
 
 
 @serve.deployment(name="Replica")
@@ -77,16 +75,11 @@ class Ingress:
 
 
 def retrieval_dim(cfg: ServeAppConfig) -> int:
-    """Size of the retrieval key: the lexical hash size, or the target's hidden size."""
-    if cfg.retrieval.key == "lexical":
-        return cfg.retrieval.lexical_dim
-    if cfg.model in ("", "embedded"):
-        from toolspec_core.model.embedded import cache_root
+    """Size of the library's vectors (``retrieval.key_dim``): the deployment's encoder, the
+    lexical hash, or the target's hidden size."""
+    from .retrieval import hidden_size, key_dim
 
-        path = cache_root() / "embedded" / "qwen2.5-coder-0.5b-instruct-f32" / "config.json"
-        return json.loads(path.read_text())["hidden_size"] if path.is_file() else 896
-    cfg_json = json.loads((Path(cfg.model) / "config.json").read_text())
-    return int(cfg_json.get("hidden_size") or cfg_json["text_config"]["hidden_size"])
+    return key_dim(cfg.retrieval, hidden_size(cfg.model) if cfg.retrieval.key == "hidden" else 0)
 
 
 def check_method(name: str) -> None:
@@ -109,8 +102,10 @@ def build_app(args: dict | ServeAppConfig | None = None):
     check_method(cfg.method)
     retrieval = None
     if cfg.retrieval.enabled:
+        r = cfg.retrieval
+        gpus = r.encoder.num_gpus if r.key in ("qwen", "hybrid") else 0
         retrieval = Retrieval.options(
-            num_replicas=cfg.retrieval.num_replicas, ray_actor_options={"num_cpus": cfg.retrieval.num_cpus}
+            num_replicas=r.num_replicas, ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": gpus}
         ).bind(cfg, retrieval_dim(cfg))
     replica = Replica.options(**cfg.deployment_options()).bind(cfg, retrieval)
     return Ingress.options(

@@ -33,6 +33,20 @@ class AutoscalingConfig(BaseModel):
         return self.model_dump()
 
 
+class EncoderConfig(BaseModel):
+    """The Retrieval deployment's own encoder (``retrieval_service.embedding.HFEmbedder``)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = "embedded"  # a local HF directory (e.g. a Qwen embedding model), or the embedded Qwen
+    pooling: Literal["mean", "last"] = "mean"
+    max_length: int = Field(512, ge=8, le=32768)  # tokens of a request's text the encoder reads
+    prefix: str = ""  # an instruction some embedding models put before a query
+    device: Literal["cpu", "cuda"] = "cpu"
+    threads: int | None = Field(None, ge=1)  # torch threads of the Retrieval actor (CPU)
+    num_gpus: float = Field(0.0, ge=0, le=1)  # a GPU fraction for the actor (device cuda)
+
+
 class RetrievalConfig(BaseModel):
     """The shared call library (``retrieval_service``) as its own deployment."""
 
@@ -41,15 +55,24 @@ class RetrievalConfig(BaseModel):
     enabled: bool = True
     # StoreConfig kwargs: backend ("memory" | "edge" | "qdrant_local" | "qdrant_url"), path, url, ...
     store: dict[str, Any] = Field(default_factory=dict)
-    # "lexical": key from the request text, so the search overlaps prefill; "hidden": the
-    # target's last-layer state of the final prompt token (needs the prefill first).
-    key: Literal["lexical", "hidden"] = "lexical"
+    # "qwen": the deployment's encoder over the request text (one vector space for every
+    # replica); "hybrid": that vector beside the hashed lexical one (mean of the two cosines);
+    # "lexical": the hashed n-grams alone; "hidden": the target's last-layer state of the final
+    # prompt token, computed by the replica after the prefill (tied to the target model)
+    key: Literal["qwen", "hybrid", "lexical", "hidden"] = "qwen"
+    encoder: EncoderConfig = Field(default_factory=EncoderConfig)
+    max_batch_size: int = Field(16, ge=1, le=256)  # queries of all replicas the encoder embeds at once (1: no batching)
+    batch_wait_timeout_s: float = Field(0.005, ge=0, le=1)  # how long the first query of a batch waits for more
     lexical_dim: int = Field(1024, gt=0, le=65536)
-    timeout_s: float = Field(0.25, gt=0, le=30)
+    timeout_s: float = Field(1.0, gt=0, le=30)
     top_k: int = Field(10, ge=1, le=100)
     cache_entries: int = Field(256, ge=0)  # replica-local cache of recent search results
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.0, ge=0)
+
+    def text_key(self) -> bool:
+        """Whether replicas send request text and the deployment keys it (every key but hidden)."""
+        return self.key != "hidden"
 
 
 class RequestLimits(BaseModel):
@@ -164,6 +187,14 @@ class ServeAppConfig(BaseModel):
             raise ValueError("float16 is not supported on cpu; use float32 or bfloat16")
         if self.tensor_parallel_size > 1 and self.engine != "batched":
             raise ValueError("tensor_parallel_size > 1 runs on the batched engine (engine: batched)")
+        backend = self.store_config(1).get("backend", "edge")
+        r = self.retrieval
+        if r.enabled and r.num_replicas > 1 and backend != "qdrant_url":
+            raise ValueError(
+                f"retrieval.num_replicas {r.num_replicas} with the {backend!r} store: an embedded store lives in one "
+                "process, so each retrieval replica would hold a library of its own; use one replica, or a Qdrant "
+                "server (qdrant_url, or retrieval.store.backend qdrant_url) for several"
+            )
         if self.qdrant_url and self.retrieval.store.get("backend", "qdrant_url") != "qdrant_url":
             raise ValueError("qdrant_url conflicts with retrieval.store.backend")
         return self

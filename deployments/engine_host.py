@@ -10,6 +10,8 @@ prefix entry is cloned, never mutated).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import logging
 import os
 import socket
@@ -298,9 +300,11 @@ class EngineLoop:
 class EngineHost:
     """Target + method + caches of one replica. ``build`` does the heavy start-up work."""
 
-    def __init__(self, cfg: ServeAppConfig, target, method, cost=None, library=None, retrieval=None, embedder=None):
+    def __init__(self, cfg: ServeAppConfig, target, method, cost=None, library=None, retrieval=None):
         self.cfg, self.target, self.method, self.cost = cfg, target, method, cost
-        self.library, self.retrieval, self.embedder = library, retrieval, embedder
+        self.library, self.retrieval = library, retrieval
+        # the Retrieval deployment keys the request's text itself (every key but the target's hidden state)
+        self.text_key = retrieval is not None and cfg.retrieval.text_key()
         self.pool = ThreadPoolExecutor(max_workers=cfg.max_ongoing_requests + 1, thread_name_prefix="toolspec-decode")
         self.prefixes = PrefixCache(cfg.prefix_cache_entries)
         from toolspec_core.model.target import turn_end_tokens
@@ -348,12 +352,7 @@ class EngineHost:
             raise RuntimeError(f"cannot build decoding method {cfg.method!r}: {exc}") from exc
         cost = cost_model_for(cfg.cost_model, target, cfg.calibrate_cost)
         _lltokenizer(target.tokenizer)  # build llguidance's tokenizer view now, not on a request
-        embedder = None
-        if retrieval is not None and cfg.retrieval.key == "lexical":
-            from retrieval_service.embedding import LexicalEmbedder
-
-            embedder = LexicalEmbedder(cfg.retrieval.lexical_dim)
-        return cls(cfg, target, method, cost, library, retrieval, embedder)
+        return cls(cfg, target, method, cost, library, retrieval)
 
     def info(self) -> dict:
         return {
@@ -422,7 +421,11 @@ class EngineHost:
         # for a forced tool_choice; fences and bare JSON hold one call in the drafted layouts)
         end_after = ("</tool_call>",) if tools and not parallel else ()
         cfg = DecodeConfig(max_new, tuple(req["stop"]), sampling, end_after, req.get("logprobs"))
-        key = self.embedder.embed_request(req["messages"], tools) if self.embedder is not None and tools else None
+        key = None
+        if self.text_key and tools:
+            from retrieval_service.embedding import query_text
+
+            key = query_text(req["messages"], tools)
         return Prepared(prompt, cfg, constraint, key=key)
 
     def _shared_prefix(self, prep: Prepared):
@@ -447,14 +450,20 @@ class EngineHost:
 
         return prefill(self.target, prep.prompt_ids, self._shared_prefix(prep))
 
-    def _decode(self, prep: Prepared, pre, info, on_tokens, detok=None, holder: list | None = None, prefix=None):
+    def _decode(
+        self, prep: Prepared, pre, info, on_tokens, detok=None, holder: list | None = None, prefix=None, late=None
+    ):
         """Build the request's drafter, hand its sequence to the engine thread, wait for the end.
 
         ``pre``: the prompt prefilled in this thread; None: the engine prefills it in chunks
-        between decode steps, after the cached ``prefix`` (if any)."""
+        between decode steps, after the cached ``prefix`` (if any). ``late``: a future of the
+        retrieved calls, still being searched while the engine prefills (:class:`LateDrafter`)."""
         from toolspec_core.engine.sequence import Sequence
 
-        drafter = self.method.drafter(info)
+        if late is None:
+            drafter = self.method.drafter(info)
+        else:
+            drafter = LateDrafter(lambda calls: self.method.drafter(dataclasses.replace(info, retrieved=calls)), late)
         seq = Sequence(
             self.target,
             prep.prompt_ids,
@@ -524,14 +533,20 @@ class EngineHost:
 
             embedding = from_hidden(pre.hidden)
             search = asyncio.ensure_future(self._retrieve(req, embedding))
-        retrieved, rinfo = (await search) if search is not None else (None, {"status": "disabled"})
+        late = None  # the search still running when the sequence enters the engine
+        if search is not None and in_engine and pre is None:
+            late = concurrent.futures.Future()
+            search.add_done_callback(lambda task: late.set_result(task.result()[0]))
+            retrieved, rinfo = None, None
+        else:
+            retrieved, rinfo = (await search) if search is not None else (None, {"status": "disabled"})
         if self.library is not None:
             self.library.note_tools(req["tenant"], req["tools"])
         info = RequestInfo(
             list(prep.prompt_ids),
             list(req["tools"]),
             req["tenant"],
-            embedding.tolist() if embedding is not None else None,
+            embedding if embedding is None or isinstance(embedding, str) else embedding.tolist(),
             req["remember"],
             retrieved if retrieved is not None else ([] if self.retrieval is not None else None),
             req.get("response_schema"),
@@ -553,7 +568,7 @@ class EngineHost:
 
         def run():
             try:
-                return self._decode(prep, pre, info, on_tokens, detok, holder, prefix)
+                return self._decode(prep, pre, info, on_tokens, detok, holder, prefix, late)
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, done)
 
@@ -582,6 +597,9 @@ class EngineHost:
             cancel.set()
             for seq in holder:  # Scheduler.cancel: read at the next step, also while waiting for admission
                 seq.cancelled = True
+        if late is not None:
+            rinfo = dict((await search)[1])
+            rinfo["in_time"] = bool(holder) and getattr(holder[0].drafter, "in_time", False)
         tail = streamer.finish(result.text)
         rest = result.logprobs[sent_logprobs:] if result.logprobs is not None else None
         if tail or rest:
@@ -594,6 +612,7 @@ class EngineHost:
             "method": getattr(self.method, "name", self.cfg.method),
             "prefix_cached_tokens": prep.prefix_len + result.stats.cached_tokens,
             "retrieval": rinfo,
+            "replica": self.replica_id,
             "latency_s": time.perf_counter() - t0,
             "constrained": prep.constraint is not None,
         }
@@ -650,6 +669,30 @@ class EngineHost:
         if group is not None:
             group.shutdown()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class LateDrafter:
+    """A request's drafter, built at its first proposal -- once the engine has prefilled the
+    prompt -- from the retrieved calls if their search has finished by then, else from none (the
+    request drafts schema-only, as on a timeout). So the library search runs while the prompt is
+    prefilled instead of before it, and never holds the engine up."""
+
+    reads_logits = False
+
+    def __init__(self, build, calls: concurrent.futures.Future):
+        self.build, self.calls = build, calls
+        self.inner = None
+        self.in_time = False
+
+    def propose(self, ctx):
+        if self.inner is None:
+            self.in_time = self.calls.done()
+            self.inner = self.build(self.calls.result() if self.in_time else [])
+        return self.inner.propose(ctx)
+
+    def feedback(self, tree, result) -> None:
+        if self.inner is not None:
+            self.inner.feedback(tree, result)
 
 
 def kv_pool_tokens(cfg: ServeAppConfig, target, tree_rows: int) -> int:

@@ -14,23 +14,50 @@ import logging
 import time
 from collections import OrderedDict
 
+from ray import serve
+
 from .config import RetrievalConfig
 
 log = logging.getLogger("toolspec.serve")
 
 
 class RetrievalServer:
-    """Body of the ``Retrieval`` deployment. Store calls run in a thread (they may do I/O)."""
+    """Body of the ``Retrieval`` deployment: the store's one owner, and with a text key its
+    encoder. A key arrives as a vector (``hidden``: the replica's own) or as the request's text,
+    which is keyed here (:class:`retrieval_service.keys.TextKeyer`): the texts of concurrent
+    queries from every replica are embedded together, up to ``max_batch_size`` per forward
+    (``@serve.batch``). Store calls and the encoder run in threads (I/O, a model forward)."""
 
-    def __init__(self, store_config: dict):
+    def __init__(self, store_config: dict, cfg: RetrievalConfig | None = None):
         from retrieval_service.service import RetrievalService
 
         self.svc = RetrievalService(store_config)
+        self.keyer = None
+        if cfg is not None and cfg.text_key():
+            self.keyer = make_keyer(cfg)
+            self._key_batch.set_max_batch_size(cfg.max_batch_size)
+            self._key_batch.set_batch_wait_timeout_s(cfg.batch_wait_timeout_s)
+        self.batches: list[int] = []  # sizes of the last encoder batches (what /stats reports)
 
-    async def search(
-        self, tenant: str, embedding: list[float], tool_names: list[str] | None = None, k: int = 10
-    ) -> list[dict]:
-        return await asyncio.to_thread(self.svc.search, tenant, embedding, tool_names, k)
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
+    async def _key_batch(self, texts: list[str]) -> list[list[float]]:
+        self.batches = (self.batches + [len(texts)])[-256:]
+        keys = await asyncio.to_thread(self.keyer.keys, texts)
+        return [k.tolist() for k in keys]
+
+    async def key_of(self, key) -> list[float]:
+        """The store vector of a key: a vector as sent, or a text keyed by this deployment."""
+        if not isinstance(key, str):
+            return key
+        if self.keyer is None:
+            raise ValueError("this library is keyed by vectors (retrieval.key hidden); a text key was sent")
+        if self.keyer.encoder is None:  # lexical: hashing, nothing to batch
+            return self.keyer.key(key).tolist()
+        return await self._key_batch(key)
+
+    async def search(self, tenant: str, key, tool_names: list[str] | None = None, k: int = 10) -> list[dict]:
+        vec = await self.key_of(key)
+        return await asyncio.to_thread(self.svc.search, tenant, vec, tool_names, k)
 
     async def add(
         self,
@@ -40,15 +67,20 @@ class RetrievalServer:
         text: str,
         token_ids: list[int],
         arguments: dict,
-        embedding: list[float],
+        embedding,
         remember: bool = True,
     ):
+        vec = await self.key_of(embedding)
         return await asyncio.to_thread(
-            self.svc.add, tenant, tool_name, schema_hash, text, token_ids, arguments, embedding, remember
+            self.svc.add, tenant, tool_name, schema_hash, text, token_ids, arguments, vec, remember
         )
 
     async def stats(self) -> dict:
-        return await asyncio.to_thread(self.svc.stats)
+        out = await asyncio.to_thread(self.svc.stats)
+        if self.keyer is not None:
+            out["key"] = self.keyer.name
+            out["encoder_batches"] = {"count": len(self.batches), "max": max(self.batches, default=0)}
+        return out
 
     async def forget_tenant(self, tenant: str) -> int:
         return await asyncio.to_thread(self.svc.forget_tenant, tenant)
@@ -57,10 +89,52 @@ class RetrievalServer:
         return await asyncio.to_thread(self.svc.tenant_stats, tenant)
 
 
-def _digest(embedding) -> str:
+def make_keyer(cfg: RetrievalConfig):
+    """The text keyer of a retrieval config (loads the encoder unless the key is lexical)."""
+    from retrieval_service.embedding import HFEmbedder
+    from retrieval_service.keys import TextKeyer
+
+    enc = None
+    if cfg.key != "lexical":
+        e = cfg.encoder
+        enc = HFEmbedder(e.model, e.pooling, e.max_length, e.prefix, e.threads, e.device)
+    return TextKeyer(cfg.key, enc, cfg.lexical_dim)
+
+
+def key_dim(cfg: RetrievalConfig, target_hidden: int) -> int:
+    """Size of the store's vectors: the encoder's hidden size (plus the lexical size for hybrid),
+    the lexical size, or the target's hidden size (``hidden``), read from configs, nothing loaded."""
+    if cfg.key == "hidden":
+        return target_hidden
+    lexical = cfg.lexical_dim if cfg.key in ("hybrid", "lexical") else 0
+    if cfg.key == "lexical":
+        return lexical
+    return hidden_size(cfg.encoder.model) + lexical
+
+
+def hidden_size(model: str) -> int:
+    import json
+    from pathlib import Path
+
+    if model in ("", "embedded"):
+        from toolspec_core.model.embedded import cache_root
+
+        path = cache_root() / "embedded" / "qwen2.5-coder-0.5b-instruct-f32" / "config.json"
+        return json.loads(path.read_text())["hidden_size"] if path.is_file() else 896
+    cfg_json = json.loads((Path(model) / "config.json").read_text())
+    return int(cfg_json.get("hidden_size") or cfg_json["text_config"]["hidden_size"])
+
+
+def _digest(key) -> str:
     import numpy as np
 
-    return hashlib.blake2b(np.asarray(embedding, dtype=np.float32).tobytes(), digest_size=12).hexdigest()
+    data = key.encode() if isinstance(key, str) else np.asarray(key, dtype=np.float32).tobytes()
+    return hashlib.blake2b(data, digest_size=12).hexdigest()
+
+
+def wire_key(key):
+    """A key as it travels to the deployment: the request text as is, a vector as floats."""
+    return key if isinstance(key, str) else [float(x) for x in key]
 
 
 class RetrievalClient:
@@ -107,9 +181,7 @@ class RetrievalClient:
             return hit[1], {"status": "cache", "hits": len(hit[1])}
         t0 = time.perf_counter()
         try:
-            resp = self.handle.search.remote(
-                tenant, [float(x) for x in embedding], list(tool_names) or None, self.cfg.top_k
-            )
+            resp = self.handle.search.remote(tenant, wire_key(embedding), list(tool_names) or None, self.cfg.top_k)
             results = await asyncio.wait_for(_awaitable(resp), self.cfg.timeout_s)
         except Exception as exc:  # timeout, dead replica, store error: serve without history
             timeout = isinstance(exc, (asyncio.TimeoutError, TimeoutError))
@@ -188,7 +260,7 @@ class ServeLibrary:
             text=call.text,
             token_ids=[int(t) for t in call.token_ids],
             arguments=dict(call.arguments or {}),
-            embedding=[float(x) for x in embedding],
+            embedding=wire_key(embedding),
             remember=True,
         )
         self.client.loop.call_soon_threadsafe(lambda: self.client.add_nowait(**kwargs))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from pathlib import Path
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -111,6 +112,32 @@ def request_text(messages: Sequence[dict], tools: Sequence[dict] | None = None) 
     return f"{text}\nTools: {', '.join(names)}" if names else text
 
 
+def prior_calls(messages: Sequence[dict], limit: int = 4) -> list[str]:
+    """The conversation's last ``limit`` tool calls, as ``name(arguments)`` strings."""
+    out: list[str] = []
+    for m in messages or []:
+        if not isinstance(m, dict) or m.get("role") != "assistant":
+            continue
+        for c in m.get("tool_calls") or []:
+            fn = c.get("function", c) if isinstance(c, dict) else {}
+            args = fn.get("arguments", "")
+            if not isinstance(args, str):
+                import json
+
+                args = json.dumps(args, sort_keys=True)
+            if isinstance(fn.get("name"), str):
+                out.append(f"{fn['name']}({args[:200]})")
+    return out[-limit:]
+
+
+def query_text(messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+    """What the Retrieval deployment's encoder embeds for a request (and for the calls stored
+    from it): the last user message, the offered tool names, the conversation's prior calls."""
+    text = request_text(messages, tools)
+    calls = prior_calls(messages)
+    return f"{text}\nCalls: {'; '.join(calls)}" if calls else text
+
+
 # ----------------------------------------------------------------------------- lexical
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -171,14 +198,24 @@ class LexicalEmbedder:
 
 
 class HFEmbedder:
-    """Pooled last hidden state of a local HF model directory (e.g. a Qwen embedding model).
+    """Pooled last-layer states of a local HF model (the embedded Qwen by default; a Qwen
+    embedding model where one is available): the Retrieval deployment's own encoder, so every
+    engine replica, whatever its target, queries one vector space.
 
-    ``pooling="mean"`` averages over real tokens; ``"last"`` takes the final token (what
-    Qwen3-Embedding is trained for, with ``prefix`` set to its query instruction).
+    ``pooling="mean"`` averages over real tokens (the key evaluation's best unfiltered ranking);
+    ``"last"`` takes the final token (what Qwen3-Embedding is trained for, with ``prefix`` set to
+    its query instruction). :meth:`encode` embeds a batch in one forward: right-padded, so each
+    text's states never see the padding (causal attention) and its vector is its own.
     """
 
     def __init__(
-        self, model_dir: str, pooling: str = "mean", max_length: int = 512, prefix: str = "", threads: int | None = None
+        self,
+        model_dir: str = "embedded",
+        pooling: str = "mean",
+        max_length: int = 512,
+        prefix: str = "",
+        threads: int | None = None,
+        device: str = "cpu",
     ):
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -187,27 +224,56 @@ class HFEmbedder:
             raise ValueError("pooling must be 'mean' or 'last'")
         if threads:
             torch.set_num_threads(threads)
+        if model_dir in ("", "embedded"):
+            from toolspec_core.model.embedded import embedded_model_dir
+
+            model_dir = str(embedded_model_dir())
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-            self.model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+            self.model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval().to(device)
         except (OSError, ValueError) as exc:
             raise ValueError(f"could not load an embedding model from {model_dir}: {exc}") from exc
-        self.pooling, self.max_length, self.prefix = pooling, max_length, prefix
+        self.tokenizer.padding_side = "right"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.pooling, self.max_length, self.prefix, self.device = pooling, max_length, prefix, device
         self.dim = int(self.model.config.hidden_size)
-        self.name = f"hf:{getattr(self.model.config, '_name_or_path', model_dir)}:{pooling}"
+        self.name = f"hf:{Path(str(model_dir)).name}:{pooling}"
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        """Unit vectors [len(texts), dim] of non-empty texts, in one forward."""
+        import torch
+
+        if not texts or any(not isinstance(x, str) or not x.strip() for x in texts):
+            raise ValueError("nothing to embed: every text must be non-empty")
+        enc = self.tokenizer(
+            [self.prefix + x for x in texts],
+            truncation=True,
+            max_length=self.max_length,
+            padding=True,
+            return_tensors="pt",
+        )
+        ids, mask = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)  # [B, T] each
+        with torch.inference_mode():
+            h = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()  # [B, T, H]
+        if self.pooling == "mean":
+            m = mask[..., None].to(h.dtype)
+            v = (h * m).sum(1) / m.sum(1)  # [B, H]
+        else:
+            v = h[torch.arange(h.shape[0]), mask.sum(1) - 1]  # [B, H] each text's last real token
+        return np.stack([normalise(x) for x in v.cpu()])
 
     def embed(self, x) -> np.ndarray:
         import torch
 
         if isinstance(x, str):
-            ids = self.tokenizer(self.prefix + x, truncation=True, max_length=self.max_length)["input_ids"]
-        else:
-            ids = list(x)[-self.max_length :]
+            return self.encode([x])[0]
+        ids = list(x)[-self.max_length :]
         if not ids:
             raise ValueError("nothing to embed")
         with torch.inference_mode():
-            h = self.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+            h = self.model(input_ids=torch.tensor([ids], device=self.device)).last_hidden_state[0]
         return normalise(h.mean(0) if self.pooling == "mean" else h[-1])
 
     def embed_request(self, messages, tools=None) -> np.ndarray:
-        return self.embed(request_text(messages, tools))
+        return self.embed(query_text(messages, tools))

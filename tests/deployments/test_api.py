@@ -13,6 +13,7 @@ from serve_fixtures import TOOLS, WEATHER_MESSAGES
 from deployments.config import ServeAppConfig
 from deployments.engine_host import EngineHost, PrefixCache, TextStreamer, shared_prefix_len
 from deployments.protocol import APIError, StreamShaper, chat_completion, engine_request, parse_request
+from retrieval_service.embedding import query_text
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -479,9 +480,9 @@ def local(tiny_model_dir):
         cost_model="reference",
         max_tokens_default=20,
         served_model_name="tiny",
-        retrieval={"store": {"backend": "memory"}, "timeout_s": 2.0},
+        retrieval={"store": {"backend": "memory"}, "timeout_s": 2.0, "key": "lexical"},
     )
-    handle = FakeHandle(RetrievalServer(cfg.store_config(cfg.retrieval.lexical_dim)))
+    handle = FakeHandle(RetrievalServer(cfg.store_config(cfg.retrieval.lexical_dim), cfg.retrieval))
     host = EngineHost.build(cfg, RetrievalClient(handle, cfg.retrieval))
     app = make_api(LocalBackend(host), cfg)
     yield host, app, cfg, handle
@@ -821,7 +822,7 @@ def test_completed_calls_go_to_the_library_unless_told_not_to(local):
     async def go(remember):
         before = handle.adds
         host.library.note_tools("acme", TOOLS)
-        emb = host.embedder.embed_request([{"role": "user", "content": "weather in Lima"}], TOOLS).tolist()
+        emb = query_text([{"role": "user", "content": "weather in Lima"}], TOOLS)
         await host.retrieval.search("acme", emb, ["get_current_weather"])  # binds the client to this loop
         info = RequestInfo(ids, TOOLS, "acme", emb, remember, [])
         await asyncio.to_thread(host.method.observe, info, ids, text)
@@ -836,7 +837,7 @@ def test_completed_calls_go_to_the_library_unless_told_not_to(local):
     hits = asyncio.run(
         handle.server.search(
             "acme",
-            host.embedder.embed_request([{"role": "user", "content": "weather in Lima"}], TOOLS).tolist(),
+            query_text([{"role": "user", "content": "weather in Lima"}], TOOLS),
             ["get_current_weather"],
             5,
         )
@@ -867,7 +868,7 @@ def test_a_key_is_its_tenant_and_user_only_narrows_within_it(local, tmp_path):
     tenant holds the past call gets it as a draft source; `user` narrows to tenant/user."""
     app, host, handle = _keys_app(local, tmp_path, KEYS)
     msgs = [{"role": "user", "content": "weather in Quito please"}]
-    emb = host.embedder.embed_request(msgs, TOOLS).tolist()
+    emb = query_text(msgs, TOOLS)
     text = '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "Quito"}}\n</tool_call>'
     ids = host.target.tokenizer(text, add_special_tokens=False)["input_ids"]
     for tenant in ("acme", "acme/bob"):
@@ -897,7 +898,7 @@ def test_only_an_admin_key_forgets_or_counts_a_tenants_library(local, tmp_path):
     import httpx
 
     app, host, handle = _keys_app(local, tmp_path, KEYS)
-    emb = host.embedder.embed_request(MSG, TOOLS).tolist()
+    emb = query_text(MSG, TOOLS)
     for tenant in ("gamma", "gamma/u1", "gamma/u2", "gammax"):
         run(handle.server.add(tenant, "get_current_weather", "", "t", [1, 2], {"city": "X"}, emb))
 

@@ -133,6 +133,64 @@ def test_finished_calls_reach_the_shared_library(real_app, weather_call):
     assert after["records"] == before["records"] and after["adds"] == before["adds"]  # never even sent
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_two_engine_replicas_share_one_library(serve_port):
+    """Two engine replicas, one Retrieval deployment keying request text with its own Qwen encoder:
+    a call finished on one replica is retrieved and drafted from on the other; output unchanged."""
+    from ray import serve
+    from serve_fixtures import deploy
+
+    from toolspec_core.drafters.base import NoDrafter
+    from toolspec_core.drafters.toolcall.parse import parse_tool_calls
+    from toolspec_core.engine.loop import DecodeConfig, generate
+    from toolspec_core.model.prompting import render_prompt
+    from toolspec_core.model.target import load_target
+
+    url = deploy(
+        "pair",
+        {
+            "model": "embedded",
+            "num_replicas": 2,
+            "max_tokens_default": 96,
+            "retrieval": {"store": {"backend": "memory"}, "timeout_s": 10.0},
+        },
+        serve_port,
+    )
+    msgs = [{"role": "user", "content": "What's the weather like in Lima right now?"}]
+
+    def ask():
+        r = client(url).chat.completions.create(
+            model="pair", messages=msgs, tools=TOOLS, temperature=0, max_tokens=96, user="acme"
+        )
+        return r, r.model_extra["toolspec"]
+
+    try:
+        assert wait_until(lambda: httpx.get(url + "/models", timeout=10).status_code == 200, timeout=600, every=5)
+        first, info = ask()
+        home = info["replica"]
+        lib = serve.get_deployment_handle("Retrieval", app_name="pair")
+        assert wait_until(lambda: lib.stats.remote().result()["records"] >= 1, timeout=60)
+        other = None
+        for _ in range(30):  # Serve routes to either replica: ask until the other one answers
+            r, info = ask()
+            if info["replica"] != home:
+                other = r
+                break
+        assert other is not None, "every request went to one replica"
+        assert info["retrieval"]["status"] == "ok" and info["retrieval"]["hits"] >= 1
+        assert info["acceptance"].get("retrieval", {}).get("accepted", 0) > 0, info["acceptance"]
+        assert lib.stats.remote().result()["key"].startswith("qwen")
+        target = load_target("embedded")
+        ref = generate(
+            target, render_prompt(target.tokenizer, msgs, TOOLS), NoDrafter(), DecodeConfig(max_new_tokens=96)
+        )
+        want = [(c.name, c.arguments) for c in parse_tool_calls(ref.text).calls]
+        assert calls_of(first) == calls_of(other) == want and other.usage.completion_tokens == len(ref.tokens)
+    finally:
+        serve.delete("pair")
+
+
 # ---------------------------------------------------------------------------------------- tiny model
 
 
