@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .cost import RESULTS
 from .data import LAYOUTS
-from .runner import ALL_METHODS, LIBRARIES, RunConfig
+from .runner import ALL_METHODS, LIBRARIES, RETRIEVAL_KEYS, RunConfig
 
 
 def _csv(s: str) -> list[str]:
@@ -33,6 +33,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--methods", type=_csv, default=list(ALL_METHODS), help=f"comma list of {','.join(ALL_METHODS)}")
     ap.add_argument(
         "--library", type=_csv, default=["online"], help=f"comma list of {','.join(LIBRARIES)} (history methods)"
+    )
+    ap.add_argument(
+        "--retrieval-key",
+        choices=RETRIEVAL_KEYS,
+        default=None,
+        help="how library methods key past calls: the request text as the Retrieval deployment keys it "
+        "(qwen: its Qwen encoder, the default; hybrid: Qwen + lexical; lexical: hashed n-grams) in a "
+        "retrieval_service memory store, or the target's last prompt state (hidden; --batch keys by it)",
     )
     ap.add_argument("--warm-file", action="append", default=[], help="JSONL whose gold calls fill the warm library")
     ap.add_argument("--warm-layout", choices=LAYOUTS, default="fence")
@@ -142,6 +150,8 @@ def bench_main(argv: list[str] | None = None) -> int:
     _check(args, ap)
     if args.batch and args.structured:
         ap.error("--structured runs single-stream (no --batch)")
+    if args.batch and args.retrieval_key not in (None, "hidden"):
+        ap.error("--batch keys the library by the target's hidden state (--retrieval-key hidden)")
     if args.batch:
         if any(b <= 0 for b in args.batch):
             ap.error("--batch sizes must be positive")
@@ -174,6 +184,7 @@ def bench_main(argv: list[str] | None = None) -> int:
         device=args.device,
         dtype=args.dtype,
         structured=args.structured,
+        retrieval_key=args.retrieval_key or "qwen",
     )
     runner = run(cfg, max_items=args.max_items)
     if runner.pool.unavailable:

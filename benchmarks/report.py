@@ -199,6 +199,7 @@ def build_report(
                 "cost",
             )
         },
+        "retrieval": retrieval_key_summary(cfg, recs),
         "runs": runs,
         "headline": headline(runs),
         "mismatches": [
@@ -235,6 +236,35 @@ def _fmt(x, spec=".2f", suffix="") -> str:
     return "–" if x is None else f"{x:{spec}}{suffix}"
 
 
+def _retrieval_line(r: dict | None) -> list[str]:
+    if not r:
+        return []
+    if r["key"] == "hidden":
+        return ["- retrieval key: hidden (the target's last prompt state, in-process memory library)"]
+    ms = (
+        f"; encoder {r['mean_key_ms']:.0f} ms mean / {r['p95_key_ms']:.0f} ms p95 per request"
+        if "mean_key_ms" in r
+        else ""
+    )
+    return [
+        f"- retrieval key: {r['key']} (request text keyed as the Retrieval deployment keys it, memory store{ms}, "
+        "computed before decode timing as serving overlaps it with prefill)"
+    ]
+
+
+def retrieval_key_summary(cfg: dict, recs: list[dict]) -> dict:
+    """How library methods keyed the call library (runs before the option keyed by ``hidden``),
+    and the text encoder's time per keyed request (not part of any decode time)."""
+    key = cfg.get("retrieval_key") or "hidden"
+    secs = {r["item"]: r["key_s"] for r in recs if r.get("key_s") is not None}
+    out = {"key": key, "keyed_requests": len(secs)}
+    if secs:
+        vals = sorted(secs.values())
+        out["mean_key_ms"] = 1e3 * sum(vals) / len(vals)
+        out["p95_key_ms"] = 1e3 * vals[min(len(vals) - 1, int(0.95 * len(vals)))]
+    return out
+
+
 def markdown(report: dict) -> str:
     """benchmark × method table per subset: MAT, speedups, exact match, validity, projections."""
     proj = [c for c in report["projection_curves"] if c != "cpu_reference"]
@@ -243,6 +273,7 @@ def markdown(report: dict) -> str:
         "",
         f"- model: {report['model']}",
         f"- hardware: {report['hardware']}",
+        *_retrieval_line(report.get("retrieval")),
         "- decode speedup = Σ plain-greedy decode time / Σ method decode time on the same items (same loop, cache, process); "
         "per-item = mean of per-item ratios; projected = Σ plain-greedy step cost / Σ method step cost under another cost curve "
         "(the method's actual trees; drafting time ignored)",

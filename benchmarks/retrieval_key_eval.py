@@ -1,25 +1,40 @@
-"""Does the target's hidden state beat a lexical key for retrieving past tool calls?
+"""Which key should the retrieval library rank past tool calls by? Three dev sets, online.
 
-API-Bank dev in online order: item i queries a library holding the gold calls of items 0..i-1
-(never its own), stored exactly as the service stores them (``MemoryStore``: one record per
-distinct call, tenant-scoped, cosine). Three searches per item and key, as the service sees them:
-``unfiltered``, ``offered`` (restricted to the request's offered tools — what the serving layer
-sends before decoding) and ``tool`` (restricted to the gold tool — once the FSM has the name).
-Over the top-k:
+Each dev set (API-Bank, BFCL v3, ToolAlpaca: items with tools and gold calls, every ``--every``-th,
+at most ``--limit``) is replayed in online order: item i queries a library holding the gold calls
+of items 0..i-1 (never its own), stored as the service stores them (``MemoryStore``: one record per
+distinct call, tenant-scoped, cosine), each keyed like the request that produced it. Three
+searches per item and key, as the service sees them: ``unfiltered``, ``offered`` (restricted to the
+request's offered tools -- what the serving layer sends before decoding) and ``tool`` (restricted
+to the gold tool -- once the FSM has the name). Over the top-k:
 
 * ``tool_hit``: a retrieved call has the gold tool name;
 * ``value_recall``: fraction of the gold argument values found among the arguments of retrieved
-  calls *of the gold tool* — what retrieval drafting can reuse;
+  calls *of the gold tool* -- what retrieval drafting can reuse;
 * ``exact``: a retrieved call equals the gold call (the whole call draftable in one step).
 
-Baselines: ``recent`` (the k latest calls, no key) and ``oracle`` (every earlier call of the gold
-tool: the ceiling any key can reach). Keys: ``hidden_last`` (``Prefilled.hidden``, the default
-Qwen key), ``hidden_mean`` (mean last-layer state over the prompt, from the same prefill),
-``lexical`` (``LexicalEmbedder``), ``X+lexical`` (mean of both cosines). Differences to lexical
-come with 95% paired bootstrap intervals (eligible items: the gold tool was called before).
+Keys. The Retrieval deployment's, computed exactly as it computes them: ``TextKeyer`` (from
+``deployments.retrieval.make_keyer``'s config, ``RetrievalConfig``) over
+``retrieval_service.embedding.query_text(messages, tools)`` -- what an engine replica sends:
 
-Phase 1 runs the embedded model once per item (prefill only, 3-10 s on this shared CPU) and caches the keys;
-phase 2 is instant. Run in the background:
+* ``qwen``: the deployment's encoder (``HFEmbedder``, embedded Qwen2.5-Coder-0.5B, mean pooling;
+  the serving default), ``qwen_last``: the same with ``encoder.pooling: last``;
+* ``hybrid``: ``TextKeyer("hybrid")`` (qwen vector beside the hashed lexical one: mean of cosines);
+* ``lexical``: ``TextKeyer("lexical")`` (hashed n-grams of the query text) -- the paired baseline;
+* ``rrf``: reciprocal rank fusion (k=60) of a ``qwen`` and a ``lexical`` search of the same store
+  filter, each fetching ``--prefetch`` candidates -- what Qdrant's Query API gives for
+  ``prefetch=[dense, sparse], query=FusionQuery(RRF)``; computed here from the two rankings.
+
+The target's own keys, as before: ``hidden_last`` (``Prefilled.hidden``), ``hidden_mean`` (mean
+last-layer state over the prompt, same prefill), and ``lexical_req`` (``LexicalEmbedder.embed_request``:
+last user message + offered tool names, the replica-side lexical key of earlier releases).
+Baselines: ``recent`` (the k latest calls, no key) and ``oracle`` (every earlier call of the gold
+tool: the ceiling any key can reach). Differences to ``lexical`` come with 95% paired bootstrap
+intervals (eligible items: the gold tool was called before).
+
+Phase 1 computes the keys and caches them on disk (``--cache-dir``; a rerun resumes): the target's
+prefill per item for the hidden keys (``--no-hidden`` skips them), the encoder over the query texts
+in length-sorted batches of ``--batch``. Phase 2 is instant. Run in the background:
 
     nohup python -m benchmarks.retrieval_key_eval > /tmp/key_eval.log 2>&1 &
 """
@@ -27,33 +42,42 @@ phase 2 is instant. Run in the background:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
+import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 
-from deployments.hidden_keys import HiddenStateEmbedder
-from retrieval_service.embedding import LexicalEmbedder, normalise
+from retrieval_service.embedding import LexicalEmbedder, normalise, query_text
 from retrieval_service.records import CallRecord, schema_hash
 from retrieval_service.store import MemoryStore
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "api_bank.dev.jsonl"
-KEYS = ("hidden_last", "hidden_mean", "lexical", "hidden_last+lexical", "hidden_mean+lexical")
-# (column, metric) pairs the verdict compares, with paired bootstrap CIs vs the lexical key
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+# dev set -> (every, limit): ~450 items, under 25 min of a 2-core CPU for all keys
+SETS = {"api_bank": (2, 200), "bfcl_v3": (6, 210), "toolalpaca": (1, 100)}
+TEXT_KEYS = ("qwen", "qwen_last", "hybrid", "lexical")
+HIDDEN_KEYS = ("hidden_last", "hidden_mean")
+KEYS = ("qwen", "qwen_last", "hybrid", "lexical", "rrf", "hidden_last", "hidden_mean", "lexical_req")
+BASELINE = "lexical"
+RRF_K = 60
+# (column, metric) pairs compared with paired bootstrap CIs vs the lexical key
 HEADLINE = (
     ("unfiltered@1", "tool_hit"),
     ("offered@1", "tool_hit"),
     ("offered@1", "exact"),
+    ("offered@10", "value_recall"),
     ("tool@1", "value_recall"),
     ("tool@1", "exact"),
 )
 
 
-def load_items(path: Path, stride: int, limit: int) -> list[dict]:
+def load_items(path: Path, every: int, limit: int) -> list[dict]:
     items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return items[::stride][:limit]
+    items = [it for it in items if it.get("tools") and it.get("gold_calls")]
+    return items[::every][:limit]
 
 
 def call_text(call: dict) -> str:
@@ -69,9 +93,6 @@ def _v(x) -> str:
 
 def compute_hidden_keys(items: list[dict], cache: Path, threads: int, log_every: int = 10) -> dict[str, np.ndarray]:
     """hidden_last / hidden_mean per item, resumable through ``cache`` (npz)."""
-    from toolspec_core.model.prompting import render_prompt
-    from toolspec_core.model.target import load_target
-
     done: dict[str, dict[str, np.ndarray]] = {}
     if cache.exists():
         z = np.load(cache, allow_pickle=False)
@@ -79,6 +100,10 @@ def compute_hidden_keys(items: list[dict], cache: Path, threads: int, log_every:
             done[iid] = {"hidden_last": z["hidden_last"][i], "hidden_mean": z["hidden_mean"][i]}
     todo = [it for it in items if it["id"] not in done]
     if todo:
+        from deployments.hidden_keys import HiddenStateEmbedder
+        from toolspec_core.model.prompting import render_prompt
+        from toolspec_core.model.target import load_target
+
         t0 = time.time()
         emb = HiddenStateEmbedder(load_target(threads=threads))
         print(f"loaded {emb.target.name} in {time.time() - t0:.1f}s; {len(todo)} items to prefill", flush=True)
@@ -89,11 +114,13 @@ def compute_hidden_keys(items: list[dict], cache: Path, threads: int, log_every:
             if n % log_every == 0 or n == len(todo):
                 _save(cache, done)
                 print(
-                    f"{n}/{len(todo)} prompt_tokens={len(ids)} prefill_s={pre.seconds:.2f} elapsed={time.time() - t0:.0f}s",
+                    f"  hidden {n}/{len(todo)} prompt_tokens={len(ids)} prefill_s={pre.seconds:.2f} "
+                    f"elapsed={time.time() - t0:.0f}s",
                     flush=True,
                 )
         _save(cache, done)
-    return {k: np.stack([done[it["id"]][k] for it in items]) for k in ("hidden_last", "hidden_mean")}
+        del emb
+    return {k: np.stack([done[it["id"]][k] for it in items]) for k in HIDDEN_KEYS}
 
 
 def _save(cache: Path, done: dict) -> None:
@@ -109,15 +136,100 @@ def _save(cache: Path, done: dict) -> None:
     tmp.replace(cache)
 
 
-def all_keys(items: list[dict], hidden: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+class CachedEncoder:
+    """The deployment's ``HFEmbedder`` behind an on-disk cache of text -> vector: what
+    ``TextKeyer`` calls, so the keys are the deployment's, and a rerun encodes only new texts.
+    Misses are encoded in length-sorted batches of ``batch`` (little padding)."""
+
+    def __init__(self, encoder, cache: Path, batch: int = 8):
+        self.encoder, self.cache, self.batch = encoder, cache, batch
+        self.dim, self.name = encoder.dim, encoder.name
+        self.vecs: dict[str, np.ndarray] = {}
+        if cache.exists():
+            z = np.load(cache, allow_pickle=False)
+            self.vecs = dict(zip(z["ids"].tolist(), z["vecs"]))
+
+    @staticmethod
+    def _id(text: str) -> str:
+        return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+    def encode(self, texts) -> np.ndarray:
+        texts = list(texts)
+        todo = sorted({t for t in texts if self._id(t) not in self.vecs}, key=len)
+        t0 = time.time()
+        for n in range(0, len(todo), self.batch):
+            chunk = todo[n : n + self.batch]
+            for t, v in zip(chunk, self.encoder.encode(chunk)):
+                self.vecs[self._id(t)] = v
+            self._save()
+            print(f"  {self.name}: {n + len(chunk)}/{len(todo)} texts, {time.time() - t0:.0f}s", flush=True)
+        return np.stack([self.vecs[self._id(t)] for t in texts])
+
+    def _save(self) -> None:
+        self.cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.cache.with_name(self.cache.stem + ".tmp.npz")
+        ids = list(self.vecs)
+        np.savez(tmp, ids=np.array(ids), vecs=np.stack([self.vecs[i] for i in ids]))
+        tmp.replace(self.cache)
+
+
+def text_keys(sets: dict[str, list[dict]], cache_dir: Path, batch: int) -> dict[str, dict[str, np.ndarray]]:
+    """qwen / qwen_last / hybrid / lexical per item of each set, through ``TextKeyer`` built from
+    the deployment's ``RetrievalConfig`` over ``query_text`` (what a replica sends)."""
+    from deployments.config import RetrievalConfig
+    from retrieval_service.keys import TextKeyer
+
+    texts = {name: [query_text(it["messages"], it["tools"]) for it in items] for name, items in sets.items()}
+    everything = [t for ts in texts.values() for t in ts]
+    out: dict[str, dict[str, np.ndarray]] = {name: {} for name in sets}
+    for pooling, names in (("mean", ("qwen", "hybrid")), ("last", ("qwen_last",))):
+        cfg = RetrievalConfig(key="qwen", encoder={"pooling": pooling})
+        e = cfg.encoder
+        tag = f"{Path(e.model).name}-{pooling}-{e.max_length}-{hashlib.sha1(e.prefix.encode()).hexdigest()[:6]}"
+        enc = CachedEncoder(_LazyEncoder(e), cache_dir / f"encoder-{tag}.npz", batch)
+        enc.encode(everything)  # fill the cache once, batched across the sets
+        for key in names:
+            keyer = TextKeyer("hybrid" if key == "hybrid" else "qwen", enc, cfg.lexical_dim)
+            for name in sets:
+                out[name][key] = keyer.keys(texts[name])
+    lex = TextKeyer("lexical", None, RetrievalConfig().lexical_dim)
+    for name in sets:
+        out[name]["lexical"] = lex.keys(texts[name])
+    return out
+
+
+class _LazyEncoder:
+    """``HFEmbedder`` with the deployment's encoder settings, loaded on the first miss only."""
+
+    def __init__(self, e):
+        self.e, self._enc = e, None
+        self.dim = _hidden_size(e.model)
+        self.name = f"hf:{Path(e.model).name}:{e.pooling}"
+
+    def encode(self, texts):
+        if self._enc is None:
+            from retrieval_service.embedding import HFEmbedder
+
+            e = self.e
+            t0 = time.time()
+            self._enc = HFEmbedder(e.model, e.pooling, e.max_length, e.prefix, e.threads, e.device)
+            print(f"loaded encoder {self._enc.name} in {time.time() - t0:.1f}s", flush=True)
+        return self._enc.encode(texts)
+
+
+def _hidden_size(model: str) -> int:
+    from deployments.retrieval import hidden_size
+
+    return hidden_size(model)
+
+
+def all_keys(items: list[dict], hidden: dict[str, np.ndarray] | None, text: dict[str, np.ndarray]) -> dict:
+    keys = {k: np.stack([normalise(v) for v in m]) for k, m in text.items()}
     lex = LexicalEmbedder(1024)
-    keys = {
-        "hidden_last": np.stack([normalise(v) for v in hidden["hidden_last"]]),
-        "hidden_mean": np.stack([normalise(v) for v in hidden["hidden_mean"]]),
-        "lexical": np.stack([lex.embed_request(it["messages"], it["tools"]) for it in items]),
-    }
-    for h in ("hidden_last", "hidden_mean"):  # cosine of the concatenation = mean of both cosines
-        keys[f"{h}+lexical"] = np.concatenate([keys[h], keys["lexical"]], 1) / np.sqrt(2.0)
+    keys["lexical_req"] = np.stack([lex.embed_request(it["messages"], it["tools"]) for it in items])
+    for k in HIDDEN_KEYS:
+        if hidden is not None:
+            keys[k] = np.stack([normalise(v) for v in hidden[k]])
     return keys
 
 
@@ -136,7 +248,22 @@ def _scores(gold: dict, retrieved: list[dict]) -> dict:
     }
 
 
-def evaluate(items: list[dict], keys: dict[str, np.ndarray], order: list[int], ks=(1, 3, 10)) -> dict:
+def rrf(rankings: list[list], k: int = RRF_K) -> list:
+    """Reciprocal rank fusion of record lists (best first): score = sum over lists of
+    1 / (k + rank), rank from 1; ties keep the first list's order."""
+    score: dict[str, float] = {}
+    first: dict[str, tuple[int, int]] = {}
+    recs: dict[str, object] = {}
+    for li, ranking in enumerate(rankings):
+        for rank, rec in enumerate(ranking, 1):
+            score[rec.id] = score.get(rec.id, 0.0) + 1.0 / (k + rank)
+            first.setdefault(rec.id, (li, rank))
+            recs[rec.id] = rec
+    order = sorted(score, key=lambda i: (-score[i], first[i]))
+    return [recs[i] for i in order]
+
+
+def evaluate(items: list[dict], keys: dict[str, np.ndarray], order: list[int], ks=(1, 3, 10), prefetch=20) -> dict:
     """Online over ``order``: each item searches the library of earlier items, then joins it."""
     stores = {name: MemoryStore(dim=m.shape[1]) for name, m in keys.items()}
     history: list[dict] = []  # earlier gold calls, newest last
@@ -146,17 +273,22 @@ def evaluate(items: list[dict], keys: dict[str, np.ndarray], order: list[int], k
         gold = it["gold_calls"][0]
         row = {"eligible": float(any(h["name"] == gold["name"] for h in history)), "has_args": bool(gold["arguments"])}
         if step:
-            for name, store in stores.items():
-                offered = [t["function"]["name"] for t in it["tools"]]
-                for filt, names in (("unfiltered", None), ("offered", offered), ("tool", gold["name"])):
-                    hits = store.search("eval", keys[name][i], tool_name=names, k=max(ks))
-                    calls = [{"name": r.tool_name, "arguments": r.arguments} for r, _ in hits]
+            offered = [t["function"]["name"] for t in it["tools"]]
+            for filt, names in (("unfiltered", None), ("offered", offered), ("tool", gold["name"])):
+                ranked = {
+                    name: [r for r, _ in store.search("eval", keys[name][i], tool_name=names, k=max(max(ks), prefetch))]
+                    for name, store in stores.items()
+                }
+                if "qwen" in ranked and "lexical" in ranked:
+                    ranked["rrf"] = rrf([ranked["qwen"], ranked["lexical"]])
+                for name, recs in ranked.items():
+                    calls = [{"name": r.tool_name, "arguments": r.arguments} for r in recs[: max(ks)]]
                     for k in ks:
                         row[f"{name}/{filt}@{k}"] = _scores(gold, calls[:k])
             latest = list(dict.fromkeys(call_text(h) for h in reversed(history)))
             recent = [json.loads(t) for t in latest]
             recent_tool = [c for c in recent if c["name"] == gold["name"]]
-            recent_offered = [c for c in recent if c["name"] in {t["function"]["name"] for t in it["tools"]}]
+            recent_offered = [c for c in recent if c["name"] in set(offered)]
             for k in ks:
                 row[f"recent/unfiltered@{k}"] = _scores(gold, recent[:k])
                 row[f"recent/offered@{k}"] = _scores(gold, recent_offered[:k])
@@ -189,11 +321,11 @@ def paired_vs_lexical(rows: list[dict], n_boot: int = 2000, seed: int = 0) -> di
     rng = np.random.default_rng(seed)
     out = {}
     for key in KEYS:
-        if key == "lexical":
+        if key == BASELINE:
             continue
         for col, metric in HEADLINE:
             pairs = [
-                (r[f"{key}/{col}"][metric], r[f"lexical/{col}"][metric])
+                (r[f"{key}/{col}"][metric], r[f"{BASELINE}/{col}"][metric])
                 for r in rows
                 if r.get(f"{key}/{col}", {}).get(metric) is not None
             ]
@@ -225,45 +357,63 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- report
+
+
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def to_markdown(res: dict) -> str:
+    s = res["setup"]
     lines = [
-        "# Retrieval key evaluation (API-Bank dev, online)",
+        "# Retrieval key evaluation (three dev sets, online)",
         "",
-        f"{res['setup']['items']} items (every {res['setup']['stride']}th of api_bank.dev.jsonl), model "
-        f"{res['setup']['model']}; library = gold calls of earlier items (MemoryStore, deduplicated). "
-        "tool_hit / value_recall / exact as defined in `benchmarks/retrieval_key_eval.py`; value_recall "
-        "counts only retrieved calls of the gold tool. `eligible` = items whose gold tool was called before.",
+        f"Model {s['model']}, commit {s['commit']}, {s['machine']}. Library = gold calls of earlier items "
+        "(MemoryStore, deduplicated), each keyed like its request. Text keys are the Retrieval deployment's "
+        "(`TextKeyer` over `query_text`, encoder settings from `RetrievalConfig`); `rrf` fuses a `qwen` and a "
+        f"`lexical` search (k={RRF_K}, {s['prefetch']} candidates each). tool_hit / value_recall / exact as "
+        "defined in `benchmarks/retrieval_key_eval.py`; value_recall counts only retrieved calls of the gold "
+        "tool. `eligible` = items whose gold tool was called before; tables are of eligible items. "
+        f"Phase 1 (keys) took {s.get('phase1_s', 0):.0f} s.",
         "",
     ]
-    for order, r in res["orders"].items():
-        lines += [f"## order: {order} ({r['items']} queries, {r['n_eligible']} eligible) — eligible items", ""]
-        lines += [
-            "| key | unfiltered tool_hit@1 | tool_hit@10 | value_recall@10 | offered-tools tool_hit@1 | exact@1 | gold-tool value_recall@1 | @3 | exact@1 | exact@10 |",
-            "|---" * 10 + "|",
-        ]
-        t = r["eligible"]
-        for key in ("recent",) + KEYS:
-            g = lambda c, m: t.get(c, {}).get(m)
-            f = lambda x: "-" if x is None else f"{x:.3f}"
-            lines.append(
-                f"| {key} | {f(g(f'{key}/unfiltered@1', 'tool_hit'))} | {f(g(f'{key}/unfiltered@10', 'tool_hit'))} | "
-                f"{f(g(f'{key}/unfiltered@10', 'value_recall'))} | {f(g(f'{key}/offered@1', 'tool_hit'))} | {f(g(f'{key}/offered@1', 'exact'))} | {f(g(f'{key}/tool@1', 'value_recall'))} | "
-                f"{f(g(f'{key}/tool@3', 'value_recall'))} | {f(g(f'{key}/tool@1', 'exact'))} | {f(g(f'{key}/tool@10', 'exact'))} |"
-            )
-        o = t.get("oracle/tool@all", {})
-        lines += [
-            f"| oracle (all earlier calls of the tool) | - | 1.000 | {o.get('value_recall', 0):.3f} | 1.000 | - | - | - | - | {o.get('exact', 0):.3f} |",
-            "",
-        ]
-        lines += [
-            "Difference to `lexical` (eligible items, 95% paired bootstrap interval):",
-            "",
-            "| key | " + " | ".join(f"{c} {m}" for c, m in HEADLINE) + " |",
-            "|---" * (len(HEADLINE) + 1) + "|",
-        ]
-        pv = r["paired_vs_lexical"]
-        for key in KEYS:
-            if key != "lexical":
+    present = [k for k in KEYS if k in s["keys"]]
+    for bench, b in res["benchmarks"].items():
+        lines += [f"## {bench} ({b['items']} items: every {b['every']}th of {b['data']})", ""]
+        for order, r in b["orders"].items():
+            lines += [f"### order: {order} ({r['items']} queries, {r['n_eligible']} eligible)", ""]
+            lines += [
+                "| key | unfiltered tool_hit@1 | tool_hit@10 | offered tool_hit@1 | offered exact@1 "
+                "| offered value_recall@10 | gold-tool value_recall@1 | @3 | gold-tool exact@1 | exact@10 |",
+                "|---" * 10 + "|",
+            ]
+            t = r["eligible"]
+            for key in ("recent",) + tuple(present):
+
+                def g(c, m, key=key):
+                    return t.get(f"{key}/{c}", {}).get(m)
+
+                lines.append(
+                    f"| {key} | {_f(g('unfiltered@1', 'tool_hit'))} | {_f(g('unfiltered@10', 'tool_hit'))} | "
+                    f"{_f(g('offered@1', 'tool_hit'))} | {_f(g('offered@1', 'exact'))} | "
+                    f"{_f(g('offered@10', 'value_recall'))} | {_f(g('tool@1', 'value_recall'))} | "
+                    f"{_f(g('tool@3', 'value_recall'))} | {_f(g('tool@1', 'exact'))} | {_f(g('tool@10', 'exact'))} |"
+                )
+            o = t.get("oracle/tool@all", {})
+            lines += [
+                f"| oracle (all earlier calls of the tool) | - | 1.000 | 1.000 | - | {_f(o.get('value_recall'))} "
+                f"| - | - | - | {_f(o.get('exact'))} |",
+                "",
+                f"Difference to `{BASELINE}` (eligible items, 95% paired bootstrap interval):",
+                "",
+                "| key | " + " | ".join(f"{c} {m}" for c, m in HEADLINE) + " |",
+                "|---" * (len(HEADLINE) + 1) + "|",
+            ]
+            pv = r["paired_vs_lexical"]
+            for key in present:
+                if key == BASELINE:
+                    continue
                 cells = [pv.get(f"{key}/{c}/{m}") for c, m in HEADLINE]
                 lines.append(
                     f"| {key} | "
@@ -273,73 +423,146 @@ def to_markdown(res: dict) -> str:
                     )
                     + " |"
                 )
-        lines.append("")
+            lines.append("")
     lines += ["## Verdict", "", res.get("verdict", ""), ""]
     return "\n".join(lines)
 
 
+VERDICT_METRICS = (("offered@1", "tool_hit"), ("tool@1", "value_recall"), ("offered@10", "value_recall"))
+
+
 def verdict(res: dict) -> str:
-    """Per Qwen key and headline metric: better / worse than lexical when the 95% paired interval
-    excludes 0 in both orders, else 'tie'."""
+    """The best key per verdict metric (eligible items, mean of both orders, per set and the mean
+    over sets), and per key and headline metric: better / worse than lexical where the 95% paired
+    interval excludes 0 in both orders of a set, else tie."""
+    keys = [k for k in KEYS if k in res["setup"]["keys"]]
     lines = []
-    for key in ("hidden_last", "hidden_mean", "hidden_last+lexical", "hidden_mean+lexical"):
-        parts = []
-        for col, metric in HEADLINE:
-            cis = [o["paired_vs_lexical"].get(f"{key}/{col}/{metric}") for o in res["orders"].values()]
-            if any(c is None for c in cis):
+    for col, metric in VERDICT_METRICS:
+        per: dict[str, dict[str, float]] = {}
+        for bench, b in res["benchmarks"].items():
+            for key in keys:
+                vals = [o["eligible"].get(f"{key}/{col}", {}).get(metric) for o in b["orders"].values()]
+                vals = [v for v in vals if v is not None]
+                if vals:
+                    per.setdefault(key, {})[bench] = float(np.mean(vals))
+        mean = {k: float(np.mean(list(v.values()))) for k, v in per.items() if len(v) == len(res["benchmarks"])}
+        best = max(mean, key=mean.get)
+        cells = ", ".join(f"{bench} {max(per, key=lambda k: per[k].get(bench, -1))}" for bench in res["benchmarks"])
+        rank = "; ".join(f"{k} {mean[k]:.3f}" for k in sorted(mean, key=mean.get, reverse=True))
+        lines.append(
+            f"- **best for {col} {metric}: `{best}`** (mean over sets, both orders, eligible items: {rank}); "
+            f"best per set: {cells}"
+        )
+    lines.append("")
+    for bench, b in res["benchmarks"].items():
+        for key in keys:
+            if key == BASELINE:
                 continue
-            word = (
-                "better"
-                if all(c["ci95"][0] > 0 for c in cis)
-                else "worse"
-                if all(c["ci95"][1] < 0 for c in cis)
-                else "tie"
-            )
-            diffs = ", ".join(f"{c['diff']:+.3f}" for c in cis)
-            parts.append(f"{col} {metric} {word} ({diffs})")
-        lines.append(f"- {key} vs lexical: " + "; ".join(parts))
+            parts = []
+            for col, metric in HEADLINE:
+                cis = [o["paired_vs_lexical"].get(f"{key}/{col}/{metric}") for o in b["orders"].values()]
+                if any(c is None for c in cis):
+                    continue
+                word = (
+                    "better"
+                    if all(c["ci95"][0] > 0 for c in cis)
+                    else "worse"
+                    if all(c["ci95"][1] < 0 for c in cis)
+                    else "tie"
+                )
+                diffs = ", ".join(f"{c['diff']:+.3f}" for c in cis)
+                parts.append(f"{col} {metric} {word} ({diffs})")
+            lines.append(f"- {bench}: {key} vs {BASELINE}: " + "; ".join(parts))
     return "\n".join(lines)
 
 
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def _parse_set(spec: str, every: int | None, limit: int | None) -> tuple[str, Path, int, int]:
+    """``name[:every[:limit]]`` or a path to a JSONL file (same suffixes)."""
+    head, *rest = spec.split(":")
+    path = Path(head) if head.endswith(".jsonl") else DATA_DIR / f"{head}.dev.jsonl"
+    name = path.name.split(".")[0]
+    d_every, d_limit = SETS.get(name, (1, 100))
+    e = int(rest[0]) if len(rest) > 0 and rest[0] else (every or d_every)
+    lim = int(rest[1]) if len(rest) > 1 and rest[1] else (limit or d_limit)
+    return name, path, e, lim
+
+
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--data", default=str(DATA))
-    ap.add_argument("--stride", type=int, default=2)
-    ap.add_argument("--limit", type=int, default=200)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--cache", default="/tmp/toolspec-key-eval/hidden.npz")
-    ap.add_argument("--out", default="benchmarks/runs/retrieval-key-eval.json")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sets", nargs="+", default=list(SETS), help="name|path.jsonl[:every[:limit]] per dev set")
+    ap.add_argument("--every", type=int, default=None, help="stride over each set's items (default per set)")
+    ap.add_argument("--limit", type=int, default=None, help="items per set at most (default per set)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8, help="texts per encoder forward")
+    ap.add_argument("--prefetch", type=int, default=20, help="candidates per search fused by rrf")
+    ap.add_argument("--no-hidden", action="store_true", help="skip the target's hidden keys (no prefill)")
+    ap.add_argument("--cache-dir", default="/tmp/toolspec-key-eval")
+    ap.add_argument("--machine", default="cpu-epyc")
+    ap.add_argument("--out", default=None, help="JSON path (.md beside it); default results/retrieval/...")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    items = load_items(Path(args.data), args.stride, args.limit)
-    hidden = compute_hidden_keys(items, Path(args.cache), args.threads)
-    keys = all_keys(items, hidden)
-    shuffled = list(range(len(items)))
-    random.Random(args.seed).shuffle(shuffled)
+    commit = _commit()
+    cache_dir = Path(args.cache_dir)
+    specs = [_parse_set(s, args.every, args.limit) for s in args.sets]
+    sets = {name: load_items(path, e, lim) for name, path, e, lim in specs}
+    t0 = time.time()
+    text = text_keys(sets, cache_dir, args.batch)
+    hidden = {}
+    for name, items in sets.items():
+        if not args.no_hidden:
+            print(f"{name}: hidden keys of {len(items)} items", flush=True)
+            hidden[name] = compute_hidden_keys(items, cache_dir / f"hidden-{name}.npz", args.threads)
+    phase1 = time.time() - t0
     from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME
 
+    keys_of = {name: all_keys(items, hidden.get(name), text[name]) for name, items in sets.items()}
     res = {
         "setup": {
-            "data": Path(args.data).name,
-            "items": len(items),
-            "stride": args.stride,
             "model": EMBEDDED_MODEL_NAME,
+            "commit": commit,
+            "machine": args.machine,
             "k": [1, 3, 10],
-            "keys": list(KEYS),
+            "keys": [k for k in KEYS if k == "rrf" or all(k in kk for kk in keys_of.values())],
             "lexical_dim": 1024,
-            "hidden_dim": int(keys["hidden_last"].shape[1]),
+            "rrf_k": RRF_K,
+            "prefetch": args.prefetch,
+            "batch": args.batch,
+            "phase1_s": round(phase1, 1),
+            "dims": {k: int(m.shape[1]) for k, m in next(iter(keys_of.values())).items()},
         },
-        "orders": {
-            "file": evaluate(items, keys, list(range(len(items)))),
-            f"shuffled_seed{args.seed}": evaluate(items, keys, shuffled),
-        },
+        "benchmarks": {},
     }
+    for (name, path, e, _lim), items in zip(specs, sets.values()):
+        keys = keys_of[name]
+        shuffled = list(range(len(items)))
+        random.Random(args.seed).shuffle(shuffled)
+        res["benchmarks"][name] = {
+            "data": path.name,
+            "items": len(items),
+            "every": e,
+            "orders": {
+                "file": evaluate(items, keys, list(range(len(items))), prefetch=args.prefetch),
+                f"shuffled_seed{args.seed}": evaluate(items, keys, shuffled, prefetch=args.prefetch),
+            },
+        }
     res["verdict"] = verdict(res)
-    out = Path(args.out)
+    out = Path(
+        args.out or f"benchmarks/results/retrieval/retrieval-key-eval-{len(sets)}bench-{args.machine}-{commit}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1) + "\n")
     out.with_suffix(".md").write_text(to_markdown(res))
     print(res["verdict"])
+    print(f"wrote {out} and {out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,13 @@ Library protocol for history methods (a method class with ``uses_history``):
           (items being evaluated are dropped from it); never observes evaluated items.
 Other methods keep one instance per benchmark (their online acceptance rates carry over, as
 in a server) and are reported with library null.
+
+Retrieval key (``retrieval_key``) of library methods: ``qwen`` / ``hybrid`` / ``lexical`` key the
+request's text as the Retrieval deployment does (``deployments.retrieval.make_keyer``) into a
+``retrieval_service`` memory store (:class:`retrieval_service.library.ServiceLibrary`); ``hidden``
+keys by the target's last prompt state into the core's ``MemoryLibrary``. A text key is computed
+before the decode is timed (serving computes it while the prompt is prefilled); its encoder time
+is recorded per record as ``key_s``.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from .metrics import answer_metrics, call_metrics, first_mismatch
 
 ALL_METHODS = ("ar", "pld", "suffix", "token_recycling", "toolspec_schema", "toolspec_retrieval", "toolspec")
 LIBRARIES = ("cold", "online", "warm")
+RETRIEVAL_KEYS = ("qwen", "hybrid", "lexical", "hidden")
 
 
 @dataclass
@@ -60,6 +68,9 @@ class RunConfig:
     device: str = "cpu"  # where the target runs (cuda: float32 unless dtype says otherwise)
     dtype: str = "float32"
     structured: bool = False  # the structured-output tasks made from the items (data.structured_item)
+    # how library methods key the call library: a text key as the Retrieval deployment computes it
+    # (qwen | hybrid | lexical) or the target's last prompt state (hidden)
+    retrieval_key: str = "qwen"
 
 
 def run_pairs(cfg: RunConfig) -> list[tuple[str, str | None]]:
@@ -70,6 +81,25 @@ def run_pairs(cfg: RunConfig) -> list[tuple[str, str | None]]:
             continue
         out.extend((m, lib) for lib in cfg.libraries) if _uses_history(m) else out.append((m, None))
     return out
+
+
+def _uses_library(name: str) -> bool:
+    """A method that drafts from a call library of past calls (searched by the request's key)."""
+    try:
+        cls = method_class(name)
+    except ImportError:
+        return False
+    return bool(cls.uses_library and cls.uses_history)
+
+
+def text_keyer(kind: str, threads: int | None = None):
+    """The Retrieval deployment's keyer for ``kind`` (``deployments.retrieval.make_keyer`` on a
+    ``RetrievalConfig`` with that key and the default encoder), its keys cached per text."""
+    from deployments.config import EncoderConfig, RetrievalConfig
+    from deployments.retrieval import make_keyer
+    from retrieval_service.library import CachedKeyer
+
+    return CachedKeyer(make_keyer(RetrievalConfig(key=kind, encoder=EncoderConfig(threads=threads))))
 
 
 def _uses_history(name: str) -> bool:
@@ -185,14 +215,17 @@ def log(msg: str) -> None:
 class MethodPool:
     """Method instances per (benchmark, method, library), following the library protocol."""
 
-    def __init__(self, tokenizer, warm_docs=None):
+    def __init__(self, tokenizer, warm_docs=None, library=None):
         self.tok = tokenizer
         self.warm_docs = warm_docs  # benchmark -> [(RequestInfo, ids, text)] (lazy)
+        self.library = library  # () -> a fresh CallLibrary for a library method (None: its own MemoryLibrary)
         self.instances: dict[tuple, object] = {}
         self.unavailable: dict[str, str] = {}
 
     def _make(self, name: str):
         try:
+            if self.library is not None and _uses_library(name):
+                return make_method(name, self.tok, library=self.library())
             return make_method(name, self.tok)
         except (ImportError, AttributeError) as exc:
             self.unavailable[name] = f"{type(exc).__name__}: {exc}"
@@ -306,12 +339,37 @@ class Runner:
         self.store = item_store(self.out)
         self.prefills = PrefillCache(self.out / "prefill.jsonl")
         self.warm_prefills = PrefillCache(self.out / "warm_prefill.jsonl")
-        self.pool = MethodPool(target.tokenizer, self.warm_docs)
+        if cfg.retrieval_key not in RETRIEVAL_KEYS:
+            raise ValueError(f"unknown retrieval key {cfg.retrieval_key!r}; known: {', '.join(RETRIEVAL_KEYS)}")
+        self.text_key = cfg.retrieval_key != "hidden"
+        self._keyer = None  # the text keyer, loaded when a library method first needs it
+        self._key_s: float | None = None  # encoder seconds of the current item's text key
+        self.pool = MethodPool(target.tokenizer, self.warm_docs, self._service_library if self.text_key else None)
         self.dcfg = DecodeConfig(max_new_tokens=cfg.max_new_tokens)
         self._warm: dict[str, list] = {}
         self._write_config()
         self.cost = resolve_cost(cfg.cost, target, self.out)
         self.cost.calibrate = cfg.calibrate
+
+    @property
+    def keyer(self):
+        if self._keyer is None:
+            log(f"loading the {self.cfg.retrieval_key} retrieval keyer ...")
+            self._keyer = text_keyer(self.cfg.retrieval_key, self.cfg.threads)
+        return self._keyer
+
+    def _service_library(self):
+        from retrieval_service.library import ServiceLibrary
+
+        return ServiceLibrary(self.keyer)
+
+    def request_key(self, item: dict, pre=None, pinfo=None):
+        """The library key of an item's request: its text (text keys) or the last prompt state."""
+        if self.text_key:
+            from retrieval_service.embedding import query_text
+
+            return query_text(item.get("messages") or [], item.get("tools"))
+        return pre.hidden if pre is not None else (decode_hidden(pinfo["hidden"]) if pinfo else None)
 
     def _write_config(self) -> None:
         path = self.out / "config.json"
@@ -323,6 +381,8 @@ class Runner:
                 for k in ("data", "limit", "seed", "max_new_tokens", "target", "warm_files")
                 if old.get(k) != now.get(k)
             ]
+            if old.get("retrieval_key", "hidden") != now["retrieval_key"]:
+                changed.append("retrieval_key")
             if changed:
                 log(f"WARNING: resuming {self.out} with different {', '.join(changed)} than the original run")
         from .cost import hardware_string
@@ -343,7 +403,9 @@ class Runner:
             log(f"warm library for {bench}: {len(self._warm[bench])} documents")
         return self._warm[bench]
 
-    def _warm_embedding(self, item: dict, ids: list[int]) -> torch.Tensor:
+    def _warm_embedding(self, item: dict, ids: list[int]):
+        if self.text_key:
+            return self.request_key(item)
         rec = self.warm_prefills.get(item["id"])
         if rec is None:
             rec = self.warm_prefills.put(item["id"], prefill(self.target, ids))
@@ -381,7 +443,14 @@ class Runner:
             # untimed 2-token decode so plain greedy (always first) does not pay the first
             # decode's one-off costs after a large prefill (allocator, caches)
             decode(self.target, pre, None, DecodeConfig(max_new_tokens=2))
-        emb = pre.hidden if pre is not None else (decode_hidden(pinfo["hidden"]) if pinfo else None)
+        emb = self.request_key(item, pre, pinfo)
+        self._key_s = None
+        if self.text_key and any(_uses_library(m) for m, _ in self.pairs):
+            # keyed before any decode is timed: serving keys the text while the prompt is prefilled
+            t0 = self.keyer.seconds
+            if emb.strip():
+                self.keyer.key(emb)
+            self._key_s = self.keyer.seconds - t0
         req = RequestInfo(
             prompt_ids=ids, tools=item.get("tools") or [], embedding=emb, response_schema=response_schema(item)
         )
@@ -432,6 +501,8 @@ class Runner:
             self.store.append({**head, "error": f"{type(exc).__name__}: {exc}"})
             return None
         rec["prefill_s"] = pre.seconds
+        if self._key_s is not None and _uses_library(name):
+            rec["retrieval_key"], rec["key_s"] = self.cfg.retrieval_key, self._key_s
         rec["e2e_s"] = pre.seconds + rec["decode_s"]  # one prefill + this method's decode phase
         rec = finish_record(rec, item, None if name == "ar" else ar, ref)
         self.store.append(rec)

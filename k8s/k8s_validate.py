@@ -10,8 +10,9 @@ Checks, per rendered overlay:
 - the Prometheus Operator ``PodMonitor`` structurally (no CRD schema ships here): known fields
   only, a label selector, endpoints naming a port and an absolute path;
 - cross references a schema cannot see: secrets/claims/env vars/services named in one object
-  exist in another, probes hit the Serve port, GPU sizing matches tensor parallelism, a
-  PodMonitor selects pods that have the ports it scrapes.
+  exist in another, probes hit the Serve port, GPU sizing matches tensor parallelism, the
+  Retrieval deployment's encoder gets a GPU no replica's placement group reserves (or CPUs one
+  pod has), a PodMonitor selects pods that have the ports it scrapes.
 ``resolve_import_path`` and ``validate_app_args`` check the app builder itself (tests call
 them once ``deployments.app`` exists).
 
@@ -421,28 +422,107 @@ def _check_rayservice(doc: dict, services: dict) -> list[str]:
             )
         if not group["minReplicas"] <= group.get("replicas", group["minReplicas"]) <= group["maxReplicas"]:
             problems.append(f"{label} {name}: replicas outside [minReplicas, maxReplicas]")
-        gpus = _quantity((c.get("resources") or {}).get("limits", {}).get("nvidia.com/gpu"))
+        gpus = _group_gpus(group)
         for app in serve.get("applications") or []:
             args = app.get("args") or {}
             tp = int(args.get("tensor_parallel_size", 1))
-            scaling = args.get("autoscaling") or {}
-            if gpus:
-                if gpus % tp:
-                    problems.append(
-                        f"{label} {name}: {gpus} GPUs per pod is not a multiple of tensor_parallel_size {tp}"
-                    )
-                elif scaling.get("max_replicas", 1) > group["maxReplicas"] * (gpus // tp):
-                    problems.append(
-                        f"{label} {name}: Serve max_replicas {scaling['max_replicas']} "
-                        f"cannot fit in {group['maxReplicas']} pods of {gpus} GPUs"
-                    )
-            elif tp > 1 and args.get("model") != "embedded":
+            if not gpus and tp > 1 and args.get("model") != "embedded":
                 problems.append(f"{label} {name}: tensor_parallel_size {tp} without GPUs")
-            host, _, qport = str(args.get("qdrant_url", "")).split("://")[-1].partition(":")
-            if args.get("qdrant_url") and (
-                host.split(".")[0] not in services or int(qport or 80) not in services[host.split(".")[0]]
-            ):
-                problems.append(f"{label}: qdrant_url {args['qdrant_url']} names no rendered Service port")
+    for app in serve.get("applications") or []:
+        args = app.get("args") or {}
+        problems += _check_engine_gpus(label, args, rc.get("workerGroupSpecs") or [])
+        problems += _check_retrieval(label, args, rc.get("workerGroupSpecs") or [])
+        host, _, qport = str(args.get("qdrant_url", "")).split("://")[-1].partition(":")
+        if args.get("qdrant_url") and (
+            host.split(".")[0] not in services or int(qport or 80) not in services[host.split(".")[0]]
+        ):
+            problems.append(f"{label}: qdrant_url {args['qdrant_url']} names no rendered Service port")
+    return problems
+
+
+def _group_gpus(group: dict) -> int:
+    """GPUs of one pod of a worker group (its Ray container's nvidia.com/gpu limit)."""
+    c = group["template"]["spec"]["containers"][0]
+    return _quantity((c.get("resources") or {}).get("limits", {}).get("nvidia.com/gpu"))
+
+
+def _group_cpus(group: dict) -> float:
+    """Ray CPUs of one pod of a worker group: rayStartParams num-cpus, else the container's CPU
+    limit or request (what KubeRay passes to ``ray start``)."""
+    if "num-cpus" in (group.get("rayStartParams") or {}):
+        return float(group["rayStartParams"]["num-cpus"])
+    res = group["template"]["spec"]["containers"][0].get("resources") or {}
+    value = str((res.get("limits") or {}).get("cpu") or (res.get("requests") or {}).get("cpu") or 0)
+    return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+
+
+def _engine_holds_gpus(args: dict, tp: int) -> bool:
+    """Whether a replica's placement group reserves whole GPUs, one per tensor-parallel rank."""
+    return tp > 1 and args.get("device", "auto") != "cpu"
+
+
+def _check_engine_gpus(label: str, args: dict, groups: list[dict]) -> list[str]:
+    """Groups whose pods can hold a replica (at least tensor_parallel_size GPUs) hold whole
+    replicas, and together room for Serve's max_replicas; groups with fewer GPUs (e.g. one for
+    the Retrieval encoder) hold no replica."""
+    problems = []
+    tp = int(args.get("tensor_parallel_size", 1))
+    scaling = args.get("autoscaling") or {}
+    engine = [(g, _group_gpus(g)) for g in groups if _group_gpus(g) >= tp and _group_gpus(g)]
+    if tp > 1 and any(_group_gpus(g) for g in groups) and not engine:
+        problems.append(f"{label}: no worker group has the {tp} GPUs a tensor_parallel_size {tp} replica needs")
+    room = 0
+    for g, gpus in engine:
+        if gpus % tp:
+            problems.append(
+                f"{label} {g['groupName']}: {gpus} GPUs per pod is not a multiple of tensor_parallel_size {tp}"
+            )
+        else:
+            room += g["maxReplicas"] * (gpus // tp)
+    if engine and not problems and scaling.get("max_replicas", 1) > room:
+        pods = ", ".join(f"{g['maxReplicas']} pods of {gpus} GPUs ({g['groupName']})" for g, gpus in engine)
+        problems.append(f"{label}: Serve max_replicas {scaling['max_replicas']} cannot fit in {pods}")
+    return problems
+
+
+def _check_retrieval(label: str, args: dict, groups: list[dict]) -> list[str]:
+    """The Retrieval deployment's actor fits a worker pod: its encoder's GPU fraction on a GPU no
+    replica's placement group reserves (with tensor parallelism every GPU of a pod that holds a
+    replica is taken), its CPUs on one pod."""
+    r = args.get("retrieval") or {}
+    if r.get("enabled", True) in (False, "false", "False"):
+        return []
+    problems = []
+    try:
+        replicas = int(r.get("num_replicas", 1))
+        num_cpus = float(r.get("num_cpus", 0))
+        enc = r.get("encoder") or {}
+        fraction = float(enc.get("num_gpus", 0)) if r.get("key", "qwen") in ("qwen", "hybrid") else 0.0
+    except (TypeError, ValueError):
+        return []  # the app's own config reports it (validate_app_args)
+    if num_cpus > max((_group_cpus(g) for g in groups), default=0):
+        problems.append(f"{label}: retrieval.num_cpus {num_cpus:g} is more than any worker pod's Ray CPUs")
+    if r.get("key", "qwen") not in ("qwen", "hybrid"):
+        return problems
+    device = enc.get("device", "cpu")
+    if device == "cuda" and fraction <= 0:
+        problems.append(f"{label}: retrieval.encoder.device cuda needs num_gpus > 0 (else the actor sees no GPU)")
+    if device != "cuda" and fraction > 0:
+        problems.append(
+            f"{label}: retrieval.encoder.num_gpus {fraction:g} reserves a GPU the {device} encoder never uses"
+        )
+    if fraction <= 0:
+        return problems
+    tp = int(args.get("tensor_parallel_size", 1))
+    spare = [g for g in groups if 0 < _group_gpus(g) < tp] if _engine_holds_gpus(args, tp) else groups
+    room = sum(g["maxReplicas"] * _group_gpus(g) for g in spare) * int(1 / fraction + 1e-9)
+    if room < replicas:
+        where = f"fewer than the {tp} GPUs of a replica" if _engine_holds_gpus(args, tp) else "GPUs"
+        problems.append(
+            f"{label}: retrieval.encoder.num_gpus {fraction:g} x {replicas} replica(s) needs a GPU no "
+            f"tensor-parallel placement group reserves: add a worker group with {where} "
+            "(overlays/gpu-prod/retrieval-gpu.yaml)"
+        )
     return problems
 
 

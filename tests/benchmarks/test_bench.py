@@ -213,6 +213,7 @@ def _cfg(data, tmp_path, **kw):
         warm_files=[str(warm)],
         max_new_tokens=12,
         cost="reference",
+        retrieval_key="hidden",
     )
     return RunConfig(**{**base, **kw})
 
@@ -356,6 +357,34 @@ def test_online_replay_on_resume(tiny, data, tmp_path):
     resumed.run()
     hist = resumed.pool.instances[("syn", "suffix", "online")].history
     assert hist.tokens("default") > 0  # items 0 and 1 replayed (+ item 2 observed)
+
+
+def test_text_retrieval_key_runs_the_service_library(tiny, data, tmp_path):
+    """A text key: library methods draft from a retrieval_service store keyed by the request text
+    (as the Retrieval deployment keys it), the run stays exact, and the key is recorded."""
+    from retrieval_service.embedding import query_text
+    from retrieval_service.library import ServiceLibrary
+    from toolspec_core.drafters.methods import RequestInfo
+
+    cfg = _cfg(data, tmp_path, methods=["ar", "toolspec"], libraries=["online"], retrieval_key="lexical")
+    runner = Runner(cfg, tiny)
+    runner.run()
+    method = runner.pool.instances[("syn", "toolspec", "online")]
+    assert isinstance(method.library, ServiceLibrary) and method.library.keyer.name == "lexical"
+    recs = list(runner.store.records.values())
+    assert len(recs) == 6 and all(r["exact_match"] for r in recs)
+    assert {r["retrieval_key"] for r in recs if r["method"] == "toolspec"} == {"lexical"}
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["retrieval_key"] == "lexical"
+    # what the method stores is found again by the next request's text
+    item = _item(5)
+    key = query_text(item["messages"], item["tools"])
+    req = RequestInfo(prompt_ids=[1, 2], tools=item["tools"], embedding=key)
+    method.observe(req, [7, 8, 9], '<tool_call>\n{"name": "get_x", "arguments": {"q": "5"}}\n</tool_call>')
+    hits = method.library.search("default", key, ["get_x"], 3)
+    assert hits and hits[0].tool_name == "get_x" and hits[0].token_ids == [7, 8, 9]
+    rep = build_report(tmp_path / "run", "lex", tmp_path / "results", plots=False)
+    assert rep["retrieval"]["key"] == "lexical" and rep["retrieval"]["keyed_requests"] == 3
+    assert "retrieval key: lexical" in (tmp_path / "results" / "lex.md").read_text()
 
 
 def test_cli_max_items_stops_early_and_resumes(tiny, data, tmp_path, monkeypatch):

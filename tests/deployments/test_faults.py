@@ -61,7 +61,7 @@ def test_an_app_restarted_over_its_embedded_library_still_holds_its_calls(serve_
     its calls are counted and drafted from (a retrieval hit on the same request)."""
     from ray import serve
 
-    from retrieval_service.embedding import LexicalEmbedder
+    from retrieval_service.embedding import query_text
 
     args = {
         "model": tiny_model_dir,
@@ -70,7 +70,7 @@ def test_an_app_restarted_over_its_embedded_library_still_holds_its_calls(serve_
     }
     url = deploy("restart", args, serve_port)
     base = url[: -len("/v1")]
-    emb = LexicalEmbedder(1024).embed_request(MSGS, TOOLS).tolist()
+    emb = query_text(MSGS, TOOLS)  # the deployment keys the request text with its encoder
     text = '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "Quito"}}\n</tool_call>'
     handle = serve.get_deployment_handle("Retrieval", app_name="restart")
     handle.add.remote("default", "get_current_weather", "", text, [1, 2, 3], {"city": "Quito"}, emb).result()

@@ -118,6 +118,13 @@ def test_finished_calls_reach_the_shared_library(real_app, weather_call):
 
     lib = serve.get_deployment_handle("Retrieval", app_name="real")
     assert wait_until(lambda: lib.stats.remote().result()["records"] >= 1, timeout=30)
+
+    def settled() -> bool:  # earlier requests' adds (keyed by the deployment's encoder) have all landed
+        adds = lib.stats.remote().result()["adds"]
+        time.sleep(2.0)
+        return lib.stats.remote().result()["adds"] == adds
+
+    assert wait_until(settled, timeout=60)
     before = lib.stats.remote().result()
     client(real_app).chat.completions.create(
         model="real",

@@ -48,9 +48,17 @@ def _args(docs) -> dict:
     return app["args"]
 
 
+def _groups(docs) -> dict[str, dict]:
+    return {g["groupName"]: g for g in _one(docs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+
+
 def _worker(docs) -> dict:
-    (group,) = _one(docs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-    return group
+    """The worker group that runs the engine replicas (workerGroupSpecs[0])."""
+    return _one(docs, "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+
+
+def _gpus(group) -> int:
+    return int(group["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0))
 
 
 def test_both_overlays_exist():
@@ -157,11 +165,83 @@ def test_cpu_dev_is_small_and_gpu_free(rendered):
     assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
 
 
+def test_cpu_dev_encoder_on_cpu_with_its_own_threads(rendered):
+    """cpu-dev: the Retrieval deployment's encoder is the embedded model (in the CPU image) on CPU,
+    with its own torch threads and Ray CPUs, which fit the one worker beside the replica's."""
+    docs = rendered["cpu-dev"]
+    args = _args(docs)
+    cfg = k8s_validate.validate_app_args(args)
+    r = cfg.retrieval
+    assert r.enabled and r.key == "qwen"
+    assert (r.encoder.model, r.encoder.device, r.encoder.num_gpus) == ("embedded", "cpu", 0)
+    assert r.encoder.threads and r.num_cpus >= r.encoder.threads
+    assert list(_groups(docs)) == ["cpu-workers"]
+    pod_cpus = float(_worker(docs)["rayStartParams"]["num-cpus"])
+    assert cfg.replica_num_cpus + r.num_cpus <= pod_cpus
+
+
+def test_gpu_prod_encoder_on_a_gpu_beyond_the_tp_pods(rendered):
+    """gpu-prod: every GPU of a gpu-workers pod is reserved by a tp-8 replica's placement group, so
+    the encoder's GPU fraction needs a worker group of fewer GPUs than a replica takes."""
+    docs = rendered["gpu-prod"]
+    cfg = k8s_validate.validate_app_args(_args(docs))
+    r, tp = cfg.retrieval, cfg.tensor_parallel_size
+    assert r.enabled and r.key == "qwen"
+    assert r.encoder.model == "/models/Qwen3-Embedding-0.6B" and r.encoder.pooling == "last"
+    assert r.encoder.prefix.startswith("Instruct: ") and r.encoder.prefix.endswith("\nQuery:")
+    assert r.encoder.device == "cuda" and 0 < r.encoder.num_gpus <= 1
+    assert r.max_batch_size > 1
+    groups = _groups(docs)
+    engine = groups["gpu-workers"]
+    assert _gpus(engine) % tp == 0
+    assert cfg.placement_bundles() is not None  # the replica's placement group holds the tp ranks' GPUs
+    spare = {name: g for name, g in groups.items() if 0 < _gpus(g) < tp}
+    assert list(spare) == ["retrieval-gpu"]
+    group = spare["retrieval-gpu"]
+    assert group["minReplicas"] >= 1 and _gpus(group) * int(1 / r.encoder.num_gpus) >= r.num_replicas
+    pod = group["template"]["spec"]
+    # its own node pool (marked CHANGE), not the 8-GPU nodes of the replicas
+    assert pod["nodeSelector"] and pod["nodeSelector"] != engine["template"]["spec"]["nodeSelector"]
+    assert pod["tolerations"]
+    # the encoder's weights come from the models volume, read-only
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]}
+    assert mounts["models"]["mountPath"] == "/models" and claims["models"] == "toolspec-models"
+    assert r.encoder.model.startswith(mounts["models"]["mountPath"] + "/")
+
+
+def test_gpu_prod_encoder_without_a_spare_gpu_fails(rendered, crd_path):
+    """Without the retrieval-gpu group nothing offers the encoder's fraction: validation says so."""
+    broken = k8s_validate.mutated(rendered["gpu-prod"], "RayService", lambda d: _rs(d)["workerGroupSpecs"].pop(1))
+    with pytest.raises(ManifestError, match="no tensor-parallel placement group reserves"):
+        k8s_validate.validate_documents(broken, crd_path=crd_path)
+
+
+@pytest.mark.parametrize(
+    "old,new,match",
+    [
+        ("num_gpus: 0.25", "num_gpus: 0", "device cuda needs num_gpus"),
+        ("device: cuda\n          num_gpus", "device: cpu\n          num_gpus", "never uses"),
+    ],
+)
+def test_gpu_prod_encoder_device_mismatch_fails(rendered, crd_path, old, new, match):
+    broken = k8s_validate.mutated(rendered["gpu-prod"], "RayService", lambda d: _serve(d, old, new))
+    with pytest.raises(ManifestError, match=match):
+        k8s_validate.validate_documents(broken, crd_path=crd_path)
+
+
+def test_cpu_dev_encoder_cpus_beyond_the_pod_fail(rendered, crd_path):
+    broken = k8s_validate.mutated(rendered["cpu-dev"], "RayService", lambda d: _serve(d, "num_cpus: 2", "num_cpus: 6"))
+    with pytest.raises(ManifestError, match="retrieval.num_cpus 6"):
+        k8s_validate.validate_documents(broken, crd_path=crd_path)
+
+
 def test_worker_probes_hit_health(rendered):
     for docs in rendered.values():
-        container = _worker(docs)["template"]["spec"]["containers"][0]
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["httpGet"] == {"path": "/health", "port": "serve"}
+        for group in _groups(docs).values():
+            container = group["template"]["spec"]["containers"][0]
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert container[probe]["httpGet"] == {"path": "/health", "port": "serve"}
 
 
 def test_import_path_resolves_to_builder():
