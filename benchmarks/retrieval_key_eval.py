@@ -446,6 +446,8 @@ def verdict(res: dict) -> str:
                 if vals:
                     per.setdefault(key, {})[bench] = float(np.mean(vals))
         mean = {k: float(np.mean(list(v.values()))) for k, v in per.items() if len(v) == len(res["benchmarks"])}
+        if not mean:
+            continue
         best = max(mean, key=mean.get)
         cells = ", ".join(f"{bench} {max(per, key=lambda k: per[k].get(bench, -1))}" for bench in res["benchmarks"])
         rank = "; ".join(f"{k} {mean[k]:.3f}" for k in sorted(mean, key=mean.get, reverse=True))
@@ -501,7 +503,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sets", nargs="+", default=list(SETS), help="name|path.jsonl[:every[:limit]] per dev set")
     ap.add_argument("--every", type=int, default=None, help="stride over each set's items (default per set)")
     ap.add_argument("--limit", type=int, default=None, help="items per set at most (default per set)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared CPU)")
     ap.add_argument("--batch", type=int, default=8, help="texts per encoder forward")
     ap.add_argument("--prefetch", type=int, default=20, help="candidates per search fused by rrf")
     ap.add_argument("--no-hidden", action="store_true", help="skip the target's hidden keys (no prefill)")
@@ -509,8 +511,12 @@ def main(argv=None) -> None:
     ap.add_argument("--machine", default="cpu-epyc")
     ap.add_argument("--out", default=None, help="JSON path (.md beside it); default results/retrieval/...")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--commit", default=None, help="the code's commit in the output name (default: git HEAD)")
     args = ap.parse_args(argv)
-    commit = _commit()
+    commit = args.commit or _commit()
+    import torch
+
+    torch.set_num_threads(args.threads)  # the encoder's too (its config leaves threads unset)
     cache_dir = Path(args.cache_dir)
     specs = [_parse_set(s, args.every, args.limit) for s in args.sets]
     sets = {name: load_items(path, e, lim) for name, path, e, lim in specs}

@@ -105,7 +105,8 @@ def build_app(args: dict | ServeAppConfig | None = None):
         r = cfg.retrieval
         gpus = r.encoder.num_gpus if r.key in ("qwen", "hybrid") else 0
         retrieval = Retrieval.options(
-            num_replicas=r.num_replicas, ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": gpus}
+            num_replicas=r.num_replicas,
+            ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": gpus, "resources": dict(r.resources)},
         ).bind(cfg, retrieval_dim(cfg))
     replica = Replica.options(**cfg.deployment_options()).bind(cfg, retrieval)
     return Ingress.options(

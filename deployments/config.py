@@ -69,6 +69,9 @@ class RetrievalConfig(BaseModel):
     cache_entries: int = Field(256, ge=0)  # replica-local cache of recent search results
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.0, ge=0)
+    # custom Ray resources the actor needs, e.g. {"retrieval_gpu": 1} offered only by the worker
+    # group meant for it (so its GPU fraction never lands on a GPU a TP replica needs)
+    resources: dict[str, float] = Field(default_factory=dict)
 
     def text_key(self) -> bool:
         """Whether replicas send request text and the deployment keys it (every key but hidden)."""

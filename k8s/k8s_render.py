@@ -111,10 +111,14 @@ def dump(docs: list[dict]) -> str:
 
 
 class _BlockDumper(yaml.SafeDumper):
-    """Writes multi-line strings (serveConfigV2) as `|` blocks and quotes with `"`, like kustomize."""
+    """Writes multi-line strings (serveConfigV2) as `|` blocks and quotes with `"` (`'` around a
+    string holding `"`), like kustomize."""
 
     def choose_scalar_style(self):
         style = super().choose_scalar_style()
+        value = self.event.value
+        if style in ("'", '"') and '"' in value and "'" not in value and "\n" not in value:
+            return "'"  # a string holding double quotes (JSON in a rayStartParams value): kustomize single-quotes it
         return '"' if style == "'" else style
 
 

@@ -4,6 +4,7 @@ validates, and a planted error of each kind makes validation fail."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -199,6 +200,9 @@ def test_gpu_prod_encoder_on_a_gpu_beyond_the_tp_pods(rendered):
     assert list(spare) == ["retrieval-gpu"]
     group = spare["retrieval-gpu"]
     assert group["minReplicas"] >= 1 and _gpus(group) * int(1 / r.encoder.num_gpus) >= r.num_replicas
+    # the actor asks for a resource only that group offers: it never takes a TP replica's GPU
+    assert r.resources == {"retrieval_gpu": 1.0}
+    assert json.loads(json.loads(group["rayStartParams"]["resources"])) == {"retrieval_gpu": 1}
     pod = group["template"]["spec"]
     # its own node pool (marked CHANGE), not the 8-GPU nodes of the replicas
     assert pod["nodeSelector"] and pod["nodeSelector"] != engine["template"]["spec"]["nodeSelector"]
