@@ -190,6 +190,11 @@ class ServeAppConfig(BaseModel):
             raise ValueError("float16 is not supported on cpu; use float32 or bfloat16")
         if self.tensor_parallel_size > 1 and self.engine != "batched":
             raise ValueError("tensor_parallel_size > 1 runs on the batched engine (engine: batched)")
+        if self.tensor_parallel_size > 1 and self.retrieval.enabled and self.retrieval.key == "hidden":
+            raise ValueError(
+                "retrieval.key hidden reads the target's state of a prompt prefilled in the replica, which a "
+                "tensor-parallel target does not do; use qwen, hybrid or lexical"
+            )
         backend = self.store_config(1).get("backend", "edge")
         r = self.retrieval
         if r.enabled and r.num_replicas > 1 and backend != "qdrant_url":

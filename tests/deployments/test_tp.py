@@ -188,6 +188,8 @@ def test_placement_bundles_reserve_the_replica_with_rank_0():
     assert "placement_group_bundles" not in ServeAppConfig(device="cpu").deployment_options()
     with pytest.raises(ValueError, match="batched engine"):
         ServeAppConfig(tensor_parallel_size=2, engine="threads")
+    with pytest.raises(ValueError, match="use qwen, hybrid or lexical"):
+        ServeAppConfig(tensor_parallel_size=2, retrieval={"key": "hidden"})
 
 
 @pytest.mark.serve
