@@ -45,7 +45,9 @@ def app_config(spec: str, library: str) -> tuple[str, dict]:
 
 class RssSampler:
     """Resident memory of every engine replica process (``ray::ServeReplica:<app>:Replica``) every
-    ``every`` seconds, in a thread, until ``stop`` writes the series and a summary."""
+    ``every`` seconds, in a thread, until ``stop`` writes the series and a summary. Only this
+    run's replicas: descendants of this process (the local Ray it started), so another Ray
+    instance on the same machine (a test suite's apps) is never sampled."""
 
     def __init__(self, every: float):
         import threading
@@ -61,17 +63,17 @@ class RssSampler:
 
         import psutil
 
+        me = psutil.Process()
         while not self._stop.is_set():
-            for proc in psutil.process_iter(["pid", "cmdline"]):
-                title = " ".join(proc.info.get("cmdline") or [])
-                if "ServeReplica:" in title and ":Replica" in title:
-                    try:
-                        rss = proc.memory_info().rss
-                    except psutil.Error:
+            for proc in me.children(recursive=True):
+                try:
+                    title = " ".join(proc.cmdline())
+                    if not ("ServeReplica:" in title and ":Replica" in title):
                         continue
-                    self.samples.append(
-                        {"t": round(time.time() - self.t0, 1), "pid": proc.info["pid"], "rss_mb": rss / 2**20}
-                    )
+                    rss = proc.memory_info().rss
+                except psutil.Error:
+                    continue
+                self.samples.append({"t": round(time.time() - self.t0, 1), "pid": proc.pid, "rss_mb": rss / 2**20})
             self._stop.wait(self.every)
 
     def stop(self, path: str) -> None:

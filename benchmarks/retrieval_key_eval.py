@@ -21,9 +21,11 @@ Keys. The Retrieval deployment's, computed exactly as it computes them: ``TextKe
   the serving default), ``qwen_last``: the same with ``encoder.pooling: last``;
 * ``hybrid``: ``TextKeyer("hybrid")`` (qwen vector beside the hashed lexical one: mean of cosines);
 * ``lexical``: ``TextKeyer("lexical")`` (hashed n-grams of the query text) -- the paired baseline;
-* ``rrf``: reciprocal rank fusion (k=60) of a ``qwen`` and a ``lexical`` search of the same store
-  filter, each fetching ``--prefetch`` candidates -- what Qdrant's Query API gives for
-  ``prefetch=[dense, sparse], query=FusionQuery(RRF)``; computed here from the two rankings.
+* ``rrf``: reciprocal rank fusion, score = sum 1 / (60 + rank), rank from 1, of a ``qwen`` and a
+  ``lexical`` search of the same store filter, each fetching ``--prefetch`` candidates -- what
+  Qdrant's Query API gives for ``prefetch=[dense, sparse], query=RrfQuery(rrf=Rrf(k=61))`` (its
+  ranks start at 0); ``rrf_k2``: the same with Qdrant's default ``k=2`` (1 / (2 + rank - 1)).
+  Computed here from the two rankings.
 
 The target's own keys, as before: ``hidden_last`` (``Prefilled.hidden``), ``hidden_mean`` (mean
 last-layer state over the prompt, same prefill), and ``lexical_req`` (``LexicalEmbedder.embed_request``:
@@ -60,7 +62,8 @@ DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 SETS = {"api_bank": (2, 200), "bfcl_v3": (6, 210), "toolalpaca": (1, 100)}
 TEXT_KEYS = ("qwen", "qwen_last", "hybrid", "lexical")
 HIDDEN_KEYS = ("hidden_last", "hidden_mean")
-KEYS = ("qwen", "qwen_last", "hybrid", "lexical", "rrf", "hidden_last", "hidden_mean", "lexical_req")
+KEYS = ("qwen", "qwen_last", "hybrid", "lexical", "rrf", "rrf_k2", "hidden_last", "hidden_mean", "lexical_req")
+FUSED = ("rrf", "rrf_k2")
 BASELINE = "lexical"
 RRF_K = 60
 # (column, metric) pairs compared with paired bootstrap CIs vs the lexical key
@@ -121,6 +124,13 @@ def compute_hidden_keys(items: list[dict], cache: Path, threads: int, log_every:
         _save(cache, done)
         del emb
     return {k: np.stack([done[it["id"]][k] for it in items]) for k in HIDDEN_KEYS}
+
+
+def _cached_all(cache: Path, items: list[dict]) -> bool:
+    if not cache.exists():
+        return False
+    have = set(np.load(cache, allow_pickle=False)["ids"].tolist())
+    return all(it["id"] in have for it in items)
 
 
 def _save(cache: Path, done: dict) -> None:
@@ -208,11 +218,12 @@ class _LazyEncoder:
 
     def encode(self, texts):
         if self._enc is None:
+            from deployments.retrieval import encoder_dir
             from retrieval_service.embedding import HFEmbedder
 
             e = self.e
             t0 = time.time()
-            self._enc = HFEmbedder(e.model, e.pooling, e.max_length, e.prefix, e.threads, e.device)
+            self._enc = HFEmbedder(encoder_dir(e.model), e.pooling, e.max_length, e.prefix, e.threads, e.device)
             print(f"loaded encoder {self._enc.name} in {time.time() - t0:.1f}s", flush=True)
         return self._enc.encode(texts)
 
@@ -280,7 +291,8 @@ def evaluate(items: list[dict], keys: dict[str, np.ndarray], order: list[int], k
                     for name, store in stores.items()
                 }
                 if "qwen" in ranked and "lexical" in ranked:
-                    ranked["rrf"] = rrf([ranked["qwen"], ranked["lexical"]])
+                    ranked["rrf"] = rrf([ranked["qwen"], ranked["lexical"]], RRF_K)
+                    ranked["rrf_k2"] = rrf([ranked["qwen"], ranked["lexical"]], 1)  # Qdrant's default k=2
                 for name, recs in ranked.items():
                     calls = [{"name": r.tool_name, "arguments": r.arguments} for r in recs[: max(ks)]]
                     for k in ks:
@@ -375,11 +387,18 @@ def to_markdown(res: dict) -> str:
         f"`lexical` search (k={RRF_K}, {s['prefetch']} candidates each). tool_hit / value_recall / exact as "
         "defined in `benchmarks/retrieval_key_eval.py`; value_recall counts only retrieved calls of the gold "
         "tool. `eligible` = items whose gold tool was called before; tables are of eligible items. "
-        f"Phase 1 (keys) took {s.get('phase1_s', 0):.0f} s.",
+        f"Phase 1 (keys) took {s.get('phase1_s', 0):.0f} s"
+        + (
+            f" (this run, from cached keys; computing them took {sum(first.values()):.0f} s wall on the shared CPU: "
+            + ", ".join(f"{k} {v:.0f} s" for k, v in first.items())
+            + ")."
+            if (first := s.get("phase1_first_run_wall_s"))
+            else "."
+        ),
         "",
     ]
-    present = [k for k in KEYS if k in s["keys"]]
     for bench, b in res["benchmarks"].items():
+        present = b.get("keys", s["keys"])
         lines += [f"## {bench} ({b['items']} items: every {b['every']}th of {b['data']})", ""]
         for order, r in b["orders"].items():
             lines += [f"### order: {order} ({r['items']} queries, {r['n_eligible']} eligible)", ""]
@@ -457,7 +476,7 @@ def verdict(res: dict) -> str:
         )
     lines.append("")
     for bench, b in res["benchmarks"].items():
-        for key in keys:
+        for key in b.get("keys", keys):
             if key == BASELINE:
                 continue
             parts = []
@@ -507,6 +526,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=8, help="texts per encoder forward")
     ap.add_argument("--prefetch", type=int, default=20, help="candidates per search fused by rrf")
     ap.add_argument("--no-hidden", action="store_true", help="skip the target's hidden keys (no prefill)")
+    ap.add_argument("--hidden-if-cached", action="store_true", help="hidden keys only of sets fully cached")
     ap.add_argument("--cache-dir", default="/tmp/toolspec-key-eval")
     ap.add_argument("--machine", default="cpu-epyc")
     ap.add_argument("--out", default=None, help="JSON path (.md beside it); default results/retrieval/...")
@@ -523,10 +543,12 @@ def main(argv=None) -> None:
     t0 = time.time()
     text = text_keys(sets, cache_dir, args.batch)
     hidden = {}
-    for name, items in sets.items():
-        if not args.no_hidden:
-            print(f"{name}: hidden keys of {len(items)} items", flush=True)
-            hidden[name] = compute_hidden_keys(items, cache_dir / f"hidden-{name}.npz", args.threads)
+    for name, items in sorted(sets.items(), key=lambda kv: len(kv[1])):  # smallest set first
+        cache = cache_dir / f"hidden-{name}.npz"
+        if args.no_hidden or (args.hidden_if_cached and not _cached_all(cache, items)):
+            continue
+        print(f"{name}: hidden keys of {len(items)} items", flush=True)
+        hidden[name] = compute_hidden_keys(items, cache, args.threads)
     phase1 = time.time() - t0
     from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME
 
@@ -537,7 +559,7 @@ def main(argv=None) -> None:
             "commit": commit,
             "machine": args.machine,
             "k": [1, 3, 10],
-            "keys": [k for k in KEYS if k == "rrf" or all(k in kk for kk in keys_of.values())],
+            "keys": [k for k in KEYS if k in FUSED or any(k in kk for kk in keys_of.values())],
             "lexical_dim": 1024,
             "rrf_k": RRF_K,
             "prefetch": args.prefetch,
@@ -552,6 +574,7 @@ def main(argv=None) -> None:
         shuffled = list(range(len(items)))
         random.Random(args.seed).shuffle(shuffled)
         res["benchmarks"][name] = {
+            "keys": [k for k in KEYS if k in keys or k in FUSED],
             "data": path.name,
             "items": len(items),
             "every": e,

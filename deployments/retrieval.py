@@ -97,8 +97,18 @@ def make_keyer(cfg: RetrievalConfig):
     enc = None
     if cfg.key != "lexical":
         e = cfg.encoder
-        enc = HFEmbedder(e.model, e.pooling, e.max_length, e.prefix, e.threads, e.device)
+        enc = HFEmbedder(encoder_dir(e.model), e.pooling, e.max_length, e.prefix, e.threads, e.device)
     return TextKeyer(cfg.key, enc, cfg.lexical_dim)
+
+
+def encoder_dir(model: str) -> str:
+    """The encoder's model directory: ``embedded`` is the embedded Qwen's (retrieval_service never
+    imports the engine, so the name is resolved here)."""
+    if model in ("", "embedded"):
+        from toolspec_core.model.embedded import embedded_model_dir
+
+        return str(embedded_model_dir())
+    return model
 
 
 def key_dim(cfg: RetrievalConfig, target_hidden: int) -> int:

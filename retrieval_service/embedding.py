@@ -210,7 +210,7 @@ class HFEmbedder:
 
     def __init__(
         self,
-        model_dir: str = "embedded",
+        model_dir: str,
         pooling: str = "mean",
         max_length: int = 512,
         prefix: str = "",
@@ -224,10 +224,6 @@ class HFEmbedder:
             raise ValueError("pooling must be 'mean' or 'last'")
         if threads:
             torch.set_num_threads(threads)
-        if model_dir in ("", "embedded"):
-            from toolspec_core.model.embedded import embedded_model_dir
-
-            model_dir = str(embedded_model_dir())
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
             self.model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval().to(device)

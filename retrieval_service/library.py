@@ -7,6 +7,11 @@ same :class:`~retrieval_service.keys.TextKeyer` the deployment builds
 (``deployments.retrieval.make_keyer``) and searched in a :class:`RetrievalService` store, so the
 benchmark's retrieval figures are those of the shipped path (store, encoder, query). A vector key
 (``hidden``) passes through unchanged.
+
+Like the rest of this package it imports nothing of the core: a search returns the service's
+result dicts (``tool_name``, ``token_ids``, ``text``, ``arguments``, ``score``: what a serving
+replica receives, and what the core's drafter takes as past calls), and ``add`` reads a past call's
+attributes (``tool_name``, ``token_ids``, ``text``, ``arguments``: the core's ``PastCall``).
 """
 
 from __future__ import annotations
@@ -16,8 +21,6 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
-
-from toolspec_core.drafters.toolcall.library import PastCall
 
 from .service import RetrievalService
 
@@ -64,17 +67,13 @@ class ServiceLibrary:
             return self.keyer.key(key)
         return np.asarray(key.detach().cpu().float() if hasattr(key, "detach") else key, dtype=np.float32).reshape(-1)
 
-    def search(self, tenant: str, embedding, tool_names: list[str] | None = None, k: int = 10) -> list[PastCall]:
+    def search(self, tenant: str, embedding, tool_names: list[str] | None = None, k: int = 10) -> list[dict]:
         vec = self.vector(embedding)
         if vec is None:
             return []
-        hits = self.svc.search(tenant, vec.tolist(), list(tool_names) if tool_names else None, k)
-        return [
-            PastCall(h["tool_name"], list(h["token_ids"]), h.get("text", ""), h.get("arguments") or {}, h["score"])
-            for h in hits
-        ]
+        return self.svc.search(tenant, vec.tolist(), list(tool_names) if tool_names else None, k)
 
-    def add(self, tenant: str, call: PastCall, embedding, remember: bool = True) -> None:
+    def add(self, tenant: str, call, embedding, remember: bool = True) -> None:
         if not remember:
             return
         vec = self.vector(embedding)

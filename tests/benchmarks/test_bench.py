@@ -381,10 +381,28 @@ def test_text_retrieval_key_runs_the_service_library(tiny, data, tmp_path):
     req = RequestInfo(prompt_ids=[1, 2], tools=item["tools"], embedding=key)
     method.observe(req, [7, 8, 9], '<tool_call>\n{"name": "get_x", "arguments": {"q": "5"}}\n</tool_call>')
     hits = method.library.search("default", key, ["get_x"], 3)
-    assert hits and hits[0].tool_name == "get_x" and hits[0].token_ids == [7, 8, 9]
+    assert hits and hits[0]["tool_name"] == "get_x" and hits[0]["token_ids"] == [7, 8, 9]
     rep = build_report(tmp_path / "run", "lex", tmp_path / "results", plots=False)
     assert rep["retrieval"]["key"] == "lexical" and rep["retrieval"]["keyed_requests"] == 3
     assert "retrieval key: lexical" in (tmp_path / "results" / "lex.md").read_text()
+
+
+def test_mat_by_key_replay_matches_the_decoded_run(tiny, data, tmp_path):
+    """``benchmarks.mat_by_key``: the online replay along the recorded greedy output gives the MAT
+    the run decoded with the same key."""
+    from benchmarks import mat_by_key
+    from benchmarks.offline_sim import _cost
+
+    cfg = _cfg(data, tmp_path, methods=["ar", "toolspec"], libraries=["online"], retrieval_key="lexical")
+    Runner(cfg, tiny).run()
+    raw = tmp_path / "run"
+    recs = mat_by_key.stream_records(raw, 2)
+    assert [it["id"] for it, _ in recs] == ["syn-0", "syn-1"]
+    ks = mat_by_key.keyers(["lexical", "hidden"], None)
+    got = mat_by_key.replay_key("lexical", recs, tiny.tokenizer, _cost(raw, "run"), ks["lexical"], {})
+    meas = mat_by_key.measured(raw, {"syn-0", "syn-1"})
+    assert got["rows"]["syn/all"]["items"] == meas["syn/all"]["items"] == 2
+    assert got["rows"]["syn/all"]["mat"] == pytest.approx(meas["syn/all"]["mat"])
 
 
 def test_cli_max_items_stops_early_and_resumes(tiny, data, tmp_path, monkeypatch):

@@ -722,3 +722,38 @@ def test_loadtest_local_app_specs():
     assert cfg["prefix_caching"] is False and cfg["prefix_cache_entries"] == 0
     with pytest.raises(SystemExit):
         app_config("x=toolspec+fast", "/tmp/lib")
+
+
+def test_rss_sampler_reads_only_its_own_replicas(tmp_path):
+    """The soak's memory series counts this run's engine replicas only (descendants of the
+    driver), never another Ray instance's replicas on the same machine."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from benchmarks.loadtest_local import RssSampler
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    mine = subprocess.Popen([*sleeper, "ray::ServeReplica:mine:Replica"])
+    # a process that is not ours: started by a shell that exits at once (re-parented away)
+    tag = f"ray::ServeReplica:other{mine.pid}:Replica"
+    subprocess.run(["sh", "-c", " ".join([*(repr(a) for a in sleeper), tag, ">/dev/null 2>&1 &"])], check=True)
+    others = []
+    try:
+        deadline = time.time() + 10
+        while not others and time.time() < deadline:
+            others = [p for p in psutil.process_iter(["cmdline"]) if tag in (p.info["cmdline"] or [])]
+            time.sleep(0.05)
+        assert others, "the stranger process did not start"
+        sampler = RssSampler(0.1)
+        time.sleep(0.5)
+        sampler.stop(str(tmp_path / "rss.json"))
+        series = json.loads((tmp_path / "rss.json").read_text())["series"]
+        assert series and {s["pid"] for s in series} == {mine.pid}
+    finally:
+        mine.kill()
+        for p in others:
+            p.kill()

@@ -46,6 +46,41 @@ def test_onednn_linear_matches_linear():
         )
 
 
+def test_onednn_row_buckets_are_few_and_tight():
+    """oneDNN caches a primitive per input shape: a replica's row counts (any of 65..1,000+ in a
+    step) reach it as ~70 buckets up to 2,048 rows, each at most 1/8 above the real count (the
+    soak's memory growth was that cache churning; see ``onednn_rows``)."""
+    from toolspec_core.model.cpu_linears import ONEDNN_EXACT_ROWS, onednn_rows
+
+    for n in range(1, 5000):
+        m = onednn_rows(n)
+        assert m == n if n <= ONEDNN_EXACT_ROWS else n <= m < n * 1.125
+        assert onednn_rows(m) == m  # a bucket is its own bucket
+    assert len({onednn_rows(n) for n in range(1, 2049)}) <= 80
+    assert len({onednn_rows(n) for n in range(65, 1101)}) <= 40
+
+
+def test_onednn_padding_changes_no_row():
+    """The padded rows are dropped and the real rows are bitwise what the unpadded call gives
+    (rows are independent in the product), for row counts in every bucket range."""
+    from toolspec_core.model.cpu_linears import onednn_linear, onednn_pack, onednn_rows
+
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    packed = onednn_pack(w)
+    assert packed is not None
+    for n in (17, 33, 65, 100, 130, 300, 517, 1030):
+        assert onednn_rows(n) > n
+        x = torch.randn(n, 64)
+        for bias in (b, None):
+            got = onednn_linear(x, packed, bias)
+            assert got.shape == (n, 96) and got.is_contiguous()
+            assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
+    x = torch.randn(2, 50, 64)  # leading dimensions kept
+    torch.testing.assert_close(onednn_linear(x, packed, b), torch.nn.functional.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("packed_rows", [16, 0])
 def test_tuned_cpu_linears_keep_greedy_output(reference, packed_rows):
     """The row-count dispatch of ``tune_cpu_linears`` (with and without MKL's packed GEMM)

@@ -31,10 +31,15 @@ def test_add_then_search_by_text_key():
 
     q = query_text([{"role": "user", "content": "the weather in Paris please"}], _tools("get_weather", "get_time"))
     hits = lib.search("t", q, ["get_weather", "get_time"], k=2)
-    assert [h.tool_name for h in hits] == ["get_weather", "get_time"]  # the closer text first
-    assert isinstance(hits[0], PastCall) and hits[0].token_ids == [1, 2, 3] and hits[0].arguments == {"city": "Paris"}
-    assert hits[0].score > hits[1].score
-    assert [h.tool_name for h in lib.search("t", q, ["get_time"], k=5)] == ["get_time"]  # tool filter
+    assert [h["tool_name"] for h in hits] == ["get_weather", "get_time"]  # the closer text first
+    assert hits[0]["token_ids"] == [1, 2, 3] and hits[0]["arguments"] == {"city": "Paris"}
+    assert hits[0]["score"] > hits[1]["score"]
+    assert [h["tool_name"] for h in lib.search("t", q, ["get_time"], k=5)] == ["get_time"]  # tool filter
+    # the core's drafter takes the service's dicts as past calls
+    from toolspec_core.drafters.toolcall.drafter import _as_past_call
+
+    past = _as_past_call(hits[0])
+    assert isinstance(past, PastCall) and past.tool_name == "get_weather" and past.token_ids == [1, 2, 3]
     assert lib.search("other", q, None, k=5) == []  # tenant scoped
 
 
@@ -55,4 +60,4 @@ def test_vector_keys_pass_through():
     lib = ServiceLibrary(CachedKeyer(TextKeyer("lexical", lexical_dim=8)))
     v = np.eye(8, dtype=np.float32)[2]
     lib.add("t", PastCall("f", [1], "f()", {}), v)
-    assert lib.search("t", v, None, k=1)[0].tool_name == "f"
+    assert lib.search("t", v, None, k=1)[0]["tool_name"] == "f"

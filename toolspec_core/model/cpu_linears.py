@@ -10,6 +10,8 @@ SMALL_ROWS = 3  # up to this many rows the BLAS's own matrix-vector kernel may b
 ONEDNN_WINS = 0.9  # at 1-3 rows oneDNN replaces F.linear only when at least this much faster (timing noise)
 ONEDNN_ROWS = 16  # row-count hint for oneDNN's weight layout
 PACKED_ROWS = 16  # opt-in: 4..16 rows through MKL's packed GEMM, inputs padded to 16 rows (measured)
+ONEDNN_EXACT_ROWS = 16  # up to this many rows oneDNN gets the row count as is; above, a row bucket
+ONEDNN_BUCKETS_PER_OCTAVE = 8  # row buckets per doubling of the row count (padding < 1/8 of the rows)
 
 
 def mkl_pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -44,10 +46,37 @@ def onednn_pack(weight: torch.Tensor, rows: int = ONEDNN_ROWS) -> torch.Tensor |
         return None
 
 
+def onednn_rows(n: int) -> int:
+    """The row count oneDNN is called with for ``n`` rows: ``n`` up to ``ONEDNN_EXACT_ROWS``, else
+    ``n`` rounded up to one of ``ONEDNN_BUCKETS_PER_OCTAVE`` steps per doubling (65..128 rows in
+    steps of 8, 513..1024 in steps of 64, ...).
+
+    Why: oneDNN builds (JIT) and caches a primitive per input shape, ~0.4-0.6 MB each, in an LRU
+    of 1024 (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``). A serving replica's verify steps have every row
+    count from 65 to over 1,000 (prefill chunks + draft trees of any size), times each weight
+    shape, so the cache filled, then churned: each step created and evicted primitives, and the
+    freed memory came back fragmented -- the replica's RSS grew ~40 MB a minute without end in
+    the 20-minute soak (benchmarks/results/loadtest/soak-c8-20min-cpu-epyc-2d7866b). Bucketed,
+    a replica sees at most ~70 row counts a weight shape (up to 2,048 rows): the cache stops
+    growing and never evicts, and a step pays no JIT for a new shape. Rows are independent in the
+    product, so padding changes no real row's result (tested bitwise)."""
+    if n <= ONEDNN_EXACT_ROWS:
+        return n
+    step = max(1, (1 << (n.bit_length() - 1)) // ONEDNN_BUCKETS_PER_OCTAVE)
+    return -(-n // step) * step
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
-    """``F.linear`` through a weight from :func:`onednn_pack`; any number of rows."""
+    """``F.linear`` through a weight from :func:`onednn_pack`; any number of rows (above
+    ``ONEDNN_EXACT_ROWS`` zero-padded to :func:`onednn_rows`, the padding's outputs dropped)."""
     flat = x.reshape(-1, x.shape[-1])  # [n, in]
-    y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")  # [n, out]
+    n = flat.shape[0]
+    m = onednn_rows(n)
+    if m > n:
+        flat = torch.cat([flat, flat.new_zeros(m - n, flat.shape[1])])
+    y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")  # [m, out]
+    if m > n:
+        y = y[:n]
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

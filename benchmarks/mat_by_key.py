@@ -1,0 +1,316 @@
+"""MAT of ``toolspec`` per retrieval key, in the online replay of a recorded run.
+
+The replay follows ``toolspec bench --library online`` (``benchmarks.runner``): one ``toolspec``
+method per benchmark, the items in the run's stream order, each drafted against the library of
+the earlier items' outputs and then observed. The target is replaced by the run's recorded
+plain-greedy tokens (``toolspec_core.drafters.simulate``; greedy output is a function of the
+prompt, and every method's output equals it), so a key costs its encoder and the drafting, not a
+decode. Keys: ``qwen`` / ``hybrid`` / ``lexical`` -- the request text keyed as the Retrieval
+deployment keys it (``deployments.retrieval.make_keyer``) in a retrieval_service memory store
+(:class:`retrieval_service.library.ServiceLibrary`); ``hidden`` -- the target's last prompt state
+(the run's ``prefill.jsonl``) in the core's ``MemoryLibrary``. Timing is not simulated: the
+speedup is projected under the run's measured cost curve (greedy: one c(1) per token). Where the
+run itself decoded ``toolspec`` with a key (its ``retrieval_key``), the measured MAT and decode
+speedup on the same items stand beside the replay's, which checks the replay.
+
+    python -m benchmarks.mat_by_key benchmarks/runs/RUN --per-benchmark 24 \\
+        --name mat-by-key-3bench-cpu-epyc-$(git rev-parse --short HEAD)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+from toolspec_core.drafters.methods import RequestInfo, make_method
+from toolspec_core.drafters.simulate import simulate
+
+from .cost import RESULTS
+from .data import load_stream, prompt_ids, response_schema
+from .offline_sim import _cost
+from .runner import RETRIEVAL_KEYS, PrefillCache, decode_hidden
+
+METHOD = "toolspec"
+
+
+class _MemoEncoder:
+    """An encoder whose vectors are kept per text, so ``qwen`` and ``hybrid`` encode a text once."""
+
+    def __init__(self, encoder):
+        self.encoder, self.dim, self.name = encoder, encoder.dim, encoder.name
+        self._v: dict[str, object] = {}
+        self.seconds = 0.0
+
+    def encode(self, texts):
+        import numpy as np
+
+        todo = [t for t in dict.fromkeys(texts) if t not in self._v]
+        if todo:
+            t0 = time.perf_counter()
+            for t, v in zip(todo, self.encoder.encode(todo)):
+                self._v[t] = v
+            self.seconds += time.perf_counter() - t0
+        return np.stack([self._v[t] for t in texts])
+
+
+def keyers(keys: list[str], threads: int | None) -> dict:
+    """``make_keyer`` per text key, one encoder shared by qwen and hybrid."""
+    from deployments.config import EncoderConfig, RetrievalConfig
+    from deployments.retrieval import make_keyer
+    from retrieval_service.keys import TextKeyer
+    from retrieval_service.library import CachedKeyer
+
+    out, enc = {}, None
+    for k in keys:
+        if k == "hidden":
+            continue
+        cfg = RetrievalConfig(key=k, encoder=EncoderConfig(threads=threads))
+        if k == "lexical":
+            out[k] = CachedKeyer(make_keyer(cfg))
+            continue
+        if enc is None:
+            enc = _MemoEncoder(make_keyer(RetrievalConfig(key="qwen", encoder=cfg.encoder)).encoder)
+        out[k] = CachedKeyer(TextKeyer(k, enc, cfg.lexical_dim))
+    return out
+
+
+def stream_records(raw: Path, per_benchmark: int | None) -> list[tuple[dict, dict]]:
+    """(item, plain-greedy record) in the run's stream order, the first ``per_benchmark`` items of
+    each benchmark that have a greedy record."""
+    cfg = json.loads((raw / "config.json").read_text())
+    stream = load_stream(cfg["data"], cfg.get("limit"), cfg.get("seed"), cfg.get("structured", False))
+    ar = {}
+    for line in (raw / "items.jsonl").read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if r.get("method") == "ar" and not r.get("error"):
+            ar[r["item"]] = r
+    taken: collections.Counter = collections.Counter()
+    out = []
+    for item in stream:
+        b = item["benchmark"]
+        if item["id"] in ar and (per_benchmark is None or taken[b] < per_benchmark):
+            taken[b] += 1
+            out.append((item, ar[item["id"]]))
+    return out
+
+
+def replay_key(key: str, recs, tokenizer, cost, keyer, hidden: dict) -> dict:
+    """Per benchmark and subset (all / calls): decoded tokens, steps, projected step cost."""
+    from retrieval_service.embedding import query_text
+    from retrieval_service.library import ServiceLibrary
+
+    methods: dict[str, object] = {}
+    # tokens, steps, cost, items, items whose greedy output calls a tool, top-1 retrieved call of that tool
+    agg = collections.defaultdict(lambda: [0, 0, 0.0, 0, 0, 0])
+    cands = collections.defaultdict(list)  # past calls of the offered tools in the library, per item
+    t0 = time.perf_counter()
+    for item, ar in recs:
+        b = item["benchmark"]
+        if b not in methods:
+            lib = {} if key == "hidden" else {"library": ServiceLibrary(keyer)}
+            methods[b] = make_method(METHOD, tokenizer, **lib)
+        method = methods[b]
+        emb = hidden.get(item["id"]) if key == "hidden" else query_text(item.get("messages") or [], item.get("tools"))
+        req = RequestInfo(prompt_ids(tokenizer, item), item.get("tools") or [], embedding=emb)
+        req.response_schema = response_schema(item)
+        names = [t["function"]["name"] for t in req.tools if "function" in t]
+        called = [c.get("name") for c in ar.get("calls") or []]
+        top = method.library.search(req.tenant, emb, names or None, 1) if called and emb is not None else []
+        n_cands = len(method.library.search(req.tenant, emb, names or None, 100)) if emb is not None else 0
+        trace: list = []
+        res = simulate(method.drafter(req), req.prompt_ids, ar["tokens"], cost, trace, tokenizer=tokenizer)
+        method.observe(req, ar["tokens"], ar["text"])
+        for subset in ("all", "calls") if ar.get("has_call") else ("all",):
+            a = agg[(b, subset)]
+            a[0] += res["tokens"] - 1
+            a[1] += res["steps"]
+            a[2] += sum(cost.step_cost(size) for _, size, _, _ in trace)
+            a[3] += 1
+            a[4] += bool(called)
+            a[5] += bool(top) and _tool_of(top[0]) == called[0]
+            cands[(b, subset)].append(n_cands)
+    rows = {
+        f"{b}/{s}": {
+            "items": n,
+            "mat": tok / max(steps, 1),
+            "projected_speedup": tok / max(c, 1e-9),
+            "top1_tool": right / with_call if with_call else None,
+            # how many past calls the offered-tools filter leaves: a key only orders these
+            "items_with_candidates": sum(1 for c in cands[(b, s)] if c),
+            "max_candidates": max(cands[(b, s)], default=0),
+        }
+        for (b, s), (tok, steps, c, n, with_call, right) in sorted(agg.items())
+    }
+    return {"rows": rows, "seconds": time.perf_counter() - t0}
+
+
+def _tool_of(call) -> str:
+    """A retrieved call's tool: the service's result dict or the core's ``PastCall``."""
+    return call["tool_name"] if isinstance(call, dict) else call.tool_name
+
+
+def measured(raw: Path, items: set[str]) -> dict:
+    """The run's own ``toolspec`` records on these items: MAT and decode speedup (Σ greedy / Σ method)."""
+    recs, ar = [], {}
+    for line in (raw / "items.jsonl").read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if r.get("error") or r["item"] not in items:
+            continue
+        if r["method"] == "ar":
+            ar[r["item"]] = r
+        elif r["method"] == METHOD:
+            recs.append(r)
+    agg = collections.defaultdict(lambda: [0, 0, 0.0, 0.0, 0, 0])
+    for r in recs:
+        if r["item"] not in ar:
+            continue
+        for subset in ("all", "calls") if ar[r["item"]].get("has_call") else ("all",):
+            a = agg[(r["benchmark"], subset)]
+            a[0] += r["generated_tokens"] - 1
+            a[1] += r["forwards"]
+            a[2] += r["ar_decode_s"]
+            a[3] += r["decode_s"]
+            a[4] += 1
+            a[5] += bool(r["exact_match"])
+    return {
+        f"{b}/{s}": {"items": n, "mat": tok / max(fw, 1), "decode_speedup": ars / max(ds, 1e-9), "exact": ex / n}
+        for (b, s), (tok, fw, ars, ds, n, ex) in sorted(agg.items())
+    }
+
+
+def markdown(rep: dict) -> str:
+    keys = rep["keys"]
+    lines = [
+        f"# MAT of toolspec by retrieval key: {rep['name']}",
+        "",
+        f"- run: `{rep['run']}` ({rep['run_config'].get('retrieval_key')} key decoded; model {rep['model']}; "
+        f"{rep['hardware']})",
+        f"- items: the first {rep['per_benchmark'] or 'all'} per benchmark of the run's stream with a plain-greedy "
+        "record; online library (one toolspec per benchmark, stream order, each item observed after it is drafted)",
+        "- MAT = decoded tokens / verify steps in the replay along the recorded greedy output; proj. = speedup "
+        "vs plain greedy projected under the run's measured cost curve (drafting time ignored); "
+        "measured = the run's own decode (Σ greedy decode time / Σ toolspec decode time, same items); "
+        "top-1 tool = share of items whose greedy output calls a tool where the library's top-1 call "
+        "(searched among the offered tools, before the item is observed) is of that tool",
+        "- keys: qwen / hybrid / lexical = request text keyed as the Retrieval deployment keys it "
+        "(`make_keyer`), memory store; hidden = target's last prompt state, in-process MemoryLibrary",
+        "",
+    ]
+    for subset in ("all", "calls"):
+        lines += [
+            f"## Subset `{subset}`",
+            "",
+            "| benchmark | items | "
+            + " | ".join(f"MAT {k}" for k in keys)
+            + " | "
+            + " | ".join(f"proj. {k}" for k in keys)
+            + " | "
+            + " | ".join(f"top-1 tool {k}" for k in keys)
+            + " | measured MAT / speedup |",
+            "|---|---|" + "---|" * (3 * len(keys) + 1),
+        ]
+        benches = sorted({r.split("/")[0] for r in rep["replay"][keys[0]]["rows"] if r.endswith("/" + subset)})
+        for b in benches:
+            row = f"{b}/{subset}"
+            cells = [rep["replay"][k]["rows"].get(row) for k in keys]
+            m = rep["measured"].get(row)
+            meas = (
+                f"{m['mat']:.2f} / {m['decode_speedup']:.2f}× ({rep['run_config'].get('retrieval_key')}, "
+                f"{m['items']} items, {m['exact']:.0%} exact)"
+                if m
+                else "–"
+            )
+            lines.append(
+                f"| {b} | {cells[0]['items'] if cells[0] else 0} | "
+                + " | ".join(f"{c['mat']:.2f}" if c else "–" for c in cells)
+                + " | "
+                + " | ".join(f"{c['projected_speedup']:.2f}×" if c else "–" for c in cells)
+                + " | "
+                + " | ".join(f"{c['top1_tool']:.2f}" if c and c["top1_tool"] is not None else "–" for c in cells)
+                + f" | {meas} |"
+            )
+        lines.append("")
+    k0 = rep["replay"][keys[0]]["rows"]
+    lines += [
+        "Past calls of the offered tools in the library when an item is drafted (what any key can only "
+        "order; the drafter takes the top "
+        f"{rep['retrieve_k']}): "
+        + "; ".join(
+            f"{r.split('/')[0]} {v['items_with_candidates']} of {v['items']} items have any, at most {v['max_candidates']}"
+            for r, v in k0.items()
+            if r.endswith("/all")
+        ),
+        "",
+    ]
+    lines += [
+        "Replay seconds per key (encoder + drafting): "
+        + ", ".join(f"{k} {rep['replay'][k]['seconds']:.0f} s" for k in keys),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.mat_by_key", description=__doc__.split("\n\n")[0])
+    ap.add_argument("raw", help="a toolspec bench run directory (items.jsonl with plain-greedy records)")
+    ap.add_argument("--keys", default=",".join(RETRIEVAL_KEYS))
+    ap.add_argument("--per-benchmark", type=int, default=None, help="the first N items of each benchmark")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the text encoder")
+    ap.add_argument("--name", default=None)
+    ap.add_argument("--results-dir", default=str(RESULTS / "retrieval"))
+    a = ap.parse_args(argv)
+    raw = Path(a.raw)
+    keys = [k.strip() for k in a.keys.split(",") if k.strip()]
+    bad = [k for k in keys if k not in RETRIEVAL_KEYS]
+    if bad:
+        ap.error(f"unknown key(s) {', '.join(bad)}; known: {', '.join(RETRIEVAL_KEYS)}")
+    cfg = json.loads((raw / "config.json").read_text())
+    from transformers import AutoTokenizer
+
+    from toolspec_core.model.embedded import embedded_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(cfg.get("model") or embedded_model_dir()))
+    cost = _cost(raw, "run")
+    recs = stream_records(raw, a.per_benchmark)
+    hidden = (
+        {k: decode_hidden(v["hidden"]) for k, v in PrefillCache(raw / "prefill.jsonl").store.records.items()}
+        if "hidden" in keys
+        else {}
+    )
+    ks = keyers(keys, a.threads)
+    rep = {
+        "name": a.name or f"mat-by-key-{raw.name}",
+        "run": str(raw),
+        "run_config": {k: cfg.get(k) for k in ("data", "limit", "seed", "max_new_tokens", "retrieval_key", "cost")},
+        "model": cfg.get("target"),
+        "hardware": cfg.get("hardware"),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "per_benchmark": a.per_benchmark,
+        "items": len(recs),
+        "keys": keys,
+        "retrieve_k": make_method(METHOD, tok).retrieve_k,
+        "replay": {},
+    }
+    for k in keys:
+        rep["replay"][k] = replay_key(k, recs, tok, cost, ks.get(k), hidden)
+        print(k, json.dumps(rep["replay"][k], indent=1), flush=True)
+    rep["measured"] = measured(raw, {it["id"] for it, _ in recs})
+    out = Path(a.results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{rep['name']}.json").write_text(json.dumps(rep, indent=1) + "\n")
+    (out / f"{rep['name']}.md").write_text(markdown(rep))
+    print(markdown(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
