@@ -13,7 +13,13 @@ speedup is projected under the run's measured cost curve (greedy: one c(1) per t
 run itself decoded ``toolspec`` with a key (its ``retrieval_key``), the measured MAT and decode
 speedup on the same items stand beside the replay's, which checks the replay.
 
-    python -m benchmarks.mat_by_key benchmarks/runs/RUN --per-benchmark 24 \\
+The grid (``--replicas``, ``--retrieve-k``) says where a key can matter at all: one replica's
+suffix history already holds every earlier output, so only with several replicas behind a router
+is the shared library the way to the others' calls; and a key only orders the offered tools' past
+calls, so it changes the drafts only where there are more of them than the drafter takes (k).
+``none`` (no library) is the baseline the lift is measured against.
+
+    python -m benchmarks.mat_by_key benchmarks/runs/RUN --replicas 1,4 --retrieve-k 1,8 --tool-search \\
         --name mat-by-key-3bench-cpu-epyc-$(git rev-parse --short HEAD)
 """
 
@@ -100,29 +106,79 @@ def stream_records(raw: Path, per_benchmark: int | None) -> list[tuple[dict, dic
     return out
 
 
-def replay_key(key: str, recs, tokenizer, cost, keyer, hidden: dict) -> dict:
-    """Per benchmark and subset (all / calls): decoded tokens, steps, projected step cost."""
-    from retrieval_service.embedding import query_text
-    from retrieval_service.library import ServiceLibrary
+class _NoLibrary:
+    """The ``none`` key: no shared library, so a replica drafts only from its own history."""
 
-    methods: dict[str, object] = {}
+    def search(self, tenant, embedding, tool_names=None, k=10):
+        return []
+
+    def add(self, tenant, call, embedding, remember=True):
+        return None
+
+
+def _library(key: str, keyer):
+    from retrieval_service.library import ServiceLibrary
+    from toolspec_core.drafters.toolcall.library import MemoryLibrary
+
+    if key == "none":
+        return _NoLibrary()
+    return MemoryLibrary() if key == "hidden" else ServiceLibrary(keyer)
+
+
+def _text(call) -> str:
+    return call["text"] if isinstance(call, dict) else call.text
+
+
+def replay_key(
+    key: str,
+    recs,
+    tokenizer,
+    cost,
+    keyer,
+    hidden: dict,
+    replicas: int = 1,
+    retrieve_k: int = 8,
+    tool_search: bool = False,
+) -> dict:
+    """Per benchmark and subset (all / calls): decoded tokens, steps, projected step cost.
+
+    ``replicas`` engine replicas share one library per benchmark, the items of the stream going
+    to them in turn: each replica's suffix history holds only its own earlier outputs, so from
+    the second replica on the library is the only way to the others' calls (as behind a router).
+    ``tool_search`` adds, to the first search's calls, a second search filtered to the tool the
+    greedy output calls -- given from the start, an upper bound on what a second search made once
+    the tool name is written can add."""
+    from retrieval_service.embedding import query_text
+
+    libraries: dict[str, object] = {}
+    methods: dict[tuple[str, int], object] = {}
+    turn: collections.Counter = collections.Counter()
     # tokens, steps, cost, items, items whose greedy output calls a tool, top-1 retrieved call of that tool
     agg = collections.defaultdict(lambda: [0, 0, 0.0, 0, 0, 0])
     cands = collections.defaultdict(list)  # past calls of the offered tools in the library, per item
     t0 = time.perf_counter()
     for item, ar in recs:
         b = item["benchmark"]
-        if b not in methods:
-            lib = {} if key == "hidden" else {"library": ServiceLibrary(keyer)}
-            methods[b] = make_method(METHOD, tokenizer, **lib)
-        method = methods[b]
+        if b not in libraries:
+            libraries[b] = _library(key, keyer)
+        lib = libraries[b]
+        replica = (b, turn[b] % replicas)
+        turn[b] += 1
+        if replica not in methods:
+            methods[replica] = make_method(METHOD, tokenizer, library=lib, retrieve_k=retrieve_k)
+        method = methods[replica]
         emb = hidden.get(item["id"]) if key == "hidden" else query_text(item.get("messages") or [], item.get("tools"))
         req = RequestInfo(prompt_ids(tokenizer, item), item.get("tools") or [], embedding=emb)
         req.response_schema = response_schema(item)
         names = [t["function"]["name"] for t in req.tools if "function" in t]
         called = [c.get("name") for c in ar.get("calls") or []]
-        top = method.library.search(req.tenant, emb, names or None, 1) if called and emb is not None else []
-        n_cands = len(method.library.search(req.tenant, emb, names or None, 100)) if emb is not None else 0
+        top = lib.search(req.tenant, emb, names or None, 1) if called and emb is not None else []
+        n_cands = len(lib.search(req.tenant, emb, names or None, 100)) if emb is not None else 0
+        if tool_search and called and emb is not None:
+            first = lib.search(req.tenant, emb, names or None, retrieve_k)
+            texts = {_text(c) for c in first}
+            second = [c for c in lib.search(req.tenant, emb, [called[0]], retrieve_k) if _text(c) not in texts]
+            req.retrieved = first + second
         trace: list = []
         res = simulate(method.drafter(req), req.prompt_ids, ar["tokens"], cost, trace, tokenizer=tokenizer)
         method.observe(req, ar["tokens"], ar["text"])
@@ -187,73 +243,89 @@ def measured(raw: Path, items: set[str]) -> dict:
     }
 
 
+def _variants(keys: list[str], tool_search: bool) -> list[tuple[str, str, bool]]:
+    """(name, key, tool_search) per replayed column: ``none`` first (the lift's baseline)."""
+    out = [("none", "none", False)] + [(k, k, False) for k in keys if k != "none"]
+    if tool_search:
+        out += [(f"{k}+tool", k, True) for k in keys if k != "none"]
+    return out
+
+
 def markdown(rep: dict) -> str:
-    keys = rep["keys"]
+    names = [v["name"] for v in rep["variants"]]
     lines = [
         f"# MAT of toolspec by retrieval key: {rep['name']}",
         "",
         f"- run: `{rep['run']}` ({rep['run_config'].get('retrieval_key')} key decoded; model {rep['model']}; "
         f"{rep['hardware']})",
         f"- items: the first {rep['per_benchmark'] or 'all'} per benchmark of the run's stream with a plain-greedy "
-        "record; online library (one toolspec per benchmark, stream order, each item observed after it is drafted)",
-        "- MAT = decoded tokens / verify steps in the replay along the recorded greedy output; proj. = speedup "
-        "vs plain greedy projected under the run's measured cost curve (drafting time ignored); "
-        "measured = the run's own decode (Σ greedy decode time / Σ toolspec decode time, same items); "
-        "top-1 tool = share of items whose greedy output calls a tool where the library's top-1 call "
-        "(searched among the offered tools, before the item is observed) is of that tool",
+        "record; online library (one library per benchmark, stream order, each item observed after it is drafted)",
+        "- replicas R: R engine replicas (one `toolspec` each, its own suffix history) take the stream's items "
+        "in turn and share the library -- with R = 1 the replica's history already holds every earlier output, "
+        "so the library can only reorder what the history offers; k = calls the drafter takes per search",
+        "- cells: MAT (decoded tokens / verify steps in the replay along the recorded greedy output) and, in "
+        "brackets, the speedup vs plain greedy projected under the run's measured cost curve (drafting time "
+        "ignored); `none` = no library (the baseline of the lift)",
         "- keys: qwen / hybrid / lexical = request text keyed as the Retrieval deployment keys it "
-        "(`make_keyer`), memory store; hidden = target's last prompt state, in-process MemoryLibrary",
+        "(`make_keyer`), memory store; hidden = target's last prompt state, in-process MemoryLibrary; "
+        "`KEY+tool` = plus a second search filtered to the tool the output calls, given from the start "
+        "(an upper bound on a second search made once the tool name is written)",
         "",
     ]
     for subset in ("all", "calls"):
         lines += [
             f"## Subset `{subset}`",
             "",
-            "| benchmark | items | "
-            + " | ".join(f"MAT {k}" for k in keys)
-            + " | "
-            + " | ".join(f"proj. {k}" for k in keys)
-            + " | "
-            + " | ".join(f"top-1 tool {k}" for k in keys)
-            + " | measured MAT / speedup |",
-            "|---|---|" + "---|" * (3 * len(keys) + 1),
+            "| benchmark | items | replicas | k | "
+            + " | ".join(f"MAT {n}" for n in names)
+            + " | best lift over none |",
+            "|---|---|---|---|" + "---|" * (len(names) + 1),
         ]
-        benches = sorted({r.split("/")[0] for r in rep["replay"][keys[0]]["rows"] if r.endswith("/" + subset)})
+        benches = sorted({r.split("/")[0] for g in rep["grid"] for r in g["replay"]["none"]["rows"]})
         for b in benches:
             row = f"{b}/{subset}"
-            cells = [rep["replay"][k]["rows"].get(row) for k in keys]
-            m = rep["measured"].get(row)
-            meas = (
-                f"{m['mat']:.2f} / {m['decode_speedup']:.2f}× ({rep['run_config'].get('retrieval_key')}, "
-                f"{m['items']} items, {m['exact']:.0%} exact)"
-                if m
-                else "–"
-            )
-            lines.append(
-                f"| {b} | {cells[0]['items'] if cells[0] else 0} | "
-                + " | ".join(f"{c['mat']:.2f}" if c else "–" for c in cells)
-                + " | "
-                + " | ".join(f"{c['projected_speedup']:.2f}×" if c else "–" for c in cells)
-                + " | "
-                + " | ".join(f"{c['top1_tool']:.2f}" if c and c["top1_tool"] is not None else "–" for c in cells)
-                + f" | {meas} |"
-            )
+            for g in rep["grid"]:
+                cells = [g["replay"][n]["rows"].get(row) for n in names]
+                if not cells[0]:
+                    continue
+                base = cells[0]["mat"]
+                best = max((c["mat"] / base, n) for c, n in zip(cells[1:], names[1:]) if c) if len(cells) > 1 else None
+                lines.append(
+                    f"| {b} | {cells[0]['items']} | {g['replicas']} | {g['retrieve_k']} | "
+                    + " | ".join(f"{c['mat']:.2f} ({c['projected_speedup']:.2f}×)" if c else "–" for c in cells)
+                    + (f" | {best[0]:.3f}× ({best[1]}) |" if best else " | – |")
+                )
         lines.append("")
-    k0 = rep["replay"][keys[0]]["rows"]
+    g0 = rep["grid"][0]
+    keyed = [n for n in names if n != "none" and not n.endswith("+tool")]
     lines += [
-        "Past calls of the offered tools in the library when an item is drafted (what any key can only "
-        "order; the drafter takes the top "
-        f"{rep['retrieve_k']}): "
-        + "; ".join(
-            f"{r.split('/')[0]} {v['items_with_candidates']} of {v['items']} items have any, at most {v['max_candidates']}"
-            for r, v in k0.items()
-            if r.endswith("/all")
-        ),
+        "## Top-1 tool and candidates",
         "",
+        "Share of items whose greedy output calls a tool where the library's top-1 call (searched among the "
+        "offered tools, before the item is observed) is of that tool; the same library for any R and k:",
+        "",
+        "| benchmark | " + " | ".join(keyed) + " | items with past calls of the offered tools | at most |",
+        "|---|" + "---|" * (len(keyed) + 2),
+    ]
+    for r, v in g0["replay"][keyed[0]]["rows"].items() if keyed else ():
+        if not r.endswith("/all"):
+            continue
+        tops = [g0["replay"][n]["rows"][r]["top1_tool"] for n in keyed]
+        lines.append(
+            f"| {r.split('/')[0]} | "
+            + " | ".join(f"{t:.2f}" if t is not None else "–" for t in tops)
+            + f" | {v['items_with_candidates']} of {v['items']} | {v['max_candidates']} |"
+        )
+    lines += ["", "## The run's own decode (check of the replay: R = 1, k = the method's default)", ""]
+    lines += [
+        f"- {row}: MAT {m['mat']:.2f}, decode speedup {m['decode_speedup']:.2f}× "
+        f"({rep['run_config'].get('retrieval_key')} key, {m['items']} items, {m['exact']:.0%} exact)"
+        for row, m in rep["measured"].items()
     ]
     lines += [
-        "Replay seconds per key (encoder + drafting): "
-        + ", ".join(f"{k} {rep['replay'][k]['seconds']:.0f} s" for k in keys),
+        "",
+        "Replay seconds (encoder + drafting), first grid cell: "
+        + ", ".join(f"{n} {g0['replay'][n]['seconds']:.0f} s" for n in names),
         "",
     ]
     return "\n".join(lines)
@@ -264,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("raw", help="a toolspec bench run directory (items.jsonl with plain-greedy records)")
     ap.add_argument("--keys", default=",".join(RETRIEVAL_KEYS))
     ap.add_argument("--per-benchmark", type=int, default=None, help="the first N items of each benchmark")
+    ap.add_argument("--replicas", default="1", help="comma list: engine replicas sharing the library")
+    ap.add_argument("--retrieve-k", default=None, help="comma list: calls per search (default: the method's)")
+    ap.add_argument("--tool-search", action="store_true", help="also replay KEY+tool (a second, tool-filtered search)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the text encoder")
     ap.add_argument("--name", default=None)
     ap.add_argument("--results-dir", default=str(RESULTS / "retrieval"))
@@ -287,6 +362,13 @@ def main(argv: list[str] | None = None) -> int:
         else {}
     )
     ks = keyers(keys, a.threads)
+    default_k = make_method(METHOD, tok).retrieve_k
+    grid = [
+        (int(r), int(k))
+        for r in a.replicas.split(",")
+        for k in (a.retrieve_k.split(",") if a.retrieve_k else [default_k])
+    ]
+    variants = _variants(keys, a.tool_search)
     rep = {
         "name": a.name or f"mat-by-key-{raw.name}",
         "run": str(raw),
@@ -296,13 +378,16 @@ def main(argv: list[str] | None = None) -> int:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "per_benchmark": a.per_benchmark,
         "items": len(recs),
-        "keys": keys,
-        "retrieve_k": make_method(METHOD, tok).retrieve_k,
-        "replay": {},
+        "variants": [{"name": n, "key": k, "tool_search": t} for n, k, t in variants],
+        "grid": [],
     }
-    for k in keys:
-        rep["replay"][k] = replay_key(k, recs, tok, cost, ks.get(k), hidden)
-        print(k, json.dumps(rep["replay"][k], indent=1), flush=True)
+    for replicas, k in grid:
+        cell = {"replicas": replicas, "retrieve_k": k, "replay": {}}
+        for name, key, tool in variants:
+            cell["replay"][name] = replay_key(key, recs, tok, cost, ks.get(key), hidden, replicas, k, tool)
+            r = cell["replay"][name]["rows"]
+            print(replicas, k, name, {row: round(v["mat"], 3) for row, v in r.items()}, flush=True)
+        rep["grid"].append(cell)
     rep["measured"] = measured(raw, {it["id"] for it, _ in recs})
     out = Path(a.results_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,17 @@ TEXT_KEYS = ("qwen", "qwen_last", "hybrid", "lexical")
 HIDDEN_KEYS = ("hidden_last", "hidden_mean")
 KEYS = ("qwen", "qwen_last", "hybrid", "lexical", "rrf", "rrf_k2", "hidden_last", "hidden_mean", "lexical_req")
 FUSED = ("rrf", "rrf_k2")
+
+
+def ordered(names) -> list[str]:
+    """Key names in table order: ``KEYS``'s, with the shallow encoders (``qwen_lN``, by depth)
+    after ``qwen_last``."""
+    names = set(names)
+    shallow = sorted((n for n in names if n.startswith("qwen_l") and n[6:].isdigit()), key=lambda n: int(n[6:]))
+    order = [k for k in KEYS[:2] if k in names] + shallow + [k for k in KEYS[2:] if k in names]
+    return order
+
+
 BASELINE = "lexical"
 RRF_K = 60
 # (column, metric) pairs compared with paired bootstrap CIs vs the lexical key
@@ -183,19 +194,25 @@ class CachedEncoder:
         tmp.replace(self.cache)
 
 
-def text_keys(sets: dict[str, list[dict]], cache_dir: Path, batch: int) -> dict[str, dict[str, np.ndarray]]:
-    """qwen / qwen_last / hybrid / lexical per item of each set, through ``TextKeyer`` built from
-    the deployment's ``RetrievalConfig`` over ``query_text`` (what a replica sends)."""
+def text_keys(
+    sets: dict[str, list[dict]], cache_dir: Path, batch: int, layers: tuple[int, ...] = ()
+) -> dict[str, dict[str, np.ndarray]]:
+    """qwen / qwen_last / hybrid / lexical (and ``qwen_lN``: the encoder cut to its first N
+    layers) per item of each set, through ``TextKeyer`` built from the deployment's
+    ``RetrievalConfig`` over ``query_text`` (what a replica sends)."""
     from deployments.config import RetrievalConfig
     from retrieval_service.keys import TextKeyer
 
     texts = {name: [query_text(it["messages"], it["tools"]) for it in items] for name, items in sets.items()}
     everything = [t for ts in texts.values() for t in ts]
     out: dict[str, dict[str, np.ndarray]] = {name: {} for name in sets}
-    for pooling, names in (("mean", ("qwen", "hybrid")), ("last", ("qwen_last",))):
-        cfg = RetrievalConfig(key="qwen", encoder={"pooling": pooling})
+    variants = [("mean", None, ("qwen", "hybrid")), ("last", None, ("qwen_last",))]
+    variants += [("mean", n, (f"qwen_l{n}",)) for n in layers]
+    for pooling, depth, names in variants:
+        cfg = RetrievalConfig(key="qwen", encoder={"pooling": pooling, "layers": depth})
         e = cfg.encoder
         tag = f"{Path(e.model).name}-{pooling}-{e.max_length}-{hashlib.sha1(e.prefix.encode()).hexdigest()[:6]}"
+        tag += f"-l{depth}" if depth is not None else ""
         enc = CachedEncoder(_LazyEncoder(e), cache_dir / f"encoder-{tag}.npz", batch)
         enc.encode(everything)  # fill the cache once, batched across the sets
         for key in names:
@@ -218,12 +235,10 @@ class _LazyEncoder:
 
     def encode(self, texts):
         if self._enc is None:
-            from deployments.retrieval import encoder_dir
-            from retrieval_service.embedding import HFEmbedder
+            from deployments.retrieval import build_encoder
 
-            e = self.e
             t0 = time.time()
-            self._enc = HFEmbedder(encoder_dir(e.model), e.pooling, e.max_length, e.prefix, e.threads, e.device)
+            self._enc = build_encoder(self.e)
             print(f"loaded encoder {self._enc.name} in {time.time() - t0:.1f}s", flush=True)
         return self._enc.encode(texts)
 
@@ -332,7 +347,7 @@ def paired_vs_lexical(rows: list[dict], n_boot: int = 2000, seed: int = 0) -> di
     (same items resampled for both keys), on eligible items."""
     rng = np.random.default_rng(seed)
     out = {}
-    for key in KEYS:
+    for key in ordered({k.split("/")[0] for r in rows for k in r if "/" in k}):
         if key == BASELINE:
             continue
         for col, metric in HEADLINE:
@@ -454,7 +469,7 @@ def verdict(res: dict) -> str:
     """The best key per verdict metric (eligible items, mean of both orders, per set and the mean
     over sets), and per key and headline metric: better / worse than lexical where the 95% paired
     interval excludes 0 in both orders of a set, else tie."""
-    keys = [k for k in KEYS if k in res["setup"]["keys"]]
+    keys = ordered(res["setup"]["keys"])
     lines = []
     for col, metric in VERDICT_METRICS:
         per: dict[str, dict[str, float]] = {}
@@ -526,6 +541,9 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=8, help="texts per encoder forward")
     ap.add_argument("--prefetch", type=int, default=20, help="candidates per search fused by rrf")
     ap.add_argument("--no-hidden", action="store_true", help="skip the target's hidden keys (no prefill)")
+    ap.add_argument(
+        "--encoder-layers", type=int, nargs="*", default=[], help="also key with the encoder cut to N layers (qwen_lN)"
+    )
     ap.add_argument("--hidden-if-cached", action="store_true", help="hidden keys only of sets fully cached")
     ap.add_argument("--cache-dir", default="/tmp/toolspec-key-eval")
     ap.add_argument("--machine", default="cpu-epyc")
@@ -541,7 +559,7 @@ def main(argv=None) -> None:
     specs = [_parse_set(s, args.every, args.limit) for s in args.sets]
     sets = {name: load_items(path, e, lim) for name, path, e, lim in specs}
     t0 = time.time()
-    text = text_keys(sets, cache_dir, args.batch)
+    text = text_keys(sets, cache_dir, args.batch, tuple(args.encoder_layers))
     hidden = {}
     for name, items in sorted(sets.items(), key=lambda kv: len(kv[1])):  # smallest set first
         cache = cache_dir / f"hidden-{name}.npz"
@@ -559,7 +577,7 @@ def main(argv=None) -> None:
             "commit": commit,
             "machine": args.machine,
             "k": [1, 3, 10],
-            "keys": [k for k in KEYS if k in FUSED or any(k in kk for kk in keys_of.values())],
+            "keys": ordered([*FUSED, *(k for kk in keys_of.values() for k in kk)]),
             "lexical_dim": 1024,
             "rrf_k": RRF_K,
             "prefetch": args.prefetch,
@@ -574,7 +592,7 @@ def main(argv=None) -> None:
         shuffled = list(range(len(items)))
         random.Random(args.seed).shuffle(shuffled)
         res["benchmarks"][name] = {
-            "keys": [k for k in KEYS if k in keys or k in FUSED],
+            "keys": ordered([*keys, *FUSED]),
             "data": path.name,
             "items": len(items),
             "every": e,

@@ -45,6 +45,9 @@ class EncoderConfig(BaseModel):
     device: Literal["cpu", "cuda"] = "cpu"
     threads: int | None = Field(None, ge=1)  # torch threads of the Retrieval actor (CPU)
     num_gpus: float = Field(0.0, ge=0, le=1)  # a GPU fraction for the actor (device cuda)
+    # pool the states after the first N decoder layers (None: all): a shallower, cheaper encoder
+    # with its own vector space (see the key evaluation for what it keeps)
+    layers: int | None = Field(None, ge=1)
 
 
 class RetrievalConfig(BaseModel):

@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 from ray import serve
 
-from .config import RetrievalConfig
+from .config import EncoderConfig, RetrievalConfig
 
 log = logging.getLogger("toolspec.serve")
 
@@ -91,14 +91,16 @@ class RetrievalServer:
 
 def make_keyer(cfg: RetrievalConfig):
     """The text keyer of a retrieval config (loads the encoder unless the key is lexical)."""
-    from retrieval_service.embedding import HFEmbedder
     from retrieval_service.keys import TextKeyer
 
-    enc = None
-    if cfg.key != "lexical":
-        e = cfg.encoder
-        enc = HFEmbedder(encoder_dir(e.model), e.pooling, e.max_length, e.prefix, e.threads, e.device)
-    return TextKeyer(cfg.key, enc, cfg.lexical_dim)
+    return TextKeyer(cfg.key, None if cfg.key == "lexical" else build_encoder(cfg.encoder), cfg.lexical_dim)
+
+
+def build_encoder(e: EncoderConfig):
+    """The ``HFEmbedder`` an encoder config describes (loads the model)."""
+    from retrieval_service.embedding import HFEmbedder
+
+    return HFEmbedder(encoder_dir(e.model), e.pooling, e.max_length, e.prefix, e.threads, e.device, e.layers)
 
 
 def encoder_dir(model: str) -> str:

@@ -1,31 +1,28 @@
 """Request keys for the history library.
 
-* the target's own last-layer states: of the final prompt token (``pooling="last"``, what
-  ToolSpec's research code uses; free at serving time as ``Prefilled.hidden``) or their mean over
-  the prompt (``"mean"``); ``from_hidden`` makes the key. This package never runs the target: the
-  ``Embedder`` that does is supplied by the caller (``deployments.hidden_keys.HiddenStateEmbedder``).
-* ``LexicalEmbedder`` — hashed word / char n-gram TF of the last user message + the offered tool
+* ``HFEmbedder`` -- any local HF model directory, mean- (or last-token-) pooled: the Retrieval
+  deployment's own encoder (the embedded Qwen2.5-Coder-0.5B by default, a Qwen embedding model
+  where one is available) over ``query_text``. Every engine replica, whatever its target, sends
+  text and the deployment keys it, so all replicas search one vector space: the serving default
+  (``retrieval.key: qwen``; ``hybrid`` puts the lexical vector beside it).
+* ``LexicalEmbedder`` -- hashed word / char n-gram TF of the last user message + the offered tool
   names. No model, deterministic across processes (crc32, not Python's salted ``hash``).
-* ``HFEmbedder`` — any local HF model directory, mean- (or last-token-) pooled; the slot for a
-  dedicated Qwen embedding model in production.
+* the target's own last-layer states (``retrieval.key: hidden``): of the final prompt token
+  (``pooling="last"``, free at serving time as ``Prefilled.hidden``) or their mean over the prompt
+  (``"mean"``); ``from_hidden`` makes the key. This package never runs the target: the
+  ``Embedder`` that does is supplied by the caller (``deployments.hidden_keys.HiddenStateEmbedder``).
+  Its space changes with the target, so replicas of different models cannot share it.
 
-Measured (``benchmarks/retrieval_key_eval.py`` -> ``benchmarks/results/retrieval/retrieval-key-eval-apibank-cpu-xeon-8c37913.{json,md}``;
-189 API-Bank dev items online, top-k among earlier items' gold calls, 154 eligible, 95% paired
-bootstrap vs lexical; numbers as file order / shuffled order):
-
-* the service's query (search restricted to the request's offered tools), top-1 has the right
-  tool: ``hidden_last`` 0.870 / 0.896 vs lexical 0.701 / 0.792 — better in both orders
-  (+0.17 / +0.10, intervals above 0); ``hidden_mean`` 0.844 / 0.818;
-* once the tool is known (restricted to it), top-1 value recall: all keys tie within intervals
-  (``hidden_last`` 0.234 / 0.227, lexical 0.273 / 0.232, ``hidden_mean`` 0.278 / 0.282);
-* unrestricted, top-1 right tool: ``hidden_mean`` 0.766 / 0.747 beats lexical 0.636 / 0.591;
-  ``hidden_last`` 0.695 / 0.656 does not significantly.
-
-So the default key stays the target's ``Prefilled.hidden`` (free, better tool ranking); the
-lexical key is the cheaper option when the search must start before prefill finishes.
+Which key ranks best is measured by ``benchmarks/retrieval_key_eval.py`` on the three dev sets
+(``benchmarks/results/retrieval/retrieval-key-eval-3bench-*``): with the search restricted to the
+offered tools, the top-1 call is of the right tool for about 0.8 of the requests with every key
+(qwen 0.817, lexical 0.788, hidden 0.788, an RRF fusion of qwen and lexical 0.828, mean of the
+sets and two orders), all within the paired bootstrap intervals of lexical. The default is the
+deployment's Qwen encoder: no key measured better with significance, and it is the one key that
+is both shared across targets and model-based.
 
 Keys from different embedders live in different vector spaces (and dims): one collection per
-embedder.
+embedder (its ``name``).
 """
 
 from __future__ import annotations
@@ -197,6 +194,19 @@ class LexicalEmbedder:
 # ----------------------------------------------------------------------------- any HF model
 
 
+def _keep_layers(config, layers: int) -> None:
+    """Cut a decoder config to its first ``layers`` layers (the later layers' weights are then
+    never loaded): the final norm follows the last kept layer."""
+    total = int(config.num_hidden_layers)
+    if not 1 <= layers <= total:
+        raise ValueError(f"layers must be in 1..{total} for this model, got {layers}")
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:layers]
+    if getattr(config, "max_window_layers", None) is not None:
+        config.max_window_layers = min(config.max_window_layers, layers)
+
+
 class HFEmbedder:
     """Pooled last-layer states of a local HF model (the embedded Qwen by default; a Qwen
     embedding model where one is available): the Retrieval deployment's own encoder, so every
@@ -216,9 +226,10 @@ class HFEmbedder:
         prefix: str = "",
         threads: int | None = None,
         device: str = "cpu",
+        layers: int | None = None,
     ):
         import torch
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoConfig, AutoModel, AutoTokenizer
 
         if pooling not in ("mean", "last"):
             raise ValueError("pooling must be 'mean' or 'last'")
@@ -226,7 +237,10 @@ class HFEmbedder:
             torch.set_num_threads(threads)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-            self.model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval().to(device)
+            config = AutoConfig.from_pretrained(str(model_dir))
+            if layers is not None:
+                _keep_layers(config, layers)
+            self.model = AutoModel.from_pretrained(str(model_dir), config=config, dtype=torch.float32).eval().to(device)
         except (OSError, ValueError) as exc:
             raise ValueError(f"could not load an embedding model from {model_dir}: {exc}") from exc
         self.tokenizer.padding_side = "right"
@@ -234,7 +248,8 @@ class HFEmbedder:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.pooling, self.max_length, self.prefix, self.device = pooling, max_length, prefix, device
         self.dim = int(self.model.config.hidden_size)
-        self.name = f"hf:{Path(str(model_dir)).name}:{pooling}"
+        # the name keys the collection: vectors of another pooling or depth live in another space
+        self.name = f"hf:{Path(str(model_dir)).name}:{pooling}" + (f":l{layers}" if layers is not None else "")
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """Unit vectors [len(texts), dim] of non-empty texts, in one forward."""

@@ -148,3 +148,16 @@ def test_several_retrieval_replicas_with_qdrant_url():
     ServeAppConfig(retrieval={"num_replicas": 2, "store": {"backend": "qdrant_url", "url": "http://qdrant:6333"}})
     with pytest.raises(ValidationError):
         ServeAppConfig(qdrant_url="http://qdrant:6333", retrieval={"num_replicas": 2, "store": {"backend": "memory"}})
+
+
+def test_encoder_depth_is_its_own_vector_space(tiny_model_dir):
+    """``encoder.layers``: the keyer's name (which names the collection) carries the depth, so a
+    library keyed at one depth is never searched with vectors of another; 0 layers is refused."""
+    from deployments.retrieval import make_keyer
+
+    with pytest.raises(ValidationError):
+        RetrievalConfig(encoder={"layers": 0})
+    full = make_keyer(RetrievalConfig(encoder={"model": str(tiny_model_dir)}))
+    cut = make_keyer(RetrievalConfig(encoder={"model": str(tiny_model_dir), "layers": 1}))
+    assert full.name != cut.name and cut.name.endswith(":l1")
+    assert full.dim == cut.dim

@@ -108,7 +108,7 @@ def tiny_model_dir(tmp_path_factory):
         vocab_size=320,
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=1,
+        num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=128,
@@ -151,3 +151,22 @@ def test_hf_embedder_mean_and_last_pooling(tiny_model_dir):
         HFEmbedder(str(tiny_model_dir), pooling="max")
     with pytest.raises(ValueError):
         HFEmbedder(str(tiny_model_dir / "missing"))
+
+
+def test_hf_embedder_cut_to_its_first_layers_pools_those_layers_states(tiny_model_dir):
+    """``layers=N``: the first N decoder layers of the same weights (then the final norm), a
+    vector space of its own (the name says so); a depth the model lacks is refused."""
+    import torch
+
+    full = HFEmbedder(str(tiny_model_dir))
+    cut = HFEmbedder(str(tiny_model_dir), layers=1)
+    assert len(cut.model.layers) == 1 < len(full.model.layers)
+    assert cut.name == full.name + ":l1"
+    ids = full.tokenizer("weather in paris", return_tensors="pt")["input_ids"]  # [1, T]
+    with torch.inference_mode():
+        states = full.model(input_ids=ids, output_hidden_states=True).hidden_states[1][0]  # [T, H] after layer 1
+        want = from_hidden(full.model.norm(states), "mean")
+    got = cut.encode(["weather in paris"])[0]
+    assert np.allclose(got, want, atol=1e-5) and not np.allclose(got, full.encode(["weather in paris"])[0])
+    with pytest.raises(ValueError, match="layers"):
+        HFEmbedder(str(tiny_model_dir), layers=99)
