@@ -194,6 +194,8 @@ def replay_key(
     rows = {
         f"{b}/{s}": {
             "items": n,
+            "tokens": tok,
+            "steps": steps,
             "mat": tok / max(steps, 1),
             "projected_speedup": tok / max(c, 1e-9),
             "top1_tool": right / with_call if with_call else None,
@@ -258,8 +260,8 @@ def markdown(rep: dict) -> str:
         "",
         f"- run: `{rep['run']}` ({rep['run_config'].get('retrieval_key')} key decoded; model {rep['model']}; "
         f"{rep['hardware']})",
-        f"- items: the first {rep['per_benchmark'] or 'all'} per benchmark of the run's stream with a plain-greedy "
-        "record; online library (one library per benchmark, stream order, each item observed after it is drafted)",
+        f"- items: {'the first ' + str(rep['per_benchmark']) if rep['per_benchmark'] else 'all'} per benchmark of "
+        "the run's stream with a plain-greedy record; online library (one library per benchmark, stream order, each item observed after it is drafted)",
         "- replicas R: R engine replicas (one `toolspec` each, its own suffix history) take the stream's items "
         "in turn and share the library -- with R = 1 the replica's history already holds every earlier output, "
         "so the library can only reorder what the history offers; k = calls the drafter takes per search",

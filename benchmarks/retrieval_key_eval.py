@@ -17,8 +17,10 @@ Keys. The Retrieval deployment's, computed exactly as it computes them: ``TextKe
 ``deployments.retrieval.make_keyer``'s config, ``RetrievalConfig``) over
 ``retrieval_service.embedding.query_text(messages, tools)`` -- what an engine replica sends:
 
-* ``qwen``: the deployment's encoder (``HFEmbedder``, embedded Qwen2.5-Coder-0.5B, mean pooling;
-  the serving default), ``qwen_last``: the same with ``encoder.pooling: last``;
+* ``qwen``: the deployment's encoder (``HFEmbedder``, embedded Qwen2.5-Coder-0.5B, mean pooling,
+  read at its default depth ``EncoderConfig.depth()``; the serving default), ``qwen_last``: the
+  same with ``encoder.pooling: last``; ``qwen_lN`` (``--encoder-layers N``): mean pooling after
+  the first N layers;
 * ``hybrid``: ``TextKeyer("hybrid")`` (qwen vector beside the hashed lexical one: mean of cosines);
 * ``lexical``: ``TextKeyer("lexical")`` (hashed n-grams of the query text) -- the paired baseline;
 * ``rrf``: reciprocal rank fusion, score = sum 1 / (60 + rank), rank from 1, of a ``qwen`` and a
@@ -212,7 +214,7 @@ def text_keys(
         cfg = RetrievalConfig(key="qwen", encoder={"pooling": pooling, "layers": depth})
         e = cfg.encoder
         tag = f"{Path(e.model).name}-{pooling}-{e.max_length}-{hashlib.sha1(e.prefix.encode()).hexdigest()[:6]}"
-        tag += f"-l{depth}" if depth is not None else ""
+        tag += f"-l{e.depth()}" if e.depth() is not None else ""
         enc = CachedEncoder(_LazyEncoder(e), cache_dir / f"encoder-{tag}.npz", batch)
         enc.encode(everything)  # fill the cache once, batched across the sets
         for key in names:

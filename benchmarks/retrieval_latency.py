@@ -132,7 +132,7 @@ async def run_mode(mode: str, args, library: list[dict], queries: list[tuple[str
             "store": {"backend": "memory"},
             "max_batch_size": max_batch,
             "batch_wait_timeout_s": wait,
-            "encoder": {"threads": args.threads},
+            "encoder": {"threads": args.threads, "layers": args.layers},
         }
     )
     t0 = time.perf_counter()
@@ -190,6 +190,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="the encoder's torch threads (retrieval.encoder.threads)")
+    ap.add_argument("--layers", type=int, default=None, help="the encoder cut to its first N layers (encoder.layers)")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--machine", default="cpu-epyc")
     ap.add_argument("--commit", default=None, help="the code's commit in the output name (default: git HEAD)")
@@ -216,6 +217,7 @@ def main(argv=None) -> None:
         "cpus": os.cpu_count(),
         "loadavg_before": [round(x, 2) for x in os.getloadavg()],
         "encoder_threads": args.threads,
+        "encoder_layers": args.layers,
         "query_texts": {"n": len(queries), "mean_chars": round(float(np.mean([len(q) for q, _ in queries])), 1)},
         "modes": {},
     }
@@ -227,7 +229,8 @@ def main(argv=None) -> None:
         serve.shutdown()
         ray.shutdown()
     res["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
-    out = Path(args.out or f"benchmarks/results/measurements/retrieval-latency-{args.machine}-{commit}.json")
+    depth = f"-l{args.layers}" if args.layers else ""
+    out = Path(args.out or f"benchmarks/results/measurements/retrieval-latency{depth}-{args.machine}-{commit}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(table(res))

@@ -33,6 +33,12 @@ class AutoscalingConfig(BaseModel):
         return self.model_dump()
 
 
+# The embedded Qwen2.5-Coder-0.5B keyed at its 6th of 24 layers ranked the offered tools as well as
+# at its top, on the three dev sets (offered-tools top-1 0.835 vs 0.817, value recall 0.217 both;
+# benchmarks/results/retrieval/retrieval-key-eval-3bench-*), for a quarter of the encoder's work.
+EMBEDDED_ENCODER_LAYERS = 6
+
+
 class EncoderConfig(BaseModel):
     """The Retrieval deployment's own encoder (``retrieval_service.embedding.HFEmbedder``)."""
 
@@ -45,9 +51,16 @@ class EncoderConfig(BaseModel):
     device: Literal["cpu", "cuda"] = "cpu"
     threads: int | None = Field(None, ge=1)  # torch threads of the Retrieval actor (CPU)
     num_gpus: float = Field(0.0, ge=0, le=1)  # a GPU fraction for the actor (device cuda)
-    # pool the states after the first N decoder layers (None: all): a shallower, cheaper encoder
-    # with its own vector space (see the key evaluation for what it keeps)
+    # pool the states after the first N decoder layers: a shallower, cheaper encoder with its own
+    # vector space. None: the model's default -- EMBEDDED_ENCODER_LAYERS for the embedded Qwen,
+    # every layer of any other model (an embedding model is trained to be read at its top)
     layers: int | None = Field(None, ge=1)
+
+    def depth(self) -> int | None:
+        """The layers the encoder keeps (None: all)."""
+        if self.layers is None and self.model in ("", "embedded"):
+            return EMBEDDED_ENCODER_LAYERS
+        return self.layers
 
 
 class RetrievalConfig(BaseModel):

@@ -100,7 +100,7 @@ def build_encoder(e: EncoderConfig):
     """The ``HFEmbedder`` an encoder config describes (loads the model)."""
     from retrieval_service.embedding import HFEmbedder
 
-    return HFEmbedder(encoder_dir(e.model), e.pooling, e.max_length, e.prefix, e.threads, e.device, e.layers)
+    return HFEmbedder(encoder_dir(e.model), e.pooling, e.max_length, e.prefix, e.threads, e.device, e.depth())
 
 
 def encoder_dir(model: str) -> str:

@@ -404,6 +404,23 @@ def test_mat_by_key_replay_matches_the_decoded_run(tiny, data, tmp_path):
     assert got["rows"]["syn/all"]["items"] == meas["syn/all"]["items"] == 2
     assert got["rows"]["syn/all"]["mat"] == pytest.approx(meas["syn/all"]["mat"])
 
+    # two replicas: the items go to them in turn, each with its own history (so with no library
+    # each item is drafted as if alone) and one shared library (the second sees the first's call)
+    alone = [mat_by_key.replay_key("none", [r], tiny.tokenizer, _cost(raw, "run"), None, {}) for r in recs]
+    two = mat_by_key.replay_key("none", recs, tiny.tokenizer, _cost(raw, "run"), None, {}, replicas=2)
+    for field in ("tokens", "steps"):
+        assert two["rows"]["syn/all"][field] == sum(a["rows"]["syn/all"][field] for a in alone)
+    assert two["rows"]["syn/all"]["items_with_candidates"] == 0
+    calls = []  # the same items, as if the target had written a call of their first tool
+    for item, ar in recs:
+        name = item["tools"][0]["function"]["name"]
+        text = f'<tool_call>\n{{"name": "{name}", "arguments": {{}}}}\n</tool_call>'
+        ids = tiny.tokenizer.encode(text)
+        calls.append((item, {**ar, "text": text, "tokens": ids, "calls": [{"name": name}], "has_call": True}))
+    for key, replicas, seen in (("none", 2, 0), ("lexical", 2, 1), ("lexical", 1, 1)):
+        got = mat_by_key.replay_key(key, calls, tiny.tokenizer, _cost(raw, "run"), ks.get(key), {}, replicas=replicas)
+        assert got["rows"]["syn/all"]["items_with_candidates"] == seen, (key, replicas)
+
 
 def test_cli_max_items_stops_early_and_resumes(tiny, data, tmp_path, monkeypatch):
     """`--max-items N`: only the first N items of the stream (an interrupted run, resumable)."""

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from deployments.config import RetrievalConfig, ServeAppConfig
+from deployments.config import EMBEDDED_ENCODER_LAYERS, RetrievalConfig, ServeAppConfig
 from deployments.retrieval import RetrievalServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,3 +161,7 @@ def test_encoder_depth_is_its_own_vector_space(tiny_model_dir):
     cut = make_keyer(RetrievalConfig(encoder={"model": str(tiny_model_dir), "layers": 1}))
     assert full.name != cut.name and cut.name.endswith(":l1")
     assert full.dim == cut.dim
+    # the embedded Qwen is read at its measured depth by default, any other model at its top
+    assert RetrievalConfig().encoder.depth() == EMBEDDED_ENCODER_LAYERS
+    assert RetrievalConfig(encoder={"model": str(tiny_model_dir)}).encoder.depth() is None
+    assert RetrievalConfig(encoder={"layers": 24}).encoder.depth() == 24
