@@ -245,6 +245,14 @@ class _LazyEncoder:
         return self._enc.encode(texts)
 
 
+def _layers_total(model: str) -> int:
+    from transformers import AutoConfig
+
+    from deployments.retrieval import encoder_dir
+
+    return int(AutoConfig.from_pretrained(encoder_dir(model)).num_hidden_layers)
+
+
 def _hidden_size(model: str) -> int:
     from deployments.retrieval import hidden_size
 
@@ -400,7 +408,14 @@ def to_markdown(res: dict) -> str:
         "",
         f"Model {s['model']}, commit {s['commit']}, {s['machine']}. Library = gold calls of earlier items "
         "(MemoryStore, deduplicated), each keyed like its request. Text keys are the Retrieval deployment's "
-        "(`TextKeyer` over `query_text`, encoder settings from `RetrievalConfig`); `rrf` fuses a `qwen` and a "
+        "(`TextKeyer` over `query_text`, encoder settings from `RetrievalConfig`"
+        + (
+            f"; `qwen`, `qwen_last`, `hybrid` read the encoder at its default depth, {d} layers"
+            if (d := s.get("qwen_depth"))
+            else ""
+        )
+        + (f"; `qwen_lN` after its first N of {t} layers" if (t := s.get("encoder_layers_total")) else "")
+        + "); `rrf` fuses a `qwen` and a "
         f"`lexical` search (k={RRF_K}, {s['prefetch']} candidates each). tool_hit / value_recall / exact as "
         "defined in `benchmarks/retrieval_key_eval.py`; value_recall counts only retrieved calls of the gold "
         "tool. `eligible` = items whose gold tool was called before; tables are of eligible items. "
@@ -570,6 +585,7 @@ def main(argv=None) -> None:
         print(f"{name}: hidden keys of {len(items)} items", flush=True)
         hidden[name] = compute_hidden_keys(items, cache, args.threads)
     phase1 = time.time() - t0
+    from deployments.config import RetrievalConfig
     from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME
 
     keys_of = {name: all_keys(items, hidden.get(name), text[name]) for name, items in sets.items()}
@@ -581,6 +597,8 @@ def main(argv=None) -> None:
             "k": [1, 3, 10],
             "keys": ordered([*FUSED, *(k for kk in keys_of.values() for k in kk)]),
             "lexical_dim": 1024,
+            "qwen_depth": RetrievalConfig().encoder.depth(),
+            "encoder_layers_total": _layers_total(RetrievalConfig().encoder.model),
             "rrf_k": RRF_K,
             "prefetch": args.prefetch,
             "batch": args.batch,

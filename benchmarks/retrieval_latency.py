@@ -201,6 +201,8 @@ def main(argv=None) -> None:
     import ray
     from ray import serve
 
+    from deployments.config import EncoderConfig
+
     commit = args.commit or _commit()
     n_queries = max(args.min_queries, args.per_caller * max(args.concurrency))
     library, requests = split(dev_items(), args.fill, n_queries)
@@ -217,7 +219,7 @@ def main(argv=None) -> None:
         "cpus": os.cpu_count(),
         "loadavg_before": [round(x, 2) for x in os.getloadavg()],
         "encoder_threads": args.threads,
-        "encoder_layers": args.layers,
+        "encoder_layers": EncoderConfig(layers=args.layers).depth(),
         "query_texts": {"n": len(queries), "mean_chars": round(float(np.mean([len(q) for q, _ in queries])), 1)},
         "modes": {},
     }
@@ -229,7 +231,8 @@ def main(argv=None) -> None:
         serve.shutdown()
         ray.shutdown()
     res["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
-    depth = f"-l{args.layers}" if args.layers else ""
+    layers = EncoderConfig(layers=args.layers).depth()
+    depth = f"-l{layers}" if layers else ""
     out = Path(args.out or f"benchmarks/results/measurements/retrieval-latency{depth}-{args.machine}-{commit}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1) + "\n")
