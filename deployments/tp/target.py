@@ -5,7 +5,10 @@ like any other: its block pool (:class:`RemoteBlockPool`) does all the bookkeepi
 prefix cache, reference counts) with no storage, and queues the one storage write outside a
 forward -- a verify commit's slot moves -- for the ranks. :meth:`TPTarget.step` turns the
 scheduler's segments into one :class:`~deployments.tp.worker.StepPlan` and makes one Ray call
-(rank 0 broadcasts it). The replica holds the tokenizer and the config, never weights.
+(rank 0 broadcasts it). The replica holds the tokenizer and the config, never weights, so it
+has no local forward (``hidden`` / ``logits``): the config admits a tensor-parallel target only on
+the batched engine, whose block pool prefills and caches prefixes through ``step``, and refuses
+the ``hidden`` retrieval key, the one path that prefills in the replica.
 """
 
 from __future__ import annotations
@@ -159,9 +162,6 @@ class TPTarget(Target):
         """None: a sequence of a tensor-parallel target gets its KV from the block pool when the
         scheduler admits it (its rows live on the ranks); there is no per-sequence cache."""
         return None
-
-    def logits(self, hidden):
-        raise NotImplementedError("a tensor-parallel target's logits stay on its ranks; use step()")
 
     def block_pool(self, tokens: int, block_tokens: int = 16, prefix_caching: bool = True) -> RemoteBlockPool:
         layers, _, head_dim = kv_shape(self.model.config)
