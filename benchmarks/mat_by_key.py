@@ -37,33 +37,15 @@ from toolspec_core.drafters.simulate import simulate
 from .cost import RESULTS
 from .data import load_stream, prompt_ids, response_schema
 from .offline_sim import _cost
+from .retrieval_key_eval import CACHE_DIR, cached_encoder
 from .runner import RETRIEVAL_KEYS, PrefillCache, decode_hidden
 
 METHOD = "toolspec"
 
 
-class _MemoEncoder:
-    """An encoder whose vectors are kept per text, so ``qwen`` and ``hybrid`` encode a text once."""
-
-    def __init__(self, encoder):
-        self.encoder, self.dim, self.name = encoder, encoder.dim, encoder.name
-        self._v: dict[str, object] = {}
-        self.seconds = 0.0
-
-    def encode(self, texts):
-        import numpy as np
-
-        todo = [t for t in dict.fromkeys(texts) if t not in self._v]
-        if todo:
-            t0 = time.perf_counter()
-            for t, v in zip(todo, self.encoder.encode(todo)):
-                self._v[t] = v
-            self.seconds += time.perf_counter() - t0
-        return np.stack([self._v[t] for t in texts])
-
-
-def keyers(keys: list[str], threads: int | None) -> dict:
-    """``make_keyer`` per text key, one encoder shared by qwen and hybrid."""
+def keyers(keys: list[str], threads: int | None, cache_dir: Path = Path(CACHE_DIR)) -> dict:
+    """``make_keyer`` per text key; qwen and hybrid share one encoder behind the key
+    evaluation's on-disk cache (a text is encoded once, in any run of either tool)."""
     from deployments.config import EncoderConfig, RetrievalConfig
     from deployments.retrieval import make_keyer
     from retrieval_service.keys import TextKeyer
@@ -78,7 +60,7 @@ def keyers(keys: list[str], threads: int | None) -> dict:
             out[k] = CachedKeyer(make_keyer(cfg))
             continue
         if enc is None:
-            enc = _MemoEncoder(make_keyer(RetrievalConfig(key="qwen", encoder=cfg.encoder)).encoder)
+            enc = cached_encoder(cfg.encoder, cache_dir)
         out[k] = CachedKeyer(TextKeyer(k, enc, cfg.lexical_dim))
     return out
 
@@ -342,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retrieve-k", default=None, help="comma list: calls per search (default: the method's)")
     ap.add_argument("--tool-search", action="store_true", help="also replay KEY+tool (a second, tool-filtered search)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the text encoder")
+    ap.add_argument("--cache-dir", default=CACHE_DIR, help="encoded texts, shared with retrieval_key_eval")
     ap.add_argument("--name", default=None)
     ap.add_argument("--results-dir", default=str(RESULTS / "retrieval"))
     a = ap.parse_args(argv)
@@ -363,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         if "hidden" in keys
         else {}
     )
-    ks = keyers(keys, a.threads)
+    ks = keyers(keys, a.threads, Path(a.cache_dir))
     default_k = make_method(METHOD, tok).retrieve_k
     grid = [
         (int(r), int(k))

@@ -79,6 +79,7 @@ def ordered(names) -> list[str]:
 
 BASELINE = "lexical"
 RRF_K = 60
+CACHE_DIR = "/tmp/toolspec-key-eval"  # encoded texts and hidden keys, reused by reruns (and mat_by_key)
 # (column, metric) pairs compared with paired bootstrap CIs vs the lexical key
 HEADLINE = (
     ("unfiltered@1", "tool_hit"),
@@ -212,10 +213,7 @@ def text_keys(
     variants += [("mean", n, (f"qwen_l{n}",)) for n in layers]
     for pooling, depth, names in variants:
         cfg = RetrievalConfig(key="qwen", encoder={"pooling": pooling, "layers": depth})
-        e = cfg.encoder
-        tag = f"{Path(e.model).name}-{pooling}-{e.max_length}-{hashlib.sha1(e.prefix.encode()).hexdigest()[:6]}"
-        tag += f"-l{e.depth()}" if e.depth() is not None else ""
-        enc = CachedEncoder(_LazyEncoder(e), cache_dir / f"encoder-{tag}.npz", batch)
+        enc = cached_encoder(cfg.encoder, cache_dir, batch)
         enc.encode(everything)  # fill the cache once, batched across the sets
         for key in names:
             keyer = TextKeyer("hybrid" if key == "hybrid" else "qwen", enc, cfg.lexical_dim)
@@ -225,6 +223,15 @@ def text_keys(
     for name in sets:
         out[name]["lexical"] = lex.keys(texts[name])
     return out
+
+
+def cached_encoder(e, cache_dir: Path, batch: int = 8) -> CachedEncoder:
+    """The encoder of ``EncoderConfig`` ``e`` behind its on-disk cache in ``cache_dir`` (one file
+    per model, pooling, length, prefix and depth: the settings that change a vector), loaded only
+    when a text is missing."""
+    tag = f"{Path(e.model).name}-{e.pooling}-{e.max_length}-{hashlib.sha1(e.prefix.encode()).hexdigest()[:6]}"
+    tag += f"-l{e.depth()}" if e.depth() is not None else ""
+    return CachedEncoder(_LazyEncoder(e), cache_dir / f"encoder-{tag}.npz", batch)
 
 
 class _LazyEncoder:
@@ -529,7 +536,8 @@ def verdict(res: dict) -> str:
     return "\n".join(lines)
 
 
-def _commit() -> str:
+def git_commit() -> str:
+    """The checkout's short commit, which names a result file (``unknown`` outside git)."""
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -562,13 +570,13 @@ def main(argv=None) -> None:
         "--encoder-layers", type=int, nargs="*", default=[], help="also key with the encoder cut to N layers (qwen_lN)"
     )
     ap.add_argument("--hidden-if-cached", action="store_true", help="hidden keys only of sets fully cached")
-    ap.add_argument("--cache-dir", default="/tmp/toolspec-key-eval")
+    ap.add_argument("--cache-dir", default=CACHE_DIR)
     ap.add_argument("--machine", default="cpu-epyc")
     ap.add_argument("--out", default=None, help="JSON path (.md beside it); default results/retrieval/...")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", default=None, help="the code's commit in the output name (default: git HEAD)")
     args = ap.parse_args(argv)
-    commit = args.commit or _commit()
+    commit = args.commit or git_commit()
     import torch
 
     torch.set_num_threads(args.threads)  # the encoder's too (its config leaves threads unset)

@@ -21,13 +21,14 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 
 from retrieval_service.embedding import query_text
+
+from .retrieval_key_eval import git_commit
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 SETS = ("api_bank", "bfcl_v3", "toolalpaca")
@@ -50,14 +51,6 @@ def dev_items() -> list[dict]:
 def split(items: list[dict], fill: int, queries: int) -> tuple[list[dict], list[dict]]:
     """Library calls from the even items, query requests from the odd ones (never the same request)."""
     return items[0::2][:fill], items[1::2][:queries]
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def _free_port() -> int:
@@ -203,7 +196,7 @@ def main(argv=None) -> None:
 
     from deployments.config import EncoderConfig
 
-    commit = args.commit or _commit()
+    commit = args.commit or git_commit()
     n_queries = max(args.min_queries, args.per_caller * max(args.concurrency))
     library, requests = split(dev_items(), args.fill, n_queries)
     queries = [
