@@ -33,6 +33,7 @@ from pathlib import Path
 
 from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.drafters.simulate import simulate
+from toolspec_core.drafters.toolcall.library import as_past_call
 
 from .cost import RESULTS
 from .data import load_stream, prompt_ids, response_schema
@@ -107,10 +108,6 @@ def _library(key: str, keyer):
     return MemoryLibrary() if key == "hidden" else ServiceLibrary(keyer)
 
 
-def _text(call) -> str:
-    return call["text"] if isinstance(call, dict) else call.text
-
-
 def replay_key(
     key: str,
     recs,
@@ -154,12 +151,17 @@ def replay_key(
         req.response_schema = response_schema(item)
         names = [t["function"]["name"] for t in req.tools if "function" in t]
         called = [c.get("name") for c in ar.get("calls") or []]
-        top = lib.search(req.tenant, emb, names or None, 1) if called and emb is not None else []
+        top = (
+            [as_past_call(c) for c in lib.search(req.tenant, emb, names or None, 1)]
+            if called and emb is not None
+            else []
+        )
         n_cands = len(lib.search(req.tenant, emb, names or None, 100)) if emb is not None else 0
         if tool_search and called and emb is not None:
-            first = lib.search(req.tenant, emb, names or None, retrieve_k)
-            texts = {_text(c) for c in first}
-            second = [c for c in lib.search(req.tenant, emb, [called[0]], retrieve_k) if _text(c) not in texts]
+            first = [as_past_call(c) for c in lib.search(req.tenant, emb, names or None, retrieve_k)]
+            texts = {c.text for c in first}
+            second = [as_past_call(c) for c in lib.search(req.tenant, emb, [called[0]], retrieve_k)]
+            second = [c for c in second if c.text not in texts]
             req.retrieved = first + second
         trace: list = []
         res = simulate(method.drafter(req), req.prompt_ids, ar["tokens"], cost, trace, tokenizer=tokenizer)
@@ -171,7 +173,7 @@ def replay_key(
             a[2] += sum(cost.step_cost(size) for _, size, _, _ in trace)
             a[3] += 1
             a[4] += bool(called)
-            a[5] += bool(top) and _tool_of(top[0]) == called[0]
+            a[5] += bool(top) and top[0].tool_name == called[0]
             cands[(b, subset)].append(n_cands)
     rows = {
         f"{b}/{s}": {
@@ -188,11 +190,6 @@ def replay_key(
         for (b, s), (tok, steps, c, n, with_call, right) in sorted(agg.items())
     }
     return {"rows": rows, "seconds": time.perf_counter() - t0}
-
-
-def _tool_of(call) -> str:
-    """A retrieved call's tool: the service's result dict or the core's ``PastCall``."""
-    return call["tool_name"] if isinstance(call, dict) else call.tool_name
 
 
 def measured(raw: Path, items: set[str]) -> dict:

@@ -36,9 +36,9 @@ def test_add_then_search_by_text_key():
     assert hits[0]["score"] > hits[1]["score"]
     assert [h["tool_name"] for h in lib.search("t", q, ["get_time"], k=5)] == ["get_time"]  # tool filter
     # the core's drafter takes the service's dicts as past calls
-    from toolspec_core.drafters.toolcall.drafter import _as_past_call
+    from toolspec_core.drafters.toolcall.library import as_past_call
 
-    past = _as_past_call(hits[0])
+    past = as_past_call(hits[0])
     assert isinstance(past, PastCall) and past.tool_name == "get_weather" and past.token_ids == [1, 2, 3]
     assert lib.search("other", q, None, k=5) == []  # tenant scoped
 

@@ -38,7 +38,7 @@ from toolspec_core.drafters.toolcall.boundary import BoundaryTokenizer
 from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
 from toolspec_core.drafters.toolcall.fsm import RESPONSE, CallTracker, ToolIndex
 from toolspec_core.drafters.toolcall.layouts import LAYOUTS, LLAMA_LAYOUTS, layout_of, layouts_for
-from toolspec_core.drafters.toolcall.library import CallLibrary, MemoryLibrary, PastCall
+from toolspec_core.drafters.toolcall.library import CallLibrary, MemoryLibrary, PastCall, as_past_call
 from toolspec_core.drafters.toolcall.objkeys import KeyIndex, KeyScanner
 from toolspec_core.drafters.toolcall.parse import parse_tool_calls
 from toolspec_core.drafters.toolcall.values import context_dates, context_numbers, digit_run, value_spans
@@ -479,7 +479,7 @@ class SchemaMethod:
             if calls is None and self.library is not None:
                 names = [t["function"]["name"] for t in req.tools or [] if "function" in t]
                 calls = self.library.search(req.tenant, req.embedding, names or None, self.retrieve_k)
-            past = [_as_past_call(c) for c in calls or []]
+            past = [as_past_call(c) for c in calls or []]
             retrieval = RetrievalDrafter(past, rates)
             for c in past:
                 self.history.add(req.tenant, c.token_ids)
@@ -540,18 +540,6 @@ class ToolSpecMethod(SchemaMethod):
     name = "toolspec"
     use_schema, use_retrieval = True, True
     uses_history = True
-
-
-def _as_past_call(c) -> PastCall:
-    if isinstance(c, PastCall):
-        return c
-    return PastCall(
-        c.get("tool_name", ""),
-        list(c.get("token_ids") or []),
-        c.get("text", ""),
-        c.get("arguments") or {},
-        float(c.get("score", 0.0)),
-    )
 
 
 TEXT_CLOSERS = tuple(

@@ -23,6 +23,21 @@ class PastCall:
     score: float = 0.0
 
 
+def as_past_call(c) -> PastCall:
+    """A retrieved call as the drafter takes it: a ``PastCall`` as is, or the retrieval service's
+    result dict (``tool_name``, ``token_ids``, ``text``, ``arguments``, ``score``), which is what
+    crosses from the Retrieval deployment (that package never imports the core)."""
+    if isinstance(c, PastCall):
+        return c
+    return PastCall(
+        c.get("tool_name", ""),
+        list(c.get("token_ids") or []),
+        c.get("text", ""),
+        c.get("arguments") or {},
+        float(c.get("score", 0.0)),
+    )
+
+
 class CallLibrary(Protocol):
     def search(self, tenant: str, embedding, tool_names: list[str] | None = None, k: int = 10) -> list[PastCall]: ...
 
