@@ -10,7 +10,7 @@ plain greedy at the same B, MAT, rows per forward, forward and host (drafting + 
 (``ar`` at B = 1, the first run of each item). One JSON line per group goes to
 ``<out>/batch.jsonl`` as it finishes, so an interrupted run resumes where it stopped.
 
-    toolspec bench --batch 1,2,4,8,16 --data ../shared/data/api_bank.dev.jsonl --limit 48 \\
+    toolspec bench --batch 1,2,4,8,16 --data benchmarks/datasets/api_bank.dev.jsonl.gz --limit 48 \\
         --methods ar,suffix,toolspec --out benchmarks/runs/batch-cpu --name batch-3bench-cpu
 """
 

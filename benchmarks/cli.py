@@ -1,6 +1,6 @@
 """``toolspec bench``: run the side-by-side benchmark, or rebuild its report.
 
-    toolspec bench --data ../shared/data/api_bank.dev.jsonl --data ../shared/data/bfcl_v3.dev.jsonl \\
+    toolspec bench --data benchmarks/datasets/api_bank.dev.jsonl.gz --data benchmarks/datasets/bfcl_v3.dev.jsonl.gz \\
         --limit 60 --methods ar,pld,suffix,token_recycling,toolspec --library online --out benchmarks/runs/cpu
     toolspec bench report --out benchmarks/runs/cpu --name cpu-embedded      # no decoding
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .cost import RESULTS
 from .data import LAYOUTS
+from .datasets import SINGLE_TURN, dev_set
 from .runner import ALL_METHODS, LIBRARIES, RETRIEVAL_KEYS, RunConfig
 
 
@@ -26,7 +27,13 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         epilog="Rebuild report and plots from a run without decoding: toolspec bench report --out DIR [--name NAME]",
     )
-    ap.add_argument("--data", action="append", default=[], help="JSONL file in the common format (repeatable)")
+    ap.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        help="JSONL (or .jsonl.gz) file in the common format (repeatable); default: the API-Bank, BFCL v3 and "
+        "ToolAlpaca dev sets in benchmarks/datasets",
+    )
     ap.add_argument("--out", default="benchmarks/runs/bench", help="run directory (items.jsonl; a rerun resumes)")
     ap.add_argument("--name", default=None, help="report name: benchmarks/results/<name>.json (default: out dir name)")
     ap.add_argument("--results-dir", default=str(RESULTS))
@@ -106,8 +113,7 @@ def _check(args, ap) -> None:
         ap.error(f"unknown library {', '.join(bad)}; known: {', '.join(LIBRARIES)}")
     if "warm" in args.library and not args.warm_file:
         ap.error("--library warm needs --warm-file")
-    if not args.data:
-        ap.error("give at least one --data FILE")
+    args.data = args.data or [str(dev_set(name)) for name in SINGLE_TURN]
     for p in args.data + args.warm_file:
         if not Path(p).is_file():
             ap.error(f"no such file: {p}")

@@ -1,4 +1,4 @@
-"""Benchmark items in the common JSONL format (../shared/data/README.md) and warm-library documents."""
+"""Benchmark items in the common JSONL format (benchmarks/datasets/README.md) and warm-library documents."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.model.prompting import render_prompt
 from toolspec_core.model.target import turn_end_tokens
 
+from .datasets import open_text
+
 # How the gold calls of a warm item are written out, i.e. the layout the model itself uses.
 # "fence": a ```json fence with an indent-2 object per call -- what the embedded
 # Qwen2.5-Coder-0.5B writes; "template": the chat template's own rendering of an assistant
@@ -22,7 +24,7 @@ def load_items(path: str | Path, structured: bool = False) -> list[dict]:
     """All items of one JSONL file; ``benchmark`` defaults to the file stem. ``structured``: the
     structured-output tasks made from them instead (:func:`structured_item`)."""
     items = []
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue

@@ -3,7 +3,7 @@
 For looking at a single item: prints the output, whether it equals plain greedy, MAT and the
 accepted length per step with the FSM state of each step.
 
-    toolspec generate --data ../shared/data/bfcl_v3.dev.jsonl --index 3 --method toolspec
+    toolspec generate --data benchmarks/datasets/bfcl_v3.dev.jsonl.gz --index 3 --method toolspec
     toolspec generate --prompt "What's the weather in Paris?" --tools tools.json
 """
 
@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from .datasets import read_jsonl
+
 
 def _request(ns) -> tuple[list[dict], list[dict]]:
     if ns.data:
-        with open(ns.data) as f:
-            item = json.loads(f.readlines()[ns.index])
+        item = read_jsonl(ns.data, ns.index + 1)[ns.index]
         return item["messages"], item["tools"]
     tools = json.load(open(ns.tools)) if ns.tools else []
     return [{"role": "user", "content": ns.prompt}], tools
@@ -26,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="toolspec generate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--data", help="JSONL in the common format")
-    p.add_argument("--index", type=int, default=0, help="line of --data")
+    p.add_argument("--data", help="JSONL (or .jsonl.gz) in the common format")
+    p.add_argument("--index", type=int, default=0, help="item of --data (0: the first)")
     p.add_argument("--prompt", default="What's the weather in Paris, in celsius?")
     p.add_argument("--tools", help="JSON file with OpenAI-style tools")
     p.add_argument("--method", default="toolspec")

@@ -26,4 +26,4 @@ if not (work / "Qwen2.5-Coder-0.5B-Instruct" / "config.json").is_file():
     convert_gguf(gguf, work / "Qwen2.5-Coder-0.5B-Instruct")
     print(f"verified and dequantized in {time.perf_counter() - t:.0f}s", flush=True)
 PYEOF
-DATA=(--data "$WORK/data/api_bank.dev.jsonl" --data "$WORK/data/bfcl_v3.dev.jsonl" --data "$WORK/data/toolalpaca.dev.jsonl")
+DATA=(--data benchmarks/datasets/api_bank.dev.jsonl.gz --data benchmarks/datasets/bfcl_v3.dev.jsonl.gz --data benchmarks/datasets/toolalpaca.dev.jsonl.gz)

@@ -9,4 +9,4 @@ PARTS=${1:?directory with gguf.part-*, wheels and data.tar}
 source benchmarks/gpu_prepare.sh
 TAG=$("$PY" -c 'from benchmarks.cost import device_tag; print(device_tag("cuda"))')
 "$PY" -m benchmarks.tp_check --workers local --device cuda --dtype float32 --model "$WORK/Qwen2.5-Coder-0.5B-Instruct" \
-    --data-dir "$WORK/data" --items 30 --max-tokens 128 --batch 4 --out "${OUT:-benchmarks/runs}/tp1-deepspeed-$TAG.json"
+    --items 30 --max-tokens 128 --batch 4 --out "${OUT:-benchmarks/runs}/tp1-deepspeed-$TAG.json"

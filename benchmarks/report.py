@@ -12,7 +12,7 @@ from .metrics import decoded_tokens, first_mismatch, observed_cost, summarize
 from .runner import ALL_METHODS, item_store
 
 BASELINES = ("pld", "suffix", "token_recycling")
-# Idealised MAT bound for a perfect schema + context-copy drafter (../shared/NOTES.md, "How far
+# Idealised MAT bound for a perfect schema + context-copy drafter (benchmarks/datasets/README.md, "How far
 # drafting can go", Qwen2.5 tokenizer, gold calls): (compact <tool_call> layout, ```json pretty).
 # The embedded model writes both layouts, so MAT is reported as a fraction of each.
 MAT_BOUND = {"api_bank": (4.1, 5.1), "bfcl_v3": (7.3, 9.5), "toolalpaca": (9.9, 12.9)}
@@ -367,7 +367,7 @@ def _bound_lines(report: dict) -> list[str]:
         "",
         "## MAT against the idealised bound (subset `calls`)",
         "",
-        "Bound: a perfect schema + context-copy drafter on the gold calls (../shared/NOTES.md), for the compact "
+        "Bound: a perfect schema + context-copy drafter on the gold calls (benchmarks/datasets/README.md), for the compact "
         "`<tool_call>` layout and the ```` ```json ```` pretty layout; the embedded model writes both.",
         "",
         "| benchmark | method | MAT | bound (compact / pretty) | fraction of bound |",

@@ -21,8 +21,6 @@ import statistics
 import time
 from pathlib import Path
 
-DATA = ["api_bank.dev.jsonl", "bfcl_v3.dev.jsonl", "toolalpaca.dev.jsonl"]
-
 
 def requests_of(items: list[dict], max_tokens: int) -> list[dict]:
     return [
@@ -79,7 +77,6 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--model", default="embedded")
-    ap.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     ap.add_argument("--items", type=int, default=30)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -88,12 +85,13 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     from benchmarks.data import interleave, load_items
+    from benchmarks.datasets import SINGLE_TURN, dev_set
     from deployments.config import ServeAppConfig
     from deployments.engine_host import EngineHost
     from deployments.tp.target import local_tp_target, resolve_model_path
 
-    per = -(-args.items // len(DATA))
-    items = interleave([load_items(Path(args.data_dir) / d)[:per] for d in DATA])[: args.items]
+    per = -(-args.items // len(SINGLE_TURN))
+    items = interleave([load_items(dev_set(name))[:per] for name in SINGLE_TURN])[: args.items]
     reqs = requests_of(items, args.max_tokens)
     base = dict(
         model=args.model,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gzip
 import importlib
 import os
 import re
@@ -37,10 +38,8 @@ import k8s_render  # noqa: E402  (sibling module; k8s/ is not a package)
 
 K8S_DIR = Path(__file__).resolve().parent
 OVERLAYS_DIR = K8S_DIR / "overlays"
-CRD_CANDIDATES = (
-    K8S_DIR.parent.parent / "shared" / "k8s" / "ray.io_rayservices.yaml",
-    K8S_DIR.parent / "shared" / "k8s" / "ray.io_rayservices.yaml",
-)
+# KubeRay's RayService CRD, kept in the repository (schema/README.md: its source and commit)
+CRD = K8S_DIR / "schema" / "ray.io_rayservices.yaml.gz"
 KUBERNETES_VERSION = "1.31.0"
 SERVE_PORT_NAME = "serve"
 HEALTH_PATH = "/health"
@@ -48,14 +47,12 @@ DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z
 
 
 def find_crd() -> Path:
-    """KubeRay's RayService CRD: $TOOLSPEC_RAYSERVICE_CRD, else ../shared/k8s or shared/k8s."""
-    env = os.environ.get("TOOLSPEC_RAYSERVICE_CRD")
-    for path in ([Path(env)] if env else []) + list(CRD_CANDIDATES):
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"ray.io_rayservices.yaml not found; set TOOLSPEC_RAYSERVICE_CRD (looked in {[str(p) for p in CRD_CANDIDATES]})"
-    )
+    """KubeRay's RayService CRD: $TOOLSPEC_RAYSERVICE_CRD (another KubeRay release's, plain or
+    gzipped YAML), else the one in ``k8s/schema``."""
+    path = Path(os.environ.get("TOOLSPEC_RAYSERVICE_CRD") or CRD)
+    if not path.is_file():
+        raise FileNotFoundError(f"RayService CRD not found: {path}")
+    return path
 
 
 class ManifestError(ValueError):
@@ -109,7 +106,8 @@ def crd_validator(path: str | None = None, version: str = "v1"):
     import jsonschema
 
     path = path or str(find_crd())
-    crd = yaml.safe_load(Path(path).read_text())
+    text = gzip.decompress(Path(path).read_bytes()).decode() if path.endswith(".gz") else Path(path).read_text()
+    crd = yaml.safe_load(text)
     for v in crd["spec"]["versions"]:
         if v["name"] == version:
             schema = strict_schema(v["schema"]["openAPIV3Schema"])

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--dataset",
         action="append",
-        help="JSONL (shared/data format); repeat to mix. Default: api_bank + bfcl_v3 + toolalpaca dev sets "
+        help="JSONL or .jsonl.gz (benchmarks/datasets format); repeat to mix. Default: api_bank + bfcl_v3 + toolalpaca dev sets "
         "(single) or bfcl_v3_multi_turn (conversations)",
     )
     g.add_argument("--limit", type=int, help="use only the first N items (conversations) of each dataset")

@@ -19,9 +19,7 @@ import random
 import re
 from pathlib import Path
 
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-SINGLE_DATASETS = ("api_bank.dev.jsonl", "bfcl_v3.dev.jsonl", "toolalpaca.dev.jsonl")
-CONVERSATION_DATASET = "bfcl_v3_multi_turn.dev.jsonl"
+from ..datasets import CONVERSATIONS, SINGLE_TURN, dev_set, read_jsonl
 
 
 def api_name(name: str) -> str:
@@ -68,15 +66,14 @@ def _item(row: dict, item_id: str, messages: list[dict], gold_names: list[str]) 
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    with open(path, encoding="utf-8") as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
+    rows = read_jsonl(path)
     if not rows:
         raise ValueError(f"no items in {path}")
     return rows
 
 
 def load_items(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Dataset rows reduced to what a request needs (shared/data/README.md format)."""
+    """Dataset rows reduced to what a request needs (benchmarks/datasets/README.md format)."""
     rows = read_rows(path)[:limit] if limit else read_rows(path)
     return [
         _item(row, row.get("id", str(n)), row["messages"], [c["name"] for c in row.get("gold_calls") or []])
@@ -144,8 +141,8 @@ def load_workload(kind: str, datasets: list[str], limit: int | None, seed: int) 
 
 
 def default_datasets(kind: str) -> list[str]:
-    names = (CONVERSATION_DATASET,) if kind == "conversations" else SINGLE_DATASETS
-    return [str(SHARED_DATA / n) for n in names]
+    names = (CONVERSATIONS,) if kind == "conversations" else SINGLE_TURN
+    return [str(dev_set(n)) for n in names]
 
 
 def level_jobs(items: list, n: int, offset: int = 0) -> list[tuple[int, object]]:

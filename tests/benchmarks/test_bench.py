@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import DATA
 from tiny import tiny_model
 
 from benchmarks import runner as runner_mod
 from benchmarks.cli import bench_main
 from benchmarks.cost import curve_from_points, projected_speedup, steps_cost
 from benchmarks.data import gold_output_text, load_stream, select_items
+from benchmarks.datasets import dev_set
 from benchmarks.metrics import call_metrics, first_mismatch, observed_cost, summarize
 from benchmarks.report import build_report, build_runs, prior_tool_calls
 from benchmarks.runner import RunConfig, Runner, run_pairs
@@ -569,7 +569,7 @@ def test_engine_check_all_drafters_equal_plain_greedy_in_fp32():
 
 
 def test_markdown_bound_states_and_repeated_calls(trace):
-    """The report's extra sections: MAT vs the NOTES bound, steps per FSM state, repeated-call curve."""
+    """The report's extra sections: MAT vs the dev sets' bound, steps per FSM state, repeated-call curve."""
     from benchmarks.report import MAT_BOUND, markdown
 
     ar, me = trace
@@ -711,7 +711,7 @@ def test_copy_bound_hand_computed():
 def test_structured_items_come_from_the_dev_sets_gold_calls():
     from benchmarks.data import load_items, response_schema, structured_item
 
-    path = DATA / "api_bank.dev.jsonl"
+    path = dev_set("api_bank")
     items = load_items(path)
     made = load_items(path, structured=True)
     assert 0 < len(made) <= len(items)
@@ -755,7 +755,7 @@ def test_structured_run_is_exact_under_the_answer_grammar(tmp_path):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
     )  # fmt: skip
     target = from_model(Qwen2ForCausalLM(cfg).eval(), tok, "tiny-qwen")
-    data = DATA / "toolalpaca.dev.jsonl"
+    data = dev_set("toolalpaca")
     run_cfg = RunConfig(
         data=[str(data)],
         out=str(tmp_path / "run"),

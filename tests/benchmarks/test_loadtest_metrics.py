@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.datasets import CONVERSATIONS, dev_set
 from benchmarks.loadtest import client, metrics, schedule, workloads
 
-MULTI_TURN = workloads.SHARED_DATA / workloads.CONVERSATION_DATASET
+MULTI_TURN = dev_set(CONVERSATIONS)
 
 
 def _rec(index, *, ok=True, ttft=None, tpot=None, itl=(), e2e=None, out=None, prompt=None, error=None, **extra):
@@ -206,7 +207,6 @@ def test_seed_fixes_the_mixed_order(tmp_path):
     assert len(order(0)) == 10
 
 
-@pytest.mark.skipif(not MULTI_TURN.exists(), reason="shared/data not present")
 def test_agent_conversations_replay_the_multi_turn_data():
     rows = workloads.read_rows(MULTI_TURN)
     units = workloads.load_conversations(MULTI_TURN)

@@ -4,14 +4,13 @@ the drafter's FSM and the engine's final text all read it."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
-from conftest import DATA
 from scripted import PROMPT, N, ScriptedDrafter, branching, oracle
 from tiny import CharTokenizer, tiny_target
 
+from benchmarks.datasets import dev_set, read_jsonl
 from toolspec_core.drafters.base import DraftContext
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.simulate import simulate
@@ -92,15 +91,11 @@ def _check(tok, ids: list[int], eos=(), chunks=(1, 2, 7)):
 
 def _dev_texts(n_per: int = 25):
     for bench in ("api_bank", "bfcl_v3", "toolalpaca", "bfcl_v3_multi_turn", "toolbench_examples"):
-        with open(DATA / f"{bench}.dev.jsonl") as f:
-            for i, line in enumerate(f):
-                if i >= n_per:
-                    break
-                it = json.loads(line)
-                yield from (m["content"] for m in it["messages"] if isinstance(m.get("content"), str) and m["content"])
-                for layout in ("hermes", "fence"):
-                    if it.get("gold_calls"):
-                        yield render_calls(it["gold_calls"], layout_by_name(layout))
+        for it in read_jsonl(dev_set(bench), n_per):
+            yield from (m["content"] for m in it["messages"] if isinstance(m.get("content"), str) and m["content"])
+            for layout in ("hermes", "fence"):
+                if it.get("gold_calls"):
+                    yield render_calls(it["gold_calls"], layout_by_name(layout))
 
 
 def test_qwen_text_equals_a_full_decode_on_dev_texts_and_tricky_unicode(qwen_tok):
@@ -264,10 +259,7 @@ def test_the_schema_fsm_reads_the_shared_text_as_the_tokenizer_spells_it(qwen_to
 
     method = SchemaMethod(qwen_tok)
     n = 0
-    for i, line in enumerate(open(DATA / "api_bank.dev.jsonl")):
-        if i >= 6:
-            break
-        it = json.loads(line)
+    for it in read_jsonl(dev_set("api_bank"), 6):
         prompt = render_prompt(qwen_tok, it["messages"], it["tools"])
         for layout in ("hermes", "fence"):
             out = qwen_tok.encode("Sure 😀 停. " + render_calls(it["gold_calls"], layout_by_name(layout))) + [151645]
@@ -289,7 +281,7 @@ def test_the_schema_fsm_reads_the_shared_text_as_the_tokenizer_spells_it(qwen_to
             assert "<tool_call>" in shared.tracker.text or layout != "hermes"
     assert n > 300
     # offline simulation builds its contexts like decode when given the tokenizer
-    it = json.loads(open(DATA / "bfcl_v3.dev.jsonl").readline())
+    it = read_jsonl(dev_set("bfcl_v3"), 1)[0]
     prompt = render_prompt(qwen_tok, it["messages"], it["tools"])
     out = qwen_tok.encode(render_calls(it["gold_calls"], layout_by_name("hermes"))) + [151645]
     with_text = simulate(method.drafter(RequestInfo(prompt, it["tools"])), prompt, out, tokenizer=qwen_tok)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from conftest import DATA
 from scripted import ScriptedDrafter, branching, garbage, oracle
 
+from benchmarks.datasets import dev_set, read_jsonl
 from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.loop import DecodeConfig, decode, prefill
@@ -51,9 +49,7 @@ def test_missing_model_file(tmp_path):
 
 
 def _items(bench: str, n: int, step: int = 1):
-    with open(DATA / f"{bench}.dev.jsonl") as f:
-        rows = [json.loads(line) for line in f]
-    return rows[::step][:n]
+    return read_jsonl(dev_set(bench))[::step][:n]
 
 
 @pytest.fixture(scope="module")

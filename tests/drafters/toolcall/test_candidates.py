@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from conftest import DATA
 from toolcall_cases import DATE_TOOLS, TOOLS, _texts, tracker
 from toolcall_cases import qwen_tok as qwen_tok
 
+from benchmarks.datasets import dev_set, read_jsonl
 from toolspec_core.drafters.base import DraftContext, LabelRates
 from toolspec_core.drafters.labels import CALL_KEY
 from toolspec_core.drafters.methods import RequestInfo
@@ -23,11 +21,7 @@ from toolspec_core.engine.tree import path_probs
 
 def _gold_items(n_per=20):
     for bench in ("api_bank", "bfcl_v3", "toolalpaca"):
-        with open(DATA / f"{bench}.dev.jsonl") as f:
-            for i, line in enumerate(f):
-                if i >= n_per:
-                    break
-                yield json.loads(line)
+        yield from read_jsonl(dev_set(bench), n_per)
 
 
 def test_candidates_tool_names_consistent_with_prefix():
