@@ -13,7 +13,7 @@
   ``Embedder`` that does is supplied by the caller (``deployments.hidden_keys.HiddenStateEmbedder``).
   Its space changes with the target, so replicas of different models cannot share it.
 
-Which key ranks best is measured by ``benchmarks/retrieval_key_eval.py`` on the three dev sets
+Which key ranks best is measured by ``benchmarks/studies/retrieval_key_eval.py`` on the three dev sets
 (``benchmarks/results/retrieval/retrieval-key-eval-3bench-*``): with the search restricted to the
 offered tools, the top-1 call is of the right tool for about 0.8 of the requests with every key
 (the embedded Qwen read at its 6th layer 0.835, at its top 0.817, lexical 0.788, hidden 0.788, an

@@ -1,6 +1,7 @@
 """Drafting along a known output (no model): how much of it a drafter would get accepted.
 
-Used by tests (tokenization at boundaries, FSM coverage) and to study drafters offline: the
+Used by tests (tokenization at boundaries, FSM coverage) and by the offline studies
+(``benchmarks/studies``, which cut each tree to a cost budget by wrapping the drafter): the
 "target" is replaced by the known tokens, so a step accepts the longest tree path that agrees.
 """
 
@@ -24,9 +25,7 @@ def oracle_walk(tree: DraftTree, truth: list[int]) -> VerifyResult:
     return VerifyResult(path, bonus)
 
 
-def simulate(
-    drafter, prompt_ids: list[int], output_ids: list[int], cost=None, trace: list | None = None, tokenizer=None
-) -> dict:
+def simulate(drafter, prompt_ids: list[int], output_ids: list[int], trace: list | None = None, tokenizer=None) -> dict:
     """Steps/MAT of ``drafter`` if the target wrote ``output_ids`` (the first comes from prefill).
 
     With ``tokenizer``, the committed tokens are decoded by a ``Detokenizer`` and the contexts
@@ -42,8 +41,6 @@ def simulate(
             detok.feed(tokens[len(prompt_ids) + len(detok.ids) :])
             ctx.text, ctx.text_tokens = detok.text, detok.read
         tree = drafter.propose(ctx)
-        if cost is not None:
-            tree = cost.prune(tree)
         res = oracle_walk(tree, output_ids[done:])
         drafter.feedback(tree, res)
         if trace is not None:

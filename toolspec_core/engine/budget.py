@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toolspec_core.engine.tree import DraftTree, allocate, prune_to_budget
+from toolspec_core.engine.tree import DraftTree, allocate
 
 # c(k) of Qwen2.5-0.5B in fp32 over a ~500-token prefix on a 2-core x86 CPU through the oneDNN /
 # F.linear dispatch: the budget's curve when none is measured (``cost_model: reference``).
@@ -49,9 +49,6 @@ class CostModel:
         self.max_rows = max(self.max_rows, self.max_nodes + 1)
         self.curve = interpolate(self.points, self.max_rows)
         self._calibration: Calibration | None = None
-
-    def prune(self, tree: DraftTree) -> DraftTree:
-        return prune_to_budget(tree, self.curve, self.max_nodes)
 
     def ensure_rows(self, rows: int) -> None:
         """Extend the curve to forwards of ``rows`` rows (past the last point: its last slope)."""
@@ -110,7 +107,7 @@ class Calibration:
 
     A start-up probe can be far off what decoding pays (on a shared CPU its k-token forwards
     came out ~25-40% cheaper relative to one token than real steps did, ``python -m
-    benchmarks.kernel_ab``), and an accelerator's curve moves with load. Each
+    benchmarks.studies.kernel_ab``), and an accelerator's curve moves with load. Each
     step's seconds go to the bucket of the smallest measured k >= rows; every ``every`` steps a
     bucket with ``min_steps`` recent steps gets median(bucket) / median(anchor bucket), scaled to
     the anchor's point (see ``add``). Buckets

@@ -58,7 +58,7 @@ def measure_cost_points(
 def probe_steps(target, prefix_len: int = 500, ks=DEFAULT_KS) -> dict:
     """k -> a function running one verify step of k tree tokens (a chain of k-1 random drafts)
     over one shared random ``prefix_len``-token cache, cropping it back after, and returning the
-    step's seconds (the crop untimed): what the cost probe times and ``benchmarks.verify_profile``
+    step's seconds (the crop untimed): what the cost probe times and ``benchmarks.studies.verify_profile``
     profiles. Each step is :meth:`~toolspec_core.model.target.Target.step` on a cache of the kind
     the scheduler gives a sequence, then the KV commit of one row -- the decoding path, for a
     tensor-parallel target too."""

@@ -226,7 +226,7 @@ def test_drafting_along_gold_calls_yields_canonical_tokens(qwen_tok, layout):
         out = qwen_tok.encode(render_calls(it["gold_calls"], layout_by_name(layout))) + [151645]
         drafter = method.drafter(RequestInfo(prompt, it["tools"]))
         trace = []
-        res = simulate(drafter, prompt, out, None, trace, tokenizer=qwen_tok)
+        res = simulate(drafter, prompt, out, trace, tokenizer=qwen_tok)
         # the first schema step (opener + name + ...) reaches at least the tool name's end
         name_tokens = len(
             qwen_tok.encode(
@@ -465,43 +465,3 @@ def test_a_call_of_an_unknown_tool_still_gets_its_structure_drafted():
         _texts(continuations(tracker('{"name": "calculateSalary", "arguments": {"'), idx, Priors(), [0], levels=2))
         == []
     )
-
-
-def test_first_call_end_feeds_each_token_once(qwen_tok):
-    """``benchmarks.tokens_after_call.first_call_end`` decodes token by token (multi-byte characters
-    split across tokens included) and finds the token that completes the first call -- the same
-    answer as re-decoding every prefix."""
-    from benchmarks.tokens_after_call import first_call_end
-
-    def by_prefix(tokens):
-        for i in range(len(tokens)):
-            t = CallTracker(ToolIndex.from_tools(TOOLS))
-            t.feed(qwen_tok.decode(tokens[: i + 1], skip_special_tokens=True).rstrip("\ufffd"))
-            if t.calls:
-                return i + 1
-        return None
-
-    for text in [
-        'Sure — 天气 ☀️ first.\n{"name": "get_time", "arguments": {"tz": "東京"}}\n{"result": "ok"}',
-        '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Zürich"\n  }\n}\n```\nDone.',
-        "No call here, only prose 🙂",
-    ]:
-        tokens = qwen_tok.encode(text)
-        assert first_call_end(qwen_tok, TOOLS, tokens) == by_prefix(tokens)
-    assert first_call_end(qwen_tok, TOOLS, qwen_tok.encode("No call here")) is None
-
-
-def test_call_bounds_start_at_the_token_that_opens_the_call_object(qwen_tok):
-    """``call_bounds``: the call region starts at the token holding the object's ``{`` (a fence
-    opener before it is text) and ends where ``first_call_end`` says."""
-    from benchmarks.tokens_after_call import call_bounds, first_call_end
-
-    for text in [
-        'Here you go:\n```json\n{\n  "name": "get_time",\n  "arguments": {"tz": "UTC"}\n}\n```\nDone.',
-        '{"name": "get_weather", "arguments": {"city": "Zürich"}}\n{"result": 1}',
-    ]:
-        tokens = qwen_tok.encode(text)
-        start, end = call_bounds(qwen_tok, TOOLS, tokens)
-        assert "{" not in qwen_tok.decode(tokens[:start]) and qwen_tok.decode(tokens[: start + 1]).count("{") == 1
-        assert end == first_call_end(qwen_tok, TOOLS, tokens) and start < end
-    assert call_bounds(qwen_tok, TOOLS, qwen_tok.encode("No call here")) is None

@@ -5,7 +5,7 @@
 reopening the store (a replica restart). One search thread (``OMP_NUM_THREADS=1``) on purpose:
 the store shares the CPU with the model.
 
-    OMP_NUM_THREADS=1 python -m retrieval_service.bench_store --out benchmarks/results/retrieval/store-bench-cpu-xeon-26a95a4.json
+    OMP_NUM_THREADS=1 python -m benchmarks.studies.bench_store --out benchmarks/results/retrieval/store-bench-cpu-xeon-26a95a4.json
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .records import CallRecord
-from .store import EdgeStore, QdrantStore
+from retrieval_service.records import CallRecord
+from retrieval_service.store import EdgeStore, QdrantStore
 
 
 def _records(n: int, dim: int, tenants: int, tools: int, seed: int = 0, tag: str = "") -> list[CallRecord]:
@@ -112,7 +112,7 @@ def to_markdown(out: dict) -> str:
     lines += [
         "",
         "Embedded default: `edge` (`retrieval_service.store.EMBEDDED_BACKEND`). Produced by "
-        "`OMP_NUM_THREADS=1 python -m retrieval_service.bench_store`.",
+        "`OMP_NUM_THREADS=1 python -m benchmarks.studies.bench_store`.",
         "",
     ]
     return "\n".join(lines)

@@ -4,7 +4,7 @@ model; and its compute rate at more rows with one weight kept in cache. Why: one
 memory-bound, so GB/s says how far the kernel is from what the memory allows; many-row products are
 bound by the cores, so GFLOP/s with the weight in cache says how far the arithmetic is from the FMA peak.
 
-    python -m benchmarks.linear_bandwidth [--baseline-rev REV] [--out benchmarks/runs/linear-bandwidth.json]
+    python -m benchmarks.studies.linear_bandwidth [--baseline-rev REV] [--out benchmarks/runs/linear-bandwidth.json]
 
 Bandwidth: each shape gets fresh random weights, up to 24 copies and ~2 GB (at least 77 MB: more than
 the L3), read round-robin. Compute: one MLP-shaped weight (4864 x 896, 17 MB: in L3) read again and again.
@@ -82,7 +82,7 @@ def gflops_in_cache(rounds: int, rows=(1, 8, 16, 24, 32), shape=(4864, 896)) -> 
 
 
 def main() -> None:
-    from .cost import hardware_string
+    from benchmarks.cost import hardware_string
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)

@@ -1,15 +1,16 @@
 """Offline drafter study: replay recorded greedy outputs (a run's ``items.jsonl``) through a method's
-drafter with the target replaced by those tokens (``toolspec_core.drafters.simulate``).
+drafter with the target replaced by those tokens (``toolspec_core.drafters.simulate``), each tree cut to the budget
+(``Pruned``).
 
 Greedy output is a function of the prompt only, so the recorded ``ar`` tokens are exactly what the
 target will write; steps / MAT / per-state losses of a drafter change come out in seconds instead
 of a benchmark run. Timing is not simulated -- the budget uses the given cost curve.
 
-    python -m benchmarks.offline_sim benchmarks/runs/RUN --methods toolspec_schema,toolspec [--show 5]
+    python -m benchmarks.studies.offline_sim benchmarks/runs/RUN --methods toolspec_schema,toolspec [--show 5]
 
 A step prints as ``[accepted/drafted]`` followed by the accepted text and the target's own token.
 ``--regions`` also splits each benchmark's projected cost by region of the output (before the first
-call object, the object, after it: ``benchmarks.regions``), so a drafting change can be judged where it
+call object, the object, after it: ``benchmarks.studies.regions``), so a drafting change can be judged where it
 acts -- the text around the call is where ToolSpec drafts what the suffix baseline drafts.
 ``--calibration`` adds, per draft label and conf decile, how often a node whose parent was accepted
 was accepted itself against the conf the drafter gave it: the budget's cut is only as good as that.
@@ -24,15 +25,14 @@ import random
 import time
 from pathlib import Path
 
+from benchmarks.data import load_items, prompt_ids, run_items, select_items, warm_documents
+from benchmarks.runner import PrefillCache, decode_hidden
 from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.drafters.simulate import simulate
 from toolspec_core.engine.budget import CostModel
-from toolspec_core.engine.tree import tried
+from toolspec_core.engine.tree import prune_to_budget, tried
 
-from .data import load_items, prompt_ids, run_items, select_items, warm_documents
-from .regions import split_steps
-from .runner import PrefillCache, decode_hidden
-from .tokens_after_call import call_bounds
+from .regions import call_bounds, split_steps
 
 
 def replay(
@@ -81,7 +81,7 @@ def replay(
             req = RequestInfo(prompt_ids(tokenizer, item), item.get("tools") or [], embedding=keys.get(r["item"]))
             drafter = _Timed(method.drafter(req))
             trace: list = []
-            res = simulate(drafter, req.prompt_ids, r["tokens"], cost, trace, tokenizer=tokenizer)
+            res = simulate(Pruned(drafter, cost), req.prompt_ids, r["tokens"], trace, tokenizer=tokenizer)
             if not warm:  # online library: learns from the outputs before this one
                 method.observe(req, r["tokens"], r["text"])
             if only_calls and not r.get("has_call"):
@@ -137,6 +137,20 @@ def region_costs(trace: list, bounds: tuple[int, int], cost) -> dict[str, list]:
     """{region: [steps, tokens, projected cost]} of one replayed output: each step's cost (the curve's
     price of its tree) shared by the tokens it writes (``regions.split_steps``)."""
     return split_steps([acc for _, _, acc, _ in trace], [cost.step_cost(size) for _, size, _, _ in trace], bounds)
+
+
+class Pruned:
+    """A drafter whose trees are cut to ``cost``'s budget as decoding cuts a batch of one
+    (``prune_to_budget``), so the replay accepts and prices what decoding would verify."""
+
+    def __init__(self, drafter, cost: CostModel):
+        self.drafter, self.cost = drafter, cost
+
+    def propose(self, ctx):
+        return prune_to_budget(self.drafter.propose(ctx), self.cost.curve, self.cost.max_nodes)
+
+    def feedback(self, tree, result) -> None:
+        self.drafter.feedback(tree, result)
 
 
 class _Timed:

@@ -4,7 +4,7 @@ The start-up cost probe's steps (``toolspec_core.engine.cost_probe.probe_steps``
 a cached random prefix, 500 tokens unless told) on the embedded model as decoding loads it; each repetition runs every k once
 under each attention, alternating, so a noisy host moves both alike. Median seconds per k.
 
-    python -m benchmarks.attention_ab [--ks 1,2,3,4,8,16,32] [--prefix 500] [--repeats 25] [--out F.json]
+    python -m benchmarks.studies.attention_ab [--ks 1,2,3,4,8,16,32] [--prefix 500] [--repeats 25] [--out F.json]
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import argparse
 import json
 import statistics
 
+from benchmarks.cost import hardware_string
 from toolspec_core.model.attention import NAME as GROUPED
-
-from .cost import hardware_string
 
 ATTENTIONS = ("sdpa", GROUPED)  # HF's, then ours (the one decoding runs, restored after)
 

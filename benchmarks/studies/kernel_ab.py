@@ -8,7 +8,7 @@ what every step really cost relative to the same item's median plain-greedy step
 does a kernel that is faster per layer make decoding faster; does the start-up curve predict
 what steps really cost; does calibrating the curve pay?
 
-    python -m benchmarks.kernel_ab [--items 4] [--out benchmarks/runs/kernel-ab.json]
+    python -m benchmarks.studies.kernel_ab [--items 4] [--out benchmarks/runs/kernel-ab.json]
 """
 
 from __future__ import annotations
@@ -58,17 +58,15 @@ def summarize(raw: dict) -> dict:
 
 
 def measure(n_items: int) -> dict:
+    from benchmarks.data import load_items, prompt_ids
+    from benchmarks.datasets import dev_set
     from toolspec_core.drafters.methods import RequestInfo, make_method
     from toolspec_core.engine.budget import CostModel
     from toolspec_core.engine.cost_probe import measure_cost_points
     from toolspec_core.engine.loop import DecodeConfig, decode, prefill
     from toolspec_core.model.target import load_target
 
-    from .data import load_items, prompt_ids
-
-    items = [
-        it for f in ("api_bank", "bfcl_v3") for it in load_items(f"../shared/data/{f}.dev.jsonl")[: 10 * n_items : 10]
-    ]
+    items = [it for f in ("api_bank", "bfcl_v3") for it in load_items(dev_set(f))[: 10 * n_items : 10]]
     raw = {}
     target = None
     for variant, packed, calibrate in VARIANTS:

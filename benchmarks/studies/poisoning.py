@@ -4,7 +4,7 @@ request's own retrieval key so they are the top hits) against an empty one. Outp
 identical to plain greedy (drafts are only verified); the price is the time spent verifying
 rejected drafts, reported as the poisoned / clean decode-time ratio.
 
-    python -m benchmarks.poisoning --limit 12 --out benchmarks/results/measurements/poisoning-cpu-epyc-SHA.json
+    python -m benchmarks.studies.poisoning --limit 12 --out benchmarks/results/measurements/poisoning-cpu-epyc-SHA.json
 """
 
 from __future__ import annotations
@@ -48,13 +48,15 @@ def poisoned_calls(tools: list[dict], per_tool: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data-dir", default="../shared/data")
     ap.add_argument("--limit", type=int, default=12, help="items with a gold call per dev set")
     ap.add_argument("--per-tool", type=int, default=8, help="wrong calls stored per offered tool")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
+    from benchmarks.cost import hardware_string
+    from benchmarks.data import load_items, prompt_ids, select_items
+    from benchmarks.datasets import dev_set
     from retrieval_service.embedding import LexicalEmbedder
     from toolspec_core.drafters.methods import RequestInfo, make_method
     from toolspec_core.drafters.toolcall.layouts import FENCE, render_calls
@@ -63,9 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     from toolspec_core.engine.loop import DecodeConfig, decode, prefill
     from toolspec_core.model.target import load_target
 
-    from .cost import hardware_string
-    from .data import load_items, prompt_ids, select_items
-
     target = load_target()
     tok = target.tokenizer
     embedder = LexicalEmbedder(1024)
@@ -73,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = DecodeConfig(max_new_tokens=args.max_new_tokens)
     rows = []
     for name in SETS:
-        items = [it for it in load_items(Path(args.data_dir) / f"{name}.dev.jsonl") if it.get("gold_calls")]
+        items = [it for it in load_items(dev_set(name)) if it.get("gold_calls")]
         for item in select_items(items, args.limit, 0):
             ids = prompt_ids(tok, item)
             pre = prefill(target, ids)

@@ -4,7 +4,7 @@ The question behind the CPU kernel work: is a k-token verify step GEMM-bound (th
 kernels decide the cost curve) or spent in attention / glue? The start-up cost probe's
 steps (``toolspec_core.engine.cost_probe.probe_steps``) on the embedded model as decoding loads it.
 
-    python -m benchmarks.verify_profile [--ks 1,4,8,16] [--out benchmarks/runs/verify-profile.json]
+    python -m benchmarks.studies.verify_profile [--ks 1,4,8,16] [--out benchmarks/runs/verify-profile.json]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from .cost import hardware_string
+from benchmarks.cost import hardware_string
 
 # operator name fragments -> group (first match wins; self time, so nested ops count once)
 GROUPS = (

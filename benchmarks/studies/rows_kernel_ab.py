@@ -7,7 +7,7 @@ alternating variant by round so a machine whose speed drifts affects both alike.
 milliseconds (what plain decoding and every drafting method pay per step) and the cost curve
 relative to each variant's own 1-token forward (what the budget sees).
 
-    python -m benchmarks.rows_kernel_ab [--rounds 4] [--out benchmarks/runs/rows-kernel-ab.json]
+    python -m benchmarks.studies.rows_kernel_ab [--rounds 4] [--out benchmarks/runs/rows-kernel-ab.json]
 
 ``--baseline-rev REV`` compares the kernel against the kernel source of another git revision instead of
 oneDNN (both built here, same forwards, same alternation): how a kernel change is measured
@@ -112,7 +112,7 @@ def measure(
 
 
 def main() -> None:
-    from .cost import hardware_string
+    from benchmarks.cost import hardware_string
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=4)

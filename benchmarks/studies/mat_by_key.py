@@ -19,7 +19,7 @@ is the shared library the way to the others' calls; and a key only orders the of
 calls, so it changes the drafts only where there are more of them than the drafter takes (k).
 ``none`` (no library) is the baseline the lift is measured against.
 
-    python -m benchmarks.mat_by_key benchmarks/runs/RUN --replicas 1,4 --retrieve-k 1,8 --tool-search \\
+    python -m benchmarks.studies.mat_by_key benchmarks/runs/RUN --replicas 1,4 --retrieve-k 1,8 --tool-search \\
         --name mat-by-key-3bench-cpu-epyc-$(git rev-parse --short HEAD)
 """
 
@@ -31,15 +31,15 @@ import json
 import time
 from pathlib import Path
 
+from benchmarks.cost import RESULTS
+from benchmarks.data import load_stream, prompt_ids, response_schema
+from benchmarks.runner import RETRIEVAL_KEYS, PrefillCache, decode_hidden
 from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.drafters.simulate import simulate
 from toolspec_core.drafters.toolcall.library import as_past_call
 
-from .cost import RESULTS
-from .data import load_stream, prompt_ids, response_schema
-from .offline_sim import _cost
+from .offline_sim import Pruned, _cost
 from .retrieval_key_eval import CACHE_DIR, cached_encoder
-from .runner import RETRIEVAL_KEYS, PrefillCache, decode_hidden
 
 METHOD = "toolspec"
 
@@ -164,7 +164,7 @@ def replay_key(
             second = [c for c in second if c.text not in texts]
             req.retrieved = first + second
         trace: list = []
-        res = simulate(method.drafter(req), req.prompt_ids, ar["tokens"], cost, trace, tokenizer=tokenizer)
+        res = simulate(Pruned(method.drafter(req), cost), req.prompt_ids, ar["tokens"], trace, tokenizer=tokenizer)
         method.observe(req, ar["tokens"], ar["text"])
         for subset in ("all", "calls") if ar.get("has_call") else ("all",):
             a = agg[(b, subset)]
@@ -313,7 +313,7 @@ def markdown(rep: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.mat_by_key", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.studies.mat_by_key", description=__doc__.split("\n\n")[0])
     ap.add_argument("raw", help="a toolspec bench run directory (items.jsonl with plain-greedy records)")
     ap.add_argument("--keys", default=",".join(RETRIEVAL_KEYS))
     ap.add_argument("--per-benchmark", type=int, default=None, help="the first N items of each benchmark")

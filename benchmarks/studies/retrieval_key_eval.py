@@ -40,7 +40,7 @@ Phase 1 computes the keys and caches them on disk (``--cache-dir``; a rerun resu
 prefill per item for the hidden keys (``--no-hidden`` skips them), the encoder over the query texts
 in length-sorted batches of ``--batch``. Phase 2 is instant. Run in the background:
 
-    nohup python -m benchmarks.retrieval_key_eval > /tmp/key_eval.log 2>&1 &
+    nohup python -m benchmarks.studies.retrieval_key_eval > /tmp/key_eval.log 2>&1 &
 """
 
 from __future__ import annotations
@@ -55,11 +55,11 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.datasets import dev_set, read_jsonl
 from retrieval_service.embedding import LexicalEmbedder, normalise, query_text
 from retrieval_service.records import CallRecord, schema_hash
 from retrieval_service.store import MemoryStore
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 # dev set -> (every, limit): ~450 items, under 25 min of a 2-core CPU for all keys
 SETS = {"api_bank": (2, 200), "bfcl_v3": (6, 210), "toolalpaca": (1, 100)}
 TEXT_KEYS = ("qwen", "qwen_last", "hybrid", "lexical")
@@ -92,7 +92,7 @@ HEADLINE = (
 
 
 def load_items(path: Path, every: int, limit: int) -> list[dict]:
-    items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    items = read_jsonl(path)
     items = [it for it in items if it.get("tools") and it.get("gold_calls")]
     return items[::every][:limit]
 
@@ -424,7 +424,7 @@ def to_markdown(res: dict) -> str:
         + (f"; `qwen_lN` after its first N of {t} layers" if (t := s.get("encoder_layers_total")) else "")
         + "); `rrf` fuses a `qwen` and a "
         f"`lexical` search (k={RRF_K}, {s['prefetch']} candidates each). tool_hit / value_recall / exact as "
-        "defined in `benchmarks/retrieval_key_eval.py`; value_recall counts only retrieved calls of the gold "
+        "defined in `benchmarks/studies/retrieval_key_eval.py`; value_recall counts only retrieved calls of the gold "
         "tool. `eligible` = items whose gold tool was called before; tables are of eligible items. "
         f"Phase 1 (keys) took {s.get('phase1_s', 0):.0f} s"
         + (
@@ -549,7 +549,7 @@ def git_commit() -> str:
 def _parse_set(spec: str, every: int | None, limit: int | None) -> tuple[str, Path, int, int]:
     """``name[:every[:limit]]`` or a path to a JSONL file (same suffixes)."""
     head, *rest = spec.split(":")
-    path = Path(head) if head.endswith(".jsonl") else DATA_DIR / f"{head}.dev.jsonl"
+    path = Path(head) if head.endswith((".jsonl", ".jsonl.gz")) else dev_set(head)
     name = path.name.split(".")[0]
     d_every, d_limit = SETS.get(name, (1, 100))
     e = int(rest[0]) if len(rest) > 0 and rest[0] else (every or d_every)
@@ -559,7 +559,7 @@ def _parse_set(spec: str, every: int | None, limit: int | None) -> tuple[str, Pa
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sets", nargs="+", default=list(SETS), help="name|path.jsonl[:every[:limit]] per dev set")
+    ap.add_argument("--sets", nargs="+", default=list(SETS), help="name|path.jsonl[.gz][:every[:limit]] per dev set")
     ap.add_argument("--every", type=int, default=None, help="stride over each set's items (default per set)")
     ap.add_argument("--limit", type=int, default=None, help="items per set at most (default per set)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 on a shared CPU)")

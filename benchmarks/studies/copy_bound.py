@@ -12,7 +12,7 @@ curve; a method's projected speedup over plain greedy against the oracle's says 
 copyable ceiling it reaches, and oracle / best baseline bounds what any such ToolSpec could gain
 over the baseline.
 
-    python -m benchmarks.copy_bound benchmarks/runs/RUN [--cost run|flat] [--json-out F]
+    python -m benchmarks.studies.copy_bound benchmarks/runs/RUN [--cost run|flat] [--json-out F]
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import collections
 import json
 from pathlib import Path
 
-from .data import prompt_ids, run_items
+from benchmarks.data import prompt_ids, run_items
+
 from .offline_sim import _cost, region_costs
-from .tokens_after_call import call_bounds
+from .regions import call_bounds
 
 
 def copy_lengths(tokens: list[int], text_of, sources: str, anchor: int = 0) -> list[int]:

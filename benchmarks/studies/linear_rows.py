@@ -6,7 +6,7 @@ The measurement behind ``toolspec_core.model.cpu_linears.tune_cpu_linears`` (and
 CPUs the BLAS switches kernels at a few rows, which is what a tree-verify forward hits. Shapes of
 the embedded Qwen2.5-0.5B (lm_head 151936x896, MLP 4864x896), float32.
 
-    python -m benchmarks.linear_rows [--threads 2] [--out benchmarks/runs/linear-rows.json]
+    python -m benchmarks.studies.linear_rows [--threads 2] [--out benchmarks/runs/linear-rows.json]
 
 ``cpu-linear-rows.json`` is the Intel Xeon dev box, ``cpu-linear-rows-epyc.json`` an AMD EPYC one (where
 ``F.linear`` is slow at 1-3 rows too: why ``tune_cpu_linears`` measures that choice at load).
@@ -20,6 +20,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from benchmarks.cost import hardware_string
 from toolspec_core.model.cpu_linears import (
     PACKED_ROWS,
     median_seconds,
@@ -28,8 +29,6 @@ from toolspec_core.model.cpu_linears import (
     onednn_pack,
     packed_linear,
 )
-
-from .cost import hardware_string
 
 SHAPES = {"lm_head": (151936, 896), "mlp_up": (4864, 896)}
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 17, 32, 64, 512)

@@ -2,7 +2,7 @@
 dev set, no cached prefix, median of three. The serving cost breakdown (README, docs/results.md)
 multiplies the load test's uncached prompt tokens by this rate.
 
-    python -m benchmarks.prefill_rate --out benchmarks/results/measurements/prefill-cpu-epyc-SHA.json
+    python -m benchmarks.studies.prefill_rate --out benchmarks/results/measurements/prefill-cpu-epyc-SHA.json
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ SETS = ("api_bank", "bfcl_v3", "toolalpaca")
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data-dir", default="../shared/data")
     ap.add_argument("--min-tokens", type=int, default=550)
     ap.add_argument("--max-tokens", type=int, default=750)
     ap.add_argument("--out", required=True)
@@ -25,11 +24,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from benchmarks.cost import hardware_string
+    from benchmarks.data import load_items, prompt_ids
+    from benchmarks.datasets import dev_set
     from toolspec_core.engine.loop import prefill
     from toolspec_core.model.target import load_target
-
-    from .cost import hardware_string
-    from .data import load_items, prompt_ids
 
     target = load_target()
     out = {
@@ -39,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": [],
     }
     for name in SETS:
-        for item in load_items(Path(args.data_dir) / f"{name}.dev.jsonl"):
+        for item in load_items(dev_set(name)):
             ids = prompt_ids(target.tokenizer, item)
             if args.min_tokens <= len(ids) <= args.max_tokens:
                 times = []

@@ -7,7 +7,7 @@ caches padded to the longest one (their K / V gathered into one tensor each laye
 each row to its own sequence's keys. Timed per layer call, Qwen2.5-0.5B head shapes (14 query
 heads, 2 KV heads, head dim 64), every variant checked against the per-sequence loop.
 
-    python -m benchmarks.batch_attention_ab --out benchmarks/runs/batch-attention.json
+    python -m benchmarks.studies.batch_attention_ab --out benchmarks/runs/batch-attention.json
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
                     print(json.dumps(row), flush=True)
     dev = torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu"
     out = {
-        "tool": "benchmarks.batch_attention_ab",
+        "tool": "benchmarks.studies.batch_attention_ab",
         "device": dev,
         "torch": torch.__version__,
         "flex_error": flex_error,

@@ -10,7 +10,7 @@ offered tools as the replica sends them) from ``c`` concurrent callers, batching
 (``max_batch_size`` 16, ``batch_wait_timeout_s`` 0.005) and off (``max_batch_size`` 1).
 Per cell: p50 / p95 latency (ms, send to answer, handle overhead included) and queries/s.
 
-    RAY_AUTH_MODE=disabled python -m benchmarks.retrieval_latency
+    RAY_AUTH_MODE=disabled python -m benchmarks.studies.retrieval_latency
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.datasets import dev_set, read_jsonl
 from retrieval_service.embedding import query_text
 
 from .retrieval_key_eval import git_commit
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 SETS = ("api_bank", "bfcl_v3", "toolalpaca")
 MODES = {"batching_on": (16, 0.005), "batching_off": (1, 0.005)}
 TENANT = "bench"
@@ -40,8 +40,7 @@ def dev_items() -> list[dict]:
     """Items with tools and gold calls of the three dev sets, interleaved (set 1, set 2, set 3, ...)."""
     per = []
     for name in SETS:
-        lines = (DATA_DIR / f"{name}.dev.jsonl").read_text().splitlines()
-        per.append([it for it in map(json.loads, filter(str.strip, lines)) if it.get("tools") and it.get("gold_calls")])
+        per.append([it for it in read_jsonl(dev_set(name)) if it.get("tools") and it.get("gold_calls")])
     out = []
     for i in range(max(map(len, per))):
         out += [items[i] for items in per if i < len(items)]

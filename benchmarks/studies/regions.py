@@ -7,7 +7,7 @@ baseline drafts (suffix matches over the context and the same history). This spl
 measured step times by the regions of the tokens each step writes, so the ratio over the best
 baseline can be read where the schema can help and where it cannot.
 
-    python -m benchmarks.regions benchmarks/runs/RUN [--out F.json]
+    python -m benchmarks.studies.regions benchmarks/runs/RUN [--out F.json]
 """
 
 from __future__ import annotations
@@ -17,12 +17,37 @@ import collections
 import json
 from pathlib import Path
 
-from .data import run_items
-from .report import BASELINES, run_label
-from .tokens_after_call import call_bounds
+from benchmarks.data import run_items
+from benchmarks.report import BASELINES, run_label
+from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
+from toolspec_core.engine.detokenize import Detokenizer
+from toolspec_core.model.target import turn_end_ids
 
 REGIONS = ("before", "call", "after")
 TARGET = 1.5  # issue #5's goal over the best baseline
+
+
+def call_bounds(tokenizer, tools: list[dict], tokens: list[int]) -> tuple[int, int] | None:
+    """(start, end) token indices of the first call: ``start`` is the token that opens its JSON
+    object (an opener such as a fence counts as text before it), ``end`` is one past the token that
+    completes it. None: the tracker sees no complete call.
+
+    Tokens go through a ``Detokenizer``, one at a time, as decoding feeds the drafter's tracker.
+    """
+    tr = CallTracker(ToolIndex.from_tools(tools))
+    detok = Detokenizer(tokenizer, turn_end_ids(tokenizer))
+    fed, start = 0, None  # tokens whose text the tracker has seen; where the first object opened
+    for i, tok in enumerate(tokens):
+        piece = detok.feed([tok])
+        if not piece:
+            continue
+        tr.feed(piece)
+        if start is None and (tr.stack or tr.calls):
+            start = fed
+        fed = i + 1
+        if tr.calls:
+            return start, i + 1
+    return None
 
 
 def region_of(pos: int, bounds: tuple[int, int]) -> str:

@@ -1,0 +1,181 @@
+"""Tests of the studies (not collected by the suite: ``pytest benchmarks/studies``). They reuse the
+suite's helpers (tiny models, tool fixtures) from ``tests/`` (this folder's conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+from test_bench import _cfg
+from test_bench import data as data
+from test_bench import tiny as tiny
+from toolcall_cases import TOOLS
+from toolcall_cases import qwen_tok as qwen_tok
+
+from benchmarks.runner import Runner
+from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
+
+
+def test_mat_by_key_replay_matches_the_decoded_run(tiny, data, tmp_path):
+    """``benchmarks.studies.mat_by_key``: the online replay along the recorded greedy output gives the MAT
+    the run decoded with the same key."""
+    from benchmarks.studies import mat_by_key
+    from benchmarks.studies.offline_sim import _cost
+
+    cfg = _cfg(data, tmp_path, methods=["ar", "toolspec"], libraries=["online"], retrieval_key="lexical")
+    Runner(cfg, tiny).run()
+    raw = tmp_path / "run"
+    recs = mat_by_key.stream_records(raw, 2)
+    assert [it["id"] for it, _ in recs] == ["syn-0", "syn-1"]
+    ks = mat_by_key.keyers(["lexical", "hidden"], None)
+    got = mat_by_key.replay_key("lexical", recs, tiny.tokenizer, _cost(raw, "run"), ks["lexical"], {})
+    meas = mat_by_key.measured(raw, {"syn-0", "syn-1"})
+    assert got["rows"]["syn/all"]["items"] == meas["syn/all"]["items"] == 2
+    assert got["rows"]["syn/all"]["mat"] == pytest.approx(meas["syn/all"]["mat"])
+
+    # two replicas: the items go to them in turn, each with its own history (so with no library
+    # each item is drafted as if alone) and one shared library (the second sees the first's call)
+    alone = [mat_by_key.replay_key("none", [r], tiny.tokenizer, _cost(raw, "run"), None, {}) for r in recs]
+    two = mat_by_key.replay_key("none", recs, tiny.tokenizer, _cost(raw, "run"), None, {}, replicas=2)
+    for field in ("tokens", "steps"):
+        assert two["rows"]["syn/all"][field] == sum(a["rows"]["syn/all"][field] for a in alone)
+    assert two["rows"]["syn/all"]["items_with_candidates"] == 0
+    calls = []  # the same items, as if the target had written a call of their first tool
+    for item, ar in recs:
+        name = item["tools"][0]["function"]["name"]
+        text = f'<tool_call>\n{{"name": "{name}", "arguments": {{}}}}\n</tool_call>'
+        ids = tiny.tokenizer.encode(text)
+        calls.append((item, {**ar, "text": text, "tokens": ids, "calls": [{"name": name}], "has_call": True}))
+    for key, replicas, seen in (("none", 2, 0), ("lexical", 2, 1), ("lexical", 1, 1)):
+        got = mat_by_key.replay_key(key, calls, tiny.tokenizer, _cost(raw, "run"), ks.get(key), {}, replicas=replicas)
+        assert got["rows"]["syn/all"]["items_with_candidates"] == seen, (key, replicas)
+
+
+def test_region_split_hand_computed():
+    """``benchmarks.studies.regions``: a step writing tokens in two regions is shared by its tokens; steps'
+    seconds add up to the record's decode time (drafting/commit time shared evenly)."""
+    from benchmarks.studies.regions import split_steps, step_seconds
+
+    # the call object is tokens [2, 5); token 0 comes from prefill. Step 1 writes tokens 1-3 (one
+    # before, two in the call), step 2 token 4, step 3 tokens 5-8 (after).
+    out = split_steps([2, 0, 3], [0.3, 0.1, 0.4], (2, 5))
+    assert out["before"] == pytest.approx([1 / 3, 1, 0.1])
+    assert out["call"] == pytest.approx([1 / 3 * 2 + 1, 3, 0.3])
+    assert out["after"] == pytest.approx([1, 4, 0.4])
+    assert step_seconds({"verify_per_step": [0.3, 0.1, 0.4], "decode_s": 0.83}) == pytest.approx([0.31, 0.11, 0.41])
+
+
+def test_replay_region_costs_hand_computed():
+    """``offline_sim.region_costs``: a replayed step's price is the curve's cost of its tree (root +
+    nodes), shared by the tokens it writes like measured seconds."""
+    from benchmarks.studies.offline_sim import region_costs
+    from toolspec_core.engine.budget import CostModel
+
+    cost = CostModel({1: 1.0, 4: 1.3, 8: 2.0}, max_nodes=7)  # trees of 3 / 0 / 6 nodes: 4 / 1 / 7 rows
+    trace = [(1, 3, 2, "schema"), (4, 0, 0, None), (5, 6, 3, "suffix")]  # (done, tree size, accepted, label)
+    out = region_costs(trace, (2, 5), cost)
+    c7 = 1.3 + 3 * (2.0 - 1.3) / 4
+    assert out["before"] == pytest.approx([1 / 3, 1, 1.3 / 3])
+    assert out["call"] == pytest.approx([2 / 3 + 1, 3, 1.3 * 2 / 3 + 1.0])
+    assert out["after"] == pytest.approx([1, 4, c7])
+
+
+def test_region_split_by_label_hand_computed():
+    """``regions.split_by_label``: the same split keyed by the label of the step that wrote each
+    token; summed over labels it is ``split_steps``."""
+    from benchmarks.studies.regions import split_by_label, split_steps
+
+    acc, sec, bounds = [2, 0, 3], [0.3, 0.1, 0.4], (2, 5)
+    out = split_by_label(acc, sec, ["suffix", "schema", "suffix"], bounds)
+    assert set(out) == {("before", "suffix"), ("call", "suffix"), ("call", "schema"), ("after", "suffix")}
+    assert out[("before", "suffix")] == pytest.approx([1 / 3, 1, 0.1])
+    assert out[("call", "suffix")] == pytest.approx([2 / 3, 2, 0.2])
+    assert out[("call", "schema")] == pytest.approx([1, 1, 0.1])
+    assert out[("after", "suffix")] == pytest.approx([1, 4, 0.4])
+    whole = split_steps(acc, sec, bounds)
+    for reg in whole:
+        parts = [v for (r, _), v in out.items() if r == reg]
+        assert [sum(col) for col in zip(*parts)] == pytest.approx(whole[reg])
+
+
+def test_region_summary_hand_computed():
+    """``regions.summarize_regions``: the best baseline is the fastest in total; the call object's
+    speed the target would need follows from the time left once the rest is paid as it is."""
+    from benchmarks.studies.regions import summarize_regions
+
+    def regs(before, call, after):
+        return {"before": [1.0, 1, before], "call": [2.0, 10, call], "after": [1.0, 1, after]}
+
+    out = summarize_regions(
+        {"ar": regs(2, 10, 4), "pld": regs(2, 8, 3), "suffix": regs(2, 6, 2), "toolspec": regs(2, 4, 2)}
+    )
+    assert out["best_baseline"] == "suffix"
+    ts = out["methods"]["toolspec"]
+    assert (
+        ts["over_best"] == pytest.approx(10 / 8, abs=1e-3)
+        and ts["call"]["over_best"] == 1.5
+        and ts["call"]["speedup"] == 2.5
+    )
+    # 1.5x over 10 s leaves 10 / 1.5 - 4 s (before + after) for a call the baseline writes in 6 s
+    assert ts["call_over_best_for_target"] == pytest.approx(6 / (10 / 1.5 - 4), abs=0.01)
+    assert ts["call"]["mat"] == 5.0 and ts["call"]["share"] == 0.5
+
+
+def test_copy_bound_hand_computed():
+    """``copy_bound``: the oracle's copy lengths (sources, this output so far, the context anchor), a
+    recorded decode's steps by start position, and the least-cost chain lengths under a curve."""
+    from benchmarks.studies.copy_bound import best_chains, copy_lengths, recorded_trace
+
+    text_of = lambda ids: "".join(chr(97 + t) for t in ids)  # token t is the letter a+t
+    a, b, c, d, x = 0, 1, 2, 3, 23
+    assert copy_lengths([a, b, c, d, x], text_of, "bcd") == [0, 3, 2, 1, 0]
+    assert copy_lengths([a, b, c, d, x], text_of, "bcd", anchor=1) == [0, 0, 2, 1, 0]  # "ab" is in no source
+    assert copy_lengths([a, b, a, b, a], text_of, "") == [0, 0, 2, 2, 1]  # copies of the output itself
+    rec = {"method": "suffix", "drafted_per_step": [4, 2, 3], "accepted_per_step": [2, 0, 1]}
+    assert recorded_trace(rec) == [
+        (1, 4, 2, "suffix"),
+        (4, 2, 0, "suffix"),
+        (5, 3, 1, "suffix"),
+    ]  # the first token: prefill
+    assert best_chains([0, 3, 2, 1, 0], lambda j: 1 + 0.1 * j) == [(1, 3)]  # one step drafts 3, writes 4: cost 1.3
+    # a steep curve (1, 1.3, 2.2, 3.7) splits it: two chains of one (1.3 + 1.3) beat the whole chain (3.7),
+    # one of two then none (2.2 + 1), and four plain steps (4)
+    assert best_chains([0, 3, 2, 1, 0], lambda j: 1 + 0.3 * j * j) == [(1, 1), (3, 1)]
+
+
+def test_call_end_feeds_each_token_once(qwen_tok):
+    """``regions.call_bounds`` decodes token by token (multi-byte characters split across tokens
+    included) and ends at the token that completes the first call -- the same answer as re-decoding
+    every prefix."""
+    from benchmarks.studies.regions import call_bounds
+
+    def by_prefix(tokens):
+        for i in range(len(tokens)):
+            t = CallTracker(ToolIndex.from_tools(TOOLS))
+            t.feed(qwen_tok.decode(tokens[: i + 1], skip_special_tokens=True).rstrip("\ufffd"))
+            if t.calls:
+                return i + 1
+        return None
+
+    for text in [
+        'Sure — 天气 ☀️ first.\n{"name": "get_time", "arguments": {"tz": "東京"}}\n{"result": "ok"}',
+        '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Zürich"\n  }\n}\n```\nDone.',
+        "No call here, only prose 🙂",
+    ]:
+        tokens = qwen_tok.encode(text)
+        bounds = call_bounds(qwen_tok, TOOLS, tokens)
+        assert (bounds[1] if bounds else None) == by_prefix(tokens)
+
+
+def test_call_bounds_start_at_the_token_that_opens_the_call_object(qwen_tok):
+    """``call_bounds``: the call region starts at the token holding the object's ``{`` (a fence
+    opener before it is text)."""
+    from benchmarks.studies.regions import call_bounds
+
+    for text in [
+        'Here you go:\n```json\n{\n  "name": "get_time",\n  "arguments": {"tz": "UTC"}\n}\n```\nDone.',
+        '{"name": "get_weather", "arguments": {"city": "Zürich"}}\n{"result": 1}',
+    ]:
+        tokens = qwen_tok.encode(text)
+        start, end = call_bounds(qwen_tok, TOOLS, tokens)
+        assert "{" not in qwen_tok.decode(tokens[:start]) and qwen_tok.decode(tokens[: start + 1]).count("{") == 1
+        assert start < end
+    assert call_bounds(qwen_tok, TOOLS, qwen_tok.encode("No call here")) is None
