@@ -8,7 +8,8 @@ crossed between the replica and rank 0 per step; the step times side by side.
 ``--workers ray`` starts the ranks as Ray actors (a local Ray; CPU: gloo), ``local`` runs one rank in
 this process (the DeepSpeed worker path without Ray: what a single GPU can check). Both engines
 run the same requests: every item alone, then ``--batch`` at a time; ``identical`` compares the
-generated token ids. Items come from the dev sets round-robin (``--data``, first N of each).
+generated token ids. Items come from the API-Bank, BFCL v3 and ToolAlpaca dev sets
+(``benchmarks/datasets``) round-robin, the first N of each.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The core's import graph: no cycle between its modules, nothing from the layers above it, every
-module importable on its own, and the public API resolves."""
+module importable on its own, and the public API resolves; and no product module or test imports a
+study (``benchmarks/studies``: not installed)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,19 @@ FORBIDDEN = (
 )
 
 
+STUDIES = "benchmarks.studies"
+# where a study may never be imported from: the installed packages and the suite
+PRODUCT_AND_TESTS = ("toolspec_core", "deployments", "retrieval_service", "benchmarks", "tests")
+
+
 def core_modules() -> dict[str, Path]:
+    return modules_under(CORE)
+
+
+def modules_under(folder: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` below ``folder`` (named from the repository root)."""
     out = {}
-    for path in sorted(CORE.rglob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
@@ -101,6 +112,30 @@ def test_the_core_imports_nothing_above_it():
         text = path.read_text()
         bad.update({name: [f"string {f!r}"] for f in FORBIDDEN[:3] if f'"{f}.' in text or f"'{f}." in text})
     assert not bad
+
+
+def test_no_product_module_or_test_imports_a_study():
+    mods = {}
+    for top in PRODUCT_AND_TESTS:
+        mods.update(modules_under(ROOT / top))
+    mods = {name: path for name, path in mods.items() if not (name + ".").startswith(STUDIES + ".")}
+    assert "benchmarks.runner" in mods and "tests.test_imports" in mods
+    bad = {}
+    for name, path in mods.items():
+        hits = sorted(m for m in imports_of(name, path) if (m + ".").startswith(STUDIES + "."))
+        text = path.read_text()  # a module named in a string (importlib, a CLI table) is an import too
+        hits += [f"string {q}{STUDIES}." for q in "\"'" if f"{q}{STUDIES}." in text]
+        if hits:
+            bad[name] = hits
+    assert not bad
+
+
+def test_the_import_checks_see_a_study_import(tmp_path):
+    """``imports_of`` resolves absolute and relative imports of the studies package."""
+    src = tmp_path / "m.py"
+    src.write_text(f"from .studies import regions\nimport {STUDIES}.copy_bound\n")
+    found = imports_of("benchmarks.m", src)
+    assert {f"{STUDIES}.regions", f"{STUDIES}.copy_bound"} <= found
 
 
 def test_every_core_module_imports_on_its_own():

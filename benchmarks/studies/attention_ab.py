@@ -1,4 +1,6 @@
-"""A/B of one verify step under HF's SDPA attention and the grouped one (``toolspec_core.model.attention``).
+"""Study: one verify step's time under HF SDPA vs the grouped tree attention. Result: benchmarks/results/measurements/attention-grouped-cpu-epyc-prefix{500-472ad2c,1500-c7889c0}.json.
+
+A/B of one verify step under HF's SDPA attention and the grouped one (``toolspec_core.model.attention``).
 
 The start-up cost probe's steps (``toolspec_core.engine.cost_probe.probe_steps``: a chain of k-1 drafts over
 a cached random prefix, 500 tokens unless told) on the embedded model as decoding loads it; each repetition runs every k once

@@ -1,4 +1,6 @@
-"""Batched verify attention: one SDPA call per sequence against one padded call and flex_attention.
+"""Study: batched verify attention, per-sequence SDPA vs one padded call vs flex_attention. Result: benchmarks/results/measurements/batch-attention-cpu-epyc-0f934ae.json.
+
+Batched verify attention: one SDPA call per sequence against one padded call and flex_attention.
 
 The batched forward (``toolspec_core/model/batch_forward.py``) attends each sequence over its own
 KV cache with its own tree mask. The alternatives run the whole batch in one call: SDPA over the

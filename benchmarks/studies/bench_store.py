@@ -1,4 +1,6 @@
-"""Embedded backends head to head: qdrant-edge-py vs qdrant-client local mode.
+"""Study: the embedded store backends' add / search / reopen times. Result: benchmarks/results/retrieval/store-bench-cpu-xeon-26a95a4.{json,md}.
+
+Embedded backends head to head: qdrant-edge-py vs qdrant-client local mode.
 
 10k points (dim 896, random unit vectors), 20 tenants x 25 tools, top-10 search filtered by tenant
 + tool name (the retrieval service's query) and by tenant only; single adds on the full store;

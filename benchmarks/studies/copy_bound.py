@@ -1,4 +1,6 @@
-"""How far could any drafter that copies from the request, the history and the schema go?
+"""Study: the perfect-foresight copy oracle's bound on copy drafting. Result: benchmarks/results/measurements/copy-bound-{cpu-avx512-,flat-}1f236d4.json.
+
+How far could any drafter that copies from the request, the history and the schema go?
 
 An upper bound for the drafting ToolSpec and the suffix baseline do: replay a run's recorded greedy
 outputs with an *oracle* that knows the output. At each position it may draft the longest run of the

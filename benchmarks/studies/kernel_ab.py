@@ -1,4 +1,6 @@
-"""A/B of the CPU verify set-up on the embedded model, in one process.
+"""Study: packed GEMM x start-up / calibrated cost curve, end to end. Result: none committed; its figures are cited in toolspec_core/engine/budget.py (Calibration).
+
+A/B of the CPU verify set-up on the embedded model, in one process.
 
 Variants: the linear-layer kernel (``packed_rows`` 16: MKL packed GEMM for 4..16-row forwards;
 0: the default dispatch of ``toolspec_core.model.cpu_linears``) x the budget's cost curve (start-up probe only, or calibrated

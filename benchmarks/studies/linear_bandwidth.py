@@ -1,4 +1,6 @@
-"""How fast the few-rows kernel reads a weight at one input row (plain decoding's product), against
+"""Study: the few-rows kernel's GB/s and GFLOP/s against torch.sum. Result: benchmarks/results/measurements/linear-bandwidth-cpu-avx512-093f8a8.json.
+
+How fast the few-rows kernel reads a weight at one input row (plain decoding's product), against
 the machine's read bandwidth (``torch.sum`` over the same weights), per weight shape of the embedded
 model; and its compute rate at more rows with one weight kept in cache. Why: one-row products are
 memory-bound, so GB/s says how far the kernel is from what the memory allows; many-row products are

@@ -1,4 +1,6 @@
-"""Time a linear layer by row count: ``F.linear``, ``x @ W.T`` on a contiguous transposed copy,
+"""Study: a linear layer's time by row count per CPU kernel. Result: benchmarks/results/measurements/linear-rows-cpu-{xeon-bc0b02f,epyc-6e488eb}.json.
+
+Time a linear layer by row count: ``F.linear``, ``x @ W.T`` on a contiguous transposed copy,
 oneDNN on a weight reordered once into its blocked layout (the default for 4+ rows), and MKL's
 packed GEMM on a weight reordered for 16 rows (inputs zero-padded to 16 rows).
 

@@ -1,4 +1,6 @@
-"""MAT of ``toolspec`` per retrieval key, in the online replay of a recorded run.
+"""Study: toolspec's MAT per retrieval key in the online replay of a run. Result: benchmarks/results/retrieval/mat-by-key-3bench-cpu-epyc-7e64d4d.{json,md}.
+
+MAT of ``toolspec`` per retrieval key, in the online replay of a recorded run.
 
 The replay follows ``toolspec bench --library online`` (``benchmarks.runner``): one ``toolspec``
 method per benchmark, the items in the run's stream order, each drafted against the library of

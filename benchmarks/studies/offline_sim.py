@@ -1,4 +1,6 @@
-"""Offline drafter study: replay recorded greedy outputs (a run's ``items.jsonl``) through a method's
+"""Study: drafters replayed along recorded greedy outputs (steps, MAT, losses). Result: none committed; it chose the suffix drafter's buckets (toolspec_core/drafters/suffix.py).
+
+Offline drafter study: replay recorded greedy outputs (a run's ``items.jsonl``) through a method's
 drafter with the target replaced by those tokens (``toolspec_core.drafters.simulate``), each tree cut to the budget
 (``Pruned``).
 

@@ -1,4 +1,6 @@
-"""What a poisoned call library costs: a tenant's library filled with wrong calls of the very tools
+"""Study: exactness and slowdown under a library of wrong calls. Result: benchmarks/results/measurements/poisoning-cpu-epyc-b187ed0.json.
+
+What a poisoned call library costs: a tenant's library filled with wrong calls of the very tools
 a request offers (every argument value wrong, written in the model's own layout, stored under the
 request's own retrieval key so they are the top hits) against an empty one. Output must stay
 identical to plain greedy (drafts are only verified); the price is the time spent verifying

@@ -1,4 +1,6 @@
-"""Prefill time of real dev prompts on this machine: one prompt of about 550-750 tokens from each
+"""Study: prefill ms per token of real dev prompts. Result: benchmarks/results/measurements/prefill-cpu-epyc-20a884d.json.
+
+Prefill time of real dev prompts on this machine: one prompt of about 550-750 tokens from each
 dev set, no cached prefix, median of three. The serving cost breakdown (README, docs/results.md)
 multiplies the load test's uncached prompt tokens by this rate.
 

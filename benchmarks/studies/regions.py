@@ -1,4 +1,6 @@
-"""Where decode time goes in outputs that hold a call: before the call (prose, an opener such as a
+"""Study: decode time before / inside / after the call object. Result: benchmarks/results/measurements/regions-{3bench-cpu-avx512-afe9e69,apibank-full-cpu-avx512-093f8a8}.json.
+
+Where decode time goes in outputs that hold a call: before the call (prose, an opener such as a
 fence), the first call object itself, and after it (prose, tool results the model makes up,
 further calls), per benchmark and method, from a run's raw records.
 

@@ -1,4 +1,6 @@
-"""Which key should the retrieval library rank past tool calls by? Three dev sets, online.
+"""Study: which retrieval key ranks past calls best, three dev sets online. Result: benchmarks/results/retrieval/retrieval-key-eval-3bench-cpu-epyc-7e64d4d.{json,md}.
+
+Which key should the retrieval library rank past tool calls by? Three dev sets, online.
 
 Each dev set (API-Bank, BFCL v3, ToolAlpaca: items with tools and gold calls, every ``--every``-th,
 at most ``--limit``) is replayed in online order: item i queries a library holding the gold calls

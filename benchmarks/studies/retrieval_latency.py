@@ -1,4 +1,6 @@
-"""Latency of the actor's search path: the ``Retrieval`` deployment keying request text (``qwen``).
+"""Study: the Retrieval actor's search latency at concurrency 1 / 8 / 32. Result: benchmarks/results/measurements/retrieval-latency-{l6,l24}-cpu-epyc-7e64d4d.json.
+
+Latency of the actor's search path: the ``Retrieval`` deployment keying request text (``qwen``).
 
 What an engine replica pays per request before its drafter has the library's answer: one
 ``search`` through a Serve handle = the deployment's ``key_of`` (the text embedded by its Qwen

@@ -1,4 +1,6 @@
-"""A/B of ToolSpec's few-rows CPU kernel (``toolspec_core.model.rows_kernel``) against the oneDNN /
+"""Study: whole verify forwards, the few-rows kernel vs the oneDNN dispatch. Result: benchmarks/results/measurements/rows-kernel-vs-onednn-cpu-avx512-afe9e69.json.
+
+A/B of ToolSpec's few-rows CPU kernel (``toolspec_core.model.rows_kernel``) against the oneDNN /
 ``F.linear`` dispatch it replaces up to 16 rows, on the embedded model, in one process.
 
 Both variants time the same verify steps (the start-up cost probe's: k tree tokens over a

@@ -179,3 +179,17 @@ def test_call_bounds_start_at_the_token_that_opens_the_call_object(qwen_tok):
         assert "{" not in qwen_tok.decode(tokens[:start]) and qwen_tok.decode(tokens[: start + 1]).count("{") == 1
         assert start < end
     assert call_bounds(qwen_tok, TOOLS, qwen_tok.encode("No call here")) is None
+
+
+def test_engine_check_all_drafters_equal_plain_greedy_in_fp32():
+    """The accelerator check's own logic on the CPU: in float32 every drafter reproduces plain greedy,
+    and the oracle / branching drafts really are accepted (the check would see a broken commit)."""
+    import torch
+
+    from benchmarks.studies.gpu_engine_check import check
+
+    run = check("cpu", torch.float32, n_prompts=3, new_tokens=20, seed=1, vocab=128, hidden=64, layers=2)
+    for name, row in run["methods"].items():
+        assert row["decodes"] == 3 and row["equal"] == 3 and not row["divergences"], name
+    assert run["methods"]["oracle"]["mean_accepted_per_step"] > 5
+    assert run["methods"]["branching"]["mean_accepted_per_step"] > 3

@@ -1,4 +1,6 @@
-"""Where the time of one verify forward goes, by operator group (torch profiler, self CPU time).
+"""Study: one verify forward's time by operator group (torch profiler). Result: none committed; cited by toolspec_core/engine/cost_probe.py (probe_steps).
+
+Where the time of one verify forward goes, by operator group (torch profiler, self CPU time).
 
 The question behind the CPU kernel work: is a k-token verify step GEMM-bound (then the linear
 kernels decide the cost curve) or spent in attention / glue? The start-up cost probe's

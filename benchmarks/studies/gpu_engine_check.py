@@ -1,4 +1,6 @@
-"""Lossless decoding on an accelerator: does speculative decoding reproduce plain greedy there?
+"""Study: greedy equality of every tree drafter on an accelerator, fp32 and bf16. Result: benchmarks/results/measurements/engine-check-h200-68ef764.json.
+
+Lossless decoding on an accelerator: does speculative decoding reproduce plain greedy there?
 
 The test suite proves token-for-token equality on the CPU. On a GPU the target runs other kernels
 for a 1-token forward than for a k-token tree forward, so logits can differ in the last bits and
@@ -9,7 +11,7 @@ method how many decodes equal plain greedy, and for each divergence the position
 step's top-1 / top-2 logit margin (a numerics near-tie has a margin near bf16/fp32 resolution).
 HF ``generate`` greedy is decoded too, as the outside reference.
 
-    python -m benchmarks.gpu_engine_check --device cuda --dtypes float32,bfloat16 --out check.json
+    python -m benchmarks.studies.gpu_engine_check --device cuda --dtypes float32,bfloat16 --out check.json
 """
 
 from __future__ import annotations
