@@ -193,3 +193,52 @@ def test_engine_check_all_drafters_equal_plain_greedy_in_fp32():
         assert row["decodes"] == 3 and row["equal"] == 3 and not row["divergences"], name
     assert run["methods"]["oracle"]["mean_accepted_per_step"] > 5
     assert run["methods"]["branching"]["mean_accepted_per_step"] > 3
+
+
+def test_loadtest_local_app_specs():
+    from benchmarks.studies.loadtest_local import app_config
+
+    name, cfg = app_config("toolspec-threads=toolspec+threads", "/tmp/lib")
+    assert name == "toolspec-threads" and cfg["engine"] == "threads" and cfg["method"] == "toolspec"
+    assert cfg["retrieval"]["store"]["path"] == "/tmp/lib/toolspec-threads"  # a library of its own
+    name, cfg = app_config("ar=ar", "/tmp/lib")
+    assert cfg == {"method": "ar", "retrieval": {"enabled": False}}
+    _, cfg = app_config("nocache=toolspec+nocache", "/tmp/lib")
+    assert cfg["prefix_caching"] is False and cfg["prefix_cache_entries"] == 0
+    with pytest.raises(SystemExit):
+        app_config("x=toolspec+fast", "/tmp/lib")
+
+
+def test_rss_sampler_reads_only_its_own_replicas(tmp_path):
+    """The soak's memory series counts this run's engine replicas only (descendants of the
+    driver), never another Ray instance's replicas on the same machine."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from benchmarks.studies.loadtest_local import RssSampler
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    mine = subprocess.Popen([*sleeper, "ray::ServeReplica:mine:Replica"])
+    # a process that is not ours: started by a shell that exits at once (re-parented away)
+    tag = f"ray::ServeReplica:other{mine.pid}:Replica"
+    subprocess.run(["sh", "-c", " ".join([*(repr(a) for a in sleeper), tag, ">/dev/null 2>&1 &"])], check=True)
+    others = []
+    try:
+        deadline = time.time() + 10
+        while not others and time.time() < deadline:
+            others = [p for p in psutil.process_iter(["cmdline"]) if tag in (p.info["cmdline"] or [])]
+            time.sleep(0.05)
+        assert others, "the stranger process did not start"
+        sampler = RssSampler(0.1)
+        time.sleep(0.5)
+        sampler.stop(str(tmp_path / "rss.json"))
+        series = json.loads((tmp_path / "rss.json").read_text())["series"]
+        assert series and {s["pid"] for s in series} == {mine.pid}
+    finally:
+        mine.kill()
+        for p in others:
+            p.kill()

@@ -1,4 +1,6 @@
-"""The committed load-test reports: several apps from one config on loopback, side by side.
+"""Study: the committed load tests, several apps served side by side on loopback. Result: benchmarks/results/loadtest/*.
+
+The committed load-test reports: several apps from one config on loopback, side by side.
 
 Starts one local Ray cluster with one application per ``--apps`` entry, built from the same config
 except the method and its options (default: ``toolspec`` at /toolspec and plain greedy at
@@ -7,7 +9,7 @@ caching, ``+chunkN`` with ``prefill_chunk_tokens`` N), runs ``toolspec loadtest`
 everything down. Arguments it does not know go to
 ``toolspec loadtest`` unchanged (e.g. ``--workload conversations``, ``--request-rate``, ``--slo``).
 
-    python -m benchmarks.loadtest_local --concurrency 1,2,4,8 --num-requests 8 --max-seconds 300
+    python -m benchmarks.studies.loadtest_local --concurrency 1,2,4,8 --num-requests 8 --max-seconds 300
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class RssSampler:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.loadtest_local", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.loadtest_local", description=__doc__)
     p.add_argument("--dataset", action="append", default=[], help="default: toolspec loadtest's for the workload")
     p.add_argument("--concurrency", default="1,2,4,8")
     p.add_argument("--num-requests", "--requests-per-level", dest="num_requests", default="8")
@@ -139,9 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60"),
     ):
         os.environ.setdefault(var, value)
+    from benchmarks.loadtest import main as loadtest_main
     from deployments.config import ServeAppConfig
-
-    from .loadtest import main as loadtest_main
 
     # every request of a level up to 16 reaches the replica (waiting for the batch counts as ongoing)
     # replicas ask Ray for no CPU: the local cluster has as many as the machine, and the apps take
