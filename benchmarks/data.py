@@ -8,8 +8,7 @@ import re
 from pathlib import Path
 
 from toolspec_core.drafters.methods import RequestInfo
-from toolspec_core.model.prompting import render_prompt
-from toolspec_core.model.target import turn_end_tokens
+from toolspec_core.model.prompting import render_prompt, turn_end_tokens
 
 # How the gold calls of a warm item are written out, i.e. the layout the model itself uses.
 # "fence": a ```json fence with an indent-2 object per call -- what the embedded

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
 from toolspec_core.engine.detokenize import Detokenizer
-from toolspec_core.model.target import turn_end_ids
+from toolspec_core.model.prompting import turn_end_ids
 
 from .data import run_items
 

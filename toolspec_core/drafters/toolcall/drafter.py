@@ -44,7 +44,7 @@ from toolspec_core.drafters.toolcall.parse import parse_tool_calls
 from toolspec_core.drafters.toolcall.values import context_dates, context_numbers, digit_run, value_spans
 from toolspec_core.engine.detokenize import Detokenizer
 from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult
-from toolspec_core.model.target import turn_end_ids
+from toolspec_core.model.prompting import turn_end_ids
 
 DEFAULT_RATES = {
     CALL_KEY: 0.97,
