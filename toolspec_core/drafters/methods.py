@@ -36,8 +36,8 @@ class RequestInfo:
 class Method(Protocol):
     """What a method can do is said by two class attributes, never by its name:
     ``uses_history`` (it learns from finished outputs of the stream, so a benchmark runs it with a
-    cold, online and warm library) and ``uses_library`` (it takes a shared ``CallLibrary`` of past
-    calls as its ``library`` option)."""
+    cold, online and warm library) and ``uses_library`` (it drafts from a shared ``CallLibrary`` of
+    past calls, taken as its ``library`` option, and adds its own calls to it)."""
 
     name: str
     uses_history: bool
