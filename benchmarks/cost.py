@@ -136,7 +136,7 @@ def serving_kernels(model, device: str, dtype: torch.dtype, packed_rows: int | N
 
 def measure_curve(model, prefix_len: int = 500, ks=DEFAULT_KS, repeats: int = 5) -> tuple[dict, dict]:
     """(median seconds, cost relative to k=1) per k, through the engine's own start-up probe
-    (``budget.measure_cost_points``: ``engine.verify_step`` on a ``Target``), i.e. what decoding pays:
+    (``cost_probe.measure_cost_points``: ``Target.step`` on a decoding cache), i.e. what decoding pays:
     host-built inputs moved to the model's device, tree mask, argmax, KV commit."""
     from toolspec_core.engine.cost_probe import measure_cost_points
     from toolspec_core.model.target import Target

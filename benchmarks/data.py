@@ -8,8 +8,7 @@ import re
 from pathlib import Path
 
 from toolspec_core.drafters.methods import RequestInfo
-from toolspec_core.model.prompting import render_prompt
-from toolspec_core.model.target import turn_end_tokens
+from toolspec_core.model.prompting import render_prompt, turn_end_tokens
 
 from .datasets import open_text
 

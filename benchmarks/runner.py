@@ -89,7 +89,7 @@ def _uses_library(name: str) -> bool:
         cls = method_class(name)
     except ImportError:
         return False
-    return bool(cls.uses_library and cls.uses_history)
+    return cls.uses_library
 
 
 def text_keyer(kind: str, threads: int | None = None):

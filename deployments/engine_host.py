@@ -307,7 +307,7 @@ class EngineHost:
         self.text_key = retrieval is not None and cfg.retrieval.text_key()
         self.pool = ThreadPoolExecutor(max_workers=cfg.max_ongoing_requests + 1, thread_name_prefix="toolspec-decode")
         self.prefixes = PrefixCache(cfg.prefix_cache_entries)
-        from toolspec_core.model.target import turn_end_tokens
+        from toolspec_core.model.prompting import turn_end_tokens
 
         self.turn_end = set(turn_end_tokens(target.tokenizer))
         self.token_text = TokenText(target.tokenizer, target.eos_ids)

@@ -161,6 +161,22 @@ def test_every_core_module_imports_on_its_own():
     assert res.returncode == 0, res.stdout + res.stderr[-2000:]
 
 
+def test_the_drafter_protocol_loads_no_model_code():
+    """A drafter is written against ``drafters.base`` (the protocol, the step context, the tree and
+    the verify result it learns from) without the target: importing it loads no ``model`` module."""
+    code = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "import toolspec_core.drafters.base\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('toolspec_core.'))))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    loaded = res.stdout.split()
+    assert "toolspec_core.drafters.base" in loaded and "toolspec_core.engine.tree" in loaded
+    assert not [m for m in loaded if m == "toolspec_core.model" or m.startswith("toolspec_core.model.")]
+
+
 def test_public_api_resolves():
     import toolspec_core
 

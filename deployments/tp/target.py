@@ -212,7 +212,8 @@ def target_of(path: Path, config, dtype: str, device: str, group: TPGroup, tp_si
     """The replica's TPTarget over ``group``: the checkpoint's tokenizer and configs, no weights."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from toolspec_core.model.target import _eos_ids, resolve_dtype
+    from toolspec_core.model.prompting import eos_ids_of
+    from toolspec_core.model.target import resolve_dtype
 
     try:
         gen = GenerationConfig.from_pretrained(str(path))
@@ -224,7 +225,7 @@ def target_of(path: Path, config, dtype: str, device: str, group: TPGroup, tp_si
         model=head,
         tokenizer=tok,
         name=path.name,
-        eos_ids=_eos_ids(head, tok),
+        eos_ids=eos_ids_of(head, tok),
         max_context=getattr(config, "max_position_embeddings", None) or 32768,
         group=group,
         tp_size=tp_size,

@@ -13,8 +13,7 @@ from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter, SuffixMet
 from toolspec_core.drafters.suffix_trie import SuffixTrie
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.loop import DecodeConfig, decode, prefill
-from toolspec_core.engine.tree import ROOT, DraftTree, depths
-from toolspec_core.engine.verify import VerifyResult
+from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult, depths
 
 PATTERN = [5, 9, 13, 17, 21, 25, 29, 33]
 

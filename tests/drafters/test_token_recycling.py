@@ -7,8 +7,7 @@ import torch
 from toolspec_core.drafters.base import DraftContext, node_paths
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.token_recycling import TokenRecyclingMethod, bfs_template
-from toolspec_core.engine.tree import ROOT, DraftTree, depths
-from toolspec_core.engine.verify import VerifyResult
+from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult, depths
 
 
 def test_token_recycling_template_and_matrix():

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from toolspec_core.drafters.labels import base_label, is_chain
-from toolspec_core.engine.tree import ROOT, DraftTree, tried
-from toolspec_core.engine.verify import VerifyResult
+from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult, tried
 
 
 @dataclass

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from toolspec_core.drafters.base import Drafter, NoDrafter
+
+if TYPE_CHECKING:
+    from toolspec_core.drafters.toolcall.library import PastCall, RequestKey
 
 
 @dataclass
@@ -22,17 +25,19 @@ class RequestInfo:
     prompt_ids: list[int]
     tools: list[dict] = field(default_factory=list)
     tenant: str = "default"
-    embedding: Any = None  # e.g. last-layer hidden state of the final prompt token
+    embedding: RequestKey | None = None  # the library's key for this request (its text or a vector)
     remember: bool = True  # False: never store this request's output in any history
-    retrieved: Any = None  # past calls fetched for this request (retrieval methods)
+    # past calls fetched for this request (retrieval methods): PastCall, or the retrieval service's
+    # result dict (``as_past_call``); None: not fetched, the method searches its own library
+    retrieved: list[PastCall | dict] | None = None
     response_schema: dict | None = None  # the answer is JSON of this schema (response_format; {}: any object)
 
 
 class Method(Protocol):
     """What a method can do is said by two class attributes, never by its name:
     ``uses_history`` (it learns from finished outputs of the stream, so a benchmark runs it with a
-    cold, online and warm library) and ``uses_library`` (it takes a shared ``CallLibrary`` of past
-    calls as its ``library`` option)."""
+    cold, online and warm library) and ``uses_library`` (it drafts from a shared ``CallLibrary`` of
+    past calls, taken as its ``library`` option, and adds its own calls to it)."""
 
     name: str
     uses_history: bool

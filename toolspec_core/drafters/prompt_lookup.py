@@ -5,8 +5,7 @@ from __future__ import annotations
 from toolspec_core.drafters.base import DraftContext, Drafter, LabelRates, add_copies
 from toolspec_core.drafters.labels import PLD, match_label
 from toolspec_core.drafters.methods import RequestInfo
-from toolspec_core.engine.tree import DraftTree
-from toolspec_core.engine.verify import VerifyResult
+from toolspec_core.engine.tree import DraftTree, VerifyResult
 
 
 def ngram_continuations(

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from toolspec_core.drafters.base import DraftContext
 from toolspec_core.engine.detokenize import Detokenizer
-from toolspec_core.engine.tree import ROOT, DraftTree
-from toolspec_core.engine.verify import VerifyResult
+from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult
 
 
 def oracle_walk(tree: DraftTree, truth: list[int]) -> VerifyResult:

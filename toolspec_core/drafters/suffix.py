@@ -20,8 +20,7 @@ from toolspec_core.drafters.base import DraftContext, LabelRates, update_keyed_r
 from toolspec_core.drafters.history import TenantHistories
 from toolspec_core.drafters.labels import SUFFIX
 from toolspec_core.drafters.suffix_trie import ContextIndex, SuffixTrie
-from toolspec_core.engine.tree import ROOT, DraftTree
-from toolspec_core.engine.verify import VerifyResult
+from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult
 
 SUFFIX_PRIOR = {
     "suffix:hi:L": 0.85,

@@ -9,8 +9,7 @@ import torch
 
 from toolspec_core.drafters.base import DraftContext, LabelRates, update_keyed_rates
 from toolspec_core.drafters.labels import TOKEN_RECYCLING
-from toolspec_core.engine.tree import ROOT, DraftTree
-from toolspec_core.engine.verify import VerifyResult
+from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult
 
 TR_TOPK = 8
 TR_RANK_PRIOR = (0.55, 0.15, 0.07, 0.05, 0.035, 0.03, 0.025, 0.02)  # shapes the static tree

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from toolspec_core.drafters.labels import NONE
-from toolspec_core.engine.tree import DraftTree
-from toolspec_core.engine.verify import VerifyResult
+from toolspec_core.engine.tree import DraftTree, VerifyResult
 
 
 @dataclass

@@ -11,6 +11,10 @@ increasing indices, which lets the KV commit be a gather + crop by index.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = -1
 
@@ -79,6 +83,17 @@ class DraftTree:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
+
+
+@dataclass
+class VerifyResult:
+    """What verifying a tree decided: the accepted node path and the one token the target chose
+    after it. It lives beside the tree (not with the forward that produces it) so drafters, which
+    learn from it, never import the model layer."""
+
+    path: list[int]  # accepted node indices, root's child first
+    token: int  # the one token chosen by the target after the path
+    logits: torch.Tensor | None = field(default=None, repr=False)  # [T+1, V] target logits per row
 
 
 def depths(parents: list[int]) -> list[int]:

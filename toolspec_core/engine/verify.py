@@ -1,4 +1,5 @@
-"""Verify a draft tree against the target: tree inputs, accepted path, KV commit.
+"""Verify a draft tree against the target: the tree as model inputs, and the walk of the target's
+logits that picks the accepted path (the scheduler runs the forward and the KV commit).
 
 Input row 0 is the root (the last committed token, whose KV is not yet cached); row ``i + 1``
 is tree node ``i``. Verification returns the accepted node path plus exactly one token from
@@ -7,21 +8,10 @@ the target (the bonus/correction token).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from toolspec_core.engine.commit import commit_kv, kv_rows
 from toolspec_core.engine.sampling import SamplingParams, sample, target_probs
-from toolspec_core.engine.tree import ROOT, DraftTree, depths
-from toolspec_core.model.target import Target
-
-
-@dataclass
-class VerifyResult:
-    path: list[int]  # accepted node indices, root's child first
-    token: int  # the one token chosen by the target after the path
-    logits: torch.Tensor | None = field(default=None, repr=False)  # [T+1, V] target logits per row
+from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult, depths
 
 
 def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int, dtype=torch.float32):
@@ -146,23 +136,3 @@ def walk(
     if choice is None:
         choice = torch.argmax(logits, -1).tolist()  # argmax on device, one sync
     return greedy_walk(tree, choice, root_row)
-
-
-def verify_step(
-    target: Target, tree: DraftTree, roots: list[int] | int, cache, params: SamplingParams, gen, constraint=None
-):
-    """One sequence's target forward over the root chain + tree, its walk and its KV commit (the
-    scheduler does the same for a whole batch in one forward).
-
-    Returns the accepted path + the target's token (``result.logits``: all rows, for drafters that learn).
-    """
-    roots = [roots] if isinstance(roots, int) else roots
-    kv_len = cache.get_seq_length()
-    ids, pos, mask = tree_inputs(roots, tree, kv_len, target.dtype)
-    single = len(roots) == 1 and not tree.tokens
-    hidden = target.hidden(ids, pos, None if single else mask, cache)
-    logits = target.logits(hidden)  # [R+T, V] on the model's device
-    result = walk(tree, logits, params, gen, constraint, len(roots) - 1)
-    commit_kv(cache, kv_len, kv_rows(result.path, len(roots)))
-    result.logits = logits  # for drafters that learn from the target (token recycling)
-    return result

@@ -1,4 +1,5 @@
-"""Render chat requests (OpenAI-style messages + tools) into the target's prompt token ids."""
+"""The chat template: render chat requests (OpenAI-style messages + tools) into the target's prompt
+token ids, and the tokens that end the assistant's turn."""
 
 from __future__ import annotations
 
@@ -46,3 +47,45 @@ def render_text(tokenizer, messages: list[dict], tools: list[dict] | None = None
     return tokenizer.apply_chat_template(
         _normalise_messages(messages), tools=tools or None, add_generation_prompt=True, tokenize=False
     )
+
+
+# Tokens that end a chat turn, the chat template's own first: Qwen / ChatML, Llama 3, Phi, and the
+# document end token some templates close a turn with.
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>")
+
+
+def turn_end_tokens(tokenizer) -> list[int]:
+    """Ids of the ``TURN_END_TOKENS`` this tokenizer has, in that order."""
+    ids: list[int] = []
+    for tok in TURN_END_TOKENS:
+        try:
+            tid = tokenizer.convert_tokens_to_ids(tok)
+        except (AttributeError, KeyError, TypeError):
+            tid = None
+        if isinstance(tid, int) and tid >= 0 and tid != getattr(tokenizer, "unk_token_id", None) and tid not in ids:
+            ids.append(tid)
+    return ids
+
+
+def turn_end_ids(tokenizer) -> list[int]:
+    """Tokens that end an assistant turn: the turn-end tokens, then the tokenizer's EOS.
+
+    Chat models end a turn with these even when generation_config does not say so.
+    """
+    ids = turn_end_tokens(tokenizer)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int) and eos not in ids:
+        ids.append(eos)
+    return ids
+
+
+def eos_ids_of(model, tokenizer) -> tuple[int, ...]:
+    """Every token that ends generation for this model: the turn-end ids and the EOS ids its
+    generation_config names (a chat model stops on either)."""
+    ids = set(turn_end_ids(tokenizer))
+    src = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(src, int):
+        ids.add(src)
+    elif isinstance(src, (list, tuple)):
+        ids.update(int(x) for x in src)
+    return tuple(sorted(ids))

@@ -15,6 +15,7 @@ from toolspec_core.model.block_pool import PagedKV, pool_for
 from toolspec_core.model.cpu_linears import tune_cpu_linears
 from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME, ModelFileError, embedded_model_dir
 from toolspec_core.model.kv import SeqKV
+from toolspec_core.model.prompting import eos_ids_of
 
 ENGINE_CACHES = (SeqKV, PagedKV)  # caches the batched forward writes into
 
@@ -179,53 +180,13 @@ def _cache_kwarg_of(cls: type) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
-# Tokens that end a chat turn, the chat template's own first: Qwen / ChatML, Llama 3, Phi, and the
-# document end token some templates close a turn with.
-TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>")
-
-
-def turn_end_tokens(tokenizer) -> list[int]:
-    """Ids of the ``TURN_END_TOKENS`` this tokenizer has, in that order."""
-    ids: list[int] = []
-    for tok in TURN_END_TOKENS:
-        try:
-            tid = tokenizer.convert_tokens_to_ids(tok)
-        except (AttributeError, KeyError, TypeError):
-            tid = None
-        if isinstance(tid, int) and tid >= 0 and tid != getattr(tokenizer, "unk_token_id", None) and tid not in ids:
-            ids.append(tid)
-    return ids
-
-
-def turn_end_ids(tokenizer) -> list[int]:
-    """Tokens that end an assistant turn: the turn-end tokens, then the tokenizer's EOS.
-
-    Chat models end a turn with these even when generation_config does not say so.
-    """
-    ids = turn_end_tokens(tokenizer)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(eos, int) and eos not in ids:
-        ids.append(eos)
-    return ids
-
-
-def _eos_ids(model, tokenizer) -> tuple[int, ...]:
-    ids = set(turn_end_ids(tokenizer))
-    src = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(src, int):
-        ids.add(src)
-    elif isinstance(src, (list, tuple)):
-        ids.update(int(x) for x in src)
-    return tuple(sorted(ids))
-
-
 def from_model(model, tokenizer, name: str = "model") -> Target:
     """Wrap an already-built HF model (tests build tiny random ones); an SDPA model is switched to
     the grouped tree-verify attention (:mod:`toolspec_core.model.attention`)."""
     model.eval()
     use_grouped_sdpa(model)
     ctx = getattr(model.config, "max_position_embeddings", None) or 32768
-    return Target(model=model, tokenizer=tokenizer, name=name, eos_ids=_eos_ids(model, tokenizer), max_context=ctx)
+    return Target(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer), max_context=ctx)
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

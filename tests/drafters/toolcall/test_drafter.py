@@ -12,7 +12,7 @@ import torch
 from toolcall_cases import CITY_TOOLS as TOOLS
 
 from toolspec_core.drafters.base import DraftContext, LabelRates
-from toolspec_core.drafters.methods import RequestInfo, make_method
+from toolspec_core.drafters.methods import REGISTRY, RequestInfo, make_method, method_class
 from toolspec_core.drafters.toolcall.drafter import RetrievalDrafter
 from toolspec_core.drafters.toolcall.library import MemoryLibrary, PastCall
 from toolspec_core.drafters.toolcall.parse import parse_tool_calls, validate_call
@@ -94,6 +94,18 @@ def test_greedy_unchanged_by_schema_retrieval_and_poisoned_library(tiny_qwen, qw
         req = RequestInfo(prompt, TOOLS, tenant="t1", embedding=[1.0, 0.0])
         res = decode(tiny_qwen, pre, method.drafter(req), cfg, CostModel.flat())
         assert res.tokens == plain, name
+
+
+def test_the_library_belongs_to_the_methods_that_draft_from_it(qwen_tok):
+    """``uses_library`` is the one flag for a call library: the methods with it are handed the
+    shared library, search it and add their calls to it; schema-only drafting keeps none."""
+    assert {n for n in REGISTRY if method_class(n).uses_library} == {"toolspec_retrieval", "toolspec"}
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for name in ("toolspec_schema", "toolspec_retrieval", "toolspec"):
+        lib = MemoryLibrary()
+        method = make_method(name, qwen_tok, library=lib)
+        method.observe(RequestInfo([1], TOOLS, embedding=[1.0, 0.0]), qwen_tok.encode(text), text)
+        assert len(lib) == (1 if method_class(name).uses_library else 0), name
 
 
 def test_cold_library_behaves_like_schema_only(tiny_qwen, qwen_tok):

@@ -34,6 +34,40 @@ from toolspec_core.drafters.toolcall.values import date_values, numbers_for, wan
 
 Seg = tuple  # (text: str | list[int], label: str)
 
+# Branch probabilities of schema drafting. They are hand-set, not fitted: a node's conf is its
+# share of its parent's mass times its label's learned acceptance rate (``candidates_to_tree``),
+# so these decide how the mass splits where the schema allows several continuations, and the
+# learned rates correct their overall level.
+CALL_START_PRIOR = 0.5  # P(an output opens with a call) before any is served: no lean (tools offered, prose common)
+PROSE_AFTER_PRIOR = 0.3  # P(prose follows a call's text closer) before any is served: most turns end at the call
+COUNT_PRIOR = 1.0  # pseudo-count of every offered tool and layout (add-one): one never seen yet is still drafted
+NEW_VALUE_CALLS = 1  # pseudo-call with a value no past call passed: values seen in every call still leave room
+OUTPUT_KEYS_WEIGHT = 3.0  # the output's own objects repeat more often than the conversation's
+FREE_MORE = 0.5  # a call of an unknown tool (``ToolIndex.free``): chance of another argument
+FREE_KEY_END = 0.5  # an unknown tool's key being typed ends here: no schema to say, so even odds
+OWN_SHARE = 0.5  # of a next call's tool-name mass: the tools this output already called (repeats, parallel calls)
+SEEN_SHARE = 0.9  # at most this much of a value's mass goes to values seen in past / earlier calls
+DATE_SHARE = 0.5  # of a value's mass left after seen values: the conversation's dates (half; typed openings the rest)
+REQUIRED_WEIGHT = 3.0  # a required argument not yet written, against an optional one: calls rarely leave one out
+SCHEMA_ORDER_WEIGHT = 2.0  # an argument after the last one written in the schema's order: models tend to keep it
+PAST_ORDER_WEIGHT = 8.0  # times the share of past calls of the tool that wrote it next: a seen order beats the schema's
+NUMBER_SHARE = 0.6  # of a number's mass: the conversation's numbers by rank; the rest for one it does not mention
+DATE_TEXT_SHARE = 0.6  # inside a string: the dates whose rendering continues it, by rank; the rest for other text
+BRACKET_OPENS = 0.9  # an array / object value opens with its bracket: near certain, hedged a little below a quote's 1
+MORE_REQUIRED = 0.9  # after a value, P(another argument) while a required one is missing: calls rarely stop short
+MORE_OPTIONAL = 0.35  # ... when only optional ones are left: calls more often stop at the required ones
+STRING_ENDS = 0.15  # a string value ends at this token: strings usually go on (low prior; the budget decides)
+NUMBER_ENDS = 0.3  # a number being written ends at this token: digits come a token each (Qwen), so most go on
+CLOSER_GOES_ON = 0.9  # a layout closer the output has begun (or is due) is written out, then what follows it
+NEXT_OBJECT = 0.15  # after a bare call's '}': P(a new line and another object) -- the rest: end of turn
+NEXT_OBJECT_AFTER_NEWLINE = 0.7  # the same once the new line is written
+AFTER_PROSE = 0.15  # P(a call opens | a new line of prose)
+ANNOUNCED = 0.5  # ... when the prose ended with a colon ("Here's the call:\n\n")
+SEEN_KEY = 0.7  # a key of an undescribed object being typed continues as a key seen before (by their shares)
+KEY_ENDS = 0.3  # ... or ends here (keys end at token boundaries more often than not)
+KEY_ENDS_UNSEEN = 0.5  # ... ends here when no seen key continues it: even odds
+NEXT_RECORD = 0.5  # after an array's object element: another record like it or the array's end, even odds
+
 
 @dataclass
 class Cand:
@@ -50,7 +84,9 @@ class Priors:
     layout_counts: dict[str, float] = field(default_factory=dict)
     # P(an output opens with a call), P(text follows a call's closer that is text): learned from the
     # outputs served (``SchemaMethod.observe``), starting from these priors
-    events: LabelRates = field(default_factory=lambda: LabelRates({"call_start": 0.5, "prose_after": 0.3}))
+    events: LabelRates = field(
+        default_factory=lambda: LabelRates({"call_start": CALL_START_PRIOR, "prose_after": PROSE_AFTER_PRIOR})
+    )
 
     @property
     def call_start(self) -> float:
@@ -61,12 +97,12 @@ class Priors:
         return self.events.rate("prose_after")
 
     def tool_weights(self, names: list[str]) -> list[float]:
-        w = [1.0 + self.tool_counts.get(n, 0.0) for n in names]
+        w = [COUNT_PRIOR + self.tool_counts.get(n, 0.0) for n in names]
         s = sum(w)
         return [x / s for x in w]
 
     def layout_weights(self, layouts: list[Layout]) -> list[float]:
-        w = [1.0 + self.layout_counts.get(lay.name, 0.0) for lay in layouts]
+        w = [COUNT_PRIOR + self.layout_counts.get(lay.name, 0.0) for lay in layouts]
         s = sum(w)
         return [x / s for x in w]
 
@@ -81,20 +117,11 @@ def _past_values(past: list[tuple[str, dict]], name: str, key: str) -> list[tupl
     for v in vals:
         k = _json_scalar(v)
         out[k] = (v, out.get(k, (v, 0))[1] + 1)
-    return sorted(((v, c / (n_calls + 1)) for v, c in out.values()), key=lambda x: -x[1])
+    return sorted(((v, c / (n_calls + NEW_VALUE_CALLS)) for v, c in out.values()), key=lambda x: -x[1])
 
 
 class _Builder:
     """Expands continuations for one tracker position; small recursive helpers, one per structure."""
-
-    OUTPUT_KEYS_WEIGHT = 3.0  # the output's own objects repeat more often than the conversation's
-    FREE_MORE = 0.5  # a call of an unknown tool (``ToolIndex.free``): chance of another argument
-    OWN_SHARE = 0.5  # of a next call's tool-name mass: the tools this output already called (repeats, parallel calls)
-    SEEN_SHARE = 0.9  # at most this much of a value's mass goes to values seen in past / earlier calls
-    NEXT_OBJECT = 0.15  # after a bare call's '}': P(a new line and another object) -- the rest: end of turn
-    NEXT_OBJECT_AFTER_NEWLINE = 0.7  # the same once the new line is written
-    AFTER_PROSE = 0.15  # P(a call opens | a new line of prose)
-    ANNOUNCED = 0.5  # ... when the prose ended with a colon ("Here's the call:\n\n")
 
     def __init__(
         self,
@@ -115,9 +142,7 @@ class _Builder:
         self.past = list(past)  # (tool name, arguments) of retrieved past calls
         self.own = list(own)  # (tool name, arguments) of the calls this output has finished
         self.dates = list(dates)  # dates the conversation mentions (values.context_dates)
-        self.objects = ([(context_keys, 1.0)] if context_keys is not None else []) + [
-            (tr.objects, self.OUTPUT_KEYS_WEIGHT)
-        ]
+        self.objects = ([(context_keys, 1.0)] if context_keys is not None else []) + [(tr.objects, OUTPUT_KEYS_WEIGHT)]
 
     def tool_weights(self, names: list[str]) -> list[float]:
         """Learned tool frequencies, half the mass moved to the tools this output already called."""
@@ -125,7 +150,7 @@ class _Builder:
         own = [n for n, _ in self.own if n in names]
         if not own:
             return w
-        return [(1 - self.OWN_SHARE) * x + self.OWN_SHARE * own.count(n) / len(own) for n, x in zip(names, w)]
+        return [(1 - OWN_SHARE) * x + OWN_SHARE * own.count(n) / len(own) for n, x in zip(names, w)]
 
     def seen_values(self, name: str, key: str) -> list[tuple[object, float, str]]:
         """(value, share, label) of the values retrieved past calls and this output's earlier calls
@@ -133,7 +158,7 @@ class _Builder:
         seen = [(v, s, RETRIEVAL) for v, s in _past_values(self.past, name, key)]
         seen += [(v, s, OWN_CALL) for v, s in _past_values(self.own, name, key)]
         total = sum(s for _, s, _ in seen)
-        scale = self.SEEN_SHARE / total if total > self.SEEN_SHARE else 1.0
+        scale = SEEN_SHARE / total if total > SEEN_SHARE else 1.0
         return [(v, s * scale, lab) for v, s, lab in seen]
 
     def derived(self, key: str, schema: dict) -> list[str]:
@@ -215,7 +240,7 @@ class _Builder:
             return self.seq([("}", CALL_KEY)], self.close_call(layout, lv)) if lv >= 0 else []
         ws = self.rest(self.ws_in(args_indent, layout), since)
         if free:
-            return [Cand([(ws + '"', CALL_KEY)], self.FREE_MORE)]
+            return [Cand([(ws + '"', CALL_KEY)], FREE_MORE)]
         return self.seq([(ws + '"', CALL_KEY)], self.arg_names(name, [], "", layout, args_indent, lv))
 
     def arg_weights(self, name: str, used: list[str], cands: list[str]) -> list[float]:
@@ -225,10 +250,10 @@ class _Builder:
         w = []
         follows = self._past_next_args(name, used)
         for a in cands:
-            x = 3.0 if a in req else 1.0
+            x = REQUIRED_WEIGHT if a in req else 1.0
             if a in props and props.index(a) > last:
-                x *= 2.0  # models tend to keep the schema's order
-            x *= 1.0 + 8.0 * follows.get(a, 0.0)  # ... and the order earlier calls of this tool used
+                x *= SCHEMA_ORDER_WEIGHT  # models tend to keep the schema's order
+            x *= 1.0 + PAST_ORDER_WEIGHT * follows.get(a, 0.0)  # ... and the order earlier calls of this tool used
             w.append(x)
         s = sum(w)
         return [x / s for x in w]
@@ -245,7 +270,7 @@ class _Builder:
 
     def arg_names(self, name: str, used: list[str], prefix: str, layout, args_indent: int, lv: int) -> list[Cand]:
         if self.tools.free(name):  # unknown names: the one being typed may end here (as in ``in_object``)
-            return [Cand([('"' + self.tr.kv_sep, ARG_NAME)], 0.5)] if prefix else []
+            return [Cand([('"' + self.tr.kv_sep, ARG_NAME)], FREE_KEY_END)] if prefix else []
         props = self.tools.properties(name)
         cands = [a for a in props if a not in used and a.startswith(prefix)]
         out = []
@@ -269,9 +294,9 @@ class _Builder:
         derived = self.derived(used[-1], schema) if used else []
         if derived:
             after = self.after_value(name, used, layout, args_indent, lv - 1)
-            for v, share in zip(derived, _rank_shares(len(derived), 0.5 * rest)):
+            for v, share in zip(derived, _rank_shares(len(derived), DATE_SHARE * rest)):
                 out += self.seq([('"', VALUE), (v, DERIVED), ('"', VALUE)], after, share)
-            rest *= 0.5
+            rest *= 1.0 - DATE_SHARE
         return out + [
             Cand(c.segs, c.prob * rest) for c in self.typed_start(name, used, schema, layout, args_indent, lv)
         ]
@@ -300,14 +325,16 @@ class _Builder:
         if typ in ("integer", "number"):
             nums = numbers_for(self.numbers, schema)
             return [
-                c for v, share in zip(nums, _rank_shares(len(nums), 0.6)) for c in self.seq([(v, VALUE)], after, share)
+                c
+                for v, share in zip(nums, _rank_shares(len(nums), NUMBER_SHARE))
+                for c in self.seq([(v, VALUE)], after, share)
             ]
         if typ == "string":
             return [Cand([('"', VALUE)], 1.0)]
         if typ == "array":
-            return [Cand([("[", VALUE)], 0.9)]
+            return [Cand([("[", VALUE)], BRACKET_OPENS)]
         if typ == "object":
-            return [Cand([("{", VALUE)], 0.9)]
+            return [Cand([("{", VALUE)], BRACKET_OPENS)]
         return []
 
     def after_value(self, name, used, layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
@@ -318,7 +345,12 @@ class _Builder:
         req = set(self.tools.required(name))
         left = [a for a in props if a not in used]
         missing_req = any(a in req for a in left)
-        p_more = self.FREE_MORE if self.tools.free(name) else 0.0 if not left else (0.9 if missing_req else 0.35)
+        if self.tools.free(name):
+            p_more = FREE_MORE
+        elif not left:
+            p_more = 0.0
+        else:
+            p_more = MORE_REQUIRED if missing_req else MORE_OPTIONAL
         out = []
         if p_more > 0:
             sep = self.sep(args_indent, layout)
@@ -382,7 +414,7 @@ class _Builder:
         text = self.tr.text_since_json
         at_line_start = text == "" or text.endswith("\n")
         # after prose a call starts on a new line, most often once the prose has announced it ("...:\n\n")
-        p_line = self.ANNOUNCED if text.rstrip().endswith(":") else self.AFTER_PROSE
+        p_line = ANNOUNCED if text.rstrip().endswith(":") else AFTER_PROSE
         out = []
         family = self.tr.layouts
         for lay, w in zip(family, self.priors.layout_weights(family)):
@@ -406,7 +438,7 @@ class _Builder:
         if not lay.closer:
             return self.after_bare_call(lay, written)
         if lay.closer.startswith(written):
-            return [Cand(c.segs, 0.9 * c.prob) for c in self.after_closer(lay.closer[len(written) :])]
+            return [Cand(c.segs, CLOSER_GOES_ON * c.prob) for c in self.after_closer(lay.closer[len(written) :])]
         return []
 
     def after_bare_call(self, layout: Layout, written: str) -> list[Cand]:
@@ -417,7 +449,7 @@ class _Builder:
         line = written.strip(" \t")
         if line not in ("", "\n"):
             return []
-        p = self.NEXT_OBJECT_AFTER_NEWLINE if line else self.NEXT_OBJECT
+        p = NEXT_OBJECT_AFTER_NEWLINE if line else NEXT_OBJECT
         nxt = self.seq([(self.rest("\n", line) + "{", END)], self.call_body(layout, 0, 0, NEXT_CALL), p)
         return [Cand([(list(self.eos[:1]), END)], 1.0 - p)] + nxt
 
@@ -471,9 +503,10 @@ class _Builder:
         if tr.in_str == "key":
             # a key seen before, or (keys end at token boundaries more often than not) this one ends here
             out = [
-                Cand([(k[len(tr.buf) :] + '"' + tr.kv_sep, OBJ_KEY)], 0.7 * p) for k, p in self.object_keys(f, tr.buf)
+                Cand([(k[len(tr.buf) :] + '"' + tr.kv_sep, OBJ_KEY)], SEEN_KEY * p)
+                for k, p in self.object_keys(f, tr.buf)
             ]
-            return out + ([Cand([('"' + tr.kv_sep, OBJ_KEY)], 0.3 if out else 0.5)] if tr.buf else [])
+            return out + ([Cand([('"' + tr.kv_sep, OBJ_KEY)], KEY_ENDS if out else KEY_ENDS_UNSEEN)] if tr.buf else [])
         if f.expect == "key":
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
             return [Cand([(ws + '"' + k + '"' + tr.kv_sep, OBJ_KEY)], p) for k, p in self.object_keys(f) if k != CLOSE]
@@ -509,11 +542,11 @@ class _Builder:
                         OBJ_KEY,
                     )
                 ],
-                0.5 * p,
+                NEXT_RECORD * p,
             )
             for k, p in firsts
         ]
-        return out + [Cand([(self.ws_close(f.indent, lay) + "]", OBJ_KEY)], 0.5)]
+        return out + [Cand([(self.ws_close(f.indent, lay) + "]", OBJ_KEY)], 1.0 - NEXT_RECORD)]
 
     def head_label(self) -> str:
         """Label of a call's opening key: a second object after a finished call is learned apart
@@ -565,13 +598,13 @@ class _Builder:
             return out
         # the string may end here: closing quote + what follows (low prior; the budget decides)
         after = self.after_value(name, used, lay, indent, lv - 1)
-        out = self.seq([('"', VALUE)], after, 0.15)
+        out = self.seq([('"', VALUE)], after, STRING_ENDS)
         for v, share, label in self.seen_values(name, used[-1]) if used else []:
             text = _json_scalar(v)[1:] if isinstance(v, str) else ""
             if text.startswith(buf) and len(text) > len(buf) + 1:
                 out += self.seq([(text[len(buf) :], label)], after, share)
         derived = [v for v in self.derived(used[-1], schema) if v.startswith(buf) and len(v) > len(buf)] if used else []
-        for v, share in zip(derived, _rank_shares(len(derived), 0.6)):
+        for v, share in zip(derived, _rank_shares(len(derived), DATE_TEXT_SHARE)):
             out += self.seq([(v[len(buf) :], DERIVED), ('"', VALUE)], after, share)
         return out
 
@@ -580,7 +613,7 @@ class _Builder:
         for word in ("true", "false", "null"):
             if word.startswith(buf) and word != buf:
                 return self.seq([(word[len(buf) :], VALUE)], self.after_value(name, used, lay, indent, lv - 1))
-        return [Cand(c.segs, c.prob * 0.3) for c in self.after_value(name, used, lay, indent, lv - 1)]
+        return [Cand(c.segs, c.prob * NUMBER_ENDS) for c in self.after_value(name, used, lay, indent, lv - 1)]
 
 
 def _rank_shares(n: int, total: float) -> list[float]:

@@ -43,9 +43,8 @@ from toolspec_core.drafters.toolcall.objkeys import KeyIndex, KeyScanner
 from toolspec_core.drafters.toolcall.parse import parse_tool_calls
 from toolspec_core.drafters.toolcall.values import context_dates, context_numbers, digit_run, value_spans
 from toolspec_core.engine.detokenize import Detokenizer
-from toolspec_core.engine.tree import ROOT, DraftTree
-from toolspec_core.engine.verify import VerifyResult
-from toolspec_core.model.target import turn_end_ids
+from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult
+from toolspec_core.model.prompting import turn_end_ids
 
 DEFAULT_RATES = {
     CALL_KEY: 0.97,
@@ -406,8 +405,8 @@ class SchemaMethod:
     (suffix matches, argument values copied from the context); no history."""
 
     name = "toolspec_schema"
-    use_schema, use_retrieval = True, False
-    uses_history, uses_library = False, True
+    uses_schema = True  # drafts the tool calls the schemas allow (the FSM)
+    uses_history = uses_library = False
 
     def __init__(
         self,
@@ -427,7 +426,8 @@ class SchemaMethod:
         # never shape another's trees): (schema rates, suffix rates), least recently used dropped
         self._tenant_rates: dict[str, tuple[LabelRates, LabelRates]] = {}
         self.priors = Priors()
-        self.library = library if library is not None else (MemoryLibrary() if self.use_retrieval else None)
+        # the shared library of past calls (an in-memory one unless given); none for schema-only drafting
+        self.library = (library if library is not None else MemoryLibrary()) if self.uses_library else None
         self.retrieve_k = retrieve_k
         self.suffix_depth, self.suffix_nodes, self.max_match, self.prompt_tail = (
             suffix_depth,
@@ -474,7 +474,7 @@ class SchemaMethod:
     def drafter(self, req: RequestInfo) -> SchemaDrafter:
         rates, suffix_rates = self.rates_for(req.tenant)
         retrieval, history = None, SuffixTrie(self.suffix_depth)  # no history: an empty trie
-        if self.use_retrieval:
+        if self.uses_library:
             calls = req.retrieved
             if calls is None and self.library is not None:
                 names = [t["function"]["name"] for t in req.tools or [] if "function" in t]
@@ -493,7 +493,7 @@ class SchemaMethod:
             self.eos,
             suffix,
             retrieval,
-            self.use_schema,
+            self.uses_schema,
             answer=req.response_schema is not None and not req.tools,
             layouts=self.layouts,
         )
@@ -501,7 +501,7 @@ class SchemaMethod:
     def observe(self, req: RequestInfo, output_ids: list[int], text: str) -> None:
         """Learn tool/layout frequencies; remember the output (suffix history) and its calls (library)
         unless told not to."""
-        if self.use_retrieval and req.remember:
+        if self.uses_library and req.remember:
             self.history.add(req.tenant, output_ids, req.prompt_ids[-self.prompt_tail :])
         if req.response_schema is not None and not req.tools:  # a structured answer holds no calls
             return
@@ -529,8 +529,8 @@ class RetrievalMethod(SchemaMethod):
     (+ generic drafting over the context), no schema FSM."""
 
     name = "toolspec_retrieval"
-    use_schema, use_retrieval = False, True
-    uses_history = True
+    uses_schema = False
+    uses_history = uses_library = True
 
 
 class ToolSpecMethod(SchemaMethod):
@@ -538,8 +538,8 @@ class ToolSpecMethod(SchemaMethod):
     tenant's earlier outputs) + generic drafting over the context, merged into one tree."""
 
     name = "toolspec"
-    use_schema, use_retrieval = True, True
-    uses_history = True
+    uses_schema = True
+    uses_history = uses_library = True
 
 
 TEXT_CLOSERS = tuple(

@@ -8,10 +8,14 @@ from its token ids, so records carry the tokens as the target wrote them.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, Union
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -23,7 +27,12 @@ class PastCall:
     score: float = 0.0
 
 
-def as_past_call(c) -> PastCall:
+# A request's retrieval key: its text (the Retrieval deployment encodes it) or a vector (a list, an
+# array, or the target's last-layer hidden state of the final prompt token [H]).
+RequestKey = Union[str, Sequence[float], np.ndarray, "torch.Tensor"]
+
+
+def as_past_call(c: PastCall | dict) -> PastCall:
     """A retrieved call as the drafter takes it: a ``PastCall`` as is, or the retrieval service's
     result dict (``tool_name``, ``token_ids``, ``text``, ``arguments``, ``score``), which is what
     crosses from the Retrieval deployment (that package never imports the core)."""
@@ -39,9 +48,11 @@ def as_past_call(c) -> PastCall:
 
 
 class CallLibrary(Protocol):
-    def search(self, tenant: str, embedding, tool_names: list[str] | None = None, k: int = 10) -> list[PastCall]: ...
+    def search(
+        self, tenant: str, embedding: RequestKey | None, tool_names: list[str] | None = None, k: int = 10
+    ) -> list[PastCall]: ...
 
-    def add(self, tenant: str, call: PastCall, embedding, remember: bool = True) -> None: ...
+    def add(self, tenant: str, call: PastCall, embedding: RequestKey | None, remember: bool = True) -> None: ...
 
 
 def _unit(v) -> np.ndarray | None:
