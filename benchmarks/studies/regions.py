@@ -23,7 +23,7 @@ from benchmarks.data import run_items
 from benchmarks.report import BASELINES, run_label
 from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
 from toolspec_core.engine.detokenize import Detokenizer
-from toolspec_core.model.target import turn_end_ids
+from toolspec_core.model.prompting import turn_end_ids
 
 REGIONS = ("before", "call", "after")
 TARGET = 1.5  # issue #5's goal over the best baseline
