@@ -130,6 +130,19 @@ class EngineHost:
     def _prepare(self, req: EngineRequest) -> Prepared:
         return prepare(req, self.cfg, self.target, self.engine.scheduler, self.text_key)
 
+    def _sequence(self, prep: Prepared, info, pre, late):
+        """The request's sequence and drafter (``late``: the search still running, see
+        :class:`~deployments.prepare.LateDrafter`); ``pre``: its prompt prefilled here, or None."""
+        from toolspec_core.engine.sequence import Sequence
+
+        if late is None:
+            drafter = self.method.drafter(info)
+        else:
+            drafter = LateDrafter(lambda calls: self.method.drafter(dataclasses.replace(info, retrieved=calls)), late)
+        return Sequence(
+            self.target, prep.prompt_ids, drafter, prep.decode_cfg, prep.constraint, prefilled=pre, own_cache=True
+        )
+
     def _observe(self, info, result) -> None:
         try:
             self.method.observe(info, result.tokens, result.text)
@@ -144,7 +157,6 @@ class EngineHost:
         from retrieval_service.embedding import from_hidden
         from toolspec_core.drafters.methods import RequestInfo
         from toolspec_core.engine.loop import prefill
-        from toolspec_core.engine.sequence import Sequence
 
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
@@ -172,13 +184,8 @@ class EngineHost:
             retrieved if retrieved is not None else ([] if self.retrieval is not None else None),
             req.response_schema,
         )
-        if late is None:
-            drafter = self.method.drafter(info)
-        else:
-            drafter = LateDrafter(lambda calls: self.method.drafter(dataclasses.replace(info, retrieved=calls)), late)
-        seq = Sequence(
-            self.target, prep.prompt_ids, drafter, prep.decode_cfg, prep.constraint, prefilled=pre, own_cache=True
-        )
+        seq = await loop.run_in_executor(self.workers, self._sequence, prep, info, pre, late)
+        drafter = seq.drafter
         streamer = TextStreamer(req.stop, prep.decode_cfg.end_after)
         stream = None
         try:

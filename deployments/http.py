@@ -89,6 +89,36 @@ def cancelled_response():
     return Response(status_code=499)
 
 
+class QuietCancellation:
+    """ASGI middleware: a request cancelled because its client went away -- Serve cancels the
+    ingress, its replica call, or the ``send`` of a response already streaming, and Starlette's
+    streaming task group raises that in an exception group -- ends here, logged at debug level.
+    Nothing else is caught."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            if not is_cancellation(exc):
+                raise
+            log.debug("request cancelled (%s)", type(exc).__name__)
+            if not started and scope["type"] == "http":
+                try:
+                    await cancelled_response()(scope, receive, send)
+                except Exception:  # nobody is listening any more
+                    pass
+
+
 class KeyAuth:
     """ASGI middleware: the caller's key (its tenant and limits) in ``request.state.key``; an open
     server's callers are all the one local tenant. ``/v1/*`` without a known key is a 401. Plain
@@ -128,6 +158,7 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
     app.state.metrics = metrics
 
     app.add_middleware(KeyAuth, keys=keys)
+    app.add_middleware(QuietCancellation)  # outermost of ours: a cancellation raised anywhere inside ends here
 
     def admin(request: Request, tenant: str):
         if not request.state.key.admin:

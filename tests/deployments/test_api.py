@@ -1199,6 +1199,57 @@ class _CancelledBackend:
         return {}
 
 
+def test_a_send_cancelled_mid_stream_is_quiet(caplog):
+    """Serve cancels the ``send`` of a response already streaming when the client goes away (the
+    cancellation surfaces from Starlette's streaming task group): the app returns quietly."""
+    import logging
+
+    from ray.serve.exceptions import RequestCancelledError
+
+    from deployments.http import make_api
+
+    class Backend(_CancelledBackend):
+        async def stream(self, req):
+            for ev in ({"event": "start", "prompt_tokens": 3}, {"event": "text", "delta": "Hel"}):
+                yield ev
+            await asyncio.sleep(3600)  # the rest never comes: the client is gone
+
+    app = make_api(Backend("mid"), ServeAppConfig(served_model_name="m"))
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+    sent, received = [], []
+
+    async def receive():
+        if not received:
+            received.append(body)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)  # the disconnect comes as the failed send
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and len(sent) > 2:
+            raise RequestCancelledError("req-1")
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "scheme": "http",
+        "server": ("test", 80),
+        "client": ("test", 1),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+    }
+    with caplog.at_level(logging.DEBUG):
+        run(asyncio.wait_for(app(scope, receive, send), 30))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.WARNING], caplog.text
+    assert "request cancelled" in caplog.text
+
+
 @pytest.mark.parametrize("when,stream", [("first", True), ("mid", True), ("first", False)])
 def test_a_cancelled_replica_call_is_quiet_at_the_ingress(caplog, when, stream):
     """A client that leaves is normal: whether Serve cancels the replica call before the first
