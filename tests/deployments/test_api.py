@@ -418,6 +418,9 @@ def test_config_validates_once_and_accepts_the_k8s_args():
     ):
         with pytest.raises(ValueError):
             ServeAppConfig.model_validate(bad)
+    for removed, says in (("engine", "batched step scheduler"), ("prefix_cache_entries", "prefix_caching")):
+        with pytest.raises(ValueError, match=says):
+            ServeAppConfig.model_validate({removed: "threads" if removed == "engine" else 8})
     with pytest.raises(ValueError, match="unknown method"):
         check_method("nope")
     with pytest.raises(ValueError):
