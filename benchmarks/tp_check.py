@@ -23,26 +23,24 @@ import time
 from pathlib import Path
 
 
-def requests_of(items: list[dict], max_tokens: int) -> list[dict]:
+def requests_of(items: list[dict], max_tokens: int) -> list:
+    from deployments.protocol import EngineRequest
+
     return [
-        {
-            "messages": it["messages"],
-            "tools": it.get("tools") or [],
-            "tool_choice": "auto" if it.get("tools") else "none",
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "top_p": 1.0,
-            "top_k": 0,
-            "seed": None,
-            "stop": [],
-            "tenant": "tp-check",
-            "remember": False,
-        }
+        EngineRequest(
+            messages=it["messages"],
+            tools=it.get("tools") or [],
+            tool_choice="auto" if it.get("tools") else "none",
+            max_tokens=max_tokens,
+            temperature=0.0,
+            tenant="tp-check",
+            remember=False,
+        )
         for it in items
     ]
 
 
-async def _run(host, reqs: list[dict], batch: int) -> tuple[list, list]:
+async def _run(host, reqs: list, batch: int) -> tuple[list, list]:
     alone = [await host.generate(r) for r in reqs]
     together: list = []
     for i in range(0, len(reqs), batch):
@@ -50,7 +48,7 @@ async def _run(host, reqs: list[dict], batch: int) -> tuple[list, list]:
     return alone, together
 
 
-def run_engine(host, reqs: list[dict], batch: int) -> dict:
+def run_engine(host, reqs: list, batch: int) -> dict:
     t0 = time.perf_counter()
     alone, together = asyncio.run(_run(host, reqs, batch))
     steps = host.engine.scheduler.steps

@@ -110,12 +110,20 @@ class RequestLimits(BaseModel):
     prompt_tokens: int | None = Field(None, ge=1)  # None: the model's context window
 
 
+REMOVED_OPTIONS = {
+    "engine": "every replica runs one engine, the batched step scheduler (max_num_seqs sequences per step)",
+    "prefix_cache_entries": "prompt prefixes are cached in the KV block pool (prefix_caching: true / false)",
+}
+
+
 class ServeAppConfig(BaseModel):
     """Everything ``build_app`` needs; see deployments/README.md for a commented example."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str = "embedded"  # HF directory, or "embedded" (Qwen2.5-Coder-0.5B-Instruct)
+    # HF directory, "embedded" (Qwen2.5-Coder-0.5B-Instruct), or "scripted": a target that costs
+    # nothing and writes a fixed tool call (deployments/scripted.py; measures the serving stack alone)
+    model: str = "embedded"
     served_model_name: str | None = None  # default: the model directory's name
     method: str = "toolspec"  # toolspec_core.drafters.methods.REGISTRY name; fails fast if it cannot be built
     method_options: dict[str, Any] = Field(default_factory=dict)
@@ -154,9 +162,6 @@ class ServeAppConfig(BaseModel):
     # prompt rows the engine prefills per step, beside the decoding sequences (a long prompt
     # stalls them by one chunk a step at most)
     prefill_chunk_tokens: int = Field(512, ge=16, le=65536)
-    # "batched": one engine thread verifies all running requests together; "threads": each request
-    # decodes alone in its own thread (a batch of one each), the reference the batched engine is measured against
-    engine: Literal["batched", "threads"] = "batched"
     # the batched engine's KV block pool, allocated once per replica: its size in tokens (None: on
     # cuda kv_memory_fraction of the memory free after the weights; on cpu 32768 tokens, or the
     # model's context window if larger), tokens per block, and the prefix cache kept in it
@@ -174,7 +179,6 @@ class ServeAppConfig(BaseModel):
     # shortcuts for a remote Qdrant (what the k8s manifests set): retrieval.store backend qdrant_url
     qdrant_url: str | None = None
     qdrant_api_key_env: str | None = None
-    prefix_cache_entries: int = Field(8, ge=0, le=1024)
     max_tokens_default: int = Field(512, ge=1)
     max_tokens_limit: int = Field(4096, ge=1)
     limits: RequestLimits = Field(default_factory=RequestLimits)
@@ -198,14 +202,22 @@ class ServeAppConfig(BaseModel):
             parse_memory(v)
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data: Any) -> Any:
+        """Options a replica no longer has, refused saying what serves instead."""
+        if isinstance(data, dict):
+            for key, why in REMOVED_OPTIONS.items():
+                if key in data:
+                    raise ValueError(f"{key!r} is not an option: {why}; remove it from the config")
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> "ServeAppConfig":
         if self.max_tokens_default > self.max_tokens_limit:
             raise ValueError("max_tokens_default must be <= max_tokens_limit")
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("float16 is not supported on cpu; use float32 or bfloat16")
-        if self.tensor_parallel_size > 1 and self.engine != "batched":
-            raise ValueError("tensor_parallel_size > 1 runs on the batched engine (engine: batched)")
         if self.tensor_parallel_size > 1 and self.retrieval.enabled and self.retrieval.key == "hidden":
             raise ValueError(
                 "retrieval.key hidden reads the target's state of a prompt prefilled in the replica, which a "

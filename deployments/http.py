@@ -14,16 +14,8 @@ import time
 from .config import ServeAppConfig, served_name
 from .keys import OPEN, KeyLimiter, KeyRing
 from .metrics import Metrics
-from .protocol import (
-    APIError,
-    StreamShaper,
-    chat_completion,
-    engine_request,
-    parse_request,
-    parses_tools,
-    schema_size,
-    sse,
-)
+from .protocol import APIError, EngineRequest, chat_completion, engine_request, parse_request, parses_tools, schema_size
+from .streaming import StreamShaper, sse
 
 log = logging.getLogger("toolspec.serve")
 
@@ -34,11 +26,11 @@ class HandleBackend:
     def __init__(self, handle):
         self.handle = handle
 
-    async def stream(self, req: dict):
+    async def stream(self, req: EngineRequest):
         async for ev in self.handle.options(stream=True).stream.remote(req):
             yield ev
 
-    async def generate(self, req: dict) -> dict:
+    async def generate(self, req: EngineRequest) -> dict:
         return await self.handle.generate.remote(req)
 
     async def info(self) -> dict:
@@ -54,10 +46,10 @@ class LocalBackend:
     def __init__(self, host):
         self.host = host
 
-    def stream(self, req: dict):
+    def stream(self, req: EngineRequest):
         return self.host.stream(req)
 
-    async def generate(self, req: dict) -> dict:
+    async def generate(self, req: EngineRequest) -> dict:
         return await self.host.generate(req)
 
     async def info(self) -> dict:
@@ -78,6 +70,78 @@ def _error(exc: APIError):
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
 
+_CANCELLED = ("CancelledError", "TaskCancelledError", "RequestCancelledError")
+
+
+def is_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` only says the request was cancelled -- its client went away (asyncio's
+    ``CancelledError``, Ray's ``TaskCancelledError`` / Serve's ``RequestCancelledError``, or a
+    group of nothing else): normal, so it is not logged as an error."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(is_cancellation(e) for e in exc.exceptions)
+    return any(c.__name__ in _CANCELLED for c in type(exc).__mro__)
+
+
+def cancelled_response():
+    """What a cancelled request answers, should anyone still read it (nginx's "client closed request")."""
+    from fastapi.responses import Response
+
+    return Response(status_code=499)
+
+
+class QuietCancellation:
+    """ASGI middleware: a request cancelled because its client went away -- Serve cancels the
+    ingress, its replica call, or the ``send`` of a response already streaming, and Starlette's
+    streaming task group raises that in an exception group -- ends here, logged at debug level.
+    Nothing else is caught."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            if not is_cancellation(exc):
+                raise
+            log.debug("request cancelled (%s)", type(exc).__name__)
+            if not started and scope["type"] == "http":
+                try:
+                    await cancelled_response()(scope, receive, send)
+                except Exception:  # nobody is listening any more
+                    pass
+
+
+class KeyAuth:
+    """ASGI middleware: the caller's key (its tenant and limits) in ``request.state.key``; an open
+    server's callers are all the one local tenant. ``/v1/*`` without a known key is a 401. Plain
+    ASGI, so a request's exceptions reach the app's handlers as they were raised (no task group
+    wraps them)."""
+
+    def __init__(self, app, keys):
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        key = OPEN
+        if self.keys is not None and "/v1/" in scope["path"] + "/":
+            sent = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            key = self.keys.lookup(sent[7:] if sent.lower().startswith("bearer ") else "")
+            if key is None:
+                err = APIError("Incorrect API key provided.", 401, param=None, code="invalid_api_key")
+                return await _error(err)(scope, receive, send)
+        scope.setdefault("state", {})["key"] = key
+        return await self.app(scope, receive, send)
+
+
 def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
     """Build the app (no ``from __future__ import annotations`` here: FastAPI reads the
     handlers' annotations, and ``Request`` is imported lazily in this scope)."""
@@ -93,18 +157,8 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
     limiter = KeyLimiter()
     app.state.metrics = metrics
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        """The caller's key (its tenant and limits) on ``request.state.key``; an open server's
-        callers are all the one local tenant."""
-        request.state.key = OPEN
-        if keys is not None and "/v1/" in request.url.path + "/":
-            sent = request.headers.get("authorization", "")
-            key = keys.lookup(sent[7:] if sent.lower().startswith("bearer ") else "")
-            if key is None:
-                return _error(APIError("Incorrect API key provided.", 401, param=None, code="invalid_api_key"))
-            request.state.key = key
-        return await call_next(request)
+    app.add_middleware(KeyAuth, keys=keys)
+    app.add_middleware(QuietCancellation)  # outermost of ours: a cancellation raised anywhere inside ends here
 
     def admin(request: Request, tenant: str):
         if not request.state.key.admin:
@@ -134,6 +188,9 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception):
+        if is_cancellation(exc):  # the client went away (a cancellation the route did not see)
+            log.debug("request cancelled (%s)", type(exc).__name__)
+            return cancelled_response()
         log.exception("unhandled error")
         return _error(APIError(f"internal error: {type(exc).__name__}", 500, type="server_error"))
 
@@ -231,6 +288,11 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
             result = {}
             try:
                 result = await backend.generate(ereq)
+            except Exception as exc:
+                if not is_cancellation(exc):
+                    raise
+                log.debug("request cancelled (%s)", type(exc).__name__)
+                return cancelled_response()
             finally:
                 limiter.done(key, _tokens(result))
             if result.get("event") == "error":
@@ -242,6 +304,12 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
         try:
             events = backend.stream(ereq).__aiter__()
             first = await events.__anext__()
+        except Exception as exc:
+            limiter.done(key)
+            if not is_cancellation(exc):
+                raise
+            log.debug("request cancelled (%s)", type(exc).__name__)
+            return cancelled_response()
         except BaseException:
             limiter.done(key)
             raise
@@ -271,7 +339,14 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
                         if shaper.mismatch:
                             log.warning("stream deltas diverged from the final parse (request %s)", shaper.id)
                         metrics.observe_done(ev, True, time.perf_counter() - t0)
+                    elif ev["event"] == "error":  # the engine failed the request: tell the client in-band
+                        metrics.observe_error(True)
+                        yield sse({"error": ev["error"]})
+                        break
             except Exception as exc:  # mid-stream failure: tell the client in-band, then end
+                if is_cancellation(exc):  # the client went away (Serve cancelled the replica's stream)
+                    log.debug("stream cancelled (%s)", type(exc).__name__)
+                    return
                 log.exception("stream failed")
                 metrics.observe_error(True)
                 yield sse(APIError(f"internal error: {type(exc).__name__}", 500, type="server_error").body())

@@ -6,15 +6,15 @@ Pure Python (no Ray, no torch) so it is unit-tested directly. Bad input raises
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import re
 import time
 import uuid
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from toolspec_core.drafters.toolcall.parse import ParsedOutput, ToolCall, parse_tool_calls, raw_arguments, stream_calls
+from toolspec_core.drafters.toolcall.parse import ParsedOutput, ToolCall, parse_tool_calls
 
 # ---------------------------------------------------------------------------------------- errors
 
@@ -382,44 +382,71 @@ def response_schema(req: ChatRequest, limits: Any = None, check: bool = True) ->
     return schema
 
 
-def engine_request(req: ChatRequest, tenant: str = "default") -> dict:
-    """The plain dict the engine replica gets (JSON-able, everything already validated);
-    ``tenant``: the library tenant (the caller's key's, narrowed by ``user``)."""
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    """What the engine replica gets for one request: validated, normalised, picklable (it crosses a
+    Ray handle). ``tool_choice``: "none" | "auto" | "required" | ``{"type": "function", ...}``;
+    ``temperature`` None: the server's default; ``logprobs`` None: none, k: k alternatives;
+    ``response_schema`` None: free text; ``tenant``: the library tenant (the caller's key's,
+    narrowed by ``user``)."""
+
+    messages: list[dict]
+    tools: list[dict] = dataclasses.field(default_factory=list)
+    tool_choice: str | dict = "none"
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    tenant: str = "default"
+    remember: bool = True
+    parallel_tool_calls: bool = True
+    logprobs: int | None = None
+    response_schema: dict | None = None
+
+    @property
+    def offered_tools(self) -> list[dict]:
+        """The tools the model is shown (none with ``tool_choice`` "none")."""
+        return self.tools if self.tool_choice != "none" else []
+
+
+def engine_request(req: ChatRequest, tenant: str = "default") -> EngineRequest:
+    """The engine's request of a validated ``ChatRequest``."""
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice):
         choice = {"type": "function", "function": {"name": choice.function.name}}
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     if choice is None:
         choice = "auto" if tools else "none"
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return {
-        "messages": messages,
-        "tools": tools,
-        "tool_choice": choice,
-        "max_tokens": req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-        "temperature": float(req.temperature) if req.temperature is not None else None,  # None: server default
-        "top_p": float(req.top_p) if req.top_p is not None else 1.0,
-        "top_k": req.top_k or 0,
-        "seed": req.seed,
-        "stop": stops,
-        "tenant": tenant,
-        "remember": req.toolspec.remember if req.toolspec else True,
-        "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "logprobs": (req.top_logprobs or 0) if req.logprobs else None,  # None: none; k: k alternatives
-        "response_schema": response_schema(req, check=False),  # None: free text (parse_request checked it)
-    }
+    return EngineRequest(
+        messages=[m.model_dump(exclude_none=True) for m in req.messages],
+        tools=tools,
+        tool_choice=choice,
+        max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+        temperature=float(req.temperature) if req.temperature is not None else None,
+        top_p=float(req.top_p) if req.top_p is not None else 1.0,
+        top_k=req.top_k or 0,
+        seed=req.seed,
+        stop=stops,
+        tenant=tenant,
+        remember=req.toolspec.remember if req.toolspec else True,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        response_schema=response_schema(req, check=False),  # parse_request checked it
+    )
 
 
 TAGS = "tags"  # parse mode: only <tool_call> blocks are calls (the answer is structured JSON)
 
 
-def parses_tools(ereq: dict) -> bool | str:
+def parses_tools(ereq: EngineRequest) -> bool | str:
     """Whether calls are parsed from the output: False, True (every layout), or :data:`TAGS` when
     a structured answer is the other choice (a JSON answer is not a bare call)."""
-    if not ereq["tools"] or ereq["tool_choice"] == "none":
+    if not ereq.offered_tools:
         return False
-    if ereq.get("response_schema") is not None and ereq["tool_choice"] == "auto":
+    if ereq.response_schema is not None and ereq.tool_choice == "auto":
         return TAGS
     return True
 
@@ -491,7 +518,7 @@ def usage(result: dict) -> dict:
     }
 
 
-def _logprobs(entries: list | None) -> dict | None:
+def choice_logprobs(entries: list | None) -> dict | None:
     """OpenAI's ``choices[].logprobs``: every output token's entry (a call's tokens too)."""
     return None if entries is None else {"content": entries, "refusal": None}
 
@@ -514,145 +541,10 @@ def chat_completion(result: dict, parse: bool, model: str, cid: str | None = Non
             {
                 "index": 0,
                 "message": message,
-                "logprobs": _logprobs(result.get("logprobs")),
+                "logprobs": choice_logprobs(result.get("logprobs")),
                 "finish_reason": finish_reason(result["finish_reason"], bool(parsed.calls)),
             }
         ],
         "usage": usage(result),
         "toolspec": stats_extra(result.get("stats", {}), result.get("extra")),
     }
-
-
-# ---------------------------------------------------------------------------------------- streaming
-
-_CALL_OPENERS = ("<tool_call>", "```", "{", "[", "<|python_tag|>")
-
-
-def _hold_from(text: str, tags_only: bool = False) -> int:
-    """Index from which text might belong to a tool call (held back until it is parsed)."""
-    cut = len(text)
-    for op in _CALL_OPENERS[:1] if tags_only else _CALL_OPENERS:
-        i = text.find(op)
-        if i >= 0:
-            cut = min(cut, i)
-        # a partial opener at the very end ("<tool", "``")
-        for k in range(min(len(op) - 1, len(text)), 0, -1):
-            if text.endswith(op[:k]):
-                cut = min(cut, len(text) - k)
-                break
-    return cut
-
-
-class StreamShaper:
-    """Turns replica events into OpenAI ``chat.completion.chunk`` dicts.
-
-    Content is streamed as it is generated, except text that may start a tool call. A call is
-    streamed as OpenAI streams one: its ``id`` / ``type`` / ``function.name`` once the name is
-    complete, then ``arguments`` fragments as the model writes them (the arguments string is the
-    model's own text, so the fragments are prefixes of it), in every layout the parser reads.
-    ``finish`` checks what was sent against the full-text parse the non-streaming response uses
-    and sends the rest, so the deltas reassemble to the same message.
-    """
-
-    def __init__(self, model: str, parse: bool | str, include_usage: bool = False, cid: str | None = None):
-        self.model, self.parse, self.include_usage = model, parse, include_usage
-        self.tags_only = parse == TAGS
-        self.id, self.created = cid or completion_id(), int(time.time())
-        self.text = ""
-        self.sent_content = ""
-        self.sent_calls: list[tuple[str, str]] = []  # (name, arguments sent so far) per call index
-        self.mismatch = False
-        self.logprobs: list[dict] = []  # token entries not sent yet (they ride on the next chunk)
-
-    def chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
-        out = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-        }
-        out.update(extra)
-        return out
-
-    def start(self) -> dict:
-        return self.chunk({"role": "assistant", "content": ""})
-
-    def _content_delta(self, content: str) -> Iterator[dict]:
-        if content.startswith(self.sent_content):
-            new = content[len(self.sent_content) :]
-            if new:
-                self.sent_content = content
-                yield self.chunk({"content": new})
-        else:
-            self.mismatch = True
-
-    def _call_delta(self, index: int, name: str, args: str) -> Iterator[dict]:
-        """The deltas taking call ``index`` to ``name`` with ``args`` (a header first if it is new)."""
-        if index == len(self.sent_calls):
-            self.sent_calls.append((name, ""))
-            head = {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
-            yield self.chunk({"tool_calls": [head]})
-        sent_name, sent = self.sent_calls[index]
-        if sent_name != name or not args.startswith(sent):
-            self.mismatch = True
-            return
-        if len(args) > len(sent):
-            self.sent_calls[index] = (name, args)
-            yield self.chunk({"tool_calls": [{"index": index, "function": {"arguments": args[len(sent) :]}}]})
-
-    def _with_logprobs(self, chunks: Iterator[dict]) -> Iterator[dict]:
-        """The chunks, the token logprobs waiting so far on the first of them."""
-        for ch in chunks:
-            if self.logprobs:
-                ch["choices"][0]["logprobs"] = _logprobs(self.logprobs)
-                self.logprobs = []
-            yield ch
-
-    def feed(self, delta: str, logprobs: list[dict] | None = None) -> Iterator[dict]:
-        """Chunks for ``delta`` of text; ``logprobs``: the entries of the tokens it came from."""
-        self.logprobs += logprobs or []
-        yield from self._with_logprobs(self._feed(delta))
-
-    def _feed(self, delta: str) -> Iterator[dict]:
-        self.text += delta
-        if not self.parse:
-            yield from self._content_delta(self.text)
-            return
-        visible = self.text[: _hold_from(self.text, self.tags_only)].strip()
-        yield from self._content_delta(visible)
-        for index, scan in enumerate(stream_calls(self.text, self.tags_only)):
-            if self.mismatch or not scan.ready(self.text):
-                return
-            yield from self._call_delta(index, scan.name, raw_arguments(self.text, scan) or "")
-            if scan.end is None:  # a later call cannot have begun
-                return
-
-    def finish(self, result: dict) -> Iterator[dict]:
-        """Flush against the authoritative full text; then the finish (and usage) chunks."""
-        yield from self._with_logprobs(self._finish(result))
-
-    def _finish(self, result: dict) -> Iterator[dict]:
-        text = result["text"]
-        if text.startswith(self.text) and len(text) > len(self.text):
-            self.text = text
-        parsed = split_output(text, self.parse)
-        if len(parsed.calls) < len(self.sent_calls):
-            self.mismatch = True
-        for index, call in enumerate(parsed.calls):
-            if self.mismatch:
-                break
-            yield from self._call_delta(index, call.name, call.arguments_json())
-        yield from self._content_delta(parsed.content or "")
-        reason = finish_reason(result["finish_reason"], bool(parsed.calls))
-        extra = {"toolspec": stats_extra(result.get("stats", {}), result.get("extra"))}
-        yield self.chunk({}, reason, **extra)
-        if self.include_usage:
-            u = self.chunk({}, None, usage=usage(result))
-            u["choices"] = []
-            yield u
-
-
-def sse(obj: dict | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {data}\n\n".encode()

@@ -241,8 +241,8 @@ async def _awaitable(resp):
 
 class ServeLibrary:
     """The write side of ``toolspec_core.drafters.toolcall.library.CallLibrary`` over the client,
-    callable from decode threads. Searches never go through it: the host runs one per request on
-    the event loop (``EngineHost._retrieve``) and hands the drafter its results
+    callable from the replica's worker and engine threads. Searches never go through it: the host runs one per request on
+    the event loop (``prepare.Search``) and hands the drafter its results
     (``RequestInfo.retrieved``, never None when retrieval is on)."""
 
     def __init__(self, client: RetrievalClient, max_hashes: int = 4096):

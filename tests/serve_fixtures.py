@@ -40,25 +40,13 @@ WEATHER_MESSAGES = [
 
 def make_tiny_model(out_dir, seed: int = 0, context: int = 2048) -> str:
     """A random 2-layer Qwen2 with the embedded model's tokenizer (real chat template)."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer
 
+    from deployments.scripted import tiny_qwen2
     from toolspec_core.model.embedded import embedded_model_dir
 
     tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
-    cfg = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=context,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-    )
-    torch.manual_seed(seed)
-    Qwen2ForCausalLM(cfg).save_pretrained(str(out_dir))
+    tiny_qwen2(tok, context=context, seed=seed).save_pretrained(str(out_dir))
     tok.save_pretrained(str(out_dir))
     return str(out_dir)
 

@@ -4,12 +4,17 @@ The committed load-test reports: several apps from one config on loopback, side 
 
 Starts one local Ray cluster with one application per ``--apps`` entry, built from the same config
 except the method and its options (default: ``toolspec`` at /toolspec and plain greedy at
-/greedy; ``+threads`` serves an app on the thread-per-request engine, ``+nocache`` without prefix
-caching, ``+chunkN`` with ``prefill_chunk_tokens`` N), runs ``toolspec loadtest`` against all of them, the last one the baseline, then shuts
+/greedy; ``+nocache`` serves an app without prefix caching, ``+chunkN`` with ``prefill_chunk_tokens``
+N), runs ``toolspec loadtest`` against all of them, the last one the baseline, then shuts
 everything down. Arguments it does not know go to
 ``toolspec loadtest`` unchanged (e.g. ``--workload conversations``, ``--request-rate``, ``--slo``).
 
     python -m benchmarks.studies.loadtest_local --concurrency 1,2,4,8 --num-requests 8 --max-seconds 300
+
+``--scripted-target`` serves the target that costs nothing (``model: scripted``, method ``ar``,
+a batch of up to 64): what the HTTP, Ray and streaming path itself carries on this machine.
+
+    python -m benchmarks.studies.loadtest_local --scripted-target --concurrency 1,8,32 --duration 30 --num-requests 4000
 """
 
 from __future__ import annotations
@@ -20,8 +25,7 @@ import re
 import sys
 
 OPTIONS = {
-    "threads": {"engine": "threads"},
-    "nocache": {"prefix_caching": False, "prefix_cache_entries": 0},
+    "nocache": {"prefix_caching": False},
 }
 
 
@@ -114,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         "--set", action="append", default=[], metavar="KEY=JSON", help="extra ServeAppConfig keys for every app"
     )
     p.add_argument(
+        "--scripted-target",
+        action="store_true",
+        help="serve the target that costs nothing (model: scripted; default apps scripted=ar): the serving "
+        "stack's own ceiling",
+    )
+    p.add_argument(
         "--sample-rss",
         type=float,
         default=None,
@@ -122,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--apps",
-        default="toolspec=toolspec,greedy=ar",
-        help="endpoints as NAME=METHOD[+OPTION...], the last one the baseline; options: threads (a thread per "
-        "request, the reference engine), nocache (no prefix caching), chunkN (prefill N prompt rows a step), e.g. "
-        "toolspec-threads=toolspec+threads,ar=ar,suffix=suffix,toolspec=toolspec",
+        default=None,
+        help="endpoints as NAME=METHOD[+OPTION...] (default toolspec=toolspec,greedy=ar), the last one the "
+        "baseline; options: nocache (no prefix caching), chunkN (prefill N prompt rows a step), e.g. "
+        "toolspec-c128=toolspec+chunk128,suffix=suffix,ar=ar",
     )
     ns, passthrough = p.parse_known_args(argv)
 
@@ -148,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     # replicas ask Ray for no CPU: the local cluster has as many as the machine, and the apps take
     # turns (one endpoint is measured at a time)
     base = {"port": ns.port, "max_ongoing_requests": 16, "cost_model": "measure", "replica_num_cpus": 0}
+    if ns.scripted_target:  # nothing to budget; the batch never the limit at the levels measured
+        base.update(model="scripted", cost_model="none", max_ongoing_requests=64, max_num_seqs=64)
+    ns.apps = ns.apps or ("scripted=ar" if ns.scripted_target else "toolspec=toolspec,greedy=ar")
     for item in ns.set:
         import json
 

@@ -198,15 +198,16 @@ def test_engine_check_all_drafters_equal_plain_greedy_in_fp32():
 def test_loadtest_local_app_specs():
     from benchmarks.studies.loadtest_local import app_config
 
-    name, cfg = app_config("toolspec-threads=toolspec+threads", "/tmp/lib")
-    assert name == "toolspec-threads" and cfg["engine"] == "threads" and cfg["method"] == "toolspec"
-    assert cfg["retrieval"]["store"]["path"] == "/tmp/lib/toolspec-threads"  # a library of its own
+    name, cfg = app_config("toolspec-c128=toolspec+chunk128", "/tmp/lib")
+    assert name == "toolspec-c128" and cfg["prefill_chunk_tokens"] == 128 and cfg["method"] == "toolspec"
+    assert cfg["retrieval"]["store"]["path"] == "/tmp/lib/toolspec-c128"  # a library of its own
     name, cfg = app_config("ar=ar", "/tmp/lib")
     assert cfg == {"method": "ar", "retrieval": {"enabled": False}}
     _, cfg = app_config("nocache=toolspec+nocache", "/tmp/lib")
-    assert cfg["prefix_caching"] is False and cfg["prefix_cache_entries"] == 0
-    with pytest.raises(SystemExit):
-        app_config("x=toolspec+fast", "/tmp/lib")
+    assert cfg["prefix_caching"] is False
+    for removed in ("x=toolspec+fast", "x=toolspec+threads"):
+        with pytest.raises(SystemExit):
+            app_config(removed, "/tmp/lib")
 
 
 def test_rss_sampler_reads_only_its_own_replicas(tmp_path):

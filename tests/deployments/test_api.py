@@ -4,6 +4,7 @@ over an in-process engine (tiny random Qwen2), called with the official openai c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -11,8 +12,9 @@ import pytest
 from serve_fixtures import TOOLS, WEATHER_MESSAGES
 
 from deployments.config import ServeAppConfig
-from deployments.engine_host import EngineHost, PrefixCache, TextStreamer, shared_prefix_len
-from deployments.protocol import APIError, StreamShaper, chat_completion, engine_request, parse_request
+from deployments.engine_host import EngineHost
+from deployments.protocol import APIError, EngineRequest, chat_completion, engine_request, parse_request
+from deployments.streaming import StreamShaper, TextStreamer
 from retrieval_service.embedding import query_text
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -208,11 +210,14 @@ def test_engine_request_normalises():
     from deployments.keys import OPEN
 
     e = engine_request(req, OPEN.library_tenant(req.user))
-    assert e["tool_choice"] == {"type": "function", "function": {"name": "send_email"}}
-    assert e["max_tokens"] == 7 and e["stop"] == ["x"] and e["tenant"] == "default/acme" and e["remember"] is False
-    assert e["temperature"] is None and e["seed"] == 3
-    assert engine_request(parse_request({"messages": MSG, "tools": TOOLS}, "m", 10))["tool_choice"] == "auto"
-    assert engine_request(parse_request({"messages": MSG}, "m", 10))["tool_choice"] == "none"
+    assert isinstance(e, EngineRequest)
+    assert e.tool_choice == {"type": "function", "function": {"name": "send_email"}}
+    assert e.max_tokens == 7 and e.stop == ["x"] and e.tenant == "default/acme" and e.remember is False
+    assert e.temperature is None and e.seed == 3
+    assert engine_request(parse_request({"messages": MSG, "tools": TOOLS}, "m", 10)).tool_choice == "auto"
+    none = engine_request(parse_request({"messages": MSG, "tools": TOOLS, "tool_choice": "none"}, "m", 10))
+    assert none.tool_choice == "none" and none.offered_tools == [] and none.tools == e.tools
+    assert engine_request(parse_request({"messages": MSG}, "m", 10)).tool_choice == "none"
 
 
 CALL = '{"name": "get_current_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
@@ -382,16 +387,6 @@ def test_text_streamer_sends_every_safe_prefix_and_cuts_at_the_first_stop():
             assert sent + s.finish(final) == final, (stop, chunk)
 
 
-def test_shared_prefix_is_the_first_turn_and_never_the_whole_prompt():
-    assert shared_prefix_len([5, 6, 9, 7, 8], {9}) == 3
-    assert shared_prefix_len([5, 6, 9], {9}) == 0
-    assert shared_prefix_len([5, 6, 7], {9}) == 0
-    lru = PrefixCache(2)
-    for k in range(3):
-        lru.put((k,), k)
-    assert lru.get((0,)) is None and lru.get((2,)) == 2 and len(lru) == 2
-
-
 # ---------------------------------------------------------------------------------------- config
 
 
@@ -423,6 +418,9 @@ def test_config_validates_once_and_accepts_the_k8s_args():
     ):
         with pytest.raises(ValueError):
             ServeAppConfig.model_validate(bad)
+    for removed, says in (("engine", "batched step scheduler"), ("prefix_cache_entries", "prefix_caching")):
+        with pytest.raises(ValueError, match=says):
+            ServeAppConfig.model_validate({removed: "threads" if removed == "engine" else 8})
     with pytest.raises(ValueError, match="unknown method"):
         check_method("nope")
     with pytest.raises(ValueError):
@@ -751,21 +749,12 @@ def test_retrieval_down_falls_back_and_is_counted(local):
 
 def test_streamed_deltas_with_stop_strings_are_the_final_text(local):
     host, _, _, _ = local
-    base = {
-        "messages": [{"role": "user", "content": "Say something long."}],
-        "tools": [],
-        "tool_choice": "none",
-        "max_tokens": 40,
-        "temperature": 0.0,
-        "top_p": 1.0,
-        "top_k": 0,
-        "seed": None,
-        "tenant": "t",
-        "remember": False,
-    }
+    base = EngineRequest(
+        messages=[{"role": "user", "content": "Say something long."}], max_tokens=40, temperature=0.0, remember=False
+    )
 
     async def events(stop):
-        return [ev async for ev in host.stream({**base, "stop": stop})]
+        return [ev async for ev in host.stream(dataclasses.replace(base, stop=stop))]
 
     full = run(events([]))[-1]["text"]
     assert len(full) > 24
@@ -776,40 +765,50 @@ def test_streamed_deltas_with_stop_strings_are_the_final_text(local):
         assert len(deltas) > 1 or len(evs[-1]["text"]) < 8
 
 
-def test_closing_a_stream_cancels_the_decode(local):
+@pytest.mark.parametrize("how", ["aclose", "task_cancel"])
+def test_a_client_that_leaves_cancels_its_decode_quietly(local, caplog, how):
+    """Serve closes the replica's stream (or cancels its task) when the HTTP client goes away: the
+    engine drops the sequence at its next step, its KV blocks go back to the pool, nothing is
+    logged as an error, and the next request is served."""
+    import logging
+
     host, _, _, _ = local
-    req = {
-        "messages": [{"role": "user", "content": "go on forever"}],
-        "tools": [],
-        "tool_choice": "none",
-        "max_tokens": 1500,
-        "temperature": 0.0,
-        "top_p": 1.0,
-        "top_k": 0,
-        "seed": None,
-        "stop": [],
-        "tenant": "t",
-        "remember": True,
-    }
+    req = EngineRequest(messages=[{"role": "user", "content": "go on forever"}], max_tokens=1500, temperature=0.0)
     before = host.stats.cancelled
 
     async def go():
         gen = host.stream(req)
-        async for ev in gen:
-            if ev["event"] == "text":
-                break
-        await gen.aclose()  # what Serve does when the HTTP client goes away
+        if how == "aclose":
+            async for ev in gen:
+                if ev["event"] == "text":
+                    break
+            await gen.aclose()
+            return
+        first_text = asyncio.Event()
 
-    t0 = time.perf_counter()
-    run(go())
+        async def consume():
+            async for ev in gen:
+                if ev["event"] == "text":
+                    first_text.set()
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.wait_for(first_text.wait(), 60)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.INFO):
+        run(go())
+        deadline = time.time() + 30
+        while (host.engine.load()["running"] or host.engine.load()["waiting"]) and time.time() < deadline:
+            time.sleep(0.02)
     assert host.stats.cancelled == before + 1
-    # the engine saw the flag at its next step: the pool is free long before 1500 tokens
-    assert host.pool.submit(lambda: 1).result(timeout=30) == 1 and time.perf_counter() - t0 < 30
-    deadline = time.time() + 10
-    while host.engine.load()["running"] and time.time() < deadline:
-        time.sleep(0.05)
-    assert host.engine.load() == {**host.engine.load(), "running": 0, "waiting": 0}  # the sequence left the batch
-    assert host.engine.load()["kv_pool"]["used_blocks"] == 0  # and gave its KV blocks back
+    load = host.engine.load()
+    assert load["running"] == 0 and load["waiting"] == 0  # the sequence left the batch, long before 1500 tokens
+    assert load["kv_pool"]["used_blocks"] == 0  # and gave its KV blocks back
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    done = run(host.generate(dataclasses.replace(req, max_tokens=4)))
+    assert done["event"] == "done" and done["completion_tokens"] == 4
 
 
 def test_completed_calls_go_to_the_library_unless_told_not_to(local):
@@ -959,19 +958,7 @@ def test_hidden_state_retrieval_key(tiny_model_dir):
     assert retrieval_dim(cfg) == 64
     handle = FakeHandle(RetrievalServer(cfg.store_config(retrieval_dim(cfg))))
     host = EngineHost.build(cfg, RetrievalClient(handle, cfg.retrieval))
-    req = {
-        "messages": WEATHER_MESSAGES,
-        "tools": TOOLS,
-        "tool_choice": "auto",
-        "max_tokens": 6,
-        "temperature": None,
-        "top_p": 1.0,
-        "top_k": 0,
-        "seed": None,
-        "stop": [],
-        "tenant": "t",
-        "remember": True,
-    }
+    req = EngineRequest(messages=WEATHER_MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=6, tenant="t")
     try:
         done = run(host.generate(req))
     finally:
@@ -1018,14 +1005,14 @@ def test_parallel_tool_calls_false_ends_the_output_after_one_call(local):
     """auto: the output ends with the first call's closer; required: a one-call grammar."""
     host = local[0]
     base = engine_request(parse_request({"messages": MSG, "tools": TOOLS}, "tiny", 100))
-    assert base["parallel_tool_calls"] is True and host._prepare(base).decode_cfg.end_after == ()
+    assert base.parallel_tool_calls is True and host._prepare(base).decode_cfg.end_after == ()
     off = engine_request(parse_request({"messages": MSG, "tools": TOOLS, "parallel_tool_calls": False}, "tiny", 100))
-    assert off["parallel_tool_calls"] is False
+    assert off.parallel_tool_calls is False
     assert host._prepare(off).decode_cfg.end_after == ("</tool_call>",)
     tok = host.target.tokenizer
     one = '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "Lima"}}\n</tool_call>'
     for parallel, allowed in ((True, True), (False, False)):
-        prep = host._prepare({**base, "tool_choice": "required", "parallel_tool_calls": parallel})
+        prep = host._prepare(dataclasses.replace(base, tool_choice="required", parallel_tool_calls=parallel))
         for t in tok.encode(one):
             prep.constraint.consume(t)
         assert bool(prep.constraint.mask()[tok.encode("\n<tool_call>")[0]]) is allowed
@@ -1089,57 +1076,209 @@ def test_response_format_json_object_and_text(local):
     assert run(go({"type": "text"})).model_extra["toolspec"]["constrained"] is False
 
 
-def test_engine_loop_fails_a_broken_step_cleanly_and_keeps_serving():
-    """A step that raises ends the sequences it held with an error (their requests do not hang) and
-    the engine thread goes on with the next ones."""
+def _bridge(max_running: int = 4):
+    """An engine bridge over a tiny target and a block pool of its own."""
     from tiny import tiny_target
 
-    from deployments.engine_host import EngineLoop
-    from toolspec_core.engine.loop import DecodeConfig
+    from deployments.bridge import EngineBridge
     from toolspec_core.engine.scheduler import BatchLimits
-    from toolspec_core.engine.sequence import Sequence
 
     tg = tiny_target()
-    engine = EngineLoop(tg, None, BatchLimits(max_running=4))
-    try:
-        forward = tg.forward
-        tg.forward = lambda segments: (_ for _ in ()).throw(RuntimeError("device lost"))
-        bad = Sequence(tg, [1, 2, 3], None, DecodeConfig(max_new_tokens=4))
-        assert engine.submit(bad).wait(timeout=30)
-        assert bad.result.finish_reason == "error" and "device lost" in str(bad.error)
-        tg.forward = forward
-        good = Sequence(tg, [1, 2, 3], None, DecodeConfig(max_new_tokens=4))
-        assert engine.submit(good).wait(timeout=30)
-        assert good.error is None and len(good.result.tokens) == 4
-    finally:
-        engine.close()
+    pool = tg.block_pool(2048, 16, True)
+    return tg, pool, EngineBridge(tg, None, BatchLimits(max_running=max_running), pool)
 
 
-def test_thread_per_request_engine_gives_the_same_outputs(tiny_model_dir, local):
-    """engine: threads (each request decodes alone in its own thread, the reference the batched
-    engine is measured against) answers concurrent requests exactly as the batched engine does."""
-    from deployments.http import LocalBackend, make_api
+def test_the_bridge_fails_a_broken_step_cleanly_and_keeps_serving():
+    """A step that raises ends the sequences it held with an EngineError (their requests do not
+    hang, their blocks are released) and the engine thread goes on with the next ones."""
+    from deployments.bridge import EngineError
+    from toolspec_core.engine.loop import DecodeConfig
+    from toolspec_core.engine.sequence import Sequence
 
-    _, batched_app, cfg, _ = local
-    threads_cfg = cfg.model_copy(
-        update={"engine": "threads", "retrieval": cfg.retrieval.model_copy(update={"enabled": False})}
-    )
-    host = EngineHost.build(threads_cfg)
-    assert host.engine is None and host.info()["engine"] == {"mode": "threads"}
-    app = make_api(LocalBackend(host), threads_cfg)
-    prompts = [[{"role": "user", "content": f"count to {i}"}] for i in range(3)]
+    tg, pool, bridge = _bridge()
 
-    async def answers(a):
-        c = aclient(a)
-        rs = await asyncio.gather(
-            *(c.chat.completions.create(model="tiny", messages=m, temperature=0, max_tokens=12) for m in prompts)
-        )
-        return [r.choices[0].message.content for r in rs]
+    async def one(max_new: int):
+        stream = bridge.submit(Sequence(tg, [1, 2, 3], None, DecodeConfig(max_new_tokens=max_new)))
+        return await asyncio.wait_for(stream.result(), 30)
 
     try:
-        assert run(answers(app)) == run(answers(batched_app))
+        step = tg.step
+        tg.step = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("device lost"))
+        with pytest.raises(EngineError, match="device lost"):
+            run(one(4))
+        assert pool.stats().used_blocks == 0
+        tg.step = step
+        assert len(run(one(4)).tokens) == 4
     finally:
-        host.close()
+        bridge.close()
+
+
+def test_the_bridge_streams_to_the_loop_and_cancels_at_the_next_step():
+    """Updates reach the request's event loop with the text so far (growing, ending at the final
+    text); a cancelled sequence ends "cancelled" long before its max_tokens and frees its blocks,
+    and the sequences beside it are untouched."""
+    from tiny import hf_greedy
+
+    from toolspec_core.engine.loop import DecodeConfig
+    from toolspec_core.engine.sequence import Sequence
+
+    tg, pool, bridge = _bridge()
+    prompt = [1, 2, 3, 4, 5]
+    want = hf_greedy(tg, prompt, 40)
+
+    async def go():
+        left = bridge.submit(Sequence(tg, prompt, None, DecodeConfig(max_new_tokens=400)))
+        stays = bridge.submit(Sequence(tg, prompt, None, DecodeConfig(max_new_tokens=40)))
+        texts = []
+        async for text, _ in left.updates():
+            texts.append(text)
+            if len(texts) == 3:
+                left.cancel()
+        return texts, await left.result(), await stays.result()
+
+    try:
+        texts, gone, kept = run(go())
+    finally:
+        bridge.close()
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert gone.finish_reason == "cancelled" and len(gone.tokens) < 400
+    assert kept.finish_reason == "length" and kept.tokens == want
+    assert pool.stats().used_blocks == 0
+
+
+def test_an_engine_failure_is_an_openai_error_and_the_replica_serves_on(local, caplog):
+    """The engine fails a step: the non-streaming request gets a 500 server_error in OpenAI's
+    shape, the streaming one the same error in band; the next request is answered."""
+    import logging
+
+    import httpx
+
+    host, app, _, _ = local
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            step = host.target.step
+            host.target.step = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("device lost"))
+            try:
+                plain = await http.post("/v1/chat/completions", json=body)
+                streamed = await http.post("/v1/chat/completions", json={**body, "stream": True})
+            finally:
+                host.target.step = step
+            after = await http.post("/v1/chat/completions", json=body)
+        return plain, streamed, after
+
+    with caplog.at_level(logging.ERROR):
+        plain, streamed, after = run(go())
+    assert plain.status_code == 500 and plain.json()["error"]["type"] == "server_error"
+    assert "device lost" in plain.json()["error"]["message"]
+    events = [ln[6:] for ln in streamed.text.splitlines() if ln.startswith("data: ")]
+    assert json.loads(events[-2])["error"]["type"] == "server_error" and events[-1] == "[DONE]"
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4
+    assert "engine step failed" in caplog.text  # logged once, by the engine thread
+
+
+class _CancelledBackend:
+    """A backend whose replica call is cancelled the way Serve cancels it when the client goes
+    away (``RequestCancelledError``): before the first event, or mid-stream."""
+
+    def __init__(self, when: str):
+        self.when = when
+
+    async def stream(self, req):
+        from ray.serve.exceptions import RequestCancelledError
+
+        if self.when == "mid":
+            yield {"event": "start", "prompt_tokens": 3}
+            yield {"event": "text", "delta": "Hel"}
+        raise RequestCancelledError("req-1")
+
+    async def generate(self, req):
+        from ray.serve.exceptions import RequestCancelledError
+
+        raise RequestCancelledError("req-1")
+
+    async def info(self):
+        return {}
+
+
+def test_a_send_cancelled_mid_stream_is_quiet(caplog):
+    """Serve cancels the ``send`` of a response already streaming when the client goes away (the
+    cancellation surfaces from Starlette's streaming task group): the app returns quietly."""
+    import logging
+
+    from ray.serve.exceptions import RequestCancelledError
+
+    from deployments.http import make_api
+
+    class Backend(_CancelledBackend):
+        async def stream(self, req):
+            for ev in ({"event": "start", "prompt_tokens": 3}, {"event": "text", "delta": "Hel"}):
+                yield ev
+            await asyncio.sleep(3600)  # the rest never comes: the client is gone
+
+    app = make_api(Backend("mid"), ServeAppConfig(served_model_name="m"))
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+    sent, received = [], []
+
+    async def receive():
+        if not received:
+            received.append(body)
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)  # the disconnect comes as the failed send
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and len(sent) > 2:
+            raise RequestCancelledError("req-1")
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "scheme": "http",
+        "server": ("test", 80),
+        "client": ("test", 1),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+    }
+    with caplog.at_level(logging.DEBUG):
+        run(asyncio.wait_for(app(scope, receive, send), 30))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.WARNING], caplog.text
+    assert "request cancelled" in caplog.text
+
+
+@pytest.mark.parametrize("when,stream", [("first", True), ("mid", True), ("first", False)])
+def test_a_cancelled_replica_call_is_quiet_at_the_ingress(caplog, when, stream):
+    """A client that leaves is normal: whether Serve cancels the replica call before the first
+    event, mid-stream or in a non-streaming request, the ingress logs no error (and no traceback)
+    and answers 499 or ends the stream without an error event."""
+    import logging
+
+    import httpx
+
+    from deployments.http import make_api
+
+    app = make_api(_CancelledBackend(when), ServeAppConfig(served_model_name="m"))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            body = {"messages": [{"role": "user", "content": "hi"}], "stream": stream}
+            return await http.post("/v1/chat/completions", json=body)
+
+    with caplog.at_level(logging.DEBUG, logger="toolspec.serve"):
+        r = run(go())
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.WARNING], caplog.text
+    assert "Traceback" not in caplog.text
+    if when == "mid":
+        assert r.status_code == 200 and "error" not in r.text and "[DONE]" not in r.text
+    else:
+        assert r.status_code == 499
 
 
 def test_an_agents_next_turn_reuses_the_previous_turns_kv(local):
@@ -1229,3 +1368,37 @@ def test_a_small_kv_pool_queues_requests_and_refuses_what_never_fits(tiny_model_
         assert host.engine.load()["kv_pool"]["used_blocks"] == 0
     finally:
         host.close()
+
+
+def test_the_scripted_target_writes_its_script_through_the_engine():
+    """model: scripted (the free target the serving-ceiling load test runs): each output token is
+    the script's at its position, through the whole request path, streamed or not."""
+    import httpx
+
+    from deployments.http import LocalBackend, make_api
+    from deployments.scripted import ScriptedTarget
+
+    cfg = ServeAppConfig(
+        model="scripted", method="ar", cost_model="none", served_model_name="s", retrieval={"enabled": False}
+    )
+    host = EngineHost.build(cfg)
+    app = make_api(LocalBackend(host), cfg)
+    assert isinstance(host.target, ScriptedTarget)
+    req = EngineRequest(messages=MSG, max_tokens=40)
+
+    async def go():
+        done = await host.generate(req)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            body = {"messages": MSG, "max_tokens": 40, "stream": True}
+            streamed = await http.post("/v1/chat/completions", json=body)
+        return done, streamed
+
+    try:
+        done, streamed = run(go())
+    finally:
+        host.close()
+    script, n = host.target.script, done["prompt_tokens"]
+    want = host.target.tokenizer.decode([script[(n + i) % len(script)] for i in range(40)])
+    assert done["completion_tokens"] == 40 and done["text"] == want
+    chunks = [json.loads(ln[6:]) for ln in streamed.text.splitlines() if ln.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == want

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import importlib.util
 import json
+import socket
 import time
 
 import httpx
@@ -331,6 +332,49 @@ def test_models_health_metrics_over_http(tiny_app):
         "toolspec_retrieval_fallbacks_total",
     ):
         assert name in m
+
+
+def _log_sizes(logs) -> dict:
+    return {p: p.stat().st_size for p in logs.rglob("*") if p.is_file() and p.suffix in (".log", ".err", ".out")}
+
+
+def test_a_client_that_disconnects_is_cancelled_quietly(tiny_app, ray_cluster):
+    """Clients that leave -- mid-stream, or before the first event -- are normal: their sequences
+    leave the engine's batch and give their KV blocks back, and no process logs an error or a
+    traceback for them (Serve cancels the ingress and the replica call)."""
+    from pathlib import Path
+
+    logs = Path(ray_cluster._private.worker._global_node.get_logs_dir_path())
+    root = tiny_app[: -len("/v1")]
+    body = {"messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 1500, "stream": True}
+    before = _log_sizes(logs)
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", tiny_app + "/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= 6:
+                    break  # leave mid-stream
+        url = httpx.URL(tiny_app + "/chat/completions")
+        payload = json.dumps(body).encode()
+        head = f"POST {url.raw_path.decode()} HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
+        with socket.create_connection((url.host, url.port)) as sock:  # leave before the first event
+            sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+
+        def drained():
+            engine = http.get(root + "/health").json()["engine"]["engine"]
+            return engine["running"] == 0 and engine["waiting"] == 0 and engine["kv_pool"]["used_blocks"] == 0
+
+        assert wait_until(drained, timeout=120, every=0.5)
+        ok = http.post(tiny_app + "/chat/completions", json={**body, "max_tokens": 4, "stream": False})
+        assert ok.status_code == 200
+    time.sleep(2)  # let the processes flush their logs
+    new = ""
+    for p, size in _log_sizes(logs).items():
+        with open(p, "rb") as f:
+            f.seek(before.get(p, 0))
+            new += f.read().decode("utf-8", "replace")
+    for marker in ("unhandled error", "stream failed", "Traceback", "TaskCancelledError", "ExceptionGroup"):
+        assert marker not in new, new[max(0, new.find(marker) - 2000) : new.find(marker) + 2000]
 
 
 def _retrieval_actor(ray):

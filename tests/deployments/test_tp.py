@@ -186,8 +186,6 @@ def test_placement_bundles_reserve_the_replica_with_rank_0():
     assert len(opts["placement_group_bundles"]) == 8 and opts["placement_group_strategy"] == "STRICT_PACK"
     assert opts["placement_group_bundles"][0] == {"CPU": 1, "GPU": 1.0}
     assert "placement_group_bundles" not in ServeAppConfig(device="cpu").deployment_options()
-    with pytest.raises(ValueError, match="batched engine"):
-        ServeAppConfig(tensor_parallel_size=2, engine="threads")
     with pytest.raises(ValueError, match="use qwen, hybrid or lexical"):
         ServeAppConfig(tensor_parallel_size=2, retrieval={"key": "hidden"})
 
@@ -245,21 +243,19 @@ def test_unplaceable_workers_fail_within_the_timeout(ray_cluster):
     assert "rank(s) [0, 1] not placed within 3 s" in msg and "{'CPU': 0.01, 'GPU': 0.0}" in msg
 
 
-def _requests(n: int) -> list[dict]:
+def _requests(n: int) -> list:
+    from deployments.protocol import EngineRequest
+
     return [
-        {
-            "messages": [{"role": "system", "content": "Shared."}, {"role": "user", "content": f"call {i} " * (i + 1)}],
-            "tools": TOOLS if i % 2 else [],
-            "tool_choice": ("required" if i == 3 else "auto") if i % 2 else "none",
-            "max_tokens": 24,
-            "temperature": 0.7 if i == 2 else 0.0,
-            "top_p": 1.0,
-            "top_k": 0,
-            "seed": 11 if i == 2 else None,
-            "stop": [],
-            "tenant": "t",
-            "remember": True,
-        }
+        EngineRequest(
+            messages=[{"role": "system", "content": "Shared."}, {"role": "user", "content": f"call {i} " * (i + 1)}],
+            tools=TOOLS if i % 2 else [],
+            tool_choice=("required" if i == 3 else "auto") if i % 2 else "none",
+            max_tokens=24,
+            temperature=0.7 if i == 2 else 0.0,
+            seed=11 if i == 2 else None,
+            tenant="t",
+        )
         for i in range(n)
     ]
 

@@ -1,0 +1,155 @@
+"""Request preparation in the replica: prompt, decode policy and the library search, before the engine.
+
+No Ray here. :func:`prepare` renders the prompt and applies the server's policy (limits, the
+``tool_choice`` / ``response_format`` grammar, ``max_tokens`` against the context and the KV
+pool, sampling, stop strings); it runs in a worker thread (tokenising and grammar set-up are
+CPU work). :class:`Search` runs the request's call-library search on the event loop, keyed on
+the request's text (started at once, so it runs while the engine prefills the prompt) or on the
+prompt's hidden state (once the prompt is prefilled); :class:`LateDrafter` builds the drafter
+from whatever the search found by the sequence's first proposal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Any
+
+from toolspec_core.errors import InvalidRequestError
+
+from .config import ServeAppConfig
+from .protocol import EngineRequest
+
+
+@dataclass
+class Prepared:
+    """A validated request: prompt ids, decode settings, optional grammar (``tool_choice``)."""
+
+    prompt_ids: list[int]
+    decode_cfg: Any
+    constraint: Any = None
+    key: Any = None  # retrieval key known before prefill (the request's text), else None
+
+
+def prepare(req: EngineRequest, cfg: ServeAppConfig, target, scheduler, text_key: bool) -> Prepared:
+    """The request's prompt and decode settings under the server's policy; raises
+    :class:`InvalidRequestError` (a 400) for what the server will not run. ``scheduler``: the
+    engine's, whose KV pool bounds ``max_tokens``; ``text_key``: the search is keyed on the
+    request's text (``Prepared.key``)."""
+    from toolspec_core.engine.grammar import make_tool_constraint
+    from toolspec_core.engine.loop import DecodeConfig, check_prompt
+    from toolspec_core.engine.sampling import SamplingParams
+    from toolspec_core.model.prompting import render_prompt
+
+    tok = target.tokenizer
+    tools = req.offered_tools
+    prompt = render_prompt(tok, req.messages, tools or None)
+    most = cfg.limits.prompt_tokens
+    if most is not None and len(prompt) > most:
+        raise InvalidRequestError(
+            f"the prompt has {len(prompt)} tokens; this server takes at most {most} (limits.prompt_tokens)",
+            "messages",
+        )
+    constraint = None
+    parallel = req.parallel_tool_calls
+    answer = req.response_schema
+    if (tools and req.tool_choice not in ("auto", "none")) or answer is not None:
+        vocab = getattr(target.model.config, "vocab_size", None)
+        constraint = make_tool_constraint(tok, tools, req.tool_choice, vocab, parallel, answer)
+    room = target.max_context - len(prompt)
+    if req.max_tokens is None:
+        if room < 1:
+            check_prompt(target, prompt, 1)
+        max_new = min(cfg.max_tokens_default, room)
+        pool_room = scheduler.max_new_tokens(len(prompt))
+        if pool_room is not None and pool_room >= 1:
+            max_new = min(max_new, pool_room)
+    else:
+        max_new = max(1, req.max_tokens)
+    check_prompt(target, prompt, max_new)
+    scheduler.check_fits(len(prompt), max_new)
+    temperature = req.temperature if req.temperature is not None else cfg.default_temperature
+    sampling = SamplingParams(temperature, req.top_p, req.top_k, req.seed)
+    # no parallel calls: the output ends with the first call's closer (the grammar does that
+    # for a forced tool_choice; fences and bare JSON hold one call in the drafted layouts)
+    end_after = ("</tool_call>",) if tools and not parallel else ()
+    decode_cfg = DecodeConfig(max_new, tuple(req.stop), sampling, end_after, req.logprobs)
+    key = None
+    if text_key and tools:
+        from retrieval_service.embedding import query_text
+
+        key = query_text(req.messages, tools)
+    return Prepared(prompt, decode_cfg, constraint, key=key)
+
+
+class Search:
+    """One request's call-library search (``retrieval``: the replica's
+    :class:`~deployments.retrieval.RetrievalClient`, None when retrieval is off). Wanted when the
+    request offers tools the model may call; keyed on ``key`` (the request's text) at once, or,
+    with ``key`` None, on the prompt's hidden state passed to :meth:`start` after a prefill."""
+
+    def __init__(self, retrieval, req: EngineRequest, key):
+        self.retrieval, self.req = retrieval, req
+        self.wanted = retrieval is not None and bool(req.tools) and req.tool_choice != "none"
+        self.embedding = key
+        self.task: asyncio.Future | None = None
+        if self.wanted and key is not None:
+            self.start(key)
+
+    @property
+    def needs_state(self) -> bool:
+        """The key is the prompt's hidden state: the prompt must be prefilled before the search."""
+        return self.wanted and self.embedding is None
+
+    def start(self, embedding) -> None:
+        self.embedding = embedding
+        names = [t["function"]["name"] for t in self.req.tools]
+        self.task = asyncio.ensure_future(self.retrieval.search(self.req.tenant, embedding, names))
+
+    def late(self) -> concurrent.futures.Future | None:
+        """The found calls as a future the engine thread can poll (None: no search running)."""
+        if self.task is None:
+            return None
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def done(task: asyncio.Future) -> None:
+            out.set_result([] if task.cancelled() or task.exception() is not None else task.result()[0])
+
+        self.task.add_done_callback(done)
+        return out
+
+    async def result(self) -> tuple[list | None, dict]:
+        """(the calls found, the search's report); (None, disabled) when there is no search."""
+        if self.task is None:
+            return None, {"status": "disabled"}
+        return await self.task
+
+    def wire_embedding(self):
+        """The key as the drafter's ``RequestInfo`` holds it (text, or a list of floats)."""
+        e = self.embedding
+        return e if e is None or isinstance(e, str) else e.tolist()
+
+
+class LateDrafter:
+    """A request's drafter, built at its first proposal -- once the engine has prefilled the
+    prompt -- from the retrieved calls if their search has finished by then, else from none (the
+    request drafts schema-only, as on a timeout). So the library search runs while the prompt is
+    prefilled instead of before it, and never holds the engine up."""
+
+    reads_logits = False
+
+    def __init__(self, build, calls: concurrent.futures.Future):
+        self.build, self.calls = build, calls
+        self.inner = None
+        self.in_time = False
+
+    def propose(self, ctx):
+        if self.inner is None:
+            self.in_time = self.calls.done()
+            self.inner = self.build(self.calls.result() if self.in_time else [])
+        return self.inner.propose(ctx)
+
+    def feedback(self, tree, result) -> None:
+        if self.inner is not None:
+            self.inner.feedback(tree, result)

@@ -1,0 +1,74 @@
+"""A target that costs nothing (``model: scripted``), to measure what the serving stack itself carries.
+
+:class:`ScriptedTarget` has the embedded model's tokenizer and chat template and a tiny random
+Qwen2 for everything the engine sizes from a model (the KV block pool, the vocabulary), but its
+step runs no forward and writes no K/V (the caches' lengths move as usual): each row's next token is read from a script -- a tool
+call, repeated -- by the row's position. So a replica serving it spends its time in HTTP, Ray,
+request preparation, the engine bridge, the scheduler's bookkeeping and streaming alone
+(``python -m benchmarks.studies.loadtest_local --scripted-target``). Its output is the script whatever
+the prompt, and it never ends before ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from toolspec_core.model.target import StepOutput, Target, from_model
+
+SCRIPT = (
+    '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+)
+
+
+def tiny_qwen2(tokenizer, hidden: int = 64, layers: int = 2, context: int = 2048, seed: int = 0):
+    """A random Qwen2 of ``layers`` layers of width ``hidden`` over ``tokenizer``'s vocabulary."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg)
+
+
+@dataclasses.dataclass
+class ScriptedTarget(Target):
+    """A target whose every logit row's argmax is ``script[(position + 1) % len(script)]``."""
+
+    script: tuple[int, ...] = ()
+
+    def step(self, segments, logit_rows, full_rows, hidden_rows, argmax: bool = True) -> StepOutput:
+        pos = torch.cat([s.pos for s in segments]).tolist()  # [N] every row's position
+        for s in segments:  # the rows count as cached (their K/V slots are left as they are)
+            s.cache.advance(len(s))
+        choice = [self.script[(pos[r] + 1) % len(self.script)] for r in logit_rows]
+        logits, index = None, None
+        if full_rows:  # one-hot rows for the sequences that read logits (sampling, a grammar, logprobs)
+            vocab = self.model.config.vocab_size
+            logits = torch.full((len(full_rows), vocab), -1e4)
+            logits[torch.arange(len(full_rows)), torch.tensor([choice[j] for j in full_rows])] = 0.0
+            index = {j: k for k, j in enumerate(full_rows)}
+        hidden = torch.zeros(len(hidden_rows), self.model.config.hidden_size) if hidden_rows else None
+        return StepOutput(choice if argmax else None, logits, index, hidden)
+
+
+def scripted_target(context: int = 32768) -> ScriptedTarget:
+    """The scripted target over the embedded model's tokenizer (``context``: its window)."""
+    from transformers import AutoTokenizer
+
+    from toolspec_core.model.embedded import embedded_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+    base = from_model(tiny_qwen2(tok, hidden=8, layers=1, context=context), tok, name="scripted")
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Target)}
+    return ScriptedTarget(**fields, script=tuple(tok.encode(SCRIPT)))

@@ -1,0 +1,274 @@
+"""Streaming: the replica's text deltas and logprob entries, and the ingress's OpenAI chunks.
+
+Replica side: the engine thread commits tokens into the request's ``Detokenizer``; the event loop
+reads snapshots of its text (:class:`~deployments.bridge.SequenceStream`) and
+:func:`text_events` turns them into ``text`` events -- :class:`TextStreamer` decides what of the
+text is safe to send (stop strings may still cut it), :class:`TokenText` writes the logprob
+entries. Ingress side: :class:`StreamShaper` turns those events into ``chat.completion.chunk``
+dicts, tool calls streamed as OpenAI streams them (name, then argument fragments).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import AsyncIterator, Iterator
+
+from toolspec_core.drafters.toolcall.parse import raw_arguments, stream_calls
+
+from .protocol import TAGS, call_id, choice_logprobs, completion_id, finish_reason, split_output, stats_extra, usage
+
+log = logging.getLogger("toolspec.serve")
+
+
+# ---------------------------------------------------------------------------------------- replica side
+
+
+class TextStreamer:
+    """Safe-to-send part of the output text: always a prefix of the engine's final text.
+
+    It is fed the request's decoded text (``Detokenizer.text``, complete characters only, decoded
+    once by the engine and shared with stop strings and the drafter) and does no decoding: with
+    stop strings it holds back the tail that could still become one (the final text is cut
+    before it), searching only the new text plus that lookback; ``end_after`` strings end the
+    text after them (:func:`~toolspec_core.engine.sequence.end_text`).
+    """
+
+    def __init__(self, stop: list[str], end_after: tuple[str, ...] = ()):
+        self.stop, self.end_after = list(stop), tuple(end_after)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.back = max((len(s) for s in (*self.stop, *self.end_after)), default=1) - 1
+        self.text = ""  # the text last fed; ``text[:sent]`` has been sent
+        self.sent = 0
+        self.logprobs_sent = 0  # the output's logprob entries sent (set by text_events)
+        self.cut: int | None = None  # where the text ends (a stop string's start), once seen
+        self._searched = 0
+
+    def feed(self, text: str) -> str:
+        """The delta safe to send now that the output's text is ``text`` (an extension of the last)."""
+        self.text = text
+        if self.cut is None and (self.stop or self.end_after):
+            start = max(0, self._searched - self.back)
+            hits = [k for k in (text.find(s, start) for s in self.stop) if k >= 0]
+            hits += [k + len(s) for s in self.end_after if (k := text.find(s, start)) >= 0]
+            self._searched = len(text)
+            if hits:
+                self.cut = min(hits)
+        end = self.cut if self.cut is not None else len(text) - self.hold
+        return self._delta(text, end)
+
+    def _delta(self, text: str, end: int) -> str:
+        if end <= self.sent:
+            return ""
+        out, self.sent = text[self.sent : end], end
+        return out
+
+    def finish(self, final_text: str) -> str:
+        if not final_text.startswith(self.text[: self.sent]):
+            log.warning("streamed text diverged from the final text")
+            return ""
+        self.text = final_text
+        return self._delta(final_text, len(final_text))
+
+
+class TokenText:
+    """OpenAI's logprob entries (``token``, ``logprob``, ``bytes``, ``top_logprobs``) of engine
+    ``TokenLogprob`` tuples. A byte-level BPE token's bytes come from its own symbols, so a token
+    holding part of a character still has its exact bytes; EOS tokens are not output text and get
+    no entry."""
+
+    def __init__(self, tokenizer, eos_ids):
+        self.tokenizer, self.eos = tokenizer, set(eos_ids)
+        self._bytes: dict[int, bytes] = {}
+        try:
+            from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+            self._decoder = {c: b for b, c in bytes_to_unicode().items()}
+        except ImportError:
+            self._decoder = {}
+
+    def bytes_of(self, tid: int) -> bytes:
+        out = self._bytes.get(tid)
+        if out is None:
+            piece = self.tokenizer.convert_ids_to_tokens(int(tid))
+            if isinstance(piece, str) and piece and all(c in self._decoder for c in piece):
+                out = bytes(self._decoder[c] for c in piece)
+            else:
+                out = self.tokenizer.decode([int(tid)]).encode()
+            self._bytes[tid] = out
+        return out
+
+    def entry(self, tid: int, logprob: float) -> dict:
+        raw = self.bytes_of(tid)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def entries(self, logprobs) -> list[dict]:
+        return [
+            {**self.entry(t, lp), "top_logprobs": [self.entry(a, alp) for a, alp in top]}
+            for t, lp, top in logprobs
+            if t not in self.eos
+        ]
+
+
+async def text_events(updates, streamer: TextStreamer, token_text: TokenText, logprobs) -> AsyncIterator[dict]:
+    """``text`` events of a sequence's progress: ``updates`` yields ``(text, n_logprobs)`` snapshots
+    (the output's text so far and how many logprob entries it has), ``logprobs`` is the sequence's
+    list of ``TokenLogprob`` (None: not asked for). Ends when the updates end; what was sent is
+    then a prefix of the final text and entries (``streamer.sent``, ``streamer.logprobs_sent``)."""
+    async for text, n in updates:
+        delta = streamer.feed(text)
+        lps = logprobs[streamer.logprobs_sent : n] if n > streamer.logprobs_sent else None
+        if delta or lps:
+            streamer.logprobs_sent = max(streamer.logprobs_sent, n)
+            ev = {"event": "text", "delta": delta}
+            if lps:
+                ev["logprobs"] = token_text.entries(lps)
+            yield ev
+
+
+def final_text_event(streamer: TextStreamer, token_text: TokenText, result) -> dict | None:
+    """The last ``text`` event of a finished sequence: the rest of its final text and logprobs."""
+    tail = streamer.finish(result.text)
+    rest = result.logprobs[streamer.logprobs_sent :] if result.logprobs is not None else None
+    if not (tail or rest):
+        return None
+    ev = {"event": "text", "delta": tail}
+    if rest:
+        ev["logprobs"] = token_text.entries(rest)
+    return ev
+
+
+# ---------------------------------------------------------------------------------------- ingress side
+
+_CALL_OPENERS = ("<tool_call>", "```", "{", "[", "<|python_tag|>")
+
+
+def _hold_from(text: str, tags_only: bool = False) -> int:
+    """Index from which text might belong to a tool call (held back until it is parsed)."""
+    cut = len(text)
+    for op in _CALL_OPENERS[:1] if tags_only else _CALL_OPENERS:
+        i = text.find(op)
+        if i >= 0:
+            cut = min(cut, i)
+        # a partial opener at the very end ("<tool", "``")
+        for k in range(min(len(op) - 1, len(text)), 0, -1):
+            if text.endswith(op[:k]):
+                cut = min(cut, len(text) - k)
+                break
+    return cut
+
+
+class StreamShaper:
+    """Turns replica events into OpenAI ``chat.completion.chunk`` dicts.
+
+    Content is streamed as it is generated, except text that may start a tool call. A call is
+    streamed as OpenAI streams one: its ``id`` / ``type`` / ``function.name`` once the name is
+    complete, then ``arguments`` fragments as the model writes them (the arguments string is the
+    model's own text, so the fragments are prefixes of it), in every layout the parser reads.
+    ``finish`` checks what was sent against the full-text parse the non-streaming response uses
+    and sends the rest, so the deltas reassemble to the same message.
+    """
+
+    def __init__(self, model: str, parse: bool | str, include_usage: bool = False, cid: str | None = None):
+        self.model, self.parse, self.include_usage = model, parse, include_usage
+        self.tags_only = parse == TAGS
+        self.id, self.created = cid or completion_id(), int(time.time())
+        self.text = ""
+        self.sent_content = ""
+        self.sent_calls: list[tuple[str, str]] = []  # (name, arguments sent so far) per call index
+        self.mismatch = False
+        self.logprobs: list[dict] = []  # token entries not sent yet (they ride on the next chunk)
+
+    def chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
+        out = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        out.update(extra)
+        return out
+
+    def start(self) -> dict:
+        return self.chunk({"role": "assistant", "content": ""})
+
+    def _content_delta(self, content: str) -> Iterator[dict]:
+        if content.startswith(self.sent_content):
+            new = content[len(self.sent_content) :]
+            if new:
+                self.sent_content = content
+                yield self.chunk({"content": new})
+        else:
+            self.mismatch = True
+
+    def _call_delta(self, index: int, name: str, args: str) -> Iterator[dict]:
+        """The deltas taking call ``index`` to ``name`` with ``args`` (a header first if it is new)."""
+        if index == len(self.sent_calls):
+            self.sent_calls.append((name, ""))
+            head = {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": ""}}
+            yield self.chunk({"tool_calls": [head]})
+        sent_name, sent = self.sent_calls[index]
+        if sent_name != name or not args.startswith(sent):
+            self.mismatch = True
+            return
+        if len(args) > len(sent):
+            self.sent_calls[index] = (name, args)
+            yield self.chunk({"tool_calls": [{"index": index, "function": {"arguments": args[len(sent) :]}}]})
+
+    def _with_logprobs(self, chunks: Iterator[dict]) -> Iterator[dict]:
+        """The chunks, the token logprobs waiting so far on the first of them."""
+        for ch in chunks:
+            if self.logprobs:
+                ch["choices"][0]["logprobs"] = choice_logprobs(self.logprobs)
+                self.logprobs = []
+            yield ch
+
+    def feed(self, delta: str, logprobs: list[dict] | None = None) -> Iterator[dict]:
+        """Chunks for ``delta`` of text; ``logprobs``: the entries of the tokens it came from."""
+        self.logprobs += logprobs or []
+        yield from self._with_logprobs(self._feed(delta))
+
+    def _feed(self, delta: str) -> Iterator[dict]:
+        self.text += delta
+        if not self.parse:
+            yield from self._content_delta(self.text)
+            return
+        visible = self.text[: _hold_from(self.text, self.tags_only)].strip()
+        yield from self._content_delta(visible)
+        for index, scan in enumerate(stream_calls(self.text, self.tags_only)):
+            if self.mismatch or not scan.ready(self.text):
+                return
+            yield from self._call_delta(index, scan.name, raw_arguments(self.text, scan) or "")
+            if scan.end is None:  # a later call cannot have begun
+                return
+
+    def finish(self, result: dict) -> Iterator[dict]:
+        """Flush against the authoritative full text; then the finish (and usage) chunks."""
+        yield from self._with_logprobs(self._finish(result))
+
+    def _finish(self, result: dict) -> Iterator[dict]:
+        text = result["text"]
+        if text.startswith(self.text) and len(text) > len(self.text):
+            self.text = text
+        parsed = split_output(text, self.parse)
+        if len(parsed.calls) < len(self.sent_calls):
+            self.mismatch = True
+        for index, call in enumerate(parsed.calls):
+            if self.mismatch:
+                break
+            yield from self._call_delta(index, call.name, call.arguments_json())
+        yield from self._content_delta(parsed.content or "")
+        reason = finish_reason(result["finish_reason"], bool(parsed.calls))
+        extra = {"toolspec": stats_extra(result.get("stats", {}), result.get("extra"))}
+        yield self.chunk({}, reason, **extra)
+        if self.include_usage:
+            u = self.chunk({}, None, usage=usage(result))
+            u["choices"] = []
+            yield u
+
+
+def sse(obj: dict | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
