@@ -4,6 +4,8 @@ default data paths (the dev splits, the RayService CRD) resolve inside it and ex
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -20,9 +22,23 @@ OUTSIDE = re.compile("|".join([r"\.\./" + "shared", r"\b" + "shared/(data|k8s)",
 PARENTS = re.compile(r"__file__\)\.resolve\(\)\.parents\[(\d+)\]")
 
 
+def candidate_paths() -> list[Path]:
+    """What the repository holds: git's tracked and not-ignored files in a checkout (tool state such
+    as .hypothesis/ or a venv is ignored), every file under the root elsewhere (an unpacked sdist)."""
+    if (ROOT / ".git").exists() and shutil.which("git"):
+        res = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        return [ROOT / f for f in res.stdout.decode().split("\0") if f]
+    return list(ROOT.rglob("*"))
+
+
 def repo_text_files() -> list[Path]:
     out = []
-    for path in ROOT.rglob("*"):
+    for path in candidate_paths():
         rel = path.relative_to(ROOT)
         if any(p in SKIP_DIRS or p.endswith(".egg-info") or p.endswith("_cache") for p in rel.parts[:-1]):
             continue
