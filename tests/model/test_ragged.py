@@ -17,7 +17,7 @@ from toolspec_core.engine.sequence import Sequence
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs
 from toolspec_core.model import ragged
-from toolspec_core.model.batch_forward import Segment, batched_forward
+from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import PagedKV
 from toolspec_core.model.graphs import StepGraphs, grid_of
 from toolspec_core.model.target import from_model
@@ -92,7 +92,7 @@ def test_ragged_forward_equals_the_per_sequence_loop(tg, seed):
         caches = _caches(tg, pool, prompts, shared)
         assert any(c.shared for c in caches) and (not seed or not any(c.contiguous for c in caches))
         hidden = [
-            batched_forward(tg.model, segs, attention) for segs in _steps(random.Random(seed + 10), prompts, caches)
+            ragged.step_forward(tg.model, segs, attention) for segs in _steps(random.Random(seed + 10), prompts, caches)
         ]
         pools.append(caches)
         states.append(hidden)
@@ -134,11 +134,11 @@ def test_static_buffer_decode_steps_equal_the_eager_ragged_steps(tg, seed):
         caches = _caches(tg, pool, prompts, shared)
         graphs = StepGraphs(tg.model, pool, capture=False)
         steps = list(_steps(random.Random(seed + 20), prompts, caches))
-        out = [batched_forward(tg.model, steps[0], "ragged")]  # the prompts: eager (a prefill chunk)
+        out = [ragged.step_forward(tg.model, steps[0], "ragged")]  # the prompts: eager (a prefill chunk)
         assert grid_of(steps[0], pool) is None
         for segs in steps[1:]:
             assert grid_of(segs, pool) is not None
-            out.append(graphs.run(segs) if graphed else batched_forward(tg.model, segs, "ragged"))
+            out.append(graphs.run(segs) if graphed else ragged.step_forward(tg.model, segs, "ragged"))
         runs.append((out, caches))
         if graphed:
             assert len(graphs.entries) >= 1
@@ -213,7 +213,7 @@ def test_graph_replay_equals_the_uncaptured_step_and_eager():
         outs = []
         for k, segs in enumerate(_steps(random.Random(6), prompts, caches)):
             if k == 0 or how == "eager":
-                outs.append(batched_forward(tg.model, segs, "ragged"))
+                outs.append(ragged.step_forward(tg.model, segs, "ragged"))
             else:
                 outs.append(graphs.run(segs))
         if how == "replay":

@@ -96,20 +96,13 @@ def grouped_mask(mask: torch.Tensor, g: int) -> torch.Tensor:
     return mask.repeat(1, 1, g, 1)
 
 
-def batched_forward(model: torch.nn.Module, segments: list[Segment], attention: str = "per_sequence") -> torch.Tensor:
+def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Tensor:
     """Last-layer hidden states [N, H] of all segments' rows, in order; every cache grows by its rows.
 
-    ``attention``: "ragged" runs one attention call a layer for all segments when their caches
-    are block tables of one pool (:mod:`toolspec_core.model.ragged`), "per_sequence" one call a
-    sequence (any :class:`~toolspec_core.model.kv.KVCache`). Inputs may be on the CPU; they are
-    moved to the model's device here.
+    Attention runs one call a sequence, over any :class:`~toolspec_core.model.kv.KVCache`
+    (:func:`toolspec_core.model.ragged.step_forward` chooses between this and one call for all).
+    Inputs may be on the CPU; they are moved to the model's device here.
     """
-    if attention == "ragged":
-        from toolspec_core.model.ragged import pool_of, ragged_forward
-
-        pool = pool_of(segments)
-        if pool is not None:
-            return ragged_forward(model, segments, pool)
     core = model.model
     dev = core.embed_tokens.weight.device
     dtype = core.embed_tokens.weight.dtype

@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 
 from toolspec_core.model.attention import use_grouped_sdpa
-from toolspec_core.model.batch_forward import Segment, batched_forward, supports_batched
+from toolspec_core.model.batch_forward import Segment, supports_batched
 from toolspec_core.model.block_pool import pool_for
 from toolspec_core.model.cpu_linears import tune_cpu_linears
 from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME, ModelFileError, embedded_model_dir
 from toolspec_core.model.kv import HFKV, KVCache, SeqKV
-from toolspec_core.model.ragged import resolve_attention
+from toolspec_core.model.ragged import resolve_attention, step_forward
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -136,7 +136,7 @@ class Target:
                 out = self.graph_step(segments)
                 if out is not None:
                     return out
-            return batched_forward(self.model, segments, self.attention_mode)
+            return step_forward(self.model, segments, self.attention_mode)
         outs = [self.hidden(s.ids[None], s.pos[None], s.mask, s.cache) for s in segments]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
