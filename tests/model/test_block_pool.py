@@ -97,7 +97,7 @@ def test_paged_cache_gives_the_same_states_as_a_sequence_cache(shared):
     rng = random.Random(int(shared))
     tg = tiny_target()
     pool = tg.block_pool(256, BT)
-    assert pool.k.shape == (2, 2, 256, 16)
+    assert pool.k.shape == (2, 2, 256 + BT, 16)  # and the scratch block
     prompt = [rng.randrange(1, 96) for _ in range(23)]
     ref = tg.new_cache()
     if shared:  # another sequence's first 16 prompt rows, registered, then matched

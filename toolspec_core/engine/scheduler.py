@@ -218,10 +218,7 @@ class Scheduler:
                 first = out.rows(j, 1)
                 seq.start(None if first is None else first[0].cpu(), None if out.choice is None else out.choice[j])
                 j += 1
-                if isinstance(seq.cache, PagedKV):  # later prompts that begin with this one reuse its blocks
-                    seq.cache.keys = self.pool.register(
-                        seq.cache.table, seq.cache.keys, seq.prompt_ids, len(seq.prompt_ids)
-                    )
+                seq.cache.register(seq.prompt_ids)  # later prompts that begin with this one reuse its blocks
         for r in rows:
             self._commit(r, out, fwd)
         total_rows = sum(len(s) for s in segments)
@@ -252,7 +249,7 @@ class Scheduler:
         self.waiting.clear()
         self.running = []
         for seq in out:
-            if isinstance(seq.cache, PagedKV):
+            if seq.cache is not None:
                 seq.cache.release()
             seq.reason, seq.error = "error", exc
             seq.finish()
@@ -322,7 +319,7 @@ class Scheduler:
                 seq.reason = "cancelled"
             if seq.reason is not None:
                 self.running.remove(seq)
-                if isinstance(seq.cache, PagedKV):  # its committed rows stay findable until evicted
+                if seq.cache is not None:  # a pooled cache's committed rows stay findable until evicted
                     seq.cache.release(seq.tokens)
                 seq.finish()
                 finished.append(seq)
@@ -342,7 +339,8 @@ def reads_logits(seq: Sequence) -> bool:
 def fit_room(seq: Sequence, tree: DraftTree) -> DraftTree:
     """``tree`` cut to the KV rows a pooled sequence has left after its root chain (parents
     precede children, so the first nodes are a tree)."""
-    room = seq.cache.room() - len(seq.roots) if isinstance(seq.cache, PagedKV) else len(tree)
+    room = seq.cache.room()  # None: the cache grows
+    room = len(tree) if room is None else room - len(seq.roots)
     return tree if len(tree) <= room else select(tree, list(range(max(0, room))))
 
 

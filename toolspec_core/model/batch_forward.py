@@ -3,9 +3,11 @@
 Every row of every sequence (prefill chunks, root chains, draft trees) is concatenated into one
 [1, N, H] activation: embeddings, norms, the q / k / v / o projections and the MLP run once over
 all N rows -- the weights are read once per step however many sequences run, which is where a
-batch's speed comes from. Attention alone is per sequence: its rows' keys and values are written
-into its own :class:`~toolspec_core.model.kv.SeqKV` and its queries attend over that cache with
-its own tree mask. Rows never see another sequence's, so a sequence's output is what it is
+batch's speed comes from. Attention is per sequence by default: its rows' keys and values are
+written into its own cache (any :class:`~toolspec_core.model.kv.KVCache`) and its queries attend
+over that cache with its own tree mask; where every sequence's cache is a block table of one
+pool, the ragged attention (:mod:`toolspec_core.model.ragged`) does the same for all of them in
+one call a layer. Rows never see another sequence's, so a sequence's output is what it is
 alone up to the linears' row-count-dependent rounding (the same as a bigger draft tree).
 
 The decoder layers are the HF modules themselves (``input_layernorm``, ``self_attn.q_proj``,
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from toolspec_core.model.kv import KVCache
+
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -31,9 +35,11 @@ class Segment:
 
     ``ids`` / ``pos`` [n] (long); ``mask`` [1, 1, n, S] additive float over the cache's ``S - n``
     rows plus these, or None for causal rows (a prefill chunk; a single decode row sees everything).
+    Every row sees the whole cache (a verify mask's first ``S - n`` columns are zero): the
+    ragged attention and the tensor-parallel plan read only the mask's last ``n`` columns.
     """
 
-    cache: object
+    cache: KVCache
     ids: torch.Tensor
     pos: torch.Tensor
     mask: torch.Tensor | None = None
@@ -93,13 +99,15 @@ def grouped_mask(mask: torch.Tensor, g: int) -> torch.Tensor:
 def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Tensor:
     """Last-layer hidden states [N, H] of all segments' rows, in order; every cache grows by its rows.
 
+    Attention runs one call a sequence, over any :class:`~toolspec_core.model.kv.KVCache`
+    (:func:`toolspec_core.model.ragged.step_forward` chooses between this and one call for all).
     Inputs may be on the CPU; they are moved to the model's device here.
     """
     core = model.model
     dev = core.embed_tokens.weight.device
     dtype = core.embed_tokens.weight.dtype
-    ids = torch.cat([s.ids for s in segments]).to(dev, non_blocking=True)[None]  # [1, N]
-    pos = torch.cat([s.pos for s in segments]).to(dev, non_blocking=True)[None]  # [1, N]
+    ids = torch.cat([s.ids for s in segments]).to(dev, non_blocking=True)  # [N]
+    pos = torch.cat([s.pos for s in segments]).to(dev, non_blocking=True)  # [N]
     cfg = model.config
     g = cfg.num_attention_heads // cfg.num_key_value_heads  # query heads per KV head (the same on a TP shard)
     bounds, masks, o = [], [], 0
@@ -113,9 +121,28 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
             masks.append(grouped_mask(causal_mask(prefix, n, dtype, dev), g))
         else:
             masks.append(None)  # one row attends to the whole cache
+
+    def attend(li: int, q, k, v, scale: float) -> torch.Tensor:
+        outs = []
+        for s, (a, b), m in zip(segments, bounds, masks):
+            keys, values = s.cache.write(li, k[:, :, a:b], v[:, :, a:b])  # [1, H_kv, S, D]
+            outs.append(segment_attention(q[:, :, a:b], keys, values, m, scale))
+        return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
+
+    x = decoder_layers(model, ids, pos, attend)
+    for s in segments:
+        s.cache.advance(len(s))
+    return x
+
+
+def decoder_layers(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, attend) -> torch.Tensor:
+    """The decoder over rows ``ids`` / ``pos`` [N] (on the model's device) -> last-layer hidden
+    states [N, H]; ``attend(layer, q [1, H, N, D], k / v [1, H_kv, N, D], scale)`` -> [1, N, H * D]
+    stores the rows' K / V and attends (per sequence, or all at once over the block pool)."""
+    core = model.model
     with torch.inference_mode():
-        x = core.embed_tokens(ids)  # [1, N, H]
-        cos, sin = core.rotary_emb(x, pos)  # [1, N, D] each
+        x = core.embed_tokens(ids[None])  # [1, N, H]
+        cos, sin = core.rotary_emb(x, pos[None])  # [1, N, D] each
         for li, layer in enumerate(core.layers[: model.config.num_hidden_layers]):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -125,13 +152,7 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, N, D]
             q, k = _rope_fn(attn)(q, k, cos, sin)
-            outs = []
-            for s, (a, b), m in zip(segments, bounds, masks):
-                keys, values = s.cache.write(li, k[:, :, a:b], v[:, :, a:b])  # [1, H_kv, S, D]
-                outs.append(segment_attention(q[:, :, a:b], keys, values, m, attn.scaling))
-            x = x + attn.o_proj(torch.cat(outs, 1) if len(outs) > 1 else outs[0])
+            x = x + attn.o_proj(attend(li, q, k, v, attn.scaling))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = core.norm(x)
-    for s in segments:
-        s.cache.advance(len(s))
     return x[0]

@@ -7,8 +7,10 @@ by every sequence whose tokens begin with the same prefix -- the system prompt a
 agent's previous turn with its call and the tool result -- whose rows are then never prefilled
 again.
 
-Storage: K and V each [L, H_kv, num_blocks * block_tokens, D]; slot ``b * block_tokens + i`` is
-row ``i`` of block ``b``. A sequence's :class:`PagedKV` maps its rows to slots through its block
+Storage: K and V each [L, H_kv, (num_blocks + 1) * block_tokens, D]; slot ``b * block_tokens + i``
+is row ``i`` of block ``b``. The last block is never allocated: it is the scratch block that the
+ragged attention's padding reads and writes (:mod:`toolspec_core.model.ragged`), zeroed here so
+that whatever reads it is finite. A sequence's :class:`PagedKV` maps its rows to slots through its block
 table, fixed when the scheduler admits it (shared prefix blocks, then its own blocks for the rest
 of the prompt, ``max_new_tokens`` and one draft tree). Its own blocks are taken as one contiguous
 run when the pool has one, so a sequence without a shared prefix attends over a view of the
@@ -84,10 +86,14 @@ class BlockPool:
             raise ValueError(f"a pool needs positive num_blocks and block_tokens, got {num_blocks}, {block_tokens}")
         self.n_layers, self.num_blocks, self.block_tokens = n_layers, num_blocks, block_tokens
         self.prefix_caching = prefix_caching  # False: blocks are never registered, so never shared
-        shape = (n_layers, kv_heads, num_blocks * block_tokens, head_dim)
+        self.scratch_block = num_blocks  # padding's block, never allocated
+        self.scratch_slot = num_blocks * block_tokens
+        shape = (n_layers, kv_heads, (num_blocks + 1) * block_tokens, head_dim)
         # untouched pages cost no host memory until a block is first written
         self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, H_kv, slots, D]
         self.v = torch.empty(shape, dtype=dtype, device=device)  # [L, H_kv, slots, D]
+        self.k[:, :, self.scratch_slot :] = 0
+        self.v[:, :, self.scratch_slot :] = 0
         self.refs = [0] * num_blocks
         self._free = bytearray(b"\x01") * num_blocks  # 1 = free (neither referenced nor cached)
         self._n_free = num_blocks
@@ -231,9 +237,10 @@ class _PagedLayer:
 class PagedKV:
     """One sequence's KV in a :class:`BlockPool`: a fixed block table and a valid length.
 
-    It speaks the cache calls the engine uses (``write`` / ``advance`` / ``get_seq_length`` /
-    ``crop`` for the batched forward, ``move_rows`` for the verify commit), so the scheduler
-    runs it beside :class:`~toolspec_core.model.kv.SeqKV` caches in one forward.
+    It implements :class:`~toolspec_core.model.kv.KVCache`, so the scheduler runs it beside
+    :class:`~toolspec_core.model.kv.SeqKV` caches in one forward; the ragged attention
+    (:mod:`toolspec_core.model.ragged`) reads its ``table`` and ``host_slots`` instead of calling
+    ``write``.
     ``shared``: leading blocks of the table found in the prefix cache (read-only; ``length``
     starts past them)."""
 
@@ -244,8 +251,9 @@ class PagedKV:
         self.length = shared * bt
         self.capacity = len(self.table) * bt
         self.layers = [_PagedLayer(self, i) for i in range(pool.n_layers)]
-        t = torch.tensor(self.table, dtype=torch.long)
-        self.slots = (t[:, None] * bt + torch.arange(bt)).reshape(-1).to(pool.k.device)  # [capacity] row -> slot
+        t = self.host_table = torch.tensor(self.table, dtype=torch.long)  # [blocks] on the host
+        self.host_slots = (t[:, None] * bt + torch.arange(bt)).reshape(-1)  # [capacity] row -> slot, on the host
+        self.slots = self.host_slots.to(pool.k.device)  # [capacity] the same, where the storage is
         # rows [own, capacity) lie in one contiguous run of slots starting at ``run``, when they do
         own = self.table[shared:]
         self.own_row = shared * bt
@@ -257,8 +265,13 @@ class PagedKV:
         """Every row in one run of slots: attention reads a view, nothing is gathered."""
         return self.run is not None and self.shared == 0
 
-    def room(self) -> int:
+    def room(self) -> int | None:
         return self.capacity - self.length
+
+    def register(self, tokens: list[int]) -> None:
+        """Make the full blocks of the committed ``tokens`` findable by later prompts (the
+        sequence keeps using them)."""
+        self.keys = self.pool.register(self.table, self.keys, tokens, min(self.length, len(tokens)))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -311,7 +324,7 @@ class PagedKV:
         if self.released:
             return
         if tokens is not None:
-            self.keys = self.pool.register(self.table, self.keys, tokens, min(self.length, len(tokens)))
+            self.register(tokens)
         self.pool.release(self.table)
         self.released = True
 

@@ -10,14 +10,13 @@ from pathlib import Path
 import torch
 
 from toolspec_core.model.attention import use_grouped_sdpa
-from toolspec_core.model.batch_forward import Segment, batched_forward, supports_batched
-from toolspec_core.model.block_pool import PagedKV, pool_for
+from toolspec_core.model.batch_forward import Segment, supports_batched
+from toolspec_core.model.block_pool import pool_for
 from toolspec_core.model.cpu_linears import tune_cpu_linears
 from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME, ModelFileError, embedded_model_dir
-from toolspec_core.model.kv import SeqKV
+from toolspec_core.model.kv import HFKV, KVCache, SeqKV
 from toolspec_core.model.prompting import eos_ids_of
-
-ENGINE_CACHES = (SeqKV, PagedKV)  # caches the batched forward writes into
+from toolspec_core.model.ragged import resolve_attention, step_forward
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,13 +39,33 @@ class Target:
     ``forward`` runs the rows of many sequences in one pass (:mod:`toolspec_core.model.batch_forward`)
     where the model's family allows it, otherwise one ``hidden`` call per sequence; ``step`` is
     what the scheduler calls (a tensor-parallel target, ``deployments/tp``, overrides it to run
-    on its ranks)."""
+    on its ranks).
+
+    ``attention``: how the batched forward attends over a block pool's sequences, one of
+    :data:`~toolspec_core.model.ragged.ATTENTION` ("auto": one ragged call a layer on CUDA, the
+    per-sequence loop on the CPU); ``cuda_graphs``: replay captured decode steps
+    (:mod:`toolspec_core.model.graphs`; CUDA and the ragged attention only)."""
 
     model: torch.nn.Module
     tokenizer: object
     name: str = "model"
     eos_ids: tuple[int, ...] = ()
     max_context: int = 32768
+    attention: str = "auto"
+    cuda_graphs: bool = False
+
+    def __post_init__(self):
+        mode = resolve_attention(self.attention, self.device)  # ValueError for an unknown name
+        if self.cuda_graphs and (self.device.type != "cuda" or mode != "ragged"):
+            raise ValueError(
+                f"cuda_graphs needs a CUDA model and the ragged attention (device {self.device}, attention {mode})"
+            )
+        self._graphs = None  # the StepGraphs of the pool the steps run in, made at the first graphed step
+
+    @property
+    def attention_mode(self) -> str:
+        """The attention the batched forward runs: "per_sequence" or "ragged" (``attention`` resolved)."""
+        return resolve_attention(self.attention, self.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -61,11 +80,12 @@ class Target:
         """Whether ``forward`` runs all sequences in one pass (the model's family is supported)."""
         return supports_batched(self.model)
 
-    def new_cache(self):
-        """An empty KV cache of the kind ``forward`` takes: a :class:`SeqKV`, or HF's own cache."""
+    def new_cache(self) -> KVCache:
+        """An empty KV cache of the kind ``forward`` takes: a :class:`SeqKV`, or HF's own cache
+        (:class:`HFKV`) where the batched forward does not cover the family."""
         if self.batched:
             return SeqKV(self.model.config.num_hidden_layers)
-        return self.hf_cache()
+        return HFKV(self.hf_cache())
 
     def block_pool(self, tokens: int, block_tokens: int = 16, prefix_caching: bool = True):
         """A KV block pool of ``tokens`` rows for this target's sequences, or None where ``forward``
@@ -82,28 +102,56 @@ class Target:
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(free * fraction) // kv_bytes_per_token(self.model.config, self.dtype)
 
+    def graph_step(self, segments: list[Segment]) -> torch.Tensor | None:
+        """A decode step replayed from its captured graph (:mod:`toolspec_core.model.graphs`): hidden
+        states [N, H], or None where the step has none (a prefill chunk, no bucket, no pool)."""
+        from toolspec_core.model.ragged import pool_of
+
+        pool = pool_of(segments)
+        return None if pool is None else self._graphs_of(pool).run(segments)
+
+    def warm_graphs(self, pool, grids: list[tuple[int, int, int]]) -> None:
+        """Capture the decode steps of these (running sequences, rows a sequence, KV rows) bucket
+        shapes over ``pool`` now (start-up), not at their first use."""
+        if not self.cuda_graphs:
+            raise ValueError("warm_graphs needs a target made with cuda_graphs=True")
+        self._graphs_of(pool).warm(grids)
+
+    def _graphs_of(self, pool):
+        from toolspec_core.model.graphs import StepGraphs
+
+        if self._graphs is None or self._graphs.pool is not pool:  # graphs write one pool's storage
+            self._graphs = StepGraphs(self.model, pool)
+        return self._graphs
+
     def hf_cache(self):
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
 
     def forward(self, segments: list[Segment]) -> torch.Tensor:
-        """Last-layer hidden states [N, H] of every segment's rows, concatenated in order."""
-        if self.batched and all(isinstance(s.cache, ENGINE_CACHES) for s in segments):
-            return batched_forward(self.model, segments)
+        """Last-layer hidden states [N, H] of every segment's rows, concatenated in order: a
+        captured decode step where one fits (``cuda_graphs``), else the batched forward."""
+        if self.batched:
+            if self.cuda_graphs:
+                out = self.graph_step(segments)
+                if out is not None:
+                    return out
+            return step_forward(self.model, segments, self.attention_mode)
         outs = [self.hidden(s.ids[None], s.pos[None], s.mask, s.cache) for s in segments]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def hidden(self, input_ids, position_ids, mask, cache) -> torch.Tensor:
         """One sequence: input_ids/position_ids: [1, T]; mask: [1, 1, T, S] additive or None (causal).
 
-        A :class:`SeqKV` cache goes through the batched forward (as a batch of one); an HF cache
-        through HF's own forward, the reference the batched one is tested against. Inputs are
-        built on the CPU and moved to the model's device here. Returns last-layer hidden states
-        [T, H] on that device; the cache grows by T rows.
+        A :class:`KVCache` of a batched target goes through ``forward`` (as a batch of one); HF's
+        own cache (bare, or in an :class:`HFKV`) through HF's own forward, the reference the
+        batched one is tested against. Inputs are built on the CPU and moved to the model's
+        device here. Returns last-layer hidden states [T, H] on that device; the cache grows by T rows.
         """
-        if isinstance(cache, ENGINE_CACHES):
-            return batched_forward(self.model, [Segment(cache, input_ids[0], position_ids[0], mask)])
+        if self.batched and isinstance(cache, KVCache):
+            return self.forward([Segment(cache, input_ids[0], position_ids[0], mask)])
+        cache = cache.hf if isinstance(cache, HFKV) else cache
         dev = self.device
         if dev.type != "cpu":
             input_ids, position_ids = input_ids.to(dev, non_blocking=True), position_ids.to(dev, non_blocking=True)
@@ -180,13 +228,22 @@ def _cache_kwarg_of(cls: type) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
-def from_model(model, tokenizer, name: str = "model") -> Target:
+def from_model(model, tokenizer, name: str = "model", attention: str = "auto", cuda_graphs: bool = False) -> Target:
     """Wrap an already-built HF model (tests build tiny random ones); an SDPA model is switched to
-    the grouped tree-verify attention (:mod:`toolspec_core.model.attention`)."""
+    the grouped tree-verify attention (:mod:`toolspec_core.model.attention`). ``attention`` /
+    ``cuda_graphs``: see :class:`Target` (ValueError for an unknown attention or graphs off CUDA)."""
     model.eval()
     use_grouped_sdpa(model)
     ctx = getattr(model.config, "max_position_embeddings", None) or 32768
-    return Target(model=model, tokenizer=tokenizer, name=name, eos_ids=eos_ids_of(model, tokenizer), max_context=ctx)
+    return Target(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        eos_ids=eos_ids_of(model, tokenizer),
+        max_context=ctx,
+        attention=attention,
+        cuda_graphs=cuda_graphs,
+    )
 
 
 def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -207,13 +264,16 @@ def load_target(
     tune_gemm: bool = True,
     packed_rows: int = 0,
     device: str = "cpu",
+    attention: str = "auto",
+    cuda_graphs: bool = False,
 ) -> Target:
     """Load a local HF model directory, or the embedded default when ``path`` is None/"embedded".
 
     Both go through the same ``from_pretrained`` code path; SDPA attention is required because
     the tree mask is 4D. ``device``: where the model runs (the engine moves its inputs there).
     ``tune_gemm``, ``packed_rows``: see :func:`tune_cpu_linears` (CPU float32 only;
-    ``packed_rows=0`` saves a copy of the weights).
+    ``packed_rows=0`` saves a copy of the weights). ``attention`` / ``cuda_graphs``: see
+    :class:`Target`.
     """
     from transformers import AutoTokenizer
 
@@ -235,4 +295,4 @@ def load_target(
         model = model.to(device)
     elif tune_gemm and dtype == torch.float32:
         tune_cpu_linears(model, packed_rows=packed_rows)
-    return from_model(model, tok, name=name)
+    return from_model(model, tok, name=name, attention=attention, cuda_graphs=cuda_graphs)
