@@ -155,6 +155,23 @@ def test_sampled_sequence_in_a_batch_is_reproducible_and_leaves_greedy_alone(tin
     assert out[1].tokens == want[1] and out[2].tokens == want[2]
 
 
+def test_device_and_host_walks_share_a_step(tiny, refs):
+    """Greedy sequences walked on the device beside one that reads its logits (logprobs: a host
+    walk on the argmax of the step's one copy back) and a sampled one: each greedy output is
+    plain greedy's, and the reading one's logprobs are of its own tokens."""
+    prompts, want = refs
+    sampled = DecodeConfig(max_new_tokens=N, sampling=SamplingParams(temperature=0.9, seed=3))
+    seqs = [
+        Sequence(tiny, prompts[0], ScriptedDrafter(branching(want[0])), DecodeConfig(max_new_tokens=N)),
+        Sequence(tiny, prompts[1], ScriptedDrafter(branching(want[1])), DecodeConfig(max_new_tokens=N, logprobs=2)),
+        Sequence(tiny, prompts[2], ScriptedDrafter(oracle(want[2])), DecodeConfig(max_new_tokens=N)),
+        Sequence(tiny, prompts[3], ScriptedDrafter(garbage(want[3])), sampled),
+    ]
+    out = run_batch(tiny, seqs, CostModel.flat())
+    assert [o.tokens for o in out[:3]] == want[:3]
+    assert [lp[0] for lp in out[1].logprobs] == want[1]
+
+
 def test_batched_forward_steps_have_many_rows(tiny, refs):
     """One forward per step carries every running sequence's rows (not one forward per sequence)."""
     prompts, want = refs
@@ -213,6 +230,13 @@ def test_pooled_greedy_in_any_batch_equals_plain_greedy(tiny, refs, seed):
     pool = tiny.block_pool(rng.choice([160, 256]), 8)
     limits = BatchLimits(max_running=rng.choice([2, 4, 16]), prefill_chunk=rng.choice([8, 512]), tree_rows=16)
     sched = Scheduler(tiny, rng.choice([None, CostModel.flat()]), limits, pool)
+    moved_at, move_slots = [], pool.move_slots  # the step each slot move came in
+
+    def counting(src, dst):
+        moved_at.append(len(sched.steps))
+        move_slots(src, dst)
+
+    pool.move_slots = counting
     order = list(range(len(family))) * 2  # every prompt twice: the second time its blocks are cached
     seqs = []
     for i in order:
@@ -229,6 +253,7 @@ def test_pooled_greedy_in_any_batch_equals_plain_greedy(tiny, refs, seed):
     assert pool.stats().hit_tokens > 0
     assert any(s.stats.cached_tokens > 0 for _, s in seqs)
     assert all(r == 0 for r in pool.refs)  # every block given back
+    assert moved_at and len(moved_at) == len(set(moved_at))  # the commits of a step: one slot move
 
 
 def test_second_turn_prefills_only_its_new_tokens(tiny, refs):
