@@ -9,7 +9,7 @@ import pytest
 from test_bench import AsciiTokenizer, _item
 from tiny import tiny_model
 
-from benchmarks.batch import BatchRun, build_report, summarize
+from benchmarks.batch import BatchRun, build_report, markdown, summarize
 from toolspec_core.model.target import from_model
 
 
@@ -99,3 +99,40 @@ def test_summary_marks_partial_runs_and_pools_only_complete_benchmarks():
     recs.append(rec("b", "ar", 2, 0, ["b0", "b1"], [[5], [6]]))  # one of b's two groups at B = 2: partial
     runs = {(r["benchmark"], r["method"], r["batch"]): r for r in summarize(recs)}
     assert not runs[("b", "ar", 2)]["complete"] and ("pooled", "ar", 2) not in runs
+
+
+def test_without_single_stream_runs_each_batch_is_compared_with_plain_greedy_at_its_own_b():
+    def rec(method, b, ids, toks):
+        outs = {i: {"tokens": t, "text": "", "forwards": len(t), "mat": 1.0} for i, t in zip(ids, toks)}
+        return dict(
+            benchmark="a",
+            method=method,
+            batch=b,
+            group=0,
+            items=ids,
+            decode_s=1.0,
+            generated=3,
+            steps=3,
+            rows=6,
+            forward_s=0.5,
+            host_s=0.1,
+            outputs=outs,
+        )
+
+    recs = [
+        rec("ar", 2, ["a0", "a1"], [[1, 2], [3]]),
+        rec("toolspec", 2, ["a0", "a1"], [[1, 2], [3, 4]]),
+        rec("ar", 4, ["a0", "a1"], [[1, 2], [3, 4]]),  # plain greedy itself differs at B = 4 (rounding)
+        rec("toolspec", 4, ["a0", "a1"], [[1, 2], [3, 4]]),
+    ]
+    runs = {(r["method"], r["batch"]): r for r in summarize(recs)}
+    assert runs[("toolspec", 2)]["mismatched_items"] == ["a1"] and runs[("toolspec", 4)]["exact_match"] == 1.0
+    assert all(r["complete"] for r in runs.values())
+    report = {
+        "name": "n",
+        "model": "m",
+        "hardware": "h",
+        "exact_reference": "ar at the same B",
+        "runs": list(runs.values()),
+    }
+    assert "against plain greedy at the same B" in markdown(report)
