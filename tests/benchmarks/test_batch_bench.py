@@ -136,3 +136,32 @@ def test_without_single_stream_runs_each_batch_is_compared_with_plain_greedy_at_
         "runs": list(runs.values()),
     }
     assert "against plain greedy at the same B" in markdown(report)
+
+
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        ([], {}),
+        (["--attention", "ragged"], {"attention": "ragged"}),
+        (["--attention", "per_sequence", "--cuda-graphs"], {"attention": "per_sequence", "cuda_graphs": True}),
+    ],
+)
+def test_engine_flags_reach_load_target_only_when_given(tmp_path, monkeypatch, flags, want):
+    from benchmarks.cli import bench_main
+    from toolspec_core.model import target as target_mod
+
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def fake_load_target(path=None, **kw):
+        seen.update(kw)
+        raise Loaded
+
+    monkeypatch.setattr(target_mod, "load_target", fake_load_target)
+    data = tmp_path / "syn.jsonl"
+    data.write_text(json.dumps(_item(0)) + "\n")
+    with pytest.raises(Loaded):
+        bench_main(["--batch", "2", "--data", str(data), "--out", str(tmp_path / "run")] + flags)
+    assert {k: v for k, v in seen.items() if k in ("attention", "cuda_graphs")} == want
