@@ -95,16 +95,22 @@ def curve(target, batch: int, drafts: list[int], context: int, repeats: int, voc
     """Time one B for every draft length in ``drafts``; ``emit(row)`` each case as it is measured."""
     steps = len(drafts) * (WARM_STEPS + repeats) + 2
     limits = BatchLimits(max_running=batch, prefill_chunk=PREFILL_CHUNK, tree_rows=max(16, max(drafts) + 1))
-    pool = target.block_pool(batch * (context + steps + limits.tree_rows + 16), prefix_caching=False)
+    cfg = DecodeConfig(max_new_tokens=steps + 8)
+    block = 16
+    per_seq = -(-(context + cfg.max_new_tokens + limits.tree_rows) // block) * block  # a table's rows
+    pool = target.block_pool(batch * per_seq, block, prefix_caching=False)
     sched = Scheduler(target, None, limits, pool)
     g = torch.Generator().manual_seed(batch)
-    cfg = DecodeConfig(max_new_tokens=steps + 8)
     seqs = [
         sched.add(Sequence(target, torch.randint(0, vocab, (context,), generator=g).tolist(), None, cfg))
         for _ in range(batch)
     ]
-    while not all(s.decoding for s in seqs):  # prefill (untimed)
+    for _ in range(batch * context // PREFILL_CHUNK + batch + 2):  # prefill (untimed)
+        if all(s.decoding for s in seqs):
+            break
         sched.step()
+    else:
+        raise RuntimeError(f"{sum(not s.decoding for s in seqs)} of {batch} sequences never started decoding")
     base = None
     for t in drafts:
         for i, s in enumerate(seqs):
