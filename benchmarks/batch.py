@@ -37,6 +37,20 @@ from .runner import MethodPool, engine_options, log
 MAX_ROWS = 256  # the batch budget's curve is measured up to forwards of this many rows
 
 
+def read_records(path: Path) -> list[dict]:
+    """The group records of ``batch.jsonl`` (none: no file); a last line cut short by a run stopped
+    while writing it is left out (its group runs again on resume)."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    out = [json.loads(line) for line in lines[:-1]]
+    try:
+        out += [json.loads(line) for line in lines[-1:]]
+    except json.JSONDecodeError:
+        pass
+    return out
+
+
 def _groups(items: list[dict], b: int) -> list[list[dict]]:
     return [items[i : i + b] for i in range(0, len(items), b)]
 
@@ -83,10 +97,11 @@ class BatchRun:
             self.cost.calibrate = bool(args.calibrate)  # learns from the batched steps it pays (budget.Calibration)
         self.path = self.out / "batch.jsonl"
         self.done: dict[tuple, dict] = {}
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                rec = json.loads(line)
-                self.done[(rec["benchmark"], rec["method"], rec["batch"], rec["group"])] = rec
+        records = read_records(self.path)
+        if self.path.exists() and len(self.path.read_text().splitlines()) != len(records):  # drop a cut line
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        for rec in records:
+            self.done[(rec["benchmark"], rec["method"], rec["batch"], rec["group"])] = rec
         self.prefills: dict[str, object] = {}
         (self.out / "config.json").write_text(json.dumps({**vars(args), "tool": "toolspec bench --batch"}, indent=2))
 
@@ -270,7 +285,7 @@ def _order(method: str) -> int:
 
 
 def build_report(out: Path, name: str, results: Path, hardware: str, model: str, plots: bool = True) -> dict:
-    records = [json.loads(line) for line in (out / "batch.jsonl").read_text().splitlines()]
+    records = read_records(out / "batch.jsonl")
     cost = json.loads((out / "cost.json").read_text()) if (out / "cost.json").exists() else None
     report = {
         "tool": "toolspec bench --batch",

@@ -43,6 +43,8 @@ MAX_NEW=${MAX_NEW:-128}
 COST=${COST:-measured}
 mkdir -p "$OUT/raw"
 exec > >(tee -a "$OUT/run.log") 2>&1
+TEE=$!
+trap 'exec >&- 2>&-; wait "$TEE" 2>/dev/null || true' EXIT  # run.log complete before the script ends
 say() { echo "=== $(date -u +%H:%M:%S) +$(($(date +%s) - START))s: $*"; }
 left() { echo $((BUDGET_S - ($(date +%s) - START))); }
 

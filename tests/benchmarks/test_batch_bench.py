@@ -48,6 +48,8 @@ def test_batch_run_is_exact_resumable_and_reported(tiny, tmp_path):
     run.run()
     lines = (tmp_path / "run" / "batch.jsonl").read_text().splitlines()
     assert len(lines) == 2 * 3 * (5 + 3 + 2)  # benchmarks x methods x groups of B = 1, 2, 4
+    with (tmp_path / "run" / "batch.jsonl").open("a") as f:
+        f.write('{"benchmark": "syn", "meth')  # a run stopped while writing a record
     again = BatchRun(args, tiny)
     again.run()  # nothing left to do: every group is on file
     assert (tmp_path / "run" / "batch.jsonl").read_text().splitlines() == lines
