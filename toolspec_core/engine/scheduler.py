@@ -89,14 +89,22 @@ class Scheduler:
     """Owns the waiting and running sequences of one target and runs them a step at a time.
 
     ``cost``: the budget's curve over total rows of a forward (None: trees as drafted); ``pool``:
-    the KV block pool sequences are admitted into (None: each sequence grows its own cache). Not
-    thread-safe: one thread steps it (the server's engine thread).
+    the KV block pool sequences are admitted into (None: each sequence grows its own cache);
+    ``device_walk``: walk greedy trees where the argmax is (None: where that is an accelerator --
+    on the CPU the host walk costs less than the walk's tensor ops, and there is no copy to save).
+    Not thread-safe: one thread steps it (the server's engine thread).
     """
 
     def __init__(
-        self, target, cost: CostModel | None = None, limits: BatchLimits = BatchLimits(), pool: BlockPool | None = None
+        self,
+        target,
+        cost: CostModel | None = None,
+        limits: BatchLimits = BatchLimits(),
+        pool: BlockPool | None = None,
+        device_walk: bool | None = None,
     ):
         self.target, self.cost, self.limits, self.pool = target, cost, limits, pool
+        self.device_walk = device_walk
         if cost is not None:
             cost.ensure_rows(limits.max_running * (cost.max_nodes + 2) + limits.prefill_chunk)
         self.waiting: deque[Sequence] = deque()
@@ -275,6 +283,9 @@ class Scheduler:
         target whose argmax arrives as a list (tensor-parallel: from its ranks)."""
         if not isinstance(out.choice, torch.Tensor):
             return [None] * len(rows), out.choice
+        here = self.device_walk if self.device_walk is not None else out.choice.device.type != "cpu"
+        if not here:
+            return [None] * len(rows), out.choice.tolist()  # every walk on the host
         on_device = [not reads_logits(r.seq) and r.tree.is_trie() for r in rows]
         need = list(range(n_ends))  # the completed prompts' last rows: a greedy start reads their argmax
         for r, dev in zip(rows, on_device):
