@@ -6,7 +6,9 @@ prefilling -- so a long prompt stalls the running sequences by one chunk a step 
 asks each decoding sequence's drafter for its tree, cuts all trees together under one budget
 (:meth:`~toolspec_core.engine.budget.CostModel.allocate`), runs one forward over the rows of all
 sequences (:meth:`~toolspec_core.model.target.Target.forward`), then walks, commits, emits and
-feeds back per sequence. A single request is a batch of one through the same step
+feeds back per sequence. On an accelerator the greedy sequences' walks run there, all at once
+(:mod:`~toolspec_core.engine.device_walk`), and one small copy per step comes back; a pool's KV
+commits of a step go as one slot move. A single request is a batch of one through the same step
 (:func:`toolspec_core.engine.loop.decode`).
 
 With a :class:`~toolspec_core.model.block_pool.BlockPool`, admission gives each sequence a block

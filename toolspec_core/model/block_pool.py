@@ -227,7 +227,7 @@ class BlockPool:
         finally:
             src, dst = self._pending
             self._pending = None
-            self.move(src, dst)
+        self.move(src, dst)  # not after an error: the step's KV state is dropped then (Scheduler.fail_all)
 
     def stats(self) -> PoolStats:
         used = sum(1 for r in self.refs if r > 0)
