@@ -7,7 +7,8 @@ batch-wide budget. Reported per (benchmark, method, B): decode-phase output toke
 tokens of all groups over the summed wall time of their decode phases), the ratio to batched
 plain greedy at the same B, MAT, rows per forward, forward and host (drafting + budget + walks
 + commits) time per step, and exact match per item against single-stream plain greedy
-(``ar`` at B = 1, the first run of each item). One JSON line per group goes to
+(``ar`` at B = 1, the first run of each item; with ``--same-batch-reference``, where B = 1 need
+not run, against ``ar`` at the same B). One JSON line per group goes to
 ``<out>/batch.jsonl`` as it finishes, so an interrupted run resumes where it stopped.
 
     toolspec bench --batch 1,2,4,8,16 --data benchmarks/datasets/api_bank.dev.jsonl.gz --limit 48 \\
@@ -31,9 +32,23 @@ from toolspec_core.errors import ToolSpecError
 from .cost import hardware_string
 from .data import load_items, prompt_ids, select_items
 from .metrics import first_mismatch
-from .runner import MethodPool, log
+from .runner import MethodPool, engine_options, log
 
 MAX_ROWS = 256  # the batch budget's curve is measured up to forwards of this many rows
+
+
+def read_records(path: Path) -> list[dict]:
+    """The group records of ``batch.jsonl`` (none: no file); a last line cut short by a run stopped
+    while writing it is left out (its group runs again on resume)."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    out = [json.loads(line) for line in lines[:-1]]
+    try:
+        out += [json.loads(line) for line in lines[-1:]]
+    except json.JSONDecodeError:
+        pass
+    return out
 
 
 def _groups(items: list[dict], b: int) -> list[list[dict]]:
@@ -66,7 +81,12 @@ class BatchRun:
         if target is None:
             from toolspec_core.model.target import load_target
 
-            target = load_target(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+            target = load_target(
+                args.model,
+                dtype=getattr(torch, args.dtype),
+                device=args.device,
+                **engine_options(getattr(args, "attention", None), getattr(args, "cuda_graphs", None)),
+            )
         self.target = target
         self.benches = [
             select_items(load_items(p), args.limit, None if args.seed < 0 else args.seed) for p in args.data
@@ -77,10 +97,11 @@ class BatchRun:
             self.cost.calibrate = bool(args.calibrate)  # learns from the batched steps it pays (budget.Calibration)
         self.path = self.out / "batch.jsonl"
         self.done: dict[tuple, dict] = {}
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                rec = json.loads(line)
-                self.done[(rec["benchmark"], rec["method"], rec["batch"], rec["group"])] = rec
+        records = read_records(self.path)
+        if self.path.exists() and len(self.path.read_text().splitlines()) != len(records):  # drop a cut line
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        for rec in records:
+            self.done[(rec["benchmark"], rec["method"], rec["batch"], rec["group"])] = rec
         self.prefills: dict[str, object] = {}
         (self.out / "config.json").write_text(json.dumps({**vars(args), "tool": "toolspec bench --batch"}, indent=2))
 
@@ -187,21 +208,22 @@ POOLED = "pooled"
 
 def summarize(records: list[dict]) -> list[dict]:
     """One run per (benchmark, method, batch), plus ``pooled`` over the benchmarks that have every
-    (method, batch) of the run, with exact match against single-stream plain greedy."""
-    ref = {}
+    (method, batch) of the run, with exact match against single-stream plain greedy (``ar`` at
+    B = 1), or against ``ar`` at the same B in a run without B = 1 (:func:`reference_batch`)."""
+    refs: dict[int, dict] = {}  # batch -> item -> plain greedy's tokens at that B
     for r in records:
-        if r["method"] == "ar" and r["batch"] == 1:
-            ref.update({i: o["tokens"] for i, o in r["outputs"].items()})
+        if r["method"] == "ar":
+            refs.setdefault(r["batch"], {}).update({i: o["tokens"] for i, o in r["outputs"].items()})
+    single = reference_batch(records) == 1
     combos = {(r["method"], r["batch"]) for r in records}
-    n_items: dict[str, int] = {}  # items of a benchmark: its single-stream reference decodes
+    n_items: dict[str, set] = {}  # items of a benchmark: every one a run decoded
     groups: dict[tuple, int] = {}
     for r in records:
         groups[(r["benchmark"], r["method"], r["batch"])] = groups.get((r["benchmark"], r["method"], r["batch"]), 0) + 1
-        if r["method"] == "ar" and r["batch"] == 1:
-            n_items[r["benchmark"]] = n_items.get(r["benchmark"], 0) + len(r["outputs"])
+        n_items.setdefault(r["benchmark"], set()).update(r["outputs"])
 
     def whole(bench: str, method: str, b: int) -> bool:
-        return groups.get((bench, method, b), 0) == -(-n_items.get(bench, 0) // b) > 0
+        return groups.get((bench, method, b), 0) == -(-len(n_items.get(bench, ())) // b) > 0
 
     complete = {bench for bench in n_items if all(whole(bench, m, b) for m, b in combos)}
     keyed = [(r, (r["benchmark"], r["method"], r["batch"])) for r in records]
@@ -209,6 +231,7 @@ def summarize(records: list[dict]) -> list[dict]:
         keyed += [(r, (POOLED, r["method"], r["batch"])) for r in records if r["benchmark"] in complete]
     runs: dict[tuple, dict] = {}
     for r, k in keyed:
+        ref = refs.get(1 if single else r["batch"], {})
         run = runs.setdefault(k, {"decode_s": 0.0, "generated": 0, "steps": 0, "rows": 0, "forward_s": 0.0})
         for f in ("decode_s", "generated", "steps", "rows", "forward_s"):
             run[f] += r[f]
@@ -251,12 +274,18 @@ def summarize(records: list[dict]) -> list[dict]:
     return out
 
 
+def reference_batch(records: list[dict]) -> int | None:
+    """1: outputs are compared with single-stream plain greedy; None: with plain greedy at their
+    own B (a run without B = 1, ``--same-batch-reference``)."""
+    return 1 if any(r["method"] == "ar" and r["batch"] == 1 for r in records) else None
+
+
 def _order(method: str) -> int:
     return {"ar": 0, "suffix": 1}.get(method, 2)
 
 
 def build_report(out: Path, name: str, results: Path, hardware: str, model: str, plots: bool = True) -> dict:
-    records = [json.loads(line) for line in (out / "batch.jsonl").read_text().splitlines()]
+    records = read_records(out / "batch.jsonl")
     cost = json.loads((out / "cost.json").read_text()) if (out / "cost.json").exists() else None
     report = {
         "tool": "toolspec bench --batch",
@@ -265,6 +294,7 @@ def build_report(out: Path, name: str, results: Path, hardware: str, model: str,
         "hardware": hardware,
         "config": json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {},
         "cost_model": cost,
+        "exact_reference": "ar at B = 1" if reference_batch(records) == 1 else "ar at the same B",
         "runs": summarize(records),
     }
     results.mkdir(parents=True, exist_ok=True)
@@ -285,7 +315,11 @@ def markdown(report: dict) -> str:
         "",
         f"Model {report['model']} on {report['hardware']}. Decode-phase output tokens/s of B sequences decoded "
         "together (prefill not timed); speedup against batched plain greedy (`ar`) at the same B; exact match "
-        "per item against single-stream plain greedy.",
+        + (
+            "per item against plain greedy at the same B."
+            if report.get("exact_reference") == "ar at the same B"
+            else "per item against single-stream plain greedy."
+        ),
         "",
         "| benchmark | method | B | items | tok/s | vs ar | MAT | rows/step | forward ms/step | host ms/step | exact |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -85,6 +85,19 @@ def _parser() -> argparse.ArgumentParser:
         help="CPU fp32, opt-in: MKL packed GEMM for 4..N-row verify forwards (16; default 0: off)",
     )
     ap.add_argument(
+        "--attention",
+        choices=["auto", "per_sequence", "ragged"],
+        default=None,
+        help="the target's attention over a step's rows: one call per sequence, or one ragged call over the "
+        "block pool (default: the target's own choice)",
+    )
+    ap.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        default=None,
+        help="replay the decode step from CUDA graphs captured at bucketed shapes (default: the target's own choice)",
+    )
+    ap.add_argument(
         "--calibrate", action="store_true", help="refit the shared cost curve from the verify steps really paid"
     )
     ap.add_argument(
@@ -101,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--hardware", default=None, help="what the run ran on, for the --batch report")
     ap.add_argument("--report-only", action="store_true", help="--batch: rebuild the report from --out, no decoding")
+    ap.add_argument(
+        "--same-batch-reference",
+        action="store_true",
+        help="--batch: exact match against plain greedy at the same B, so B = 1 runs only when listed "
+        "(default: against single-stream plain greedy, B = 1 always runs)",
+    )
     return ap
 
 
@@ -165,7 +184,8 @@ def bench_main(argv: list[str] | None = None) -> int:
             args.methods = ["ar"] + [m for m in args.methods if m != "ar"]  # the reference runs first
         from .batch import batch_main
 
-        args.batch = sorted(set(args.batch) | {1})  # B = 1 plain greedy is the exact-match reference
+        # B = 1 plain greedy is the exact-match reference, unless each B is compared with its own
+        args.batch = sorted(set(args.batch) | (set() if args.same_batch_reference else {1}))
         return batch_main(args)
     from .runner import run
 
@@ -191,6 +211,8 @@ def bench_main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         structured=args.structured,
         retrieval_key=args.retrieval_key or "qwen",
+        attention=args.attention,
+        cuda_graphs=args.cuda_graphs,
     )
     runner = run(cfg, max_items=args.max_items)
     if runner.pool.unavailable:

@@ -93,13 +93,14 @@ def load_curves(curves_dir: Path = CURVES, max_k: int = 64) -> tuple[dict[str, l
 # --------------------------------------------------------------------------- measurement
 
 
-def build_shape(name: str, device: str, dtype: torch.dtype):
-    """A Qwen2 model of a named shape with random weights, created directly on ``device``."""
+def build_shape(name: str, device: str, dtype: torch.dtype, overrides: dict | None = None):
+    """A Qwen2 model of a named shape with random weights, created directly on ``device``;
+    ``overrides``: config keys changed (fewer layers, a smaller width: a quick CPU probe)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if name not in SHAPES:
         raise SystemExit(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
-    cfg = Qwen2Config(**SHAPES[name], attn_implementation="sdpa")
+    cfg = Qwen2Config(**{**SHAPES[name], **(overrides or {})}, attn_implementation="sdpa")
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

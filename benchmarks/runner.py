@@ -71,6 +71,14 @@ class RunConfig:
     # how library methods key the call library: a text key as the Retrieval deployment computes it
     # (qwen | hybrid | lexical) or the target's last prompt state (hidden)
     retrieval_key: str = "qwen"
+    attention: str | None = None  # the target's attention over a step's rows (None: its default)
+    cuda_graphs: bool | None = None  # replay the step from CUDA graphs (None: the target's default)
+
+
+def engine_options(attention: str | None, cuda_graphs: bool | None) -> dict:
+    """``load_target`` keywords of the engine flags given: none when none is, so the target's
+    defaults hold (and a build without those options still loads)."""
+    return {k: v for k, v in (("attention", attention), ("cuda_graphs", cuda_graphs)) if v is not None}
 
 
 def run_pairs(cfg: RunConfig) -> list[tuple[str, str | None]]:
@@ -332,6 +340,7 @@ class Runner:
                 dtype=getattr(torch, cfg.dtype),
                 device=cfg.device,
                 **({} if cfg.packed_rows is None else {"packed_rows": cfg.packed_rows}),
+                **engine_options(cfg.attention, cfg.cuda_graphs),
             )
         self.target = target
         self.stream = load_stream(cfg.data, cfg.limit, cfg.seed, cfg.structured)

@@ -9,7 +9,7 @@ import pytest
 from test_bench import AsciiTokenizer, _item
 from tiny import tiny_model
 
-from benchmarks.batch import BatchRun, build_report, summarize
+from benchmarks.batch import BatchRun, build_report, markdown, summarize
 from toolspec_core.model.target import from_model
 
 
@@ -48,6 +48,8 @@ def test_batch_run_is_exact_resumable_and_reported(tiny, tmp_path):
     run.run()
     lines = (tmp_path / "run" / "batch.jsonl").read_text().splitlines()
     assert len(lines) == 2 * 3 * (5 + 3 + 2)  # benchmarks x methods x groups of B = 1, 2, 4
+    with (tmp_path / "run" / "batch.jsonl").open("a") as f:
+        f.write('{"benchmark": "syn", "meth')  # a run stopped while writing a record
     again = BatchRun(args, tiny)
     again.run()  # nothing left to do: every group is on file
     assert (tmp_path / "run" / "batch.jsonl").read_text().splitlines() == lines
@@ -99,3 +101,69 @@ def test_summary_marks_partial_runs_and_pools_only_complete_benchmarks():
     recs.append(rec("b", "ar", 2, 0, ["b0", "b1"], [[5], [6]]))  # one of b's two groups at B = 2: partial
     runs = {(r["benchmark"], r["method"], r["batch"]): r for r in summarize(recs)}
     assert not runs[("b", "ar", 2)]["complete"] and ("pooled", "ar", 2) not in runs
+
+
+def test_without_single_stream_runs_each_batch_is_compared_with_plain_greedy_at_its_own_b():
+    def rec(method, b, ids, toks):
+        outs = {i: {"tokens": t, "text": "", "forwards": len(t), "mat": 1.0} for i, t in zip(ids, toks)}
+        return dict(
+            benchmark="a",
+            method=method,
+            batch=b,
+            group=0,
+            items=ids,
+            decode_s=1.0,
+            generated=3,
+            steps=3,
+            rows=6,
+            forward_s=0.5,
+            host_s=0.1,
+            outputs=outs,
+        )
+
+    recs = [
+        rec("ar", 2, ["a0", "a1"], [[1, 2], [3]]),
+        rec("toolspec", 2, ["a0", "a1"], [[1, 2], [3, 4]]),
+        rec("ar", 4, ["a0", "a1"], [[1, 2], [3, 4]]),  # plain greedy itself differs at B = 4 (rounding)
+        rec("toolspec", 4, ["a0", "a1"], [[1, 2], [3, 4]]),
+    ]
+    runs = {(r["method"], r["batch"]): r for r in summarize(recs)}
+    assert runs[("toolspec", 2)]["mismatched_items"] == ["a1"] and runs[("toolspec", 4)]["exact_match"] == 1.0
+    assert all(r["complete"] for r in runs.values())
+    report = {
+        "name": "n",
+        "model": "m",
+        "hardware": "h",
+        "exact_reference": "ar at the same B",
+        "runs": list(runs.values()),
+    }
+    assert "against plain greedy at the same B" in markdown(report)
+
+
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        ([], {}),
+        (["--attention", "ragged"], {"attention": "ragged"}),
+        (["--attention", "per_sequence", "--cuda-graphs"], {"attention": "per_sequence", "cuda_graphs": True}),
+    ],
+)
+def test_engine_flags_reach_load_target_only_when_given(tmp_path, monkeypatch, flags, want):
+    from benchmarks.cli import bench_main
+    from toolspec_core.model import target as target_mod
+
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def fake_load_target(path=None, **kw):
+        seen.update(kw)
+        raise Loaded
+
+    monkeypatch.setattr(target_mod, "load_target", fake_load_target)
+    data = tmp_path / "syn.jsonl"
+    data.write_text(json.dumps(_item(0)) + "\n")
+    with pytest.raises(Loaded):
+        bench_main(["--batch", "2", "--data", str(data), "--out", str(tmp_path / "run")] + flags)
+    assert {k: v for k, v in seen.items() if k in ("attention", "cuda_graphs")} == want

@@ -10,7 +10,9 @@ from scripted import reference as reference
 from scripted import tiny as tiny
 from tiny import hf_greedy
 
+from toolspec_core.engine import scheduler as scheduler_mod
 from toolspec_core.engine.budget import CostModel
+from toolspec_core.engine.device_walk import accept_greedy
 from toolspec_core.engine.loop import DecodeConfig, decode, prefill
 from toolspec_core.engine.sampling import SamplingParams
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler, run_batch
@@ -37,7 +39,7 @@ def test_greedy_in_any_batch_equals_plain_greedy(tiny, refs, seed):
     rng = random.Random(seed)
     cost = rng.choice([None, CostModel.flat(), CostModel.cpu_reference()])
     limits = BatchLimits(max_running=rng.choice([1, 2, 3, 5, 16]), prefill_chunk=rng.choice([3, 8, 512]))
-    sched = Scheduler(tiny, cost, limits)
+    sched = Scheduler(tiny, cost, limits, device_walk=seed % 2 == 0)  # the device walk, on the CPU too
     order = list(range(len(prompts)))
     rng.shuffle(order)
     seqs, arrivals = {}, {i: rng.randrange(0, 12) for i in order}
@@ -155,6 +157,35 @@ def test_sampled_sequence_in_a_batch_is_reproducible_and_leaves_greedy_alone(tin
     assert out[1].tokens == want[1] and out[2].tokens == want[2]
 
 
+def test_device_and_host_walks_share_a_step(tiny, refs, monkeypatch):
+    """Greedy sequences walked on the device beside one that reads its logits (logprobs: a host
+    walk on the argmax of the step's one copy back) and a sampled one: each greedy output is
+    plain greedy's, and the reading one's logprobs are of its own tokens."""
+    prompts, want = refs
+    sampled = DecodeConfig(max_new_tokens=N, sampling=SamplingParams(temperature=0.9, seed=3))
+    seqs = [
+        Sequence(tiny, prompts[0], ScriptedDrafter(branching(want[0])), DecodeConfig(max_new_tokens=N)),
+        Sequence(tiny, prompts[1], ScriptedDrafter(branching(want[1])), DecodeConfig(max_new_tokens=N, logprobs=2)),
+        Sequence(tiny, prompts[2], ScriptedDrafter(oracle(want[2])), DecodeConfig(max_new_tokens=N)),
+        Sequence(tiny, prompts[3], ScriptedDrafter(garbage(want[3])), sampled),
+    ]
+    walked = []  # trees per device walk
+
+    def counting(choice, trees, bases, need):
+        walked.append(len(trees))
+        return accept_greedy(choice, trees, bases, need)
+
+    monkeypatch.setattr(scheduler_mod, "accept_greedy", counting)
+    sched = Scheduler(tiny, CostModel.flat(), BatchLimits(max_running=4), device_walk=True)
+    for seq in seqs:
+        sched.add(seq)
+    sched.run()
+    out = [s.result for s in seqs]
+    assert [o.tokens for o in out[:3]] == want[:3]
+    assert [lp[0] for lp in out[1].logprobs] == want[1]
+    assert max(walked) == 2  # the two greedy sequences that read only the argmax, walked together
+
+
 def test_batched_forward_steps_have_many_rows(tiny, refs):
     """One forward per step carries every running sequence's rows (not one forward per sequence)."""
     prompts, want = refs
@@ -212,7 +243,14 @@ def test_pooled_greedy_in_any_batch_equals_plain_greedy(tiny, refs, seed):
     want = [hf_greedy(tiny, p, 10) for p in family]
     pool = tiny.block_pool(rng.choice([160, 256]), 8)
     limits = BatchLimits(max_running=rng.choice([2, 4, 16]), prefill_chunk=rng.choice([8, 512]), tree_rows=16)
-    sched = Scheduler(tiny, rng.choice([None, CostModel.flat()]), limits, pool)
+    sched = Scheduler(tiny, rng.choice([None, CostModel.flat()]), limits, pool, device_walk=True)
+    moved_at, move_slots = [], pool.move_slots  # the step each slot move came in
+
+    def counting(src, dst):
+        moved_at.append(len(sched.steps))
+        move_slots(src, dst)
+
+    pool.move_slots = counting
     order = list(range(len(family))) * 2  # every prompt twice: the second time its blocks are cached
     seqs = []
     for i in order:
@@ -229,6 +267,7 @@ def test_pooled_greedy_in_any_batch_equals_plain_greedy(tiny, refs, seed):
     assert pool.stats().hit_tokens > 0
     assert any(s.stats.cached_tokens > 0 for _, s in seqs)
     assert all(r == 0 for r in pool.refs)  # every block given back
+    assert moved_at and len(moved_at) == len(set(moved_at))  # the commits of a step: one slot move
 
 
 def test_second_turn_prefills_only_its_new_tokens(tiny, refs):

@@ -6,7 +6,9 @@ prefilling -- so a long prompt stalls the running sequences by one chunk a step 
 asks each decoding sequence's drafter for its tree, cuts all trees together under one budget
 (:meth:`~toolspec_core.engine.budget.CostModel.allocate`), runs one forward over the rows of all
 sequences (:meth:`~toolspec_core.model.target.Target.forward`), then walks, commits, emits and
-feeds back per sequence. A single request is a batch of one through the same step
+feeds back per sequence. On an accelerator the greedy sequences' walks run there, all at once
+(:mod:`~toolspec_core.engine.device_walk`), and one small copy per step comes back; a pool's KV
+commits of a step go as one slot move. A single request is a batch of one through the same step
 (:func:`toolspec_core.engine.loop.decode`).
 
 With a :class:`~toolspec_core.model.block_pool.BlockPool`, admission gives each sequence a block
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +31,11 @@ import torch
 from toolspec_core.drafters.base import NoDrafter
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import commit_kv, kv_rows
+from toolspec_core.engine.device_walk import accept_greedy
 from toolspec_core.engine.sequence import Sequence, cap_depth
 from toolspec_core.engine.stats import record_step
 from toolspec_core.engine.tree import DraftTree, select
-from toolspec_core.engine.verify import tree_inputs, walk
+from toolspec_core.engine.verify import VerifyResult, tree_inputs, walk
 from toolspec_core.errors import ContextLengthError
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import BlockPool, PagedKV
@@ -87,14 +91,22 @@ class Scheduler:
     """Owns the waiting and running sequences of one target and runs them a step at a time.
 
     ``cost``: the budget's curve over total rows of a forward (None: trees as drafted); ``pool``:
-    the KV block pool sequences are admitted into (None: each sequence grows its own cache). Not
-    thread-safe: one thread steps it (the server's engine thread).
+    the KV block pool sequences are admitted into (None: each sequence grows its own cache);
+    ``device_walk``: walk greedy trees where the argmax is (None: where that is an accelerator --
+    on the CPU the host walk costs less than the walk's tensor ops, and there is no copy to save).
+    Not thread-safe: one thread steps it (the server's engine thread).
     """
 
     def __init__(
-        self, target, cost: CostModel | None = None, limits: BatchLimits = BatchLimits(), pool: BlockPool | None = None
+        self,
+        target,
+        cost: CostModel | None = None,
+        limits: BatchLimits = BatchLimits(),
+        pool: BlockPool | None = None,
+        device_walk: bool | None = None,
     ):
         self.target, self.cost, self.limits, self.pool = target, cost, limits, pool
+        self.device_walk = device_walk
         if cost is not None:
             cost.ensure_rows(limits.max_running * (cost.max_nodes + 2) + limits.prefill_chunk)
         self.waiting: deque[Sequence] = deque()
@@ -207,6 +219,7 @@ class Scheduler:
         )
         t1 = time.perf_counter()
         out = self.target.step(segments, logit_rows, full_rows, ends, argmax=greedy)
+        walks, choice = self._accept(rows, out, len(ends))  # waits for the forward: its one copy back
         t2 = time.perf_counter()
         fwd = t2 - t1
 
@@ -216,11 +229,12 @@ class Scheduler:
             if done:
                 seq.hidden = out.hidden[j].cpu()
                 first = out.rows(j, 1)
-                seq.start(None if first is None else first[0].cpu(), None if out.choice is None else out.choice[j])
+                seq.start(None if first is None else first[0].cpu(), None if choice is None else choice[j])
                 j += 1
                 seq.cache.register(seq.prompt_ids)  # later prompts that begin with this one reuse its blocks
-        for r in rows:
-            self._commit(r, out, fwd)
+        with self.pool.together() if self.pool is not None else nullcontext():  # one KV slot move for the batch
+            for r, result in zip(rows, walks):
+                self._commit(r, out, fwd, result, choice)
         total_rows = sum(len(s) for s in segments)
         if self.cost is not None and rows and not prefills:
             self.cost.observe(total_rows, fwd)
@@ -255,13 +269,50 @@ class Scheduler:
             seq.finish()
         return out
 
-    def _commit(self, r: _Row, out: StepOutput, fwd: float) -> None:
+    def _accept(
+        self, rows: list[_Row], out: StepOutput, n_ends: int
+    ) -> tuple[list[VerifyResult | None], list[int | None] | None]:
+        """The step's walks done on the device (None: the sequence walks on the host) and, on the
+        host, the argmax of the logit rows host code reads (None elsewhere; the whole list None
+        where no argmax was asked for): one copy back from the device for the whole step.
+
+        A greedy, unconstrained sequence that reads nothing but the argmax is walked on the device
+        (:func:`~toolspec_core.engine.device_walk.accept_greedy`); sampling, a grammar, logprobs
+        and drafters that learn from the logits walk on the host, as does every sequence of a
+        target whose argmax arrives as a list (tensor-parallel: from its ranks)."""
+        if not isinstance(out.choice, torch.Tensor):
+            return [None] * len(rows), out.choice
+        here = self.device_walk if self.device_walk is not None else out.choice.device.type != "cpu"
+        if not here:
+            return [None] * len(rows), out.choice.tolist()  # every walk on the host
+        on_device = [not reads_logits(r.seq) and r.tree.is_trie() for r in rows]
+        need = list(range(n_ends))  # the completed prompts' last rows: a greedy start reads their argmax
+        for r, dev in zip(rows, on_device):
+            if not dev and r.seq.cfg.sampling.greedy and r.seq.constraint is None:  # a greedy walk on the host
+                need.extend(range(r.start, r.start + r.n))
+        mine = [r for r, dev in zip(rows, on_device) if dev]
+        if not mine and not need:
+            return [None] * len(rows), None
+        walks, picked = accept_greedy(
+            out.choice, [r.tree for r in mine], [r.start + len(r.seq.roots) - 1 for r in mine], need
+        )
+        choice: list[int | None] = [None] * out.choice.shape[0]
+        for j, c in zip(need, picked):
+            choice[j] = c
+        it = iter(walks)
+        return [next(it) if dev else None for dev in on_device], choice
+
+    def _commit(self, r: _Row, out: StepOutput, fwd: float, result: VerifyResult | None, choice) -> None:
+        """Commit one sequence's step: its walk (``result`` when done on the device), KV commit,
+        drafter feedback, statistics and emitted tokens. ``choice``: the argmax on the host of the
+        logit rows a host walk reads (:meth:`_accept`)."""
         seq, tree = r.seq, r.tree
         t = time.perf_counter()
         own = out.rows(r.start, r.n)  # [R+T, V] this sequence's rows (None: only their argmax came back)
         root_row = len(seq.roots) - 1
-        mine = None if out.choice is None else out.choice[r.start : r.start + r.n]
-        result = walk(tree, own, seq.cfg.sampling, seq.gen, seq.constraint, root_row, mine)
+        if result is None:
+            mine = None if choice is None else choice[r.start : r.start + r.n]
+            result = walk(tree, own, seq.cfg.sampling, seq.gen, seq.constraint, root_row, mine)
         commit_kv(seq.cache, r.kv_len, kv_rows(result.path, len(seq.roots)))
         result.logits = own  # for drafters that learn from the target (token recycling)
         try:

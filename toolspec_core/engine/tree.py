@@ -37,6 +37,12 @@ class DraftTree:
             self._kids = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens))}
         return self._kids.get((parent, token), -1)
 
+    def is_trie(self) -> bool:
+        """No two children of one node carry the same token (what ``add`` keeps): then at most one
+        chain of nodes can match the target, which the device walk relies on."""
+        self.child(ROOT, -1)  # index a tree built field by field
+        return len(self._kids) == len(self.tokens)
+
     def _append(self, parent: int, token: int, conf: float, label: str) -> int:
         self.child(parent, token)  # keep the index in step
         self.tokens.append(int(token))

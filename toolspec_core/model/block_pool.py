@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,7 @@ class BlockPool:
         self.by_key: dict[bytes, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, oldest first
         self.queried_tokens = self.hit_tokens = self.evictions = 0
+        self._pending: tuple[list[int], list[int]] | None = None  # (src, dst) slots moved at the end of together()
 
     @property
     def capacity_tokens(self) -> int:
@@ -204,6 +206,34 @@ class BlockPool:
         elsewhere (the tensor-parallel ranks') can replay it there."""
         for store in (self.k, self.v):
             store.index_copy_(2, dst, store.index_select(2, src))
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """:meth:`move_slots` of host slot lists: now, or inside :meth:`together` with the others."""
+        if not src:
+            return
+        if self._pending is not None:
+            self._pending[0].extend(src)
+            self._pending[1].extend(dst)
+            return
+        dev = self.k.device
+        self.move_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+
+    @contextmanager
+    def together(self):
+        """The moves made inside go as one :meth:`move_slots` at the end: a step's verify commits
+        of every sequence in one copy per store, not a few kernels per sequence. Sound because a
+        commit's source and destination rows are the sequence's own (never shared) and nothing
+        reads the KV between the commits of one step."""
+        if self._pending is not None:  # nested: the outer one moves
+            yield
+            return
+        self._pending = ([], [])
+        try:
+            yield
+        finally:
+            src, dst = self._pending
+            self._pending = None
+        self.move(src, dst)  # not after an error: the step's KV state is dropped then (Scheduler.fail_all)
 
     def stats(self) -> PoolStats:
         used = sum(1 for r in self.refs if r > 0)
@@ -314,9 +344,16 @@ class PagedKV:
 
     def move_rows(self, prefix_len: int, rows: list[int]) -> None:
         """Verify commit: rows ``prefix_len + r`` for r in ``rows`` move to ``prefix_len ..``, in
-        order, in every layer at once (rows after the prefix are always the sequence's own)."""
-        src = self.slots[torch.tensor([prefix_len + r for r in rows], dtype=torch.long, device=self.slots.device)]
-        self.pool.move_slots(src, self.slots[prefix_len : prefix_len + len(rows)])
+        order, in every layer at once (rows after the prefix are always the sequence's own); the
+        slots are worked out on the host, rows already in place left out."""
+        bt, table = self.pool.block_tokens, self.table
+        src, dst = [], []
+        for k, r in enumerate(rows):
+            a, b = prefix_len + r, prefix_len + k
+            if a != b:
+                src.append(table[a // bt] * bt + a % bt)
+                dst.append(table[b // bt] * bt + b % bt)
+        self.pool.move(src, dst)
 
     def release(self, tokens: list[int] | None = None) -> None:
         """Give the blocks back; with ``tokens`` (the sequence's committed tokens) its full blocks

@@ -183,11 +183,13 @@ class Target:
         of the concatenated segments), the full logits of ``full_rows`` (indices into
         ``logit_rows``: the rows a walk, a grammar, logprobs or a learning drafter read) and the
         hidden states of ``hidden_rows``. Here every logit row's logits are at hand anyway, so all
-        are returned; a tensor-parallel target (``deployments/tp``) returns just the asked ones."""
+        are returned; a tensor-parallel target (``deployments/tp``) returns just the asked ones.
+        Nothing waits for the forward: the argmax stays on the device, where the scheduler walks the
+        greedy trees (:mod:`toolspec_core.engine.device_walk`) before its one copy back."""
         hidden = self.forward(segments)  # [N, H]
         picked = hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows]
         logits = self.logits(picked)  # [M, V]
-        choice = torch.argmax(logits, -1).tolist() if argmax and len(logit_rows) else None  # one sync
+        choice = torch.argmax(logits, -1) if argmax and len(logit_rows) else None  # [M] long, on the device
         return StepOutput(choice, logits, None, hidden[hidden_rows] if hidden_rows else None)
 
 
@@ -195,11 +197,12 @@ class Target:
 class StepOutput:
     """What one verify forward gives back (:meth:`Target.step`).
 
-    ``choice``: argmax of every logit row (None when not asked for); ``logits`` [K, V] fp32: full
+    ``choice``: argmax of every logit row, [M] long on the model's device (a tensor-parallel
+    target: a list, from its ranks) or None when not asked for; ``logits`` [K, V] fp32: full
     rows, each logit row ``j`` at ``index[j]`` (``index`` None: all logit rows, in order);
     ``hidden`` [len(hidden_rows), H]."""
 
-    choice: list[int] | None
+    choice: torch.Tensor | list[int] | None
     logits: torch.Tensor | None
     index: dict[int, int] | None
     hidden: torch.Tensor | None
