@@ -371,6 +371,20 @@ class PagedKV:
         return 2 * per_row * self.capacity
 
 
+def paged_copy(pool: BlockPool, cache, reserve: int) -> PagedKV:
+    """A :class:`PagedKV` of ``reserve`` rows in ``pool`` holding the valid rows of another cache
+    (a prompt prefilled alone, e.g. a :class:`~toolspec_core.model.kv.SeqKV`): how a prompt
+    prefilled once enters a pooled batch without being prefilled again."""
+    n = cache.get_seq_length()
+    out = PagedKV(pool, pool.allocate(pool.blocks_for(max(reserve, n))))
+    with torch.inference_mode():
+        for i, layer in enumerate(cache.layers):
+            out._put(pool.k, i, 0, layer.keys[0])  # [H_kv, n, D]
+            out._put(pool.v, i, 0, layer.values[0])
+    out.advance(n)
+    return out
+
+
 def kv_shape(config) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of an HF config."""
     heads = config.num_attention_heads
