@@ -63,13 +63,26 @@ class BatchLimits:
 
 @dataclass
 class StepRecord:
-    """One step: rows of the forward (prefill + decode), sequences decoded, and where the time went."""
+    """One step: rows of the forward (prefill + decode), sequences decoded, and where the time went.
+
+    ``rows`` = ``prefill_rows`` + ``root_rows`` + ``draft_rows``, so time per row by row count and
+    by mix (a prefill chunk sharing the step or not) can be read from a run's records under load.
+    ``host_s`` splits into ``draft_s`` (drafters' trees), ``budget_s`` (the batch budget),
+    ``inputs_s`` (the forward's rows, positions and masks) and ``commit_s`` (walks, KV commits,
+    drafter feedback, emits); the rest (admission, prefill bookkeeping) is the difference.
+    """
 
     rows: int
     prefill_rows: int
     sequences: int
     forward_s: float
     host_s: float  # drafting + budget + walks + commits + emits
+    root_rows: int = 0  # decoding sequences' root chains
+    draft_rows: int = 0  # draft-tree nodes the budget kept
+    draft_s: float = 0.0
+    budget_s: float = 0.0
+    inputs_s: float = 0.0
+    commit_s: float = 0.0
 
 
 @dataclass
@@ -168,9 +181,13 @@ class Scheduler:
         prefill_rows = self.limits.prefill_chunk - budget
 
         decoding = [s for s in self.running if s.decoding]
+        root_rows = sum(len(s.roots) for s in decoding)
+        ta = time.perf_counter()
         trees = [fit_room(seq, self._propose(seq)) for seq in decoding]
+        tb = time.perf_counter()
         if self.cost is not None and decoding:
-            trees = self.cost.allocate(trees, prefill_rows + sum(len(s.roots) for s in decoding))
+            trees = self.cost.allocate(trees, root_rows, prefill_rows)
+        tc = time.perf_counter()
 
         rows: list[_Row] = []
         logit_rows: list[int] = []  # hidden rows whose logits the step needs
@@ -222,13 +239,30 @@ class Scheduler:
                     seq.cache.keys = self.pool.register(
                         seq.cache.table, seq.cache.keys, seq.prompt_ids, len(seq.prompt_ids)
                     )
+        t3 = time.perf_counter()
         for r in rows:
             self._commit(r, out, fwd)
+        t4 = time.perf_counter()
         total_rows = sum(len(s) for s in segments)
-        if self.cost is not None and rows and not prefills:
+        if self.cost is not None:  # steps with a prefill chunk too: the curve learns what they cost under load
             self.cost.observe(total_rows, fwd)
         self._reap(finished)
-        self.steps.append(StepRecord(total_rows, prefill_rows, len(rows), fwd, time.perf_counter() - t0 - fwd))
+        draft_rows = sum(len(t) for t in trees)
+        self.steps.append(
+            StepRecord(
+                total_rows,
+                prefill_rows,
+                len(rows),
+                fwd,
+                time.perf_counter() - t0 - fwd,
+                root_rows,
+                draft_rows,
+                tb - ta,
+                tc - tb,
+                t1 - tc,
+                t4 - t3,
+            )
+        )
         return finished
 
     def _propose(self, seq: Sequence) -> DraftTree:
