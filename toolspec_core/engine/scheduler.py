@@ -198,9 +198,9 @@ class Scheduler:
                 logit_rows.append(o - 1)
         for seq, tree in zip(decoding, trees):
             kv_len = seq.cache.get_seq_length()
-            ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, self.target.dtype)
-            single = len(seq.roots) == 1 and not tree.tokens
-            segments.append(Segment(seq.cache, ids[0], pos[0], None if single else mask))
+            single = len(seq.roots) == 1 and not tree.tokens  # one row: causal, no mask to build
+            ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, self.target.dtype, mask=not single)
+            segments.append(Segment(seq.cache, ids[0], pos[0], mask))
             n = ids.shape[1]
             rows.append(_Row(seq, tree, kv_len, len(logit_rows), n))
             logit_rows.extend(range(o, o + n))

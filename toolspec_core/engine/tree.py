@@ -63,6 +63,20 @@ class DraftTree:
             node = self.add(node, tok, c, label)
         return node
 
+    def add_chain(self, tokens, labels, parent: int = ROOT) -> list[int]:
+        """Insert a chain under ``parent`` (trie merge, conf 1.0 for new nodes, an existing node keeps
+        its label); the node index of every token, in order -- what a caller accumulates per node."""
+        self.child(parent, ROOT)  # index a tree built field by field (no token is -1)
+        kids = self._kids
+        out, node = [], parent
+        for tok, lab in zip(tokens, labels):
+            nxt = kids.get((node, tok), -1)
+            if nxt < 0:
+                nxt = self._append(node, tok, 1.0, lab)
+            out.append(nxt)
+            node = nxt
+        return out
+
     def merge(self, other: "DraftTree", parent: int = ROOT) -> None:
         """Trie-merge every node of ``other`` under ``parent`` of this tree."""
         remap: dict[int, int] = {ROOT: parent}

@@ -34,7 +34,7 @@ from toolspec_core.drafters.labels import (
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter
 from toolspec_core.drafters.suffix_trie import SuffixTrie
-from toolspec_core.drafters.toolcall.boundary import BoundaryTokenizer
+from toolspec_core.drafters.toolcall.boundary import TAIL_TOKENS, BoundaryTokenizer
 from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
 from toolspec_core.drafters.toolcall.fsm import RESPONSE, CallTracker, ToolIndex
 from toolspec_core.drafters.toolcall.layouts import LAYOUTS, LLAMA_LAYOUTS, layout_of, layouts_for
@@ -82,24 +82,26 @@ def candidates_to_tree(
     """
     tree = DraftTree()
     mass: list[float] = []
+    tail = list(committed[-TAIL_TOKENS:])  # all the boundary tokenizer reads of the context
     for cand in cands:
-        ids, labels = _tokens(bt, committed, cand)
-        node = ROOT
-        for tid, lab in zip(ids[:max_tokens], labels):
-            nxt = tree.child(node, tid)
-            if nxt < 0:
-                nxt = tree.add(node, tid, 1.0, lab)
-                mass.append(0.0)
-            mass[nxt] += cand.prob
-            node = nxt
+        ids, labels = _tokens(bt, tail, cand)
+        nodes = tree.add_chain(ids[:max_tokens], labels)
+        mass += [0.0] * (len(tree) - len(mass))
+        for i in nodes:
+            mass[i] += cand.prob
+    rate: dict[str, float] = {}  # the rates do not change while one tree is built
     for i, p in enumerate(tree.parents):
         share = mass[i] / (1.0 if p == ROOT else max(mass[p], 1e-12))
-        tree.conf[i] = min(1.0, share) * rates.rate(rate_key(tree, i))
+        key = rate_key(tree, i)
+        if key not in rate:
+            rate[key] = rates.rate(key)
+        tree.conf[i] = min(1.0, share) * rate[key]
     return tree
 
 
 def _tokens(bt: BoundaryTokenizer, committed: list[int], cand: Cand) -> tuple[list[int], list[str]]:
-    """Token ids of a candidate (text segments tokenized together) with a label per token."""
+    """Token ids of a candidate (text segments tokenized together) with a label per token;
+    ``committed``: the context's last tokens (``TAIL_TOKENS`` are enough)."""
     ids: list[int] = []
     labels: list[str] = []
     text, text_labels = "", []  # pending text and (end offset, label) per segment
@@ -120,11 +122,14 @@ def _tokens(bt: BoundaryTokenizer, committed: list[int], cand: Cand) -> tuple[li
 
 
 def _label_tokens(bt: BoundaryTokenizer, toks: list[int], text_labels: list[tuple[int, str]]) -> list[str]:
-    out, pos = [], 0
+    """Each token's label: that of the first segment ending after the token's first character
+    (the last segment's past the end); segment ends only grow, so one pass."""
+    out, pos, j, last = [], 0, 0, len(text_labels) - 1
     for t in toks:
-        lab = next((lab for end, lab in text_labels if pos < end), text_labels[-1][1])
-        out.append(lab)
-        pos += len(bt._decode((t,)))
+        while j < last and pos >= text_labels[j][0]:
+            j += 1
+        out.append(text_labels[j][1])
+        pos += bt.chars(t)
     return out
 
 
