@@ -265,12 +265,18 @@ class Scheduler:
         )
         return finished
 
+    def _node_hint(self) -> int | None:
+        """Nodes one tree can keep under the budget (``DraftContext.max_nodes``): the cost model's
+        per-tree cap (None without a budget: trees as drafted)."""
+        return None if self.cost is None else self.cost.max_nodes
+
     def _propose(self, seq: Sequence) -> DraftTree:
         """The sequence's tree; a drafter that fails is dropped (the sequence decodes on without
         drafts, its output unchanged) so it cannot stop the batch."""
         t = time.perf_counter()
         try:
             ctx = seq.context()
+            ctx.max_nodes = self._node_hint()
             tree = cap_depth(seq.drafter.propose(ctx), ctx.max_depth)
         except Exception:
             log.exception("drafter of sequence %s failed; it decodes on without drafts", seq.id)
