@@ -94,6 +94,7 @@ def candidates_to_tree(
     tree = DraftTree()
     mass: list[float] = []
     path_rate: list[float] = []  # product of the label rates from the root down to each node
+    node_rate: list[float] = []  # each node's own label rate
     rate: dict[str, float] = {}  # the rates do not change while one tree is built
     tail = list(committed[-TAIL_TOKENS:])  # all the boundary tokenizer reads of the context
     left = sum(c.prob for c in cands)  # mass of the candidates not yet added
@@ -111,12 +112,13 @@ def candidates_to_tree(
             if key not in rate:
                 rate[key] = rates.rate(key)
             mass.append(0.0)
+            node_rate.append(rate[key])
             path_rate.append(rate[key] * (1.0 if p == ROOT else path_rate[p]))
         for i in nodes:
             mass[i] += cand.prob
     for i, p in enumerate(tree.parents):
         share = mass[i] / (1.0 if p == ROOT else max(mass[p], 1e-12))
-        tree.conf[i] = min(1.0, share) * rate[rate_key(tree, i)]
+        tree.conf[i] = min(1.0, share) * node_rate[i]
     return tree
 
 
