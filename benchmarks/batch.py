@@ -6,9 +6,10 @@ and decoded together on one step scheduler, every sequence with its own drafter,
 batch-wide budget. Reported per (benchmark, method, B): decode-phase output tokens/s (all
 tokens of all groups over the summed wall time of their decode phases), the ratio to batched
 plain greedy at the same B, MAT, rows per forward, forward and host (drafting + budget + walks
-+ commits) time per step, and exact match per item against single-stream plain greedy
-(``ar`` at B = 1, the first run of each item; with ``--same-batch-reference``, where B = 1 need
-not run, against ``ar`` at the same B). One JSON line per group goes to
++ commits) time per step, host time per step per live sequence split by part (``HOST_PARTS``:
+drafting, budget, the forward's inputs, walks and commits, the rest), and exact match per item
+against single-stream plain greedy (``ar`` at B = 1, the first run of each item; with
+``--same-batch-reference``, where B = 1 need not run, against ``ar`` at the same B). One JSON line per group goes to
 ``<out>/batch.jsonl`` as it finishes, so an interrupted run resumes where it stopped.
 
     toolspec bench --batch 1,2,4,8,16 --data benchmarks/datasets/api_bank.dev.jsonl.gz --limit 48 \\
@@ -36,6 +37,7 @@ from .metrics import first_mismatch
 from .runner import MethodPool, engine_options, log
 
 MAX_ROWS = 256  # the batch budget's curve is measured up to forwards of this many rows
+HOST_PARTS = ("draft", "budget", "inputs", "commit")  # StepRecord's host time by part (+ "other": the rest)
 
 
 def read_records(path: Path) -> list[dict]:
@@ -209,6 +211,8 @@ class BatchRun:
             "rows": sum(s.rows for s in steps),
             "forward_s": sum(s.forward_s for s in steps),
             "host_s": sum(s.host_s for s in steps),
+            "live": sum(s.sequences for s in steps),  # sequence-steps: host time per live sequence
+            "host_parts_s": {p: sum(getattr(s, p + "_s") for s in steps) for p in HOST_PARTS},
             "outputs": outputs,
         }
 
@@ -249,6 +253,10 @@ def summarize(records: list[dict]) -> list[dict]:
         for f in ("decode_s", "generated", "steps", "rows", "forward_s"):
             run[f] += r[f]
         run["host_s"] = run.get("host_s", 0.0) + r["host_s"]
+        run["live"] = run.get("live", 0) + r.get("live", 0)
+        parts = run.setdefault("parts", {})
+        for p, v in r.get("host_parts_s", {}).items():
+            parts[p] = parts.get(p, 0.0) + v
         run.setdefault("mats", []).extend(o["mat"] for o in r["outputs"].values())
         run.setdefault("exact", []).extend(
             ref.get(i) is not None and first_mismatch(o["tokens"], ref[i]) is None for i, o in r["outputs"].items()
@@ -274,6 +282,15 @@ def summarize(records: list[dict]) -> list[dict]:
                 "rows_per_step": run["rows"] / run["steps"] if run["steps"] else None,
                 "forward_ms_per_step": 1000 * run["forward_s"] / run["steps"] if run["steps"] else None,
                 "host_ms_per_step": 1000 * run["host_s"] / run["steps"] if run["steps"] else None,
+                "host_ms_per_seq_step": 1000 * run["host_s"] / run["live"] if run["live"] else None,
+                "host_ms_per_seq_step_by_part": (
+                    {
+                        **{p: 1000 * v / run["live"] for p, v in run["parts"].items()},
+                        "other": 1000 * (run["host_s"] - sum(run["parts"].values())) / run["live"],
+                    }
+                    if run["live"] and run["parts"]
+                    else None
+                ),
                 "steps": run["steps"],
                 "complete": bench == POOLED or whole(bench, method, b),  # every group of the items decoded
                 "mismatched_items": run["mismatched"],
@@ -322,6 +339,10 @@ def _f(x, spec=".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _parts(parts: dict | None) -> str:
+    return "-" if not parts else " / ".join(_f(parts.get(p), ".3f") for p in HOST_PARTS + ("other",))
+
+
 def markdown(report: dict) -> str:
     lines = [
         f"# {report['name']}: batched decoding",
@@ -334,14 +355,16 @@ def markdown(report: dict) -> str:
             else "per item against single-stream plain greedy."
         ),
         "",
-        "| benchmark | method | B | items | tok/s | vs ar | MAT | rows/step | forward ms/step | host ms/step | exact |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| benchmark | method | B | items | tok/s | vs ar | MAT | rows/step | forward ms/step | host ms/step "
+        "| host ms/seq/step | draft / budget / inputs / commit / other | exact |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in report["runs"]:
         lines.append(
             f"| {r['benchmark']} | {r['method']} | {r['batch']} | {r['items']}{'' if r['complete'] else ' (partial)'} | {_f(r['decode_tokens_per_s'], '.1f')} "
             f"| {_f(r['speedup_vs_ar'])}x | {_f(r['mat'])} | {_f(r['rows_per_step'], '.1f')} "
             f"| {_f(r['forward_ms_per_step'], '.0f')} | {_f(r['host_ms_per_step'], '.1f')} "
+            f"| {_f(r.get('host_ms_per_seq_step'), '.3f')} | {_parts(r.get('host_ms_per_seq_step_by_part'))} "
             f"| {_f(100 * r['exact_match'] if r['exact_match'] is not None else None, '.0f')}% |"
         )
     return "\n".join(lines) + "\n"

@@ -26,7 +26,7 @@ def test_cost_model_calibrates_from_real_steps():
     cm = CostModel({1: 1.0, 4: 1.2, 16: 1.5, 64: 3.0}, calibrate=True)
     for _ in range(12):  # refits every 16 steps once 8 one-token steps are in
         cm.observe(1, 0.1)
-        cm.observe(12, 0.25)  # bucket k=16: 9..16 rows
+        cm.observe(12, 0.25 * 1.4 / 1.5)  # bucket k=16 (9..16 rows), scaled along the curve: c(16) / c(12)
         cm.observe(16, 0.25)
     assert cm.points[16] == pytest.approx(2.5) and cm.points[4] == 1.2 and cm.points[64] == 3.0
     assert cm.curve[16] == pytest.approx(2.5) and cm.curve[10] > 1.2  # re-interpolated
@@ -42,7 +42,28 @@ def test_calibration_without_one_row_steps_anchors_on_the_busiest_bucket():
     for _ in range(20):
         cm.observe(8, 0.20)  # bucket 8: the anchor (most steps), stays 1.1
         cm.observe(8, 0.20)
-        cm.observe(14, 0.33)  # bucket 16: 0.33 / 0.20 * 1.1 = 1.815
+        cm.observe(14, 0.33 * 1.4 / 1.5)  # bucket 16, scaled by c(16) / c(14): 0.33 / 0.20 * 1.1 = 1.815
     assert cm.points[8] == 1.1 and cm.points[1] == 1.0 and cm.points[32] == 2.4
     assert cm.points[16] == pytest.approx(1.815)
     assert cm.curve[16] == pytest.approx(1.815)
+
+
+def test_calibration_learns_steps_that_carry_a_prefill_chunk():
+    """ensure_rows adds points past the measured ones (on the same line: the curve is unchanged);
+    steps of a prefill chunk + decode rows are observed, scaled to their bucket along the curve,
+    so the curve at that size follows what they cost under load."""
+    from toolspec_core.engine.budget import CostModel
+
+    cm = CostModel({1: 1.0, 16: 2.0, 64: 4.0}, calibrate=True)
+    before = list(cm.curve)
+    cm.ensure_rows(600)
+    assert max(cm.points) == 600 and len(cm.points) > 4
+    assert cm.curve[: len(before)] == pytest.approx(before)
+    assert cm.curve[600] == pytest.approx(4.0 + (600 - 64) * 2.0 / 48)
+    k = min(p for p in cm.points if p >= 530)  # the bucket of a 512-row chunk + 18 decode rows
+    for _ in range(16):
+        cm.observe(1, 0.1)
+        cm.observe(530, 4.0)  # 40x a one-row step: contention made big steps dearer than the probe said
+    assert before[64] == 4.0 and 4.0 + (530 - 64) * 2.0 / 48 < 24  # what the probe's line says at 530 rows
+    assert cm.points[k] > 30 and cm.curve[530] > 30
+    assert cm.points[16] == 2.0  # a bucket no step fell in keeps its value

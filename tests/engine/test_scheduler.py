@@ -59,6 +59,7 @@ def test_greedy_in_any_batch_equals_plain_greedy(tiny, refs, seed):
         assert seq.result.tokens == want[i][:n], (seed, i)
         assert seq.result.finish_reason == "length"
     assert all(r.prefill_rows <= limits.prefill_chunk for r in sched.steps)
+    assert all(r.rows == r.prefill_rows + r.root_rows + r.draft_rows for r in sched.steps)
     if limits.max_running > 1:
         assert max(r.sequences for r in sched.steps) > 1  # sequences really were verified together
 

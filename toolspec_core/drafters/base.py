@@ -28,6 +28,9 @@ class DraftContext:
     max_depth: int  # never draft deeper than this (remaining max_new_tokens - 1)
     text: str | None = None
     text_tokens: int = 0
+    # nodes of a tree the engine's budget can keep for this sequence (None: no bound): a drafter
+    # may stop building there, since the budget drops the rest unverified
+    max_nodes: int | None = None
 
     @property
     def generated(self) -> list[int]:

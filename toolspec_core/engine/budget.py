@@ -51,14 +51,22 @@ class CostModel:
         self._calibration: Calibration | None = None
 
     def ensure_rows(self, rows: int) -> None:
-        """Extend the curve to forwards of ``rows`` rows (past the last point: its last slope)."""
+        """Extend the curve to forwards of ``rows`` rows (past the last point: its last slope), with
+        points every ``LADDER`` x rows up to there -- on the extended line, so the curve is
+        unchanged -- for calibration to learn what steps that large (a prefill chunk and the
+        decoding sequences' rows) really cost."""
         if rows > self.max_rows:
             self.max_rows = rows
             self.curve = interpolate(self.points, self.max_rows)
+        k = max(self.points)
+        while k < rows:
+            k = min(rows, max(k + 1, int(k * LADDER)))
+            self.points.setdefault(k, self.curve[k])
 
-    def allocate(self, trees: list[DraftTree], base_rows: int) -> list[DraftTree]:
-        """The batch's trees cut together (:func:`~toolspec_core.engine.tree.allocate`)."""
-        return allocate(trees, self.curve, base_rows, self.max_nodes)
+    def allocate(self, trees: list[DraftTree], base_rows: int, prefill_rows: int = 0) -> list[DraftTree]:
+        """The batch's trees cut together (:func:`~toolspec_core.engine.tree.allocate`): ``base_rows``
+        root rows, ``prefill_rows`` prompt rows sharing the forward."""
+        return allocate(trees, self.curve, base_rows, self.max_nodes, prefill_rows)
 
     def observe(self, rows: int, seconds: float) -> None:
         """One verify forward of ``rows`` tokens took ``seconds``; refits the curve from time to time."""
@@ -66,7 +74,7 @@ class CostModel:
             return
         if self._calibration is None:
             self._calibration = Calibration(sorted(self.points))
-        fitted = self._calibration.add(rows, seconds, self.points)
+        fitted = self._calibration.add(rows, seconds, self.points, self.curve)
         if fitted:
             self.points = {**self.points, **fitted}
             self.curve = interpolate(self.points, self.max_rows)
@@ -102,13 +110,20 @@ class CostModel:
         return cls({1: 1.0, max_nodes + 1: 1.0}, max_nodes, "flat")
 
 
+LADDER = 1.5  # spacing of the points ``ensure_rows`` adds past the measured ones
+
+
 class Calibration:
     """Running verify cost per forward size, from real decode steps.
 
     A start-up probe can be far off what decoding pays (on a shared CPU its k-token forwards
     came out ~25-40% cheaper relative to one token than real steps did, ``python -m
-    benchmarks.studies.kernel_ab``), and an accelerator's curve moves with load. Each
-    step's seconds go to the bucket of the smallest measured k >= rows; every ``every`` steps a
+    benchmarks.studies.kernel_ab``), and an accelerator's curve moves with load -- and so does a CPU's
+    when other work shares its cores. Every step counts, those with a prefill chunk too (a
+    chunk's rows cost what other rows do in the linears; the steps that carry one are where
+    the budget prices draft rows, ``tree.allocate``). Each step's seconds go to the bucket of
+    the smallest point k >= rows, scaled to k along the current curve (c(k) / c(rows): a step
+    of 520 rows says what one of 768 costs); every ``every`` steps a
     bucket with ``min_steps`` recent steps gets median(bucket) / median(anchor bucket), scaled to
     the anchor's point (see ``add``). Buckets
     decoding never uses keep their start-up value, so a too-cheap one gets tried and corrected.
@@ -124,14 +139,19 @@ class Calibration:
         self.count = 0
         self.lock = threading.Lock()
 
-    def add(self, rows: int, seconds: float, points: dict[int, float] | None = None) -> dict[int, float] | None:
+    def add(
+        self, rows: int, seconds: float, points: dict[int, float] | None = None, curve: list[float] | None = None
+    ) -> dict[int, float] | None:
         """Record one step; now and then the refitted points (relative costs), else None.
+        ``curve``: the current dense curve, to scale a step to its bucket's k.
 
         Buckets are scaled to the curve through an anchor: the 1-row bucket when it has enough
         steps (plain decoding of one sequence), otherwise the bucket most steps fell in -- a batch
         rarely runs a 1-row forward -- which keeps its current value in ``points``.
         """
         k = next((k for k in self.ks if k >= rows), self.ks[-1])
+        if curve is not None and rows < k < len(curve) and curve[rows] > 0:
+            seconds *= curve[k] / curve[rows]
         with self.lock:
             self.times[k].append(seconds)
             self.count += 1

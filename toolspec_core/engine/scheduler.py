@@ -67,13 +67,26 @@ class BatchLimits:
 
 @dataclass
 class StepRecord:
-    """One step: rows of the forward (prefill + decode), sequences decoded, and where the time went."""
+    """One step: rows of the forward (prefill + decode), sequences decoded, and where the time went.
+
+    ``rows`` = ``prefill_rows`` + ``root_rows`` + ``draft_rows``, so time per row by row count and
+    by mix (a prefill chunk sharing the step or not) can be read from a run's records under load.
+    ``host_s`` splits into ``draft_s`` (drafters' trees), ``budget_s`` (the batch budget),
+    ``inputs_s`` (the forward's rows, positions and masks) and ``commit_s`` (walks, KV commits,
+    drafter feedback, emits); the rest (admission, prefill bookkeeping) is the difference.
+    """
 
     rows: int
     prefill_rows: int
     sequences: int
     forward_s: float
     host_s: float  # drafting + budget + walks + commits + emits
+    root_rows: int = 0  # decoding sequences' root chains
+    draft_rows: int = 0  # draft-tree nodes the budget kept
+    draft_s: float = 0.0
+    budget_s: float = 0.0
+    inputs_s: float = 0.0
+    commit_s: float = 0.0
 
 
 @dataclass
@@ -180,9 +193,13 @@ class Scheduler:
         prefill_rows = self.limits.prefill_chunk - budget
 
         decoding = [s for s in self.running if s.decoding]
+        root_rows = sum(len(s.roots) for s in decoding)
+        ta = time.perf_counter()
         trees = [fit_room(seq, self._propose(seq)) for seq in decoding]
+        tb = time.perf_counter()
         if self.cost is not None and decoding:
-            trees = self.cost.allocate(trees, prefill_rows + sum(len(s.roots) for s in decoding))
+            trees = self.cost.allocate(trees, root_rows, prefill_rows)
+        tc = time.perf_counter()
 
         rows: list[_Row] = []
         logit_rows: list[int] = []  # hidden rows whose logits the step needs
@@ -193,9 +210,9 @@ class Scheduler:
                 logit_rows.append(o - 1)
         for seq, tree in zip(decoding, trees):
             kv_len = seq.cache.get_seq_length()
-            ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, self.target.dtype)
-            single = len(seq.roots) == 1 and not tree.tokens
-            segments.append(Segment(seq.cache, ids[0], pos[0], None if single else mask))
+            single = len(seq.roots) == 1 and not tree.tokens  # one row: causal, no mask to build
+            ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, self.target.dtype, mask=not single)
+            segments.append(Segment(seq.cache, ids[0], pos[0], mask))
             n = ids.shape[1]
             rows.append(_Row(seq, tree, kv_len, len(logit_rows), n))
             logit_rows.extend(range(o, o + n))
@@ -232,15 +249,37 @@ class Scheduler:
                 seq.start(None if first is None else first[0].cpu(), None if choice is None else choice[j])
                 j += 1
                 seq.cache.register(seq.prompt_ids)  # later prompts that begin with this one reuse its blocks
+        t3 = time.perf_counter()
         with self.pool.together() if self.pool is not None else nullcontext():  # one KV slot move for the batch
             for r, result in zip(rows, walks):
                 self._commit(r, out, fwd, result, choice)
+        t4 = time.perf_counter()
         total_rows = sum(len(s) for s in segments)
-        if self.cost is not None and rows and not prefills:
+        if self.cost is not None:  # steps with a prefill chunk too: the curve learns what they cost under load
             self.cost.observe(total_rows, fwd)
         self._reap(finished)
-        self.steps.append(StepRecord(total_rows, prefill_rows, len(rows), fwd, time.perf_counter() - t0 - fwd))
+        draft_rows = sum(len(t) for t in trees)
+        self.steps.append(
+            StepRecord(
+                total_rows,
+                prefill_rows,
+                len(rows),
+                fwd,
+                time.perf_counter() - t0 - fwd,
+                root_rows,
+                draft_rows,
+                tb - ta,
+                tc - tb,
+                t1 - tc,
+                t4 - t3,
+            )
+        )
         return finished
+
+    def _node_hint(self) -> int | None:
+        """Nodes one tree can keep under the budget (``DraftContext.max_nodes``): the cost model's
+        per-tree cap (None without a budget: trees as drafted)."""
+        return None if self.cost is None else self.cost.max_nodes
 
     def _propose(self, seq: Sequence) -> DraftTree:
         """The sequence's tree; a drafter that fails is dropped (the sequence decodes on without
@@ -248,6 +287,7 @@ class Scheduler:
         t = time.perf_counter()
         try:
             ctx = seq.context()
+            ctx.max_nodes = self._node_hint()
             tree = cap_depth(seq.drafter.propose(ctx), ctx.max_depth)
         except Exception:
             log.exception("drafter of sequence %s failed; it decodes on without drafts", seq.id)

@@ -73,6 +73,20 @@ class DraftTree:
             node = self.add(node, tok, c, label)
         return node
 
+    def add_chain(self, tokens, labels, parent: int = ROOT) -> list[int]:
+        """Insert a chain under ``parent`` (trie merge, conf 1.0 for new nodes, an existing node keeps
+        its label); the node index of every token, in order -- what a caller accumulates per node."""
+        self.child(parent, ROOT)  # index a tree built field by field (no token is -1)
+        kids = self._kids
+        out, node = [], parent
+        for tok, lab in zip(tokens, labels):
+            nxt = kids.get((node, tok), -1)
+            if nxt < 0:
+                nxt = self._append(node, tok, 1.0, lab)
+            out.append(nxt)
+            node = nxt
+        return out
+
     def merge(self, other: "DraftTree", parent: int = ROOT) -> None:
         """Trie-merge every node of ``other`` under ``parent`` of this tree."""
         remap: dict[int, int] = {ROOT: parent}
@@ -143,20 +157,31 @@ def prune_to_budget(tree: DraftTree, cost: "list[float]", max_nodes: int | None 
 
 
 def allocate(
-    trees: "list[DraftTree]", cost: "list[float]", base_rows: int, max_nodes: int | None = None
+    trees: "list[DraftTree]",
+    cost: "list[float]",
+    base_rows: int,
+    max_nodes: int | None = None,
+    prefill_rows: int = 0,
 ) -> "list[DraftTree]":
     """One budget across a batch: the node sets that maximise expected tokens per unit of cost.
 
     ``cost[k]`` is the relative cost of a forward of ``k`` rows in all. ``base_rows`` rows run
-    whatever is chosen (every sequence's root chain, prefill chunks); each of the ``len(trees)``
-    sequences yields one token from its root. A node adds its path probability (the product of
-    ``conf`` down to it) to the expected tokens and one row to the forward. Nodes of all trees
-    are ranked together by path probability -- a node never ranks above its parent since
-    ``conf <= 1`` -- and the best prefix of the ranking is kept: argmax over n of
-    ``(len(trees) + sum of the top-n probabilities) / cost[base_rows + n]``. n = 0 (draft
-    nothing) is always a candidate, so a step is never expected to be slower than plain decoding
-    of the same sequences; as the batch grows each extra row costs more and trees shrink.
-    ``max_nodes`` caps each tree.
+    whatever is chosen (every sequence's root chain); each of the ``len(trees)`` sequences yields
+    one token from its root. A node adds its path probability (the product of ``conf`` down to
+    it) to the expected tokens and one row to the forward. Nodes of all trees are ranked together
+    by path probability -- a node never ranks above its parent since ``conf <= 1`` -- and the best
+    prefix of the ranking is kept: argmax over n of ``(len(trees) + sum of the top-n
+    probabilities) / cost[base_rows + n]``. n = 0 (draft nothing) is always a candidate, so a
+    step is never expected to be slower than plain decoding of the same sequences; as the batch
+    grows each extra row costs more and trees shrink. ``max_nodes`` caps each tree.
+
+    ``prefill_rows``: prompt rows sharing the forward (a prefill chunk). Draft rows then lengthen a
+    step that also carries a prompt, so they are priced by what they add to it, ``cost[prefill +
+    base + n] - cost[prefill + base]``, in tokens at the rate the same sequences reach in a
+    decode-only step (the best rate above): n maximises ``gain(n) - rate * added cost(n)``. A
+    tree rides on a prefill step only where its expected tokens beat what the time it adds buys
+    in decode steps -- on a curve already linear at the chunk's size that is nearly never, so
+    trees do not slow prompts there, while a flat curve (an accelerator) keeps them free.
     """
     if not any(t.tokens for t in trees):
         return list(trees)
@@ -166,14 +191,12 @@ def allocate(
         order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
         ranked += [(-probs[i], ti, i) for i in order[: max_nodes if max_nodes is not None else len(order)]]
     ranked.sort()
-    limit = max(0, min(len(ranked), len(cost) - 1 - base_rows))
-    best_n, gain = 0, float(len(trees))
-    best_rate = gain / cost[min(base_rows, len(cost) - 1)]
-    for n, (neg, _, _) in enumerate(ranked[:limit], start=1):
-        gain -= neg
-        rate = gain / cost[base_rows + n]
-        if rate > best_rate:
-            best_n, best_rate = n, rate
+    tokens = [float(len(trees))]  # expected tokens of the step with the top-n nodes: one per root, then theirs
+    for neg, _, _ in ranked:
+        tokens.append(tokens[-1] - neg)
+    best_n, rate = best_prefix(tokens, cost, base_rows)
+    if prefill_rows > 0:
+        best_n = priced_prefix(tokens, cost, prefill_rows + base_rows, rate)
     keep: list[set[int]] = [set() for _ in trees]
     for _, ti, i in ranked[:best_n]:
         keep[ti].add(i)
@@ -186,3 +209,29 @@ def allocate(
                 p = tree.parents[p]
         out.append(select(tree, list(nodes)) if len(nodes) < len(tree) else tree)
     return out
+
+
+def best_prefix(tokens: list[float], cost: list[float], base_rows: int) -> tuple[int, float]:
+    """(n, its rate): the n maximising ``tokens[n] / cost[base_rows + n]`` (n = 0 included, the
+    smallest n on ties) -- the decode-only step's best tokens per unit of cost."""
+    limit = max(0, min(len(tokens) - 1, len(cost) - 1 - base_rows))
+    best_n, best_rate = 0, tokens[0] / cost[min(base_rows, len(cost) - 1)]
+    for n in range(1, limit + 1):
+        rate = tokens[n] / cost[base_rows + n]
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return best_n, best_rate
+
+
+def priced_prefix(tokens: list[float], cost: list[float], fixed_rows: int, rate: float) -> int:
+    """The n maximising ``tokens[n] - tokens[0] - rate * (cost[fixed_rows + n] - cost[fixed_rows])``:
+    draft rows added to a forward of ``fixed_rows`` rows, each priced by the time it adds there, in
+    tokens at ``rate`` per unit of cost (n = 0 included, the smallest n on ties)."""
+    base = min(fixed_rows, len(cost) - 1)
+    limit = max(0, min(len(tokens) - 1, len(cost) - 1 - fixed_rows))
+    best_n, best = 0, 0.0
+    for n in range(1, limit + 1):
+        net = tokens[n] - tokens[0] - rate * (cost[fixed_rows + n] - cost[base])
+        if net > best:
+            best_n, best = n, net
+    return best_n

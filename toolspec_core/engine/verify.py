@@ -14,15 +14,16 @@ from toolspec_core.engine.sampling import SamplingParams, sample, target_probs
 from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult, depths
 
 
-def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int, dtype=torch.float32):
+def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int, dtype=torch.float32, mask: bool = True):
     """Flatten the root chain + tree into model inputs.
 
     ``roots`` are committed tokens whose KV is not cached yet (the last one, plus any tokens a
     grammar forced after it); they form a causal chain and the tree hangs off the last of them.
     Returns input_ids [1, R+T], position_ids [1, R+T] (prefix_len + depth) and an additive float
     mask [1, 1, R+T, prefix_len + R+T] where each row sees the prefix, the chain up to itself
-    and its ancestors. A float mask is right under both SDPA and eager attention (a bool 4D mask
-    is silently misread by eager attention).
+    and its ancestors (None when ``mask`` is False: a caller that runs the rows causally). A
+    float mask is right under both SDPA and eager attention (a bool 4D mask is silently misread
+    by eager attention).
     """
     roots = [roots] if isinstance(roots, int) else list(roots)
     r, n = len(roots), len(roots) + len(tree)
@@ -31,6 +32,8 @@ def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int, dtype=
         [list(range(prefix_len, prefix_len + r)) + [prefix_len + r - 1 + d for d in depths(tree.parents)]],
         dtype=torch.long,
     )
+    if not mask:
+        return ids, pos, None
     visible = torch.zeros(n, n, dtype=torch.bool)
     visible[:r, :r] = torch.tril(torch.ones(r, r, dtype=torch.bool))
     visible[r:, :r] = True

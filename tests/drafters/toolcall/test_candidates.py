@@ -8,11 +8,11 @@ from toolcall_cases import qwen_tok as qwen_tok
 
 from benchmarks.datasets import dev_set, read_jsonl
 from toolspec_core.drafters.base import DraftContext, LabelRates
-from toolspec_core.drafters.labels import CALL_KEY
+from toolspec_core.drafters.labels import CALL_KEY, TOOL_NAME
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.simulate import oracle_walk, simulate
 from toolspec_core.drafters.toolcall.boundary import BoundaryTokenizer
-from toolspec_core.drafters.toolcall.candidates import Priors, continuations
+from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
 from toolspec_core.drafters.toolcall.drafter import DEFAULT_RATES, SchemaMethod, candidates_to_tree
 from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
 from toolspec_core.drafters.toolcall.layouts import layout_by_name, render_calls
@@ -253,6 +253,24 @@ def test_candidates_tree_mass_and_conf(qwen_tok):
     # deep along one branch the conf is the deterministic schema rate
     deep = [i for i in range(len(tree)) if tree.parents[i] >= 0 and tree.labels[i] == "schema"]
     assert deep and all(tree.conf[i] == pytest.approx(DEFAULT_RATES["schema"], rel=1e-6) for i in deep[:3])
+
+
+def test_candidates_past_the_budget_node_cap_are_not_tokenized(qwen_tok):
+    """With ``max_nodes``, the least probable candidates are left out once ``max_nodes`` nodes each
+    hold more mass than all of them together; the tree built is the full one's first nodes."""
+    bt = BoundaryTokenizer(qwen_tok)
+    prompt = qwen_tok.encode("<tool_call>\n{")
+    rates = LabelRates(DEFAULT_RATES)
+    segs = [('"name": "get_weather"}', TOOL_NAME), ('"name": "get_time"}', TOOL_NAME), ('"x"', TOOL_NAME)]
+    cands = [Cand([segs[0]], 0.45), Cand([segs[1]], 0.45), Cand([segs[2]], 0.1)]
+    full = candidates_to_tree(bt, prompt, cands, rates)
+    capped = candidates_to_tree(bt, prompt, cands, rates, max_nodes=4)
+    first_two = candidates_to_tree(bt, prompt, cands[:2], rates)
+    assert len(full) > len(capped) and capped.tokens == first_two.tokens == full.tokens[: len(capped)]
+    # a cap the tree reaches only with every candidate in, or a tail too heavy to leave out
+    assert candidates_to_tree(bt, prompt, cands, rates, max_nodes=len(first_two) + 1).tokens == full.tokens
+    heavy = [Cand([segs[0]], 0.45), Cand([segs[1]], 0.1), Cand([segs[2]], 0.45)]
+    assert len(candidates_to_tree(bt, prompt, heavy, rates, max_nodes=5)) == len(full)
 
 
 def test_a_closer_that_is_text_is_drafted_both_ending_the_turn_and_followed_by_prose(qwen_tok):

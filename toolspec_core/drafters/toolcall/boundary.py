@@ -23,6 +23,7 @@ class BoundaryTokenizer:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._encode = lru_cache(maxsize=cache_size)(self._encode_uncached)
         self._decode = lru_cache(maxsize=4096)(self._decode_uncached)
+        self._chars: dict[int, int] = {}
 
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         if self._backend is not None:
@@ -31,6 +32,13 @@ class BoundaryTokenizer:
 
     def _decode_uncached(self, ids: tuple[int, ...]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def chars(self, token: int) -> int:
+        """Characters of one token's text, decoded alone (kept per token: a vocabulary is finite)."""
+        n = self._chars.get(token)
+        if n is None:
+            n = self._chars[token] = len(self._decode((token,)))
+        return n
 
     def continuation(self, committed: list[int] | tuple[int, ...], text: str) -> list[int]:
         """Tokens that follow ``committed`` when ``text`` is written next (canonical merges)."""

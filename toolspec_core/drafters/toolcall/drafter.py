@@ -34,7 +34,7 @@ from toolspec_core.drafters.labels import (
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter
 from toolspec_core.drafters.suffix_trie import SuffixTrie
-from toolspec_core.drafters.toolcall.boundary import BoundaryTokenizer
+from toolspec_core.drafters.toolcall.boundary import TAIL_TOKENS, BoundaryTokenizer
 from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
 from toolspec_core.drafters.toolcall.fsm import RESPONSE, CallTracker, ToolIndex
 from toolspec_core.drafters.toolcall.layouts import LAYOUTS, LLAMA_LAYOUTS, layout_of, layouts_for
@@ -72,33 +72,69 @@ DET = 0.99  # a node whose share of its parent's mass is at least this is "deter
 
 
 def candidates_to_tree(
-    bt: BoundaryTokenizer, committed: list[int], cands: list[Cand], rates: LabelRates, max_tokens: int = 96
+    bt: BoundaryTokenizer,
+    committed: list[int],
+    cands: list[Cand],
+    rates: LabelRates,
+    max_tokens: int = 96,
+    max_nodes: int | None = None,
 ) -> DraftTree:
     """Tokenize each candidate after ``committed`` and merge them into one tree.
 
     Node mass = sum of the probabilities of the candidates through it; conf = mass share of the
     parent times the learned rate of the node's label (how often the model keeps to the schema).
+    ``max_nodes``: the budget keeps at most this many nodes of a tree, those of highest path
+    probability (``tree.allocate``). A node's path probability is its mass times the rates along
+    its path (the shares telescope), and only grows as candidates are added; a node that
+    candidates not yet added would create has at most their summed mass. So once ``max_nodes``
+    nodes are above that sum, the rest of the candidates (most probable first) could only add
+    nodes the budget drops unverified, and are not tokenized -- the long tail is most of the cost.
     """
     tree = DraftTree()
     mass: list[float] = []
+    path_rate: list[float] = []  # product of the label rates from the root down to each node
+    node_rate: list[float] = []  # each node's own label rate
+    rate: dict[str, float] = {}  # the rates do not change while one tree is built
+    tail = list(committed[-TAIL_TOKENS:])  # all the boundary tokenizer reads of the context
+    left = sum(c.prob for c in cands)  # mass of the candidates not yet added
+    scale = max(1.0, left)  # root shares are capped at 1: path probability >= mass x rates / scale
     for cand in cands:
-        ids, labels = _tokens(bt, committed, cand)
-        node = ROOT
-        for tid, lab in zip(ids[:max_tokens], labels):
-            nxt = tree.child(node, tid)
-            if nxt < 0:
-                nxt = tree.add(node, tid, 1.0, lab)
-                mass.append(0.0)
-            mass[nxt] += cand.prob
-            node = nxt
+        bound = left * scale
+        if max_nodes is not None and len(tree) >= max_nodes and bound < max(mass):
+            if _kept_above(mass, path_rate, max_nodes, bound):
+                break
+        left -= cand.prob
+        ids, labels = _tokens(bt, tail, cand)
+        nodes = tree.add_chain(ids[:max_tokens], labels)
+        for i in range(len(mass), len(tree)):
+            p, key = tree.parents[i], rate_key(tree, i)
+            if key not in rate:
+                rate[key] = rates.rate(key)
+            mass.append(0.0)
+            node_rate.append(rate[key])
+            path_rate.append(rate[key] * (1.0 if p == ROOT else path_rate[p]))
+        for i in nodes:
+            mass[i] += cand.prob
     for i, p in enumerate(tree.parents):
         share = mass[i] / (1.0 if p == ROOT else max(mass[p], 1e-12))
-        tree.conf[i] = min(1.0, share) * rates.rate(rate_key(tree, i))
+        tree.conf[i] = min(1.0, share) * node_rate[i]
     return tree
 
 
+def _kept_above(mass: list[float], path_rate: list[float], n: int, bound: float) -> bool:
+    """Whether ``n`` nodes have mass times the rates down to them above ``bound``."""
+    above = 0
+    for m, r in zip(mass, path_rate):
+        if m * r > bound:
+            above += 1
+            if above >= n:
+                return True
+    return False
+
+
 def _tokens(bt: BoundaryTokenizer, committed: list[int], cand: Cand) -> tuple[list[int], list[str]]:
-    """Token ids of a candidate (text segments tokenized together) with a label per token."""
+    """Token ids of a candidate (text segments tokenized together) with a label per token;
+    ``committed``: the context's last tokens (``TAIL_TOKENS`` are enough)."""
     ids: list[int] = []
     labels: list[str] = []
     text, text_labels = "", []  # pending text and (end offset, label) per segment
@@ -119,11 +155,14 @@ def _tokens(bt: BoundaryTokenizer, committed: list[int], cand: Cand) -> tuple[li
 
 
 def _label_tokens(bt: BoundaryTokenizer, toks: list[int], text_labels: list[tuple[int, str]]) -> list[str]:
-    out, pos = [], 0
+    """Each token's label: that of the first segment ending after the token's first character
+    (the last segment's past the end); segment ends only grow, so one pass."""
+    out, pos, j, last = [], 0, 0, len(text_labels) - 1
     for t in toks:
-        lab = next((lab for end, lab in text_labels if pos < end), text_labels[-1][1])
-        out.append(lab)
-        pos += len(bt._decode((t,)))
+        while j < last and pos >= text_labels[j][0]:
+            j += 1
+        out.append(text_labels[j][1])
+        pos += bt.chars(t)
     return out
 
 
@@ -253,7 +292,9 @@ class SchemaDrafter:
         self._sync(ctx)
         tree = DraftTree()
         if self.schema and (self.tools.names or self.tracker.root is not None):
-            tree = candidates_to_tree(self.bt, ctx.tokens, self._continuations(ctx, self.tracker), self.rates)
+            tree = candidates_to_tree(
+                self.bt, ctx.tokens, self._continuations(ctx, self.tracker), self.rates, max_nodes=ctx.max_nodes
+            )
         if self.retrieval is not None:
             tree.merge(self.retrieval.tree(ctx, self.tracker.name))
         tree.merge(self._value_tree(ctx))
