@@ -202,6 +202,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, label = build(args, dtype)
     base = from_model(serving_kernels(model, args.device, dtype, None), _NoText(), name=label)
+    # random weights choose any token, an end-of-turn id too: a timed sequence must not end early
+    base = dataclasses.replace(base, eos_ids=())
     base.eos_ids = ()  # random weights: no token may end a timed sequence
     if not base.batched:
         raise SystemExit(f"{label}: its family has no batched forward (toolspec_core.model.batch_forward)")

@@ -223,3 +223,15 @@ def test_graph_replay_equals_the_uncaptured_step_and_eager():
         assert torch.equal(a, b)  # the same kernels over the same buffers
     for a, b in zip(runs[0], runs[2]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_buckets_are_capped_at_the_pool_so_a_small_pool_replays_every_step():
+    """A step's KV bucket never exceeds the pool (no table is longer): a pool of 757 rows -- the
+    cost probe's own -- buckets 516 rows at 757, not at 1,024 (which would leave it eager)."""
+    from toolspec_core.model.block_pool import BlockPool
+    from toolspec_core.model.graphs import kv_bucket
+
+    pool = BlockPool(1, 1, 8, 48, 16)  # 768 rows
+    assert kv_bucket(10, pool) == 256 and kv_bucket(300, pool) == 512
+    assert kv_bucket(516, pool) == 768 and kv_bucket(768, pool) == 768
+    assert kv_bucket(769, pool) is None

@@ -37,11 +37,13 @@ def bucket(x: int, buckets: tuple[int, ...]) -> int | None:
 
 
 def kv_bucket(rows: int, pool: BlockPool) -> int | None:
-    """A power of two of at least ``rows`` and :data:`MIN_KV_BUCKET` rows, whole blocks (None past
-    the pool's capacity)."""
+    """A power of two of at least ``rows`` and :data:`MIN_KV_BUCKET` rows, whole blocks, capped at
+    the pool's capacity (no table is longer, so a pool smaller than the next power of two still
+    replays its steps); None past the capacity."""
+    if rows > pool.capacity_tokens:
+        return None
     s = max(MIN_KV_BUCKET, 1 << max(0, rows - 1).bit_length())
-    s = -(-s // pool.block_tokens) * pool.block_tokens
-    return s if s <= pool.capacity_tokens else None
+    return min(-(-s // pool.block_tokens) * pool.block_tokens, pool.capacity_tokens)
 
 
 def grid_of(segments: list[Segment], pool: BlockPool) -> tuple[int, int, int] | None:
