@@ -342,10 +342,10 @@ def test_tp_replica_places_its_workers_in_its_placement_group(ray_cluster, serve
 @pytest.mark.timeout(1500)
 def test_tp2_on_the_embedded_model_equals_single_process(ray_cluster, tmp_path):
     """Real weights, TP = 2 (gloo): dev prompts alone and batched give the single process's output;
-    each rank holds about half the weights (the committed 30-item run: benchmarks/tp_check.py)."""
+    each rank holds about half the weights (the committed 30-item run: tests/deployments/tp_run.py)."""
     import json
 
-    from benchmarks.tp_check import main
+    from tp_run import main
     from toolspec_core.model.embedded import embedded_model_dir
 
     out = tmp_path / "tp2.json"

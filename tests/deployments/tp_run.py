@@ -2,8 +2,10 @@
 engine's, item by item and with requests batched; what each rank's host memory peaked at; what
 crossed between the replica and rank 0 per step; the step times side by side.
 
-    python -m benchmarks.tp_check --tp 2 --items 30 --batch 4 --out benchmarks/results/measurements/NAME.json
-    python -m benchmarks.tp_check --workers local --device cuda --items 30 --out $OUT/tp1-h200.json   # one GPU, no Ray
+    PYTHONPATH=. python tests/deployments/tp_run.py --tp 2 --items 30 --batch 4 --out benchmarks/results/measurements/NAME.json
+    PYTHONPATH=. python tests/deployments/tp_run.py --workers local --device cuda --items 30 --out $OUT/tp1-h200.json
+
+The slow TP2 test in ``test_tp.py`` drives it; ``benchmarks/studies/gpu_tp_check.sh`` ran the one-GPU check.
 
 ``--workers ray`` starts the ranks as Ray actors (a local Ray; CPU: gloo), ``local`` runs one rank in
 this process (the DeepSpeed worker path without Ray: what a single GPU can check). Both engines

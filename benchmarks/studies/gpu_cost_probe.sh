@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Study: H200 verify-cost curves of Qwen2.5 shapes. Result: benchmarks/results/curves/cost-h200-*.json.
 # Verify-cost curves c(k) of Qwen2.5-0.5B-, 7B- and 32B-shaped models with random bf16 weights on
 # one GPU (timing does not depend on weight values, so nothing is downloaded), plus the 7B shape
 # over a 2,000-token prefix, each timed through the engine's own verify step (`toolspec bench-cost`).
@@ -10,9 +11,9 @@
 # Prepared to run in one short session (~3-5 min on an H100/H200 class GPU; the 32B shape needs
 # ~66 GB of GPU memory). Runs under the GPU image's own torch/transformers (>= 5.0; the cache
 # argument's name is looked up, see toolspec_core.model.target.cache_kwarg). From the repo root:
-#     bash benchmarks/gpu_cost_probe.sh            # PYTHON=... to pick the interpreter
+#     bash benchmarks/studies/gpu_cost_probe.sh            # PYTHON=... to pick the interpreter
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 OUT="${OUT:-benchmarks/results/curves}"
 "$PY" - <<'PYEOF'
