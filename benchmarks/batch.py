@@ -34,7 +34,7 @@ from toolspec_core.model.block_pool import BlockPool, paged_copy
 from .cost import hardware_string
 from .data import load_items, prompt_ids, select_items
 from .metrics import first_mismatch
-from .runner import MethodPool, engine_options, log
+from .runner import MethodPool, bench_target, log
 
 MAX_ROWS = 256  # the batch budget's curve is measured up to forwards of this many rows
 HOST_PARTS = ("draft", "budget", "inputs", "commit")  # StepRecord's host time by part (+ "other": the rest)
@@ -79,17 +79,11 @@ class BatchRun:
     def __init__(self, args, target=None):
         self.args, self.out = args, Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        if args.threads:
-            torch.set_num_threads(args.threads)
         if target is None:
-            from toolspec_core.model.target import load_target
-
-            target = load_target(
-                args.model,
-                dtype=getattr(torch, args.dtype),
-                device=args.device,
-                **engine_options(getattr(args, "attention", None), getattr(args, "cuda_graphs", None)),
-            )
+            engine = (getattr(args, "attention", None), getattr(args, "cuda_graphs", None))
+            target = bench_target(args.model, args.dtype, args.device, args.threads, None, *engine)
+        elif args.threads:
+            torch.set_num_threads(args.threads)
         self.target = target
         self.benches = [
             select_items(load_items(p), args.limit, None if args.seed < 0 else args.seed) for p in args.data

@@ -202,9 +202,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, label = build(args, dtype)
     base = from_model(serving_kernels(model, args.device, dtype, None), _NoText(), name=label)
-    # random weights choose any token, an end-of-turn id too: a timed sequence must not end early
-    base = dataclasses.replace(base, eos_ids=())
-    base.eos_ids = ()  # random weights: no token may end a timed sequence
+    base.eos_ids = ()  # random weights choose any token, an end-of-turn id too: no timed sequence may end early
     if not base.batched:
         raise SystemExit(f"{label}: its family has no batched forward (toolspec_core.model.batch_forward)")
     print(f"built {label} on {args.device} ({dtype}) in {time.perf_counter() - t0:.1f}s", flush=True)

@@ -16,6 +16,11 @@ from .data import LAYOUTS
 from .datasets import SINGLE_TURN, dev_set
 from .runner import ALL_METHODS, LIBRARIES, RETRIEVAL_KEYS, RunConfig
 
+SAME_NAMED = (  # RunConfig fields that take the flag's value as it is
+    *("data", "out", "methods", "limit", "warm_layout", "warm_limit", "max_new_tokens", "cost", "model", "threads"),
+    *("packed_rows", "calibrate", "device", "dtype", "structured", "attention", "cuda_graphs"),
+)
+
 
 def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
@@ -190,29 +195,13 @@ def bench_main(argv: list[str] | None = None) -> int:
     from .runner import run
 
     cfg = RunConfig(
-        data=args.data,
-        out=args.out,
-        methods=args.methods,
+        **{k: getattr(args, k) for k in SAME_NAMED},
         libraries=args.library,
-        limit=args.limit,
         seed=None if args.seed < 0 else args.seed,
         warm_files=args.warm_file,
-        warm_layout=args.warm_layout,
         warm_embed=not args.no_warm_embed,
-        warm_limit=args.warm_limit,
-        max_new_tokens=args.max_new_tokens,
-        cost=args.cost,
-        model=args.model,
-        threads=args.threads,
         retime_reference=not args.no_retime,
-        packed_rows=args.packed_rows,
-        calibrate=args.calibrate,
-        device=args.device,
-        dtype=args.dtype,
-        structured=args.structured,
         retrieval_key=args.retrieval_key or "qwen",
-        attention=args.attention,
-        cuda_graphs=args.cuda_graphs,
     )
     runner = run(cfg, max_items=args.max_items)
     if runner.pool.unavailable:

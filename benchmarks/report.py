@@ -17,6 +17,7 @@ BASELINES = ("pld", "suffix", "token_recycling")
 # The embedded model writes both layouts, so MAT is reported as a fraction of each.
 MAT_BOUND = {"api_bank": (4.1, 5.1), "bfcl_v3": (7.3, 9.5), "toolalpaca": (9.9, 12.9)}
 SUBSETS = ("all", "calls", "prose")
+CONFIG_KEYS = ("data", "limit", "seed", "methods", "libraries", "max_new_tokens", "warm_files", "warm_layout", "cost")
 PRIOR_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 2, "2"), (3, 4, "3-4"), (5, 9, "5-9"), (10, 10**9, "10+"))
 
 
@@ -185,20 +186,7 @@ def build_report(
         "cost_model": cost,
         "projection_curves": sorted(curves),
         "projection_step_seconds": step_seconds,
-        "config": {
-            k: cfg.get(k)
-            for k in (
-                "data",
-                "limit",
-                "seed",
-                "methods",
-                "libraries",
-                "max_new_tokens",
-                "warm_files",
-                "warm_layout",
-                "cost",
-            )
-        },
+        "config": {k: cfg.get(k) for k in CONFIG_KEYS},
         "retrieval": retrieval_key_summary(cfg, recs),
         "runs": runs,
         "headline": headline(runs),
@@ -241,11 +229,9 @@ def _retrieval_line(r: dict | None) -> list[str]:
         return []
     if r["key"] == "hidden":
         return ["- retrieval key: hidden (the target's last prompt state, in-process memory library)"]
-    ms = (
-        f"; encoder {r['mean_key_ms']:.0f} ms mean / {r['p95_key_ms']:.0f} ms p95 per request"
-        if "mean_key_ms" in r
-        else ""
-    )
+    ms = ""
+    if "mean_key_ms" in r:
+        ms = f"; encoder {r['mean_key_ms']:.0f} ms mean / {r['p95_key_ms']:.0f} ms p95 per request"
     return [
         f"- retrieval key: {r['key']} (request text keyed as the Retrieval deployment keys it, memory store{ms}, "
         "computed before decode timing as serving overlaps it with prefill)"

@@ -75,10 +75,15 @@ class RunConfig:
     cuda_graphs: bool | None = None  # replay the step from CUDA graphs (None: the target's default)
 
 
-def engine_options(attention: str | None, cuda_graphs: bool | None) -> dict:
-    """``load_target`` keywords of the engine flags given: none when none is, so the target's
-    defaults hold (and a build without those options still loads)."""
-    return {k: v for k, v in (("attention", attention), ("cuda_graphs", cuda_graphs)) if v is not None}
+def bench_target(model, dtype: str, device: str, threads=None, packed_rows=None, attention=None, cuda_graphs=None):
+    """The target of a bench run. Only the engine flags given are passed to ``load_target``, so the
+    target's defaults hold (and a build without those options still loads)."""
+    from toolspec_core.model.target import load_target
+
+    if threads:
+        torch.set_num_threads(threads)
+    given = (("packed_rows", packed_rows), ("attention", attention), ("cuda_graphs", cuda_graphs))
+    return load_target(model, dtype=getattr(torch, dtype), device=device, **{k: v for k, v in given if v is not None})
 
 
 def run_pairs(cfg: RunConfig) -> list[tuple[str, str | None]]:
@@ -330,18 +335,11 @@ class Runner:
     def __init__(self, cfg: RunConfig, target=None):
         self.cfg, self.out = cfg, Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
         if target is None:
-            from toolspec_core.model.target import load_target
-
-            target = load_target(
-                cfg.model,
-                dtype=getattr(torch, cfg.dtype),
-                device=cfg.device,
-                **({} if cfg.packed_rows is None else {"packed_rows": cfg.packed_rows}),
-                **engine_options(cfg.attention, cfg.cuda_graphs),
-            )
+            args = (cfg.threads, cfg.packed_rows, cfg.attention, cfg.cuda_graphs)
+            target = bench_target(cfg.model, cfg.dtype, cfg.device, *args)
+        elif cfg.threads:
+            torch.set_num_threads(cfg.threads)
         self.target = target
         self.stream = load_stream(cfg.data, cfg.limit, cfg.seed, cfg.structured)
         self.pairs = run_pairs(cfg)

@@ -20,6 +20,7 @@ from .schedule import arrival_offsets, run_level_local
 from .workloads import default_datasets, level_sessions, load_workload
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "loadtest"  # not method runs: their own folder
+REQUEST_OPTIONS = ("max_tokens", "stream", "api_key", "tool_choice", "timeout", "stream_usage")  # of every request
 DURATION_REQUEST_CAP = 100_000  # requests prepared per level when only --duration bounds it
 
 
@@ -168,14 +169,7 @@ def _progress(total: int, desc: str, quiet: bool):
 
 def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
     """Each level, each endpoint in turn on the same requests; summaries and raw records."""
-    base_opts = {
-        "max_tokens": args.max_tokens,
-        "stream": args.stream,
-        "api_key": args.api_key,
-        "tool_choice": args.tool_choice,
-        "timeout": args.timeout,
-        "stream_usage": args.stream_usage,
-    }
+    base_opts = {k: getattr(args, k) for k in REQUEST_OPTIONS}
     n = args.num_requests or (DURATION_REQUEST_CAP if args.duration else 32)
     warmup, used = level_sessions(units, args.warmup) if args.warmup else ([], 0)
     for ep in endpoints if warmup else []:

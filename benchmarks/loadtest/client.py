@@ -186,35 +186,20 @@ def error_kind(exc: BaseException) -> str:
 # ------------------------------------------------------------------ records
 
 
+RECORD_FIELDS = (  # a request row's fields in the records file's order
+    *("index", "item_id", "session", "turn", "ok", "error", "detail", "e2e_ms", "ttft_ms", "tpot_ms", "itl_ms"),
+    *("prompt_tokens", "completion_tokens", "tool_calls", "tool_call_problem", "gold_name_match", "mat"),
+    *("cached_tokens", "server_prefill_ms", "server_decode_ms", "drafted_tokens", "accepted_tokens", "digest"),
+    *("started", "node"),
+)
+
+
 def new_record(index: int, item: dict, node: str, session: int, turn: int) -> dict:
     """The per-request row; ``started`` is wall time (for the records file), latencies are not."""
-    return {
-        "index": index,
-        "item_id": item["id"],
-        "session": session,
-        "turn": turn,
-        "ok": False,
-        "error": None,
-        "detail": None,
-        "e2e_ms": None,
-        "ttft_ms": None,
-        "tpot_ms": None,
-        "itl_ms": [],
-        "prompt_tokens": None,
-        "completion_tokens": None,
-        "tool_calls": 0,
-        "tool_call_problem": None,
-        "gold_name_match": None,
-        "mat": None,
-        "cached_tokens": None,
-        "server_prefill_ms": None,
-        "server_decode_ms": None,
-        "drafted_tokens": None,
-        "accepted_tokens": None,
-        "digest": None,
-        "started": time.time(),
-        "node": node,
-    }
+    rec = dict.fromkeys(RECORD_FIELDS)
+    rec.update(index=index, item_id=item["id"], session=session, turn=turn, ok=False, itl_ms=[], tool_calls=0)
+    rec.update(started=time.time(), node=node)
+    return rec
 
 
 def fill_success(rec: dict, item: dict, out: dict) -> None:
