@@ -346,6 +346,7 @@ def test_tp2_on_the_embedded_model_equals_single_process(ray_cluster, tmp_path):
     import json
 
     from tp_run import main
+
     from toolspec_core.model.embedded import embedded_model_dir
 
     out = tmp_path / "tp2.json"
