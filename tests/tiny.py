@@ -31,7 +31,9 @@ def tiny_model(
     attn: str = "sdpa",
     init: float = 0.3,
     eos: int | None = None,
+    **config,
 ):
+    """A random Qwen2 model; ``config``: more Qwen2Config keys (a sliding window, say)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -47,6 +49,7 @@ def tiny_model(
         tie_word_embeddings=False,
         attn_implementation=attn,
         eos_token_id=eos,
+        **config,
     )
     model = Qwen2ForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = eos

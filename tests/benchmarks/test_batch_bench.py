@@ -68,64 +68,49 @@ def test_batch_run_is_exact_resumable_and_reported(tiny, tmp_path):
     assert (tmp_path / "results" / "batch-tiny.png").stat().st_size > 0
 
 
-def test_summary_marks_partial_runs_and_pools_only_complete_benchmarks():
-    def rec(bench, method, b, group, ids, toks, decode_s=1.0):
-        outs = {i: {"tokens": t, "text": "", "forwards": len(t), "mat": 1.0} for i, t in zip(ids, toks)}
-        return dict(
-            benchmark=bench,
-            method=method,
-            batch=b,
-            group=group,
-            items=ids,
-            decode_s=decode_s,
-            generated=sum(map(len, toks)),
-            steps=3,
-            rows=6,
-            forward_s=0.5,
-            host_s=0.1,
-            outputs=outs,
-        )
+def _rec(bench, method, b, group, ids, toks, decode_s=1.0):
+    """A batch.jsonl record of one group: ``toks`` the items' output tokens."""
+    outs = {i: {"tokens": t, "text": "", "forwards": len(t), "mat": 1.0} for i, t in zip(ids, toks)}
+    return dict(
+        benchmark=bench,
+        method=method,
+        batch=b,
+        group=group,
+        items=ids,
+        decode_s=decode_s,
+        generated=sum(map(len, toks)),
+        steps=3,
+        rows=6,
+        forward_s=0.5,
+        host_s=0.1,
+        outputs=outs,
+    )
 
+
+def test_summary_marks_partial_runs_and_pools_only_complete_benchmarks():
     recs = [
-        rec("a", "ar", 1, 0, ["a0"], [[1, 2]]),
-        rec("a", "ar", 1, 1, ["a1"], [[3]]),
-        rec("a", "ar", 2, 0, ["a0", "a1"], [[1, 2], [3, 9]]),  # a1 differs from its single-stream output
-        rec("b", "ar", 1, 0, ["b0"], [[5]]),
-        rec("b", "ar", 1, 1, ["b1"], [[6]]),
-        rec("b", "ar", 1, 2, ["b2"], [[7]]),  # b has no B = 2 run yet
+        _rec("a", "ar", 1, 0, ["a0"], [[1, 2]]),
+        _rec("a", "ar", 1, 1, ["a1"], [[3]]),
+        _rec("a", "ar", 2, 0, ["a0", "a1"], [[1, 2], [3, 9]]),  # a1 differs from its single-stream output
+        _rec("b", "ar", 1, 0, ["b0"], [[5]]),
+        _rec("b", "ar", 1, 1, ["b1"], [[6]]),
+        _rec("b", "ar", 1, 2, ["b2"], [[7]]),  # b has no B = 2 run yet
     ]
     runs = {(r["benchmark"], r["method"], r["batch"]): r for r in summarize(recs)}
     assert ("pooled", "ar", 1) not in runs  # one complete benchmark: nothing to pool
     assert runs[("a", "ar", 2)]["exact_match"] == 0.5 and runs[("a", "ar", 2)]["mismatched_items"] == ["a1"]
     assert runs[("a", "ar", 2)]["decode_tokens_per_s"] == 4.0 and runs[("a", "ar", 2)]["complete"]
-    recs.append(rec("b", "ar", 2, 0, ["b0", "b1"], [[5], [6]]))  # one of b's two groups at B = 2: partial
+    recs.append(_rec("b", "ar", 2, 0, ["b0", "b1"], [[5], [6]]))  # one of b's two groups at B = 2: partial
     runs = {(r["benchmark"], r["method"], r["batch"]): r for r in summarize(recs)}
     assert not runs[("b", "ar", 2)]["complete"] and ("pooled", "ar", 2) not in runs
 
 
 def test_without_single_stream_runs_each_batch_is_compared_with_plain_greedy_at_its_own_b():
-    def rec(method, b, ids, toks):
-        outs = {i: {"tokens": t, "text": "", "forwards": len(t), "mat": 1.0} for i, t in zip(ids, toks)}
-        return dict(
-            benchmark="a",
-            method=method,
-            batch=b,
-            group=0,
-            items=ids,
-            decode_s=1.0,
-            generated=3,
-            steps=3,
-            rows=6,
-            forward_s=0.5,
-            host_s=0.1,
-            outputs=outs,
-        )
-
     recs = [
-        rec("ar", 2, ["a0", "a1"], [[1, 2], [3]]),
-        rec("toolspec", 2, ["a0", "a1"], [[1, 2], [3, 4]]),
-        rec("ar", 4, ["a0", "a1"], [[1, 2], [3, 4]]),  # plain greedy itself differs at B = 4 (rounding)
-        rec("toolspec", 4, ["a0", "a1"], [[1, 2], [3, 4]]),
+        _rec("a", "ar", 2, 0, ["a0", "a1"], [[1, 2], [3]]),
+        _rec("a", "toolspec", 2, 0, ["a0", "a1"], [[1, 2], [3, 4]]),
+        _rec("a", "ar", 4, 0, ["a0", "a1"], [[1, 2], [3, 4]]),  # plain greedy itself differs at B = 4 (rounding)
+        _rec("a", "toolspec", 4, 0, ["a0", "a1"], [[1, 2], [3, 4]]),
     ]
     runs = {(r["method"], r["batch"]): r for r in summarize(recs)}
     assert runs[("toolspec", 2)]["mismatched_items"] == ["a1"] and runs[("toolspec", 4)]["exact_match"] == 1.0

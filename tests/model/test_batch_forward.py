@@ -107,29 +107,12 @@ def test_a_family_outside_the_batched_forward_decodes_through_hf_caches():
     calls (commit, register, release) reach it, and greedy stays HF generate's."""
     from scripted import ScriptedDrafter, branching
     from tiny import CharTokenizer, hf_greedy
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from toolspec_core.engine.loop import DecodeConfig, decode, prefill
     from toolspec_core.model.kv import HFKV
     from toolspec_core.model.target import from_model
 
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.3,
-        use_sliding_window=True,
-        sliding_window=4096,
-        max_window_layers=0,
-        attn_implementation="sdpa",
-    )
-    model = Qwen2ForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
+    model = tiny_model(use_sliding_window=True, sliding_window=4096, max_window_layers=0)
     tg = from_model(model, CharTokenizer(96))
     assert not tg.batched and isinstance(tg.new_cache(), HFKV)
     prompt = [1, 2, 3, 4, 5, 6]
