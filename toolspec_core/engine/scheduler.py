@@ -106,7 +106,7 @@ class Scheduler:
     ``cost``: the budget's curve over total rows of a forward (None: trees as drafted); ``pool``:
     the KV block pool sequences are admitted into (None: each sequence grows its own cache);
     ``device_walk``: walk greedy trees where the argmax is (None: where that is an accelerator --
-    on the CPU the host walk costs less than the walk's tensor ops, and there is no copy to save).
+    on the CPU there is no device-to-host copy to save, so the plain Python walk is kept).
     Not thread-safe: one thread steps it (the server's engine thread).
     """
 
@@ -261,17 +261,17 @@ class Scheduler:
         draft_rows = sum(len(t) for t in trees)
         self.steps.append(
             StepRecord(
-                total_rows,
-                prefill_rows,
-                len(rows),
-                fwd,
-                time.perf_counter() - t0 - fwd,
-                root_rows,
-                draft_rows,
-                tb - ta,
-                tc - tb,
-                t1 - tc,
-                t4 - t3,
+                rows=total_rows,
+                prefill_rows=prefill_rows,
+                sequences=len(rows),
+                forward_s=fwd,
+                host_s=time.perf_counter() - t0 - fwd,
+                root_rows=root_rows,
+                draft_rows=draft_rows,
+                draft_s=tb - ta,
+                budget_s=tc - tb,
+                inputs_s=t1 - tc,
+                commit_s=t4 - t3,
             )
         )
         return finished
