@@ -35,8 +35,14 @@ def write_markdown(report: dict, path: Path) -> None:
         "",
         f"- workload: **{report['workload']}** from "
         + ", ".join(f"`{d}`" for d in cfg["dataset"])
-        + f" ({report['workload_units']} units, seed {cfg['seed']}); max_tokens {cfg['max_tokens']}, "
-        f"temperature 0, stream {cfg['stream']}",
+        + f" ({report['workload_units']} units, seed {cfg['seed']}"
+        + (
+            f", prompts of {cfg['prompt_chars'][0]}..{cfg['prompt_chars'][1] or ''} JSON characters"
+            if cfg.get("prompt_chars")
+            else ""
+        )
+        + f"); max_tokens {cfg['max_tokens']}, temperature 0, stream {cfg['stream']}"
+        + ("; each level's prompts sent once before it (warm prefix cache)" if cfg.get("warm_prompts") else ""),
         f"- {mode}; per level: {limit}, at most {cfg['max_seconds']} s; warm-up {cfg['warmup']} requests "
         f"(not counted); clients: {report['runner']}",
         f"- hardware: {report['hardware']}",

@@ -130,12 +130,24 @@ def load_conversations(path: str | Path, limit: int | None = None) -> list[list[
     return units
 
 
-def load_workload(kind: str, datasets: list[str], limit: int | None, seed: int) -> list[list[dict]]:
-    """Units of the workload, in the seeded order every endpoint and level replays."""
+def prompt_chars(item: dict) -> int:
+    """How long a request's prompt is, without a tokenizer: its messages and tools as JSON."""
+    return len(json.dumps(item["messages"])) + len(json.dumps(item["tools"]))
+
+
+def load_workload(
+    kind: str, datasets: list[str], limit: int | None, seed: int, span: tuple[int, int | None] | None = None
+) -> list[list[dict]]:
+    """Units of the workload, in the seeded order every endpoint and level replays; with ``span``
+    only those whose first request's prompt_chars lies in [min, max]."""
     if kind == "conversations":
         units = [u for path in datasets for u in load_conversations(path, limit)]
     else:
         units = [[item] for path in datasets for item in load_items(path, limit)]
+    if span:
+        units = [u for u in units if span[0] <= prompt_chars(u[0]) <= (span[1] or float("inf"))]
+        if not units:
+            raise ValueError(f"no request of {', '.join(datasets)} has {span[0]}..{span[1] or ''} prompt characters")
     random.Random(seed).shuffle(units)
     return units
 

@@ -8,6 +8,7 @@ JSON arguments), /count (50 ms, and it notes the most requests it had in flight 
 apart, 9 completion tokens).
 """
 
+import argparse
 import asyncio
 import json
 import os
@@ -708,3 +709,39 @@ def test_ray_fanout_runs_slices_as_tasks(server, dataset, tmp_path):
         assert set(lv["error_kinds"]) <= {"http_500"}
         assert len(lv["nodes"]) == 2  # two actor processes ran client slices, merged into one level
     assert report["runner"] == "ray (local, 2 actors)"
+
+
+def test_warm_prompts_send_each_level_once_before_it_uncounted(server, dataset, tmp_path):
+    state = server["state"]
+    start = len(state.get("bodies", []))
+    code, report, out = _run(
+        tmp_path,
+        dataset,
+        *("--endpoint", f"warm={server['base']}/warm/v1", "--concurrency", "1,2", "--requests-per-level", "2"),
+        *("--fresh-requests", "--warm-prompts", "--max-tokens", "16"),
+    )
+    assert code == 0 and [lv["requests"] for lv in report["levels"]] == [2, 2]
+    bodies = state["bodies"][start:]
+    assert [b["max_tokens"] for b in bodies] == [1, 1, 16, 16] * 2
+    for level in (bodies[:4], bodies[4:]):  # the measured requests are the ones just warmed
+        assert sorted(json.dumps(b["messages"]) for b in level[:2]) == sorted(
+            json.dumps(b["messages"]) for b in level[2:]
+        )
+    assert bodies[0]["messages"] != bodies[4]["messages"]  # fresh requests: the levels differ
+    assert "warm prefix cache" in next(out.glob("*.md")).read_text()
+
+
+def test_prompt_chars_keeps_only_prompts_of_that_length(dataset):
+    from benchmarks.loadtest.cli import parse_span
+    from benchmarks.loadtest.workloads import load_workload, prompt_chars
+
+    units = load_workload("single", [str(dataset)], None, 0)
+    size = prompt_chars(units[0][0])  # every mini item has the same length
+    assert len(load_workload("single", [str(dataset)], None, 0, (size, size))) == len(units) == 5
+    assert len(load_workload("single", [str(dataset)], None, 0, (0, None))) == 5
+    with pytest.raises(ValueError, match="prompt characters"):
+        load_workload("single", [str(dataset)], None, 0, (size + 1, None))
+    assert parse_span("2000") == (2000, None) and parse_span("10:20") == (10, 20)
+    for bad in ("x", "20:10", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_span(bad)
