@@ -14,6 +14,7 @@ import logging
 from ray import serve
 
 from .config import ServeAppConfig
+from .http import LocalBackend
 from .plan import check_plan
 from .retrieval import RetrievalServer
 
@@ -29,28 +30,22 @@ class Retrieval(RetrievalServer):
 
 
 @serve.deployment(name="Replica")
-class Replica:
-    """Hosts the engine. Heavy start-up runs off the event loop; requests stream events."""
+class Replica(LocalBackend):
+    """Hosts the engine and answers the ingress's backend calls on it (``generate``, ``info`` and
+    ``library`` as :class:`~deployments.http.LocalBackend` does). Heavy start-up runs off the event
+    loop; requests stream events."""
 
     async def __init__(self, cfg: ServeAppConfig, retrieval=None):
         from .engine_host import EngineHost
         from .retrieval import RetrievalClient
 
         client = RetrievalClient(retrieval, cfg.retrieval) if retrieval is not None else None
-        self.host = await asyncio.to_thread(EngineHost.build, cfg, client)
+        super().__init__(await asyncio.to_thread(EngineHost.build, cfg, client))
 
     async def stream(self, req: dict):
+        """A generator method of its own: Serve streams only what a generator method yields."""
         async for ev in self.host.stream(req):
             yield ev
-
-    async def generate(self, req: dict) -> dict:
-        return await self.host.generate(req)
-
-    async def info(self) -> dict:
-        return self.host.info()
-
-    async def library(self, op: str, tenant: str) -> dict:
-        return await self.host.library_admin(op, tenant)
 
     def __del__(self):
         host = getattr(self, "host", None)

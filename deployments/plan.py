@@ -263,13 +263,12 @@ def format_plan(plan: Plan) -> str:
     return out if plan.fits else out + "\n\nDOES NOT FIT: " + refusal(plan)
 
 
-def check_plan(cfg: ServeAppConfig, shape: dict | None = None) -> Plan | None:
-    """Refuse, when the app is built, a config whose GPUs cannot hold the weights and one request at
-    full context (``plan_context_tokens``, else the model's window); None when ``gpu_memory`` is
-    unset. ``shape``: the model's config keys, instead of reading ``cfg.model``'s config.json."""
-    if cfg.gpu_memory is None:
-        return None
-    plan = make_plan(
+def config_plan(cfg, shape: dict | None = None, reserve: str | int = WORKSPACE_RESERVE) -> Plan:
+    """The plan of a serve config: a :class:`ServeAppConfig`, or ``toolspec plan``'s options, which
+    carry its field names (``model``, ``tensor_parallel_size``, ``dtype``, ``gpu_memory``,
+    ``plan_context_tokens``, ``kv_memory_fraction``, ``kv_block_tokens``). ``shape``: the model's
+    config keys, instead of reading ``cfg.model``'s config.json."""
+    return make_plan(
         model_shape(cfg.model) if shape is None else shape,
         cfg.tensor_parallel_size,
         cfg.dtype,
@@ -277,8 +276,18 @@ def check_plan(cfg: ServeAppConfig, shape: dict | None = None) -> Plan | None:
         context=cfg.plan_context_tokens,
         kv_memory_fraction=cfg.kv_memory_fraction,
         block_tokens=cfg.kv_block_tokens,
+        reserve=parse_memory(reserve),
         model=cfg.model,
     )
+
+
+def check_plan(cfg: ServeAppConfig, shape: dict | None = None) -> Plan | None:
+    """Refuse, when the app is built, a config whose GPUs cannot hold the weights and one request at
+    full context (``plan_context_tokens``, else the model's window); None when ``gpu_memory`` is
+    unset. ``shape``: the model's config keys, instead of reading ``cfg.model``'s config.json."""
+    if cfg.gpu_memory is None:
+        return None
+    plan = config_plan(cfg, shape)
     if not plan.fits:
         raise ValueError(refusal(plan))
     return plan
@@ -291,27 +300,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--model", default="embedded", help='HF model directory, its config.json, "embedded" or a shape name'
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--tp", dest="tensor_parallel_size", metavar="TP", type=int, default=1, help="tensor parallel size")
     p.add_argument("--dtype", default="bfloat16", choices=get_args(fields["dtype"].annotation))
     p.add_argument("--gpu-memory", required=True, help="memory of one GPU, e.g. 80GiB, 141GB")
-    p.add_argument("--context", type=int, help="tokens one request may fill (default: the model's window)")
+    p.add_argument(
+        "--context",
+        dest="plan_context_tokens",
+        metavar="CONTEXT",
+        type=int,
+        help="tokens one request may fill (default: the model's window)",
+    )
     p.add_argument("--kv-memory-fraction", type=float, default=fields["kv_memory_fraction"].default)
-    p.add_argument("--block-tokens", type=int, default=fields["kv_block_tokens"].default)
+    p.add_argument(
+        "--block-tokens",
+        dest="kv_block_tokens",
+        metavar="BLOCK_TOKENS",
+        type=int,
+        default=fields["kv_block_tokens"].default,
+    )
     p.add_argument("--reserve", default=str(WORKSPACE_RESERVE), help="workspace reserve per GPU (default 2GiB)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     ns = p.parse_args(argv)
     try:
-        plan = make_plan(
-            model_shape(ns.model),
-            ns.tp,
-            ns.dtype,
-            parse_memory(ns.gpu_memory),
-            context=ns.context,
-            kv_memory_fraction=ns.kv_memory_fraction,
-            block_tokens=ns.block_tokens,
-            reserve=parse_memory(ns.reserve),
-            model=ns.model,
-        )
+        plan = config_plan(ns, reserve=ns.reserve)
     except (ValueError, FileNotFoundError) as exc:
         print(f"toolspec plan: {exc}")
         return 2

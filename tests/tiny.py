@@ -33,11 +33,12 @@ def tiny_model(
     eos: int | None = None,
     **config,
 ):
-    """A random Qwen2 model; ``config``: more Qwen2Config keys (a sliding window, say)."""
+    """A random Qwen2 model; ``config``: other or more Qwen2Config keys (a sliding window, a width
+    of the MLP or a head count other than these, say)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(
+    keys = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -49,8 +50,8 @@ def tiny_model(
         tie_word_embeddings=False,
         attn_implementation=attn,
         eos_token_id=eos,
-        **config,
     )
+    cfg = Qwen2Config(**keys | config)
     model = Qwen2ForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = 0

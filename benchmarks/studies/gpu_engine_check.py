@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from tests.tiny import tiny_model
 from toolspec_core.drafters.base import DraftContext, NoDrafter
 from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.engine.loop import DecodeConfig, generate
@@ -82,24 +83,17 @@ def branching(ref: list[int], vocab: int):
 
 
 def build_model(vocab: int, hidden: int, layers: int, seed: int, device: str, dtype: torch.dtype):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
+    """The suite's random Qwen2 (``tests/tiny.py``), wider: an MLP of 3 x ``hidden``, a head per 64
+    of ``hidden``, a 4096-token window."""
+    model = tiny_model(
+        vocab,
+        hidden,
+        layers,
+        seed,
         intermediate_size=hidden * 3,
-        num_hidden_layers=layers,
         num_attention_heads=max(hidden // 64, 2),
-        num_key_value_heads=2,
         max_position_embeddings=4096,
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
     )
-    model = Qwen2ForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
     return model.to(device, dtype)
 
 
@@ -196,9 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
+    for flag, default in (("--prompts", 16), ("--new-tokens", 64), ("--seed", 0)):
+        ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.device.startswith("cuda"):

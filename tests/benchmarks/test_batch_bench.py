@@ -68,23 +68,15 @@ def test_batch_run_is_exact_resumable_and_reported(tiny, tmp_path):
     assert (tmp_path / "results" / "batch-tiny.png").stat().st_size > 0
 
 
+# the step counts and times of a group, the same in every record here
+_STEPS = dict(steps=3, rows=6, forward_s=0.5, host_s=0.1)
+
+
 def _rec(bench, method, b, group, ids, toks, decode_s=1.0):
     """A batch.jsonl record of one group: ``toks`` the items' output tokens."""
     outs = {i: {"tokens": t, "text": "", "forwards": len(t), "mat": 1.0} for i, t in zip(ids, toks)}
-    return dict(
-        benchmark=bench,
-        method=method,
-        batch=b,
-        group=group,
-        items=ids,
-        decode_s=decode_s,
-        generated=sum(map(len, toks)),
-        steps=3,
-        rows=6,
-        forward_s=0.5,
-        host_s=0.1,
-        outputs=outs,
-    )
+    run = dict(benchmark=bench, method=method, batch=b, group=group)
+    return run | dict(items=ids, decode_s=decode_s, generated=sum(map(len, toks)), outputs=outs) | _STEPS
 
 
 def test_summary_marks_partial_runs_and_pools_only_complete_benchmarks():

@@ -474,20 +474,9 @@ def test_bench_cost_on_tiny_hf_dir(tmp_path):
 def test_bench_cost_named_shape_random_bf16(tmp_path, monkeypatch):
     """A named shape is built from its config with random weights (here a tiny one, bf16 on CPU)."""
     from benchmarks import cost
+    from toolspec_core.model.shapes import shape
 
-    monkeypatch.setitem(
-        cost.SHAPES,
-        "test-tiny",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-            tie_word_embeddings=False,
-        ),
-    )
+    monkeypatch.setitem(cost.SHAPES, "test-tiny", shape(64, 128, 2, 4, 2, 256, False))
     out = tmp_path / "c.json"
     assert (
         cost.main(

@@ -91,9 +91,10 @@ def test_retrieval_service_never_imports_the_engine():
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
+    from tiny import tiny_model
     from tokenizers import ByteLevelBPETokenizer
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+    from transformers import PreTrainedTokenizerFast
 
     # byte-level BPE like Qwen's (AutoTokenizer maps a qwen2 config to Qwen2Tokenizer, which
     # rebuilds a byte-level BPE from tokenizer.json's vocab + merges)
@@ -103,17 +104,9 @@ def tiny_model_dir(tmp_path_factory):
     )
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, pad_token="[PAD]", eos_token="<s>")
     hf_tok.chat_template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}assistant :"
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=320,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
+    model = tiny_model(
+        vocab=320, hidden=16, init=0.02, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128
     )
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     d = tmp_path_factory.mktemp("tiny")
     model.save_pretrained(d)
     hf_tok.save_pretrained(d)

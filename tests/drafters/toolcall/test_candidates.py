@@ -24,10 +24,15 @@ def _gold_items(n_per=20):
         yield from read_jsonl(dev_set(bench), n_per)
 
 
+def _next_texts(text: str, idx: ToolIndex | None = None, eos: int = 0, levels: int = 2) -> list[str]:
+    """The texts of the schema's continuations of ``text`` (``idx``: the tools, default TOOLS;
+    ``eos``: the end-of-turn id)."""
+    idx = ToolIndex.from_tools(TOOLS) if idx is None else idx
+    return _texts(continuations(tracker(text), idx, Priors(), [eos], levels=levels))
+
+
 def test_candidates_tool_names_consistent_with_prefix():
-    texts = _texts(
-        continuations(tracker('<tool_call>\n{"name": "get_'), ToolIndex.from_tools(TOOLS), Priors(), [0], levels=1)
-    )
+    texts = _next_texts('<tool_call>\n{"name": "get_', levels=1)
     assert any(t.startswith('weather", "arguments": {"') for t in texts)
     assert any(t.startswith('time", "arguments": {"tz": ') for t in texts)
     assert not any("ping" in t for t in texts)
@@ -43,33 +48,13 @@ def test_candidates_argument_names_required_first_unused_only():
 
 def test_value_type_drafting_enum_bool_and_closing():
     idx = ToolIndex.from_tools(TOOLS)
-    texts = _texts(
-        continuations(
-            tracker('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": '),
-            idx,
-            Priors(),
-            [0],
-            levels=2,
-        )
-    )
+    texts = _next_texts('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": ', idx)
     assert any(x.startswith('"celsius"') for x in texts) and any(x.startswith('"fahrenheit"') for x in texts)
-    texts = _texts(
-        continuations(
-            tracker('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "alerts": '),
-            idx,
-            Priors(),
-            [0],
-            levels=2,
-        )
-    )
+    texts = _next_texts('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "alerts": ', idx)
     assert any(x.startswith("true") for x in texts) and any(x.startswith("false") for x in texts)
-    texts = _texts(
-        continuations(
-            tracker('<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"'), idx, Priors(), [7], levels=2
-        )
-    )
+    texts = _next_texts('<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"', idx, eos=7)
     assert "}}\n</tool_call>" in texts
-    texts = _texts(continuations(tracker('{"name": "ping", "arguments": '), idx, Priors(), [7], levels=2))
+    texts = _next_texts('{"name": "ping", "arguments": ', idx, eos=7)
     assert texts[0] == "{}}" and all(
         t.startswith("{}}\n{") for t in texts[1:]
     )  # empty arguments, close the call (bare: no closer; a next object may follow)
@@ -86,7 +71,7 @@ def test_value_type_drafting_enum_bool_and_closing():
 )
 def test_after_the_comma_that_follows_the_tool_name_the_arguments_key_is_drafted(text, want):
     # a step may end right after the comma (`",` or `",\n` is one token); the schema still knows what follows
-    texts = _texts(continuations(tracker(text), ToolIndex.from_tools(TOOLS), Priors(), [0], levels=2))
+    texts = _next_texts(text)
     assert texts and texts[0].startswith(want), texts[:2]
 
 
@@ -102,7 +87,7 @@ def test_after_the_comma_that_follows_the_tool_name_the_arguments_key_is_drafted
 )
 def test_a_step_that_ends_on_the_colon_gets_the_separators_space_drafted(text, want):
     # `":` is one token and ` "` the next: a step often ends between them; the drafts go on with the space
-    texts = _texts(continuations(tracker(text), ToolIndex.from_tools(TOOLS), Priors(), [0], levels=2))
+    texts = _next_texts(text)
     assert texts and any(x.startswith(want) for x in texts[:2]), texts[:2]
     assert all(x.startswith(" ") == want.startswith(" ") for x in texts), texts
 
@@ -284,15 +269,7 @@ def test_a_closer_that_is_text_is_drafted_both_ending_the_turn_and_followed_by_p
         truth = qwen_tok.encode(text)
         assert len(oracle_walk(tree, truth).path) == len(truth) - (text.endswith("This")), text
     # bare JSON has no closer: the turn ends (or another object follows on the next line)
-    texts = _texts(
-        continuations(
-            tracker('{"name": "get_time", "arguments": {"tz": "UTC"}}'),
-            ToolIndex.from_tools(TOOLS),
-            Priors(),
-            [7],
-            levels=1,
-        )
-    )
+    texts = _next_texts('{"name": "get_time", "arguments": {"tz": "UTC"}}', eos=7, levels=1)
     assert texts[0] == "" and all(t.startswith('\n{"name": "') for t in texts[1:])
 
 
@@ -351,7 +328,7 @@ def test_the_call_closes_after_whitespace_a_step_already_wrote():
     idx = ToolIndex.from_tools(TOOLS)
     body = '```json\n{\n  "name": "get_time",\n  "arguments": {\n    "tz": "UTC"\n  }'
     for written, want in ((body, "\n}\n```"), (body + "\n", "}\n```")):
-        texts = _texts(continuations(tracker(written), idx, Priors(), [7], levels=2))
+        texts = _next_texts(written, idx, eos=7)
         assert texts and all(t.startswith(want) for t in texts), (written, texts)
 
 
@@ -456,30 +433,17 @@ def test_a_misspelt_tool_name_takes_the_schema_of_the_closest_offered_tool():
         and idx.free("calculateMonthlySalary")
         and not idx.free("get_weathers")
     )
-    texts = _texts(continuations(tracker('{"name": "get_weathers", "arguments": {'), idx, Priors(), [0], levels=1))
+    texts = _next_texts('{"name": "get_weathers", "arguments": {', idx, levels=1)
     assert texts[0].startswith('"city": ')
 
 
 def test_a_call_of_an_unknown_tool_still_gets_its_structure_drafted():
     # no schema: argument names are free, but the key's end, the separator and the closing braces are not
     idx = ToolIndex.from_tools(TOOLS)
-    texts = _texts(continuations(tracker('```json\n{\n  "name": "calculateSalary",'), idx, Priors(), [0], levels=2))
+    texts = _next_texts('```json\n{\n  "name": "calculateSalary",', idx)
     assert texts == ['\n  "arguments": {\n    "']
-    texts = _texts(
-        continuations(
-            tracker('```json\n{\n  "name": "calculateSalary",\n  "arguments": {\n    "sal'),
-            idx,
-            Priors(),
-            [0],
-            levels=2,
-        )
-    )
+    texts = _next_texts('```json\n{\n  "name": "calculateSalary",\n  "arguments": {\n    "sal', idx)
     assert texts == ['": ']
-    texts = _texts(
-        continuations(tracker('{"name": "calculateSalary", "arguments": {"salary": 5000'), idx, Priors(), [7], levels=2)
-    )
+    texts = _next_texts('{"name": "calculateSalary", "arguments": {"salary": 5000', idx, eos=7)
     assert ', "' in texts and "}}" in texts
-    assert (
-        _texts(continuations(tracker('{"name": "calculateSalary", "arguments": {"'), idx, Priors(), [0], levels=2))
-        == []
-    )
+    assert _next_texts('{"name": "calculateSalary", "arguments": {"', idx) == []

@@ -9,6 +9,7 @@ import json
 import jsonschema
 import pytest
 import torch
+from tiny import tiny_model
 from toolcall_cases import CITY_TOOLS as TOOLS
 
 from toolspec_core.drafters.base import DraftContext, LabelRates
@@ -38,21 +39,7 @@ def qwen_tok():
 @pytest.fixture(scope="module")
 def tiny_qwen(qwen_tok):
     """Random 2-layer Qwen2 with the real vocabulary (so real tokenization and grammars apply)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=151936,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        initializer_range=0.3,
-        attn_implementation="sdpa",
-    )
-    return from_model(Qwen2ForCausalLM(cfg).eval(), qwen_tok, "tiny-qwen")
+    return from_model(tiny_model(vocab=151936, max_position_embeddings=2048), qwen_tok, "tiny-qwen")
 
 
 @pytest.fixture(scope="module")

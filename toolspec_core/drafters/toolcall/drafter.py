@@ -9,28 +9,9 @@ trie-merged into the same tree, and the engine's cost-aware budget keeps what pa
 
 from __future__ import annotations
 
+from toolspec_core.drafters import labels as lbl
 from toolspec_core.drafters.base import DraftContext, LabelRates, add_copies, rate_key
 from toolspec_core.drafters.history import TenantHistories
-from toolspec_core.drafters.labels import (
-    ARG_NAME,
-    CALL_KEY,
-    DERIVED,
-    END,
-    NEXT_CALL,
-    OBJ_KEY,
-    OPENER,
-    OWN_CALL,
-    PATTERN,
-    RETRIEVAL,
-    SPAN,
-    SUFFIX,
-    SUFFIX_STATES,
-    TOOL_NAME,
-    VALUE,
-    base_label,
-    is_chain,
-    match_label,
-)
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter
 from toolspec_core.drafters.suffix_trie import SuffixTrie
@@ -47,24 +28,24 @@ from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult
 from toolspec_core.model.prompting import turn_end_ids
 
 DEFAULT_RATES = {
-    CALL_KEY: 0.97,
-    TOOL_NAME: 0.97,
-    ARG_NAME: 0.97,
-    VALUE: 0.9,
-    END: 0.95,
-    OPENER: 0.9,
-    RETRIEVAL: 0.6,
-    RETRIEVAL + "+": 0.85,
-    OWN_CALL: 0.5,
-    OWN_CALL + "+": 0.85,
-    SPAN: 0.6,
-    SPAN + "+": 0.85,
-    DERIVED: 0.5,
-    DERIVED + "+": 0.85,
-    PATTERN: 0.5,
-    PATTERN + "+": 0.85,
-    NEXT_CALL: 0.5,
-    OBJ_KEY: 0.6,
+    lbl.CALL_KEY: 0.97,
+    lbl.TOOL_NAME: 0.97,
+    lbl.ARG_NAME: 0.97,
+    lbl.VALUE: 0.9,
+    lbl.END: 0.95,
+    lbl.OPENER: 0.9,
+    lbl.RETRIEVAL: 0.6,
+    lbl.RETRIEVAL + "+": 0.85,
+    lbl.OWN_CALL: 0.5,
+    lbl.OWN_CALL + "+": 0.85,
+    lbl.SPAN: 0.6,
+    lbl.SPAN + "+": 0.85,
+    lbl.DERIVED: 0.5,
+    lbl.DERIVED + "+": 0.85,
+    lbl.PATTERN: 0.5,
+    lbl.PATTERN + "+": 0.85,
+    lbl.NEXT_CALL: 0.5,
+    lbl.OBJ_KEY: 0.6,
 }
 
 
@@ -215,7 +196,7 @@ class RetrievalDrafter:
         # branch mass: votes of the past calls agreeing on the first tokens
         top = [c for n, _, c in best if n == top_n]
         shares = [sum(1 for c in top if c[:1] == cont[:1]) / len(top) for cont in conts]
-        return add_copies(tree, conts, match_label(RETRIEVAL, top_n, self.long_at), self.rates, shares)
+        return add_copies(tree, conts, lbl.match_label(lbl.RETRIEVAL, top_n, self.long_at), self.rates, shares)
 
 
 def _longest_suffix_match(gen: list[int], seq: list[int], max_n: int, length: int) -> tuple[int, list[int]]:
@@ -304,7 +285,7 @@ class SchemaDrafter:
     def _generic(self, ctx: DraftContext, tree: DraftTree) -> None:
         """Suffix drafts where the schema does not know the text (free text, values, the end of a
         call); elsewhere only after the schema's most probable chain, where it stops knowing."""
-        if not self.schema or self.tracker.state in SUFFIX_STATES or not len(tree):
+        if not self.schema or self.tracker.state in lbl.SUFFIX_STATES or not len(tree):
             tree.merge(self.suffix.propose(ctx))
             return
         leaf, prob = _chain_end(tree)
@@ -362,7 +343,7 @@ class SchemaDrafter:
         tr, tree = self.tracker, DraftTree()
         if (
             self._n_fed != len(ctx.generated)
-            or tr.state != VALUE
+            or tr.state != lbl.VALUE
             or not (tr.in_str == "value" or tr.in_scalar)
             or not tr.buf
         ):
@@ -382,16 +363,18 @@ class SchemaDrafter:
                 tails = self._after_value(ctx, text, memo) if schema and closes else []
                 total = sum(t.prob for t in tails)
                 cands += (
-                    [Cand([(text, SPAN)] + t.segs, p * t.prob / total) for t in tails]
+                    [Cand([(text, lbl.SPAN)] + t.segs, p * t.prob / total) for t in tails]
                     if total > 0
-                    else [Cand([(text, SPAN)], p)]
+                    else [Cand([(text, lbl.SPAN)], p)]
                 )
         if cands:
             tree = candidates_to_tree(self.bt, ctx.tokens, cands, self.rates)
         run = digit_run(tr.buf)
         if run:
             tree.merge(
-                add_copies(DraftTree(), [self.bt.continuation(ctx.tokens, run)[: ctx.max_depth]], PATTERN, self.rates)
+                add_copies(
+                    DraftTree(), [self.bt.continuation(ctx.tokens, run)[: ctx.max_depth]], lbl.PATTERN, self.rates
+                )
             )
         return tree
 
@@ -416,7 +399,8 @@ class SchemaDrafter:
             tree,
             result,
             skip=lambda i, key: (
-                base_label(key) == SUFFIX or (not is_chain(key) and tree.conf[i] < DET * self.rates.rate(key))
+                lbl.base_label(key) == lbl.SUFFIX
+                or (not lbl.is_chain(key) and tree.conf[i] < DET * self.rates.rate(key))
             ),
         )
 
