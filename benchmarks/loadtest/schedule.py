@@ -60,14 +60,7 @@ async def run_slice(url: str, sessions: list[list[tuple[int, dict]]], plan: dict
     in_flight = {"now": 0, "peak": 0}
 
     async def send(client, session_no: int, turn: int, index: int, item: dict) -> None:
-        payload = build_payload(
-            item,
-            opts["model"],
-            opts["max_tokens"],
-            opts["stream"],
-            opts.get("tool_choice"),
-            opts.get("stream_usage", True),
-        )
+        payload = build_payload(item, opts)
         rec = new_record(index, item, node, session_no, turn)
         records.append(rec)
         in_flight["now"] += 1
