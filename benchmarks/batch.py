@@ -153,18 +153,14 @@ class BatchRun:
             outputs[it["id"]] = {"tokens": r.tokens, "text": r.text, "forwards": r.stats.forwards, "mat": r.stats.mat}
             pool.after_item(bench, name, "online", req, outputs[it["id"]])
         steps = [s for s in sched.steps if s.sequences]
+        sums = {f: sum(getattr(s, f) for s in steps) for f in ("rows", "forward_s", "host_s")}
+        head = {"benchmark": bench, "method": name, "batch": b, "group": gi, "items": [it["id"] for it in group]}
         return {
-            "benchmark": bench,
-            "method": name,
-            "batch": b,
-            "group": gi,
-            "items": [it["id"] for it in group],
+            **head,
             "decode_s": decode_s,
             "generated": sum(len(s.result.tokens) for s in seqs),
             "steps": len(steps),
-            "rows": sum(s.rows for s in steps),
-            "forward_s": sum(s.forward_s for s in steps),
-            "host_s": sum(s.host_s for s in steps),
+            **sums,
             "live": sum(s.sequences for s in steps),  # sequence-steps: host time per live sequence
             "host_parts_s": {p: sum(getattr(s, p + "_s") for s in steps) for p in HOST_PARTS},
             "outputs": outputs,

@@ -17,12 +17,12 @@ BASELINES = ("pld", "suffix", "token_recycling")
 # drafting can go", Qwen2.5 tokenizer, gold calls): (compact <tool_call> layout, ```json pretty).
 # The embedded model writes both layouts, so MAT is reported as a fraction of each.
 MAT_BOUND = {"api_bank": (4.1, 5.1), "bfcl_v3": (7.3, 9.5), "toolalpaca": (9.9, 12.9)}
-SUBSETS = ("all", "calls", "prose")
 SUBSET_TITLES = {
     "all": "All items",
     "calls": "Items whose plain-greedy output contains a tool call",
     "prose": "Items answered in prose (no tool call in plain-greedy output)",
 }
+SUBSETS = tuple(SUBSET_TITLES)
 CONFIG_KEYS = ("data", "limit", "seed", "methods", "libraries", "max_new_tokens", "warm_files", "warm_layout", "cost")
 PRIOR_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 2, "2"), (3, 4, "3-4"), (5, 9, "5-9"), (10, 10**9, "10+"))
 
@@ -128,19 +128,12 @@ def headline(runs: list[dict]) -> list[dict]:
         for r in rs:
             if r["method"] != "toolspec" or not r["decode_speedup"]:
                 continue
-            out.append(
-                {
-                    "benchmark": bench,
-                    "subset": subset,
-                    "library": r["library"],
-                    "items": r["items"],
-                    "toolspec_speedup": r["decode_speedup"],
-                    "toolspec_mat": r["mat"],
-                    "best_baseline": run_label(best["method"], best["library"]) if best else None,
-                    "best_baseline_speedup": best["decode_speedup"] if best else None,
-                    "over_best_baseline": r["decode_speedup"] / best["decode_speedup"] if best else None,
-                }
-            )
+            row = {"benchmark": bench, "subset": subset, "library": r["library"], "items": r["items"]}
+            row.update(toolspec_speedup=r["decode_speedup"], toolspec_mat=r["mat"])
+            row["best_baseline"] = run_label(best["method"], best["library"]) if best else None
+            row["best_baseline_speedup"] = best["decode_speedup"] if best else None
+            row["over_best_baseline"] = r["decode_speedup"] / best["decode_speedup"] if best else None
+            out.append(row)
     return out
 
 

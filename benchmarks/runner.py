@@ -172,14 +172,9 @@ class PrefillCache:
         return self.store.records.get(item_id)
 
     def put(self, item_id: str, pre) -> dict:
-        rec = {
-            "item": item_id,
-            "prompt_tokens": len(pre.prompt_ids),
-            "prefill_s": pre.seconds,
-            "hidden": encode_hidden(pre.hidden),
-        }
-        self.store.append(rec)
-        return rec
+        rec = {"item": item_id, "prompt_tokens": len(pre.prompt_ids), "prefill_s": pre.seconds}
+        self.store.append({**rec, "hidden": encode_hidden(pre.hidden)})
+        return self.store.records[item_id]
 
 
 # --------------------------------------------------------------------------- cost model

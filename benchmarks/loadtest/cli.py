@@ -154,6 +154,8 @@ def level_plans(args: argparse.Namespace) -> list[dict]:
 
 def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
     """Each level, each endpoint in turn on the same requests; summaries and raw records."""
+    from tqdm import tqdm
+
     base_opts = {k: getattr(args, k) for k in REQUEST_OPTIONS}
     n = args.num_requests
     warmup, used = level_sessions(units, args.warmup) if args.warmup else ([], 0)
@@ -183,8 +185,6 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
             level_runner = runner.run_level if runner else run_level_local
             if args.warm_prompts:
                 level_runner(ep["chat_url"], sessions, dict(plan, offsets=None), dict(opts, max_tokens=1))
-            from tqdm import tqdm
-
             desc, quiet = f"{ep['name']} {level_label(plan)}", args.quiet
             with tqdm(total=n, desc=desc, disable=quiet, leave=False, file=sys.stderr, dynamic_ncols=True) as bar:
                 result = level_runner(ep["chat_url"], sessions, plan, opts, on_done=bar.update)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import math
 import random
 import socket
@@ -81,10 +82,7 @@ async def run_slice(url: str, sessions: list[list[tuple[int, dict]]], plan: dict
         for turn, (index, item) in enumerate(session):
             if loop.time() >= stop_new and not (first and turn == 0):
                 return
-            if gate:
-                async with gate:
-                    await send(client, session_no, turn, index, item)
-            else:
+            async with gate or contextlib.nullcontext():
                 await send(client, session_no, turn, index, item)
 
     async def closed_client(client, pending) -> None:
