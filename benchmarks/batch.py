@@ -1,15 +1,12 @@
 """``toolspec bench --batch 1,2,4,8,16``: decode throughput of batched methods at each batch size.
 
-For each benchmark, batch size B and method (``ar`` first): the items are cut into groups of B
-in stream order; each group is prefilled (not timed, one prefill per item for the whole run)
-and decoded together on one step scheduler, every sequence with its own drafter, under the
-batch-wide budget. Reported per (benchmark, method, B): decode-phase output tokens/s (all
-tokens of all groups over the summed wall time of their decode phases), the ratio to batched
-plain greedy at the same B, MAT, rows per forward, forward and host (drafting + budget + walks
-+ commits) time per step, host time per step per live sequence split by part (``HOST_PARTS``:
-drafting, budget, the forward's inputs, walks and commits, the rest), and exact match per item
-against single-stream plain greedy (``ar`` at B = 1, the first run of each item; with
-``--same-batch-reference``, where B = 1 need not run, against ``ar`` at the same B). One JSON line per group goes to
+For each benchmark, batch size B and method (``ar`` first): the items are cut into groups of B in
+stream order; each group is prefilled (untimed, once per item) and decoded together on one step
+scheduler, every sequence with its own drafter, under the batch-wide budget. Reported per
+(benchmark, method, B): decode-phase output tokens/s, the ratio to batched plain greedy at the same
+B, MAT, rows per forward, forward and host time per step, host time per live sequence by part
+(``HOST_PARTS``), and exact match per item against single-stream plain greedy (``ar`` at B = 1;
+with ``--same-batch-reference`` against ``ar`` at the same B). One JSON line per group goes to
 ``<out>/batch.jsonl`` as it finishes, so an interrupted run resumes where it stopped.
 
     toolspec bench --batch 1,2,4,8,16 --data benchmarks/datasets/api_bank.dev.jsonl.gz --limit 48 \\
@@ -18,11 +15,10 @@ against single-stream plain greedy (``ar`` at B = 1, the first run of each item;
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 from pathlib import Path
-
-import torch
 
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.engine.loop import DecodeConfig, prefill
@@ -34,71 +30,37 @@ from toolspec_core.model.block_pool import BlockPool, paged_copy
 from .cost import hardware_string
 from .data import load_items, prompt_ids, select_items
 from .metrics import first_mismatch
-from .runner import MethodPool, bench_target, log
+from .plots import pyplot
+from .runner import JsonlStore, MethodPool, bench_target, log, resolve_cost
 
 MAX_ROWS = 256  # the batch budget's curve is measured up to forwards of this many rows
 HOST_PARTS = ("draft", "budget", "inputs", "commit")  # StepRecord's host time by part (+ "other": the rest)
 
 
-def read_records(path: Path) -> list[dict]:
-    """The group records of ``batch.jsonl`` (none: no file); a last line cut short by a run stopped
-    while writing it is left out (its group runs again on resume)."""
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    out = [json.loads(line) for line in lines[:-1]]
-    try:
-        out += [json.loads(line) for line in lines[-1:]]
-    except json.JSONDecodeError:
-        pass
-    return out
+def group_store(out: Path) -> JsonlStore:
+    """``batch.jsonl``: the record of every decoded group, by (benchmark, method, B, group)."""
+    return JsonlStore(out / "batch.jsonl", lambda r: (r["benchmark"], r["method"], r["batch"], r["group"]))
 
 
 def _groups(items: list[dict], b: int) -> list[list[dict]]:
     return [items[i : i + b] for i in range(0, len(items), b)]
 
 
-def resolve_batch_cost(spec: str, target, out: Path):
-    """The one cost model of the run (measured up to MAX_ROWS rows), saved in the run directory and reused."""
-    from toolspec_core.engine.budget import CostModel
-    from toolspec_core.engine.cost_probe import cost_model_for
-
-    saved = out / "cost.json"
-    if saved.exists():
-        return CostModel.from_dict(json.loads(saved.read_text()))
-    log("measuring the batch cost curve of this target ...")
-    cm = cost_model_for(spec, target, max_rows=MAX_ROWS)
-    if cm is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps({**cm.to_dict(), "spec": spec}, indent=2) + "\n")
-        log("cost curve c(rows): " + ", ".join(f"{k}:{v:.2f}" for k, v in sorted(cm.points.items())))
-    return cm
-
-
 class BatchRun:
     def __init__(self, args, target=None):
         self.args, self.out = args, Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        if target is None:
-            engine = (getattr(args, "attention", None), getattr(args, "cuda_graphs", None))
-            target = bench_target(args.model, args.dtype, args.device, args.threads, None, *engine)
-        elif args.threads:
-            torch.set_num_threads(args.threads)
-        self.target = target
+        engine = (args.threads, None, getattr(args, "attention", None), getattr(args, "cuda_graphs", None))
+        self.target = target = bench_target(args.model, args.dtype, args.device, *engine, target=target)
         self.benches = [
             select_items(load_items(p), args.limit, None if args.seed < 0 else args.seed) for p in args.data
         ]
         self.dcfg = DecodeConfig(max_new_tokens=args.max_new_tokens)
-        self.cost = resolve_batch_cost(args.cost, target, self.out)
+        self.cost = resolve_cost(args.cost, target, self.out, MAX_ROWS)
         if self.cost is not None:
             self.cost.calibrate = bool(args.calibrate)  # learns from the batched steps it pays (budget.Calibration)
-        self.path = self.out / "batch.jsonl"
-        self.done: dict[tuple, dict] = {}
-        records = read_records(self.path)
-        if self.path.exists() and len(self.path.read_text().splitlines()) != len(records):  # drop a cut line
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in records))
-        for rec in records:
-            self.done[(rec["benchmark"], rec["method"], rec["batch"], rec["group"])] = rec
+        self.store = group_store(self.out)
+        self.done = self.store.records
         self.prefills: dict[str, object] = {}
         (self.out / "config.json").write_text(json.dumps({**vars(args), "tool": "toolspec bench --batch"}, indent=2))
 
@@ -129,9 +91,7 @@ class BatchRun:
                                 warm = True
                             bar.set_postfix_str(f"{key[0]} B={b} {name} group {gi}", refresh=False)
                             rec = self.run_group(pool, name, b, gi, group)
-                            with self.path.open("a") as f:
-                                f.write(json.dumps(rec) + "\n")
-                            self.done[key] = rec
+                            self.store.append(rec)
                             bar.update(1)
                 self.prefills.clear()  # a benchmark's prefills go once all its runs are done
 
@@ -193,18 +153,14 @@ class BatchRun:
             outputs[it["id"]] = {"tokens": r.tokens, "text": r.text, "forwards": r.stats.forwards, "mat": r.stats.mat}
             pool.after_item(bench, name, "online", req, outputs[it["id"]])
         steps = [s for s in sched.steps if s.sequences]
+        sums = {f: sum(getattr(s, f) for s in steps) for f in ("rows", "forward_s", "host_s")}
+        head = {"benchmark": bench, "method": name, "batch": b, "group": gi, "items": [it["id"] for it in group]}
         return {
-            "benchmark": bench,
-            "method": name,
-            "batch": b,
-            "group": gi,
-            "items": [it["id"] for it in group],
+            **head,
             "decode_s": decode_s,
             "generated": sum(len(s.result.tokens) for s in seqs),
             "steps": len(steps),
-            "rows": sum(s.rows for s in steps),
-            "forward_s": sum(s.forward_s for s in steps),
-            "host_s": sum(s.host_s for s in steps),
+            **sums,
             "live": sum(s.sequences for s in steps),  # sequence-steps: host time per live sequence
             "host_parts_s": {p: sum(getattr(s, p + "_s") for s in steps) for p in HOST_PARTS},
             "outputs": outputs,
@@ -215,6 +171,7 @@ class BatchRun:
 
 
 POOLED = "pooled"
+SUMS = ("decode_s", "generated", "steps", "rows", "forward_s", "host_s", "live")  # a run's totals over its groups
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -228,13 +185,12 @@ def summarize(records: list[dict]) -> list[dict]:
     single = reference_batch(records) == 1
     combos = {(r["method"], r["batch"]) for r in records}
     n_items: dict[str, set] = {}  # items of a benchmark: every one a run decoded
-    groups: dict[tuple, int] = {}
+    groups = collections.Counter((r["benchmark"], r["method"], r["batch"]) for r in records)
     for r in records:
-        groups[(r["benchmark"], r["method"], r["batch"])] = groups.get((r["benchmark"], r["method"], r["batch"]), 0) + 1
         n_items.setdefault(r["benchmark"], set()).update(r["outputs"])
 
     def whole(bench: str, method: str, b: int) -> bool:
-        return groups.get((bench, method, b), 0) == -(-len(n_items.get(bench, ())) // b) > 0
+        return groups[(bench, method, b)] == -(-len(n_items.get(bench, ())) // b) > 0
 
     complete = {bench for bench in n_items if all(whole(bench, m, b) for m, b in combos)}
     keyed = [(r, (r["benchmark"], r["method"], r["batch"])) for r in records]
@@ -243,16 +199,12 @@ def summarize(records: list[dict]) -> list[dict]:
     runs: dict[tuple, dict] = {}
     for r, k in keyed:
         ref = refs.get(1 if single else r["batch"], {})
-        run = runs.setdefault(k, {"decode_s": 0.0, "generated": 0, "steps": 0, "rows": 0, "forward_s": 0.0})
-        for f in ("decode_s", "generated", "steps", "rows", "forward_s"):
-            run[f] += r[f]
-        run["host_s"] = run.get("host_s", 0.0) + r["host_s"]
-        run["live"] = run.get("live", 0) + r.get("live", 0)
-        parts = run.setdefault("parts", {})
-        for p, v in r.get("host_parts_s", {}).items():
-            parts[p] = parts.get(p, 0.0) + v
-        run.setdefault("mats", []).extend(o["mat"] for o in r["outputs"].values())
-        run.setdefault("exact", []).extend(
+        run = runs.setdefault(k, {**dict.fromkeys(SUMS, 0), "parts": collections.Counter(), "mats": [], "exact": []})
+        for f in SUMS:
+            run[f] += r.get(f, 0)
+        run["parts"].update(r.get("host_parts_s", {}))
+        run["mats"].extend(o["mat"] for o in r["outputs"].values())
+        run["exact"].extend(
             ref.get(i) is not None and first_mismatch(o["tokens"], ref[i]) is None for i, o in r["outputs"].items()
         )
         run.setdefault("mismatched", []).extend(
@@ -309,7 +261,7 @@ def _order(method: str) -> int:
 
 
 def build_report(out: Path, name: str, results: Path, hardware: str, model: str, plots: bool = True) -> dict:
-    records = read_records(out / "batch.jsonl")
+    records = list(group_store(out).records.values())
     cost = json.loads((out / "cost.json").read_text()) if (out / "cost.json").exists() else None
     report = {
         "tool": "toolspec bench --batch",
@@ -365,11 +317,7 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     benches = sorted({r["benchmark"] for r in report["runs"]})
     fig, axes = plt.subplots(1, len(benches), figsize=(5.5 * len(benches), 4), squeeze=False)
     for ax, bench in zip(axes[0], benches):

@@ -1,20 +1,13 @@
 """Step time of the batched engine by batch size and draft rows, for a model shape (random weights).
 
-For each attention mode, batch size B and draft length t: B sequences, each with its own random
-``--context``-token prompt, run through the engine's scheduler on a KV block pool -- prefill, then
-decode steps in which every sequence verifies its root plus a chain of t random drafts (what a
-drafter's tree costs; the drafts are rejected, so each step emits one token and the context stays
-near ``--context``). The sequences are prefilled once per B and run every t in turn. Reported per
-case, as medians over ``--repeats`` steps: the step's wall time, its forward (until its outputs are
-on the host: forward, argmax, device walk, the one copy back) and its host part (drafting, walks,
-KV commits, emits); plain batched decoding tokens/s (t = 0) and the MAT a drafter must reach for
-the step to pay (``step_ms(t) / step_ms(0)``). Timing does not depend on weight values, so a named
-shape (``toolspec_core/model/shapes.py``) needs no download: bf16 on a GPU, fp32 on the CPU.
-
-Modes (``--modes``): ``default`` (the target as loaded), or ``ATTENTION[+graphs]`` with ATTENTION
-one of the target's attention modes (``per_sequence``, ``ragged``, ``auto``) and ``+graphs`` for
-CUDA graphs; a mode the build cannot run is recorded with its error and skipped. The JSON is
-rewritten after every case, so a run stopped by a time limit keeps what it measured.
+Per attention mode, batch size B and draft length t: B sequences with random ``--context``-token
+prompts run on the engine's scheduler over a KV block pool; every decode step verifies each root
+plus a chain of t random drafts (what a drafter's tree costs; rejected, so the context stays near
+``--context``). Reported per case, medians over ``--repeats`` steps: the step's wall time, its
+forward (until its outputs are on the host) and host part; plain tokens/s (t = 0) and the MAT a
+drafter must reach for the step to pay (``step_ms(t) / step_ms(0)``). Modes (``--modes``):
+``default`` or ``ATTENTION[+graphs]``; a mode the build cannot run is recorded with its error. The
+JSON is rewritten after every case, so a run stopped by a time limit keeps what it measured.
 
     python -m benchmarks.batch_timing --model qwen2.5-7b --device cuda --batches 1,4,16,64 \\
         --modes per_sequence,ragged,ragged+graphs --out step-curve-7b.json
@@ -221,13 +214,11 @@ def main(argv=None) -> int:
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
 
-    def save() -> None:
+    def save(row: dict | None = None) -> None:
+        if row is not None:  # a case as it is measured
+            out["cases"].append(row)
+            print(json.dumps(row), flush=True)
         path.write_text(json.dumps(out, indent=1) + "\n")
-
-    def emit(row: dict) -> None:
-        out["cases"].append(row)
-        print(json.dumps(row), flush=True)
-        save()
 
     for mode in args.modes.split(","):
         entry = {"mode": mode, "errors": []}
@@ -241,7 +232,7 @@ def main(argv=None) -> int:
             continue
         for b in [int(x) for x in args.batches.split(",")]:
             try:
-                curve(target, b, drafts, args.context, args.repeats, vocab, mode, emit)
+                curve(target, b, drafts, args.context, args.repeats, vocab, mode, save)
             except Exception as exc:  # e.g. out of memory at one B: recorded, the next B goes on
                 entry["errors"].append({"batch": b, "error": f"{type(exc).__name__}: {exc}"})
                 print(f"mode {mode}, B={b}: {type(exc).__name__}: {exc}", flush=True)

@@ -20,139 +20,101 @@ SAME_NAMED = (  # RunConfig fields that take the flag's value as it is
     *("data", "out", "methods", "limit", "warm_layout", "warm_limit", "max_new_tokens", "cost", "model", "threads"),
     *("packed_rows", "calibrate", "device", "dtype", "structured", "attention", "cuda_graphs"),
 )
+FLAG = {"action": "store_true"}
 
 
 def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+def _sizes(s: str) -> list[int]:
+    return [int(x) for x in _csv(s)]
+
+
+OPTIONS = (  # (flag, add_argument keywords), in --help order
+    (
+        "--data",
+        dict(action="append", default=[], help="JSONL (.gz) file, repeatable (default: the dev sets)"),
+    ),
+    ("--out", dict(default="benchmarks/runs/bench", help="run directory (items.jsonl; a rerun resumes)")),
+    ("--name", dict(help="report name: benchmarks/results/<name>.json (default: out dir name)")),
+    ("--results-dir", dict(default=str(RESULTS))),
+    ("--methods", dict(type=_csv, default=list(ALL_METHODS), help=f"comma list of {','.join(ALL_METHODS)}")),
+    ("--library", dict(type=_csv, default=["online"], help=f"comma list of {','.join(LIBRARIES)} (history methods)")),
+    (
+        "--retrieval-key",
+        dict(choices=RETRIEVAL_KEYS, help="qwen (default), hybrid, lexical: text; hidden: prompt state"),
+    ),
+    ("--warm-file", dict(action="append", default=[], help="JSONL whose gold calls fill the warm library")),
+    ("--warm-layout", dict(choices=LAYOUTS, default="fence")),
+    ("--warm-limit", dict(type=int, help="warm items per benchmark (each costs one prefill)")),
+    ("--no-warm-embed", dict(FLAG, help="do not prefill warm items for retrieval keys")),
+    ("--limit", dict(type=int, help="items per data file")),
+    ("--max-items", dict(type=int, help="stop after this many items of the interleaved stream (resumable)")),
+    ("--seed", dict(type=int, default=0, help="sampling seed for --limit; -1 = the first N items")),
+    ("--structured", dict(FLAG, help="structured outputs: gold call arguments as a json_schema answer")),
+    ("--max-new-tokens", dict(type=int, default=256)),
+    ("--cost", dict(default="measured", help="measured | reference | flat | path to a cost JSON")),
+    ("--model", dict(help="HF model directory (default: the embedded model)")),
+    ("--threads", dict(type=int)),
+    ("--device", dict(default="cpu", help="cpu | cuda | cuda:N: where the target runs")),
+    (
+        "--dtype",
+        dict(choices=["float32", "bfloat16", "float16"], default="float32", help="float32: exact"),
+    ),
+    ("--packed-rows", dict(type=int, help="CPU fp32, opt-in: MKL packed GEMM for 4..N-row forwards (default 0: off)")),
+    ("--attention", dict(choices=["auto", "per_sequence", "ragged"], help="default: the target's own choice")),
+    ("--cuda-graphs", dict(FLAG, default=None, help="replay the decode step from CUDA graphs")),
+    ("--calibrate", dict(FLAG, help="refit the shared cost curve from the verify steps really paid")),
+    ("--no-retime", dict(FLAG, help="on resume, compare with the stored plain-greedy time, not a new one")),
+    ("--no-report", FLAG),
+    ("--batch", dict(type=_sizes, help="batch sizes, e.g. 1,2,4,8,16: decode B items together per method")),
+    ("--hardware", dict(help="what the run ran on, for the --batch report")),
+    ("--report-only", dict(FLAG, help="--batch: rebuild the report from --out, no decoding")),
+    ("--same-batch-reference", dict(FLAG, help="--batch: exact match against ar at the same B, not at B = 1")),
+)
+REPORT_OPTIONS = (
+    ("--out", {"required": True}),
+    ("--name", {}),
+    ("--results-dir", {"default": str(RESULTS)}),
+    ("--no-plots", FLAG),
+    ("--data", dict(action="append", help="the run's JSONL files on this machine (a run made elsewhere)")),
+)
+
+
+def _parser(options=OPTIONS, **kw) -> argparse.ArgumentParser:
+    kw = kw or dict(
         prog="toolspec bench",
         description=__doc__.split("\n\n")[0],
         epilog="Rebuild report and plots from a run without decoding: toolspec bench report --out DIR [--name NAME]",
     )
-    ap.add_argument(
-        "--data",
-        action="append",
-        default=[],
-        help="JSONL (or .jsonl.gz) file in the common format (repeatable); default: the API-Bank, BFCL v3 and "
-        "ToolAlpaca dev sets in benchmarks/datasets",
-    )
-    ap.add_argument("--out", default="benchmarks/runs/bench", help="run directory (items.jsonl; a rerun resumes)")
-    ap.add_argument("--name", default=None, help="report name: benchmarks/results/<name>.json (default: out dir name)")
-    ap.add_argument("--results-dir", default=str(RESULTS))
-    ap.add_argument("--methods", type=_csv, default=list(ALL_METHODS), help=f"comma list of {','.join(ALL_METHODS)}")
-    ap.add_argument(
-        "--library", type=_csv, default=["online"], help=f"comma list of {','.join(LIBRARIES)} (history methods)"
-    )
-    ap.add_argument(
-        "--retrieval-key",
-        choices=RETRIEVAL_KEYS,
-        default=None,
-        help="how library methods key past calls: the request text as the Retrieval deployment keys it "
-        "(qwen: its Qwen encoder, the default; hybrid: Qwen + lexical; lexical: hashed n-grams) in a "
-        "retrieval_service memory store, or the target's last prompt state (hidden; --batch keys by it)",
-    )
-    ap.add_argument("--warm-file", action="append", default=[], help="JSONL whose gold calls fill the warm library")
-    ap.add_argument("--warm-layout", choices=LAYOUTS, default="fence")
-    ap.add_argument("--warm-limit", type=int, default=None, help="warm items per benchmark (each costs one prefill)")
-    ap.add_argument("--no-warm-embed", action="store_true", help="do not prefill warm items for retrieval keys")
-    ap.add_argument("--limit", type=int, default=None, help="items per data file")
-    ap.add_argument(
-        "--max-items",
-        type=int,
-        default=None,
-        help="stop after this many items of the interleaved stream (the first of a --limit sample; resumable)",
-    )
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed for --limit; -1 = the first N items")
-    ap.add_argument(
-        "--structured",
-        action="store_true",
-        help="structured outputs: each item's task becomes its gold call's arguments as a response_format "
-        "json_schema answer (benchmark structured_<set>)",
-    )
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--cost", default="measured", help="measured | reference | flat | path to a cost JSON")
-    ap.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: where the target runs")
-    ap.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default="float32",
-        help="target dtype; float32 keeps greedy output bit-identical (bf16: up to near-ties, see README)",
-    )
-    ap.add_argument(
-        "--packed-rows",
-        type=int,
-        default=None,
-        help="CPU fp32, opt-in: MKL packed GEMM for 4..N-row verify forwards (16; default 0: off)",
-    )
-    ap.add_argument(
-        "--attention",
-        choices=["auto", "per_sequence", "ragged"],
-        default=None,
-        help="the target's attention over a step's rows: one call per sequence, or one ragged call over the "
-        "block pool (default: the target's own choice)",
-    )
-    ap.add_argument(
-        "--cuda-graphs",
-        action="store_true",
-        default=None,
-        help="replay the decode step from CUDA graphs captured at bucketed shapes (default: the target's own choice)",
-    )
-    ap.add_argument(
-        "--calibrate", action="store_true", help="refit the shared cost curve from the verify steps really paid"
-    )
-    ap.add_argument(
-        "--no-retime",
-        action="store_true",
-        help="on resume, compare new methods with the stored plain-greedy time instead of timing it again",
-    )
-    ap.add_argument("--no-report", action="store_true")
-    ap.add_argument(
-        "--batch",
-        type=lambda s: [int(x) for x in _csv(s)],
-        default=None,
-        help="batch sizes, e.g. 1,2,4,8,16: decode B items together per method (benchmarks/batch.py)",
-    )
-    ap.add_argument("--hardware", default=None, help="what the run ran on, for the --batch report")
-    ap.add_argument("--report-only", action="store_true", help="--batch: rebuild the report from --out, no decoding")
-    ap.add_argument(
-        "--same-batch-reference",
-        action="store_true",
-        help="--batch: exact match against plain greedy at the same B, so B = 1 runs only when listed "
-        "(default: against single-stream plain greedy, B = 1 always runs)",
-    )
+    ap = argparse.ArgumentParser(**kw)
+    for flag, keywords in options:
+        ap.add_argument(flag, **keywords)
     return ap
 
 
 def _check(args, ap) -> None:
-    bad = [m for m in args.methods if m not in ALL_METHODS]
-    if bad:
-        ap.error(f"unknown method(s) {', '.join(bad)}; known: {', '.join(ALL_METHODS)}")
-    bad = [lib for lib in args.library if lib not in LIBRARIES]
-    if bad:
-        ap.error(f"unknown library {', '.join(bad)}; known: {', '.join(LIBRARIES)}")
+    for kind, given, known in (("method(s)", args.methods, ALL_METHODS), ("library", args.library, LIBRARIES)):
+        if bad := [x for x in given if x not in known]:
+            ap.error(f"unknown {kind} {', '.join(bad)}; known: {', '.join(known)}")
     if "warm" in args.library and not args.warm_file:
         ap.error("--library warm needs --warm-file")
     args.data = args.data or [str(dev_set(name)) for name in SINGLE_TURN]
     for p in args.data + args.warm_file:
         if not Path(p).is_file():
             ap.error(f"no such file: {p}")
+    if args.batch and args.structured:
+        ap.error("--structured runs single-stream (no --batch)")
+    if args.batch and args.retrieval_key not in (None, "hidden"):
+        ap.error("--batch keys the library by the target's hidden state (--retrieval-key hidden)")
+    if args.batch and any(b <= 0 for b in args.batch):
+        ap.error("--batch sizes must be positive")
 
 
 def report_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="toolspec bench report", description="rebuild report + plots from <out>/items.jsonl"
-    )
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--name", default=None)
-    ap.add_argument("--results-dir", default=str(RESULTS))
-    ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument(
-        "--data", action="append", default=None, help="the run's JSONL files on this machine (a run made elsewhere)"
+    ap = _parser(
+        REPORT_OPTIONS, prog="toolspec bench report", description="rebuild report + plots from <out>/items.jsonl"
     )
     args = ap.parse_args(argv)
     if not (Path(args.out) / "items.jsonl").exists():
@@ -178,17 +140,11 @@ def bench_main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     _check(args, ap)
-    if args.batch and args.structured:
-        ap.error("--structured runs single-stream (no --batch)")
-    if args.batch and args.retrieval_key not in (None, "hidden"):
-        ap.error("--batch keys the library by the target's hidden state (--retrieval-key hidden)")
     if args.batch:
-        if any(b <= 0 for b in args.batch):
-            ap.error("--batch sizes must be positive")
-        if args.methods and args.methods[0] != "ar":
-            args.methods = ["ar"] + [m for m in args.methods if m != "ar"]  # the reference runs first
         from .batch import batch_main
 
+        if args.methods and args.methods[0] != "ar":
+            args.methods = ["ar"] + [m for m in args.methods if m != "ar"]  # the reference runs first
         # B = 1 plain greedy is the exact-match reference, unless each B is compared with its own
         args.batch = sorted(set(args.batch) | (set() if args.same_batch_reference else {1}))
         return batch_main(args)
@@ -205,14 +161,12 @@ def bench_main(argv: list[str] | None = None) -> int:
     )
     runner = run(cfg, max_items=args.max_items)
     if runner.pool.unavailable:
-        print(
-            "skipped methods: " + "; ".join(f"{k} ({v})" for k, v in runner.pool.unavailable.items()), file=sys.stderr
-        )
+        skipped = "; ".join(f"{k} ({v})" for k, v in runner.pool.unavailable.items())
+        print(f"skipped methods: {skipped}", file=sys.stderr)
     if not args.no_report:
         from .report import build_report
 
-        rep = build_report(Path(args.out), args.name, Path(args.results_dir))
-        _print_summary(rep, Path(args.results_dir))
+        _print_summary(build_report(Path(args.out), args.name, Path(args.results_dir)), Path(args.results_dir))
     return 0
 
 

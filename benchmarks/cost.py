@@ -50,12 +50,10 @@ def projected_speedup(
 ) -> float:
     """Σ cost of plain greedy's steps / Σ cost of the method's actual steps under ``curve``.
 
-    For plain greedy every step costs c(1) = 1, so this is tokens / Σ c(k). It uses the trees
-    the method really verified (cut by the run's own budget): a lower bound on hardware whose
-    flatter curve would let the budget keep more. With ``step_s`` (c(1) in seconds on that
-    hardware) steps are counted in seconds and each record's measured host time (drafting,
-    commit; this run's CPU, not overlapped with the forward) is added: where a step takes
-    milliseconds, drafting time is no longer small.
+    It uses the trees the method really verified (cut by the run's own budget): a lower bound on
+    hardware whose flatter curve would let the budget keep more. With ``step_s`` (c(1) in seconds
+    there) steps count in seconds plus each record's measured host time (drafting, commit: not
+    overlapped with the forward), which is no longer small where a step takes milliseconds.
     """
 
     def cost(r: dict) -> float:
@@ -168,27 +166,18 @@ def hardware_string(device: str = "cpu") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="toolspec bench-cost", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="embedded", help=f"embedded | HF dir | shape: {', '.join(SHAPES)}")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="auto: bf16 on GPU, fp32 on CPU",
-    )
-    ap.add_argument("--prefix-len", type=int, default=500)
-    ap.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)))
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument(
-        "--packed-rows",
-        type=int,
-        default=None,
-        help="CPU fp32: MKL packed GEMM for 4..N rows, as toolspec bench (default 0: off)",
-    )
-    ap.add_argument(
-        "--out", default=None, help="output JSON (default benchmarks/results/curves/cost-<device>-<shape>.json)"
-    )
+    for flag, kw in (
+        ("--model", dict(default="embedded", help=f"embedded | HF dir | shape: {', '.join(SHAPES)}")),
+        ("--device", dict(default="cuda" if torch.cuda.is_available() else "cpu")),
+        ("--dtype", dict(choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="auto: bf16 on GPU")),
+        ("--prefix-len", dict(type=int, default=500)),
+        ("--ks", dict(default=",".join(map(str, DEFAULT_KS)))),
+        ("--repeats", dict(type=int, default=5)),
+        ("--threads", dict(type=int)),
+        ("--packed-rows", dict(type=int, help="CPU fp32: MKL packed GEMM for 4..N rows, as toolspec bench")),
+        ("--out", dict(help="output JSON (default benchmarks/results/curves/cost-<device>-<shape>.json)")),
+    ):
+        ap.add_argument(flag, **kw)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -39,12 +39,6 @@ def load_items(path: str | Path, structured: bool = False) -> list[dict]:
     return items
 
 
-def run_items(raw: str | Path) -> dict[str, dict]:
-    """The items of a run's data files (its raw folder's config.json), by id."""
-    cfg = json.loads((Path(raw) / "config.json").read_text())
-    return {it["id"]: it for p in cfg["data"] for it in load_items(p, cfg.get("structured", False))}
-
-
 def select_items(items: list[dict], limit: int | None, seed: int | None) -> list[dict]:
     """``limit`` items drawn at random with ``seed`` (None: the first ``limit``), kept in file
     order -- the file order is the stream order the online library sees."""

@@ -1,12 +1,8 @@
 #!/usr/bin/env bash
-# The benchmark with the real embedded model (Qwen2.5-Coder-0.5B-Instruct) on a GPU, float32.
-#
-# A GPU machine here has no network, so the GGUF travels in pieces (benchmarks/README.md, "GPU runs"
-# says how they were sent); benchmarks/gpu_prepare.sh assembles, checks and dequantizes it, and
-# `toolspec bench --device cuda` runs as on the CPU.
-# The raw run (config.json, items.jsonl, prefill.jsonl, cost.json) goes to $OUT/gpu-embedded; build
-# the report where the repo is: toolspec bench report --out DIR --name NAME.
-# The batched measurement (toolspec bench --batch and the step curve) is benchmarks/gpu_step_run.sh.
+# The benchmark with the real embedded model (Qwen2.5-Coder-0.5B-Instruct) on a GPU, float32: the
+# GGUF pieces prepared by benchmarks/gpu_prepare.sh, then `toolspec bench --device cuda` as on the
+# CPU. The raw run goes to $OUT/gpu-embedded; build the report where the repo is (toolspec bench
+# report --out DIR --name NAME).  benchmarks/README.md, "GPU runs".
 #     bash benchmarks/gpu_embedded_run.sh PARTS [MAX_ITEMS]
 set -euo pipefail
 cd "$(dirname "$0")/.."

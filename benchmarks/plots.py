@@ -1,4 +1,4 @@
-"""PNG plots of a report (matplotlib, headless)."""
+"""PNG plots of a report (matplotlib, headless) and the Markdown tables of every report."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def _plt():
+def pyplot():
+    """matplotlib's pyplot on the headless Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -19,9 +20,15 @@ def _label(method, library) -> str:
     return method if library is None else f"{method}/{library}"
 
 
+def md_table(head: list[str], rows: list[list], align: str | list[str] = "---") -> list[str]:
+    """A Markdown table's lines: ``head``, its rule (``align``: every column's, or one per column), ``rows``."""
+    rule = "".join(f"{a}|" for a in ([align] * len(head) if isinstance(align, str) else align))
+    return [f"| {' | '.join(head)} |", f"|{rule}"] + [f"| {' | '.join(map(str, r))} |" for r in rows]
+
+
 def plot_speedup(report: dict, path: Path) -> None:
     """Decode speedup per benchmark and method, one panel per subset."""
-    plt = _plt()
+    plt = pyplot()
     subsets = [s for s in ("all", "calls") if any(r["subset"] == s for r in report["runs"])]
     fig, axes = plt.subplots(1, len(subsets), figsize=(7 * len(subsets), 4.5), squeeze=False)
     for ax, subset in zip(axes[0], subsets):
@@ -55,7 +62,7 @@ def plot_speedup(report: dict, path: Path) -> None:
 
 def plot_accepted_by_state(recs: list[dict], path: Path) -> None:
     """Accepted draft tokens per step, by the state (label) of the step, one panel per method."""
-    plt = _plt()
+    plt = pyplot()
     per: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     for r in recs:
         if r["method"] == "ar":
@@ -89,7 +96,7 @@ def plot_accepted_by_state(recs: list[dict], path: Path) -> None:
 
 def plot_mat_vs_prior(report: dict, path: Path) -> None:
     """MAT vs number of earlier calls of the same tool in the stream (what online history saw)."""
-    plt = _plt()
+    plt = pyplot()
     data = report.get("mat_vs_prior_calls") or {}
     if not data:
         return

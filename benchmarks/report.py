@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .cost import RESULTS, load_curves
 from .metrics import decoded_tokens, first_mismatch, observed_cost, summarize
+from .plots import md_table
 from .runner import ALL_METHODS, item_store
 
 BASELINES = ("pld", "suffix", "token_recycling")
@@ -16,7 +17,12 @@ BASELINES = ("pld", "suffix", "token_recycling")
 # drafting can go", Qwen2.5 tokenizer, gold calls): (compact <tool_call> layout, ```json pretty).
 # The embedded model writes both layouts, so MAT is reported as a fraction of each.
 MAT_BOUND = {"api_bank": (4.1, 5.1), "bfcl_v3": (7.3, 9.5), "toolalpaca": (9.9, 12.9)}
-SUBSETS = ("all", "calls", "prose")
+SUBSET_TITLES = {
+    "all": "All items",
+    "calls": "Items whose plain-greedy output contains a tool call",
+    "prose": "Items answered in prose (no tool call in plain-greedy output)",
+}
+SUBSETS = tuple(SUBSET_TITLES)
 CONFIG_KEYS = ("data", "limit", "seed", "methods", "libraries", "max_new_tokens", "warm_files", "warm_layout", "cost")
 PRIOR_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 2, "2"), (3, 4, "3-4"), (5, 9, "5-9"), (10, 10**9, "10+"))
 
@@ -122,19 +128,12 @@ def headline(runs: list[dict]) -> list[dict]:
         for r in rs:
             if r["method"] != "toolspec" or not r["decode_speedup"]:
                 continue
-            out.append(
-                {
-                    "benchmark": bench,
-                    "subset": subset,
-                    "library": r["library"],
-                    "items": r["items"],
-                    "toolspec_speedup": r["decode_speedup"],
-                    "toolspec_mat": r["mat"],
-                    "best_baseline": run_label(best["method"], best["library"]) if best else None,
-                    "best_baseline_speedup": best["decode_speedup"] if best else None,
-                    "over_best_baseline": r["decode_speedup"] / best["decode_speedup"] if best else None,
-                }
-            )
+            row = {"benchmark": bench, "subset": subset, "library": r["library"], "items": r["items"]}
+            row.update(toolspec_speedup=r["decode_speedup"], toolspec_mat=r["mat"])
+            row["best_baseline"] = run_label(best["method"], best["library"]) if best else None
+            row["best_baseline_speedup"] = best["decode_speedup"] if best else None
+            row["over_best_baseline"] = r["decode_speedup"] / best["decode_speedup"] if best else None
+            out.append(row)
     return out
 
 
@@ -266,63 +265,55 @@ def markdown(report: dict) -> str:
         "",
     ]
     if report["mismatches"]:
-        lines += [
-            f"**EXACT-MATCH FAILURES: {len(report['mismatches'])}** — "
-            + ", ".join(
-                f"{m['item']} ({run_label(m['method'], m['library'])}, token {m['first_mismatch']})"
-                for m in report["mismatches"][:20]
-            ),
-            "",
-        ]
+        failed = (f"{m['item']} ({_label(m)}, token {m['first_mismatch']})" for m in report["mismatches"][:20])
+        lines += [f"**EXACT-MATCH FAILURES: {len(report['mismatches'])}** — " + ", ".join(failed), ""]
     for h in report["headline"]:
         lines.append(
             f"- **{h['benchmark']} / {h['subset']}** ({h['items']} items): toolspec/{h['library']} {h['toolspec_speedup']:.2f}× "
             f"(MAT {h['toolspec_mat']:.2f}); best baseline {h['best_baseline']} {_fmt(h['best_baseline_speedup'])}× "
             f"→ {_fmt(h['over_best_baseline'])}× over it"
         )
-    titles = {
-        "all": "All items",
-        "calls": "Items whose plain-greedy output contains a tool call",
-        "prose": "Items answered in prose (no tool call in plain-greedy output)",
-    }
-    for subset, title in titles.items():
-        rows = [r for r in report["runs"] if r["subset"] == subset]
-        if not rows:
-            continue
-        head = ["benchmark", "method", "items", "MAT", "speedup", "per-item", "e2e", "exact", "valid", "gold"] + [
-            f"proj. {c}" for c in proj
-        ]
-        lines += ["", f"## {title} (subset `{subset}`)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in rows:
-            cells = [
-                r["benchmark"],
-                run_label(r["method"], r["library"]),
-                str(r["items"]),
-                _fmt(r["mat"]),
-                _fmt(r["decode_speedup"], ".2f", "×"),
-                _fmt(r["mean_item_speedup"], ".2f", "×"),
-                _fmt(r["e2e_speedup"], ".2f", "×"),
-                _fmt(100 * r["exact_match"], ".0f", "%"),
-                _fmt(None if r["validity"] is None else 100 * r["validity"], ".0f", "%"),
-                _fmt(100 * r["gold_agreement"], ".0f", "%"),
-            ]
-            cells += [_fmt(r.get("projected_speedup", {}).get(c), ".2f", "×") for c in proj]
-            lines.append("| " + " | ".join(cells) + " |")
-    lines += (
-        _host_lines(report) + _bound_lines(report) + _state_lines(report) + _prior_lines(report) + _cost_lines(report)
-    )
+    head = ["benchmark", "method", "items", "MAT", "speedup", "per-item", "e2e", "exact", "valid", "gold"]
+    for subset, title in SUBSET_TITLES.items():
+        rows = [_subset_row(r, proj) for r in report["runs"] if r["subset"] == subset]
+        if rows:
+            table = md_table(head + [f"proj. {c}" for c in proj], rows)
+            lines += ["", f"## {title} (subset `{subset}`)", "", *table]
+    for section in (_host_lines, _bound_lines, _state_lines, _prior_lines, _cost_lines):
+        lines += section(report)
     return "\n".join(lines) + "\n"
+
+
+def _label(r: dict) -> str:
+    return run_label(r["method"], r["library"])
+
+
+def _pct(x) -> str:
+    return _fmt(None if x is None else 100 * x, ".0f", "%")
+
+
+def _subset_row(r: dict, proj: list[str]) -> list[str]:
+    speedups = [r["decode_speedup"], r["mean_item_speedup"], r["e2e_speedup"]]
+    speedups += [r.get("projected_speedup", {}).get(c) for c in proj]
+    cells = [r["benchmark"], _label(r), str(r["items"]), _fmt(r["mat"])] + [_fmt(x, ".2f", "×") for x in speedups[:3]]
+    cells += [_pct(r["exact_match"]), _pct(r["validity"]), _pct(r["gold_agreement"])]
+    return cells + [_fmt(x, ".2f", "×") for x in speedups[3:]]
 
 
 def _host_lines(report: dict) -> list[str]:
     """Accelerator projections with this run's host-side time per step added (subset `calls`)."""
     secs = report.get("projection_step_seconds") or {}
-    rows = [r for r in report["runs"] if r["subset"] == "calls" and r.get("projected_speedup_with_host")]
-    if not secs or not rows:
+    runs = [r for r in report["runs"] if r["subset"] == "calls" and r.get("projected_speedup_with_host")]
+    if not secs or not runs:
         return []
     names = sorted(secs)
-    head = ["benchmark", "method", "host ms / step"] + [h for n in names for h in (f"proj. {n}", "+ host")]
-    lines = [
+    rows = []
+    for r in runs:
+        rows.append([r["benchmark"], _label(r), _fmt(r.get("host_ms_per_step"), ".2f")])
+        for n in names:
+            rows[-1] += [_fmt(r.get("projected_speedup", {}).get(n), ".2f", "×")]
+            rows[-1] += [_fmt(r["projected_speedup_with_host"].get(n), ".2f", "×")]
+    return [
         "",
         "## Accelerator projections with drafting time (subset `calls`)",
         "",
@@ -331,69 +322,58 @@ def _host_lines(report: dict) -> list[str]:
         + ") plus each decode's measured drafting + commit time from this run (this machine's CPU, not overlapped "
         "with the forward). Where a step takes milliseconds, drafting time is what separates the two.",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *md_table(
+            ["benchmark", "method", "host ms / step"] + [h for n in names for h in (f"proj. {n}", "+ host")], rows
+        ),
     ]
-    for r in rows:
-        cells = [r["benchmark"], run_label(r["method"], r["library"]), _fmt(r.get("host_ms_per_step"), ".2f")]
-        for n in names:
-            cells += [
-                _fmt(r.get("projected_speedup", {}).get(n), ".2f", "×"),
-                _fmt(r["projected_speedup_with_host"].get(n), ".2f", "×"),
-            ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
 
 
 def _bound_lines(report: dict) -> list[str]:
-    rows = [r for r in report["runs"] if r.get("mat_of_bound") and r["method"] != "ar"]
-    if not rows:
+    runs = [r for r in report["runs"] if r.get("mat_of_bound") and r["method"] != "ar"]
+    if not runs:
         return []
-    lines = [
+    rows = [
+        [r["benchmark"], _label(r), f"{r['mat']:.2f}", "{:.1f} / {:.1f}".format(*r["mat_bound"])]
+        + ["{1:.0%} – {0:.0%}".format(*r["mat_of_bound"])]
+        for r in runs
+    ]
+    return [
         "",
         "## MAT against the idealised bound (subset `calls`)",
         "",
         "Bound: a perfect schema + context-copy drafter on the gold calls (benchmarks/datasets/README.md), for the compact "
         "`<tool_call>` layout and the ```` ```json ```` pretty layout; the embedded model writes both.",
         "",
-        "| benchmark | method | MAT | bound (compact / pretty) | fraction of bound |",
-        "|---|---|---|---|---|",
+        *md_table(["benchmark", "method", "MAT", "bound (compact / pretty)", "fraction of bound"], rows),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['benchmark']} | {run_label(r['method'], r['library'])} | {r['mat']:.2f} | "
-            f"{r['mat_bound'][0]:.1f} / {r['mat_bound'][1]:.1f} | {r['mat_of_bound'][1]:.0%} – {r['mat_of_bound'][0]:.0%} |"
-        )
-    return lines
 
 
 def _state_lines(report: dict) -> list[str]:
     """Where the steps go: per draft label (FSM state of the step's first node) for ToolSpec methods."""
-    lines = []
+    rows = []
     for r in report["runs"]:
         if r["subset"] != "calls" or not r["method"].startswith("toolspec") or not r.get("per_state"):
             continue
-        if not lines:
-            lines = [
-                "",
-                "## Steps per FSM state / draft source (ToolSpec methods, subset `calls`)",
-                "",
-                "A step's state is the label of its first accepted node (or its first drafted node when none was "
-                "accepted; `none`: nothing was worth drafting under the cost curve). Few accepted tokens per step "
-                "in a state with many steps is where the remaining gap is.",
-                "",
-                "| benchmark | method | state | steps | share of steps | mean accepted / step | node acceptance |",
-                "|---|---|---|---|---|---|---|",
-            ]
         total = sum(v["steps"] for v in r["per_state"].values()) or 1
         for lab, v in sorted(r["per_state"].items(), key=lambda kv: -kv[1]["steps"]):
-            if not v["steps"]:
-                continue
-            lines.append(
-                f"| {r['benchmark']} | {run_label(r['method'], r['library'])} | {lab} | {v['steps']} | {v['steps'] / total:.0%} | "
-                f"{_fmt(v['mean_accepted'])} | {_fmt(None if v['node_acceptance'] is None else 100 * v['node_acceptance'], '.0f', '%')} |"
-            )
-    return lines
+            if v["steps"]:
+                rows.append([r["benchmark"], _label(r), lab, v["steps"], f"{v['steps'] / total:.0%}"])
+                rows[-1] += [_fmt(v["mean_accepted"]), _pct(v["node_acceptance"])]
+    head = ["benchmark", "method", "state", "steps", "share of steps", "mean accepted / step", "node acceptance"]
+    return (
+        [
+            "",
+            "## Steps per FSM state / draft source (ToolSpec methods, subset `calls`)",
+            "",
+            "A step's state is the label of its first accepted node (or its first drafted node when none was "
+            "accepted; `none`: nothing was worth drafting under the cost curve). Few accepted tokens per step "
+            "in a state with many steps is where the remaining gap is.",
+            "",
+            *md_table(head, rows),
+        ]
+        if rows
+        else []
+    )
 
 
 def _prior_lines(report: dict) -> list[str]:
@@ -403,19 +383,11 @@ def _prior_lines(report: dict) -> list[str]:
     if not keep:
         return []
     buckets = [lab for _, _, lab in PRIOR_BUCKETS]
-    lines = [
-        "",
-        "## MAT by earlier calls of the same tool (all items)",
-        "",
-        "| method | " + " | ".join(buckets) + " |",
-        "|---|" + "---|" * len(buckets),
+    rows = [
+        [label] + [f"{c[b]['mat']:.2f} ({c[b]['items']})" if b in c and c[b]["mat"] else "–" for b in buckets]
+        for label, c in sorted(keep.items())
     ]
-    for label, cells in sorted(keep.items()):
-        row = [
-            f"{cells[b]['mat']:.2f} ({cells[b]['items']})" if b in cells and cells[b]["mat"] else "–" for b in buckets
-        ]
-        lines.append(f"| {label} | " + " | ".join(row) + " |")
-    return lines
+    return ["", "## MAT by earlier calls of the same tool (all items)", "", *md_table(["method", *buckets], rows)]
 
 
 def _cost_lines(report: dict) -> list[str]:
@@ -426,17 +398,18 @@ def _cost_lines(report: dict) -> list[str]:
     from .cost import curve_from_points
 
     curve = curve_from_points(report["cost_model"]["points"]) if report.get("cost_model") else None
-    lines = [
+    rows = [
+        [key, v["steps"], v["median_rows"], f"{v['cost']:.2f}"]
+        + [_fmt(curve[min(v["median_rows"], len(curve) - 1)] if curve else None)]
+        for key, v in seen.items()
+    ]
+    head = ["forward size", "steps", "median size", "observed cost", "run curve at median size"]
+    return [
         "",
         "## Verify cost as paid vs the budget's curve (all tree methods)",
         "",
         "Each step's time over the median plain-greedy step of the same item (same run); median per "
         "forward size (tree nodes + 1).",
         "",
-        "| forward size | steps | median size | observed cost | run curve at median size |",
-        "|---|---|---|---|---|",
+        *md_table(head, rows),
     ]
-    for key, v in seen.items():
-        at = curve[min(v["median_rows"], len(curve) - 1)] if curve else None
-        lines.append(f"| {key} | {v['steps']} | {v['median_rows']} | {v['cost']:.2f} | {_fmt(at)} |")
-    return lines

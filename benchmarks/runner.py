@@ -1,24 +1,18 @@
 """The side-by-side run: every method in the same decode loop, KV cache and process.
 
-Per item: render the prompt, prefill ONCE, then decode with each method from its own copy of
-the prefix cache (``decode`` clones it), plain greedy first as the reference. One JSON line per
-(item, method, library) goes to ``<out>/items.jsonl`` as soon as it is done, so a rerun skips
-finished pairs and continues where an interrupted run stopped.
+Per item: prefill ONCE, then decode with each method from its own copy of the prefix cache, plain
+greedy first as the reference. One JSON line per (item, method, library) goes to
+``<out>/items.jsonl`` as soon as it is done, so a rerun continues where a run stopped.
 
-Library protocol for history methods (a method class with ``uses_history``):
-  cold    a fresh method per item: nothing carries over (no history, no matrix, no rates);
-  online  one method per benchmark; after each item it observes its OWN output (stream order);
-  warm    one method per benchmark, first observing the gold calls of a separate warm file
-          (items being evaluated are dropped from it); never observes evaluated items.
-Other methods keep one instance per benchmark (their online acceptance rates carry over, as
-in a server) and are reported with library null.
+Library protocol of history methods: ``cold`` a fresh method per item; ``online`` one method per
+benchmark that observes its OWN outputs in stream order; ``warm`` one method per benchmark that
+first observes the gold calls of a separate warm file, never evaluated items. Other methods keep
+one instance per benchmark (online acceptance rates carry over, as in a server), library null.
 
-Retrieval key (``retrieval_key``) of library methods: ``qwen`` / ``hybrid`` / ``lexical`` key the
-request's text as the Retrieval deployment does (``deployments.retrieval.make_keyer``) into a
-``retrieval_service`` memory store (:class:`retrieval_service.library.ServiceLibrary`); ``hidden``
-keys by the target's last prompt state into the core's ``MemoryLibrary``. A text key is computed
-before the decode is timed (serving computes it while the prompt is prefilled); its encoder time
-is recorded per record as ``key_s``.
+Library methods key the call library by the request text as the Retrieval deployment does
+(``qwen`` / ``hybrid`` / ``lexical``, a ``retrieval_service`` memory store) or by the target's
+last prompt state (``hidden``, the core's ``MemoryLibrary``). A text key is computed before the
+decode is timed (serving computes it while the prompt is prefilled); its encoder time is ``key_s``.
 """
 
 from __future__ import annotations
@@ -75,13 +69,17 @@ class RunConfig:
     cuda_graphs: bool | None = None  # replay the step from CUDA graphs (None: the target's default)
 
 
-def bench_target(model, dtype: str, device: str, threads=None, packed_rows=None, attention=None, cuda_graphs=None):
-    """The target of a bench run. Only the engine flags given are passed to ``load_target``, so the
-    target's defaults hold (and a build without those options still loads)."""
+def bench_target(
+    model, dtype: str, device: str, threads=None, packed_rows=None, attention=None, cuda_graphs=None, *, target=None
+):
+    """The target of a bench run (``target``, when given, as it is). Only the engine flags given are
+    passed to ``load_target``, so the target's defaults hold (and a build without them still loads)."""
     from toolspec_core.model.target import load_target
 
     if threads:
         torch.set_num_threads(threads)
+    if target is not None:
+        return target
     given = (("packed_rows", packed_rows), ("attention", attention), ("cuda_graphs", cuda_graphs))
     return load_target(model, dtype=getattr(torch, dtype), device=device, **{k: v for k, v in given if v is not None})
 
@@ -92,17 +90,17 @@ def run_pairs(cfg: RunConfig) -> list[tuple[str, str | None]]:
     for m in cfg.methods:
         if m == "ar":
             continue
-        out.extend((m, lib) for lib in cfg.libraries) if _uses_history(m) else out.append((m, None))
+        out.extend((m, lib) for lib in cfg.libraries) if _method_flag(m, "uses_history") else out.append((m, None))
     return out
 
 
-def _uses_library(name: str) -> bool:
-    """A method that drafts from a call library of past calls (searched by the request's key)."""
+def _method_flag(name: str, flag: str) -> bool:
+    """``uses_library`` (drafts from a call library) or ``uses_history`` of a method; False for a
+    method whose module cannot be imported (it is planned once and skipped by the pool)."""
     try:
-        cls = method_class(name)
+        return getattr(method_class(name), flag)
     except ImportError:
         return False
-    return cls.uses_library
 
 
 def text_keyer(kind: str, threads: int | None = None):
@@ -115,14 +113,6 @@ def text_keyer(kind: str, threads: int | None = None):
     return CachedKeyer(make_keyer(RetrievalConfig(key=kind, encoder=EncoderConfig(threads=threads))))
 
 
-def _uses_history(name: str) -> bool:
-    """False for a method whose module cannot be imported: it is planned once and skipped by the pool."""
-    try:
-        return method_class(name).uses_history
-    except ImportError:
-        return False
-
-
 def pair_key(item_id: str, method: str, library: str | None) -> str:
     return f"{item_id}\t{method}\t{library or '-'}"
 
@@ -131,24 +121,24 @@ def pair_key(item_id: str, method: str, library: str | None) -> str:
 
 
 class JsonlStore:
-    """Append-only JSONL keyed records; a torn last line (killed mid-write) is ignored."""
+    """Append-only JSONL keyed records (error records stay on file only); a line cut short by a run
+    killed while writing it is dropped from the file, so the next append starts clean."""
 
     def __init__(self, path: Path, key):
         self.path, self.key = Path(path), key
-        self.records: dict[str, dict] = {}
-        if self.path.exists():
-            with open(self.path, "rb+") as f:  # end a torn last line so the next append starts clean
-                if f.seek(0, 2) > 0:
-                    f.seek(-1, 2)
-                    if f.read(1) != b"\n":
-                        f.write(b"\n")
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if not rec.get("error"):
-                    self.records[key(rec)] = rec
+        self.records: dict = {}
+        lines = self.path.read_text(encoding="utf-8").splitlines() if self.path.exists() else []
+        good = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            good.append(line)
+            if not rec.get("error"):
+                self.records[key(rec)] = rec
+        if len(good) != len(lines):
+            self.path.write_text("".join(f"{line}\n" for line in good), encoding="utf-8")
 
     def append(self, rec: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -182,34 +172,30 @@ class PrefillCache:
         return self.store.records.get(item_id)
 
     def put(self, item_id: str, pre) -> dict:
-        rec = {
-            "item": item_id,
-            "prompt_tokens": len(pre.prompt_ids),
-            "prefill_s": pre.seconds,
-            "hidden": encode_hidden(pre.hidden),
-        }
-        self.store.append(rec)
-        return rec
+        rec = {"item": item_id, "prompt_tokens": len(pre.prompt_ids), "prefill_s": pre.seconds}
+        self.store.append({**rec, "hidden": encode_hidden(pre.hidden)})
+        return self.store.records[item_id]
 
 
 # --------------------------------------------------------------------------- cost model
 
 
-def resolve_cost(spec: str, target, out: Path) -> CostModel:
-    """The one CostModel every tree method uses; saved in the run directory and reused on resume."""
+def resolve_cost(spec: str, target, out: Path, max_rows: int = 0) -> CostModel | None:
+    """The one CostModel every tree method uses (``max_rows``: measured up to forwards of that many
+    rows, for batches); saved in the run directory and reused on resume."""
     saved = out / "cost.json"
     if saved.exists():
         d = json.loads(saved.read_text())
-        cm = CostModel.from_dict(d)
         if spec not in (d.get("spec"), None):
             log(f"note: reusing this run's saved cost model ({d.get('spec')}), not --cost {spec}")
-        return cm
+        return CostModel.from_dict(d)
     if spec in ("measure", "measured"):
         log("measuring the verify-cost curve of this target ...")
-    cm = cost_model_for(spec, target)
-    out.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps({**cm.to_dict(), "spec": spec}, indent=2) + "\n")
-    log("cost curve c(k): " + ", ".join(f"{k}:{v:.2f}" for k, v in sorted(cm.points.items())))
+    cm = cost_model_for(spec, target, max_rows=max_rows)
+    if cm is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps({**cm.to_dict(), "spec": spec}, indent=2) + "\n")
+        log("cost curve c(k): " + ", ".join(f"{k}:{v:.2f}" for k, v in sorted(cm.points.items())))
     return cm
 
 
@@ -237,7 +223,7 @@ class MethodPool:
 
     def _make(self, name: str):
         try:
-            if self.library is not None and _uses_library(name):
+            if self.library is not None and _method_flag(name, "uses_library"):
                 return make_method(name, self.tok, library=self.library())
             return make_method(name, self.tok)
         except (ImportError, AttributeError) as exc:
@@ -335,12 +321,8 @@ class Runner:
     def __init__(self, cfg: RunConfig, target=None):
         self.cfg, self.out = cfg, Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        if target is None:
-            args = (cfg.threads, cfg.packed_rows, cfg.attention, cfg.cuda_graphs)
-            target = bench_target(cfg.model, cfg.dtype, cfg.device, *args)
-        elif cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        self.target = target
+        engine = (cfg.threads, cfg.packed_rows, cfg.attention, cfg.cuda_graphs)
+        self.target = target = bench_target(cfg.model, cfg.dtype, cfg.device, *engine, target=target)
         self.stream = load_stream(cfg.data, cfg.limit, cfg.seed, cfg.structured)
         self.pairs = run_pairs(cfg)
         self.store = item_store(self.out)
@@ -383,11 +365,8 @@ class Runner:
         now = {**asdict(self.cfg), "target": self.target.name}
         if path.exists():
             old = json.loads(path.read_text())
-            changed = [
-                k
-                for k in ("data", "limit", "seed", "max_new_tokens", "target", "warm_files")
-                if old.get(k) != now.get(k)
-            ]
+            same = ("data", "limit", "seed", "max_new_tokens", "target", "warm_files")
+            changed = [k for k in same if old.get(k) != now.get(k)]
             if old.get("retrieval_key", "hidden") != now["retrieval_key"]:
                 changed.append("retrieval_key")
             if changed:
@@ -452,7 +431,7 @@ class Runner:
             decode(self.target, pre, None, DecodeConfig(max_new_tokens=2))
         emb = self.request_key(item, pre, pinfo)
         self._key_s = None
-        if self.text_key and any(_uses_library(m) for m, _ in self.pairs):
+        if self.text_key and any(_method_flag(m, "uses_library") for m, _ in self.pairs):
             # keyed before any decode is timed: serving keys the text while the prompt is prefilled
             t0 = self.keyer.seconds
             if emb.strip():
@@ -508,7 +487,7 @@ class Runner:
             self.store.append({**head, "error": f"{type(exc).__name__}: {exc}"})
             return None
         rec["prefill_s"] = pre.seconds
-        if self._key_s is not None and _uses_library(name):
+        if self._key_s is not None and _method_flag(name, "uses_library"):
             rec["retrieval_key"], rec["key_s"] = self.cfg.retrieval_key, self._key_s
         rec["e2e_s"] = pre.seconds + rec["decode_s"]  # one prefill + this method's decode phase
         rec = finish_record(rec, item, None if name == "ar" else ar, ref)

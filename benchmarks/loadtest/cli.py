@@ -49,6 +49,54 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
+OPTIONS = (  # group titles, each followed by its (flags, add_argument keywords), in --help order
+    "workload",
+    ("--workload", dict(choices=["single", "conversations"], default="single")),
+    ("--dataset", dict(action="append", help="JSONL or .jsonl.gz (benchmarks/datasets format); repeat to mix")),
+    ("--limit", dict(type=int, help="use only the first N items (conversations) of each dataset")),
+    ("--seed", dict(type=int, default=0, help="chooses and orders the requests (same for every endpoint)")),
+    ("--max-tokens", dict(type=int, default=128)),
+    ("--tool-choice", dict(choices=["auto", "none", "required"], help="default: not sent")),
+    ("--fresh-requests", dict(action="store_true", help="each level (and the warm-up) uses new requests")),
+    ("--prompt-chars", dict(type=parse_span, metavar="MIN[:MAX]", help="only prompts of MIN..MAX JSON characters")),
+    ("--warm-prompts", dict(action="store_true", help="send each level's requests once first (warm prefix cache)")),
+    "endpoints",
+    (
+        "--endpoint",
+        dict(action="append", type=parse_endpoint, required=True, metavar="NAME=URL", help="OpenAI base URL …/v1"),
+    ),
+    ("--baseline", dict(help="endpoint the others are compared with (default: the last)")),
+    ("--model", dict(help="model name sent in requests (default: first id of GET /v1/models)")),
+    ("--stream", dict(action="store_true", help="stream (SSE): needed for TTFT, TPOT and ITL")),
+    ("--no-stream-usage", dict(dest="stream_usage", action="store_false", help="count chunks, not usage")),
+    ("--api-key", dict(default=os.environ.get("TOOLSPEC_API_KEY"), help="default: $TOOLSPEC_API_KEY")),
+    ("--timeout", dict(type=float, default=600.0, help="per-request timeout, seconds")),
+    "load",
+    ("--concurrency", dict(type=parse_levels, default=[1, 2, 4, 8], help="closed loop levels, e.g. 1,2,4,8")),
+    ("--request-rate", dict(type=parse_rates, help="open loop levels in requests/s, e.g. 1,2,inf")),
+    ("--burstiness", dict(type=float, default=1.0, help="gamma shape of inter-arrival times (1 = Poisson)")),
+    ("--max-concurrency", dict(type=int, help="open loop: at most this many requests in flight")),
+    ("--num-requests --requests-per-level", dict(dest="num_requests", type=int, help="per level")),
+    ("--duration", dict(type=float, help="per level: send no new request after this many seconds")),
+    ("--max-seconds", dict(type=float, default=300.0, help="hard time limit per endpoint x level")),
+    ("--warmup", dict(type=int, default=0, help="requests per endpoint first, not counted")),
+    ("--slo", dict(type=parse_slo, help="goodput SLO, e.g. ttft:500,tpot:50,e2e:5000 (ms)")),
+    "output",
+    ("--out", dict(default=str(DEFAULT_OUT), help="directory for the reports")),
+    ("--name", dict(help="report file name without suffix (default: loadtest-<stamp>)")),
+    ("--hardware", dict(help="what the servers run on, for the report (default: this host)")),
+    ("--save-records", dict(action="store_true", help="also write every request as JSONL")),
+    ("--resume", dict(action="store_true", help="with --name: skip what <name>.partial.jsonl holds")),
+    ("--quiet", dict(action="store_true")),
+    "many nodes",
+    ("--ray", dict(metavar="ADDRESS", help="clients as Ray actors: 'auto', 'ray://host:10001' or 'local'")),
+    ("--clients-per-node", dict(type=int, help="client actors per alive node (default 1)")),
+    ("--ray-actors", dict(type=int, help="client actors in all (overrides --clients-per-node)")),
+    ("--ray-actor-cpus", dict(type=float, default=1.0)),
+    ("--ray-local-cpus", dict(type=int, default=2, help="CPUs of the Ray started by --ray local")),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="toolspec loadtest",
@@ -56,92 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="\n\n".join(PACKAGE_DOC.split("\n\n")[1:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["single", "conversations"], default="single")
-    g.add_argument(
-        "--dataset",
-        action="append",
-        help="JSONL or .jsonl.gz (benchmarks/datasets format); repeat to mix. Default: api_bank + bfcl_v3 + toolalpaca dev sets "
-        "(single) or bfcl_v3_multi_turn (conversations)",
-    )
-    g.add_argument("--limit", type=int, help="use only the first N items (conversations) of each dataset")
-    g.add_argument("--seed", type=int, default=0, help="chooses and orders the requests (same for every endpoint)")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--tool-choice", choices=["auto", "none", "required"], help="default: not sent")
-    g.add_argument(
-        "--fresh-requests",
-        action="store_true",
-        help="each level (and the warm-up) uses different requests, so no request repeats",
-    )
-    g.add_argument(
-        "--prompt-chars",
-        type=parse_span,
-        metavar="MIN[:MAX]",
-        help="only requests whose messages and tools take MIN (to MAX) characters as JSON; Qwen's tokenizer "
-        "reads about 3.2 of them a token on the dev sets (2000 = long tool prompts, about 600+ tokens)",
-    )
-    g.add_argument(
-        "--warm-prompts",
-        action="store_true",
-        help="before each endpoint x level, send its requests once with max_tokens 1 (not counted): the "
-        "measured requests find their prompts in the prefix cache, as agents re-sending the same tools do",
-    )
-    g = p.add_argument_group("endpoints")
-    g.add_argument(
-        "--endpoint",
-        action="append",
-        type=parse_endpoint,
-        required=True,
-        metavar="NAME=URL",
-        help="OpenAI base URL (…/v1); repeat to compare side by side",
-    )
-    g.add_argument("--baseline", help="endpoint the others are compared with (default: the last)")
-    g.add_argument("--model", help="model name sent in requests (default: first id of GET /v1/models)")
-    g.add_argument("--stream", action="store_true", help="stream (SSE): needed for TTFT, TPOT and ITL")
-    g.add_argument(
-        "--no-stream-usage",
-        dest="stream_usage",
-        action="store_false",
-        help="do not send stream_options.include_usage (count streamed chunks as tokens instead)",
-    )
-    g.add_argument(
-        "--api-key",
-        default=os.environ.get("TOOLSPEC_API_KEY"),
-        help="bearer token (default: $TOOLSPEC_API_KEY); never written to reports",
-    )
-    g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
-    g = p.add_argument_group("load")
-    g.add_argument("--concurrency", type=parse_levels, default=[1, 2, 4, 8], help="closed loop levels, e.g. 1,2,4,8")
-    g.add_argument("--request-rate", type=parse_rates, help="open loop levels in requests/s, e.g. 1,2,inf")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times (1 = Poisson)")
-    g.add_argument("--max-concurrency", type=int, help="open loop: at most this many requests in flight")
-    g.add_argument("--num-requests", "--requests-per-level", dest="num_requests", type=int, help="per level")
-    g.add_argument("--duration", type=float, help="per level: send no new request after this many seconds")
-    g.add_argument("--max-seconds", type=float, default=300.0, help="hard time limit per endpoint x level")
-    g.add_argument("--warmup", type=int, default=0, help="requests per endpoint first, not counted")
-    g.add_argument("--slo", type=parse_slo, help="goodput SLO, e.g. ttft:500,tpot:50,e2e:5000 (ms)")
-    g = p.add_argument_group("output")
-    g.add_argument("--out", default=str(DEFAULT_OUT), help="directory for the reports")
-    g.add_argument("--name", help="report file name without suffix (default: loadtest-<stamp>)")
-    g.add_argument("--hardware", help="what the servers run on, for the report (default: this host)")
-    g.add_argument("--save-records", action="store_true", help="also write every request as JSONL")
-    g.add_argument(
-        "--resume",
-        action="store_true",
-        help="with --name: keep each finished endpoint x level in <out>/<name>.partial.jsonl and skip those "
-        "already there (an interrupted run continues where it stopped)",
-    )
-    g.add_argument("--quiet", action="store_true")
-    g = p.add_argument_group("many nodes")
-    g.add_argument(
-        "--ray",
-        metavar="ADDRESS",
-        help="run clients as Ray actors: 'auto', 'ray://host:10001', or 'local' (new local Ray)",
-    )
-    g.add_argument("--clients-per-node", type=int, help="client actors per alive node (default 1)")
-    g.add_argument("--ray-actors", type=int, help="client actors in all (overrides --clients-per-node)")
-    g.add_argument("--ray-actor-cpus", type=float, default=1.0)
-    g.add_argument("--ray-local-cpus", type=int, default=2, help="CPUs of the Ray started by --ray local")
+    for entry in OPTIONS:
+        if isinstance(entry, str):
+            group = p.add_argument_group(entry)
+        else:
+            group.add_argument(*entry[0].split(), **entry[1])
     return p
 
 
@@ -185,16 +152,12 @@ def level_plans(args: argparse.Namespace) -> list[dict]:
     ]
 
 
-def _progress(total: int, desc: str, quiet: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, disable=quiet, leave=False, file=sys.stderr, dynamic_ncols=True)
-
-
 def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
     """Each level, each endpoint in turn on the same requests; summaries and raw records."""
+    from tqdm import tqdm
+
     base_opts = {k: getattr(args, k) for k in REQUEST_OPTIONS}
-    n = args.num_requests or (DURATION_REQUEST_CAP if args.duration else 32)
+    n = args.num_requests
     warmup, used = level_sessions(units, args.warmup) if args.warmup else ([], 0)
     for ep in endpoints if warmup else []:
         plan = {"concurrency": 1, "offsets": None, "max_seconds": args.max_seconds, "duration": None}
@@ -220,10 +183,10 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
                 continue
             opts = dict(base_opts, model=ep["model"])
             level_runner = runner.run_level if runner else run_level_local
-            desc = f"{ep['name']} {level_label(plan)}"
             if args.warm_prompts:
                 level_runner(ep["chat_url"], sessions, dict(plan, offsets=None), dict(opts, max_tokens=1))
-            with _progress(n, desc, args.quiet) as bar:
+            desc, quiet = f"{ep['name']} {level_label(plan)}", args.quiet
+            with tqdm(total=n, desc=desc, disable=quiet, leave=False, file=sys.stderr, dynamic_ncols=True) as bar:
                 result = level_runner(ep["chat_url"], sessions, plan, opts, on_done=bar.update)
             lv = summarize(ep["name"], ep["url"], plan["concurrency"], plan["request_rate"], result, args.slo)
             lv.update(level_no=level_no, max_concurrency=plan.get("max_concurrency"))
@@ -260,14 +223,11 @@ class Partial:
         self.done[(endpoint, level_no)] = (summary, records)
 
 
-def hardware_text(args) -> str:
-    return args.hardware or f"{socket.gethostname()} ({platform.machine()}, {os.cpu_count()} CPUs)"
-
-
 def run(args: argparse.Namespace) -> dict:
     """Execute the whole load test; returns the report dict (also written to disk)."""
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     args.dataset = args.dataset or default_datasets(args.workload)
+    args.num_requests = args.num_requests or (DURATION_REQUEST_CAP if args.duration else 32)
     units = load_workload(args.workload, args.dataset, args.limit, args.seed, args.prompt_chars)
     endpoints, baseline = resolve_endpoints(args)
     runner = None
@@ -278,7 +238,6 @@ def run(args: argparse.Namespace) -> dict:
     levels, records = run_levels(args, units, endpoints, runner, log)
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "endpoint")}
     config["api_key"] = "set" if args.api_key else None
-    config["num_requests"] = args.num_requests or (DURATION_REQUEST_CAP if args.duration else 32)
     now = dt.datetime.now()
     stamp = now.strftime("%Y%m%d-%H%M%S")
     report = {
@@ -287,7 +246,7 @@ def run(args: argparse.Namespace) -> dict:
         "stamp": stamp,
         "created": now.isoformat(timespec="seconds"),
         "host": socket.gethostname(),
-        "hardware": hardware_text(args),
+        "hardware": args.hardware or f"{socket.gethostname()} ({platform.machine()}, {os.cpu_count()} CPUs)",
         "workload": args.workload,
         "workload_units": len(units),
         "runner": f"ray ({args.ray}, {len(runner.actors)} actors)" if runner else "local asyncio",

@@ -35,21 +35,15 @@ def chat_url(base_url: str) -> str:
     return base + "/chat/completions"
 
 
-def build_payload(
-    item: dict, model: str, max_tokens: int, stream: bool, tool_choice: str | None = None, stream_usage: bool = True
-) -> dict:
-    payload = {
-        "model": model,
-        "messages": item["messages"],
-        "temperature": 0,
-        "max_tokens": max_tokens,
-        "stream": stream,
-    }
+def build_payload(item: dict, opts: dict) -> dict:
+    """The chat request of ``item`` under the run's request options (model, max_tokens, stream, ...)."""
+    keys = ("model", "max_tokens", "stream")
+    payload = {"messages": item["messages"], "temperature": 0, **{k: opts[k] for k in keys}}
     if item["tools"]:
         payload["tools"] = item["tools"]
-        if tool_choice:
-            payload["tool_choice"] = tool_choice
-    if stream and stream_usage:
+        if opts.get("tool_choice"):
+            payload["tool_choice"] = opts["tool_choice"]
+    if opts["stream"] and opts.get("stream_usage", True):
         payload["stream_options"] = {"include_usage": True}
     return payload
 
@@ -207,15 +201,12 @@ def fill_success(rec: dict, item: dict, out: dict) -> None:
     usage = out.get("usage") or {}
     stats = out.get("server_stats")
     if isinstance(stats, dict):  # ToolSpec servers report their speculation statistics per response
-        if isinstance(stats.get("mat"), (int, float)):
-            rec["mat"] = float(stats["mat"])
-        rec["drafted_tokens"] = stats.get("drafted_tokens")
+        number = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        rec.update(mat=number.get("mat"), drafted_tokens=stats.get("drafted_tokens"))
         rec["accepted_tokens"] = stats.get("accepted_tokens")
         # where the server's time went: forwards that held this request's prompt rows / its drafts
-        rec["server_prefill_ms"] = (
-            1000 * stats["prefill_s"] if isinstance(stats.get("prefill_s"), (int, float)) else None
-        )
-        rec["server_decode_ms"] = 1000 * stats["decode_s"] if isinstance(stats.get("decode_s"), (int, float)) else None
+        for part in ("prefill", "decode"):
+            rec[f"server_{part}_ms"] = 1000 * number[f"{part}_s"] if f"{part}_s" in number else None
     chunks = out["chunk_times"]
     tokens = usage.get("completion_tokens", len(chunks) if chunks is not None else None)
     rec.update(request_timings(out["sent"], chunks, out["finished"], tokens))

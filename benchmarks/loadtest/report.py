@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from ..plots import md_table, pyplot
+
 
 def fmt(value, digits=1) -> str:
     if value is None:
@@ -20,6 +22,21 @@ def level_label(lv: dict) -> str:
         return f"c={lv['concurrency']}"
     cap = f", max {lv['max_concurrency']}" if lv.get("max_concurrency") else ""
     return f"{lv['request_rate']:g}/s{cap}"
+
+
+LEVEL_HEAD = (
+    *("endpoint", "level", "requests", "errors", "TTFT ms mean / p50 / p99", "TPOT ms mean / p99", "ITL ms mean / p99"),
+    *("E2E ms p50 / p90 / p99", "out tok/s", "req/s", "goodput req/s", "tool-call valid", "identical", "MAT"),
+)
+LEVEL_STATS = (("ttft_ms", "mean p50 p99"), ("tpot_ms", "mean p99"), ("itl_ms", "mean p99"), ("e2e_ms", "p50 p90 p99"))
+
+
+def _level_row(lv: dict) -> list[str]:
+    row = [lv["endpoint"], level_label(lv), lv["requests"], lv["errors"]]
+    row += [" / ".join(fmt(lv[key][q]) for q in stats.split()) for key, stats in LEVEL_STATS]
+    row += [fmt(lv["output_tokens_per_s"]), fmt(lv["requests_per_s"], 3), fmt(lv["goodput_rps"], 3)]
+    row += [f"{fmt(lv['tool_call_validity'], 3)} ({lv['tool_call_responses']})"]
+    return row + [fmt(lv["identical_outputs"], 3), fmt(lv["mat"], 2)]
 
 
 def write_markdown(report: dict, path: Path) -> None:
@@ -49,35 +66,18 @@ def write_markdown(report: dict, path: Path) -> None:
         "- endpoints: " + ", ".join(f"`{e['name']}` {e['url']} (model `{e['model']}`)" for e in report["endpoints"]),
         "- SLO: " + (", ".join(f"{k} ≤ {v:g} ms" for k, v in cfg["slo"].items()) if cfg.get("slo") else "none"),
         "",
-        "| endpoint | level | requests | errors | TTFT ms mean / p50 / p99 | TPOT ms mean / p99 "
-        "| ITL ms mean / p99 | E2E ms p50 / p90 / p99 | out tok/s | req/s | goodput req/s "
-        "| tool-call valid | identical | MAT |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *md_table(LEVEL_HEAD, [_level_row(lv) for lv in report["levels"]], ["---"] * 2 + ["---:"] * 12),
     ]
-    for lv in report["levels"]:
-        t, p, i, e = lv["ttft_ms"], lv["tpot_ms"], lv["itl_ms"], lv["e2e_ms"]
-        lines.append(
-            f"| {lv['endpoint']} | {level_label(lv)} | {lv['requests']} | {lv['errors']} "
-            f"| {fmt(t['mean'])} / {fmt(t['p50'])} / {fmt(t['p99'])} | {fmt(p['mean'])} / {fmt(p['p99'])} "
-            f"| {fmt(i['mean'])} / {fmt(i['p99'])} | {fmt(e['p50'])} / {fmt(e['p90'])} / {fmt(e['p99'])} "
-            f"| {fmt(lv['output_tokens_per_s'])} | {fmt(lv['requests_per_s'], 3)} | {fmt(lv['goodput_rps'], 3)} "
-            f"| {fmt(lv['tool_call_validity'], 3)} ({lv['tool_call_responses']}) "
-            f"| {fmt(lv['identical_outputs'], 3)} | {fmt(lv['mat'], 2)} |"
-        )
     if report["speedup"]:
-        lines += [
-            "",
-            f"## Speedup vs `{report['baseline']}`",
-            "",
-            "| endpoint | level | throughput speedup | p50 latency speedup | p95 latency speedup | identical outputs |",
-            "|---|---|---:|---:|---:|---:|",
+        rows = [
+            [row["endpoint"], level_label(row)]
+            + [f"{fmt(row[k], 2)}x" for k in ("throughput_speedup", "p50_latency_speedup", "p95_latency_speedup")]
+            + [f"{row['identical_outputs']}/{row['compared_outputs']}"]
+            for row in report["speedup"]
         ]
-        for row in report["speedup"]:
-            lines.append(
-                f"| {row['endpoint']} | {level_label(row)} | {fmt(row['throughput_speedup'], 2)}x "
-                f"| {fmt(row['p50_latency_speedup'], 2)}x | {fmt(row['p95_latency_speedup'], 2)}x "
-                f"| {row['identical_outputs']}/{row['compared_outputs']} |"
-            )
+        head = ["endpoint", "level", "throughput speedup", "p50 latency speedup", "p95 latency speedup"]
+        table = md_table(head + ["identical outputs"], rows, ["---"] * 2 + ["---:"] * 4)
+        lines += ["", f"## Speedup vs `{report['baseline']}`", "", *table]
     failed = [lv for lv in report["levels"] if lv["errors"] or lv["stopped_by_time"] or lv["invalid_calls"]]
     if failed:
         lines += ["", "## Errors, invalid calls and time limits", ""]
@@ -93,11 +93,7 @@ def write_markdown(report: dict, path: Path) -> None:
 
 def write_plot(report: dict, path: Path) -> None:
     """TTFT, TPOT and E2E percentiles and output tokens/s against concurrency or rate, a colour per endpoint."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     open_loop = any(lv["request_rate"] is not None for lv in report["levels"])
     xkey = "request_rate" if open_loop else "concurrency"
     panels = (("ttft_ms", "TTFT", "ms"), ("tpot_ms", "TPOT", "ms"), ("e2e_ms", "E2E latency", "ms"))
@@ -158,14 +154,6 @@ def write_reports(report: dict, records: dict, out: Path, save_records: bool) ->
         with open(stem.with_suffix(".records.jsonl"), "w") as fh:
             for (ep, level_no), recs in records.items():
                 lv = next(lv for lv in report["levels"] if lv["endpoint"] == ep and lv["level_no"] == level_no)
-                for r in recs:
-                    fh.write(
-                        json.dumps(
-                            strict_json(
-                                dict(r, endpoint=ep, concurrency=lv["concurrency"], request_rate=lv["request_rate"])
-                            ),
-                            allow_nan=False,
-                        )
-                        + "\n"
-                    )
+                where = {"endpoint": ep, "concurrency": lv["concurrency"], "request_rate": lv["request_rate"]}
+                fh.writelines(json.dumps(strict_json({**r, **where}), allow_nan=False) + "\n" for r in recs)
     return report["files"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import math
 import random
 import socket
@@ -60,14 +61,7 @@ async def run_slice(url: str, sessions: list[list[tuple[int, dict]]], plan: dict
     in_flight = {"now": 0, "peak": 0}
 
     async def send(client, session_no: int, turn: int, index: int, item: dict) -> None:
-        payload = build_payload(
-            item,
-            opts["model"],
-            opts["max_tokens"],
-            opts["stream"],
-            opts.get("tool_choice"),
-            opts.get("stream_usage", True),
-        )
+        payload = build_payload(item, opts)
         rec = new_record(index, item, node, session_no, turn)
         records.append(rec)
         in_flight["now"] += 1
@@ -88,10 +82,7 @@ async def run_slice(url: str, sessions: list[list[tuple[int, dict]]], plan: dict
         for turn, (index, item) in enumerate(session):
             if loop.time() >= stop_new and not (first and turn == 0):
                 return
-            if gate:
-                async with gate:
-                    await send(client, session_no, turn, index, item)
-            else:
+            async with gate or contextlib.nullcontext():
                 await send(client, session_no, turn, index, item)
 
     async def closed_client(client, pending) -> None:

@@ -55,13 +55,11 @@ def _renamed_messages(messages: list[dict]) -> list[dict]:
 
 def _item(row: dict, item_id: str, messages: list[dict], gold_names: list[str]) -> dict:
     tools = _renamed_tools(row.get("tools") or [])
-    messages = _renamed_messages(messages)
-    gold_names = [api_name(n) for n in gold_names]
     return {
         "id": item_id,
-        "messages": messages,
+        "messages": _renamed_messages(messages),
         "tools": tools,
-        "gold_names": gold_names,
+        "gold_names": list(map(api_name, gold_names)),
     }
 
 
@@ -155,11 +153,6 @@ def load_workload(
 def default_datasets(kind: str) -> list[str]:
     names = (CONVERSATIONS,) if kind == "conversations" else SINGLE_TURN
     return [str(dev_set(n)) for n in names]
-
-
-def level_jobs(items: list, n: int, offset: int = 0) -> list[tuple[int, object]]:
-    """*n* jobs of a level: items in order from ``offset``, cycling if needed."""
-    return [(i, items[(offset + i) % len(items)]) for i in range(n)]
 
 
 def level_sessions(units: list[list[dict]], n: int, offset: int = 0) -> tuple[list[list[tuple[int, dict]]], int]:

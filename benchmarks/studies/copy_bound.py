@@ -24,10 +24,10 @@ import collections
 import json
 from pathlib import Path
 
-from benchmarks.data import prompt_ids, run_items
+from benchmarks.data import prompt_ids
 
 from .offline_sim import _cost, region_costs
-from .regions import call_bounds
+from .regions import call_bounds, run_items
 
 
 def copy_lengths(tokens: list[int], text_of, sources: str, anchor: int = 0) -> list[int]:

@@ -27,14 +27,14 @@ import random
 import time
 from pathlib import Path
 
-from benchmarks.data import load_items, prompt_ids, run_items, select_items, warm_documents
+from benchmarks.data import load_items, prompt_ids, select_items, warm_documents
 from benchmarks.runner import PrefillCache, decode_hidden
 from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.drafters.simulate import simulate
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.tree import prune_to_budget, tried
 
-from .regions import call_bounds, split_steps
+from .regions import call_bounds, run_items, split_steps
 
 
 def replay(

@@ -19,7 +19,7 @@ import collections
 import json
 from pathlib import Path
 
-from benchmarks.data import run_items
+from benchmarks.data import load_items
 from benchmarks.report import BASELINES, run_label
 from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
 from toolspec_core.engine.detokenize import Detokenizer
@@ -27,6 +27,12 @@ from toolspec_core.model.prompting import turn_end_ids
 
 REGIONS = ("before", "call", "after")
 TARGET = 1.5  # issue #5's goal over the best baseline
+
+
+def run_items(raw: str | Path) -> dict[str, dict]:
+    """The items of a run's data files (its raw folder's config.json), by id."""
+    cfg = json.loads((Path(raw) / "config.json").read_text())
+    return {it["id"]: it for p in cfg["data"] for it in load_items(p, cfg.get("structured", False))}
 
 
 def call_bounds(tokenizer, tools: list[dict], tokens: list[int]) -> tuple[int, int] | None:
