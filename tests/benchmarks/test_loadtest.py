@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.loadtest import client, main, metrics, schedule, workloads
+from benchmarks.loadtest import client, main, metrics, schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
