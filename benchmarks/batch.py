@@ -29,9 +29,10 @@ from toolspec_core.model.block_pool import BlockPool, paged_copy
 
 from .cost import hardware_string
 from .data import load_items, prompt_ids, select_items
+from .datasets import JsonlStore
 from .metrics import first_mismatch
 from .plots import pyplot
-from .runner import JsonlStore, MethodPool, bench_target, log, resolve_cost
+from .runner import MethodPool, bench_target, log, resolve_cost
 
 MAX_ROWS = 256  # the batch budget's curve is measured up to forwards of this many rows
 HOST_PARTS = ("draft", "budget", "inputs", "commit")  # StepRecord's host time by part (+ "other": the rest)

@@ -16,7 +16,7 @@ def pyplot():
     return plt
 
 
-def _label(method, library) -> str:
+def run_label(method: str, library: str | None) -> str:
     return method if library is None else f"{method}/{library}"
 
 
@@ -24,6 +24,11 @@ def md_table(head: list[str], rows: list[list], align: str | list[str] = "---") 
     """A Markdown table's lines: ``head``, its rule (``align``: every column's, or one per column), ``rows``."""
     rule = "".join(f"{a}|" for a in ([align] * len(head) if isinstance(align, str) else align))
     return [f"| {' | '.join(head)} |", f"|{rule}"] + [f"| {' | '.join(map(str, r))} |" for r in rows]
+
+
+def md_section(title: str, intro: str | None, table: list[str]) -> list[str]:
+    """A report section's lines: a blank line, its ``## title``, ``intro`` (a paragraph) if any, ``table``."""
+    return ["", f"## {title}", "", *([intro, ""] if intro else []), *table]
 
 
 def plot_speedup(report: dict, path: Path) -> None:
@@ -34,7 +39,7 @@ def plot_speedup(report: dict, path: Path) -> None:
     for ax, subset in zip(axes[0], subsets):
         rows = [r for r in report["runs"] if r["subset"] == subset and r["method"] != "ar"]
         benches = sorted({r["benchmark"] for r in rows})
-        labels = list(dict.fromkeys(_label(r["method"], r["library"]) for r in rows))
+        labels = list(dict.fromkeys(run_label(r["method"], r["library"]) for r in rows))
         width = 0.8 / max(len(labels), 1)
         for j, lab in enumerate(labels):
             ys = [
@@ -42,7 +47,7 @@ def plot_speedup(report: dict, path: Path) -> None:
                     (
                         r["decode_speedup"] or 0
                         for r in rows
-                        if r["benchmark"] == b and _label(r["method"], r["library"]) == lab
+                        if r["benchmark"] == b and run_label(r["method"], r["library"]) == lab
                     ),
                     0,
                 )
@@ -68,7 +73,7 @@ def plot_accepted_by_state(recs: list[dict], path: Path) -> None:
         if r["method"] == "ar":
             continue
         for lab, acc in zip(r["step_labels"], r["accepted_per_step"]):
-            per[_label(r["method"], r["library"])][lab].append(acc)
+            per[run_label(r["method"], r["library"])][lab].append(acc)
     if not per:
         return
     names = sorted(per)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .cost import RESULTS, load_curves
 from .metrics import decoded_tokens, first_mismatch, observed_cost, summarize
-from .plots import md_table
+from .plots import md_section, md_table, run_label
 from .runner import ALL_METHODS, item_store
 
 BASELINES = ("pld", "suffix", "token_recycling")
@@ -25,10 +25,6 @@ SUBSET_TITLES = {
 SUBSETS = tuple(SUBSET_TITLES)
 CONFIG_KEYS = ("data", "limit", "seed", "methods", "libraries", "max_new_tokens", "warm_files", "warm_layout", "cost")
 PRIOR_BUCKETS = ((0, 0, "0"), (1, 1, "1"), (2, 2, "2"), (3, 4, "3-4"), (5, 9, "5-9"), (10, 10**9, "10+"))
-
-
-def run_label(method: str, library: str | None) -> str:
-    return method if library is None else f"{method}/{library}"
 
 
 def _method_order(m: str) -> int:
@@ -277,8 +273,9 @@ def markdown(report: dict) -> str:
     for subset, title in SUBSET_TITLES.items():
         rows = [_subset_row(r, proj) for r in report["runs"] if r["subset"] == subset]
         if rows:
-            table = md_table(head + [f"proj. {c}" for c in proj], rows)
-            lines += ["", f"## {title} (subset `{subset}`)", "", *table]
+            lines += md_section(
+                f"{title} (subset `{subset}`)", None, md_table(head + [f"proj. {c}" for c in proj], rows)
+            )
     for section in (_host_lines, _bound_lines, _state_lines, _prior_lines, _cost_lines):
         lines += section(report)
     return "\n".join(lines) + "\n"
@@ -313,19 +310,16 @@ def _host_lines(report: dict) -> list[str]:
         for n in names:
             rows[-1] += [_fmt(r.get("projected_speedup", {}).get(n), ".2f", "×")]
             rows[-1] += [_fmt(r["projected_speedup_with_host"].get(n), ".2f", "×")]
-    return [
-        "",
-        "## Accelerator projections with drafting time (subset `calls`)",
-        "",
+    return md_section(
+        "Accelerator projections with drafting time (subset `calls`)",
         "`proj.`: Σ step cost under the measured curve, as above; `+ host`: steps in seconds (c(1) = "
         + ", ".join(f"{secs[n] * 1000:.1f} ms for {n}" for n in names)
         + ") plus each decode's measured drafting + commit time from this run (this machine's CPU, not overlapped "
         "with the forward). Where a step takes milliseconds, drafting time is what separates the two.",
-        "",
-        *md_table(
+        md_table(
             ["benchmark", "method", "host ms / step"] + [h for n in names for h in (f"proj. {n}", "+ host")], rows
         ),
-    ]
+    )
 
 
 def _bound_lines(report: dict) -> list[str]:
@@ -337,15 +331,12 @@ def _bound_lines(report: dict) -> list[str]:
         + ["{1:.0%} – {0:.0%}".format(*r["mat_of_bound"])]
         for r in runs
     ]
-    return [
-        "",
-        "## MAT against the idealised bound (subset `calls`)",
-        "",
+    return md_section(
+        "MAT against the idealised bound (subset `calls`)",
         "Bound: a perfect schema + context-copy drafter on the gold calls (benchmarks/datasets/README.md), for the compact "
         "`<tool_call>` layout and the ```` ```json ```` pretty layout; the embedded model writes both.",
-        "",
-        *md_table(["benchmark", "method", "MAT", "bound (compact / pretty)", "fraction of bound"], rows),
-    ]
+        md_table(["benchmark", "method", "MAT", "bound (compact / pretty)", "fraction of bound"], rows),
+    )
 
 
 def _state_lines(report: dict) -> list[str]:
@@ -359,20 +350,15 @@ def _state_lines(report: dict) -> list[str]:
             if v["steps"]:
                 rows.append([r["benchmark"], _label(r), lab, v["steps"], f"{v['steps'] / total:.0%}"])
                 rows[-1] += [_fmt(v["mean_accepted"]), _pct(v["node_acceptance"])]
+    if not rows:
+        return []
     head = ["benchmark", "method", "state", "steps", "share of steps", "mean accepted / step", "node acceptance"]
-    return (
-        [
-            "",
-            "## Steps per FSM state / draft source (ToolSpec methods, subset `calls`)",
-            "",
-            "A step's state is the label of its first accepted node (or its first drafted node when none was "
-            "accepted; `none`: nothing was worth drafting under the cost curve). Few accepted tokens per step "
-            "in a state with many steps is where the remaining gap is.",
-            "",
-            *md_table(head, rows),
-        ]
-        if rows
-        else []
+    return md_section(
+        "Steps per FSM state / draft source (ToolSpec methods, subset `calls`)",
+        "A step's state is the label of its first accepted node (or its first drafted node when none was "
+        "accepted; `none`: nothing was worth drafting under the cost curve). Few accepted tokens per step "
+        "in a state with many steps is where the remaining gap is.",
+        md_table(head, rows),
     )
 
 
@@ -387,7 +373,7 @@ def _prior_lines(report: dict) -> list[str]:
         [label] + [f"{c[b]['mat']:.2f} ({c[b]['items']})" if b in c and c[b]["mat"] else "–" for b in buckets]
         for label, c in sorted(keep.items())
     ]
-    return ["", "## MAT by earlier calls of the same tool (all items)", "", *md_table(["method", *buckets], rows)]
+    return md_section("MAT by earlier calls of the same tool (all items)", None, md_table(["method", *buckets], rows))
 
 
 def _cost_lines(report: dict) -> list[str]:
@@ -404,12 +390,9 @@ def _cost_lines(report: dict) -> list[str]:
         for key, v in seen.items()
     ]
     head = ["forward size", "steps", "median size", "observed cost", "run curve at median size"]
-    return [
-        "",
-        "## Verify cost as paid vs the budget's curve (all tree methods)",
-        "",
+    return md_section(
+        "Verify cost as paid vs the budget's curve (all tree methods)",
         "Each step's time over the median plain-greedy step of the same item (same run); median per "
         "forward size (tree nodes + 1).",
-        "",
-        *md_table(head, rows),
-    ]
+        md_table(head, rows),
+    )

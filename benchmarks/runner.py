@@ -8,11 +8,7 @@ Library protocol of history methods: ``cold`` a fresh method per item; ``online`
 benchmark that observes its OWN outputs in stream order; ``warm`` one method per benchmark that
 first observes the gold calls of a separate warm file, never evaluated items. Other methods keep
 one instance per benchmark (online acceptance rates carry over, as in a server), library null.
-
-Library methods key the call library by the request text as the Retrieval deployment does
-(``qwen`` / ``hybrid`` / ``lexical``, a ``retrieval_service`` memory store) or by the target's
-last prompt state (``hidden``, the core's ``MemoryLibrary``). A text key is computed before the
-decode is timed (serving computes it while the prompt is prefilled); its encoder time is ``key_s``.
+Retrieval keys (``--retrieval-key``): benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -33,6 +29,7 @@ from toolspec_core.engine.loop import DecodeConfig, decode, prefill
 from toolspec_core.errors import ToolSpecError
 
 from .data import load_items, load_stream, prompt_ids, response_schema, select_items, warm_documents
+from .datasets import JsonlStore
 from .metrics import answer_metrics, call_metrics, first_mismatch
 
 ALL_METHODS = ("ar", "pld", "suffix", "token_recycling", "toolspec_schema", "toolspec_retrieval", "toolspec")
@@ -118,35 +115,6 @@ def pair_key(item_id: str, method: str, library: str | None) -> str:
 
 
 # --------------------------------------------------------------------------- stores
-
-
-class JsonlStore:
-    """Append-only JSONL keyed records (error records stay on file only); a line cut short by a run
-    killed while writing it is dropped from the file, so the next append starts clean."""
-
-    def __init__(self, path: Path, key):
-        self.path, self.key = Path(path), key
-        self.records: dict = {}
-        lines = self.path.read_text(encoding="utf-8").splitlines() if self.path.exists() else []
-        good = []
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            good.append(line)
-            if not rec.get("error"):
-                self.records[key(rec)] = rec
-        if len(good) != len(lines):
-            self.path.write_text("".join(f"{line}\n" for line in good), encoding="utf-8")
-
-    def append(self, rec: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            f.flush()
-        if not rec.get("error"):
-            self.records[self.key(rec)] = rec
 
 
 def item_store(out: Path) -> JsonlStore:

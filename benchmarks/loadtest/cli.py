@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
 import platform
 import socket
 import sys
 from pathlib import Path
 
+from ..datasets import JsonlStore
 from . import __doc__ as PACKAGE_DOC
 from .client import chat_url, parse_endpoint
 from .metrics import compare, parse_slo, summarize
@@ -164,7 +164,9 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
         run_level_local(ep["chat_url"], warmup, plan, dict(base_opts, model=ep["model"]))
     offset = used if args.fresh_requests else 0
     levels, records = [], {}
-    partial = Partial(Path(args.out) / f"{args.name}.partial.jsonl") if args.resume else None
+    partial = None  # finished endpoint x level summaries and records of a resumable run, one JSON line each
+    if args.resume:
+        partial = JsonlStore(Path(args.out) / f"{args.name}.partial.jsonl", lambda r: (r["endpoint"], r["level_no"]))
     sessions, used = level_sessions(units, n, offset)
     for level_no, plan in enumerate(level_plans(args)):
         # --fresh-requests: no request repeats across warm-up and levels, so a server that learns
@@ -175,9 +177,9 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
         if plan["request_rate"] is not None:
             plan = dict(plan, offsets=arrival_offsets(len(sessions), plan["request_rate"], args.burstiness, args.seed))
         for ep in endpoints:
-            saved = partial.get(ep["name"], level_no) if partial else None
+            saved = partial.records.get((ep["name"], level_no)) if partial else None
             if saved is not None:
-                lv, records[(ep["name"], level_no)] = saved
+                lv, records[(ep["name"], level_no)] = saved["summary"], saved["records"]
                 levels.append(lv)
                 log(f"[loadtest] {ep['name']:>12s} {level_label(plan):<10s} resumed from {partial.path.name}")
                 continue
@@ -193,34 +195,15 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
             levels.append(lv)
             records[(ep["name"], level_no)] = result["records"]
             if partial:
-                partial.put(ep["name"], level_no, lv, result["records"])
+                partial.append(
+                    {"endpoint": ep["name"], "level_no": level_no, "summary": lv, "records": result["records"]}
+                )
             log(
                 f"[loadtest] {ep['name']:>12s} {level_label(plan):<10s} requests={lv['requests']} "
                 f"errors={lv['errors']} ttft_p50={fmt(lv['ttft_ms']['p50'])} "
                 f"e2e_p50={fmt(lv['e2e_ms']['p50'])} req/s={lv['requests_per_s']:.3f}"
             )
     return levels, records
-
-
-class Partial:
-    """Finished endpoint x level summaries and records of a resumable run, one JSON line each."""
-
-    def __init__(self, path: Path):
-        self.path, self.done = path, {}
-        if path.exists():
-            for line in path.read_text().splitlines():
-                d = json.loads(line)
-                self.done[(d["endpoint"], d["level_no"])] = (d["summary"], d["records"])
-
-    def get(self, endpoint: str, level_no: int):
-        return self.done.get((endpoint, level_no))
-
-    def put(self, endpoint: str, level_no: int, summary: dict, records: list[dict]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = {"endpoint": endpoint, "level_no": level_no, "summary": summary, "records": records}
-        with self.path.open("a") as f:
-            f.write(json.dumps(line) + "\n")  # Infinity stays a float on the way back
-        self.done[(endpoint, level_no)] = (summary, records)
 
 
 def run(args: argparse.Namespace) -> dict:

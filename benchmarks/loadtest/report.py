@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from ..plots import md_table, pyplot
+from ..plots import md_section, md_table, pyplot
 
 
 def fmt(value, digits=1) -> str:
@@ -77,10 +77,10 @@ def write_markdown(report: dict, path: Path) -> None:
         ]
         head = ["endpoint", "level", "throughput speedup", "p50 latency speedup", "p95 latency speedup"]
         table = md_table(head + ["identical outputs"], rows, ["---"] * 2 + ["---:"] * 4)
-        lines += ["", f"## Speedup vs `{report['baseline']}`", "", *table]
+        lines += md_section(f"Speedup vs `{report['baseline']}`", None, table)
     failed = [lv for lv in report["levels"] if lv["errors"] or lv["stopped_by_time"] or lv["invalid_calls"]]
     if failed:
-        lines += ["", "## Errors, invalid calls and time limits", ""]
+        lines += md_section("Errors, invalid calls and time limits", None, [])
         for lv in failed:
             notes = [f"{k} × {v}" for k, v in lv["error_kinds"].items()]
             notes += [f"invalid call ({k}) × {v}" for k, v in lv["invalid_calls"].items()]
