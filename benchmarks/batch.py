@@ -31,7 +31,7 @@ from .cost import hardware_string
 from .data import load_items, prompt_ids, select_items
 from .datasets import JsonlStore
 from .metrics import first_mismatch
-from .plots import pyplot
+from .plots import md_table, pyplot
 from .runner import MethodPool, bench_target, log, resolve_cost
 
 MAX_ROWS = 256  # the batch budget's curve is measured up to forwards of this many rows
@@ -302,19 +302,18 @@ def markdown(report: dict) -> str:
             else "per item against single-stream plain greedy."
         ),
         "",
-        "| benchmark | method | B | items | tok/s | vs ar | MAT | rows/step | forward ms/step | host ms/step "
-        "| host ms/seq/step | draft / budget / inputs / commit / other | exact |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
-    for r in report["runs"]:
-        lines.append(
-            f"| {r['benchmark']} | {r['method']} | {r['batch']} | {r['items']}{'' if r['complete'] else ' (partial)'} | {_f(r['decode_tokens_per_s'], '.1f')} "
-            f"| {_f(r['speedup_vs_ar'])}x | {_f(r['mat'])} | {_f(r['rows_per_step'], '.1f')} "
-            f"| {_f(r['forward_ms_per_step'], '.0f')} | {_f(r['host_ms_per_step'], '.1f')} "
-            f"| {_f(r.get('host_ms_per_seq_step'), '.3f')} | {_parts(r.get('host_ms_per_seq_step_by_part'))} "
-            f"| {_f(100 * r['exact_match'] if r['exact_match'] is not None else None, '.0f')}% |"
-        )
-    return "\n".join(lines) + "\n"
+    head = ["benchmark", "method", "B", "items", "tok/s", "vs ar", "MAT", "rows/step", "forward ms/step"]
+    head += ["host ms/step", "host ms/seq/step", "draft / budget / inputs / commit / other", "exact"]
+    rows = [
+        [r["benchmark"], r["method"], r["batch"], f"{r['items']}{'' if r['complete'] else ' (partial)'}"]
+        + [_f(r["decode_tokens_per_s"], ".1f"), f"{_f(r['speedup_vs_ar'])}x", _f(r["mat"])]
+        + [_f(r["rows_per_step"], ".1f"), _f(r["forward_ms_per_step"], ".0f"), _f(r["host_ms_per_step"], ".1f")]
+        + [_f(r.get("host_ms_per_seq_step"), ".3f"), _parts(r.get("host_ms_per_seq_step_by_part"))]
+        + [f"{_f(100 * r['exact_match'] if r['exact_match'] is not None else None, '.0f')}%"]
+        for r in report["runs"]
+    ]
+    return "\n".join(lines + md_table(head, rows, ["---"] * 2 + ["---:"] * 9 + ["---", "---:"])) + "\n"
 
 
 def plot(report: dict, path: Path) -> None:

@@ -3,11 +3,8 @@ speedups onto other hardware's curves.
 
 Decode speedup ≈ MAT / c(tree size): the same drafts pay off very differently on a CPU (steep
 curve) and a GPU (nearly flat). Timing does not depend on weight values, so named shapes are
-built from a config with random weights (no download): bf16 on a GPU, fp32 on a CPU.
-
-    toolspec bench-cost --model embedded                        # this CPU, embedded 0.5B
-    toolspec bench-cost --model qwen2.5-7b --device cuda        # 7B shape, random bf16
-    toolspec bench-cost --model /path/to/hf_dir --device cuda
+built from a config with random weights (no download): bf16 on a GPU, fp32 on a CPU. Usage:
+benchmarks/README.md.
 """
 
 from __future__ import annotations
