@@ -143,7 +143,8 @@ def load_workload(
     else:
         units = [[item] for path in datasets for item in load_items(path, limit)]
     if span:
-        units = [u for u in units if span[0] <= prompt_chars(u[0]) <= (span[1] or float("inf"))]
+        low, high = span
+        units = [u for u in units if low <= prompt_chars(u[0]) <= (high if high is not None else float("inf"))]
         if not units:
             raise ValueError(f"no request of {', '.join(datasets)} has {span[0]}..{span[1] or ''} prompt characters")
     random.Random(seed).shuffle(units)
