@@ -25,7 +25,7 @@ from toolspec_core.engine.loop import DecodeConfig, prefill
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler
 from toolspec_core.engine.sequence import Sequence
 from toolspec_core.errors import ToolSpecError
-from toolspec_core.model.block_pool import BlockPool, paged_copy
+from toolspec_core.model.block_pool import BlockPool
 
 from .cost import hardware_string
 from .data import load_items, prompt_ids, select_items
@@ -111,15 +111,12 @@ class BatchRun:
             sched.add(Sequence(self.target, None, None, DecodeConfig(max_new_tokens=2), prefilled=self.prefilled(it)))
         sched.run()
 
-    def _pool_for(self, seqs: list[Sequence], limits: BatchLimits) -> BlockPool:
-        """A block pool holding the group's prefilled prompts (copied in outside the timed phase),
-        each with room for its output and one draft tree: the ragged attention reads its KV there."""
+    def _pool(self, seqs: list[Sequence], limits: BatchLimits) -> BlockPool:
+        """A block pool with room for the group's prompts, outputs and one draft tree each: admission
+        places each prefilled prompt in it (a copy of its rows, the same for every method)."""
         bt = 16
         reserve = [s.reserved_tokens + limits.tree_rows for s in seqs]
-        pool = self.target.block_pool(sum(-(-r // bt) * bt for r in reserve), bt, prefix_caching=False)
-        for seq, r in zip(seqs, reserve):
-            seq.cache = paged_copy(pool, seq.cache, r)
-        return pool
+        return self.target.block_pool(sum(-(-r // bt) * bt for r in reserve), bt, prefix_caching=False)
 
     def _request(self, item: dict) -> RequestInfo:
         pre = self.prefilled(item)
@@ -137,11 +134,8 @@ class BatchRun:
         method = pool.get(bench, name, "online")
         limits = BatchLimits(max_running=b)
         reqs = [self._request(it) for it in group]
-        seqs = [  # cache clones happen here, outside the timed phase (the same for every method)
-            Sequence(self.target, None, None, self.dcfg, prefilled=self.prefilled(it)) for it in group
-        ]
-        kv = self._pool_for(seqs, limits) if self.target.attention_mode != "per_sequence" else None
-        sched = Scheduler(self.target, self.cost, limits, kv)
+        seqs = [Sequence(self.target, None, None, self.dcfg, prefilled=self.prefilled(it)) for it in group]
+        sched = Scheduler(self.target, self.cost, limits, self._pool(seqs, limits))
         t0 = time.perf_counter()
         for seq, req in zip(seqs, reqs):
             seq.drafter = method.drafter(req)  # drafter setup (retrieval) is part of the decode phase

@@ -139,9 +139,7 @@ class EngineHost:
             drafter = self.method.drafter(info)
         else:
             drafter = LateDrafter(lambda calls: self.method.drafter(dataclasses.replace(info, retrieved=calls)), late)
-        return Sequence(
-            self.target, prep.prompt_ids, drafter, prep.decode_cfg, prep.constraint, prefilled=pre, own_cache=True
-        )
+        return Sequence(self.target, prep.prompt_ids, drafter, prep.decode_cfg, prep.constraint, prefilled=pre)
 
     def _observe(self, info, result) -> None:
         try:

@@ -15,7 +15,8 @@ import dataclasses
 
 import torch
 
-from toolspec_core.model.target import StepOutput, Target, from_model
+from toolspec_core.model.step_runner import StepOutput, StepRequest, answer
+from toolspec_core.model.target import Target, from_model
 
 SCRIPT = (
     '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
@@ -47,19 +48,20 @@ class ScriptedTarget(Target):
 
     script: tuple[int, ...] = ()
 
-    def step(self, segments, logit_rows, full_rows, hidden_rows, argmax: bool = True) -> StepOutput:
-        pos = torch.cat([s.pos for s in segments]).tolist()  # [N] every row's position
+    def step(self, req: StepRequest, pool=None) -> StepOutput:
+        segments = req.segments
+        pos = torch.cat([s.pos for s in segments])  # [N] every row's position
         for s in segments:  # the rows count as cached (their K/V slots are left as they are)
             s.cache.advance(len(s))
-        choice = [self.script[(pos[r] + 1) % len(self.script)] for r in logit_rows]
-        logits, index = None, None
-        if full_rows:  # one-hot rows for the sequences that read logits (sampling, a grammar, logprobs)
+        script = torch.tensor(self.script, dtype=torch.long)
+        choice = script[(pos[req.logit_rows] + 1) % len(script)]  # [M] the argmax of every logit row
+        full = None
+        if req.full_rows:  # one-hot rows for the sequences that read logits (sampling, a grammar, logprobs)
             vocab = self.model.config.vocab_size
-            logits = torch.full((len(full_rows), vocab), -1e4)
-            logits[torch.arange(len(full_rows)), torch.tensor([choice[j] for j in full_rows])] = 0.0
-            index = {j: k for k, j in enumerate(full_rows)}
-        hidden = torch.zeros(len(hidden_rows), self.model.config.hidden_size) if hidden_rows else None
-        return StepOutput(choice if argmax else None, logits, index, hidden)
+            full = torch.full((len(req.full_rows), vocab), -1e4)
+            full[torch.arange(len(req.full_rows)), choice[req.full_rows]] = 0.0
+        hidden = torch.zeros(len(req.hidden_rows), self.model.config.hidden_size) if req.hidden_rows else None
+        return answer(req, choice, full, hidden)  # the walks, as every target's step ends
 
 
 def scripted_target(context: int = 32768) -> ScriptedTarget:

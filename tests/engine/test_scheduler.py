@@ -10,13 +10,14 @@ from scripted import reference as reference
 from scripted import tiny as tiny
 from tiny import hf_greedy
 
-from toolspec_core.engine import scheduler as scheduler_mod
+from toolspec_core.engine import device_walk as device_walk_mod
 from toolspec_core.engine.budget import CostModel
-from toolspec_core.engine.device_walk import accept_greedy
+from toolspec_core.engine.device_walk import accept_rows
 from toolspec_core.engine.loop import DecodeConfig, decode, prefill
 from toolspec_core.engine.sampling import SamplingParams
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler, run_batch
 from toolspec_core.engine.sequence import Sequence
+from toolspec_core.model.step_runner import StepRunner
 
 MAKERS = {"none": None, "oracle": oracle, "garbage": garbage, "branching": branching}
 
@@ -172,11 +173,11 @@ def test_device_and_host_walks_share_a_step(tiny, refs, monkeypatch):
     ]
     walked = []  # trees per device walk
 
-    def counting(choice, trees, bases, need):
-        walked.append(len(trees))
-        return accept_greedy(choice, trees, bases, need)
+    def counting(choice, inputs, need):
+        walked.append(0 if inputs is None else inputs.shape[0])
+        return accept_rows(choice, inputs, need)
 
-    monkeypatch.setattr(scheduler_mod, "accept_greedy", counting)
+    monkeypatch.setattr(device_walk_mod, "accept_rows", counting)
     sched = Scheduler(tiny, CostModel.flat(), BatchLimits(max_running=4), device_walk=True)
     for seq in seqs:
         sched.add(seq)
@@ -187,25 +188,22 @@ def test_device_and_host_walks_share_a_step(tiny, refs, monkeypatch):
     assert max(walked) == 2  # the two greedy sequences that read only the argmax, walked together
 
 
-def test_batched_forward_steps_have_many_rows(tiny, refs):
+def test_batched_forward_steps_have_many_rows(tiny, refs, monkeypatch):
     """One forward per step carries every running sequence's rows (not one forward per sequence)."""
     prompts, want = refs
     calls = []
-    forward = tiny.forward
+    forward = StepRunner.hidden
 
-    def counting(segments):
+    def counting(runner, segments):
         calls.append(len(segments))
-        return forward(segments)
+        return forward(runner, segments)
 
-    tiny.forward = counting
-    try:
-        seqs = [
-            Sequence(tiny, p, ScriptedDrafter(oracle(w)), DecodeConfig(max_new_tokens=8))
-            for p, w in zip(prompts[:5], want[:5])
-        ]
-        run_batch(tiny, seqs, CostModel.flat())
-    finally:
-        del tiny.forward
+    monkeypatch.setattr(StepRunner, "hidden", counting)
+    seqs = [
+        Sequence(tiny, p, ScriptedDrafter(oracle(w)), DecodeConfig(max_new_tokens=8))
+        for p, w in zip(prompts[:5], want[:5])
+    ]
+    run_batch(tiny, seqs, CostModel.flat())
     assert max(calls) == len(seqs)
     assert [s.result.tokens for s in seqs] == [w[:8] for w in want[: len(seqs)]]
 
@@ -271,7 +269,7 @@ def test_pooled_greedy_in_any_batch_equals_plain_greedy(tiny, refs, seed):
     assert moved_at and len(moved_at) == len(set(moved_at))  # the commits of a step: one slot move
 
 
-def test_second_turn_prefills_only_its_new_tokens(tiny, refs):
+def test_second_turn_prefills_only_its_new_tokens(tiny, refs, monkeypatch):
     """An agent's next turn repeats the previous prompt and output: their full blocks are cached."""
     prompts, _ = refs
     pool = tiny.block_pool(512, 8)
@@ -282,18 +280,15 @@ def test_second_turn_prefills_only_its_new_tokens(tiny, refs):
     assert first.stats.cached_tokens == 0
     turn2 = turn1 + first.result.tokens + [7, 8, 9, 10, 11]
     rows = []
-    forward = tiny.forward
+    forward = StepRunner.hidden
 
-    def counting(segments):
+    def counting(runner, segments):
         rows.append(sum(len(s) for s in segments))
-        return forward(segments)
+        return forward(runner, segments)
 
-    tiny.forward = counting
-    try:
-        second = sched.add(Sequence(tiny, turn2, None, DecodeConfig(max_new_tokens=6)))
-        sched.run()
-    finally:
-        del tiny.forward
+    monkeypatch.setattr(StepRunner, "hidden", counting)
+    second = sched.add(Sequence(tiny, turn2, None, DecodeConfig(max_new_tokens=6)))
+    sched.run()
     committed = len(turn1) + len(first.result.tokens) - 1  # the last output token's KV was never written
     assert second.stats.cached_tokens == committed // 8 * 8 > 0
     assert rows[0] == len(turn2) - second.stats.cached_tokens  # the prefill forward had only the new rows

@@ -45,14 +45,14 @@ def test_eager_attention_with_our_float_mask_is_right():
     """A bool 4D mask is silently misread under eager attention; our float mask must not be."""
     tg = tiny_target(attn="eager")
     cache = tg.hf_cache()  # HF's own forward, eager attention
-    tg.hidden(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None], None, cache)
+    tg.hf_hidden(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None], None, cache)
     tree = DraftTree()
     tree.add_path([10, 11], 1.0, "x")
     tree.add_path([20, 21], 1.0, "x")
     kv = cache.get_seq_length()
     ids, pos, mask = tree_inputs(PROMPT[-1], tree, kv)
     assert mask.dtype == torch.float32
-    logits = tg.logits(tg.hidden(ids, pos, mask, cache))
+    logits = tg.logits(tg.hf_hidden(ids, pos, mask, cache))
     branch = [20, 21]
     ref = tg.model(torch.tensor([PROMPT + [PROMPT[-1]] + branch])).logits[0, -1]
     assert torch.allclose(logits[4], ref, atol=2e-5)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
@@ -13,7 +12,7 @@ from toolspec_core.engine.commit import commit_kv, kv_rows
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs
 from toolspec_core.model.batch_forward import Segment, causal_mask, supports_batched
-from toolspec_core.model.kv import GROW, SeqKV
+from toolspec_core.model.kv import GROW, SeqKV, copy_rows
 
 
 def _random_tree(rng: random.Random, n: int) -> DraftTree:
@@ -36,7 +35,7 @@ def test_batched_forward_equals_hf_forward_per_sequence(seed):
     # step 1: prefill all prompts together
     tg.forward([Segment(c, torch.tensor(p), torch.arange(len(p))) for c, p in zip(ours, prompts)])
     for c, p in zip(hf, prompts):
-        tg.hidden(torch.tensor([p]), torch.arange(len(p))[None], None, c)
+        tg.hf_hidden(torch.tensor([p]), torch.arange(len(p))[None], None, c)
     # step 2: each sequence a different shape of rows
     segs, inputs = [], []
     for i, (c, p) in enumerate(zip(ours, prompts)):
@@ -49,7 +48,7 @@ def test_batched_forward_equals_hf_forward_per_sequence(seed):
     got = tg.logits(tg.forward(segs))
     o = 0
     for (ids, pos, mask), c in zip(inputs, hf):
-        want = tg.logits(tg.hidden(ids, pos, mask, c))
+        want = tg.logits(tg.hf_hidden(ids, pos, mask, c))
         n = ids.shape[1]
         torch.testing.assert_close(got[o : o + n], want, rtol=1e-4, atol=1e-5)
         o += n
@@ -58,17 +57,17 @@ def test_batched_forward_equals_hf_forward_per_sequence(seed):
             torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-5)
 
 
-def test_seqkv_grows_crops_commits_and_clones():
+def test_seqkv_grows_crops_commits_and_copies():
     tg = tiny_target()
     kv = tg.new_cache()
     n = GROW + 40  # past the first allocation: the storage grows, the valid rows survive
     ids = torch.randint(1, 96, (n,), generator=torch.Generator().manual_seed(0))
     tg.hidden(ids[None], torch.arange(n)[None], None, kv)
     ref = tg.hf_cache()
-    tg.hidden(ids[None], torch.arange(n)[None], None, ref)
+    tg.hf_hidden(ids[None], torch.arange(n)[None], None, ref)
     assert kv.get_seq_length() == n
     torch.testing.assert_close(kv.layers[1].values, ref.layers[1].values, rtol=1e-4, atol=1e-5)
-    clone = copy.deepcopy(kv)
+    clone = copy_rows(kv, tg.new_cache())
     kv.crop(-10)
     assert kv.get_seq_length() == n - 10 and clone.get_seq_length() == n
     kv.crop(5)
@@ -81,7 +80,7 @@ def test_seqkv_grows_crops_commits_and_clones():
     tg.hidden(ids2, pos2, mask2, clone)
     commit_kv(clone, n, kv_rows([2], 1))
     assert clone.get_seq_length() == n + 2
-    tg.hidden(torch.tensor([[3, 6]]), torch.tensor([[n, n + 1]]), None, ref)
+    tg.hf_hidden(torch.tensor([[3, 6]]), torch.tensor([[n, n + 1]]), None, ref)
     torch.testing.assert_close(clone.layers[0].keys, ref.layers[0].keys, rtol=1e-4, atol=1e-5)
 
 

@@ -16,10 +16,11 @@ from toolspec_core.engine.scheduler import BatchLimits, Scheduler
 from toolspec_core.engine.sequence import Sequence
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs
-from toolspec_core.model import ragged
+from toolspec_core.model import ragged, step_runner
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import PagedKV
 from toolspec_core.model.graphs import StepGraphs, grid_of
+from toolspec_core.model.step_runner import StepRunner
 from toolspec_core.model.target import from_model
 
 BT = 8
@@ -92,7 +93,8 @@ def test_ragged_forward_equals_the_per_sequence_loop(tg, seed):
         caches = _caches(tg, pool, prompts, shared)
         assert any(c.shared for c in caches) and (not seed or not any(c.contiguous for c in caches))
         hidden = [
-            ragged.step_forward(tg.model, segs, attention) for segs in _steps(random.Random(seed + 10), prompts, caches)
+            StepRunner(tg.model, pool, attention).hidden(segs)
+            for segs in _steps(random.Random(seed + 10), prompts, caches)
         ]
         pools.append(caches)
         states.append(hidden)
@@ -134,11 +136,11 @@ def test_static_buffer_decode_steps_equal_the_eager_ragged_steps(tg, seed):
         caches = _caches(tg, pool, prompts, shared)
         graphs = StepGraphs(tg.model, pool, capture=False)
         steps = list(_steps(random.Random(seed + 20), prompts, caches))
-        out = [ragged.step_forward(tg.model, steps[0], "ragged")]  # the prompts: eager (a prefill chunk)
+        out = [StepRunner(tg.model, pool, "ragged").hidden(steps[0])]  # the prompts: eager (a prefill chunk)
         assert grid_of(steps[0], pool) is None
         for segs in steps[1:]:
             assert grid_of(segs, pool) is not None
-            out.append(graphs.run(segs) if graphed else ragged.step_forward(tg.model, segs, "ragged"))
+            out.append(graphs.run(segs) if graphed else StepRunner(tg.model, pool, "ragged").hidden(segs))
         runs.append((out, caches))
         if graphed:
             assert len(graphs.entries) >= 1
@@ -169,11 +171,11 @@ def test_pooled_scheduler_greedy_equals_plain_greedy(family, mode, monkeypatch):
     pool = tg.block_pool(4096, BT)
     _fragment(pool)
     if mode == "graph":
-        tg._graphs = StepGraphs(tg.model, pool, capture=False)
-        monkeypatch.setattr(tg, "cuda_graphs", True)  # CUDA-only on a real target; the step runs uncaptured here
+        # CUDA-only on a real target; the step runs uncaptured here
+        tg.runner(pool).graphs = StepGraphs(tg.model, pool, capture=False)
     calls = []
-    real = ragged.ragged_forward
-    monkeypatch.setattr(ragged, "ragged_forward", lambda *a: calls.append(1) or real(*a))
+    real = step_runner.ragged_forward
+    monkeypatch.setattr(step_runner, "ragged_forward", lambda *a: calls.append(1) or real(*a))
     sched = Scheduler(tg, CostModel.flat(), BatchLimits(max_running=16, prefill_chunk=96, tree_rows=16), pool)
     rng = random.Random(3)
     seqs = []
@@ -187,7 +189,7 @@ def test_pooled_scheduler_greedy_equals_plain_greedy(family, mode, monkeypatch):
     assert any(r.prefill_rows and r.sequences for r in sched.steps)  # prefill chunks beside decoding rows
     assert pool.stats().hit_tokens > 0
     if mode == "graph":
-        assert tg._graphs.entries
+        assert tg.runner(pool).graphs.entries and tg.runner(pool).steps["graph"] > 0
 
 
 def test_attention_setting_is_validated_and_resolved():
@@ -213,7 +215,7 @@ def test_graph_replay_equals_the_uncaptured_step_and_eager():
         outs = []
         for k, segs in enumerate(_steps(random.Random(6), prompts, caches)):
             if k == 0 or how == "eager":
-                outs.append(ragged.step_forward(tg.model, segs, "ragged"))
+                outs.append(StepRunner(tg.model, pool, "ragged").hidden(segs))
             else:
                 outs.append(graphs.run(segs))
         if how == "replay":

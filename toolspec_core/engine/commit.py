@@ -1,11 +1,8 @@
 """Commit a verify step into the KV cache: keep the root chain and the accepted path, by index.
 
-Rows of the last forward are gathered into place and the rest cropped; nothing copies a whole cache
-except ``clone_cache``, which a cached prompt prefix needs once per request."""
+Rows of the last forward are gathered into place and the rest cropped; nothing copies a cache."""
 
 from __future__ import annotations
-
-import copy
 
 from toolspec_core.model.kv import KVCache
 
@@ -28,8 +25,3 @@ def commit_kv(cache: KVCache, prefix_len: int, rows: list[int]) -> None:
     drop = total - (prefix_len + keep)
     if drop > 0:
         cache.crop(-drop)
-
-
-def clone_cache(cache):
-    """Independent copy of a (small, per-request) KV cache: a prefix cache shared by methods/requests."""
-    return copy.deepcopy(cache)

@@ -17,7 +17,7 @@ from toolspec_core.engine.commit import commit_kv
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs
 from toolspec_core.model.batch_forward import Segment
-from toolspec_core.model.block_pool import PagedKV
+from toolspec_core.model.step_runner import StepRequest
 
 DEFAULT_KS = (
     1,
@@ -66,8 +66,8 @@ def probe_steps(target, prefix_len: int = 500, ks=DEFAULT_KS) -> dict:
     vocab = target.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (prefix_len,), generator=g)
-    cache = probe_cache(target, prefix_len + max(ks) + 1)
-    target.step([Segment(cache, ids, torch.arange(prefix_len))], [], [], [], argmax=False)
+    cache, pool = probe_cache(target, prefix_len + max(ks) + 1)
+    target.step(StepRequest([Segment(cache, ids, torch.arange(prefix_len))], [], argmax=False), pool)
     if cache.get_seq_length() != prefix_len:  # e.g. a cache argument the model ignored: k tokens would be timed alone
         raise RuntimeError(f"the prefill left {cache.get_seq_length()} cached positions, expected {prefix_len}")
 
@@ -76,7 +76,8 @@ def probe_steps(target, prefix_len: int = 500, ks=DEFAULT_KS) -> dict:
         kv = cache.get_seq_length()
         tids, pos, mask = tree_inputs([0], tree, kv, target.dtype)
         rows = list(range(tids.shape[1]))
-        target.step([Segment(cache, tids[0], pos[0], mask if tree.tokens else None)], rows, [], [])
+        segment = Segment(cache, tids[0], pos[0], mask if tree.tokens else None)
+        target.step(StepRequest([segment], rows, need=rows), pool)
         commit_kv(cache, kv, [0])
         dt = time.perf_counter() - t0
         cache.crop(-(cache.get_seq_length() - prefix_len))
@@ -91,12 +92,12 @@ def probe_steps(target, prefix_len: int = 500, ks=DEFAULT_KS) -> dict:
 
 
 def probe_cache(target, tokens: int):
-    """An empty cache of ``tokens`` rows as decoding uses: a block table in a pool of the target's
-    (its own small one), or the target's per-sequence cache where it has no pool."""
+    """(an empty cache of ``tokens`` rows as decoding uses, its pool): a block table in a pool of
+    the target's (its own small one), or the target's per-sequence cache where it has no pool."""
     pool = target.block_pool(tokens, 16, prefix_caching=False)
     if pool is None:
-        return target.new_cache()
-    return PagedKV(pool, pool.allocate(pool.blocks_for(tokens)))
+        return target.new_cache(), None
+    return pool.open(pool.allocate(pool.blocks_for(tokens))), pool
 
 
 def paired_cost(once, ks, repeats: int) -> tuple[dict[int, float], dict[int, float]]:

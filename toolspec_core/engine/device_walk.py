@@ -76,14 +76,25 @@ def accept_greedy(
     choice: torch.Tensor, trees: list[DraftTree], bases: list[int], need: list[int]
 ) -> tuple[list[VerifyResult], list[int]]:
     """The greedy walks of ``trees`` (roots at logit rows ``bases``) on the device, and the argmax
-    of logit rows ``need`` (what host walks and first tokens read), in the step's one copy back.
+    of logit rows ``need`` (what host walks and first tokens read), in the step's one copy back."""
+    rows, picked = accept_rows(choice, walk_inputs(trees, bases) if trees else None, need)
+    return read_walks(rows), picked
 
-    ``choice``: the step's argmax [M] (long), wherever the forward left it. Everything the host
-    sends goes in one transfer, from pinned memory on an accelerator so it queues behind the
-    forward instead of waiting for it."""
+
+def accept_rows(
+    choice: torch.Tensor, inputs: torch.Tensor | None, need: list[int]
+) -> tuple[list[list[int]], list[int]]:
+    """:func:`device_walk` of the trees ``inputs`` [B, 1 + 2T] (host, :func:`walk_inputs`; None:
+    no tree) over the argmax ``choice`` [M] (long, wherever the forward left it), and the argmax
+    of logit rows ``need``: the rows of the walks and the picked argmax, in one copy back.
+
+    Everything the host sends goes in one transfer, from pinned memory on an accelerator so it
+    queues behind the forward instead of waiting for it."""
     dev = choice.device
-    b = len(trees)
-    host = torch.cat([torch.tensor(need, dtype=torch.long), walk_inputs(trees, bases).reshape(-1)])
+    b = 0 if inputs is None else inputs.shape[0]
+    host = torch.tensor(need, dtype=torch.long)
+    if b:
+        host = torch.cat([host, inputs.reshape(-1)])
     if dev.type != "cpu":
         host = host.pin_memory().to(dev, non_blocking=True)
     k = len(need)
@@ -94,5 +105,4 @@ def accept_greedy(
         width = walked.shape[1]
         parts.append(walked.reshape(-1))
     flat = torch.cat(parts).tolist()  # the step's one sync
-    walks = read_walks([flat[k + i * width : k + (i + 1) * width] for i in range(b)])
-    return walks, flat[:k]
+    return [flat[k + i * width : k + (i + 1) * width] for i in range(b)], flat[:k]

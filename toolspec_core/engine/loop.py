@@ -9,11 +9,11 @@ import torch
 
 from toolspec_core.drafters.base import Drafter
 from toolspec_core.engine.budget import CostModel
-from toolspec_core.engine.commit import clone_cache
 from toolspec_core.engine.detokenize import Detokenizer
 from toolspec_core.engine.scheduler import BatchLimits, run_batch
 from toolspec_core.engine.sequence import DecodeConfig, Prefilled, Sequence, check_prompt
 from toolspec_core.engine.stats import GenerationResult
+from toolspec_core.model.kv import copy_rows
 from toolspec_core.model.target import Target
 
 __all__ = ["DecodeConfig", "Prefilled", "check_prompt", "decode", "generate", "prefill"]
@@ -35,7 +35,7 @@ def prefill(
         and len(prefix.prompt_ids) < len(prompt_ids)
         and prompt_ids[: len(prefix.prompt_ids)] == prefix.prompt_ids
     ):
-        start, cache = len(prefix.prompt_ids), clone_cache(prefix.cache)
+        start, cache = len(prefix.prompt_ids), copy_rows(prefix.cache, target.new_cache())
     hidden, kept = None, []
     for s in range(start, len(prompt_ids), chunk):
         ids = torch.tensor([prompt_ids[s : s + chunk]], dtype=torch.long)
@@ -57,14 +57,13 @@ def decode(
     drafter: Drafter | None = None,
     cfg: DecodeConfig = DecodeConfig(),
     cost: CostModel | None = None,
-    own_cache: bool = False,
     on_tokens: Callable[[list[int]], bool | None] | None = None,
     constraint=None,
     detokenizer: Detokenizer | None = None,
 ) -> GenerationResult:
     """Decode after ``pre`` as a batch of one (:class:`~toolspec_core.engine.sequence.Sequence` says
-    what each argument does). The prefix cache is cloned unless ``own_cache`` (then it is consumed)."""
-    seq = Sequence(target, pre.prompt_ids, drafter, cfg, constraint, on_tokens, detokenizer, pre, own_cache)
+    what each argument does); ``pre`` is left as it was (its rows are copied in at admission)."""
+    seq = Sequence(target, pre.prompt_ids, drafter, cfg, constraint, on_tokens, detokenizer, pre)
     return run_batch(target, [seq], cost, BatchLimits(max_running=1))[0]
 
 

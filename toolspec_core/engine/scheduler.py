@@ -31,15 +31,16 @@ import torch
 from toolspec_core.drafters.base import NoDrafter
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import commit_kv, kv_rows
-from toolspec_core.engine.device_walk import accept_greedy
+from toolspec_core.engine.device_walk import read_walks, walk_inputs
 from toolspec_core.engine.sequence import Sequence, cap_depth
 from toolspec_core.engine.stats import record_step
 from toolspec_core.engine.tree import DraftTree, select
 from toolspec_core.engine.verify import VerifyResult, tree_inputs, walk
 from toolspec_core.errors import ContextLengthError
 from toolspec_core.model.batch_forward import Segment
-from toolspec_core.model.block_pool import BlockPool, PagedKV
-from toolspec_core.model.target import StepOutput
+from toolspec_core.model.block_pool import BlockPool
+from toolspec_core.model.kv import copy_rows
+from toolspec_core.model.step_runner import StepOutput, StepRequest
 
 log = logging.getLogger("toolspec.engine")
 
@@ -87,6 +88,7 @@ class StepRecord:
     budget_s: float = 0.0
     inputs_s: float = 0.0
     commit_s: float = 0.0
+    handover_s: float = 0.0  # the step's plan reaching every rank (a tensor-parallel target; part of forward_s)
 
 
 @dataclass
@@ -128,7 +130,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> Sequence:
         """Queue ``seq``; a sequence the whole pool could never hold is refused here."""
-        if self.pool is not None and seq.prefill_pending:
+        if self.pool is not None:
             self.check_fits(len(seq.prompt_ids), seq.cfg.max_new_tokens)
         self.waiting.append(seq)
         return seq
@@ -234,9 +236,11 @@ class Scheduler:
         greedy = any(r.seq.cfg.sampling.greedy and r.seq.constraint is None for r in rows) or any(
             not reads_logits(seq) for seq, _, done in prefills if done
         )
+        on_device, need, walk = self._walks(rows, len(ends), greedy)
         t1 = time.perf_counter()
-        out = self.target.step(segments, logit_rows, full_rows, ends, argmax=greedy)
-        walks, choice = self._accept(rows, out, len(ends))  # waits for the forward: its one copy back
+        req = StepRequest(segments, logit_rows, full_rows, ends, walk, need, argmax=greedy)
+        out = self.target.step(req, self.pool)  # waits for the forward: its one copy back
+        walks, choice = self._accept(on_device, out)
         t2 = time.perf_counter()
         fwd = t2 - t1
 
@@ -272,6 +276,7 @@ class Scheduler:
                 budget_s=tc - tb,
                 inputs_s=t1 - tc,
                 commit_s=t4 - t3,
+                handover_s=out.handover_s,
             )
         )
         return finished
@@ -309,38 +314,36 @@ class Scheduler:
             seq.finish()
         return out
 
-    def _accept(
-        self, rows: list[_Row], out: StepOutput, n_ends: int
-    ) -> tuple[list[VerifyResult | None], list[int | None] | None]:
-        """The step's walks done on the device (None: the sequence walks on the host) and, on the
-        host, the argmax of the logit rows host code reads (None elsewhere; the whole list None
-        where no argmax was asked for): one copy back from the device for the whole step.
+    def _walks(self, rows: list[_Row], n_ends: int, greedy: bool) -> tuple[list[bool], list[int], torch.Tensor | None]:
+        """Which sequences' greedy walks run where the argmax is (the step runner's
+        :func:`~toolspec_core.model.step_runner.answer`), the logit rows whose argmax the host
+        reads, and the walked trees' inputs [B, 1 + 2T] (None: no walk there).
 
-        A greedy, unconstrained sequence that reads nothing but the argmax is walked on the device
-        (:func:`~toolspec_core.engine.device_walk.accept_greedy`); sampling, a grammar, logprobs
-        and drafters that learn from the logits walk on the host, as does every sequence of a
-        target whose argmax arrives as a list (tensor-parallel: from its ranks)."""
-        if not isinstance(out.choice, torch.Tensor):
-            return [None] * len(rows), out.choice
-        here = self.device_walk if self.device_walk is not None else out.choice.device.type != "cpu"
-        if not here:
-            return [None] * len(rows), out.choice.tolist()  # every walk on the host
+        A greedy, unconstrained sequence that reads nothing but the argmax is walked where the
+        argmax is (``device_walk``; None: where the target says, an accelerator or the ranks of a
+        tensor-parallel target); sampling, a grammar, logprobs and drafters that learn from the
+        logits walk on the host."""
+        none = [False] * len(rows)
+        if not greedy:
+            return none, [], None
+        here = self.device_walk if self.device_walk is not None else self.target.device_walk
+        if not here:  # every walk on the host: the argmax of every logit row comes back
+            return none, list(range(sum(r.n for r in rows) + n_ends)), None
         on_device = [not reads_logits(r.seq) and r.tree.is_trie() for r in rows]
         need = list(range(n_ends))  # the completed prompts' last rows: a greedy start reads their argmax
         for r, dev in zip(rows, on_device):
             if not dev and r.seq.cfg.sampling.greedy and r.seq.constraint is None:  # a greedy walk on the host
                 need.extend(range(r.start, r.start + r.n))
         mine = [r for r, dev in zip(rows, on_device) if dev]
-        if not mine and not need:
-            return [None] * len(rows), None
-        walks, picked = accept_greedy(
-            out.choice, [r.tree for r in mine], [r.start + len(r.seq.roots) - 1 for r in mine], need
-        )
-        choice: list[int | None] = [None] * out.choice.shape[0]
-        for j, c in zip(need, picked):
-            choice[j] = c
-        it = iter(walks)
-        return [next(it) if dev else None for dev in on_device], choice
+        walk = walk_inputs([r.tree for r in mine], [r.start + len(r.seq.roots) - 1 for r in mine]) if mine else None
+        return on_device, need, walk
+
+    @staticmethod
+    def _accept(on_device: list[bool], out: StepOutput) -> tuple[list[VerifyResult | None], list[int | None] | None]:
+        """The step's walks done where the argmax is (None: the sequence walks on the host) and the
+        argmax of the logit rows host code reads (None elsewhere)."""
+        it = iter(read_walks(out.walks))
+        return [next(it) if dev else None for dev in on_device], out.choice
 
     def _commit(self, r: _Row, out: StepOutput, fwd: float, result: VerifyResult | None, choice) -> None:
         """Commit one sequence's step: its walk (``result`` when done on the device), KV commit,
@@ -378,30 +381,54 @@ class Scheduler:
         reserved = sum(s.reserved_tokens for s in self.running)
         while self.waiting and len(self.running) < lim.max_running:
             seq = self.waiting[0]
-            if self.pool is not None and seq.prefill_pending:
+            if self.pool is not None:
                 if not self._place(seq):  # the pool is full: wait for blocks (first come, first served)
                     break
             else:
                 fits = lim.max_kv_tokens is None or reserved + seq.reserved_tokens <= lim.max_kv_tokens
                 if not fits and self.running:  # one sequence alone is always admitted: nothing else would free room
                     break
+                self._place(seq)
             self.waiting.popleft()
             self.running.append(seq)
             reserved += seq.reserved_tokens
             seq.take_prefilled()
 
     def _place(self, seq: Sequence) -> bool:
-        """Give ``seq`` a block table in the pool: its prompt's cached blocks (at least one prompt
-        token is left to prefill: its logits start the output), then its own. False: no room yet."""
-        pool = self.pool
+        """Open ``seq``'s KV cache: the one place a sequence's cache is set (``Sequence.place_cache``).
+
+        With a pool, a block table: a prompt prefilled outside the scheduler (``seq.prefilled``,
+        e.g. to key a retrieval search on its hidden state) is copied into blocks of its own;
+        otherwise the prompt's cached prefix blocks (at least one prompt token is left to prefill:
+        its logits start the output), then its own blocks for the rest of the prompt,
+        ``max_new_tokens`` and one draft tree. False: the pool has no room yet. Without a pool, a
+        cache of the sequence's own (the target's :meth:`new_cache`)."""
+        pool, pre = self.pool, seq.prefilled
+        if pool is None:
+            cache = self.target.new_cache()
+            if pre is None:
+                seq.place_cache(cache, 0)
+            else:
+                seq.place_cache(copy_rows(pre.cache, cache), len(seq.prompt_ids))
+            return True
+        if pre is not None:
+            need = pool.blocks_for(self._rows_needed(seq))
+            if need > pool.available():
+                return False
+            cache = copy_rows(pre.cache, pool.open(pool.allocate(need)))
+            cache.register(seq.prompt_ids)  # later prompts that begin with this one reuse its blocks
+            pool.count_query(len(seq.prompt_ids), 0)
+            seq.place_cache(cache, len(seq.prompt_ids))
+            return True
         shared, keys = pool.match(seq.prompt_ids, len(seq.prompt_ids) - 1)
         need = pool.blocks_for(self._rows_needed(seq)) - len(shared)
         if need > pool.available():
             pool.release(shared)
             return False
-        cache = PagedKV(pool, shared + pool.allocate(need), len(shared), keys)
+        cache = pool.open(shared + pool.allocate(need), len(shared), keys)
         pool.count_query(len(seq.prompt_ids), cache.length)
-        seq.cache, seq.filled, seq.stats.cached_tokens = cache, cache.length, cache.length
+        seq.place_cache(cache, cache.length)
+        seq.stats.cached_tokens = cache.length
         return True
 
     def _reap(self, finished: list[Sequence]) -> None:

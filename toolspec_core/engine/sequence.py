@@ -13,7 +13,6 @@ from typing import Callable
 import torch
 
 from toolspec_core.drafters.base import DraftContext, Drafter, NoDrafter
-from toolspec_core.engine.commit import clone_cache
 from toolspec_core.engine.detokenize import Detokenizer
 from toolspec_core.engine.sampling import (
     MAX_TOP_LOGPROBS,
@@ -53,7 +52,9 @@ class DecodeConfig:
 
 @dataclass
 class Prefilled:
-    """A prompt whose KV is cached; ``logits`` [V] predict the first generated token."""
+    """A prompt run through the target outside a scheduler (:func:`~toolspec_core.engine.loop.prefill`):
+    its KV in ``cache`` (the caller's; a scheduler copies the rows into the cache it opens for a
+    sequence, never takes this one); ``logits`` [V] predict the first generated token."""
 
     prompt_ids: list[int]
     cache: object
@@ -152,15 +153,17 @@ _ids = itertools.count()
 class Sequence:
     """One request being decoded.
 
-    ``prefilled``: a prompt already in a KV cache (cloned unless ``own_cache``; then consumed);
-    otherwise the scheduler prefills the prompt in chunks, reusing ``prefix`` (a ``Prefilled``
-    whose prompt is a strict prefix of this one) when given. ``on_tokens(new_ids)`` is called
-    after each commit with the newly emitted tokens (streaming); returning ``False`` cancels the
-    sequence (finish_reason "cancelled"). ``constraint`` (:mod:`toolspec_core.engine.grammar`)
-    restricts the target to a grammar; tokens it forces are emitted without verification and
-    enter the next forward as part of the root chain. One ``Detokenizer`` decodes the output
-    once, incrementally, for stop strings, the drafter (``DraftContext.text``) and the final
-    text; a caller that reads the text while decoding passes its own as ``detokenizer``.
+    ``prefilled``: the prompt already run through the target (its rows are copied into the cache
+    the scheduler opens for the sequence, and its logits start the output); otherwise the
+    scheduler prefills the prompt in chunks (a pool's cached prefix blocks first). The KV cache
+    is set in one place, :meth:`~toolspec_core.engine.scheduler.Scheduler._place`, at admission
+    (:meth:`place_cache`). ``on_tokens(new_ids)`` is called after each commit with the newly
+    emitted tokens (streaming); returning ``False`` cancels the sequence (finish_reason
+    "cancelled"). ``constraint`` (:mod:`toolspec_core.engine.grammar`) restricts the target to a
+    grammar; tokens it forces are emitted without verification and enter the next forward as
+    part of the root chain. One ``Detokenizer`` decodes the output once, incrementally, for stop
+    strings, the drafter (``DraftContext.text``) and the final text; a caller that reads the text
+    while decoding passes its own as ``detokenizer``.
     """
 
     def __init__(
@@ -173,8 +176,6 @@ class Sequence:
         on_tokens: Callable[[list[int]], bool | None] | None = None,
         detokenizer: Detokenizer | None = None,
         prefilled: Prefilled | None = None,
-        own_cache: bool = False,
-        prefix: Prefilled | None = None,
     ):
         self.prompt_ids = list(prefilled.prompt_ids if prefilled is not None else prompt_ids)
         check_prompt(target, self.prompt_ids, cfg.max_new_tokens)
@@ -194,32 +195,26 @@ class Sequence:
         self.cancelled = False
         self.error: BaseException | None = None  # why the sequence ended with finish_reason "error"
         self.hidden: torch.Tensor | None = None  # [H] the prompt's last state, once prefilled
-        self._prefilled = prefilled
-        if prefilled is not None:
-            self.cache, self.filled = (
-                prefilled.cache if own_cache else clone_cache(prefilled.cache),
-                len(self.prompt_ids),
-            )
-            self.stats.prefill_s = prefilled.seconds
-            self.hidden = prefilled.hidden
-        elif (
-            prefix is not None
-            and len(prefix.prompt_ids) < len(self.prompt_ids)
-            and self.prompt_ids[: len(prefix.prompt_ids)] == prefix.prompt_ids
-        ):
-            self.cache, self.filled = clone_cache(prefix.cache), len(prefix.prompt_ids)
-        else:
-            self.cache, self.filled = target.new_cache(), 0
+        self.prefilled = prefilled
+        self._cache = None  # set once, at admission (place_cache)
+        self.filled = 0  # prompt rows whose KV is in the cache
+
+    @property
+    def cache(self):
+        """The sequence's KV cache (None before admission and after it finished)."""
+        return self._cache
+
+    def place_cache(self, cache, filled: int) -> None:
+        """Admission: the cache the scheduler opened for this sequence, holding its first ``filled``
+        prompt rows. Only :meth:`~toolspec_core.engine.scheduler.Scheduler._place` calls it."""
+        if self._cache is not None or self.result is not None:
+            raise RuntimeError(f"sequence {self.id} already has its KV cache")
+        self._cache, self.filled = cache, filled
 
     @property
     def reserved_tokens(self) -> int:
         """KV rows this sequence may come to hold (what admission counts)."""
         return len(self.prompt_ids) + self.cfg.max_new_tokens
-
-    @property
-    def prefill_pending(self) -> bool:
-        """Nothing of the prompt is cached yet: the scheduler chooses where its KV goes."""
-        return self._prefilled is None and self.filled == 0
 
     @property
     def prefilling(self) -> bool:
@@ -230,11 +225,14 @@ class Sequence:
         return bool(self.roots) and self.reason is None
 
     def take_prefilled(self) -> bool:
-        """Start from the ``prefilled`` prompt given at construction, if any (at admission)."""
-        if self._prefilled is None:
+        """Start from the ``prefilled`` prompt given at construction, if any (at admission, once its
+        rows are in the sequence's cache)."""
+        pre = self.prefilled
+        if pre is None:
             return False
-        logits, self._prefilled = self._prefilled.logits, None
-        self.start(logits)
+        self.prefilled = None  # the caller's prefill is not held past admission
+        self.stats.prefill_s, self.hidden = pre.seconds, pre.hidden
+        self.start(pre.logits)
         return True
 
     def start(self, logits: torch.Tensor | None, choice: int | None = None) -> None:
@@ -274,5 +272,5 @@ class Sequence:
     def finish(self) -> GenerationResult:
         self.stats.generated_tokens = len(self.generated)
         self.result = GenerationResult(self.generated, self.stopper.text(), self.reason, self.stats, self.logprobs)
-        self.cache = None  # the KV goes with the sequence
+        self._cache = None  # the KV goes with the sequence
         return self.result

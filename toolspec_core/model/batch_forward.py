@@ -34,7 +34,7 @@ class Segment:
     """One sequence's rows in a batched forward.
 
     ``ids`` / ``pos`` [n] (long); ``mask`` [1, 1, n, S] additive float over the cache's ``S - n``
-    rows plus these, or None for causal rows (a prefill chunk; a single decode row sees everything).
+    rows plus these (or [1, 1, n, n], these rows' columns alone), or None for causal rows (a prefill chunk; a single decode row sees everything).
     Every row sees the whole cache (a verify mask's first ``S - n`` columns are zero): the
     ragged attention and the tensor-parallel plan read only the mask's last ``n`` columns.
     """
@@ -100,7 +100,7 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
     """Last-layer hidden states [N, H] of all segments' rows, in order; every cache grows by its rows.
 
     Attention runs one call a sequence, over any :class:`~toolspec_core.model.kv.KVCache`
-    (:func:`toolspec_core.model.ragged.step_forward` chooses between this and one call for all).
+    (the step runner, :mod:`toolspec_core.model.step_runner`, chooses between this and one call for all).
     Inputs may be on the CPU; they are moved to the model's device here.
     """
     core = model.model
@@ -116,7 +116,10 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
         bounds.append((o, o + n))
         o += n
         if s.mask is not None:
-            masks.append(grouped_mask(s.mask.to(dev, dtype, non_blocking=True), g))
+            m = s.mask.to(dev, dtype, non_blocking=True)
+            if m.shape[-1] < prefix + n:  # the new rows' columns only: every row sees the whole cache
+                m = F.pad(m, (prefix + n - m.shape[-1], 0))
+            masks.append(grouped_mask(m, g))
         elif n > 1:
             masks.append(grouped_mask(causal_mask(prefix, n, dtype, dev), g))
         else:

@@ -29,6 +29,7 @@ Not thread-safe: the scheduler's thread owns the pool.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -45,6 +46,9 @@ def block_keys(tokens: list[int], block_tokens: int, n_blocks: int, prev: bytes 
         prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
         out.append(prev)
     return out
+
+
+_sids = itertools.count(1)
 
 
 @dataclass
@@ -103,6 +107,17 @@ class BlockPool:
         self.lru: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, oldest first
         self.queried_tokens = self.hit_tokens = self.evictions = 0
         self._pending: tuple[list[int], list[int]] | None = None  # (src, dst) slots moved at the end of together()
+
+    def open(self, table: list[int], shared: int = 0, keys: list[bytes] | None = None) -> "PagedKV":
+        """A sequence's cache over ``table`` (blocks the caller holds: ``shared`` leading ones found
+        in the prefix cache, with their ``keys``): the one way a :class:`PagedKV` is made, so the
+        pool knows every sequence whose rows it holds (``sid``: its id here and on the ranks of a
+        tensor-parallel target, whose pool replays this; unique in the process)."""
+        return PagedKV(self, table, shared, keys, next(_sids))
+
+    def close(self, cache: "PagedKV") -> None:
+        """A sequence's blocks come back (:meth:`PagedKV.release`)."""
+        self.release(cache.table)
 
     @property
     def capacity_tokens(self) -> int:
@@ -274,8 +289,10 @@ class PagedKV:
     ``shared``: leading blocks of the table found in the prefix cache (read-only; ``length``
     starts past them)."""
 
-    def __init__(self, pool: BlockPool, table: list[int], shared: int = 0, keys: list[bytes] | None = None):
-        self.pool, self.table, self.shared = pool, list(table), shared
+    def __init__(
+        self, pool: BlockPool, table: list[int], shared: int = 0, keys: list[bytes] | None = None, sid: int = 0
+    ):
+        self.pool, self.table, self.shared, self.sid = pool, list(table), shared, sid
         self.keys = list(keys or [])  # prefix keys of the table's leading blocks, as far as known
         bt = pool.block_tokens
         self.length = shared * bt
@@ -362,7 +379,7 @@ class PagedKV:
             return
         if tokens is not None:
             self.register(tokens)
-        self.pool.release(self.table)
+        self.pool.close(self)
         self.released = True
 
     def nbytes(self) -> int:
@@ -372,17 +389,13 @@ class PagedKV:
 
 
 def paged_copy(pool: BlockPool, cache, reserve: int) -> PagedKV:
-    """A :class:`PagedKV` of ``reserve`` rows in ``pool`` holding the valid rows of another cache
-    (a prompt prefilled alone, e.g. a :class:`~toolspec_core.model.kv.SeqKV`): how a prompt
-    prefilled once enters a pooled batch without being prefilled again."""
+    """A new :class:`PagedKV` of ``reserve`` rows in ``pool`` holding the valid rows of another cache
+    (a prompt prefilled alone, e.g. a :class:`~toolspec_core.model.kv.SeqKV`): how such a prompt
+    is placed in the pool at admission without being prefilled again."""
+    from toolspec_core.model.kv import copy_rows
+
     n = cache.get_seq_length()
-    out = PagedKV(pool, pool.allocate(pool.blocks_for(max(reserve, n))))
-    with torch.inference_mode():
-        for i, layer in enumerate(cache.layers):
-            out._put(pool.k, i, 0, layer.keys[0])  # [H_kv, n, D]
-            out._put(pool.v, i, 0, layer.values[0])
-    out.advance(n)
-    return out
+    return copy_rows(cache, pool.open(pool.allocate(pool.blocks_for(max(reserve, n)))))
 
 
 def kv_shape(config) -> tuple[int, int, int]:

@@ -24,7 +24,7 @@ import torch
 
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import BlockPool
-from toolspec_core.model.ragged import Group, RaggedPlan, check_room, plan_step, pool_of, ragged_hidden
+from toolspec_core.model.ragged import Group, RaggedPlan, check_room, plan_step, ragged_hidden
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -90,9 +90,8 @@ class StepGraphs:
 
     def run(self, segments: list[Segment]) -> torch.Tensor | None:
         """Hidden states [N, H] of a decode step's rows, in order (every cache grows by its rows), or
-        None where the step has no graph shape (the caller runs it eager)."""
-        if pool_of(segments) is not self.pool:
-            return None
+        None where the step has no graph shape (the caller runs it eager). Every cache is a block
+        table of ``pool`` (the step runner checks)."""
         grid = grid_of(segments, self.pool)
         if grid is None:
             return None

@@ -60,6 +60,19 @@ def gather_rows(layers, prefix_len: int, rows: list[int]) -> None:
             layer.values[:, :, prefix_len:end] = layer.values.index_select(2, src)
 
 
+def copy_rows(src, dst):
+    """Write the valid rows of cache ``src`` after ``dst``'s (every layer) and return ``dst``: how
+    a prompt prefilled alone is placed in the cache the scheduler opened for its sequence (a
+    block table of the pool), the prefilled cache itself left as it was."""
+    n = src.get_seq_length()
+    if n:
+        with torch.inference_mode():
+            for i, layer in enumerate(src.layers):
+                dst.write(i, layer.keys[:, :, :n], layer.values[:, :, :n])
+        dst.advance(n)
+    return dst
+
+
 class _LayerView:
     """``keys`` / ``values`` of one layer: views of the valid rows, [1, H_kv, length, D]."""
 
@@ -129,17 +142,6 @@ class SeqKV:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
-
-    def __deepcopy__(self, memo) -> "SeqKV":
-        """A copy of the valid rows only (a cached prompt prefix handed to a new request)."""
-        out = SeqKV(self.n_layers, self.length + GROW)
-        out.length = self.length
-        with torch.inference_mode():
-            for i in range(self.n_layers):
-                if self.k[i] is not None:
-                    out.k[i] = self.k[i][:, :, : self.length + GROW].clone()
-                    out.v[i] = self.v[i][:, :, : self.length + GROW].clone()
-        return out
 
 
 class HFKV:

@@ -25,8 +25,9 @@ Masks: a prefill chunk is causal, a single row sees its whole cache, a root chai
 tree sees the cache and the ancestors its :class:`~toolspec_core.model.batch_forward.Segment`
 mask gives (only that mask's last ``n`` columns are read: every row sees the whole cache).
 
-Which path runs is the target's ``attention`` setting (:data:`ATTENTION`): "per_sequence" (the
-loop), "ragged", or "auto" (ragged on CUDA, per_sequence elsewhere). The CPU keeps the loop: there
+Which path runs is decided by the step runner (:mod:`toolspec_core.model.step_runner`) from the
+target's ``attention`` setting (:data:`ATTENTION`): "per_sequence" (the loop), "ragged", or
+"auto" (ragged on CUDA, per_sequence elsewhere). The CPU keeps the loop: there
 a launch costs nothing and the padded read is extra work -- one padded SDPA call took 1.6-9x the
 loop's time at B = 4-16 (``benchmarks/results/measurements/batch-attention-cpu-epyc-0f934ae.json``,
 ``python -m benchmarks.studies.batch_attention_ab``), and FlexAttention, uncompiled on the CPU, 15-83x.
@@ -39,8 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from toolspec_core.model.batch_forward import Segment, batched_forward, decoder_layers
-from toolspec_core.model.block_pool import BlockPool, PagedKV
+from toolspec_core.model.batch_forward import Segment, decoder_layers
+from toolspec_core.model.block_pool import BlockPool
 
 ATTENTION = ("auto", "per_sequence", "ragged")
 
@@ -52,26 +53,6 @@ def resolve_attention(name: str, device) -> str:
     if name == "auto":
         return "ragged" if torch.device(device).type == "cuda" else "per_sequence"
     return name
-
-
-def step_forward(model: torch.nn.Module, segments: list[Segment], attention: str = "per_sequence") -> torch.Tensor:
-    """Last-layer hidden states [N, H] of all segments' rows, in order; every cache grows by its rows.
-
-    ``attention`` (resolved, :func:`resolve_attention`): "ragged" runs :func:`ragged_forward` when
-    every cache is a block table of one pool, and the per-sequence
-    :func:`~toolspec_core.model.batch_forward.batched_forward` otherwise, as "per_sequence" does."""
-    pool = pool_of(segments) if attention == "ragged" else None
-    return batched_forward(model, segments) if pool is None else ragged_forward(model, segments, pool)
-
-
-def pool_of(segments: list[Segment]) -> BlockPool | None:
-    """The pool every segment's cache is a block table of, or None (another cache kind, or two pools)."""
-    pool = None
-    for s in segments:
-        if not isinstance(s.cache, PagedKV) or (pool is not None and s.cache.pool is not pool):
-            return None
-        pool = s.cache.pool
-    return pool
 
 
 GRID_ROWS = 64  # a segment with more rows (a prefill chunk) gets an attention call of its own

@@ -16,7 +16,10 @@ from toolspec_core.model.cpu_linears import tune_cpu_linears
 from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME, ModelFileError, embedded_model_dir
 from toolspec_core.model.kv import HFKV, KVCache, SeqKV
 from toolspec_core.model.prompting import eos_ids_of
-from toolspec_core.model.ragged import resolve_attention, step_forward
+from toolspec_core.model.ragged import resolve_attention
+from toolspec_core.model.step_runner import StepOutput, StepRequest, StepRunner, hf_hidden
+
+__all__ = ["StepOutput", "StepRequest", "Target", "from_model", "load_target"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,12 +37,11 @@ def resolve_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 @dataclass
 class Target:
-    """An HF causal LM plus its tokenizer: the calls the engine makes (``forward``, ``logits``).
+    """An HF causal LM plus its tokenizer: the calls the engine makes (``step``, ``logits``).
 
-    ``forward`` runs the rows of many sequences in one pass (:mod:`toolspec_core.model.batch_forward`)
-    where the model's family allows it, otherwise one ``hidden`` call per sequence; ``step`` is
-    what the scheduler calls (a tensor-parallel target, ``deployments/tp``, overrides it to run
-    on its ranks).
+    ``step`` runs one verify forward of many sequences through the step runner
+    (:mod:`toolspec_core.model.step_runner`, the one place that decides how a step runs); a
+    tensor-parallel target (``deployments/tp``) overrides it to run the same runner on its ranks.
 
     ``attention``: how the batched forward attends over a block pool's sequences, one of
     :data:`~toolspec_core.model.ragged.ATTENTION` ("auto": one ragged call a layer on CUDA, the
@@ -60,7 +62,7 @@ class Target:
             raise ValueError(
                 f"cuda_graphs needs a CUDA model and the ragged attention (device {self.device}, attention {mode})"
             )
-        self._graphs = None  # the StepGraphs of the pool the steps run in, made at the first graphed step
+        self._runner = None  # the StepRunner of the pool the steps run in
 
     @property
     def attention_mode(self) -> str:
@@ -102,121 +104,57 @@ class Target:
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(free * fraction) // kv_bytes_per_token(self.model.config, self.dtype)
 
-    def graph_step(self, segments: list[Segment]) -> torch.Tensor | None:
-        """A decode step replayed from its captured graph (:mod:`toolspec_core.model.graphs`): hidden
-        states [N, H], or None where the step has none (a prefill chunk, no bucket, no pool)."""
-        from toolspec_core.model.ragged import pool_of
-
-        pool = pool_of(segments)
-        return None if pool is None else self._graphs_of(pool).run(segments)
+    def runner(self, pool=None) -> StepRunner:
+        """The :class:`~toolspec_core.model.step_runner.StepRunner` of this target's steps over
+        ``pool`` (None: sequences with caches of their own, e.g. a prompt prefilled outside the
+        scheduler); one per pool, kept (a graphed runner's buffers write that pool's storage)."""
+        if self._runner is None or self._runner.pool is not pool:
+            self._runner = StepRunner(self.model, pool, self.attention, self.cuda_graphs)
+        return self._runner
 
     def warm_graphs(self, pool, grids: list[tuple[int, int, int]]) -> None:
         """Capture the decode steps of these (running sequences, rows a sequence, KV rows) bucket
         shapes over ``pool`` now (start-up), not at their first use."""
         if not self.cuda_graphs:
             raise ValueError("warm_graphs needs a target made with cuda_graphs=True")
-        self._graphs_of(pool).warm(grids)
-
-    def _graphs_of(self, pool):
-        from toolspec_core.model.graphs import StepGraphs
-
-        if self._graphs is None or self._graphs.pool is not pool:  # graphs write one pool's storage
-            self._graphs = StepGraphs(self.model, pool)
-        return self._graphs
+        self.runner(pool).graphs.warm(grids)
 
     def hf_cache(self):
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
 
-    def forward(self, segments: list[Segment]) -> torch.Tensor:
-        """Last-layer hidden states [N, H] of every segment's rows, concatenated in order: a
-        captured decode step where one fits (``cuda_graphs``), else the batched forward."""
-        if self.batched:
-            if self.cuda_graphs:
-                out = self.graph_step(segments)
-                if out is not None:
-                    return out
-            return step_forward(self.model, segments, self.attention_mode)
-        outs = [self.hidden(s.ids[None], s.pos[None], s.mask, s.cache) for s in segments]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    def forward(self, segments: list[Segment], pool=None) -> torch.Tensor:
+        """Last-layer hidden states [N, H] of every segment's rows, in order (the step runner's
+        forward over ``pool``; None: the per-sequence loop over caches of any kind)."""
+        return self.runner(pool).hidden(segments)
 
     def hidden(self, input_ids, position_ids, mask, cache) -> torch.Tensor:
-        """One sequence: input_ids/position_ids: [1, T]; mask: [1, 1, T, S] additive or None (causal).
+        """One sequence outside a scheduler's pool (a prompt prefilled alone): input_ids /
+        position_ids [1, T]; mask [1, 1, T, S] additive or None (causal); ``cache`` from
+        :meth:`new_cache`. Returns last-layer hidden states [T, H]; the cache grows by T rows."""
+        return self.runner(None).hidden([Segment(cache, input_ids[0], position_ids[0], mask)])
 
-        A :class:`KVCache` of a batched target goes through ``forward`` (as a batch of one); HF's
-        own cache (bare, or in an :class:`HFKV`) through HF's own forward, the reference the
-        batched one is tested against. Inputs are built on the CPU and moved to the model's
-        device here. Returns last-layer hidden states [T, H] on that device; the cache grows by T rows.
-        """
-        if self.batched and isinstance(cache, KVCache):
-            return self.forward([Segment(cache, input_ids[0], position_ids[0], mask)])
-        cache = cache.hf if isinstance(cache, HFKV) else cache
-        dev = self.device
-        if dev.type != "cpu":
-            input_ids, position_ids = input_ids.to(dev, non_blocking=True), position_ids.to(dev, non_blocking=True)
-            mask = None if mask is None else mask.to(dev, non_blocking=True)
-        with torch.inference_mode():
-            out = self.model.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=mask,
-                use_cache=True,
-                **{cache_kwarg(self.model.model): cache},
-            )
-        return out.last_hidden_state[0]
+    def hf_hidden(self, input_ids, position_ids, mask, hf_cache) -> torch.Tensor:
+        """:meth:`hidden` through HF's own forward over HF's own cache (:meth:`hf_cache`): the
+        reference the batched forward is tested against."""
+        return hf_hidden(self.model, input_ids, position_ids, mask, hf_cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> logits [T, V] (fp32, on the model's device)."""
         with torch.inference_mode():
             return self.model.lm_head(hidden).float()
 
-    def step(
-        self,
-        segments: list[Segment],
-        logit_rows: list[int],
-        full_rows: list[int],
-        hidden_rows: list[int],
-        argmax: bool = True,
-    ) -> StepOutput:
-        """One verify forward as the scheduler needs it: the argmax of each of ``logit_rows`` (rows
-        of the concatenated segments), the full logits of ``full_rows`` (indices into
-        ``logit_rows``: the rows a walk, a grammar, logprobs or a learning drafter read) and the
-        hidden states of ``hidden_rows``. Here every logit row's logits are at hand anyway, so all
-        are returned; a tensor-parallel target (``deployments/tp``) returns just the asked ones.
-        Nothing waits for the forward: the argmax stays on the device, where the scheduler walks the
-        greedy trees (:mod:`toolspec_core.engine.device_walk`) before its one copy back."""
-        hidden = self.forward(segments)  # [N, H]
-        picked = hidden if len(logit_rows) == hidden.shape[0] else hidden[logit_rows]
-        logits = self.logits(picked)  # [M, V]
-        choice = torch.argmax(logits, -1) if argmax and len(logit_rows) else None  # [M] long, on the device
-        return StepOutput(choice, logits, None, hidden[hidden_rows] if hidden_rows else None)
+    @property
+    def device_walk(self) -> bool:
+        """Whether the scheduler asks for greedy walks where the argmax is (an accelerator: no copy
+        of every row back; on the CPU the host walk costs less than the tensor ops)."""
+        return self.device.type != "cpu"
 
-
-@dataclass
-class StepOutput:
-    """What one verify forward gives back (:meth:`Target.step`).
-
-    ``choice``: argmax of every logit row, [M] long on the model's device (a tensor-parallel
-    target: a list, from its ranks) or None when not asked for; ``logits`` [K, V] fp32: full
-    rows, each logit row ``j`` at ``index[j]`` (``index`` None: all logit rows, in order);
-    ``hidden`` [len(hidden_rows), H]."""
-
-    choice: torch.Tensor | list[int] | None
-    logits: torch.Tensor | None
-    index: dict[int, int] | None
-    hidden: torch.Tensor | None
-
-    def rows(self, start: int, n: int) -> torch.Tensor | None:
-        """Logits [n, V] of logit rows ``start .. start + n``, or None where they were not kept."""
-        if self.logits is None:
-            return None
-        if self.index is None:
-            return self.logits[start : start + n]
-        at = self.index.get(start)
-        if at is None:
-            return None
-        return self.logits[at : at + n]  # a sequence's rows are asked for together, in order
+    def step(self, req: StepRequest, pool=None) -> StepOutput:
+        """One verify forward as the scheduler needs it (:class:`~toolspec_core.model.step_runner.StepRequest`),
+        run by the step runner over ``pool``, the pool the segments' caches are in."""
+        return self.runner(pool).run(req)
 
 
 def cache_kwarg(core: torch.nn.Module) -> str:

@@ -1,0 +1,214 @@
+"""The step runner: the one place that decides how a verify step runs, for every target.
+
+A step is one :class:`StepRequest` (the scheduler's segments, which rows' argmax / logits /
+hidden states it needs, and the greedy trees to walk where the argmax is) and one
+:class:`StepOutput`. Three parts, each in one place:
+
+- :meth:`StepRunner.hidden` -- the forward. Which path runs is fixed when the runner is made,
+  from the model, the pool and the target's settings, never from the kinds of caches a step
+  brings: a captured CUDA graph where the step's shape has a bucket (:mod:`~toolspec_core.model.graphs`),
+  else the eager ragged attention over the block pool (:mod:`~toolspec_core.model.ragged`), or,
+  where it measures faster (the CPU), the per-sequence loop (:mod:`~toolspec_core.model.batch_forward`);
+  a family the batched forward does not cover runs HF's own forward per sequence, and a runner
+  without a pool (a prompt prefilled outside the scheduler) the per-sequence loop.
+- the head (``head``): logits of the logit rows, their argmax and the full rows asked for. The
+  default is the model's ``lm_head``; a tensor-parallel rank passes its vocabulary-parallel head
+  (argmax and rows gathered over the ranks).
+- :func:`answer` -- the greedy walks of the asked-for trees on the device that holds the argmax
+  (:mod:`~toolspec_core.engine.device_walk`) and the argmax of the rows the host reads, in one copy
+  back. Targets without a forward (scripted, replay) call it with their own argmax.
+
+The single-device target (:class:`~toolspec_core.model.target.Target`) and each tensor-parallel
+rank (``deployments/tp/worker.py``) run the same :class:`StepRunner`; the scripted and replay
+targets produce an argmax and call :func:`answer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from toolspec_core.model.batch_forward import Segment, batched_forward, supports_batched
+from toolspec_core.model.ragged import ragged_forward, resolve_attention
+
+
+@dataclass
+class StepRequest:
+    """One verify forward as the scheduler asks for it.
+
+    ``logit_rows``: rows of the concatenated segments whose logits the step needs; ``full_rows``:
+    indices into ``logit_rows`` whose full logits come back (sampling, a grammar, logprobs, a
+    drafter that reads logits); ``hidden_rows``: rows whose last hidden state comes back (a
+    completed prompt's retrieval key). ``walk`` [B, 1 + 2T] long (host): the greedy trees walked
+    where the argmax is (:func:`~toolspec_core.engine.device_walk.walk_inputs`), None for none;
+    ``need``: logit-row indices whose argmax the host reads (host walks, greedy first tokens).
+    ``argmax``: False when nothing reads an argmax (no greedy sequence in the step)."""
+
+    segments: list[Segment]
+    logit_rows: list[int]
+    full_rows: list[int] = field(default_factory=list)
+    hidden_rows: list[int] = field(default_factory=list)
+    walk: torch.Tensor | None = None
+    need: list[int] = field(default_factory=list)
+    argmax: bool = True
+
+    @property
+    def wants_argmax(self) -> bool:
+        return self.argmax and bool(self.need or (self.walk is not None and self.walk.shape[0]))
+
+
+@dataclass
+class StepOutput:
+    """What one verify forward gives back.
+
+    ``choice``: the argmax of each logit row the host reads (``StepRequest.need``), None at the
+    others; None when none was asked for. ``walks``: per walked tree, ``[L, token, path...]``
+    (:func:`~toolspec_core.engine.device_walk.device_walk`'s row; read with
+    :func:`~toolspec_core.engine.device_walk.read_walks`). ``logits`` [K, V] fp32: the full rows,
+    logit row ``j`` at ``index[j]``. ``hidden`` [len(hidden_rows), H]. ``handover_s``: the time
+    the step's plan took to reach every rank (a tensor-parallel target; 0 elsewhere)."""
+
+    choice: list[int | None] | None
+    walks: list[list[int]]
+    logits: torch.Tensor | None
+    index: dict[int, int]
+    hidden: torch.Tensor | None
+    handover_s: float = 0.0
+
+    def rows(self, start: int, n: int) -> torch.Tensor | None:
+        """Logits [n, V] of logit rows ``start .. start + n``, or None where they were not kept."""
+        if self.logits is None:
+            return None
+        at = self.index.get(start)
+        if at is None:
+            return None
+        return self.logits[at : at + n]  # a sequence's rows are asked for together, in order
+
+
+Head = Callable[[torch.Tensor, list[int], bool], tuple[torch.Tensor | None, torch.Tensor | None]]
+
+
+def lm_head(model: torch.nn.Module) -> Head:
+    """The default head: ``model.lm_head`` over the logit rows -> (argmax [M] long or None, full rows [K, V] fp32)."""
+
+    def head(picked: torch.Tensor, full_rows: list[int], argmax: bool):
+        with torch.inference_mode():
+            logits = model.lm_head(picked).float()  # [M, V]
+        choice = torch.argmax(logits, -1) if argmax and logits.shape[0] else None
+        return choice, (logits[full_rows] if full_rows else None)
+
+    return head
+
+
+PATHS = ("hf", "per_sequence", "ragged")
+
+
+def choose_path(model: torch.nn.Module, pool, attention: str) -> str:
+    """The forward a runner over ``model`` and ``pool`` runs (see the module docstring)."""
+    if not supports_batched(model):
+        return "hf"
+    if pool is None:
+        return "per_sequence"
+    return resolve_attention(attention, next(model.parameters()).device)
+
+
+class StepRunner:
+    """Runs the steps of one model over one block pool (None: caches of their own).
+
+    ``attention`` / ``cuda_graphs``: see :class:`~toolspec_core.model.target.Target`; ``head``:
+    see :func:`lm_head` (the default). ``path``: what :meth:`hidden` runs, one of :data:`PATHS`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool=None,
+        attention: str = "auto",
+        cuda_graphs: bool = False,
+        head: Head | None = None,
+        capture: bool = True,
+    ):
+        self.model, self.pool = model, pool
+        self.path = choose_path(model, pool, attention)
+        self.head = head or lm_head(model)
+        self.graphs = None
+        if cuda_graphs and self.path == "ragged":
+            from toolspec_core.model.graphs import StepGraphs
+
+            self.graphs = StepGraphs(model, pool, capture=capture)
+        self.steps = {"graph": 0, "ragged": 0, "per_sequence": 0, "hf": 0}  # steps run by each path
+
+    def hidden(self, segments: list[Segment]) -> torch.Tensor:
+        """Last-layer hidden states [N, H] of every segment's rows, in order; every cache grows by its rows."""
+        if self.path == "hf":
+            self.steps["hf"] += 1
+            outs = [hf_hidden(self.model, s.ids[None], s.pos[None], s.mask, s.cache.hf) for s in segments]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+        if self.path == "per_sequence":
+            self.steps["per_sequence"] += 1
+            return batched_forward(self.model, segments)
+        check_pool(segments, self.pool)
+        if self.graphs is not None:
+            out = self.graphs.run(segments)
+            if out is not None:
+                self.steps["graph"] += 1
+                return out
+        self.steps["ragged"] += 1
+        return ragged_forward(self.model, segments, self.pool)
+
+    def run(self, req: StepRequest, reply: bool = True) -> StepOutput | None:
+        """One step: forward, head, walks (``reply`` False: a rank that does not answer -- its
+        share of the forward and the head's collectives only)."""
+        hidden = self.hidden(req.segments)  # [N, H]
+        rows = req.logit_rows
+        picked = hidden if len(rows) == hidden.shape[0] else hidden[rows]  # [M, H]
+        choice, full = self.head(picked, req.full_rows, req.wants_argmax)
+        if not reply:
+            return None
+        return answer(req, choice, full, hidden[req.hidden_rows] if req.hidden_rows else None)
+
+
+def check_pool(segments: list[Segment], pool) -> None:
+    """Every segment's cache is a block table of ``pool`` (the pool owns every KV row of a step)."""
+    for s in segments:
+        if getattr(s.cache, "pool", None) is not pool:
+            raise RuntimeError("a sequence's KV is not in the step's block pool: caches are opened by the pool")
+
+
+def answer(req: StepRequest, choice: torch.Tensor | None, full: torch.Tensor | None, hidden) -> StepOutput:
+    """The step's answer from its argmax ``choice`` [M] (long, wherever the head left it): the
+    asked-for greedy walks run there and the argmax of ``req.need`` comes back with them, in one
+    copy; ``full`` [K, V] (the full rows) and ``hidden`` are passed through."""
+    index = {j: i for i, j in enumerate(req.full_rows)}
+    if choice is None or not req.wants_argmax:
+        return StepOutput(None, [], full, index, hidden)
+    from toolspec_core.engine.device_walk import accept_rows
+
+    walks, picked = accept_rows(choice, req.walk, req.need)
+    out: list[int | None] = [None] * len(req.logit_rows)
+    for j, c in zip(req.need, picked):
+        out[j] = c
+    return StepOutput(out, walks, full, index, hidden)
+
+
+def hf_hidden(model: torch.nn.Module, input_ids, position_ids, mask, hf_cache) -> torch.Tensor:
+    """One sequence through HF's own forward over HF's own cache (the reference the batched
+    forward is tested against, and the path of the families it does not cover):
+    input_ids/position_ids [1, T]; mask [1, 1, T, S] additive or None (causal). Returns hidden
+    states [T, H] on the model's device; the cache grows by T rows."""
+    from toolspec_core.model.target import cache_kwarg
+
+    dev = next(model.parameters()).device
+    if dev.type != "cpu":
+        input_ids, position_ids = input_ids.to(dev, non_blocking=True), position_ids.to(dev, non_blocking=True)
+        mask = None if mask is None else mask.to(dev, non_blocking=True)
+    with torch.inference_mode():
+        out = model.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            use_cache=True,
+            **{cache_kwarg(model.model): hf_cache},
+        )
+    return out.last_hidden_state[0]
