@@ -2,74 +2,95 @@
 
 :class:`TPTarget` is a :class:`~toolspec_core.model.target.Target` the batched scheduler runs
 like any other: its block pool (:class:`RemoteBlockPool`) does all the bookkeeping (tables,
-prefix cache, reference counts) with no storage, and queues the one storage write outside a
-forward -- a verify commit's slot moves -- for the ranks. :meth:`TPTarget.step` turns the
-scheduler's segments into one :class:`~deployments.tp.worker.StepPlan` and makes one Ray call
-(rank 0 broadcasts it). The replica holds the tokenizer and the config, never weights, so it
-has no local forward (``hidden`` / ``logits``): the config admits a tensor-parallel target only on
-the batched engine, whose block pool prefills and caches prefixes through ``step``, and refuses
-the ``hidden`` retrieval key, the one path that prefills in the replica.
+prefix cache, reference counts) with no storage, and queues what the ranks' storage must replay
+-- a sequence's table when the pool opens its cache, its end when it closes, a verify commit's
+slot moves. :meth:`TPTarget.step` turns the scheduler's :class:`~toolspec_core.model.step_runner.StepRequest`
+into one :class:`~deployments.tp.worker.StepPlan` and hands it to every rank through the step
+channel (:mod:`deployments.tp.channel`); rank 0 answers with the walked trees' accepted tokens
+and the few rows the host reads. The replica holds the tokenizer and the config, never weights,
+so it has no local forward: the config admits a tensor-parallel target only on the batched
+engine, whose block pool prefills and caches prefixes through ``step``, and refuses the
+``hidden`` retrieval key, the one path that prefills in the replica.
 """
 
 from __future__ import annotations
 
-import itertools
-import pickle
 import socket
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from toolspec_core.model.batch_forward import FAMILIES, Segment
-from toolspec_core.model.block_pool import BlockPool, kv_bytes_per_token, kv_shape
-from toolspec_core.model.target import StepOutput, Target
+from toolspec_core.model.batch_forward import FAMILIES
+from toolspec_core.model.block_pool import BlockPool, PagedKV, kv_bytes_per_token, kv_shape
+from toolspec_core.model.step_runner import StepOutput, StepRequest
+from toolspec_core.model.target import Target
 
-from .worker import StepPlan, StepResult
+from .channel import Bell, Mailbox, Stamps, channel_dir, remove_dir
+from .worker import StepPlan, decode_answer, encode_plan, stop_message
+
+WAIT_CHECK_S = 30.0  # how often a replica waiting for an answer checks that its ranks are alive
 
 
 @dataclass
 class Transport:
-    """What crossed between the replica and rank 0: Ray calls, pickled bytes each way, steps."""
+    """What crossed between the replica and its ranks: steps, bytes each way through the step
+    channel, Ray calls (set-up and reports only), and the control path's time."""
 
-    calls: int = 0
+    steps: int = 0
+    ray_calls: int = 0
     bytes_out: int = 0
     bytes_in: int = 0
     worker_s: float = 0.0  # rank 0's own step time, summed
+    handover_s: float = 0.0  # plans reaching every rank (encode, write, wake, decode), summed
+    answer_s: float = 0.0  # rank 0's answers reaching the replica (write, wake, decode), summed
 
     def as_dict(self) -> dict:
-        per = max(self.calls, 1)
+        per = max(self.steps, 1)
         return {
-            "calls": self.calls,
+            "steps": self.steps,
+            "ray_calls": self.ray_calls,
             "bytes_out": self.bytes_out,
             "bytes_in": self.bytes_in,
             "bytes_out_per_step": round(self.bytes_out / per),
             "bytes_in_per_step": round(self.bytes_in / per),
             "worker_s": round(self.worker_s, 3),
+            "handover_ms_per_step": round(1e3 * self.handover_s / per, 4),
+            "answer_ms_per_step": round(1e3 * self.answer_s / per, 4),
         }
 
 
 class TPGroup:
-    """The replica's handle on its ranks: queued KV operations, the one call per step."""
+    """The replica's handle on its ranks: queued KV operations and the step channel."""
 
     def __init__(self, workers: list, reports: list[dict], pg=None, own_pg: bool = False, local: bool = False):
         self.workers, self.reports, self.pg, self.own_pg = workers, reports, pg, own_pg
-        self.local = local  # workers are plain objects in this process (tests of the protocol)
+        self.local = local  # workers are plain objects in this process (one rank, no Ray)
         self.transport = Transport()
-        self._ops: list[tuple] = []
+        self.tables: list[tuple[int, list[int], int]] = []
+        self.frees: list[int] = []
+        self.moves: tuple[list[int], list[int]] = ([], [])
         self._lock = threading.Lock()
-
-    def queue(self, op: tuple) -> None:
-        with self._lock:
-            self._ops.append(op)
-
-    def drain(self) -> list[tuple]:
-        with self._lock:
-            ops, self._ops = self._ops, []
-        return ops
+        self._dir = channel_dir()
+        world = len(workers)
+        self.plans, self.answers, self.stamps = Mailbox(), Mailbox(), Stamps(world)
+        bells = [Bell.make(self._dir, f"rank{r}") for r in range(world)]
+        self.bells = [Bell(p) for p in bells]
+        self.reply = Bell(Bell.make(self._dir, "replica"))
+        self.names = {
+            "plans": self.plans.name,
+            "answers": self.answers.name,
+            "stamps": self.stamps.name,
+            "bells": bells,
+            "replica_bell": self.reply.path,
+        }
+        self.connected = False
 
     def _call_all(self, method: str, *args) -> list:
+        self.transport.ray_calls += 0 if self.local else len(self.workers)
         if self.local:
             return [getattr(w, method)(*args) for w in self.workers]
         import ray
@@ -78,20 +99,50 @@ class TPGroup:
 
     def allocate(self, num_blocks: int, block_tokens: int) -> None:
         self._call_all("allocate", num_blocks, block_tokens)
+        if not self.connected:
+            self._call_all("connect", self.names)
+            self.connected = True
 
-    def step(self, plan: StepPlan) -> StepResult:
+    def ops(self) -> tuple[list, list, tuple[list[int], list[int]]]:
+        """The KV operations queued since the last step (tables, frees, moves), taken."""
+        with self._lock:
+            out = (self.tables, self.frees, self.moves)
+            self.tables, self.frees, self.moves = [], [], ([], [])
+        return out
+
+    def step(self, plan: StepPlan, full_rows: list[int]) -> StepOutput:
+        """Hand ``plan`` to every rank, wait for rank 0's answer."""
         t = self.transport
-        t.calls += 1
-        t.bytes_out += len(pickle.dumps(plan, protocol=5))
-        if self.local:
-            res = self.workers[0].step(plan)
-        else:
-            import ray
+        self.stamps.values[:] = 0.0
+        t.bytes_out += self.plans.send(encode_plan(plan))
+        for bell in self.bells:
+            bell.ring()
+        while not self.reply.wait(WAIT_CHECK_S):
+            self._check_alive()
+        t_ans = time.perf_counter()
+        arrays = self.answers.receive()
+        t.bytes_in += sum(a.nbytes for a in arrays)
+        out, worker_s = decode_answer(arrays, full_rows)
+        done = time.perf_counter()
+        out.handover_s = float(self.stamps.values.max()) - plan.sent
+        t.steps += 1
+        t.worker_s += worker_s
+        t.handover_s += out.handover_s
+        t.answer_s += done - t_ans
+        return out
 
-            res = ray.get(self.workers[0].step.remote(plan))
-        t.bytes_in += len(pickle.dumps(res, protocol=5))
-        t.worker_s += res.forward_s
-        return res
+    def _check_alive(self) -> None:
+        """A step outlasting :data:`WAIT_CHECK_S`: raise if a rank is gone (its answer never comes)."""
+        if self.local:
+            if not any(w._loop is not None and w._loop.is_alive() for w in self.workers):
+                raise RuntimeError("the tensor-parallel rank's step loop has stopped")
+            return
+        import ray
+
+        try:
+            ray.get([w.ping.remote() for w in self.workers], timeout=WAIT_CHECK_S)
+        except Exception as exc:
+            raise RuntimeError(f"a tensor-parallel rank is gone: {exc}") from exc
 
     def worker_reports(self) -> list[dict]:
         return self._call_all("report")
@@ -99,24 +150,27 @@ class TPGroup:
     def shutdown(self) -> None:
         if not self.workers:
             return
+        if self.connected:
+            self.plans.send(stop_message())
+            for bell in self.bells:
+                bell.ring()
+        workers, self.workers = self.workers, []
         if self.local:
-            self.workers = []
-            return
-        import ray
+            for w in workers:
+                if w._loop is not None:
+                    w._loop.join(timeout=10)
+        else:
+            from .placement import stop_workers
 
-        from .placement import stop_workers
-
-        try:
-            ray.get(self.workers[0].stop.remote(), timeout=10)
-        except Exception:
-            pass
-        stop_workers(self.workers, self.pg if self.own_pg else None)
-        self.workers = []
+            stop_workers(workers, self.pg if self.own_pg else None)
+        for end in [*self.bells, self.reply, self.plans, self.answers, self.stamps]:
+            end.close()
+        remove_dir(self._dir)
 
 
 class RemoteBlockPool(BlockPool):
     """The bookkeeping of a block pool whose storage is on the ranks: zero KV heads here (no
-    memory), and each slot move queued for them."""
+    memory); the tables it opens, the caches it closes and each slot move queued for them."""
 
     def __init__(
         self,
@@ -131,8 +185,21 @@ class RemoteBlockPool(BlockPool):
         super().__init__(n_layers, 0, head_dim, num_blocks, block_tokens, dtype, "cpu", prefix_caching)
         self.group = group
 
+    def open(self, table: list[int], shared: int = 0, keys: list[bytes] | None = None) -> PagedKV:
+        cache = super().open(table, shared, keys)
+        with self.group._lock:
+            self.group.tables.append((cache.sid, list(cache.table), shared))
+        return cache
+
+    def close(self, cache: PagedKV) -> None:
+        super().close(cache)
+        with self.group._lock:
+            self.group.frees.append(cache.sid)
+
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.group.queue(("move", src.tolist(), dst.tolist()))
+        with self.group._lock:
+            self.group.moves[0].extend(src.tolist())
+            self.group.moves[1].extend(dst.tolist())
 
 
 class _Config(torch.nn.Module):
@@ -151,12 +218,15 @@ class TPTarget(Target):
 
     group: TPGroup | None = None
     tp_size: int = 1
-    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
-    _live: dict = field(default_factory=dict)  # sid -> the replica's PagedKV of a sequence the ranks hold
 
     @property
     def batched(self) -> bool:
         return getattr(self.model.config, "model_type", None) in FAMILIES
+
+    @property
+    def device_walk(self) -> bool:
+        """Always: the greedy walks run on rank 0, which answers with accepted tokens, not every row's argmax."""
+        return True
 
     def new_cache(self):
         """None: a sequence of a tensor-parallel target gets its KV from the block pool when the
@@ -178,28 +248,37 @@ class TPTarget(Target):
         per_rank = kv_bytes_per_token(self.model.config, self.dtype) // self.tp_size
         return int(min(free) * fraction) // per_rank
 
-    def step(self, segments: list[Segment], logit_rows, full_rows, hidden_rows, argmax: bool = True) -> StepOutput:
-        ops = self.group.drain()
-        for sid, cache in list(self._live.items()):
-            if cache.released:
-                ops.append(("free", sid))
-                del self._live[sid]
-        segs = []
-        for s in segments:
-            cache = s.cache
-            sid = getattr(cache, "tp_sid", None)
-            if sid is None:
-                sid = cache.tp_sid = next(self._ids)
-                self._live[sid] = cache
-                ops.append(("table", sid, list(cache.table), cache.shared))
+    def step(self, req: StepRequest, pool=None) -> StepOutput:
+        sent = time.perf_counter()
+        tables, frees, moves = self.group.ops()
+        segs = np.empty((len(req.segments), 4), dtype=np.int64)
+        vis = []
+        for i, s in enumerate(req.segments):
             n = len(s)
-            visible = None if s.mask is None else (s.mask[0, 0, :, -n:] == 0)  # [n, n] the rows among themselves
-            segs.append((sid, cache.get_seq_length(), s.ids, s.pos, visible))
-        for s in segments:
-            s.cache.advance(len(s))  # the ranks' views grew by these rows; the replica's length follows
-        res = self.group.step(StepPlan(ops, segs, list(logit_rows), list(full_rows), list(hidden_rows)))
-        index = {j: i for i, j in enumerate(full_rows)}
-        return StepOutput(res.choice, res.logits, index, res.hidden)
+            segs[i] = (s.cache.sid, s.cache.length, n, s.mask is not None)
+            if s.mask is not None:
+                vis.append(s.mask[0, 0, :, -n:].numpy() == 0)  # [n, n] the rows among themselves
+        ids = torch.cat([s.ids for s in req.segments]).numpy()
+        pos = torch.cat([s.pos for s in req.segments]).numpy()
+        for s in req.segments:
+            s.cache.advance(len(s))  # the ranks' views grow by these rows; the replica's length follows
+        plan = StepPlan(
+            tables,
+            frees,
+            (np.asarray(moves[0], dtype=np.int64), np.asarray(moves[1], dtype=np.int64)),
+            segs,
+            ids,
+            pos,
+            vis,
+            req.logit_rows,
+            req.full_rows,
+            req.hidden_rows,
+            req.need,
+            None if req.walk is None else req.walk.numpy(),
+            req.argmax,
+            sent,
+        )
+        return self.group.step(plan, req.full_rows)
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -242,12 +321,12 @@ def start_tp_target(
     threads: int | None = None,
     strategy: str = "STRICT_PACK",
     timeout_s: float = 600.0,
+    attention: str = "auto",
+    cuda_graphs: bool = False,
 ) -> TPTarget:
     """Start ``tp_size`` worker actors (needs a running Ray) in the replica's placement group (or a
     new one), shard the model on them, return the target. Raises PlacementError when the workers
     cannot be placed or loaded within ``timeout_s``."""
-    import time
-
     import ray
     from transformers import AutoConfig
 
@@ -267,7 +346,12 @@ def start_tp_target(
     t0 = time.monotonic()
     resources = worker_resources(worker_num_cpus, worker_num_gpus)
     workers, pg, own = start_workers(
-        TPWorker, lambda r: (str(path), r, tp_size, dtype, device, threads), tp_size, resources, strategy, timeout_s
+        TPWorker,
+        lambda r: (str(path), r, tp_size, dtype, device, threads, attention, cuda_graphs),
+        tp_size,
+        resources,
+        strategy,
+        timeout_s,
     )
     try:
         addr, port = ray.get(workers[0].address.remote(), timeout=timeout_s)
@@ -284,7 +368,9 @@ def start_tp_target(
     return target_of(path, config, dtype, device, TPGroup(workers, reports, pg, own), tp_size)
 
 
-def local_tp_target(model: str | None, dtype: str = "float32", device: str = "cpu") -> TPTarget:
+def local_tp_target(
+    model: str | None, dtype: str = "float32", device: str = "cpu", attention: str = "auto", cuda_graphs: bool = False
+) -> TPTarget:
     """A one-rank TP target whose worker runs in this process (no Ray): the DeepSpeed worker
     path, its sharded loader and its step protocol, on one device -- what a single GPU can check."""
     import os
@@ -295,7 +381,7 @@ def local_tp_target(model: str | None, dtype: str = "float32", device: str = "cp
 
     path = resolve_model_path(model)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    worker = TPWorker(str(path), 0, 1, dtype, device)
+    worker = TPWorker(str(path), 0, 1, dtype, device, None, attention, cuda_graphs)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

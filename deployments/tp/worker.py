@@ -3,10 +3,14 @@
 The replica owns drafting, scheduling and the KV block tables; the ranks own the weights and
 the KV storage (each rank its KV heads' share of every block). A step is planned once on the
 replica (:class:`StepPlan`: the KV operations since the last step, each sequence's new rows and
-tree, which rows' logits are needed) and sent to rank 0 by one Ray call; rank 0 broadcasts it to
-the other ranks over a gloo group, every rank runs :func:`run_step` (the decoder's collectives
-are DeepSpeed's, NCCL on CUDA and gloo on CPU), and rank 0 answers with the argmax of every
-logit row and only the few full rows the replica asked for (:class:`StepResult`).
+tree, which rows' logits are needed, the greedy trees to walk) and reaches every rank through
+the step channel (:mod:`deployments.tp.channel`: shared memory and a doorbell per rank, a fixed
+layout of arrays -- no Ray call, no pickling). Every rank runs :func:`run_step` -- the step runner
+(:mod:`toolspec_core.model.step_runner`) over its shard and its share of the pool, the same
+ragged attention, CUDA graphs and device-side greedy walk as a single device; the decoder's
+collectives are DeepSpeed's, NCCL on CUDA and gloo on CPU -- and rank 0 answers with the
+accepted tokens of the walked trees, the argmax of the few rows the host reads, and the full
+rows and hidden states asked for.
 
 Each worker is a Ray actor with one accelerator of its own: on CUDA it sees that device as
 ``cuda:0`` whatever its rank, so ``LOCAL_RANK`` is 0 there (DeepSpeed picks the device from it).
@@ -23,45 +27,158 @@ import resource
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from toolspec_core.model.batch_forward import Segment, batched_forward
+from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import BlockPool, PagedKV, kv_shape
+from toolspec_core.model.step_runner import StepOutput, StepRequest, StepRunner
 
 log = logging.getLogger("toolspec.tp")
+
+STEP, STOP = 1, 0
 
 
 @dataclass
 class StepPlan:
     """One verify step as the ranks need it.
 
-    ``ops``: KV operations since the last step, in order: ``("table", sid, table, shared)`` (a
-    new sequence's block table), ``("free", sid)``, ``("move", src, dst)`` (slot lists of a
-    verify commit). ``segs``: per sequence ``(sid, kv_length, ids [n], pos [n], visible)``,
-    ``visible`` [n, n] bool (which of the new rows each row sees; None: causal). ``logit_rows``:
-    rows whose argmax comes back; ``full_rows``: indices into ``logit_rows`` whose full logits
-    come back; ``hidden_rows``: rows whose last hidden state comes back."""
+    ``tables``: new sequences' block tables ``(sid, table, shared)``; ``frees``: sids whose
+    sequence ended; ``moves``: slot moves of verify commits ``(src, dst)``, each [n] -- the KV
+    operations since the last step, applied in that order. ``segs`` [S, 4]: per sequence
+    ``(sid, kv_length, rows, has_tree)``; ``ids`` / ``pos`` [N] the rows; ``vis``: each tree
+    sequence's ``visible`` [n, n] bool (which of its new rows each row sees), in order.
+    ``logit_rows`` / ``full_rows`` / ``hidden_rows`` / ``need`` / ``walk`` / ``argmax``: as in
+    :class:`~toolspec_core.model.step_runner.StepRequest`. ``sent``: the replica's clock when
+    it began handing the plan over."""
 
-    ops: list[tuple]
-    segs: list[tuple]
-    logit_rows: list[int]
-    full_rows: list[int]
-    hidden_rows: list[int]
+    tables: list[tuple[int, list[int], int]] = field(default_factory=list)
+    frees: list[int] = field(default_factory=list)
+    moves: tuple[np.ndarray, np.ndarray] | None = None
+    segs: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), dtype=np.int64))
+    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    pos: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    vis: list[np.ndarray] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)
+    full_rows: list[int] = field(default_factory=list)
+    hidden_rows: list[int] = field(default_factory=list)
+    need: list[int] = field(default_factory=list)
+    walk: np.ndarray | None = None
+    argmax: bool = True
+    sent: float = 0.0
 
 
-@dataclass
-class StepResult:
-    """Rank 0's answer: ``choice`` (argmax per logit row), ``logits`` [K, V] fp32 of the full rows,
-    ``hidden`` [len(hidden_rows), H] (CPU tensors), ``forward_s``: the ranks' step time."""
+def _ints(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.int64).reshape(-1)
 
-    choice: list[int]
-    logits: torch.Tensor | None
-    hidden: torch.Tensor | None
-    forward_s: float
+
+def encode_plan(plan: StepPlan) -> list[np.ndarray]:
+    """The plan as the channel carries it: fixed-layout arrays (see :func:`decode_plan`)."""
+    tables = [np.concatenate([_ints([sid, shared, len(t)]), _ints(t)]) for sid, t, shared in plan.tables]
+    src, dst = plan.moves if plan.moves is not None else (_ints([]), _ints([]))
+    bits = np.packbits(np.concatenate([v.reshape(-1) for v in plan.vis])) if plan.vis else np.zeros(0, np.uint8)
+    walk = plan.walk if plan.walk is not None else np.zeros((0, 0), dtype=np.int64)
+    meta = _ints([STEP, int(plan.argmax), len(plan.tables)])
+    return [
+        meta,
+        np.array([plan.sent], dtype=np.float64),
+        np.concatenate(tables) if tables else _ints([]),
+        _ints(plan.frees),
+        np.stack([_ints(src), _ints(dst)]),
+        plan.segs.astype(np.int64, copy=False).reshape(-1, 4),
+        _ints(plan.ids),
+        _ints(plan.pos),
+        bits,
+        _ints(plan.logit_rows),
+        _ints(plan.full_rows),
+        _ints(plan.hidden_rows),
+        _ints(plan.need),
+        walk.astype(np.int64, copy=False),
+    ]
+
+
+def stop_message() -> list[np.ndarray]:
+    return [_ints([STOP, 0, 0])]
+
+
+def decode_plan(arrays: list[np.ndarray]) -> StepPlan | None:
+    """:func:`encode_plan`'s arrays as a :class:`StepPlan` (None: the stop message)."""
+    meta = arrays[0]
+    if int(meta[0]) == STOP:
+        return None
+    flat, tables, o = arrays[2].tolist(), [], 0
+    for _ in range(int(meta[2])):
+        sid, shared, n = flat[o : o + 3]
+        tables.append((sid, flat[o + 3 : o + 3 + n], shared))
+        o += 3 + n
+    segs = arrays[5]
+    sizes = [int(n) for n, tree in segs[:, 2:4].tolist() if tree]
+    bits = np.unpackbits(arrays[8], count=sum(n * n for n in sizes)).astype(bool)
+    vis, o = [], 0
+    for n in sizes:
+        vis.append(bits[o : o + n * n].reshape(n, n))
+        o += n * n
+    walk = arrays[13]
+    return StepPlan(
+        tables,
+        arrays[3].tolist(),
+        (arrays[4][0], arrays[4][1]),
+        segs,
+        arrays[6],
+        arrays[7],
+        vis,
+        arrays[9].tolist(),
+        arrays[10].tolist(),
+        arrays[11].tolist(),
+        arrays[12].tolist(),
+        walk if walk.size else None,
+        bool(meta[1]),
+        float(arrays[1][0]),
+    )
+
+
+def encode_answer(out: StepOutput, forward_s: float) -> list[np.ndarray]:
+    """Rank 0's answer: the argmax the host reads, the walks, full rows and hidden states."""
+    need = [j for j, c in enumerate(out.choice or []) if c is not None]
+    picked = [out.choice[j] for j in need]
+    walks = np.asarray(out.walks, dtype=np.int64) if out.walks else np.zeros((0, 0), dtype=np.int64)  # [B, 2 + T]
+    full = out.logits.float().cpu().numpy() if out.logits is not None else np.zeros((0, 0), np.float32)
+    hidden = out.hidden.float().cpu().numpy() if out.hidden is not None else np.zeros((0, 0), np.float32)
+    has = [int(out.choice is not None), int(out.logits is not None), int(out.hidden is not None)]
+    return [
+        _ints([0, len(out.choice or [])] + has),
+        _ints(need),
+        _ints(picked),
+        walks,
+        full,
+        hidden,
+        np.array([forward_s], dtype=np.float64),
+    ]
+
+
+def error_answer(exc: BaseException) -> list[np.ndarray]:
+    return [_ints([1]), np.frombuffer(f"{type(exc).__name__}: {exc}".encode()[:4000], dtype=np.uint8)]
+
+
+def decode_answer(arrays: list[np.ndarray], full_rows: list[int]) -> tuple[StepOutput, float]:
+    """(the step's :class:`StepOutput`, rank 0's step seconds); RuntimeError for a rank's error."""
+    meta = arrays[0]
+    if int(meta[0]) != 0:
+        raise RuntimeError(f"tensor-parallel step failed on rank 0: {arrays[1].tobytes().decode(errors='replace')}")
+    m, has_choice, has_full, has_hidden = (int(x) for x in meta[1:5])
+    choice = None
+    if has_choice:
+        choice = [None] * m
+        for j, c in zip(arrays[1].tolist(), arrays[2].tolist()):
+            choice[j] = c
+    full = torch.from_numpy(arrays[4]) if has_full else None
+    hidden = torch.from_numpy(arrays[5]) if has_hidden else None
+    index = {j: i for i, j in enumerate(full_rows)}
+    return StepOutput(choice, arrays[3].tolist(), full, index, hidden), float(arrays[6][0])
 
 
 def tree_mask(visible: torch.Tensor, prefix: int, dtype: torch.dtype) -> torch.Tensor:
@@ -73,50 +190,59 @@ def tree_mask(visible: torch.Tensor, prefix: int, dtype: torch.dtype) -> torch.T
     return mask
 
 
-def apply_ops(pool: BlockPool, views: dict[int, PagedKV], ops: list[tuple]) -> None:
-    """Replay the replica's KV operations on this rank's storage."""
-    for op in ops:
-        kind = op[0]
-        if kind == "table":
-            _, sid, table, shared = op
-            views[sid] = PagedKV(pool, table, shared)
-        elif kind == "free":
-            views.pop(op[1], None)
-        elif kind == "move":
-            dev = pool.k.device
-            pool.move_slots(torch.tensor(op[1], device=dev), torch.tensor(op[2], device=dev))
-        else:
-            raise ValueError(f"unknown KV operation {kind!r}")
+def apply_ops(pool: BlockPool, views: dict[int, PagedKV], plan: StepPlan) -> None:
+    """Replay the replica's KV operations on this rank's storage: new tables, ended sequences, moves."""
+    for sid, table, shared in plan.tables:
+        views[sid] = PagedKV(pool, table, shared, sid=sid)
+    for sid in plan.frees:
+        views.pop(sid, None)
+    if plan.moves is not None and len(plan.moves[0]):
+        dev = pool.k.device
+        pool.move_slots(torch.from_numpy(plan.moves[0]).to(dev), torch.from_numpy(plan.moves[1]).to(dev))
 
 
-def run_step(model, pool: BlockPool, views: dict[int, PagedKV], plan: StepPlan, rank: int) -> StepResult | None:
-    """One step on this rank (every rank runs it with the same plan); rank 0 returns the result."""
+def request_of(plan: StepPlan, views: dict[int, PagedKV], dtype: torch.dtype) -> StepRequest:
+    """The step runner's request over this rank's views: each sequence's length set from the plan,
+    a tree's mask over its new rows' columns (every row sees the whole cache)."""
+    ids, pos = torch.from_numpy(plan.ids), torch.from_numpy(plan.pos)
+    segments, o, trees = [], 0, iter(plan.vis)
+    low = torch.finfo(dtype).min
+    for sid, length, n, tree in plan.segs.tolist():
+        view = views[sid]
+        view.length = length
+        mask = None
+        if tree:
+            mask = torch.where(torch.from_numpy(next(trees)), 0.0, low).to(dtype)[None, None]  # [1, 1, n, n]
+        segments.append(Segment(view, ids[o : o + n], pos[o : o + n], mask))
+        o += n
+    walk = None if plan.walk is None else torch.from_numpy(plan.walk)
+    return StepRequest(segments, plan.logit_rows, plan.full_rows, plan.hidden_rows, walk, plan.need, argmax=plan.argmax)
+
+
+def shard_head(model) -> callable:
+    """The step runner's head on a rank: the vocabulary-parallel ``lm_head``'s logits of this
+    rank's columns, the global argmax and the full rows gathered over the ranks (collectives:
+    every rank runs it with the same plan)."""
     from .shards import gather_rows, vocab_argmax
 
-    t0 = time.perf_counter()
+    head = model.lm_head
+
+    def run(picked: torch.Tensor, full_rows: list[int], argmax: bool):
+        with torch.inference_mode():
+            local = head(picked)  # [M, V / TP]
+            choice = vocab_argmax(local, head.lo) if argmax else None  # [M]
+            full = gather_rows(local[full_rows]) if full_rows else None  # [K, V]
+        return choice, full
+
+    return run
+
+
+def run_step(runner: StepRunner, views: dict[int, PagedKV], plan: StepPlan, rank: int) -> StepOutput | None:
+    """One step on this rank (every rank runs it with the same plan); rank 0 returns the answer."""
     with torch.inference_mode():
-        apply_ops(pool, views, plan.ops)
-        segments = []
-        for sid, length, ids, pos, visible in plan.segs:
-            view = views[sid]
-            view.length = length
-            mask = None if visible is None else tree_mask(visible, length, pool.k.dtype)
-            segments.append(Segment(view, ids, pos, mask))
-        hidden = batched_forward(model, segments)  # [N, H]
-        head = model.lm_head
-        local = head(hidden[plan.logit_rows])  # [M, V / TP] this rank's vocabulary columns
-        choice = vocab_argmax(local, head.lo)  # [M]
-        full = gather_rows(local[plan.full_rows]) if plan.full_rows else None  # [K, V]
-        if rank != 0:
-            return None
-        out = StepResult(
-            choice.tolist(),
-            None if full is None else full.cpu(),
-            hidden[plan.hidden_rows].float().cpu() if plan.hidden_rows else None,
-            0.0,
-        )
-    out.forward_s = time.perf_counter() - t0
-    return out
+        apply_ops(runner.pool, views, plan)
+        req = request_of(plan, views, runner.pool.k.dtype)
+        return runner.run(req, reply=rank == 0)
 
 
 def rss_bytes() -> int:
@@ -148,11 +274,23 @@ def extensions_dir() -> str:
 
 class TPWorker:
     """One rank (a Ray actor): :meth:`address` (rank 0), :meth:`setup` on every rank at once,
-    :meth:`allocate`, then rank 0's :meth:`step` per step while the others follow the broadcast."""
+    :meth:`allocate`, :meth:`connect` (the step channel); then every rank serves the steps that
+    arrive there, rank 0 answering them."""
 
-    def __init__(self, model_path: str, rank: int, world: int, dtype: str, device: str, threads: int | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        rank: int,
+        world: int,
+        dtype: str,
+        device: str,
+        threads: int | None = None,
+        attention: str = "auto",
+        cuda_graphs: bool = False,
+    ):
         self.path, self.rank, self.world, self.device = Path(model_path), rank, world, device
         self.dtype_name, self.threads = dtype, threads
+        self.attention, self.cuda_graphs = attention, cuda_graphs
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world),
@@ -162,9 +300,10 @@ class TPWorker:
         )
         if device == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        self.model = self.pool = self.control = None
+        self.model = self.pool = self.runner = None
         self.views: dict[int, PagedKV] = {}
         self.steps = 0
+        self.decode_s = 0.0  # plan decoding, summed
         self._loop: threading.Thread | None = None
 
     def ping(self) -> int:
@@ -199,8 +338,6 @@ class TPWorker:
             world_size=self.world,
             timeout=timedelta(minutes=30),
         )
-        # steps arrive whenever requests do: the control group waits as long as the replica lives
-        self.control = dist.new_group(backend="gloo", timeout=timedelta(days=365)) if self.world > 1 else None
         rss0, t0 = rss_bytes(), time.perf_counter()
         self.model = load_shard(
             self.path, self.rank, self.world, resolve_dtype(self.dtype_name, self.device), self.device
@@ -226,52 +363,75 @@ class TPWorker:
         return attn.k_proj.weight.shape[0] // attn.head_dim
 
     def allocate(self, num_blocks: int, block_tokens: int) -> int:
-        """This rank's KV storage for the replica's pool; the ranks >= 1 start following steps."""
+        """This rank's KV storage for the replica's pool, and the step runner over it."""
         layers, _, head_dim = kv_shape(self.model.config)
         w = self.model.model.layers[0].self_attn.k_proj.weight
         self.pool = BlockPool(
             layers, self.kv_heads(), head_dim, num_blocks, block_tokens, w.dtype, w.device, prefix_caching=False
         )
-        if self.rank > 0 and self._loop is None:
-            self._loop = threading.Thread(target=self._follow, daemon=True, name=f"tp-rank-{self.rank}")
-            self._loop.start()
+        self.runner = StepRunner(self.model, self.pool, self.attention, self.cuda_graphs, head=shard_head(self.model))
+        self.views = {}  # tables of the previous pool, if any, are gone with its storage
         return self.pool.capacity_tokens
 
-    def step(self, plan: StepPlan) -> StepResult:
-        """Rank 0: broadcast the plan, run it, answer."""
-        if self.world > 1:
-            import torch.distributed as dist
+    def connect(self, names: dict) -> int:
+        """Attach the replica's step channel (:mod:`deployments.tp.channel`) and start serving its
+        steps on a thread of this process. Raises where the channel is not reachable (a rank on
+        another node than its replica)."""
+        from .channel import Bell, Mailbox, Stamps
 
-            dist.broadcast_object_list([plan], src=0, group=self.control)
-        self.steps += 1
-        return run_step(self.model, self.pool, self.views, plan, self.rank)
+        try:
+            self.plans = Mailbox(names["plans"])
+            self.bell = Bell(names["bells"][self.rank])
+            self.stamps = Stamps(self.world, names["stamps"])
+            if self.rank == 0:
+                self.answers = Mailbox(names["answers"])
+                self.replica_bell = Bell(names["replica_bell"])
+        except FileNotFoundError as exc:
+            raise RuntimeError(
+                f"rank {self.rank} cannot reach its replica's step channel ({exc}): the ranks must run on "
+                "the replica's node (placement strategy STRICT_PACK)"
+            ) from None
+        self._loop = threading.Thread(target=self._serve, daemon=True, name=f"tp-rank-{self.rank}")
+        self._loop.start()
+        return self.rank
 
-    def _follow(self) -> None:
-        import torch.distributed as dist
-
+    def _serve(self) -> None:
+        """Every step that arrives: decode the plan, stamp it, run it; rank 0 answers. A rank >= 1
+        that fails logs it and stays in step (rank 0 meets the same error and reports it)."""
         while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0, group=self.control)
-            if box[0] is None:
-                return
-            self.steps += 1
+            self.bell.wait()
+            arrays = self.plans.receive()
+            t = time.perf_counter()
             try:
-                run_step(self.model, self.pool, self.views, box[0], self.rank)
-            except Exception:  # rank 0 meets the same error and reports it; stay in step
+                plan = decode_plan(arrays)
+            except Exception as exc:  # a malformed message: answer it, never hang the replica
+                log.exception("rank %d: bad step message", self.rank)
+                plan, err = False, exc
+            self.decode_s += time.perf_counter() - t
+            if plan is None:
+                return
+            self.stamps.values[self.rank] = time.perf_counter()
+            self.steps += 1
+            t0 = time.perf_counter()
+            try:
+                if plan is False:
+                    raise err
+                out = run_step(self.runner, self.views, plan, self.rank)
+                msg = encode_answer(out, time.perf_counter() - t0) if self.rank == 0 else None
+            except Exception as exc:
                 log.exception("rank %d: step failed", self.rank)
-
-    def stop(self) -> None:
-        """Rank 0: release the following ranks (they return from their loops)."""
-        if self.world > 1 and self.control is not None:
-            import torch.distributed as dist
-
-            dist.broadcast_object_list([None], src=0, group=self.control)
+                msg = error_answer(exc) if self.rank == 0 else None
+            if self.rank == 0:
+                self.answers.send(msg)
+                self.replica_bell.ring()
 
     def report(self) -> dict:
         return {
             "rank": self.rank,
             "steps": self.steps,
             "sequences": len(self.views),
+            "decode_s": round(self.decode_s, 4),
+            "paths": dict(self.runner.steps) if self.runner is not None else {},
             "rss_bytes": rss_bytes(),
             "peak_rss_bytes": peak_rss_bytes(),
         }

@@ -15,7 +15,7 @@ import torch
 from serve_fixtures import TOOLS
 
 from toolspec_core.engine.sampling import SamplingParams
-from toolspec_core.engine.scheduler import BatchLimits, run_batch
+from toolspec_core.engine.scheduler import BatchLimits, Scheduler, run_batch
 from toolspec_core.engine.sequence import DecodeConfig, Sequence
 from toolspec_core.engine.tree import DraftTree
 
@@ -45,9 +45,10 @@ class OracleDrafter:
         return None
 
 
-def local_tp(ref):
+def local_tp(ref, attention: str = "per_sequence"):
     """A one-rank TPTarget whose rank is an in-process TPWorker over a copy of ``ref``'s model with
-    a vocabulary-parallel head (the whole vocabulary): the protocol without Ray or DeepSpeed."""
+    a vocabulary-parallel head (the whole vocabulary): the protocol and the step channel without
+    Ray or DeepSpeed. ``attention``: the rank's (its step runner's) attention path."""
     from deployments.tp.shards import VocabParallelHead
     from deployments.tp.target import TPGroup, TPTarget, _Config
     from deployments.tp.worker import TPWorker
@@ -58,7 +59,8 @@ def local_tp(ref):
     head.weight.data.copy_(model.lm_head.weight.data)
     model.lm_head = head
     w = TPWorker.__new__(TPWorker)
-    w.rank, w.world, w.model, w.views, w.steps, w._loop, w.control = 0, 1, model, {}, 0, None, None
+    w.rank, w.world, w.model, w.views, w.steps, w.decode_s, w._loop = 0, 1, model, {}, 0, 0.0, None
+    w.attention, w.cuda_graphs, w.runner, w.pool = attention, False, None, None
     return TPTarget(
         model=_Config(ref.model.config, None, torch.float32),
         tokenizer=ref.tokenizer,
@@ -102,8 +104,9 @@ def test_step_protocol_equals_single_process():
         assert sum(got[0].stats.accepted) > 0
         assert want[1].logprobs and want[1].logprobs == got[1].logprobs
     w = tp.group.workers[0]
-    assert w.steps == tp.group.transport.calls  # one call per step
+    assert w.steps == tp.group.transport.steps and tp.group.transport.ray_calls == 0  # the channel, no calls
     assert len(w.views) <= 4  # finished sequences are freed on the rank at the next step
+    tp.group.shutdown()
 
 
 def test_vocab_parallel_argmax_and_rows_on_one_rank():
@@ -305,6 +308,51 @@ def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):
 @needs_deepspeed
 @pytest.mark.serve
 @pytest.mark.timeout(900)
+def test_tp2_ragged_steps_equal_plain_greedy(ray_cluster, tiny_model_dir):
+    """TP = 2 on gloo with the ranks' step runner on the ragged attention: B = 16 with draft trees
+    (accepted rows off the tree's prefix: KV moves on the ranks), prefill chunks beside decoding
+    rows and, in a second round, shared prefix blocks -- every output is single-stream plain
+    greedy's; the walks ran on rank 0 and every step went through the step channel."""
+    from deployments.tp.target import start_tp_target
+    from toolspec_core.engine.loop import generate
+    from toolspec_core.model.target import load_target
+
+    ref = load_target(tiny_model_dir, tune_gemm=False)
+    shared = [100 + (7 * j) % 50 for j in range(40)]  # two full 16-token blocks and more
+    prompts = [shared + [200 + i] * (1 + i % 5) for i in range(12)] + [
+        [300 + (5 * j + i) % 70 for j in range(5 + 9 * i)] for i in range(4)
+    ]
+    n = 10
+    want = [generate(ref, p, None, DecodeConfig(max_new_tokens=n)).tokens for p in prompts]
+    tp = start_tp_target(tiny_model_dir, 2, attention="ragged", timeout_s=600)
+    try:
+        pool = tp.block_pool(4096, 16)
+        limits = BatchLimits(max_running=16, prefill_chunk=64, tree_rows=16)
+        seqs = [Sequence(tp, p, OracleDrafter(w), DecodeConfig(max_new_tokens=n)) for p, w in zip(prompts, want)]
+        sched = Scheduler(tp, None, limits, pool)
+        for s in seqs:
+            sched.add(s)
+        sched.run()
+        assert [s.result.tokens for s in seqs] == want
+        assert sum(sum(s.result.stats.accepted) for s in seqs) > 0
+        assert max(r.sequences for r in sched.steps) == 16
+        assert any(r.prefill_rows and r.sequences for r in sched.steps)  # a prefill chunk beside decoding rows
+        again = [Sequence(tp, p, OracleDrafter(w), DecodeConfig(max_new_tokens=n)) for p, w in zip(prompts[:4], want)]
+        got = run_batch(tp, again, None, limits, pool)
+        assert [r.tokens for r in got] == want[:4]
+        assert all(s.stats.cached_tokens >= 32 for s in again)  # the shared prefix blocks were reused
+        reports = tp.group.worker_reports()
+        steps = tp.group.transport.steps
+        assert [r["steps"] for r in reports] == [steps, steps]
+        assert all(r["paths"]["ragged"] == steps and r["paths"]["per_sequence"] == 0 for r in reports)
+        assert all(r.handover_s > 0 for r in sched.steps)
+    finally:
+        tp.group.shutdown()
+
+
+@needs_deepspeed
+@pytest.mark.serve
+@pytest.mark.timeout(900)
 def test_tp_replica_places_its_workers_in_its_placement_group(ray_cluster, serve_port, tiny_model_dir):
     """A TP=2 replica deployed through Serve: a placement group of 2 bundles (replica + rank 0,
     rank 1), and both workers run inside it."""
@@ -357,4 +405,4 @@ def test_tp2_on_the_embedded_model_equals_single_process(ray_cluster, tmp_path):
     workers = json.loads(out.read_text())["workers"]
     assert all(w["weights_bytes"] < 0.55 * full for w in workers)  # its half of every matrix, no whole copy
     assert all(w["rss_after_load_bytes"] - w["rss_before_load_bytes"] < 0.7 * full for w in workers)
-    assert s["ray_calls_per_step"] == 1.0
+    assert s["ray_calls_per_step"] == 0.0  # steps go through the shared-memory channel

@@ -123,11 +123,12 @@ def main(argv=None) -> int:
         target = local_tp_target(args.model, args.dtype, args.device)
         tp = EngineHost(cfg, target, *_method_and_cost(cfg, target))
     try:
-        out["tp"] = run_engine(tp, reqs, args.batch)
         group = tp.target.group
+        calls0 = group.transport.ray_calls
+        out["tp"] = run_engine(tp, reqs, args.batch)
         out["workers"] = group.reports
         out["transport"] = group.transport.as_dict()
-        out["transport"]["steps"] = len(tp.engine.scheduler.steps)
+        out["transport"]["ray_calls_in_run"] = group.transport.ray_calls - calls0
         out["worker_reports_after"] = group.worker_reports()
     finally:
         tp.close()
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
         "load_rss_over_full_copy": [
             round((w["rss_after_load_bytes"] - w["rss_before_load_bytes"]) / full, 3) for w in out["workers"]
         ],
-        "ray_calls_per_step": round(out["transport"]["calls"] / max(out["transport"]["steps"], 1), 3),
+        "ray_calls_per_step": round(out["transport"]["ray_calls_in_run"] / max(out["transport"]["steps"], 1), 3),
+        "handover_ms_per_step": out["transport"]["handover_ms_per_step"],
         "bytes_out_per_step": out["transport"]["bytes_out_per_step"],
         "bytes_in_per_step": out["transport"]["bytes_in_per_step"],
         "decode_step_s_median": {"single": s["decode_step_s_median"], "tp": t["decode_step_s_median"]},
