@@ -63,6 +63,7 @@ class Target:
                 f"cuda_graphs needs a CUDA model and the ragged attention (device {self.device}, attention {mode})"
             )
         self._runner = None  # the StepRunner of the pool the steps run in
+        self._alone = None  # the StepRunner of sequences with caches of their own
 
     @property
     def attention_mode(self) -> str:
@@ -106,8 +107,13 @@ class Target:
 
     def runner(self, pool=None) -> StepRunner:
         """The :class:`~toolspec_core.model.step_runner.StepRunner` of this target's steps over
-        ``pool`` (None: sequences with caches of their own, e.g. a prompt prefilled outside the
-        scheduler); one per pool, kept (a graphed runner's buffers write that pool's storage)."""
+        ``pool``, kept (a graphed runner's buffers write that pool's storage): the scheduler's
+        pool, or None for prompts prefilled alone outside a scheduler (any thread; that runner
+        holds no state of a step)."""
+        if pool is None:
+            if self._alone is None:
+                self._alone = StepRunner(self.model, None, self.attention, False)
+            return self._alone
         if self._runner is None or self._runner.pool is not pool:
             self._runner = StepRunner(self.model, pool, self.attention, self.cuda_graphs)
         return self._runner
