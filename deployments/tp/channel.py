@@ -178,7 +178,7 @@ class Stamps:
 
     def __init__(self, world: int, name: str | None = None):
         self.own = name is None
-        self.shm = shared_memory.SharedMemory(create=True, size=8 * world) if self.own else _attach(name)
+        self.shm = shared_memory.SharedMemory(create=True, size=8 * max(world, 1)) if self.own else _attach(name)
         self.name = self.shm.name
         self.values = np.ndarray((world,), dtype=np.float64, buffer=self.shm.buf)
 

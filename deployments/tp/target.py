@@ -148,7 +148,7 @@ class TPGroup:
         return self._call_all("report")
 
     def shutdown(self) -> None:
-        if not self.workers:
+        if self._dir is None:
             return
         if self.connected:
             self.plans.send(stop_message())
@@ -166,6 +166,7 @@ class TPGroup:
         for end in [*self.bells, self.reply, self.plans, self.answers, self.stamps]:
             end.close()
         remove_dir(self._dir)
+        self._dir = None
 
 
 class RemoteBlockPool(BlockPool):

@@ -318,7 +318,8 @@ def _requests(n: int) -> list:
 @pytest.mark.timeout(900)
 def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):
     """DeepSpeed AutoTP over 2 Ray actors (gloo on CPU) vs the single-process engine: identical,
-    requests alone and batched (greedy, sampled with a seed, tools on auto and required)."""
+    requests alone and batched (greedy, sampled with a seed, tools on auto and required); every
+    step through the step channel."""
     from deployments.config import ServeAppConfig
     from deployments.engine_host import EngineHost
 
@@ -342,14 +343,15 @@ def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):
             return [r["text"] for r in one_by_one], [r["text"] for r in together]
 
         a_seq, a_par = asyncio.run(run(single))
-        calls = group.transport.calls
+        calls, before = group.transport.ray_calls, group.transport.steps
         b_seq, b_par = asyncio.run(run(tp))
         assert a_seq == b_seq and a_par == b_par
         assert a_seq[:2] + a_seq[3:] == a_par[:2] + a_par[3:]  # greedy: batching changes nothing
         steps = len(tp.engine.scheduler.steps)
-        assert group.transport.calls - calls <= steps  # one Ray call per step, none besides
+        assert group.transport.ray_calls == calls  # the steps went through the step channel, no Ray call
+        assert group.transport.steps - before == steps
         reports = group.worker_reports()
-        assert reports[0]["steps"] == reports[1]["steps"] == group.transport.calls
+        assert reports[0]["steps"] == reports[1]["steps"] == group.transport.steps
     finally:
         tp.close()
         single.close()
