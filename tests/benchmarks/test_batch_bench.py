@@ -147,16 +147,18 @@ def test_engine_flags_reach_load_target_only_when_given(tmp_path, monkeypatch, f
 
 
 def test_ragged_batch_run_decodes_from_a_pool_and_stays_exact(tmp_path):
-    """With the ragged attention the groups decode from a block pool their prefilled prompts are
-    copied into (``paged_copy``); every output still equals single-stream plain greedy."""
+    """With the ragged attention the groups decode from a block pool admission copies their
+    prefilled prompts into; every step runs ragged and every output still equals single-stream
+    plain greedy."""
     target = from_model(tiny_model(vocab=128), AsciiTokenizer(), name="tiny-qwen2", attention="ragged")
     p = tmp_path / "syn.jsonl"
     p.write_text("".join(json.dumps(_item(i, "syn")) + "\n" for i in range(4)))
     run = BatchRun(_args(tmp_path, [p], batch=[1, 4], methods=["ar", "toolspec"]), target)
     pools = []
-    real = run._pool_for
-    run._pool_for = lambda seqs, limits: pools.append(real(seqs, limits)) or pools[-1]
+    real = run._pool
+    run._pool = lambda seqs, limits: pools.append(real(seqs, limits)) or pools[-1]
     run.run()
     assert pools and all(p.stats().used_blocks == 0 for p in pools)  # every sequence gave its blocks back
+    assert target.runner(pools[-1]).steps["ragged"] > 0 and target.runner(pools[-1]).steps["per_sequence"] == 0
     rep = build_report(tmp_path / "run", "batch-ragged", tmp_path / "results", "test box", "tiny-qwen2")
     assert rep["runs"] and all(r["exact_match"] == 1.0 for r in rep["runs"])
