@@ -4,7 +4,8 @@ A tiny random Qwen2 (so the forward does not hide the control path) sharded by D
 over Ray actors on the CPU (gloo); B sequences decode with a small draft tree each step
 (:class:`RandomTrees`). Per decode step the scheduler's record carries ``handover_s``: from the
 replica starting to build the plan to the last rank having it decoded (build, encode, write into
-shared memory, doorbell, wake-up, decode); the answer's way back (rank 0 writes, the replica wakes
+shared memory, doorbell, wake-up, decode; ``replica_send_ms``: the replica's part of it, every
+step's mean, prefill steps included); the answer's way back (rank 0 writes, the replica wakes
 and decodes) is the transport's ``answer_s``. A Ray call's round trip to a rank (``ping``, no
 payload) is measured beside them: the floor of a step handed over by a Ray call.
 
@@ -73,7 +74,7 @@ def run_level(target, pool, b: int, new_tokens: int) -> dict:
         prompt = [rng.randrange(100, 1000) for _ in range(32)]
         sched.add(Sequence(target, prompt, RandomTrees(i), DecodeConfig(max_new_tokens=new_tokens)))
     t = target.group.transport
-    ans0, steps0 = t.answer_s, t.steps
+    ans0, steps0, send0 = t.answer_s, t.steps, t.send_s
     bytes0 = t.bytes_out
     sched.run()
     dec = [r for r in sched.steps if r.prefill_rows == 0 and r.sequences == b]
@@ -86,6 +87,7 @@ def run_level(target, pool, b: int, new_tokens: int) -> dict:
         "handover_ms_median": round(statistics.median(hand), 4),
         "handover_ms_p90": round(pct(hand, 0.9), 4),
         "handover_ms_mean": round(statistics.fmean(hand), 4),
+        "replica_send_ms_mean": round(1e3 * (t.send_s - send0) / max(n, 1), 4),
         "answer_ms_mean": round(1e3 * (t.answer_s - ans0) / max(n, 1), 4),
         "plan_bytes_per_step": round((t.bytes_out - bytes0) / max(n, 1)),
         "forward_ms_median": round(1e3 * statistics.median(r.forward_s for r in dec), 3),

@@ -45,7 +45,8 @@ class Transport:
     bytes_out: int = 0
     bytes_in: int = 0
     worker_s: float = 0.0  # rank 0's own step time, summed
-    handover_s: float = 0.0  # plans reaching every rank (encode, write, wake, decode), summed
+    handover_s: float = 0.0  # plans reaching every rank (build, encode, write, wake, decode), summed
+    send_s: float = 0.0  # of which the replica's part: building, encoding, writing the plan, ringing
     answer_s: float = 0.0  # rank 0's answers reaching the replica (write, wake, decode), summed
 
     def as_dict(self) -> dict:
@@ -59,6 +60,7 @@ class Transport:
             "bytes_in_per_step": round(self.bytes_in / per),
             "worker_s": round(self.worker_s, 3),
             "handover_ms_per_step": round(1e3 * self.handover_s / per, 4),
+            "send_ms_per_step": round(1e3 * self.send_s / per, 4),
             "answer_ms_per_step": round(1e3 * self.answer_s / per, 4),
         }
 
@@ -117,6 +119,7 @@ class TPGroup:
         t.bytes_out += self.plans.send(encode_plan(plan))
         for bell in self.bells:
             bell.ring()
+        t.send_s += time.perf_counter() - plan.sent
         while not self.reply.wait(WAIT_CHECK_S):
             self._check_alive()
         t_ans = time.perf_counter()
