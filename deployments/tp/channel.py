@@ -31,8 +31,20 @@ MAX_DIMS = 3
 SLOT_BYTES = 8 << 20
 
 
+_created: set[str] = set()  # segments this process made (and unlinks)
+
+
+def _create(size: int) -> shared_memory.SharedMemory:
+    shm = shared_memory.SharedMemory(create=True, size=size)
+    _created.add(shm.name)
+    return shm
+
+
 def _attach(name: str) -> shared_memory.SharedMemory:
-    """An existing segment, not tracked by this process's resource tracker (its creator unlinks it)."""
+    """An existing segment, not tracked by this process's resource tracker unless this process made
+    it (its creator unlinks it)."""
+    if name in _created:  # a rank in the replica's own process
+        return shared_memory.SharedMemory(name=name)
     try:
         return shared_memory.SharedMemory(name=name, track=False)
     except TypeError:  # Python < 3.13
@@ -90,7 +102,7 @@ class Mailbox:
 
     def __init__(self, name: str | None = None, size: int = SLOT_BYTES):
         self.own = name is None
-        self.shm = shared_memory.SharedMemory(create=True, size=size) if self.own else _attach(name)
+        self.shm = _create(size) if self.own else _attach(name)
         self.name = self.shm.name
         self.seq = 0
         self._overflow: shared_memory.SharedMemory | None = None  # the last one-off segment this side wrote
@@ -103,7 +115,7 @@ class Mailbox:
         buf = self.shm.buf
         name = b""
         if size > len(buf) - HEADER:
-            self._overflow = shared_memory.SharedMemory(create=True, size=size)
+            self._overflow = _create(size)
             pack_into(self._overflow.buf, arrays)
             name = self._overflow.name.encode()
         else:
@@ -178,7 +190,7 @@ class Stamps:
 
     def __init__(self, world: int, name: str | None = None):
         self.own = name is None
-        self.shm = shared_memory.SharedMemory(create=True, size=8 * max(world, 1)) if self.own else _attach(name)
+        self.shm = _create(8 * max(world, 1)) if self.own else _attach(name)
         self.name = self.shm.name
         self.values = np.ndarray((world,), dtype=np.float64, buffer=self.shm.buf)
 
