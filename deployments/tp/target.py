@@ -255,17 +255,16 @@ class TPTarget(Target):
     def step(self, req: StepRequest, pool=None) -> StepOutput:
         sent = time.perf_counter()
         tables, frees, moves = self.group.ops()
-        segs = np.empty((len(req.segments), 4), dtype=np.int64)
-        vis = []
-        for i, s in enumerate(req.segments):
+        rows, vis = [], []
+        for s in req.segments:
             n = len(s)
-            segs[i] = (s.cache.sid, s.cache.length, n, s.mask is not None)
+            rows.append((s.cache.sid, s.cache.length, n, s.mask is not None))
             if s.mask is not None:
-                vis.append(s.mask[0, 0, :, -n:].numpy() == 0)  # [n, n] the rows among themselves
+                vis.append(s.mask.numpy()[0, 0, :, -n:] == 0)  # [n, n] the rows among themselves
+            s.cache.advance(n)  # the ranks' views grow by these rows; the replica's length follows
+        segs = np.array(rows, dtype=np.int64).reshape(-1, 4)
         ids = torch.cat([s.ids for s in req.segments]).numpy()
         pos = torch.cat([s.pos for s in req.segments]).numpy()
-        for s in req.segments:
-            s.cache.advance(len(s))  # the ranks' views grow by these rows; the replica's length follows
         plan = StepPlan(
             tables,
             frees,
