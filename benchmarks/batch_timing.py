@@ -12,6 +12,8 @@ JSON is rewritten after every case, so a run stopped by a time limit keeps what 
     python -m benchmarks.batch_timing --model qwen2.5-7b --device cuda --batches 1,4,16,64 \\
         --modes per_sequence,ragged,ragged+graphs --out step-curve-7b.json
     python -m benchmarks.batch_timing --model tiny --batches 1,4 --repeats 2     # a CPU smoke run
+    python -m benchmarks.batch_timing --model qwen2.5-7b --device cuda --batches 1,4,16,64 \
+        --modes ragged+graphs,tp1:ragged+graphs --out step-curve-7b-tp1.json     # the TP rank's step
 """
 
 from __future__ import annotations
@@ -69,8 +71,15 @@ class _NoText:
 
 
 def with_mode(target, mode: str):
-    """``target`` set to run ``mode`` (``default``, or ``ATTENTION[+graphs]``): a copy whose
-    ``attention`` / ``cuda_graphs`` fields say so. Raises where this build's Target has no such field."""
+    """``target`` set to run ``mode`` (``default``, or ``[tp1:]ATTENTION[+graphs]``): a copy whose
+    ``attention`` / ``cuda_graphs`` fields say so; ``tp1:`` runs it through the tensor-parallel
+    rank's path at TP = 1 in this process (``deployments.tp.target.in_process_tp``). Raises where
+    this build's Target has no such field."""
+    if mode.startswith("tp1:"):
+        from deployments.tp.target import in_process_tp
+
+        inner = with_mode(target, mode[4:])
+        return in_process_tp(inner, inner.attention, inner.cuda_graphs)
     if mode == "default":
         return target
     attention, _, extra = mode.partition("+")
@@ -176,7 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--drafts", default="0,3,15")
     ap.add_argument("--context", type=int, default=500)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--modes", default="default", help="comma list of default | ATTENTION[+graphs]")
+    ap.add_argument("--modes", default="default", help="comma list of default | [tp1:]ATTENTION[+graphs]")
     ap.add_argument("--out", default="benchmarks/runs/batch-timing.json")
     ap.add_argument(
         "--best", metavar="JSON", help="print the best clean mode of a written curve (nothing: none) and exit"

@@ -371,6 +371,25 @@ def start_tp_target(
     return target_of(path, config, dtype, device, TPGroup(workers, reports, pg, own), tp_size)
 
 
+def in_process_tp(target: Target, attention: str = "auto", cuda_graphs: bool = False) -> TPTarget:
+    """``target``'s model as a one-rank :class:`TPTarget` in this process
+    (:meth:`~deployments.tp.worker.TPWorker.in_process`): every step through the tensor-parallel
+    path -- the plan, the step channel, the rank's step runner (``attention`` / ``cuda_graphs``)
+    and the walk on the rank -- at TP = 1, what one device can compare with the single-device step."""
+    from .worker import TPWorker
+
+    worker = TPWorker.in_process(target.model, attention, cuda_graphs)
+    return TPTarget(
+        model=_Config(target.model.config, getattr(target.model, "generation_config", None), target.dtype),
+        tokenizer=target.tokenizer,
+        name=f"{target.name}-tp1",
+        eos_ids=target.eos_ids,
+        max_context=target.max_context,
+        group=TPGroup([worker], [{}], local=True),
+        tp_size=1,
+    )
+
+
 def local_tp_target(
     model: str | None, dtype: str = "float32", device: str = "cpu", attention: str = "auto", cuda_graphs: bool = False
 ) -> TPTarget:

@@ -227,10 +227,12 @@ def shard_head(model) -> callable:
 
     head = model.lm_head
 
+    lo = getattr(head, "lo", 0)  # a whole-vocabulary head (one rank in process) starts at 0
+
     def run(picked: torch.Tensor, full_rows: list[int], argmax: bool):
         with torch.inference_mode():
-            local = head(picked)  # [M, V / TP]
-            choice = vocab_argmax(local, head.lo) if argmax else None  # [M]
+            local = head(picked).float()  # [M, V / TP]
+            choice = vocab_argmax(local, lo) if argmax else None  # [M]
             full = gather_rows(local[full_rows]) if full_rows else None  # [K, V]
         return choice, full
 
@@ -305,6 +307,17 @@ class TPWorker:
         self.steps = 0
         self.decode_s = 0.0  # plan decoding, summed
         self._loop: threading.Thread | None = None
+
+    @classmethod
+    def in_process(cls, model, attention: str = "auto", cuda_graphs: bool = False) -> "TPWorker":
+        """Rank 0 of 1 over an already-built ``model`` in this process: the rank's step path (the
+        channel, its step runner, the walk there) without a process group, DeepSpeed or Ray."""
+        w = cls.__new__(cls)
+        w.rank, w.world, w.device = 0, 1, str(next(model.parameters()).device)
+        w.attention, w.cuda_graphs, w.model = attention, cuda_graphs, model
+        w.pool = w.runner = w._loop = None
+        w.views, w.steps, w.decode_s = {}, 0, 0.0
+        return w
 
     def ping(self) -> int:
         return self.rank

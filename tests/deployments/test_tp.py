@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import importlib.util
 import time
 
@@ -50,26 +51,14 @@ def local_tp(ref, attention: str = "per_sequence"):
     a vocabulary-parallel head (the whole vocabulary): the protocol and the step channel without
     Ray or DeepSpeed. ``attention``: the rank's (its step runner's) attention path."""
     from deployments.tp.shards import VocabParallelHead
-    from deployments.tp.target import TPGroup, TPTarget, _Config
-    from deployments.tp.worker import TPWorker
+    from deployments.tp.target import in_process_tp
 
     model = copy.deepcopy(ref.model)
     vocab, hidden = model.lm_head.weight.shape
     head = VocabParallelHead(0, vocab, hidden, torch.float32).to_empty(device="cpu")
     head.weight.data.copy_(model.lm_head.weight.data)
     model.lm_head = head
-    w = TPWorker.__new__(TPWorker)
-    w.rank, w.world, w.model, w.views, w.steps, w.decode_s, w._loop = 0, 1, model, {}, 0, 0.0, None
-    w.attention, w.cuda_graphs, w.runner, w.pool = attention, False, None, None
-    return TPTarget(
-        model=_Config(ref.model.config, None, torch.float32),
-        tokenizer=ref.tokenizer,
-        name="local-tp",
-        eos_ids=ref.eos_ids,
-        max_context=ref.max_context,
-        group=TPGroup([w], [{}], local=True),
-        tp_size=1,
-    )
+    return in_process_tp(dataclasses.replace(ref, model=model), attention)
 
 
 def _batch(target, prompts, cfgs, drafters):
