@@ -25,6 +25,8 @@ targets produce an argmax and call :func:`answer`.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -197,8 +199,6 @@ def hf_hidden(model: torch.nn.Module, input_ids, position_ids, mask, hf_cache) -
     forward is tested against, and the path of the families it does not cover):
     input_ids/position_ids [1, T]; mask [1, 1, T, S] additive or None (causal). Returns hidden
     states [T, H] on the model's device; the cache grows by T rows."""
-    from toolspec_core.model.target import cache_kwarg
-
     dev = next(model.parameters()).device
     if dev.type != "cpu":
         input_ids, position_ids = input_ids.to(dev, non_blocking=True), position_ids.to(dev, non_blocking=True)
@@ -212,3 +212,15 @@ def hf_hidden(model: torch.nn.Module, input_ids, position_ids, mask, hf_cache) -
             **{cache_kwarg(model.model): hf_cache},
         )
     return out.last_hidden_state[0]
+
+
+def cache_kwarg(core: torch.nn.Module) -> str:
+    """Name of the KV-cache argument of an HF decoder's ``forward``: ``cache`` from transformers 5.20
+    (which still accepts the old name until 5.40), ``past_key_values`` before, as on images we do
+    not pin (a GPU machine's). Passing the wrong one silently runs without a cache."""
+    return _cache_kwarg_of(type(core))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_of(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"

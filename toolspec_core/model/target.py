@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,9 +16,9 @@ from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME, ModelFileError, em
 from toolspec_core.model.kv import HFKV, KVCache, SeqKV
 from toolspec_core.model.prompting import eos_ids_of
 from toolspec_core.model.ragged import resolve_attention
-from toolspec_core.model.step_runner import StepOutput, StepRequest, StepRunner, hf_hidden
+from toolspec_core.model.step_runner import StepOutput, StepRequest, StepRunner, cache_kwarg, hf_hidden
 
-__all__ = ["StepOutput", "StepRequest", "Target", "from_model", "load_target"]
+__all__ = ["StepOutput", "StepRequest", "Target", "cache_kwarg", "from_model", "load_target"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -161,18 +160,6 @@ class Target:
         """One verify forward as the scheduler needs it (:class:`~toolspec_core.model.step_runner.StepRequest`),
         run by the step runner over ``pool``, the pool the segments' caches are in."""
         return self.runner(pool).run(req)
-
-
-def cache_kwarg(core: torch.nn.Module) -> str:
-    """Name of the KV-cache argument of an HF decoder's ``forward``: ``cache`` from transformers 5.20
-    (which still accepts the old name until 5.40), ``past_key_values`` before, as on images we do
-    not pin (a GPU machine's). Passing the wrong one silently runs without a cache."""
-    return _cache_kwarg_of(type(core))
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_kwarg_of(cls: type) -> str:
-    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def from_model(model, tokenizer, name: str = "model", attention: str = "auto", cuda_graphs: bool = False) -> Target:
