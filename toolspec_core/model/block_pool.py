@@ -282,10 +282,10 @@ class _PagedLayer:
 class PagedKV:
     """One sequence's KV in a :class:`BlockPool`: a fixed block table and a valid length.
 
-    It implements :class:`~toolspec_core.model.kv.KVCache`, so the scheduler runs it beside
-    :class:`~toolspec_core.model.kv.SeqKV` caches in one forward; the ragged attention
-    (:mod:`toolspec_core.model.ragged`) reads its ``table`` and ``host_slots`` instead of calling
-    ``write``.
+    Made by :meth:`BlockPool.open` (at admission, ``Scheduler._place``). It implements
+    :class:`~toolspec_core.model.kv.KVCache`, so the per-sequence forward and the verify commit run
+    on it unchanged; the ragged attention (:mod:`toolspec_core.model.ragged`) reads its ``table``
+    and ``host_slots`` instead of calling ``write``.
     ``shared``: leading blocks of the table found in the prefix cache (read-only; ``length``
     starts past them)."""
 
