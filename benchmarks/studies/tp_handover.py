@@ -6,7 +6,8 @@ over Ray actors on the CPU (gloo); B sequences decode with a small draft tree ea
 replica starting to build the plan to the last rank having it decoded (build, encode, write into
 shared memory, doorbell, wake-up, decode; ``replica_send_ms``: the replica's part of it, every
 step's mean, prefill steps included); the answer's way back (rank 0 writes, the replica wakes
-and decodes) is the transport's ``answer_s``. A Ray call's round trip to a rank (``ping``, no
+and decodes) is the transport's ``answer_s``; ``codec_ms``: the hand-over's own work (encode, write,
+read, decode) for a decode step's plan in one process, without a wake-up. A Ray call's round trip to a rank (``ping``, no
 payload) is measured beside them: the floor of a step handed over by a Ray call.
 
     flock /tmp/toolspec-cpu.lock python -m benchmarks.studies.tp_handover --out benchmarks/results/measurements/NAME.json
@@ -76,7 +77,13 @@ def run_level(target, pool, b: int, new_tokens: int) -> dict:
     t = target.group.transport
     ans0, steps0, send0 = t.answer_s, t.steps, t.send_s
     bytes0 = t.bytes_out
-    sched.run()
+    plans = []
+    real = target.group.step
+    target.group.step = lambda plan, full: plans.append(plan) or real(plan, full)
+    try:
+        sched.run()
+    finally:
+        del target.group.step
     dec = [r for r in sched.steps if r.prefill_rows == 0 and r.sequences == b]
     hand = [1e3 * r.handover_s for r in dec]
     n = t.steps - steps0
@@ -91,7 +98,29 @@ def run_level(target, pool, b: int, new_tokens: int) -> dict:
         "answer_ms_mean": round(1e3 * (t.answer_s - ans0) / max(n, 1), 4),
         "plan_bytes_per_step": round((t.bytes_out - bytes0) / max(n, 1)),
         "forward_ms_median": round(1e3 * statistics.median(r.forward_s for r in dec), 3),
+        "codec_ms": codec_ms(plans[len(plans) // 2]),
     }
+
+
+def codec_ms(plan, n: int = 200) -> float:
+    """The hand-over's own work for one decode step's plan, in one process (no wake-up): encode,
+    write into a shared-memory slot, read, decode -- ms, median of ``n``."""
+    from deployments.tp.channel import Mailbox
+    from deployments.tp.worker import decode_plan, encode_plan
+
+    box = Mailbox()
+    reader = Mailbox(box.name)
+    times = []
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            box.send(encode_plan(plan))
+            decode_plan(reader.receive())
+            times.append(1e3 * (time.perf_counter() - t0))
+    finally:
+        reader.close()
+        box.close()
+    return round(statistics.median(times), 4)
 
 
 def ray_ping_ms(workers, n: int = 30) -> float:
