@@ -10,15 +10,15 @@ from benchmarks.batch_timing import best_mode, main
 def test_step_curve_on_a_tiny_shape_writes_every_case(tmp_path):
     out = tmp_path / "curve.json"
     argv = ["--model", "tiny", "--batches", "1,3", "--drafts", "0,3", "--context", "24", "--repeats", "1"]
-    assert main(argv + ["--modes", "default,nonsense+x", "--out", str(out)]) == 0
+    assert main(argv + ["--modes", "default,nonsense+x,tp1:ragged", "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert rep["tool"] == "benchmarks.batch_timing" and rep["context"] == 24 and rep["dtype"] == "float32"
     assert rep["model"] == "tiny" and rep["hardware"]
     modes = {m["mode"]: m["errors"] for m in rep["modes"]}
-    assert modes["default"] == []
+    assert modes["default"] == [] and modes["tp1:ragged"] == []  # tp1: the TP rank's path, in process
     assert modes["nonsense+x"] and "ValueError" in modes["nonsense+x"][0]["error"]  # recorded, the run went on
     cases = {(c["mode"], c["batch"], c["drafts"]): c for c in rep["cases"]}
-    assert set(cases) == {("default", b, t) for b in (1, 3) for t in (0, 3)}
+    assert set(cases) == {(m, b, t) for m in ("default", "tp1:ragged") for b in (1, 3) for t in (0, 3)}
     for (_, b, t), c in cases.items():
         assert c["rows"] == b * (1 + t)
         assert c["step_ms"] > 0 and c["forward_ms"] > 0 and c["host_ms"] >= 0
