@@ -173,7 +173,8 @@ class ServeAppConfig(BaseModel):
     autoscaling: AutoscalingConfig | None = None
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)
-    ingress_num_cpus: float = Field(0.0, ge=0)
+    # the Gate deployment (per-key limits and metrics shared by the replicas)
+    gate_num_cpus: float = Field(0.0, ge=0)
 
     retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
     # shortcuts for a remote Qdrant (what the k8s manifests set): retrieval.store backend qdrant_url

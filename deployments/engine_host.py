@@ -86,6 +86,8 @@ class EngineHost:
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        if retrieval is not None and not method_class(cfg.method).uses_library:
+            retrieval = None  # a method that drafts nothing from the library never searches it
         target = load_serving_target(cfg)
         library = None
         if retrieval is not None:

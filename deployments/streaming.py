@@ -10,8 +10,9 @@ dicts, tool calls streamed as OpenAI streams them (name, then argument fragments
 
 from __future__ import annotations
 
-import json
 import logging
+
+import orjson
 import time
 from typing import AsyncIterator, Iterator
 
@@ -270,5 +271,12 @@ class StreamShaper:
 
 
 def sse(obj: dict | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {data}\n\n".encode()
+    """One server-sent event (orjson: UTF-8 as it is, the chunk dicts' types only)."""
+    if isinstance(obj, str):
+        return b"data: " + obj.encode() + b"\n\n"
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def sse_many(chunks) -> bytes:
+    """The events of ``chunks`` in one body part (b"" when there are none)."""
+    return b"".join(b"data: " + orjson.dumps(ch) + b"\n\n" for ch in chunks)
