@@ -101,6 +101,10 @@ class EngineHost:
             method = make_method(cfg.method, target.tokenizer, **opts)
         except Exception as exc:
             raise RuntimeError(f"cannot build decoding method {cfg.method!r}: {exc}") from exc
+        if cfg.model == "scripted" and cfg.scripted_tokens_per_step > 1:
+            from .scripted import ScriptedMethod
+
+            method = ScriptedMethod(target.script, cfg.scripted_tokens_per_step)
         cost = cost_model_for(cfg.cost_model, target, cfg.calibrate_cost)
         _lltokenizer(target.tokenizer)  # build llguidance's tokenizer view now, not on a request
         return cls(cfg, target, method, cost, library, retrieval)

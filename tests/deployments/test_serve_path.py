@@ -114,3 +114,106 @@ def test_serve_serves_then_leaves_no_process_after_sigterm(tmp_path):
                 p.kill()
             except psutil.Error:
                 pass
+
+
+# ---------------------------------------------------------------------------------------- coalescing
+
+
+@pytest.fixture(scope="module")
+def scripted_host():
+    from deployments.config import ServeAppConfig
+    from deployments.engine_host import EngineHost
+
+    cfg = ServeAppConfig.model_validate({"model": "scripted", "method": "ar", "cost_model": "none"})
+    host = EngineHost.build(cfg)
+    yield host
+    host.close()
+
+
+def _request(max_tokens: int):
+    from serve_fixtures import TOOLS, WEATHER_MESSAGES
+
+    from deployments.protocol import EngineRequest
+
+    return EngineRequest(messages=WEATHER_MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=max_tokens)
+
+
+def test_a_slow_reader_gets_coalesced_events_and_the_engine_never_waits(scripted_host):
+    """The reader takes the first delta, then sleeps: the engine finishes the sequence meanwhile
+    (one token a step), and the next read holds every step since in one event; the deltas are the
+    final text, byte for byte."""
+    import asyncio
+
+    async def go():
+        events = scripted_host.stream(_request(400))
+        got = [await events.__anext__()]  # start
+        got.append(await events.__anext__())  # the first text
+        steps0 = scripted_host.engine.load()["steps"]
+        await asyncio.sleep(1.5)
+        steps1 = scripted_host.engine.load()["steps"]
+        async for ev in events:
+            got.append(ev)
+        return got, steps0, steps1, scripted_host.engine.load()["steps"]
+
+    got, steps0, steps1, steps2 = asyncio.run(go())
+    texts = [e for e in got if e["event"] == "text"]
+    done = got[-1]
+    assert done["event"] == "done" and done["completion_tokens"] == 400
+    assert "".join(e["delta"] for e in texts) == done["text"]
+    assert steps2 == steps1  # the engine finished while nobody read: no step was left for after
+    assert len(texts) <= 3  # the first delta, then everything since in one (and a final tail)
+
+
+def test_one_step_of_five_tokens_is_one_event(scripted_host):
+    """``scripted_tokens_per_step`` 5: each step commits five tokens and streams them as one delta."""
+    import asyncio
+
+    from deployments.scripted import ScriptedMethod
+
+    method = scripted_host.method
+    scripted_host.method = ScriptedMethod(scripted_host.target.script, 5)
+    try:
+
+        async def go():
+            return [ev async for ev in scripted_host.stream(_request(60))]
+
+        got = asyncio.run(go())
+    finally:
+        scripted_host.method = method
+    done = got[-1]
+    assert done["completion_tokens"] == 60 and done["stats"]["forwards"] <= 13
+    texts = [e["delta"] for e in got if e["event"] == "text"]
+    assert "".join(texts) == done["text"] and len(texts) <= 13
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_coalesced_deltas_keep_every_byte_and_the_name_first(seed, scripted_host):
+    """Whatever deltas the engine's steps group the text into (one token to many), the chunks
+    reassemble to the final text's content and call, and the call's first chunk is its name."""
+    import random
+
+    from deployments.scripted import SCRIPT
+    from deployments.streaming import StreamShaper
+
+    rng = random.Random(seed)
+    text = "Let me check. " + SCRIPT + SCRIPT
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 12)))
+    parts = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    shaper = StreamShaper("m", True)
+    chunks = [ch for part in parts for ch in shaper.feed(part)]
+    chunks += list(shaper.finish({"text": text, "finish_reason": "stop", "stats": {}, "extra": {}}))
+    content, calls = "", {}
+    for ch in chunks:
+        delta = ch["choices"][0]["delta"]
+        content += delta.get("content") or ""
+        for tc in delta.get("tool_calls") or []:
+            if tc["index"] not in calls:
+                assert tc["function"]["name"] and tc["function"]["arguments"] == ""  # the name comes first
+                calls[tc["index"]] = [tc["function"]["name"], ""]
+            else:
+                assert "name" not in tc["function"]
+                calls[tc["index"]][1] += tc["function"]["arguments"]
+    assert not shaper.mismatch
+    assert content == "Let me check."
+    want = '{"city": "Paris", "unit": "celsius"}'
+    assert [tuple(c) for c in calls.values()] == [("get_current_weather", want)] * 2
