@@ -11,6 +11,7 @@ lives in the replica's block pool, whose cached blocks are the prefix cache.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -137,14 +138,27 @@ class EngineHost:
         return prepare(req, self.cfg, self.target, self.engine.scheduler, self.text_key)
 
     def _sequence(self, prep: Prepared, info, pre, late):
-        """The request's sequence and drafter (``late``: the search still running, see
-        :class:`~deployments.prepare.LateDrafter`); ``pre``: its prompt prefilled here, or None."""
+        """The request's sequence and drafter; ``pre``: its prompt prefilled here, or None.
+        ``late``: the search still running (a future of its calls): a fallback drafter is built
+        now and the real one, in a worker thread, once the calls are in (see
+        :class:`~deployments.prepare.LateDrafter`) -- no drafter is ever built on the engine thread."""
         from toolspec_core.engine.sequence import Sequence
 
         if late is None:
             drafter = self.method.drafter(info)
         else:
-            drafter = LateDrafter(lambda calls: self.method.drafter(dataclasses.replace(info, retrieved=calls)), late)
+            built: concurrent.futures.Future = concurrent.futures.Future()
+
+            def build(calls) -> None:
+                if built.set_running_or_notify_cancel():
+                    try:
+                        built.set_result(self.method.drafter(dataclasses.replace(info, retrieved=calls)))
+                    except Exception as exc:
+                        built.set_exception(exc)
+
+            fallback = self.method.drafter(dataclasses.replace(info, retrieved=[]))
+            late.add_done_callback(lambda f: self.workers.submit(build, f.result()))
+            drafter = LateDrafter(built, fallback)
         return Sequence(
             self.target, prep.prompt_ids, drafter, prep.decode_cfg, prep.constraint, prefilled=pre, own_cache=True
         )

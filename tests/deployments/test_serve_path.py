@@ -217,3 +217,58 @@ def test_coalesced_deltas_keep_every_byte_and_the_name_first(seed, scripted_host
     assert content == "Let me check."
     want = '{"city": "Paris", "unit": "celsius"}'
     assert [tuple(c) for c in calls.values()] == [("get_current_weather", want)] * 2
+
+
+# ---------------------------------------------------------------------------------------- shared method state
+
+
+def test_the_method_shared_state_holds_under_threads(scripted_host):
+    """Worker threads build drafters and observe outputs (tool sets and tenants past the caches'
+    bounds, so entries are evicted all the time) while another thread drafts: nothing raises,
+    the caches stay bounded, and every observed call is counted."""
+    import sys
+    import threading
+
+    from deployments.scripted import SCRIPT
+    from toolspec_core.drafters.base import DraftContext
+    from toolspec_core.drafters.methods import RequestInfo, make_method
+
+    tok = scripted_host.target.tokenizer
+    method = make_method("toolspec", tok)
+    method.TOOLS_CACHE, method.MAX_TENANTS = 3, 3
+    prompt = tok.encode("hello")
+    out_ids = tok.encode(SCRIPT)
+
+    def tools(i: int) -> list[dict]:
+        return [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}}]
+
+    errors, per_thread, threads_n = [], 600, 6
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(per_thread):
+                info = RequestInfo(prompt, tools((w + i) % 7), f"t{(w * i) % 5}")
+                if i % 10 == 0:
+                    d = method.drafter(info)
+                    d.propose(DraftContext(prompt + out_ids[: i % 9], len(prompt), 8))
+                else:
+                    method.rates_for(info.tenant)
+                    method._tools(info.tools)
+                method.observe(info, out_ids, SCRIPT)
+        except Exception as exc:  # noqa: BLE001 -- any error is the test's failure
+            errors.append(repr(exc))
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(threads_n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:3]
+    assert len(method._tools_cache) <= 3 and len(method._tenant_rates) <= 3
+    assert method.priors.tool_counts["get_current_weather"] == threads_n * per_thread
+    assert method.priors.events.tries["call_start"] == threads_n * per_thread
