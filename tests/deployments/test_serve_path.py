@@ -272,3 +272,50 @@ def test_the_method_shared_state_holds_under_threads(scripted_host):
     assert len(method._tools_cache) <= 3 and len(method._tenant_rates) <= 3
     assert method.priors.tool_counts["get_current_weather"] == threads_n * per_thread
     assert method.priors.events.tries["call_start"] == threads_n * per_thread
+
+
+# ---------------------------------------------------------------------------------------- limits across replicas
+
+
+@pytest.mark.serve
+@pytest.mark.timeout(900)
+def test_per_key_limits_hold_across_two_replicas(serve_port, tmp_path):
+    """Two engine replicas, each serving HTTP: a key's requests_per_minute is one count in the
+    app's Gate, so exactly that many of its requests pass whichever replica takes them (an
+    unlimited key's requests show both replicas serving); /metrics counts the whole app's."""
+    import json
+
+    import httpx
+    from ray import serve
+    from serve_fixtures import deploy, wait_until
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(
+        json.dumps([{"key": "lim", "tenant": "a", "requests_per_minute": 5}, {"key": "free", "tenant": "b"}])
+    )
+    url = deploy(
+        "pair2",
+        {"model": "scripted", "method": "ar", "cost_model": "none", "num_replicas": 2, "api_keys_file": str(keys)},
+        serve_port,
+    )
+    body = {"model": "pair2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    def ask(key: str) -> httpx.Response:
+        return httpx.post(url + "/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+    try:
+        assert wait_until(lambda: ask("free").status_code == 200, timeout=600, every=3)
+        replicas = {ask("free").json()["toolspec"]["replica"] for _ in range(24)}
+        assert len(replicas) == 2, replicas  # Serve spreads requests over both replicas
+        codes = [ask("lim").status_code for _ in range(12)]
+        assert codes.count(200) == 5 and codes.count(429) == 7, codes
+
+        def ok_requests() -> float:
+            text = httpx.get(url[: -len("/v1")] + "/metrics", timeout=30).text
+            ok = [ln for ln in text.splitlines() if ln.startswith('toolspec_requests_total{status="ok"')]
+            return sum(float(ln.split()[-1]) for ln in ok)
+
+        # readiness + 24 + 5 requests, served by both replicas, in one count
+        assert wait_until(lambda: ok_requests() >= 30, timeout=30), ok_requests()
+    finally:
+        serve.delete("pair2")
