@@ -25,6 +25,7 @@ from toolspec_core.errors import InvalidRequestError
 
 from .bridge import EngineBridge, EngineError
 from .config import ServeAppConfig, served_name
+from .events import Done, Event, Failed, Start
 from .prepare import LateDrafter, Prepared, Search, prepare
 from .protocol import APIError, EngineRequest
 from .streaming import TextStreamer, TokenText, final_text_event, text_events
@@ -36,9 +37,9 @@ log = logging.getLogger("toolspec.serve")
 PREPARE_WORKERS = 4
 
 
-def error_event(err: APIError) -> dict:
-    """The replica's ``error`` event: the request ends with this OpenAI error."""
-    return {"event": "error", "status": err.status, "error": err.body()["error"]}
+def error_event(err: APIError) -> Failed:
+    """The replica's ``Failed`` event: the request ends with this OpenAI error."""
+    return Failed(err.status, err.body()["error"])
 
 
 def request_error(exc: InvalidRequestError) -> APIError:
@@ -170,9 +171,9 @@ class EngineHost:
             log.exception("method.observe failed")
 
     # ------------------------------------------------------------------ the request
-    async def stream(self, req: EngineRequest) -> AsyncIterator[dict]:
-        """Events: ``start`` | ``error`` first, then ``text`` deltas, then ``done`` (the result) or
-        ``error`` (the engine failed the request). Closing the generator early (the client went
+    async def stream(self, req: EngineRequest) -> AsyncIterator[Event]:
+        """Events (:mod:`deployments.events`): ``Start`` | ``Failed`` first, then ``Text`` deltas,
+        then ``Done`` (the result) or ``Failed`` (the engine failed the request). Closing the generator early (the client went
         away) cancels the request's sequence at the engine's next step."""
         from retrieval_service.embedding import from_hidden
         from toolspec_core.drafters.methods import RequestInfo
@@ -185,7 +186,7 @@ class EngineHost:
         except InvalidRequestError as exc:
             yield error_event(request_error(exc))
             return
-        yield {"event": "start", "prompt_tokens": len(prep.prompt_ids)}
+        yield Start(len(prep.prompt_ids))
         search = Search(self.retrieval, req, prep.key)  # keyed on the text: runs while the engine prefills
         pre = None
         if search.needs_state:  # keyed on the prompt's state: prefill it here first, then search
@@ -237,16 +238,15 @@ class EngineHost:
             "latency_s": time.perf_counter() - t0,
             "constrained": prep.constraint is not None,
         }
-        yield {
-            "event": "done",
-            "text": result.text,
-            "finish_reason": result.finish_reason,
-            "prompt_tokens": len(prep.prompt_ids),
-            "completion_tokens": len(result.tokens),
-            "stats": {k: v for k, v in stats.items() if not k.endswith("_per_step") and k != "step_labels"},
-            "extra": extra,
-            "logprobs": self.token_text.entries(result.logprobs) if result.logprobs is not None else None,
-        }
+        yield Done(
+            result.text,
+            result.finish_reason,
+            len(prep.prompt_ids),
+            len(result.tokens),
+            {k: v for k, v in stats.items() if not k.endswith("_per_step") and k != "step_labels"},
+            extra,
+            self.token_text.entries(result.logprobs) if result.logprobs is not None else None,
+        )
 
     async def library_admin(self, op: str, tenant: str) -> dict:
         """``forget``: delete the calls of ``tenant`` and its users from the shared library and this
@@ -275,11 +275,11 @@ class EngineHost:
             return out
         raise ValueError(f"unknown library operation {op!r}")
 
-    async def generate(self, req: EngineRequest) -> dict:
-        """Non-streaming: the ``error`` or ``done`` event."""
-        last: dict = {}
+    async def generate(self, req: EngineRequest) -> Done | Failed:
+        """Non-streaming: the ``Failed`` or ``Done`` event."""
+        last = None
         async for ev in self.stream(req):
-            if ev["event"] in ("error", "done"):
+            if isinstance(ev, (Done, Failed)):
                 last = ev
         return last
 

@@ -22,15 +22,15 @@ from .metrics import Metrics
 log = logging.getLogger("toolspec.serve")
 
 
-def summary(result: dict) -> dict:
-    """What the metrics read of a finished request's ``done`` event (small: it crosses Ray)."""
-    stats, extra = result.get("stats") or {}, result.get("extra") or {}
+def summary(result) -> dict:
+    """What the metrics read of a finished request's ``Done`` event (small: it crosses Ray)."""
+    stats, extra = result.stats or {}, result.extra or {}
     keep = ("decode_s", "forwards", "mat", "label_drafted", "label_accepted")
     r = extra.get("retrieval") or {}
     return {
-        "finish_reason": result.get("finish_reason"),
-        "prompt_tokens": result.get("prompt_tokens", 0),
-        "completion_tokens": result.get("completion_tokens", 0),
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
         "stats": {k: stats[k] for k in keep if k in stats},
         "extra": {
             "prefix_cached_tokens": extra.get("prefix_cached_tokens", 0),

@@ -1,8 +1,8 @@
-"""The FastAPI app of the ingress: OpenAI routes, auth, errors, SSE, /health, /metrics.
+"""The FastAPI app of an engine replica: OpenAI routes, auth, errors, SSE, /health, /metrics.
 
 ``make_api(backend, cfg)`` takes any backend with async ``stream(req)`` (an async iterator of
-replica events), ``generate(req)`` and ``info()`` -- a Serve handle in production
-(:class:`HandleBackend`), an in-process ``EngineHost`` in unit tests (:class:`LocalBackend`).
+the engine's typed events, :mod:`deployments.events`), ``generate(req)`` and ``info()``: the
+replica's own ``EngineHost`` (:class:`LocalBackend`), in a Serve replica as in unit tests.
 """
 
 import asyncio
@@ -12,32 +12,13 @@ import math
 import time
 
 from .config import ServeAppConfig, served_name
+from .events import Done, Failed, Text
 from .gate import LocalGate, summary
 from .keys import OPEN, KeyRing
 from .protocol import APIError, EngineRequest, chat_completion, engine_request, parse_request, parses_tools, schema_size
 from .streaming import StreamShaper, sse, sse_many
 
 log = logging.getLogger("toolspec.serve")
-
-
-class HandleBackend:
-    """Engine replicas behind a Ray Serve deployment handle."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    async def stream(self, req: EngineRequest):
-        async for ev in self.handle.options(stream=True).stream.remote(req):
-            yield ev
-
-    async def generate(self, req: EngineRequest) -> dict:
-        return await self.handle.generate.remote(req)
-
-    async def info(self) -> dict:
-        return await self.handle.info.remote()
-
-    async def library(self, op: str, tenant: str) -> dict:
-        return await self.handle.library.remote(op, tenant)
 
 
 class LocalBackend:
@@ -59,9 +40,9 @@ class LocalBackend:
         return await self.host.library_admin(op, tenant)
 
 
-def _tokens(result: dict) -> int:
-    """Prompt + completion tokens of a finished replica result (0 when there is none)."""
-    return int(result.get("prompt_tokens", 0)) + int(result.get("completion_tokens", 0)) if result else 0
+def _tokens(result) -> int:
+    """Prompt + completion tokens of a finished request's ``Done`` (0 for anything else)."""
+    return result.prompt_tokens + result.completion_tokens if isinstance(result, Done) else 0
 
 
 def _error(exc: APIError):
@@ -289,12 +270,13 @@ def make_api(backend, cfg: ServeAppConfig, gate=None):
                 code="rate_limit_exceeded",
                 headers={"Retry-After": str(max(1, math.ceil(wait)))},
             )
-        def release(result: dict) -> None:
+
+        def release(result) -> None:
             if limited:
                 gate.release(key, _tokens(result))
 
         if not req.stream:
-            result = {}
+            result = None
             gate.inflight += 1
             try:
                 result = await backend.generate(ereq)
@@ -306,9 +288,9 @@ def make_api(backend, cfg: ServeAppConfig, gate=None):
             finally:
                 gate.inflight -= 1
                 release(result)
-            if result.get("event") == "error":
+            if not isinstance(result, Done):
                 error(False)
-                return JSONResponse({"error": result["error"]}, status_code=result.get("status", 400))
+                return JSONResponse({"error": result.error}, status_code=result.status)
             gate.observe(("done", summary(result), False, time.perf_counter() - t0, None))
             return JSONResponse(chat_completion(result, parse, model))
 
@@ -316,44 +298,43 @@ def make_api(backend, cfg: ServeAppConfig, gate=None):
             events = backend.stream(ereq).__aiter__()
             first = await events.__anext__()
         except Exception as exc:
-            release({})
+            release(None)
             if not is_cancellation(exc):
                 raise
             log.debug("request cancelled (%s)", type(exc).__name__)
             return cancelled_response()
         except BaseException:
-            release({})
+            release(None)
             raise
-        if first["event"] == "error":
-            release({})
+        if isinstance(first, Failed):
+            release(None)
             error(True)
             await events.aclose()
-            return JSONResponse({"error": first["error"]}, status_code=first.get("status", 400))
+            return JSONResponse({"error": first.error}, status_code=first.status)
 
         async def body_iter():
             """One body part per engine event: every chunk a delta makes, in one SSE write."""
             shaper = StreamShaper(model, parse, include_usage)
             gate.inflight += 1
-            ttft, done = None, {}
+            ttft, done = None, None
             try:
                 yield sse(shaper.start())
                 async for ev in events:
-                    kind = ev["event"]
-                    if kind == "text":
-                        part = sse_many(shaper.feed(ev["delta"], ev.get("logprobs")))
+                    if isinstance(ev, Text):
+                        part = sse_many(shaper.feed(ev.delta, ev.logprobs))
                         if part:
                             if ttft is None:
                                 ttft = time.perf_counter() - t0
                             yield part
-                    elif kind == "done":
+                    elif isinstance(ev, Done):
                         done = ev
                         yield sse_many(shaper.finish(ev))
                         if shaper.mismatch:
                             log.warning("stream deltas diverged from the final parse (request %s)", shaper.id)
                         gate.observe(("done", summary(ev), True, time.perf_counter() - t0, ttft))
-                    elif kind == "error":  # the engine failed the request: tell the client in-band
+                    elif isinstance(ev, Failed):  # the engine failed the request: tell the client in-band
                         error(True)
-                        yield sse({"error": ev["error"]})
+                        yield sse({"error": ev.error})
                         break
             except Exception as exc:  # mid-stream failure: tell the client in-band, then end
                 if is_cancellation(exc):  # the client went away (Serve cancelled the replica's stream)

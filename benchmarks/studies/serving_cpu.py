@@ -99,7 +99,9 @@ def per_level(samples, records_path: str) -> list[dict]:
                 "tokens": tokens,
                 "tokens_per_s": tokens / span if span > 0 else None,
                 "cpu_s": {k: round(v, 3) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])},
-                "cpu_ms_per_token": {k: round(1000 * v / tokens, 4) for k, v in cpu.items() if tokens} if tokens else {},
+                "cpu_ms_per_token": {k: round(1000 * v / tokens, 4) for k, v in cpu.items() if tokens}
+                if tokens
+                else {},
                 "cpu_busy_of_machine": sum(cpu.values()) / span / (os.cpu_count() or 1) if span > 0 else None,
             }
         )
@@ -114,7 +116,20 @@ def py_spy(pids: dict[str, int], seconds: float, out_dir: str, name: str) -> dic
         procs[who] = (
             path,
             subprocess.Popen(
-                [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "-p", str(pid), "-d", str(int(seconds)), "-f", "raw", "-o", path, "-r", "200"],
+                [
+                    os.path.join(os.path.dirname(sys.executable), "py-spy"),
+                    "record",
+                    "-p",
+                    str(pid),
+                    "-d",
+                    str(int(seconds)),
+                    "-f",
+                    "raw",
+                    "-o",
+                    path,
+                    "-r",
+                    "200",
+                ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             ),
@@ -183,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"levels": levels_out, "py_spy": spy, "cpus": os.cpu_count()}, f, indent=1)
     for lv in levels_out:
         ms = sorted(lv["cpu_ms_per_token"].items(), key=lambda kv: -kv[1])
-        print(f"[cpu] {lv['level']}: {lv['tokens_per_s'] or 0:.0f} tok/s; ms/token " + ", ".join(f"{k} {v:.3f}" for k, v in ms))
+        print(
+            f"[cpu] {lv['level']}: {lv['tokens_per_s'] or 0:.0f} tok/s; ms/token "
+            + ", ".join(f"{k} {v:.3f}" for k, v in ms)
+        )
     print(f"[cpu] -> {path}")
     return rc
 

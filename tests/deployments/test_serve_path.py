@@ -71,7 +71,6 @@ def test_serve_serves_then_leaves_no_process_after_sigterm(tmp_path):
     says no library; after SIGTERM no process it started (GCS, raylet, workers, Ray's agents) runs."""
     import httpx
     import psutil
-
     from serve_fixtures import TOOLS, WEATHER_MESSAGES, free_port
 
     port = free_port()
@@ -156,10 +155,12 @@ def test_a_slow_reader_gets_coalesced_events_and_the_engine_never_waits(scripted
         return got, steps0, steps1, scripted_host.engine.load()["steps"]
 
     got, steps0, steps1, steps2 = asyncio.run(go())
-    texts = [e for e in got if e["event"] == "text"]
+    from deployments.events import Done, Text
+
+    texts = [e for e in got if isinstance(e, Text)]
     done = got[-1]
-    assert done["event"] == "done" and done["completion_tokens"] == 400
-    assert "".join(e["delta"] for e in texts) == done["text"]
+    assert isinstance(done, Done) and done.completion_tokens == 400
+    assert "".join(e.delta for e in texts) == done.text
     assert steps2 == steps1  # the engine finished while nobody read: no step was left for after
     assert len(texts) <= 3  # the first delta, then everything since in one (and a final tail)
 
@@ -180,10 +181,12 @@ def test_one_step_of_five_tokens_is_one_event(scripted_host):
         got = asyncio.run(go())
     finally:
         scripted_host.method = method
+    from deployments.events import Text
+
     done = got[-1]
-    assert done["completion_tokens"] == 60 and done["stats"]["forwards"] <= 13
-    texts = [e["delta"] for e in got if e["event"] == "text"]
-    assert "".join(texts) == done["text"] and len(texts) <= 13
+    assert done.completion_tokens == 60 and done.stats["forwards"] <= 13
+    texts = [e.delta for e in got if isinstance(e, Text)]
+    assert "".join(texts) == done.text and len(texts) <= 13
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -192,6 +195,7 @@ def test_coalesced_deltas_keep_every_byte_and_the_name_first(seed, scripted_host
     reassemble to the final text's content and call, and the call's first chunk is its name."""
     import random
 
+    from deployments.events import Done
     from deployments.scripted import SCRIPT
     from deployments.streaming import StreamShaper
 
@@ -201,7 +205,7 @@ def test_coalesced_deltas_keep_every_byte_and_the_name_first(seed, scripted_host
     parts = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     shaper = StreamShaper("m", True)
     chunks = [ch for part in parts for ch in shaper.feed(part)]
-    chunks += list(shaper.finish({"text": text, "finish_reason": "stop", "stats": {}, "extra": {}}))
+    chunks += list(shaper.finish(Done(text, "stop")))
     content, calls = "", {}
     for ch in chunks:
         delta = ch["choices"][0]["delta"]
