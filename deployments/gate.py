@@ -68,8 +68,8 @@ class GateServer:
                 m.observe_error(rec[1])
         m.inflight.set(sum(self.inflight.values()))
 
-    def render(self, replica: str, inflight: int, info: dict | None) -> tuple[bytes, str]:
-        self.observe(replica, inflight, [])
+    def render(self, replica: str, inflight: int, info: dict | None, records=()) -> tuple[bytes, str]:
+        self.observe(replica, inflight, list(records))
         if info is not None:
             self.metrics.observe_engine(info)
         return self.metrics.render()
@@ -95,12 +95,16 @@ class LocalGate:
 
 
 class RemoteGate(LocalGate):
-    """The ``Gate`` deployment through its Serve handle. Ended requests are sent in one
-    fire-and-forget call each (their order does not matter); an unreachable gate loses metrics,
-    never a request."""
+    """The ``Gate`` deployment through its Serve handle. A key's admission is one call it waits
+    for; its release is one fire-and-forget call. Ended requests' metrics are sent in batches,
+    at most every ``flush_s`` seconds and before /metrics renders (a handle call costs the gate
+    more CPU than a request's whole record): their order does not matter, and an unreachable
+    gate loses metrics, never a request."""
 
-    def __init__(self, handle, replica: str):
-        self.handle, self.replica, self.inflight = handle, replica, 0
+    def __init__(self, handle, replica: str, flush_s: float = 1.0):
+        self.handle, self.replica, self.inflight, self.flush_s = handle, replica, 0, flush_s
+        self._records: list[tuple] = []
+        self._timer = None
 
     async def admit(self, key: ApiKey):
         return await self.handle.admit.remote(key)
@@ -109,10 +113,26 @@ class RemoteGate(LocalGate):
         self._send(self.handle.release.remote(key, tokens))
 
     def observe(self, record: tuple) -> None:
-        self._send(self.handle.observe.remote(self.replica, self.inflight, [record]))
+        self._records.append(record)
+        if self._timer is None:
+            import asyncio
+
+            self._timer = asyncio.get_running_loop().call_later(self.flush_s, self.flush)
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        records, self._records = self._records, []
+        if records:
+            self._send(self.handle.observe.remote(self.replica, self.inflight, records))
 
     async def render(self, info: dict | None) -> tuple[bytes, str]:
-        return await self.handle.render.remote(self.replica, self.inflight, info)
+        records, self._records = self._records, []
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        return await self.handle.render.remote(self.replica, self.inflight, info, records)
 
     @staticmethod
     def _send(response) -> None:
