@@ -131,7 +131,7 @@ def py_spy(pids: dict[str, int], seconds: float, out_dir: str, name: str) -> dic
                     "200",
                 ],
                 stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                stderr=open(path + ".err", "w"),  # why a recording failed (a process gone, no ptrace)
             ),
         )
     tops = {}
