@@ -84,11 +84,22 @@ def config_from_args(ns: argparse.Namespace):
 
 def start_server(cfg, app_name: str = "toolspec", quiet: bool = False) -> str:
     """Start Ray (a fresh local instance unless RAY_ADDRESS is set) and the app; returns its URL."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
+    start_ray(quiet)
     from ray import serve
 
     from .app import build_app
+
+    if quiet:
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.run(build_app(cfg), name=app_name, route_prefix=cfg.route_prefix, blocking=False)
+    return f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}"
+
+
+def start_ray(quiet: bool = False) -> None:
+    """Connect to Ray: a fresh local instance unless RAY_ADDRESS is set (no-op when connected)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
 
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or "local"
@@ -96,11 +107,6 @@ def start_server(cfg, app_name: str = "toolspec", quiet: bool = False) -> str:
         if address == "local":
             kwargs["num_cpus"] = max(2, os.cpu_count() or 2)
         ray.init(address=address, **kwargs)
-    if quiet:
-        logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    serve.run(build_app(cfg), name=app_name, route_prefix=cfg.route_prefix, blocking=False)
-    return f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}"
 
 
 def stop_server(graceful: bool = True, wait_s: float = 10.0) -> None:
@@ -155,8 +161,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(ns)
     t0 = time.time()
     try:
-        url = start_server(cfg)
+        start_ray()
         _stop_on_sigterm()  # after ray.init, whose handlers would end this process without stopping Ray
+        url = start_server(cfg)
         print(
             f"ToolSpec is serving {cfg.model} (method {cfg.method}) at {url}/v1 after {time.time() - t0:.0f} s; Ctrl-C stops it.",
             flush=True,
