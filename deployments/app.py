@@ -1,8 +1,15 @@
-"""Ray Serve application: ``Ingress`` (OpenAI HTTP API) -> ``Replica`` (engine) -> ``Retrieval``.
+"""Ray Serve application: ``Replica`` (OpenAI HTTP API + engine) -> ``Retrieval``, beside one ``Gate``.
+
+Serve's HTTP proxy routes each request straight to an engine replica, which serves the OpenAI
+routes itself (:func:`deployments.http.make_api` over its own engine): one Ray hop per request,
+and Serve carries every SSE chunk the replica has ready in one message. What must be counted
+across replicas -- per-key rate limits and the request metrics -- lives in the ``Gate``
+deployment (one replica; :mod:`deployments.gate`).
 
 ``build_app(args)`` is the application builder (``serve run deployments.app:build_app`` and the
 RayService ``import_path``): it validates :class:`~deployments.config.ServeAppConfig` once and
-composes the deployments with handles.
+composes the deployments with handles. The ``Retrieval`` deployment is started only for a
+method that drafts from the call library.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import logging
 from ray import serve
 
 from .config import ServeAppConfig
-from .http import LocalBackend
+from .gate import GateServer
 from .plan import check_plan
 from .retrieval import RetrievalServer
 
@@ -29,44 +36,36 @@ class Retrieval(RetrievalServer):
         super().__init__(cfg.store_config(dim), cfg.retrieval)
 
 
-@serve.deployment(name="Replica")
-class Replica(LocalBackend):
-    """Hosts the engine and answers the ingress's backend calls on it (``generate``, ``info`` and
-    ``library`` as :class:`~deployments.http.LocalBackend` does). Heavy start-up runs off the event
-    loop; requests stream events."""
+@serve.deployment(name="Gate", num_replicas=1, max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+class Gate(GateServer):
+    """The app's per-key limits and request metrics, one count for every replica."""
 
-    async def __init__(self, cfg: ServeAppConfig, retrieval=None):
+
+@serve.deployment(name="Replica")
+@serve.ingress()
+class Replica:
+    """Hosts the engine and serves the OpenAI routes on it (:func:`deployments.http.make_api`).
+    Heavy start-up runs off the event loop; the app is built once the engine is up."""
+
+    async def __init__(self, cfg: ServeAppConfig, retrieval=None, gate=None):
         from .engine_host import EngineHost
         from .retrieval import RetrievalClient
 
         client = RetrievalClient(retrieval, cfg.retrieval) if retrieval is not None else None
-        super().__init__(await asyncio.to_thread(EngineHost.build, cfg, client))
+        self.cfg, self.gate = cfg, gate
+        self.host = await asyncio.to_thread(EngineHost.build, cfg, client)
 
-    async def stream(self, req: dict):
-        """A generator method of its own: Serve streams only what a generator method yields."""
-        async for ev in self.host.stream(req):
-            yield ev
+    def __serve_build_asgi_app__(self):
+        from .gate import RemoteGate
+        from .http import LocalBackend, make_api
+
+        gate = RemoteGate(self.gate, self.host.replica_id) if self.gate is not None else None
+        return make_api(LocalBackend(self.host), self.cfg, gate=gate)
 
     def __del__(self):
         host = getattr(self, "host", None)
         if host is not None:
             host.close()
-
-
-@serve.deployment(name="Ingress")
-@serve.ingress()
-class Ingress:
-    """The OpenAI-compatible HTTP front; routes requests to engine replicas."""
-
-    def __init__(self, replica, cfg: ServeAppConfig):
-        from .http import HandleBackend
-
-        self.backend, self.cfg = HandleBackend(replica), cfg
-
-    def __serve_build_asgi_app__(self):
-        from .http import make_api
-
-        return make_api(self.backend, self.cfg)
 
 
 def retrieval_dim(cfg: ServeAppConfig) -> int:
@@ -90,20 +89,26 @@ def check_method(name: str) -> None:
         raise ValueError(f"method {name!r} is not available in this install ({exc}); pass method=pld or ar") from exc
 
 
+def uses_retrieval(cfg: ServeAppConfig) -> bool:
+    """Whether the app runs the ``Retrieval`` deployment: retrieval is on and the method drafts
+    from the call library (plain greedy, prompt lookup, ... never search it)."""
+    from toolspec_core.drafters.methods import method_class
+
+    return cfg.retrieval.enabled and method_class(cfg.method).uses_library
+
+
 def build_app(args: dict | ServeAppConfig | None = None):
     """The Serve application for ``args`` (validated once, here)."""
     cfg = args if isinstance(args, ServeAppConfig) else ServeAppConfig.model_validate(dict(args or {}))
     check_plan(cfg)  # with gpu_memory set: the weights and one full context must fit (deployments/plan.py)
     check_method(cfg.method)
     retrieval = None
-    if cfg.retrieval.enabled:
+    if uses_retrieval(cfg):
         r = cfg.retrieval
         gpus = r.encoder.num_gpus if r.key in ("qwen", "hybrid") else 0
         retrieval = Retrieval.options(
             num_replicas=r.num_replicas,
             ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": gpus, "resources": dict(r.resources)},
         ).bind(cfg, retrieval_dim(cfg))
-    replica = Replica.options(**cfg.deployment_options()).bind(cfg, retrieval)
-    return Ingress.options(
-        max_ongoing_requests=max(64, 4 * cfg.max_ongoing_requests), ray_actor_options={"num_cpus": cfg.ingress_num_cpus}
-    ).bind(replica, cfg)
+    gate = Gate.options(ray_actor_options={"num_cpus": cfg.gate_num_cpus}).bind(cfg)
+    return Replica.options(**cfg.deployment_options()).bind(cfg, retrieval, gate)

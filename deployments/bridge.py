@@ -5,7 +5,7 @@ No Ray here. :class:`EngineBridge` owns the replica's decode thread, which steps
 there is none. A request hands its :class:`~toolspec_core.engine.sequence.Sequence` over with
 :meth:`EngineBridge.submit` and gets a :class:`SequenceStream`: after each commit, and once when
 the sequence ends, the engine thread posts to the request's own event loop
-(``loop.call_soon_threadsafe``), so no thread waits for a request and the event loop only
+(one ``loop.call_soon_threadsafe`` per loop per step, for all its sequences), so no thread waits for a request and the event loop only
 accepts, enqueues and streams. A request whose client went away cancels its sequence: the
 scheduler drops it at its next step and its KV blocks go back to the pool.
 """
@@ -29,32 +29,25 @@ class EngineError(RuntimeError):
 class SequenceStream:
     """The event loop's side of one sequence in the engine.
 
-    The engine thread calls :meth:`_on_tokens` after each commit and :meth:`_ended` when the
-    sequence has finished; both only post to the loop. :meth:`updates` yields ``(text,
+    The engine thread calls :meth:`_on_tokens` after each commit and puts the end in the
+    step's :class:`Outbox` when the sequence has finished; the outbox hands a step's news to
+    each event loop in one call. :meth:`updates` yields ``(text,
     n_logprobs)`` -- the output's text so far (a ``str`` snapshot of the sequence's detokenizer,
     so the loop never reads it half-written) and how many logprob entries it has --, only the
     newest when several commits arrived together, until the sequence ends."""
 
-    def __init__(self, seq, loop: asyncio.AbstractEventLoop):
+    def __init__(self, seq, loop: asyncio.AbstractEventLoop, outbox: "Outbox | None" = None):
         self.seq, self.loop = seq, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ended = False
+        self.outbox = outbox or Outbox()
         seq.on_tokens = self._on_tokens
 
     # ------------------------------------------------------------------ engine thread
     def _on_tokens(self, ids: list[int]) -> bool:
         seq = self.seq
-        self._post((seq.detok.text, len(seq.logprobs) if seq.logprobs is not None else 0))
+        self.outbox.put(self, (seq.detok.text, len(seq.logprobs) if seq.logprobs is not None else 0))
         return not seq.cancelled
-
-    def _ended(self) -> None:
-        self._post(_END)
-
-    def _post(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the request's loop is closed: nobody reads this sequence any more
-            self.seq.cancelled = True
 
     # ------------------------------------------------------------------ event loop
     async def updates(self) -> AsyncIterator[tuple[str, int]]:
@@ -81,6 +74,31 @@ class SequenceStream:
         self.seq.cancelled = True
 
 
+class Outbox:
+    """What one engine step has for the event loops, handed over in one ``call_soon_threadsafe``
+    per loop per step (one wake-up of the loop, not one per sequence)."""
+
+    def __init__(self):
+        self._items: dict[asyncio.AbstractEventLoop, list] = {}
+
+    def put(self, stream: SequenceStream, item) -> None:
+        self._items.setdefault(stream.loop, []).append((stream, item))
+
+    def flush(self) -> None:
+        items, self._items = self._items, {}
+        for loop, batch in items.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the loop is closed: nobody reads these sequences any more
+                for stream, _ in batch:
+                    stream.seq.cancelled = True
+
+
+def _deliver(batch) -> None:
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
+
+
 class EngineBridge:
     """The replica's decode thread over one scheduler. A step that raises ends the sequences it
     held with finish_reason "error" (their requests get a server error) and the thread goes on."""
@@ -93,13 +111,14 @@ class EngineBridge:
         self._incoming: list = []
         self._streams: dict[int, SequenceStream] = {}
         self._closed = False
+        self._outbox = Outbox()  # filled and flushed by the engine thread only
         self.total_steps = 0  # steps whose records were dropped (the records are kept bounded)
         self._thread = threading.Thread(target=self._run, name="toolspec-engine", daemon=True)
         self._thread.start()
 
     def submit(self, seq) -> SequenceStream:
         """Queue ``seq`` (its ``on_tokens`` becomes the stream's); call on the request's event loop."""
-        stream = SequenceStream(seq, asyncio.get_running_loop())
+        stream = SequenceStream(seq, asyncio.get_running_loop(), self._outbox)
         with self._cv:
             if self._closed:
                 raise EngineError("the engine is shut down")
@@ -168,17 +187,21 @@ class EngineBridge:
             except Exception as exc:
                 log.exception("engine step failed; ending the sequences it held")
                 finished = self.scheduler.fail_all(exc)
+            self._outbox.flush()
             if len(self.scheduler.steps) > 4096:  # keep the step records bounded
                 del self.scheduler.steps[:2048]
                 self.total_steps += 2048
             self._end(finished)
 
     def _end(self, seqs) -> None:
+        if not seqs:
+            return
         with self._cv:
             streams = [self._streams.pop(s.id, None) for s in seqs]
         for stream in streams:
             if stream is not None:
-                stream._ended()
+                self._outbox.put(stream, _END)
+        self._outbox.flush()
 
     def close(self) -> None:
         with self._cv:

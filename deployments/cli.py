@@ -84,18 +84,11 @@ def config_from_args(ns: argparse.Namespace):
 
 def start_server(cfg, app_name: str = "toolspec", quiet: bool = False) -> str:
     """Start Ray (a fresh local instance unless RAY_ADDRESS is set) and the app; returns its URL."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
+    start_ray(quiet)
     from ray import serve
 
     from .app import build_app
 
-    if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS") or "local"
-        kwargs = {"include_dashboard": False, "log_to_driver": not quiet}
-        if address == "local":
-            kwargs["num_cpus"] = max(2, os.cpu_count() or 2)
-        ray.init(address=address, **kwargs)
     if quiet:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
@@ -103,16 +96,63 @@ def start_server(cfg, app_name: str = "toolspec", quiet: bool = False) -> str:
     return f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}"
 
 
-def stop_server(graceful: bool = True) -> None:
-    """Stop the app and the local Ray instance (``graceful=False``: just end Ray, quietly)."""
+def start_ray(quiet: bool = False) -> None:
+    """Connect to Ray: a fresh local instance unless RAY_ADDRESS is set (no-op when connected)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS") or "local"
+        kwargs = {"include_dashboard": False, "log_to_driver": not quiet}
+        if address == "local":
+            kwargs["num_cpus"] = max(2, os.cpu_count() or 2)
+        ray.init(address=address, **kwargs)
+
+
+def stop_server(graceful: bool = True, wait_s: float = 10.0) -> None:
+    """Stop the app and the local Ray instance (``graceful=False``: just end Ray, quietly). Every
+    process this one started (Ray's GCS and raylet, and the raylet's workers, ``DashboardAgent``
+    and ``RuntimeEnvAgent``, which outlive it for a while) is gone when this returns: given
+    ``wait_s`` to end after Ray's shutdown, then killed."""
+    import psutil
     import ray
     from ray import serve
 
+    started = psutil.Process().children(recursive=True)
     try:
         if graceful:
             serve.shutdown()
     finally:
         ray.shutdown()
+        end_processes(started, wait_s)
+
+
+def end_processes(procs, wait_s: float) -> None:
+    """Wait up to ``wait_s`` for ``procs`` to end, then SIGTERM the rest, then SIGKILL."""
+    import psutil
+
+    alive = [p for p in procs if p.is_running()]
+    for sig in (None, "terminate", "kill"):
+        for p in alive if sig else ():
+            try:
+                getattr(p, sig)()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(alive, timeout=wait_s if sig is None else 3.0)
+        if not alive:
+            return
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (``kill``, Kubernetes, systemd) stops the server as Ctrl-C does: the app and every
+    Ray process it started end with it. (Before it is set, ray.init's handler exits the process
+    through ``SystemExit``, which stops the server on the way out as well.)"""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def serve_main(argv: list[str] | None = None) -> int:
@@ -120,12 +160,14 @@ def serve_main(argv: list[str] | None = None) -> int:
     ns = _parser("toolspec serve", serve_main.__doc__).parse_args(argv)
     cfg = config_from_args(ns)
     t0 = time.time()
-    url = start_server(cfg)
-    print(
-        f"ToolSpec is serving {cfg.model} (method {cfg.method}) at {url}/v1 after {time.time() - t0:.0f} s; Ctrl-C stops it.",
-        flush=True,
-    )
     try:
+        start_ray()
+        _stop_on_sigterm()  # after ray.init, whose handlers would end this process without stopping Ray
+        url = start_server(cfg)
+        print(
+            f"ToolSpec is serving {cfg.model} (method {cfg.method}) at {url}/v1 after {time.time() - t0:.0f} s; Ctrl-C stops it.",
+            flush=True,
+        )
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

@@ -173,7 +173,10 @@ class ServeAppConfig(BaseModel):
     autoscaling: AutoscalingConfig | None = None
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)
-    ingress_num_cpus: float = Field(0.0, ge=0)
+    # model "scripted" only: tokens each step commits (k > 1: the script's next k - 1 drafted, all accepted)
+    scripted_tokens_per_step: int = Field(1, ge=1, le=16)
+    # the Gate deployment (per-key limits and metrics shared by the replicas)
+    gate_num_cpus: float = Field(0.0, ge=0)
 
     retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
     # shortcuts for a remote Qdrant (what the k8s manifests set): retrieval.store backend qdrant_url

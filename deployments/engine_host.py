@@ -11,6 +11,7 @@ lives in the replica's block pool, whose cached blocks are the prefix cache.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -24,6 +25,7 @@ from toolspec_core.errors import InvalidRequestError
 
 from .bridge import EngineBridge, EngineError
 from .config import ServeAppConfig, served_name
+from .events import Done, Event, Failed, Start
 from .prepare import LateDrafter, Prepared, Search, prepare
 from .protocol import APIError, EngineRequest
 from .streaming import TextStreamer, TokenText, final_text_event, text_events
@@ -35,9 +37,9 @@ log = logging.getLogger("toolspec.serve")
 PREPARE_WORKERS = 4
 
 
-def error_event(err: APIError) -> dict:
-    """The replica's ``error`` event: the request ends with this OpenAI error."""
-    return {"event": "error", "status": err.status, "error": err.body()["error"]}
+def error_event(err: APIError) -> Failed:
+    """The replica's ``Failed`` event: the request ends with this OpenAI error."""
+    return Failed(err.status, err.body()["error"])
 
 
 def request_error(exc: InvalidRequestError) -> APIError:
@@ -86,6 +88,8 @@ class EngineHost:
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        if retrieval is not None and not method_class(cfg.method).uses_library:
+            retrieval = None  # a method that drafts nothing from the library never searches it
         target = load_serving_target(cfg)
         library = None
         if retrieval is not None:
@@ -99,6 +103,10 @@ class EngineHost:
             method = make_method(cfg.method, target.tokenizer, **opts)
         except Exception as exc:
             raise RuntimeError(f"cannot build decoding method {cfg.method!r}: {exc}") from exc
+        if cfg.model == "scripted" and cfg.scripted_tokens_per_step > 1:
+            from .scripted import ScriptedMethod
+
+            method = ScriptedMethod(target.script, cfg.scripted_tokens_per_step)
         cost = cost_model_for(cfg.cost_model, target, cfg.calibrate_cost)
         _lltokenizer(target.tokenizer)  # build llguidance's tokenizer view now, not on a request
         return cls(cfg, target, method, cost, library, retrieval)
@@ -131,15 +139,30 @@ class EngineHost:
         return prepare(req, self.cfg, self.target, self.engine.scheduler, self.text_key)
 
     def _sequence(self, prep: Prepared, info, pre, late):
-        """The request's sequence and drafter (``late``: the search still running, see
-        :class:`~deployments.prepare.LateDrafter`); ``pre``: its prompt prefilled here, or None."""
+        """The request's sequence and drafter; ``pre``: its prompt prefilled here, or None.
+        ``late``: the search still running (a future of its calls): a fallback drafter is built
+        now and the real one, in a worker thread, once the calls are in (see
+        :class:`~deployments.prepare.LateDrafter`) -- no drafter is ever built on the engine thread."""
         from toolspec_core.engine.sequence import Sequence
 
         if late is None:
             drafter = self.method.drafter(info)
         else:
-            drafter = LateDrafter(lambda calls: self.method.drafter(dataclasses.replace(info, retrieved=calls)), late)
-        return Sequence(self.target, prep.prompt_ids, drafter, prep.decode_cfg, prep.constraint, prefilled=pre)
+            built: concurrent.futures.Future = concurrent.futures.Future()
+
+            def build(calls) -> None:
+                if built.set_running_or_notify_cancel():
+                    try:
+                        built.set_result(self.method.drafter(dataclasses.replace(info, retrieved=calls)))
+                    except Exception as exc:
+                        built.set_exception(exc)
+
+            fallback = self.method.drafter(dataclasses.replace(info, retrieved=[]))
+            late.add_done_callback(lambda f: self.workers.submit(build, f.result()))
+            drafter = LateDrafter(built, fallback)
+        return Sequence(
+            self.target, prep.prompt_ids, drafter, prep.decode_cfg, prep.constraint, prefilled=pre
+        )
 
     def _observe(self, info, result) -> None:
         try:
@@ -148,9 +171,9 @@ class EngineHost:
             log.exception("method.observe failed")
 
     # ------------------------------------------------------------------ the request
-    async def stream(self, req: EngineRequest) -> AsyncIterator[dict]:
-        """Events: ``start`` | ``error`` first, then ``text`` deltas, then ``done`` (the result) or
-        ``error`` (the engine failed the request). Closing the generator early (the client went
+    async def stream(self, req: EngineRequest) -> AsyncIterator[Event]:
+        """Events (:mod:`deployments.events`): ``Start`` | ``Failed`` first, then ``Text`` deltas,
+        then ``Done`` (the result) or ``Failed`` (the engine failed the request). Closing the generator early (the client went
         away) cancels the request's sequence at the engine's next step."""
         from retrieval_service.embedding import from_hidden
         from toolspec_core.drafters.methods import RequestInfo
@@ -163,7 +186,7 @@ class EngineHost:
         except InvalidRequestError as exc:
             yield error_event(request_error(exc))
             return
-        yield {"event": "start", "prompt_tokens": len(prep.prompt_ids)}
+        yield Start(len(prep.prompt_ids))
         search = Search(self.retrieval, req, prep.key)  # keyed on the text: runs while the engine prefills
         pre = None
         if search.needs_state:  # keyed on the prompt's state: prefill it here first, then search
@@ -215,16 +238,15 @@ class EngineHost:
             "latency_s": time.perf_counter() - t0,
             "constrained": prep.constraint is not None,
         }
-        yield {
-            "event": "done",
-            "text": result.text,
-            "finish_reason": result.finish_reason,
-            "prompt_tokens": len(prep.prompt_ids),
-            "completion_tokens": len(result.tokens),
-            "stats": {k: v for k, v in stats.items() if not k.endswith("_per_step") and k != "step_labels"},
-            "extra": extra,
-            "logprobs": self.token_text.entries(result.logprobs) if result.logprobs is not None else None,
-        }
+        yield Done(
+            result.text,
+            result.finish_reason,
+            len(prep.prompt_ids),
+            len(result.tokens),
+            {k: v for k, v in stats.items() if not k.endswith("_per_step") and k != "step_labels"},
+            extra,
+            self.token_text.entries(result.logprobs) if result.logprobs is not None else None,
+        )
 
     async def library_admin(self, op: str, tenant: str) -> dict:
         """``forget``: delete the calls of ``tenant`` and its users from the shared library and this
@@ -253,11 +275,11 @@ class EngineHost:
             return out
         raise ValueError(f"unknown library operation {op!r}")
 
-    async def generate(self, req: EngineRequest) -> dict:
-        """Non-streaming: the ``error`` or ``done`` event."""
-        last: dict = {}
+    async def generate(self, req: EngineRequest) -> Done | Failed:
+        """Non-streaming: the ``Failed`` or ``Done`` event."""
+        last = None
         async for ev in self.stream(req):
-            if ev["event"] in ("error", "done"):
+            if isinstance(ev, (Done, Failed)):
                 last = ev
         return last
 

@@ -1,8 +1,8 @@
-"""The FastAPI app of the ingress: OpenAI routes, auth, errors, SSE, /health, /metrics.
+"""The FastAPI app of an engine replica: OpenAI routes, auth, errors, SSE, /health, /metrics.
 
 ``make_api(backend, cfg)`` takes any backend with async ``stream(req)`` (an async iterator of
-replica events), ``generate(req)`` and ``info()`` -- a Serve handle in production
-(:class:`HandleBackend`), an in-process ``EngineHost`` in unit tests (:class:`LocalBackend`).
+the engine's typed events, :mod:`deployments.events`), ``generate(req)`` and ``info()``: the
+replica's own ``EngineHost`` (:class:`LocalBackend`), in a Serve replica as in unit tests.
 """
 
 import asyncio
@@ -12,32 +12,13 @@ import math
 import time
 
 from .config import ServeAppConfig, served_name
-from .keys import OPEN, KeyLimiter, KeyRing
-from .metrics import Metrics
+from .events import Done, Failed, Text
+from .gate import LocalGate, summary
+from .keys import OPEN, KeyRing
 from .protocol import APIError, EngineRequest, chat_completion, engine_request, parse_request, parses_tools, schema_size
-from .streaming import StreamShaper, sse
+from .streaming import StreamShaper, sse, sse_many
 
 log = logging.getLogger("toolspec.serve")
-
-
-class HandleBackend:
-    """Engine replicas behind a Ray Serve deployment handle."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    async def stream(self, req: EngineRequest):
-        async for ev in self.handle.options(stream=True).stream.remote(req):
-            yield ev
-
-    async def generate(self, req: EngineRequest) -> dict:
-        return await self.handle.generate.remote(req)
-
-    async def info(self) -> dict:
-        return await self.handle.info.remote()
-
-    async def library(self, op: str, tenant: str) -> dict:
-        return await self.handle.library.remote(op, tenant)
 
 
 class LocalBackend:
@@ -59,9 +40,9 @@ class LocalBackend:
         return await self.host.library_admin(op, tenant)
 
 
-def _tokens(result: dict) -> int:
-    """Prompt + completion tokens of a finished replica result (0 when there is none)."""
-    return int(result.get("prompt_tokens", 0)) + int(result.get("completion_tokens", 0)) if result else 0
+def _tokens(result) -> int:
+    """Prompt + completion tokens of a finished request's ``Done`` (0 for anything else)."""
+    return result.prompt_tokens + result.completion_tokens if isinstance(result, Done) else 0
 
 
 def _error(exc: APIError):
@@ -142,20 +123,23 @@ class KeyAuth:
         return await self.app(scope, receive, send)
 
 
-def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
+def make_api(backend, cfg: ServeAppConfig, gate=None):
     """Build the app (no ``from __future__ import annotations`` here: FastAPI reads the
-    handlers' annotations, and ``Request`` is imported lazily in this scope)."""
+    handlers' annotations, and ``Request`` is imported lazily in this scope). ``gate``: where
+    per-key limits and metrics are counted (:mod:`deployments.gate`; default: in this process)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="ToolSpec", docs_url=None, redoc_url=None)
-    metrics = metrics or Metrics()
+    gate = gate if gate is not None else LocalGate()
     model = served_name(cfg)
     keys = KeyRing.load(cfg.api_keys_file, cfg.resolved_api_key())
-    limiter = KeyLimiter()
-    app.state.metrics = metrics
+    app.state.gate = gate
+
+    def error(stream: bool) -> None:
+        gate.observe(("error", stream))
 
     app.add_middleware(KeyAuth, keys=keys)
     app.add_middleware(QuietCancellation)  # outermost of ours: a cancellation raised anywhere inside ends here
@@ -204,11 +188,12 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
 
     @app.get("/metrics")
     async def prometheus():
-        try:  # the engine's gauges; the request counters are there even when a replica is busy
-            metrics.observe_engine(await asyncio.wait_for(backend.info(), 2.0))
+        info = None
+        try:  # this replica's engine gauges; the request counters are the app's (the gate's)
+            info = await asyncio.wait_for(backend.info(), 2.0)
         except Exception as exc:
             log.debug("engine info for /metrics unavailable: %s", exc)
-        body, ctype = metrics.render()
+        body, ctype = await gate.render(info)
         return Response(body, media_type=ctype)
 
     @app.get("/v1/models")
@@ -237,18 +222,18 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
         most = cfg.limits.body_bytes
         sent = request.headers.get("content-length", "")
         if sent.isdigit() and int(sent) > most:  # refused before it is read
-            metrics.observe_error(False)
+            error(False)
             raise APIError(f"Request body over {most} bytes (limits.body_bytes)", 413, code="request_too_large")
         raw = b""
         async for part in request.stream():
             raw += part
             if len(raw) > most:
-                metrics.observe_error(False)
+                error(False)
                 raise APIError(f"Request body over {most} bytes (limits.body_bytes)", 413, code="request_too_large")
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
-            metrics.observe_error(False)
+            error(False)
             raise APIError(
                 "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your HTTP library correctly.)",
                 400,
@@ -258,7 +243,7 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
             body = None
         depth = schema_size(body, cfg.limits.json_depth, 10**9)[0] if body is not None else None
         if depth is None or depth > cfg.limits.json_depth:
-            metrics.observe_error(False)
+            error(False)
             raise APIError(
                 f"The request body nests deeper than {cfg.limits.json_depth} levels (limits.json_depth)",
                 400,
@@ -267,16 +252,17 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
         try:
             req = parse_request(body, model, cfg.max_tokens_limit, cfg.limits)
         except APIError:
-            metrics.observe_error(bool(isinstance(body, dict) and body.get("stream") is True))
+            error(bool(isinstance(body, dict) and body.get("stream") is True))
             raise
         key = request.state.key
         ereq = engine_request(req, key.library_tenant(req.user))
         parse = parses_tools(ereq)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        refused = limiter.admit(key)
+        limited = key.limited
+        refused = await gate.admit(key) if limited else None
         if refused is not None:
             limit, wait = refused
-            metrics.observe_error(req.stream)
+            error(req.stream)
             raise APIError(
                 f"Rate limit reached for this key ({limit}); retry in {max(1, math.ceil(wait))} s.",
                 429,
@@ -284,8 +270,14 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
                 code="rate_limit_exceeded",
                 headers={"Retry-After": str(max(1, math.ceil(wait)))},
             )
+
+        def release(result) -> None:
+            if limited:
+                gate.release(key, _tokens(result))
+
         if not req.stream:
-            result = {}
+            result = None
+            gate.inflight += 1
             try:
                 result = await backend.generate(ereq)
             except Exception as exc:
@@ -294,65 +286,66 @@ def make_api(backend, cfg: ServeAppConfig, metrics: "Metrics | None" = None):
                 log.debug("request cancelled (%s)", type(exc).__name__)
                 return cancelled_response()
             finally:
-                limiter.done(key, _tokens(result))
-            if result.get("event") == "error":
-                metrics.observe_error(False)
-                return JSONResponse({"error": result["error"]}, status_code=result.get("status", 400))
-            metrics.observe_done(result, False, time.perf_counter() - t0)
+                gate.inflight -= 1
+                release(result)
+            if not isinstance(result, Done):
+                error(False)
+                return JSONResponse({"error": result.error}, status_code=result.status)
+            gate.observe(("done", summary(result), False, time.perf_counter() - t0, None))
             return JSONResponse(chat_completion(result, parse, model))
 
         try:
             events = backend.stream(ereq).__aiter__()
             first = await events.__anext__()
         except Exception as exc:
-            limiter.done(key)
+            release(None)
             if not is_cancellation(exc):
                 raise
             log.debug("request cancelled (%s)", type(exc).__name__)
             return cancelled_response()
         except BaseException:
-            limiter.done(key)
+            release(None)
             raise
-        if first["event"] == "error":
-            limiter.done(key)
-            metrics.observe_error(True)
+        if isinstance(first, Failed):
+            release(None)
+            error(True)
             await events.aclose()
-            return JSONResponse({"error": first["error"]}, status_code=first.get("status", 400))
+            return JSONResponse({"error": first.error}, status_code=first.status)
 
         async def body_iter():
+            """One body part per engine event: every chunk a delta makes, in one SSE write."""
             shaper = StreamShaper(model, parse, include_usage)
-            metrics.inflight.inc()
-            first_delta, done = True, {}
+            gate.inflight += 1
+            ttft, done = None, None
             try:
                 yield sse(shaper.start())
                 async for ev in events:
-                    if ev["event"] == "text":
-                        for ch in shaper.feed(ev["delta"], ev.get("logprobs")):
-                            if first_delta:
-                                metrics.ttft.observe(time.perf_counter() - t0)
-                                first_delta = False
-                            yield sse(ch)
-                    elif ev["event"] == "done":
+                    if isinstance(ev, Text):
+                        part = sse_many(shaper.feed(ev.delta, ev.logprobs))
+                        if part:
+                            if ttft is None:
+                                ttft = time.perf_counter() - t0
+                            yield part
+                    elif isinstance(ev, Done):
                         done = ev
-                        for ch in shaper.finish(ev):
-                            yield sse(ch)
+                        yield sse_many(shaper.finish(ev))
                         if shaper.mismatch:
                             log.warning("stream deltas diverged from the final parse (request %s)", shaper.id)
-                        metrics.observe_done(ev, True, time.perf_counter() - t0)
-                    elif ev["event"] == "error":  # the engine failed the request: tell the client in-band
-                        metrics.observe_error(True)
-                        yield sse({"error": ev["error"]})
+                        gate.observe(("done", summary(ev), True, time.perf_counter() - t0, ttft))
+                    elif isinstance(ev, Failed):  # the engine failed the request: tell the client in-band
+                        error(True)
+                        yield sse({"error": ev.error})
                         break
             except Exception as exc:  # mid-stream failure: tell the client in-band, then end
                 if is_cancellation(exc):  # the client went away (Serve cancelled the replica's stream)
                     log.debug("stream cancelled (%s)", type(exc).__name__)
                     return
                 log.exception("stream failed")
-                metrics.observe_error(True)
+                error(True)
                 yield sse(APIError(f"internal error: {type(exc).__name__}", 500, type="server_error").body())
             finally:
-                metrics.inflight.dec()
-                limiter.done(key, _tokens(done))
+                gate.inflight -= 1
+                release(done)
             yield sse("[DONE]")
 
         return StreamingResponse(body_iter(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

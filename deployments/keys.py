@@ -29,6 +29,11 @@ class ApiKey:
     max_concurrent: int | None = None
     id: str = ""  # the key's sha256: what limits are counted by
 
+    @property
+    def limited(self) -> bool:
+        """Whether the key has any limit (only then is it counted)."""
+        return not (self.requests_per_minute is None and self.tokens_per_minute is None and self.max_concurrent is None)
+
     def library_tenant(self, user: str | None) -> str:
         """The tenant a request's calls are stored under: the key's, narrowed by ``user``."""
         return f"{self.tenant}/{user}" if user else self.tenant
@@ -93,7 +98,7 @@ class KeyRing:
 
 class KeyLimiter:
     """Per key: requests and tokens in the last minute (sliding windows), requests in flight.
-    Counted by the ingress replica that serves the request (several ingress replicas: per replica)."""
+    One per app, in the ``Gate`` deployment (:mod:`deployments.gate`): every replica counts here."""
 
     WINDOW_S = 60.0
 

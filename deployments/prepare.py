@@ -5,8 +5,8 @@ No Ray here. :func:`prepare` renders the prompt and applies the server's policy 
 pool, sampling, stop strings); it runs in a worker thread (tokenising and grammar set-up are
 CPU work). :class:`Search` runs the request's call-library search on the event loop, keyed on
 the request's text (started at once, so it runs while the engine prefills the prompt) or on the
-prompt's hidden state (once the prompt is prefilled); :class:`LateDrafter` builds the drafter
-from whatever the search found by the sequence's first proposal.
+prompt's hidden state (once the prompt is prefilled); :class:`LateDrafter` takes the drafter
+built (in a worker thread) from whatever the search found by the sequence's first proposal.
 """
 
 from __future__ import annotations
@@ -132,22 +132,27 @@ class Search:
 
 
 class LateDrafter:
-    """A request's drafter, built at its first proposal -- once the engine has prefilled the
-    prompt -- from the retrieved calls if their search has finished by then, else from none (the
-    request drafts schema-only, as on a timeout). So the library search runs while the prompt is
-    prefilled instead of before it, and never holds the engine up."""
+    """A request's drafter whose library search may still be running when its sequence starts.
+
+    Both drafters are built in the replica's worker threads, never on the engine thread:
+    ``fallback`` (no retrieved calls, as on a search timeout) before the sequence starts, and the
+    real one once the search ends (``built``, a future the host fills). The sequence's first
+    proposal -- once the engine has prefilled the prompt -- takes the real drafter if it is ready
+    by then, else the fallback. So the search runs while the prompt is prefilled instead of
+    before it, and never holds the engine up."""
 
     reads_logits = False
 
-    def __init__(self, build, calls: concurrent.futures.Future):
-        self.build, self.calls = build, calls
+    def __init__(self, built: concurrent.futures.Future, fallback):
+        self.built, self.fallback = built, fallback
         self.inner = None
         self.in_time = False
 
     def propose(self, ctx):
         if self.inner is None:
-            self.in_time = self.calls.done()
-            self.inner = self.build(self.calls.result() if self.in_time else [])
+            self.in_time = self.built.done() and self.built.exception() is None
+            self.inner = self.built.result() if self.in_time else self.fallback
+            self.built.cancel()
         return self.inner.propose(ctx)
 
     def feedback(self, tree, result) -> None:

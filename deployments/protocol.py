@@ -505,11 +505,11 @@ def stats_extra(stats: dict, extra: dict | None = None) -> dict:
     return out
 
 
-def usage(result: dict) -> dict:
-    """OpenAI's usage object of a replica result; ``cached_tokens``: prompt tokens whose KV came
-    from the prefix cache."""
-    p, c = result["prompt_tokens"], result["completion_tokens"]
-    cached = (result.get("extra") or {}).get("prefix_cached_tokens", 0)
+def usage(result) -> dict:
+    """OpenAI's usage object of a finished request (a ``Done`` event); ``cached_tokens``: prompt
+    tokens whose KV came from the prefix cache."""
+    p, c = result.prompt_tokens, result.completion_tokens
+    cached = (result.extra or {}).get("prefix_cached_tokens", 0)
     return {
         "prompt_tokens": p,
         "completion_tokens": c,
@@ -523,9 +523,9 @@ def choice_logprobs(entries: list | None) -> dict | None:
     return None if entries is None else {"content": entries, "refusal": None}
 
 
-def chat_completion(result: dict, parse: bool, model: str, cid: str | None = None, created: int | None = None) -> dict:
-    """A full (non-streaming) response from the replica's result dict."""
-    parsed = split_output(result["text"], parse)
+def chat_completion(result, parse: bool, model: str, cid: str | None = None, created: int | None = None) -> dict:
+    """A full (non-streaming) response from the finished request (a ``Done`` event)."""
+    parsed = split_output(result.text, parse)
     message: dict[str, Any] = {
         "role": "assistant",
         "content": parsed.content if parsed.calls else (parsed.content or ""),
@@ -541,10 +541,10 @@ def chat_completion(result: dict, parse: bool, model: str, cid: str | None = Non
             {
                 "index": 0,
                 "message": message,
-                "logprobs": choice_logprobs(result.get("logprobs")),
-                "finish_reason": finish_reason(result["finish_reason"], bool(parsed.calls)),
+                "logprobs": choice_logprobs(result.logprobs),
+                "finish_reason": finish_reason(result.finish_reason, bool(parsed.calls)),
             }
         ],
         "usage": usage(result),
-        "toolspec": stats_extra(result.get("stats", {}), result.get("extra")),
+        "toolspec": stats_extra(result.stats, result.extra),
     }

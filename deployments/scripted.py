@@ -74,3 +74,41 @@ def scripted_target(context: int = 32768) -> ScriptedTarget:
     base = from_model(tiny_qwen2(tok, hidden=8, layers=1, context=context), tok, name="scripted")
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Target)}
     return ScriptedTarget(**fields, script=tuple(tok.encode(SCRIPT)))
+
+
+class ScriptedDrafter:
+    """Drafts the next ``k - 1`` tokens of the script (all accepted): a step that commits ``k``
+    tokens, as speculative decoding does, for the serving path's ceiling at ``k`` tokens a step."""
+
+    reads_logits = False
+
+    def __init__(self, script: tuple[int, ...], k: int):
+        self.script, self.k = script, k
+
+    def propose(self, ctx):
+        from toolspec_core.drafters.labels import PLD
+        from toolspec_core.engine.tree import DraftTree
+
+        p, n = len(ctx.tokens) - 1, len(self.script)  # the root's position
+        tree = DraftTree()
+        tree.add_path([self.script[(p + 1 + j) % n] for j in range(min(self.k - 1, ctx.max_depth))], 1.0, PLD)
+        return tree
+
+    def feedback(self, tree, result) -> None:
+        return None
+
+
+class ScriptedMethod:
+    """The method of ``model: scripted`` with ``scripted_tokens_per_step`` k > 1."""
+
+    name = "scripted"
+    uses_history = uses_library = False
+
+    def __init__(self, script: tuple[int, ...], k: int):
+        self.script, self.k = script, k
+
+    def drafter(self, req) -> ScriptedDrafter:
+        return ScriptedDrafter(self.script, self.k)
+
+    def observe(self, req, output_ids, text) -> None:
+        return None

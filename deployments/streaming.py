@@ -10,13 +10,15 @@ dicts, tool calls streamed as OpenAI streams them (name, then argument fragments
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import AsyncIterator, Iterator
 
+import orjson
+
 from toolspec_core.drafters.toolcall.parse import raw_arguments, stream_calls
 
+from .events import Done, Text
 from .protocol import TAGS, call_id, choice_logprobs, completion_id, finish_reason, split_output, stats_extra, usage
 
 log = logging.getLogger("toolspec.serve")
@@ -111,8 +113,8 @@ class TokenText:
         ]
 
 
-async def text_events(updates, streamer: TextStreamer, token_text: TokenText, logprobs) -> AsyncIterator[dict]:
-    """``text`` events of a sequence's progress: ``updates`` yields ``(text, n_logprobs)`` snapshots
+async def text_events(updates, streamer: TextStreamer, token_text: TokenText, logprobs) -> AsyncIterator[Text]:
+    """``Text`` events of a sequence's progress: ``updates`` yields ``(text, n_logprobs)`` snapshots
     (the output's text so far and how many logprob entries it has), ``logprobs`` is the sequence's
     list of ``TokenLogprob`` (None: not asked for). Ends when the updates end; what was sent is
     then a prefix of the final text and entries (``streamer.sent``, ``streamer.logprobs_sent``)."""
@@ -121,22 +123,16 @@ async def text_events(updates, streamer: TextStreamer, token_text: TokenText, lo
         lps = logprobs[streamer.logprobs_sent : n] if n > streamer.logprobs_sent else None
         if delta or lps:
             streamer.logprobs_sent = max(streamer.logprobs_sent, n)
-            ev = {"event": "text", "delta": delta}
-            if lps:
-                ev["logprobs"] = token_text.entries(lps)
-            yield ev
+            yield Text(delta, token_text.entries(lps) if lps else None)
 
 
-def final_text_event(streamer: TextStreamer, token_text: TokenText, result) -> dict | None:
-    """The last ``text`` event of a finished sequence: the rest of its final text and logprobs."""
+def final_text_event(streamer: TextStreamer, token_text: TokenText, result) -> Text | None:
+    """The last ``Text`` event of a finished sequence: the rest of its final text and logprobs."""
     tail = streamer.finish(result.text)
     rest = result.logprobs[streamer.logprobs_sent :] if result.logprobs is not None else None
     if not (tail or rest):
         return None
-    ev = {"event": "text", "delta": tail}
-    if rest:
-        ev["logprobs"] = token_text.entries(rest)
-    return ev
+    return Text(tail, token_text.entries(rest) if rest else None)
 
 
 # ---------------------------------------------------------------------------------------- ingress side
@@ -244,12 +240,12 @@ class StreamShaper:
             if scan.end is None:  # a later call cannot have begun
                 return
 
-    def finish(self, result: dict) -> Iterator[dict]:
+    def finish(self, result: Done) -> Iterator[dict]:
         """Flush against the authoritative full text; then the finish (and usage) chunks."""
         yield from self._with_logprobs(self._finish(result))
 
-    def _finish(self, result: dict) -> Iterator[dict]:
-        text = result["text"]
+    def _finish(self, result: Done) -> Iterator[dict]:
+        text = result.text
         if text.startswith(self.text) and len(text) > len(self.text):
             self.text = text
         parsed = split_output(text, self.parse)
@@ -260,8 +256,8 @@ class StreamShaper:
                 break
             yield from self._call_delta(index, call.name, call.arguments_json())
         yield from self._content_delta(parsed.content or "")
-        reason = finish_reason(result["finish_reason"], bool(parsed.calls))
-        extra = {"toolspec": stats_extra(result.get("stats", {}), result.get("extra"))}
+        reason = finish_reason(result.finish_reason, bool(parsed.calls))
+        extra = {"toolspec": stats_extra(result.stats, result.extra)}
         yield self.chunk({}, reason, **extra)
         if self.include_usage:
             u = self.chunk({}, None, usage=usage(result))
@@ -270,5 +266,12 @@ class StreamShaper:
 
 
 def sse(obj: dict | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {data}\n\n".encode()
+    """One server-sent event (orjson: UTF-8 as it is, the chunk dicts' types only)."""
+    if isinstance(obj, str):
+        return b"data: " + obj.encode() + b"\n\n"
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def sse_many(chunks) -> bytes:
+    """The events of ``chunks`` in one body part (b"" when there are none)."""
+    return b"".join(b"data: " + orjson.dumps(ch) + b"\n\n" for ch in chunks)

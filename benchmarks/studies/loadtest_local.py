@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         help="serve the target that costs nothing (model: scripted; default apps scripted=ar): the serving "
         "stack's own ceiling",
     )
+    p.add_argument("--no-stream", action="store_true", help="whole responses (default: streamed)")
     p.add_argument(
         "--sample-rss",
         type=float,
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             ns.max_tokens,
             "--warmup",
             ns.warmup,
-            "--stream",
+            *([] if ns.no_stream else ["--stream"]),
             "--fresh-requests",
             "--out",
             ns.out,

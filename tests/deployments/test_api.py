@@ -13,6 +13,7 @@ from serve_fixtures import TOOLS, WEATHER_MESSAGES
 
 from deployments.config import ServeAppConfig
 from deployments.engine_host import EngineHost
+from deployments.events import Done, Start, Text
 from deployments.protocol import APIError, EngineRequest, chat_completion, engine_request, parse_request
 from deployments.streaming import StreamShaper, TextStreamer
 from retrieval_service.embedding import query_text
@@ -262,9 +263,7 @@ def reassemble(chunks: list[dict]) -> dict:
 
 
 def non_stream_view(text: str, parse: bool, reason: str = "stop") -> dict:
-    resp = chat_completion(
-        {"text": text, "finish_reason": reason, "prompt_tokens": 1, "completion_tokens": 1}, parse, "m"
-    )
+    resp = chat_completion(Done(text, reason, 1, 1), parse, "m")
     msg = resp["choices"][0]["message"]
     calls = [
         {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg.get("tool_calls", [])
@@ -281,7 +280,7 @@ def test_stream_deltas_reassemble_to_the_non_streaming_message(layout, step):
         chunks = [sh.start()]
         for i in range(0, len(text), step):
             chunks += list(sh.feed(text[i : i + step]))
-        chunks += list(sh.finish({"text": text, "finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": 2}))
+        chunks += list(sh.finish(Done(text, "stop", 1, 2)))
         got = reassemble(chunks)
         want = non_stream_view(text, parse)
         assert not sh.mismatch
@@ -316,11 +315,7 @@ def test_calls_stream_their_name_then_arguments_while_they_are_written(layout):
 
 
 def test_a_cut_off_call_reports_the_arguments_written_so_far():
-    resp = chat_completion(
-        {"text": LAYOUTS["unclosed"], "finish_reason": "length", "prompt_tokens": 1, "completion_tokens": 1},
-        True,
-        "m",
-    )
+    resp = chat_completion(Done(LAYOUTS["unclosed"], "length", 1, 1), True, "m")
     choice = resp["choices"][0]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [
@@ -756,13 +751,13 @@ def test_streamed_deltas_with_stop_strings_are_the_final_text(local):
     async def events(stop):
         return [ev async for ev in host.stream(dataclasses.replace(base, stop=stop))]
 
-    full = run(events([]))[-1]["text"]
+    full = run(events([]))[-1].text
     assert len(full) > 24
     for stop in ([], [full[5:8]], [full[20:22], "never"], [full[-3:]]):
         evs = run(events(stop))
-        deltas = [e["delta"] for e in evs if e["event"] == "text"]
-        assert "".join(deltas) == evs[-1]["text"] == (full[: full.find(stop[0])] if stop else full), stop
-        assert len(deltas) > 1 or len(evs[-1]["text"]) < 8
+        deltas = [e.delta for e in evs if isinstance(e, Text)]
+        assert "".join(deltas) == evs[-1].text == (full[: full.find(stop[0])] if stop else full), stop
+        assert len(deltas) > 1 or len(evs[-1].text) < 8
 
 
 @pytest.mark.parametrize("how", ["aclose", "task_cancel"])
@@ -780,7 +775,7 @@ def test_a_client_that_leaves_cancels_its_decode_quietly(local, caplog, how):
         gen = host.stream(req)
         if how == "aclose":
             async for ev in gen:
-                if ev["event"] == "text":
+                if isinstance(ev, Text):
                     break
             await gen.aclose()
             return
@@ -788,7 +783,7 @@ def test_a_client_that_leaves_cancels_its_decode_quietly(local, caplog, how):
 
         async def consume():
             async for ev in gen:
-                if ev["event"] == "text":
+                if isinstance(ev, Text):
                     first_text.set()
 
         task = asyncio.ensure_future(consume())
@@ -808,7 +803,7 @@ def test_a_client_that_leaves_cancels_its_decode_quietly(local, caplog, how):
     assert load["kv_pool"]["used_blocks"] == 0  # and gave its KV blocks back
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     done = run(host.generate(dataclasses.replace(req, max_tokens=4)))
-    assert done["event"] == "done" and done["completion_tokens"] == 4
+    assert isinstance(done, Done) and done.completion_tokens == 4
 
 
 def test_completed_calls_go_to_the_library_unless_told_not_to(local):
@@ -963,7 +958,7 @@ def test_hidden_state_retrieval_key(tiny_model_dir):
         done = run(host.generate(req))
     finally:
         host.close()
-    assert done["event"] == "done" and done["extra"]["retrieval"]["status"] == "ok"
+    assert isinstance(done, Done) and done.extra["retrieval"]["status"] == "ok"
 
 
 @pytest.mark.parametrize(
@@ -1189,8 +1184,8 @@ class _CancelledBackend:
         from ray.serve.exceptions import RequestCancelledError
 
         if self.when == "mid":
-            yield {"event": "start", "prompt_tokens": 3}
-            yield {"event": "text", "delta": "Hel"}
+            yield Start(3)
+            yield Text("Hel")
         raise RequestCancelledError("req-1")
 
     async def generate(self, req):
@@ -1213,7 +1208,7 @@ def test_a_send_cancelled_mid_stream_is_quiet(caplog):
 
     class Backend(_CancelledBackend):
         async def stream(self, req):
-            for ev in ({"event": "start", "prompt_tokens": 3}, {"event": "text", "delta": "Hel"}):
+            for ev in (Start(3), Text("Hel")):
                 yield ev
             await asyncio.sleep(3600)  # the rest never comes: the client is gone
 
@@ -1397,8 +1392,8 @@ def test_the_scripted_target_writes_its_script_through_the_engine():
         done, streamed = run(go())
     finally:
         host.close()
-    script, n = host.target.script, done["prompt_tokens"]
+    script, n = host.target.script, done.prompt_tokens
     want = host.target.tokenizer.decode([script[(n + i) % len(script)] for i in range(40)])
-    assert done["completion_tokens"] == 40 and done["text"] == want
+    assert done.completion_tokens == 40 and done.text == want
     chunks = [json.loads(ln[6:]) for ln in streamed.text.splitlines() if ln.startswith("data: {")]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == want

@@ -336,7 +336,7 @@ def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):
         async def run(host):
             one_by_one = [await host.generate(r) for r in reqs]
             together = await asyncio.gather(*(host.generate(r) for r in reqs))
-            return [r["text"] for r in one_by_one], [r["text"] for r in together]
+            return [r.text for r in one_by_one], [r.text for r in together]
 
         a_seq, a_par = asyncio.run(run(single))
         calls, before = group.transport.ray_calls, group.transport.steps

@@ -55,12 +55,14 @@ def run_engine(host, reqs: list, batch: int) -> dict:
     alone, together = asyncio.run(_run(host, reqs, batch))
     steps = host.engine.scheduler.steps
     fwd = [s.forward_s for s in steps if s.prefill_rows == 0]
-    errors = [r for r in alone + together if r.get("event") != "done"]
+    from deployments.events import Done
+
+    errors = [r for r in alone + together if not isinstance(r, Done)]
     return {
         "seconds": round(time.perf_counter() - t0, 2),
-        "alone": [r.get("text") for r in alone],
-        "together": [r.get("text") for r in together],
-        "tokens": [r.get("completion_tokens") for r in alone],
+        "alone": [getattr(r, "text", None) for r in alone],
+        "together": [getattr(r, "text", None) for r in together],
+        "tokens": [getattr(r, "completion_tokens", None) for r in alone],
         "errors": len(errors),
         "decode_steps": len(fwd),
         "decode_step_s_median": statistics.median(fwd) if fwd else None,

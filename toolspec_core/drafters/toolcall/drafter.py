@@ -9,6 +9,8 @@ trie-merged into the same tree, and the engine's cost-aware budget keeps what pa
 
 from __future__ import annotations
 
+import threading
+
 from toolspec_core.drafters import labels as lbl
 from toolspec_core.drafters.base import DraftContext, LabelRates, add_copies, rate_key
 from toolspec_core.drafters.history import TenantHistories
@@ -468,6 +470,9 @@ class SchemaMethod:
         self.eos = list(eos_ids) if eos_ids else turn_end_ids(tokenizer)
         self.layouts = layouts_for(tokenizer)
         self._tools_cache: dict[str, ToolIndex] = {}
+        # a server's worker threads build drafters and observe outputs while its engine thread
+        # drafts: the caches above and the learned counts change under this lock
+        self._lock = threading.Lock()
 
     TOOLS_CACHE = 256  # tool sets (with their answer schema) kept prepared, least recently used dropped
 
@@ -475,21 +480,25 @@ class SchemaMethod:
         import json
 
         key = json.dumps([tools, response], sort_keys=True)
-        index = self._tools_cache.pop(key, None) or ToolIndex.from_tools(tools, response)
-        self._tools_cache[key] = index  # dicts keep insertion order: the first key is the least recent
-        if len(self._tools_cache) > self.TOOLS_CACHE:
-            del self._tools_cache[next(iter(self._tools_cache))]
+        with self._lock:
+            index = self._tools_cache.pop(key, None)
+        index = index or ToolIndex.from_tools(tools, response)  # built outside the lock
+        with self._lock:
+            self._tools_cache[key] = index  # dicts keep insertion order: the first key is the least recent
+            while len(self._tools_cache) > self.TOOLS_CACHE:
+                del self._tools_cache[next(iter(self._tools_cache))]
         return index
 
     MAX_TENANTS = 256  # tenants whose acceptance rates are kept
 
     def rates_for(self, tenant: str) -> tuple[LabelRates, LabelRates]:
         """The tenant's (schema, suffix) acceptance rates, from the priors on first use."""
-        pair = self._tenant_rates.pop(tenant, None) or (LabelRates(DEFAULT_RATES), LabelRates(SUFFIX_PRIOR))
-        self._tenant_rates[tenant] = pair  # most recent last
-        if len(self._tenant_rates) > self.MAX_TENANTS:
-            del self._tenant_rates[next(iter(self._tenant_rates))]
-        return pair
+        with self._lock:
+            pair = self._tenant_rates.pop(tenant, None) or (LabelRates(DEFAULT_RATES), LabelRates(SUFFIX_PRIOR))
+            self._tenant_rates[tenant] = pair  # most recent last
+            while len(self._tenant_rates) > self.MAX_TENANTS:
+                del self._tenant_rates[next(iter(self._tenant_rates))]
+            return pair
 
     @property
     def rates(self) -> LabelRates:
@@ -532,16 +541,17 @@ class SchemaMethod:
             return
         parsed = parse_tool_calls(text)
         spans = parsed.spans
-        self.priors.events.count("call_start", bool(spans) and not text[: spans[0][0]].strip())
-        if not parsed.calls:
-            return
-        for _, end in spans:  # after a closer that is text (a fence, a tag): does the output go on?
-            if text[:end].rstrip().endswith(TEXT_CLOSERS):
-                self.priors.events.count("prose_after", bool(text[end:].strip()))
-        for c in parsed.calls:
-            self.priors.tool_counts[c.name] = self.priors.tool_counts.get(c.name, 0.0) + 1.0
-        lay = layout_of(text).name
-        self.priors.layout_counts[lay] = self.priors.layout_counts.get(lay, 0.0) + 1.0
+        with self._lock:  # drafters only read the counts (.get): each change is one dict store
+            self.priors.events.count("call_start", bool(spans) and not text[: spans[0][0]].strip())
+            if not parsed.calls:
+                return
+            for _, end in spans:  # after a closer that is text (a fence, a tag): does the output go on?
+                if text[:end].rstrip().endswith(TEXT_CLOSERS):
+                    self.priors.events.count("prose_after", bool(text[end:].strip()))
+            for c in parsed.calls:
+                self.priors.tool_counts[c.name] = self.priors.tool_counts.get(c.name, 0.0) + 1.0
+            lay = layout_of(text).name
+            self.priors.layout_counts[lay] = self.priors.layout_counts.get(lay, 0.0) + 1.0
         if self.library is not None and req.remember:
             for c in parsed.calls:
                 self.library.add(
