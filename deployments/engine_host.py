@@ -160,9 +160,7 @@ class EngineHost:
             fallback = self.method.drafter(dataclasses.replace(info, retrieved=[]))
             late.add_done_callback(lambda f: self.workers.submit(build, f.result()))
             drafter = LateDrafter(built, fallback)
-        return Sequence(
-            self.target, prep.prompt_ids, drafter, prep.decode_cfg, prep.constraint, prefilled=pre
-        )
+        return Sequence(self.target, prep.prompt_ids, drafter, prep.decode_cfg, prep.constraint, prefilled=pre)
 
     def _observe(self, info, result) -> None:
         try:
