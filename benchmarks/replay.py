@@ -165,10 +165,17 @@ class ReplayTarget(Target):
                     hidden_at[len(answers) - 1] = rec.hidden
         choice = [answers[r] for r in logit_rows]
         logits, index = None, None
-        if full_rows:  # one-hot rows for the sequences that read logits (sampling, a grammar, logprobs)
+        if full_rows:
+            # one-hot rows for the sequences that read logits (sampling, a grammar, logprobs); a row
+            # off the recording is flat (argmax 0, or a grammar's first allowed token): a function of
+            # its prefix alone, so a constrained decode is the same whatever was drafted
             vocab = self.model.config.vocab_size
             logits = torch.full((len(full_rows), vocab), -1e4)
-            logits[torch.arange(len(full_rows)), torch.tensor([choice[j] for j in full_rows])] = 0.0
+            for k, j in enumerate(full_rows):
+                if choice[j] in self.off:
+                    logits[k] = 0.0
+                else:
+                    logits[k, choice[j]] = 0.0
             index = {j: k for k, j in enumerate(full_rows)}
         hidden = None
         if hidden_rows:

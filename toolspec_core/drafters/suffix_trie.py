@@ -143,13 +143,24 @@ class ContextIndex:
         self._build([e for e, m in ends if m >= best], best)
         return 0, best
 
+    lazy = True  # False: the eager build (the reference the lazy one is tested against)
+
     def _build(self, ends: list[int], m: int) -> None:
         """The subtrie below the matched suffix: each occurrence's continuation, up to depth - m
-        tokens -- built lazily, a node's children when a reader first asks for them
+        tokens. Built lazily, a node's children when a reader first asks for them
         (:class:`LazySubtrie`): drafting expands a few dozen nodes of a subtrie that can hold
         thousands."""
-        sub = LazySubtrie(self.tokens, ends, self.depth - m)
-        self.kids, self.count = sub, sub.count
+        if self.lazy:
+            sub = LazySubtrie(self.tokens, ends, self.depth - m)
+            self.kids, self.count = sub, sub.count
+            return
+        toks, n = self.tokens, len(self.tokens)
+        kids, count = [{}], [0]
+        for e in ends:  # ascending: children appear in the order the full trie creates them
+            node = 0
+            for t in toks[e + 1 : min(e + 1 + self.depth - m, n)]:
+                node = grow(kids, count, node, t)
+        self.kids, self.count = kids, count
 
     def longest_match(self, tokens: list[int], max_match: int) -> tuple[int, int]:
         """As ``SuffixTrie.longest_match`` (node 0 of the rebuilt ``kids``)."""

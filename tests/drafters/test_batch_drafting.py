@@ -1,0 +1,130 @@
+"""Drafting on recorded traffic (the replay target over the committed plain-greedy recording):
+the fast drafter's trees are the reference drafter's node for node, and batched drafting, the
+work done beside the forward, prefill chunks, shared prefix blocks and grammar rows leave every
+output plain greedy's."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.replay import RECORDING, replay_target
+from toolspec_core.drafters.methods import RequestInfo, make_method
+from toolspec_core.engine import scheduler as sched_mod
+from toolspec_core.engine.budget import CostModel
+from toolspec_core.engine.loop import DecodeConfig, prefill
+from toolspec_core.engine.scheduler import BatchLimits, Scheduler
+from toolspec_core.engine.sequence import Sequence
+
+pytestmark = pytest.mark.skipif(not RECORDING.exists(), reason="no recording")
+N = 48  # tokens decoded an item: enough for a call's name, keys and first values
+
+
+@pytest.fixture(scope="module")
+def replay():
+    return replay_target()
+
+
+@pytest.fixture(scope="module")
+def items(replay):
+    from benchmarks.data import load_items
+    from benchmarks.datasets import dev_set
+
+    recs = {(r["benchmark"], r["id"]): r for r in replay.records}
+    out = []
+    for bench in ("api_bank", "toolalpaca", "bfcl_v3"):
+        its = [it for it in load_items(dev_set(bench)) if (bench, it["id"]) in recs][:4]
+        out += [(it, recs[(bench, it["id"])]) for it in its]
+    return out
+
+
+class Twin:
+    """The fast drafter and the reference one on the same contexts: every tree compared."""
+
+    def __init__(self, fast, ref, seen: list):
+        self.fast, self.ref, self.seen = fast, ref, seen
+
+    def propose(self, ctx):
+        a, b = self.fast.propose(ctx), self.ref.propose(ctx)
+        self.seen.append((a.tokens, a.parents, a.labels, a.conf) == (b.tokens, b.parents, b.labels, b.conf))
+        return a
+
+    def feedback(self, tree, result):
+        self.fast.feedback(tree, result)
+        self.ref.feedback(tree, result)
+
+
+def _req(replay, it, rec):
+    pre = prefill(replay, rec["prompt_ids"])
+    return pre, RequestInfo(prompt_ids=rec["prompt_ids"], tools=it.get("tools") or [], embedding=pre.hidden)
+
+
+def test_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, items):
+    """B = 6 through the batched scheduler, two groups (the second drafts from the library the first
+    filled): every step's tree, node for node (tokens, parents, labels, confidences)."""
+    fast, ref = make_method("toolspec", replay.tokenizer), make_method("toolspec", replay.tokenizer)
+    seen: list[bool] = []
+    for group in (items[:6], items[6:]):
+        sched = Scheduler(replay, CostModel.cpu_reference(), BatchLimits(max_running=6))
+        seqs = []
+        for it, rec in group:
+            pre, req = _req(replay, it, rec)
+            r = ref.drafter(req)
+            r.suffix.context.lazy = False  # the eager subtrie build
+            seq = Sequence(replay, None, Twin(fast.drafter(req), r, seen), DecodeConfig(max_new_tokens=N), prefilled=pre)
+            seqs.append((seq, req, rec))
+            sched.add(seq)
+        sched.run()
+        for seq, req, rec in seqs:
+            assert seq.result.tokens == rec["tokens"][:N]
+            for m in (fast, ref):
+                m.observe(req, seq.result.tokens, seq.result.text)
+    assert len(seen) > 50 and all(seen)
+
+
+def _serve(replay, items, overlap: bool, monkeypatch, grammar_on=()):
+    """The server's way: prompts prefilled by the scheduler in chunks into a block pool with prefix
+    caching (the chat template's shared start), at most 4 running, the rest waiting."""
+    from toolspec_core.engine.grammar import make_tool_constraint
+
+    if not overlap:
+        monkeypatch.setattr(sched_mod.Scheduler, "_beside_forward", lambda self: None)
+    method = make_method("toolspec", replay.tokenizer)
+    pool = replay.block_pool(16 * 1024, 16)
+    sched = Scheduler(replay, CostModel.cpu_reference(), BatchLimits(max_running=4, prefill_chunk=300), pool)
+    seqs = []
+    for k, (it, rec) in enumerate(items):
+        req = RequestInfo(prompt_ids=rec["prompt_ids"], tools=it.get("tools") or [])
+        grammar = make_tool_constraint(replay.tokenizer, req.tools, "required") if k in grammar_on else None
+        drafter = method.drafter(req)
+        seqs.append(sched.add(Sequence(replay, rec["prompt_ids"], drafter, DecodeConfig(max_new_tokens=N), grammar)))
+    while sched.has_work():
+        sched.step()
+    assert pool.stats().hit_tokens > 0  # shared prefix blocks were reused
+    return [s.result.tokens for s in seqs], [s.result.stats.forwards for s in seqs]
+
+
+def test_overlap_and_batched_drafting_keep_outputs_plain_greedy(replay, items, monkeypatch):
+    """Drafters prepared beside the forward (waiting and prefilling sequences) draft the same as
+    drafters that do it all at their first step: outputs and step counts identical, and equal to
+    plain greedy (the recording); a grammar row's output equals plain greedy under its grammar."""
+    with_overlap, steps_a = _serve(replay, items, True, monkeypatch)
+    for (it, rec), out in zip(items, with_overlap):
+        assert out == rec["tokens"][:N]
+    monkeypatch.undo()
+    without, steps_b = _serve(replay, items, False, monkeypatch)
+    assert without == with_overlap and steps_a == steps_b
+
+
+def test_grammar_rows_in_a_drafted_batch_equal_plain_greedy_under_the_grammar(replay, items, monkeypatch):
+    from toolspec_core.engine.grammar import make_tool_constraint
+
+    pytest.importorskip("llguidance")
+    out, _ = _serve(replay, items[:6], True, monkeypatch, grammar_on=(1, 4))
+    for k in (1, 4):
+        it, rec = items[k]
+        g = make_tool_constraint(replay.tokenizer, it.get("tools") or [], "required")
+        seq = Sequence(replay, rec["prompt_ids"], None, DecodeConfig(max_new_tokens=N), g)
+        s = Scheduler(replay, None, BatchLimits(max_running=1))
+        s.add(seq)
+        s.run()
+        assert out[k] == seq.result.tokens
