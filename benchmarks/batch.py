@@ -218,8 +218,8 @@ def summarize(records: list[dict]) -> list[dict]:
     combos = {(r["method"], r["batch"]) for r in records}
     n_items: dict[str, set] = {}  # items of a benchmark: every one a run decoded
     groups = collections.Counter((r["benchmark"], r["method"], r["batch"]) for r in records)
-    for r in records:
-        n_items.setdefault(r["benchmark"], set()).update(r["outputs"])
+    for r in records:  # a repeated item (``id#k``, ``--cycle``) counts as its original
+        n_items.setdefault(r["benchmark"], set()).update(i.split("#")[0] for i in r["outputs"])
 
     def whole(bench: str, method: str, b: int) -> bool:
         return groups[(bench, method, b)] == -(-len(n_items.get(bench, ())) // b) > 0

@@ -1,5 +1,5 @@
 """Where drafting's host time goes: ``bench --batch --target replay`` with cProfile around each
-sequence's drafting call only (``Scheduler._propose`` and the drafters' feedback), so the
+sequence's drafting call only (``Scheduler._propose_all``), so the
 profile is of the drafting part of the step and nothing else.
 
     python -m benchmarks.studies.draft_profile --batch 16 --limit 16 --out benchmarks/runs/profile-b16 \\
@@ -41,28 +41,17 @@ def main(argv=None) -> int:
         replay_file=a.replay_file, cycle=a.cycle,
     )
     prof = cProfile.Profile()
-    propose = sched_mod.Scheduler._propose
     seconds = {"draft": 0.0}
+    batch_propose = sched_mod.Scheduler._propose_all
 
-    def profiled(self, seq):
+    def profiled_all(self, seqs):
         prof.enable()
         try:
-            return propose(self, seq)
+            return batch_propose(self, seqs)
         finally:
             prof.disable()
 
-    sched_mod.Scheduler._propose = profiled
-    if hasattr(sched_mod.Scheduler, "_propose_all"):
-        batch_propose = sched_mod.Scheduler._propose_all
-
-        def profiled_all(self, seqs):
-            prof.enable()
-            try:
-                return batch_propose(self, seqs)
-            finally:
-                prof.disable()
-
-        sched_mod.Scheduler._propose_all = profiled_all
+    sched_mod.Scheduler._propose_all = profiled_all
     run = BatchRun(args)
     run.run()
     st = pstats.Stats(prof)
