@@ -128,3 +128,59 @@ def test_grammar_rows_in_a_drafted_batch_equal_plain_greedy_under_the_grammar(re
         s.add(seq)
         s.run()
         assert out[k] == seq.result.tokens
+
+
+def test_propose_all_drafts_a_class_together_and_isolates_a_failing_drafter():
+    """One ``propose_batch`` call for a class's drafters; a batch that raises is drafted again one by
+    one, and only the drafter that raises gets its exception."""
+    from toolspec_core.drafters.base import DraftContext, propose_all
+    from toolspec_core.engine.tree import DraftTree
+
+    calls = []
+
+    class Batched:
+        def __init__(self, tok, bad=False):
+            self.tok, self.bad = tok, bad
+
+        @classmethod
+        def propose_batch(cls, drafters, ctxs):
+            calls.append(len(drafters))
+            if any(d.bad for d in drafters):
+                raise RuntimeError("one of them")
+            return [d.propose(c) for d, c in zip(drafters, ctxs)]
+
+        def propose(self, ctx):
+            if self.bad:
+                raise ValueError("bad drafter")
+            t = DraftTree()
+            t.add_path([self.tok], 0.9, "x")
+            return t
+
+    ctx = DraftContext([1, 2], 1, 8)
+    good = [Batched(5), Batched(6)]
+    out = propose_all(good, [ctx, ctx])
+    assert calls == [2] and [t.tokens for t in out] == [[5], [6]]
+    out = propose_all([Batched(5), Batched(0, bad=True), Batched(7)], [ctx] * 3)
+    assert [t.tokens for t in (out[0], out[2])] == [[5], [7]] and isinstance(out[1], ValueError)
+
+
+def test_a_drafter_that_raises_is_dropped_and_its_sequence_stays_plain_greedy():
+    from scripted import PROMPT, ScriptedDrafter, oracle
+    from tiny import hf_greedy, tiny_target
+
+    from toolspec_core.drafters.base import NoDrafter
+
+    tiny = tiny_target()
+    want = hf_greedy(tiny, PROMPT, 12)
+
+    def boom(ctx):
+        raise RuntimeError("drafter bug")
+
+    sched = Scheduler(tiny, None, BatchLimits(max_running=3))
+    seqs = [
+        sched.add(Sequence(tiny, PROMPT, ScriptedDrafter(d), DecodeConfig(max_new_tokens=12)))
+        for d in (oracle(want), boom, oracle(want))
+    ]
+    sched.run()
+    assert [s.result.tokens for s in seqs] == [want] * 3
+    assert isinstance(seqs[1].drafter, NoDrafter) and not isinstance(seqs[0].drafter, NoDrafter)
