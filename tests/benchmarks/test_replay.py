@@ -114,3 +114,4 @@ def test_committed_recording_replays_through_the_batch_bench(tmp_path):
     for rec in recs:
         for item, out in rec["outputs"].items():
             assert out["tokens"] == rows[(rec["benchmark"], item)][:64]
+
