@@ -48,7 +48,12 @@ def _groups(items: list[dict], b: int, cycle: bool = False) -> list[list[dict]]:
     items is one group of them repeated (copies ``id#k``): they decode together, so no copy's
     drafter sees another's output (the online library learns after the group)."""
     if cycle and b > len(items) and items:
-        return [[items[i % len(items)] if i < len(items) else _copy(items[i % len(items)], i // len(items)) for i in range(b)]]
+        return [
+            [
+                items[i % len(items)] if i < len(items) else _copy(items[i % len(items)], i // len(items))
+                for i in range(b)
+            ]
+        ]
     return [items[i : i + b] for i in range(0, len(items), b)]
 
 
@@ -67,7 +72,9 @@ def recorded_items(target, items: list[dict], args) -> list[dict]:
     have = target.recorded()
     out = [it for it in items if (it["benchmark"], it["id"]) in have]
     if len(out) < len(items):
-        log(f"replay: {len(items) - len(out)} of {len(items)} selected {items[0]['benchmark']} items not recorded, left out")
+        log(
+            f"replay: {len(items) - len(out)} of {len(items)} selected {items[0]['benchmark']} items not recorded, left out"
+        )
     return out
 
 

@@ -256,7 +256,9 @@ def replay_target(path: str | Path = RECORDING) -> ReplayTarget:
     base = from_model(tiny_qwen2(tok, hidden=8, layers=1, context=32768), tok, name="replay")
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Target)}
     fields["eos_ids"] = tuple(rows[0]["eos_ids"]) if rows and rows[0].get("eos_ids") else base.eos_ids
-    return ReplayTarget(**fields, records=tuple(rows), max_new_tokens=min((r["max_new_tokens"] for r in rows), default=0))
+    return ReplayTarget(
+        **fields, records=tuple(rows), max_new_tokens=min((r["max_new_tokens"] for r in rows), default=0)
+    )
 
 
 # --------------------------------------------------------------------------- recording
@@ -350,7 +352,9 @@ def replay_over(base: Target, rows: list[dict]) -> ReplayTarget:
     model shapes (its forward never runs)."""
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Target)}
     fields["name"] = "replay"
-    return ReplayTarget(**fields, records=tuple(rows), max_new_tokens=min((r["max_new_tokens"] for r in rows), default=0))
+    return ReplayTarget(
+        **fields, records=tuple(rows), max_new_tokens=min((r["max_new_tokens"] for r in rows), default=0)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,10 +35,24 @@ def main(argv=None) -> int:
     ap.add_argument("--data", action="append")
     a = ap.parse_args(argv)
     args = argparse.Namespace(
-        out=a.out, threads=None, attention="ragged", cuda_graphs=None, model=None, dtype="float32", device="cpu",
-        data=a.data or [str(dev_set(n)) for n in SINGLE_TURN], limit=a.limit, seed=0, max_new_tokens=a.max_new_tokens,
-        cost=a.cost, calibrate=False, batch=[a.batch], methods=["ar"] + a.methods.split(","), target="replay",
-        replay_file=a.replay_file, cycle=a.cycle,
+        out=a.out,
+        threads=None,
+        attention="ragged",
+        cuda_graphs=None,
+        model=None,
+        dtype="float32",
+        device="cpu",
+        data=a.data or [str(dev_set(n)) for n in SINGLE_TURN],
+        limit=a.limit,
+        seed=0,
+        max_new_tokens=a.max_new_tokens,
+        cost=a.cost,
+        calibrate=False,
+        batch=[a.batch],
+        methods=["ar"] + a.methods.split(","),
+        target="replay",
+        replay_file=a.replay_file,
+        cycle=a.cycle,
     )
     prof = cProfile.Profile()
     seconds = {"draft": 0.0}
@@ -65,7 +79,9 @@ def main(argv=None) -> int:
         print(f"{r['tottime_s']:8.3f} {r['cumtime_s']:8.3f} {r['calls']:9d}  {r['function']}")
     st.sort_stats("cumulative").print_stats(25)
     if a.json:
-        Path(a.json).write_text(json.dumps({"batch": a.batch, "limit": a.limit, "total_tottime_s": total, "top": out}, indent=1) + "\n")
+        Path(a.json).write_text(
+            json.dumps({"batch": a.batch, "limit": a.limit, "total_tottime_s": total, "top": out}, indent=1) + "\n"
+        )
     seconds["draft"] = total
     return 0
 

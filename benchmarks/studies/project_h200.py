@@ -24,7 +24,9 @@ CURVE = Path(__file__).resolve().parents[1] / "results" / "measurements" / "step
 
 def forward_ms(cases: list[dict], b: int, rows_per_seq: float) -> float | None:
     """The graphed step's forward at B for this many rows a sequence (linear between the points)."""
-    pts = sorted((c["rows"] / c["batch"], c["forward_ms"]) for c in cases if c["mode"] == "ragged+graphs" and c["batch"] == b)
+    pts = sorted(
+        (c["rows"] / c["batch"], c["forward_ms"]) for c in cases if c["mode"] == "ragged+graphs" and c["batch"] == b
+    )
     if not pts:
         return None
     if rows_per_seq <= pts[0][0]:
@@ -75,7 +77,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     rows = project(json.loads(Path(a.curve).read_text()), json.loads(Path(a.replay).read_text()))
-    print("| B | MAT | rows/seq | plain: forward + host ms | ToolSpec: forward + host ms | projected ToolSpec vs plain | with no host work |")
+    print(
+        "| B | MAT | rows/seq | plain: forward + host ms | ToolSpec: forward + host ms | projected ToolSpec vs plain | with no host work |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
@@ -84,7 +88,15 @@ def main(argv=None) -> int:
         )
     if a.out:
         Path(a.out).write_text(
-            json.dumps({"what": __doc__.split("\n\n")[0], "curve": Path(a.curve).name, "replay": Path(a.replay).name, "rows": rows}, indent=1)
+            json.dumps(
+                {
+                    "what": __doc__.split("\n\n")[0],
+                    "curve": Path(a.curve).name,
+                    "replay": Path(a.replay).name,
+                    "rows": rows,
+                },
+                indent=1,
+            )
             + "\n"
         )
     return 0

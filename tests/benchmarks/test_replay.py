@@ -84,7 +84,9 @@ def test_rows_off_the_recording_get_a_token_no_draft_holds(tiny, recorded):
         t.add_path(off[1:2], 0.9, "x", parent=first)
         return t
 
-    seq = Sequence(replay, None, ScriptedDrafter(wrong), DecodeConfig(max_new_tokens=N), prefilled=prefill(replay, r["prompt_ids"]))
+    seq = Sequence(
+        replay, None, ScriptedDrafter(wrong), DecodeConfig(max_new_tokens=N), prefilled=prefill(replay, r["prompt_ids"])
+    )
     sched = Scheduler(replay, None, BatchLimits(max_running=1))
     sched.add(seq)
     sched.run()
@@ -102,10 +104,24 @@ def test_committed_recording_replays_through_the_batch_bench(tmp_path):
 
     rows = {(r["benchmark"], r["id"]): r["tokens"] for r in load_recording(RECORDING)}
     args = argparse.Namespace(
-        out=str(tmp_path), threads=None, attention="ragged", cuda_graphs=None, model=None, dtype="float32",
-        device="cpu", data=[str(RECORDING.parent / "toolalpaca.dev.jsonl.gz")], limit=4, seed=0,
-        max_new_tokens=64, cost="reference", calibrate=False, batch=[4], methods=["ar", "toolspec"],
-        target="replay", replay_file=None, cycle=False,
+        out=str(tmp_path),
+        threads=None,
+        attention="ragged",
+        cuda_graphs=None,
+        model=None,
+        dtype="float32",
+        device="cpu",
+        data=[str(RECORDING.parent / "toolalpaca.dev.jsonl.gz")],
+        limit=4,
+        seed=0,
+        max_new_tokens=64,
+        cost="reference",
+        calibrate=False,
+        batch=[4],
+        methods=["ar", "toolspec"],
+        target="replay",
+        replay_file=None,
+        cycle=False,
     )
     run = BatchRun(args)
     run.run()
@@ -114,4 +130,3 @@ def test_committed_recording_replays_through_the_batch_bench(tmp_path):
     for rec in recs:
         for item, out in rec["outputs"].items():
             assert out["tokens"] == rows[(rec["benchmark"], item)][:64]
-

@@ -70,7 +70,9 @@ def test_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, item
             pre, req = _req(replay, it, rec)
             r = ref.drafter(req)
             r.suffix.context.lazy = False  # the eager subtrie build
-            seq = Sequence(replay, None, Twin(fast.drafter(req), r, seen), DecodeConfig(max_new_tokens=N), prefilled=pre)
+            seq = Sequence(
+                replay, None, Twin(fast.drafter(req), r, seen), DecodeConfig(max_new_tokens=N), prefilled=pre
+            )
             seqs.append((seq, req, rec))
             sched.add(seq)
         sched.run()
