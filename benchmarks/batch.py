@@ -43,8 +43,39 @@ def group_store(out: Path) -> JsonlStore:
     return JsonlStore(out / "batch.jsonl", lambda r: (r["benchmark"], r["method"], r["batch"], r["group"]))
 
 
-def _groups(items: list[dict], b: int) -> list[list[dict]]:
+def _groups(items: list[dict], b: int, cycle: bool = False) -> list[list[dict]]:
+    """``items`` cut into groups of ``b`` in stream order; with ``cycle``, a ``b`` larger than the
+    items is one group of them repeated (copies ``id#k``): they decode together, so no copy's
+    drafter sees another's output (the online library learns after the group)."""
+    if cycle and b > len(items) and items:
+        return [
+            [
+                items[i % len(items)] if i < len(items) else _copy(items[i % len(items)], i // len(items))
+                for i in range(b)
+            ]
+        ]
     return [items[i : i + b] for i in range(0, len(items), b)]
+
+
+def _copy(item: dict, k: int) -> dict:
+    return {**item, "id": f"{item['id']}#{k}"}
+
+
+def recorded_items(target, items: list[dict], args) -> list[dict]:
+    """The selected items the replay target recorded (others are left out, counted in the log);
+    a decode longer than the recording is refused."""
+    if args.max_new_tokens > target.max_new_tokens:
+        raise SystemExit(
+            f"--target replay: the recording holds {target.max_new_tokens} tokens an item; --max-new-tokens "
+            f"{args.max_new_tokens} needs a longer one"
+        )
+    have = target.recorded()
+    out = [it for it in items if (it["benchmark"], it["id"]) in have]
+    if len(out) < len(items):
+        log(
+            f"replay: {len(items) - len(out)} of {len(items)} selected {items[0]['benchmark']} items not recorded, left out"
+        )
+    return out
 
 
 class BatchRun:
@@ -52,10 +83,16 @@ class BatchRun:
         self.args, self.out = args, Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         engine = (args.threads, None, getattr(args, "attention", None), getattr(args, "cuda_graphs", None))
+        if target is None and getattr(args, "target", "model") == "replay":
+            from .replay import RECORDING, replay_target
+
+            target = replay_target(getattr(args, "replay_file", None) or RECORDING)
         self.target = target = bench_target(args.model, args.dtype, args.device, *engine, target=target)
         self.benches = [
             select_items(load_items(p), args.limit, None if args.seed < 0 else args.seed) for p in args.data
         ]
+        if hasattr(target, "recorded"):  # the replay serves only the items it recorded
+            self.benches = [recorded_items(target, items, args) for items in self.benches]
         self.dcfg = DecodeConfig(max_new_tokens=args.max_new_tokens)
         self.cost = resolve_cost(args.cost, target, self.out, MAX_ROWS)
         if self.cost is not None:
@@ -74,7 +111,8 @@ class BatchRun:
         from tqdm import tqdm
 
         a = self.args
-        total = sum(len(_groups(items, b)) for items in self.benches for b in a.batch) * len(a.methods)
+        cycle = bool(getattr(a, "cycle", False))
+        total = sum(len(_groups(items, b, cycle)) for items in self.benches for b in a.batch) * len(a.methods)
         with tqdm(total=total, initial=len(self.done), unit="group", dynamic_ncols=True) as bar:
             for items in self.benches:
                 items = [it for it in items if self._fits(it)]
@@ -82,7 +120,7 @@ class BatchRun:
                     for name in a.methods:
                         pool = MethodPool(self.target.tokenizer)  # a fresh online library per (B, method)
                         warm = False
-                        for gi, group in enumerate(_groups(items, b)):
+                        for gi, group in enumerate(_groups(items, b, cycle)):
                             key = (group[0]["benchmark"], name, b, gi)
                             if key in self.done:
                                 self._replay(pool, name, group, self.done[key])
@@ -181,8 +219,8 @@ def summarize(records: list[dict]) -> list[dict]:
     combos = {(r["method"], r["batch"]) for r in records}
     n_items: dict[str, set] = {}  # items of a benchmark: every one a run decoded
     groups = collections.Counter((r["benchmark"], r["method"], r["batch"]) for r in records)
-    for r in records:
-        n_items.setdefault(r["benchmark"], set()).update(r["outputs"])
+    for r in records:  # a repeated item (``id#k``, ``--cycle``) counts as its original
+        n_items.setdefault(r["benchmark"], set()).update(i.split("#")[0] for i in r["outputs"])
 
     def whole(bench: str, method: str, b: int) -> bool:
         return groups[(bench, method, b)] == -(-len(n_items.get(bench, ())) // b) > 0
@@ -193,17 +231,17 @@ def summarize(records: list[dict]) -> list[dict]:
         keyed += [(r, (POOLED, r["method"], r["batch"])) for r in records if r["benchmark"] in complete]
     runs: dict[tuple, dict] = {}
     for r, k in keyed:
-        ref = refs.get(1 if single else r["batch"], {})
+        ref = _Refs(refs.get(1 if single else r["batch"], {}))
         run = runs.setdefault(k, {**dict.fromkeys(SUMS, 0), "parts": collections.Counter(), "mats": [], "exact": []})
         for f in SUMS:
             run[f] += r.get(f, 0)
         run["parts"].update(r.get("host_parts_s", {}))
         run["mats"].extend(o["mat"] for o in r["outputs"].values())
         run["exact"].extend(
-            ref.get(i) is not None and first_mismatch(o["tokens"], ref[i]) is None for i, o in r["outputs"].items()
+            ref.get(i) is not None and first_mismatch(o["tokens"], ref.get(i)) is None for i, o in r["outputs"].items()
         )
         run.setdefault("mismatched", []).extend(
-            i for i, o in r["outputs"].items() if ref.get(i) is not None and o["tokens"] != ref[i]
+            i for i, o in r["outputs"].items() if ref.get(i) is not None and o["tokens"] != ref.get(i)
         )
     out = []
     for (bench, method, b), run in sorted(
@@ -243,6 +281,13 @@ def summarize(records: list[dict]) -> list[dict]:
         if base and r["decode_tokens_per_s"]:
             r["speedup_vs_ar"] = r["decode_tokens_per_s"] / base
     return out
+
+
+class _Refs(dict):
+    """Plain greedy's tokens by item id; a repeated item (``id#k``, ``--cycle``) is its original's."""
+
+    def get(self, key, default=None):
+        return super().get(key, super().get(key.split("#")[0], default))
 
 
 def reference_batch(records: list[dict]) -> int | None:

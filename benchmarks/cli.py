@@ -72,6 +72,16 @@ OPTIONS = (  # (flag, add_argument keywords), in --help order
     ("--hardware", dict(help="what the run ran on, for the --batch report")),
     ("--report-only", dict(FLAG, help="--batch: rebuild the report from --out, no decoding")),
     ("--same-batch-reference", dict(FLAG, help="--batch: exact match against ar at the same B, not at B = 1")),
+    (
+        "--target",
+        dict(
+            choices=["model", "replay"],
+            default="model",
+            help="--batch: model (default) or replay: the recorded plain-greedy outputs, no forward (benchmarks/replay.py)",
+        ),
+    ),
+    ("--replay-file", dict(help="--target replay: the recording (default: benchmarks/datasets/greedy-*.jsonl.gz)")),
+    ("--cycle", dict(FLAG, help="--target replay: fill a B larger than a set's recorded items by repeating them")),
 )
 REPORT_OPTIONS = (
     ("--out", {"required": True}),
@@ -110,6 +120,12 @@ def _check(args, ap) -> None:
         ap.error("--batch keys the library by the target's hidden state (--retrieval-key hidden)")
     if args.batch and any(b <= 0 for b in args.batch):
         ap.error("--batch sizes must be positive")
+    if args.target == "replay" and not args.batch:
+        ap.error("--target replay runs with --batch")
+    if args.target == "replay" and args.cost in ("measure", "measured"):
+        ap.error("--target replay costs no forward: give the real model's curve (--cost PATH, or reference)")
+    if args.cycle and args.target != "replay":
+        ap.error("--cycle repeats recorded items: it needs --target replay")
 
 
 def report_main(argv: list[str]) -> int:

@@ -56,3 +56,14 @@ def test_eager_attention_with_our_float_mask_is_right():
     branch = [20, 21]
     ref = tg.model(torch.tensor([PROMPT + [PROMPT[-1]] + branch])).logits[0, -1]
     assert torch.allclose(logits[4], ref, atol=2e-5)
+
+
+def test_tree_visibility_bits_equal_the_row_copies():
+    import random
+
+    from toolspec_core.engine.verify import tree_visibility, tree_visibility_rows
+
+    rng = random.Random(0)
+    for t in (0, 1, 2, 7, 30, 62, 63, 80):
+        parents = [rng.randrange(-1, i) for i in range(t)]
+        assert torch.equal(tree_visibility(parents), tree_visibility_rows(parents)), t

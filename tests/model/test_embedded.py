@@ -135,3 +135,15 @@ def test_embedded_batch_of_4_equals_single_stream_greedy_on_30_real_prompts(qwen
         for name, method in methods.items():
             for it, p, seq in zip(group, prompts, seqs):
                 method.observe(RequestInfo(p, it["tools"]), seq.result.tokens, seq.result.text)
+
+
+@pytest.mark.slow
+def test_replay_recording_is_this_model_s_plain_greedy(qwen):
+    """The committed replay recording (benchmarks/replay.py) is what the embedded model writes:
+    its shortest recorded prompt's first tokens, decoded again."""
+    from benchmarks.replay import RECORDING, load_recording
+
+    rows = load_recording(RECORDING, qwen.tokenizer)
+    r = min(rows, key=lambda x: x["prompt_len"])
+    res = decode(qwen, prefill(qwen, r["prompt_ids"]), None, DecodeConfig(max_new_tokens=8))
+    assert res.tokens == r["tokens"][:8]

@@ -97,6 +97,47 @@ class LabelRates:
                 self.count(lab, i in accepted)
 
 
+def propose_all(drafters: list, ctxs: list[DraftContext]) -> list[DraftTree | BaseException]:
+    """Every sequence's tree of one step in one call: drafters of a class with a
+    ``propose_batch(drafters, ctxs)`` classmethod draft together (one call for all of them: the
+    place a compiled or shared-work drafter does a batch at once), the rest one by one. A drafter
+    that raises gets its exception in its slot (the caller drops it); a batch that raises is
+    drafted again one by one, so one bad sequence cannot take the others' trees."""
+    out: list[DraftTree | BaseException | None] = [None] * len(drafters)
+    groups: dict[type, list[int]] = {}
+    for i, d in enumerate(drafters):
+        groups.setdefault(type(d), []).append(i)
+    for cls, idx in groups.items():
+        batch = getattr(cls, "propose_batch", None)
+        if batch is not None and len(idx) > 1:
+            try:
+                trees = batch([drafters[i] for i in idx], [ctxs[i] for i in idx])
+                for i, t in zip(idx, trees):
+                    out[i] = t
+                continue
+            except Exception:
+                pass  # drafted again one by one below: the failing drafter is found there
+        for i in idx:
+            try:
+                out[i] = drafters[i].propose(ctxs[i])
+            except Exception as exc:  # noqa: BLE001 -- the caller logs and drops this drafter
+                out[i] = exc
+    return out  # type: ignore[return-value]
+
+
+def prepare_all(drafters: list, prompts: list[list[int]]) -> None:
+    """Prompt-side work of drafters whose sequences have not drafted yet (indexing the prompt,
+    scanning it for values): what does not depend on any forward's result, so the scheduler runs
+    it beside one (``prepare(prompt_ids)`` on drafters that have it; errors surface at ``propose``)."""
+    for d, p in zip(drafters, prompts):
+        prep = getattr(d, "prepare", None)
+        if prep is not None:
+            try:
+                prep(p)
+            except Exception:  # noqa: BLE001 -- propose does the work again and reports it
+                pass
+
+
 class NoDrafter:
     """Plain autoregressive decoding through the same loop and cache (the baseline)."""
 

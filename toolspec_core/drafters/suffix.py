@@ -73,6 +73,7 @@ def grow_from_trie(
     tie = count()
     heap = [(-prob, next(tie), node, parent, tuple(prefix), 0)]
     added = 0
+    rated: dict[str, float] = {}  # key -> conf: the rates do not change while one tree grows
     while heap and added < max_nodes:
         neg, _, tnode, parent, path, depth = heapq.heappop(heap)
         if depth >= max_depth:
@@ -82,7 +83,9 @@ def grow_from_trie(
         for tok, c in kids:
             freq = trie.count[c] / total
             key = suffix_key(freq, match_len + depth, total)
-            conf = rates.rate(key, SUFFIX_PRIOR.get(key, 0.3))
+            conf = rated.get(key)
+            if conf is None:
+                conf = rated[key] = rates.rate(key, SUFFIX_PRIOR.get(key, 0.3))
             score = -neg * conf
             if score < min_prob or added >= max_nodes:
                 continue

@@ -143,8 +143,17 @@ class ContextIndex:
         self._build([e for e, m in ends if m >= best], best)
         return 0, best
 
+    lazy = True  # False: the eager build (the reference the lazy one is tested against)
+
     def _build(self, ends: list[int], m: int) -> None:
-        """The subtrie below the matched suffix: each occurrence's continuation, up to depth - m tokens."""
+        """The subtrie below the matched suffix: each occurrence's continuation, up to depth - m
+        tokens. Built lazily, a node's children when a reader first asks for them
+        (:class:`LazySubtrie`): drafting expands a few dozen nodes of a subtrie that can hold
+        thousands."""
+        if self.lazy:
+            sub = LazySubtrie(self.tokens, ends, self.depth - m)
+            self.kids, self.count = sub, sub.count
+            return
         toks, n = self.tokens, len(self.tokens)
         kids, count = [{}], [0]
         for e in ends:  # ascending: children appear in the order the full trie creates them
@@ -160,3 +169,43 @@ class ContextIndex:
     def active_match(self, max_match: int) -> tuple[int, int]:
         """As ``SuffixTrie.active_match``: the document's own current suffix."""
         return self._match(self.tokens, min(max_match, len(self.tokens), self.depth - 1))
+
+
+class LazySubtrie:
+    """``kids`` of a :class:`ContextIndex` match: node ``i``'s children (token -> node) made from
+    the occurrences through it on first access, in the order an eager build creates them (by
+    ascending occurrence), with their counts in ``count``. Node 0 is the matched suffix."""
+
+    def __init__(self, tokens: list[int], ends: list[int], depth: int):
+        self.tokens, self.depth, self.n = tokens, depth, len(tokens)  # the document as matched
+        self.occ: list[list[int]] = [list(ends)]  # node -> end positions of the occurrences through it
+        self.at: list[int] = [0]  # node -> tokens below the matched suffix
+        self.made: list[dict[int, int] | None] = [None]
+        self.count: list[int] = [0]
+
+    def __len__(self) -> int:
+        return len(self.made)
+
+    def __getitem__(self, node: int) -> dict[int, int]:
+        kids = self.made[node]
+        if kids is None:
+            kids = self.made[node] = {}
+            d = self.at[node]
+            if d < self.depth:
+                toks, n = self.tokens, self.n
+                occ, at, made, count = self.occ, self.at, self.made, self.count
+                for e in occ[node]:
+                    p = e + 1 + d
+                    if p >= n:
+                        continue
+                    c = kids.get(toks[p])
+                    if c is None:
+                        c = len(made)
+                        occ.append([])
+                        at.append(d + 1)
+                        made.append(None)
+                        count.append(0)
+                        kids[toks[p]] = c
+                    occ[c].append(e)
+                    count[c] += 1
+        return kids

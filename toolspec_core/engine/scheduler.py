@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolspec_core.drafters.base import NoDrafter
+from toolspec_core.drafters.base import NoDrafter, prepare_all, propose_all
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import commit_kv, kv_rows
 from toolspec_core.engine.device_walk import read_walks, walk_inputs
@@ -127,6 +127,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.steps: list[StepRecord] = []
+        self._worker = None  # the thread that prepares drafters beside the forward (_beside_forward)
+        self._prepared: set[int] = set()  # sequences whose drafters it has prepared
 
     def add(self, seq: Sequence) -> Sequence:
         """Queue ``seq``; a sequence the whole pool could never hold is refused here."""
@@ -197,7 +199,7 @@ class Scheduler:
         decoding = [s for s in self.running if s.decoding]
         root_rows = sum(len(s.roots) for s in decoding)
         ta = time.perf_counter()
-        trees = [fit_room(seq, self._propose(seq)) for seq in decoding]
+        trees = [fit_room(seq, tree) for seq, tree in zip(decoding, self._propose_all(decoding))]
         tb = time.perf_counter()
         if self.cost is not None and decoding:
             trees = self.cost.allocate(trees, root_rows, prefill_rows)
@@ -237,11 +239,14 @@ class Scheduler:
             not reads_logits(seq) for seq, _, done in prefills if done
         )
         on_device, need, walk = self._walks(rows, len(ends), greedy)
+        side = self._beside_forward()
         t1 = time.perf_counter()
         req = StepRequest(segments, logit_rows, full_rows, ends, walk, need, argmax=greedy)
         out = self.target.step(req, self.pool)  # waits for the forward: its one copy back
         walks, choice = self._accept(on_device, out)
         t2 = time.perf_counter()
+        if side is not None:
+            side.result()
         fwd = t2 - t1
 
         j = 0
@@ -286,19 +291,46 @@ class Scheduler:
         per-tree cap (None without a budget: trees as drafted)."""
         return None if self.cost is None else self.cost.max_nodes
 
-    def _propose(self, seq: Sequence) -> DraftTree:
-        """The sequence's tree; a drafter that fails is dropped (the sequence decodes on without
-        drafts, its output unchanged) so it cannot stop the batch."""
+    def _propose_all(self, seqs: list[Sequence]) -> list[DraftTree]:
+        """Every decoding sequence's tree, drafted in one batch call
+        (:func:`~toolspec_core.drafters.base.propose_all`); a drafter that fails is dropped (the
+        sequence decodes on without drafts, its output unchanged) so it cannot stop the batch."""
         t = time.perf_counter()
-        try:
+        hint = self._node_hint()
+        ctxs = []
+        for seq in seqs:
             ctx = seq.context()
-            ctx.max_nodes = self._node_hint()
-            tree = cap_depth(seq.drafter.propose(ctx), ctx.max_depth)
-        except Exception:
-            log.exception("drafter of sequence %s failed; it decodes on without drafts", seq.id)
-            seq.drafter, tree = NoDrafter(), DraftTree()
-        seq.stats.draft_s += time.perf_counter() - t
-        return tree
+            ctx.max_nodes = hint
+            ctxs.append(ctx)
+        trees = []
+        for seq, ctx, tree in zip(seqs, ctxs, propose_all([s.drafter for s in seqs], ctxs)):
+            if isinstance(tree, BaseException):
+                log.error("drafter of sequence %s failed; it decodes on without drafts", seq.id, exc_info=tree)
+                seq.drafter, tree = NoDrafter(), DraftTree()
+            trees.append(cap_depth(tree, ctx.max_depth))
+        share = (time.perf_counter() - t) / max(1, len(seqs))  # the batch's time, shared out
+        for seq in seqs:
+            seq.stats.draft_s += share
+        return trees
+
+    def _beside_forward(self):
+        """Start, on a worker thread, the prompt-side drafting work of sequences that have not
+        drafted yet (waiting, or still prefilling): it does not depend on this step's result, and
+        the forward releases the GIL (torch ops), so it runs while the forward does. Returns the
+        future to wait on before the step's commits (None: nothing to prepare)."""
+        todo = [s for s in list(self.waiting) + self.running if not s.decoding and s.reason is None]
+        todo = [s for s in todo if hasattr(s.drafter, "prepare") and s.id not in self._prepared]
+        if not todo:
+            return None
+        self._prepared.update(s.id for s in todo)
+        if len(self._prepared) > 4 * (len(self.waiting) + len(self.running)) + 64:
+            live = {s.id for s in list(self.waiting) + self.running}
+            self._prepared &= live
+        if self._worker is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="toolspec-draft-prep")
+        return self._worker.submit(prepare_all, [s.drafter for s in todo], [list(s.prompt_ids) for s in todo])
 
     def fail_all(self, exc: BaseException) -> list[Sequence]:
         """A step raised: every sequence ends with finish_reason "error" and ``seq.error`` (their KV

@@ -44,7 +44,7 @@ class DraftTree:
         return len(self._kids) == len(self.tokens)
 
     def _append(self, parent: int, token: int, conf: float, label: str) -> int:
-        self.child(parent, token)  # keep the index in step
+        """A new node; callers have indexed the tree already (``child``), so ``_kids`` is in step."""
         self.tokens.append(int(token))
         self.parents.append(int(parent))
         self.conf.append(float(conf))

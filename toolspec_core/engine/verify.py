@@ -37,14 +37,35 @@ def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int, dtype=
     visible = torch.zeros(n, n, dtype=torch.bool)
     visible[:r, :r] = torch.tril(torch.ones(r, r, dtype=torch.bool))
     visible[r:, :r] = True
-    for i, p in enumerate(tree.parents):
-        row = r + i
-        if p != ROOT:
-            visible[row, r:] = visible[r + p, r:]
-        visible[row, row] = True
+    visible[r:, r:] = tree_visibility(tree.parents)
     mask = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype)
     mask[0, 0, :, prefix_len:] = torch.where(visible, 0.0, torch.finfo(dtype).min)
     return ids, pos, mask
+
+
+def tree_visibility(parents: list[int]) -> torch.Tensor:
+    """bool [T, T]: node i sees node j (j is i or one of its ancestors). Each node's ancestors as
+    the bits of one integer (its parent's | itself), unpacked by one shift: a Python loop of
+    integer ops instead of a tensor row copy per node."""
+    t = len(parents)
+    if t > 62:  # bits of an int64
+        return tree_visibility_rows(parents)
+    anc: list[int] = []
+    for i, p in enumerate(parents):
+        anc.append((anc[p] if p != ROOT else 0) | (1 << i))
+    bits = torch.tensor(anc, dtype=torch.long)  # [T]
+    return ((bits[:, None] >> torch.arange(t)) & 1).bool()
+
+
+def tree_visibility_rows(parents: list[int]) -> torch.Tensor:
+    """:func:`tree_visibility` row by row (any size; the reference it is tested against)."""
+    t = len(parents)
+    visible = torch.zeros(t, t, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p != ROOT:
+            visible[i] = visible[p]
+        visible[i, i] = True
+    return visible
 
 
 def greedy_walk(tree: DraftTree, choice: list[int], root_row: int = 0) -> VerifyResult:

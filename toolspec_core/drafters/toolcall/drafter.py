@@ -271,6 +271,19 @@ class SchemaDrafter:
         self.tracker.feed(text[self._n_chars :])
         self._n_chars, self._n_fed = len(text), n
 
+    def prepare(self, prompt_ids: list[int]) -> None:
+        """The prompt's side of drafting, before the first step: its text, numbers, dates and
+        objects, and the suffix index over it. Depends on nothing a forward computes, so the
+        scheduler runs it beside one (``propose`` does whatever is left undone)."""
+        ctx = DraftContext(list(prompt_ids), len(prompt_ids), 0)
+        self._prompt(ctx)
+        if self.schema:
+            self._context_numbers(ctx)
+            self._context_dates(ctx)
+            self._context_keys(ctx)
+        if self.suffix.context.length == 0:
+            self.suffix.context.extend(prompt_ids)
+
     def propose(self, ctx: DraftContext) -> DraftTree:
         self._sync(ctx)
         tree = DraftTree()

@@ -1,0 +1,195 @@
+"""Drafting on recorded traffic (the replay target over the committed plain-greedy recording):
+the fast drafter's trees are the reference drafter's node for node, and batched drafting, the
+work done beside the forward, prefill chunks, shared prefix blocks and grammar rows leave every
+output plain greedy's."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.replay import RECORDING, replay_target
+from toolspec_core.drafters.methods import RequestInfo, make_method
+from toolspec_core.drafters.toolcall import candidates as cand_mod
+from toolspec_core.engine import scheduler as sched_mod
+from toolspec_core.engine.budget import CostModel
+from toolspec_core.engine.loop import DecodeConfig, prefill
+from toolspec_core.engine.scheduler import BatchLimits, Scheduler
+from toolspec_core.engine.sequence import Sequence
+
+pytestmark = pytest.mark.skipif(not RECORDING.exists(), reason="no recording")
+N = 48  # tokens decoded an item: enough for a call's name, keys and first values
+
+
+@pytest.fixture(scope="module")
+def replay():
+    return replay_target()
+
+
+@pytest.fixture(scope="module")
+def items(replay):
+    from benchmarks.data import load_items
+    from benchmarks.datasets import dev_set
+
+    recs = {(r["benchmark"], r["id"]): r for r in replay.records}
+    out = []
+    for bench in ("api_bank", "toolalpaca", "bfcl_v3"):
+        its = [it for it in load_items(dev_set(bench)) if (bench, it["id"]) in recs][:4]
+        out += [(it, recs[(bench, it["id"])]) for it in its]
+    return out
+
+
+class Twin:
+    """The fast drafter and the reference one on the same contexts: every tree compared. The
+    reference drafts with the memos off (``candidates.MEMO``: every sub-expansion recomputed)."""
+
+    def __init__(self, fast, ref, seen: list):
+        self.fast, self.ref, self.seen = fast, ref, seen
+
+    def propose(self, ctx):
+        a = self.fast.propose(ctx)
+        cand_mod.MEMO = False
+        try:
+            b = self.ref.propose(ctx)
+        finally:
+            cand_mod.MEMO = True
+        self.seen.append((a.tokens, a.parents, a.labels, a.conf) == (b.tokens, b.parents, b.labels, b.conf))
+        return a
+
+    def feedback(self, tree, result):
+        self.fast.feedback(tree, result)
+        self.ref.feedback(tree, result)
+
+
+def _req(replay, it, rec):
+    pre = prefill(replay, rec["prompt_ids"])
+    return pre, RequestInfo(prompt_ids=rec["prompt_ids"], tools=it.get("tools") or [], embedding=pre.hidden)
+
+
+def test_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, items):
+    """B = 6 through the batched scheduler, two groups (the second drafts from the library the first
+    filled): every step's tree, node for node (tokens, parents, labels, confidences)."""
+    fast, ref = make_method("toolspec", replay.tokenizer), make_method("toolspec", replay.tokenizer)
+    seen: list[bool] = []
+    for group in (items[:6], items[6:]):
+        sched = Scheduler(replay, CostModel.cpu_reference(), BatchLimits(max_running=6))
+        seqs = []
+        for it, rec in group:
+            pre, req = _req(replay, it, rec)
+            r = ref.drafter(req)
+            r.suffix.context.lazy = False  # the eager subtrie build
+            seq = Sequence(
+                replay, None, Twin(fast.drafter(req), r, seen), DecodeConfig(max_new_tokens=N), prefilled=pre
+            )
+            seqs.append((seq, req, rec))
+            sched.add(seq)
+        sched.run()
+        for seq, req, rec in seqs:
+            assert seq.result.tokens == rec["tokens"][:N]
+            for m in (fast, ref):
+                m.observe(req, seq.result.tokens, seq.result.text)
+    assert len(seen) > 50 and all(seen)
+
+
+def _serve(replay, items, overlap: bool, monkeypatch, grammar_on=()):
+    """The server's way: prompts prefilled by the scheduler in chunks into a block pool with prefix
+    caching (the chat template's shared start), at most 4 running, the rest waiting."""
+    from toolspec_core.engine.grammar import make_tool_constraint
+
+    if not overlap:
+        monkeypatch.setattr(sched_mod.Scheduler, "_beside_forward", lambda self: None)
+    method = make_method("toolspec", replay.tokenizer)
+    pool = replay.block_pool(16 * 1024, 16)
+    sched = Scheduler(replay, CostModel.cpu_reference(), BatchLimits(max_running=4, prefill_chunk=300), pool)
+    seqs = []
+    for k, (it, rec) in enumerate(items):
+        req = RequestInfo(prompt_ids=rec["prompt_ids"], tools=it.get("tools") or [])
+        grammar = make_tool_constraint(replay.tokenizer, req.tools, "required") if k in grammar_on else None
+        drafter = method.drafter(req)
+        seqs.append(sched.add(Sequence(replay, rec["prompt_ids"], drafter, DecodeConfig(max_new_tokens=N), grammar)))
+    while sched.has_work():
+        sched.step()
+    return [s.result.tokens for s in seqs], [s.result.stats.forwards for s in seqs], pool.stats().hit_tokens
+
+
+def test_overlap_and_batched_drafting_keep_outputs_plain_greedy(replay, items, monkeypatch):
+    """Drafters prepared beside the forward (waiting and prefilling sequences) draft the same as
+    drafters that do it all at their first step: outputs and step counts identical, and equal to
+    plain greedy (the recording); a grammar row's output equals plain greedy under its grammar."""
+    with_overlap, steps_a, hits = _serve(replay, items, True, monkeypatch)
+    assert hits > 0  # shared prefix blocks were reused
+    for (it, rec), out in zip(items, with_overlap):
+        assert out == rec["tokens"][:N]
+    monkeypatch.undo()
+    without, steps_b, _ = _serve(replay, items, False, monkeypatch)
+    assert without == with_overlap and steps_a == steps_b
+
+
+def test_grammar_rows_in_a_drafted_batch_equal_plain_greedy_under_the_grammar(replay, items, monkeypatch):
+    from toolspec_core.engine.grammar import make_tool_constraint
+
+    pytest.importorskip("llguidance")
+    out, _, _ = _serve(replay, items[:6], True, monkeypatch, grammar_on=(1, 4))
+    for k in (1, 4):
+        it, rec = items[k]
+        g = make_tool_constraint(replay.tokenizer, it.get("tools") or [], "required")
+        seq = Sequence(replay, rec["prompt_ids"], None, DecodeConfig(max_new_tokens=N), g)
+        s = Scheduler(replay, None, BatchLimits(max_running=1))
+        s.add(seq)
+        s.run()
+        assert out[k] == seq.result.tokens
+
+
+def test_propose_all_drafts_a_class_together_and_isolates_a_failing_drafter():
+    """One ``propose_batch`` call for a class's drafters; a batch that raises is drafted again one by
+    one, and only the drafter that raises gets its exception."""
+    from toolspec_core.drafters.base import DraftContext, propose_all
+    from toolspec_core.engine.tree import DraftTree
+
+    calls = []
+
+    class Batched:
+        def __init__(self, tok, bad=False):
+            self.tok, self.bad = tok, bad
+
+        @classmethod
+        def propose_batch(cls, drafters, ctxs):
+            calls.append(len(drafters))
+            if any(d.bad for d in drafters):
+                raise RuntimeError("one of them")
+            return [d.propose(c) for d, c in zip(drafters, ctxs)]
+
+        def propose(self, ctx):
+            if self.bad:
+                raise ValueError("bad drafter")
+            t = DraftTree()
+            t.add_path([self.tok], 0.9, "x")
+            return t
+
+    ctx = DraftContext([1, 2], 1, 8)
+    good = [Batched(5), Batched(6)]
+    out = propose_all(good, [ctx, ctx])
+    assert calls == [2] and [t.tokens for t in out] == [[5], [6]]
+    out = propose_all([Batched(5), Batched(0, bad=True), Batched(7)], [ctx] * 3)
+    assert [t.tokens for t in (out[0], out[2])] == [[5], [7]] and isinstance(out[1], ValueError)
+
+
+def test_a_drafter_that_raises_is_dropped_and_its_sequence_stays_plain_greedy():
+    from scripted import PROMPT, ScriptedDrafter, oracle
+    from tiny import hf_greedy, tiny_target
+
+    from toolspec_core.drafters.base import NoDrafter
+
+    tiny = tiny_target()
+    want = hf_greedy(tiny, PROMPT, 12)
+
+    def boom(ctx):
+        raise RuntimeError("drafter bug")
+
+    sched = Scheduler(tiny, None, BatchLimits(max_running=3))
+    seqs = [
+        sched.add(Sequence(tiny, PROMPT, ScriptedDrafter(d), DecodeConfig(max_new_tokens=12)))
+        for d in (oracle(want), boom, oracle(want))
+    ]
+    sched.run()
+    assert [s.result.tokens for s in seqs] == [want] * 3
+    assert isinstance(seqs[1].drafter, NoDrafter) and not isinstance(seqs[0].drafter, NoDrafter)
