@@ -92,16 +92,23 @@ class StepOutput:
 Head = Callable[[torch.Tensor, list[int], bool], tuple[torch.Tensor | None, torch.Tensor | None]]
 
 
-def lm_head(model: torch.nn.Module) -> Head:
-    """The default head: ``model.lm_head`` over the logit rows -> (argmax [M] long or None, full rows [K, V] fp32)."""
+def logits_head(logits: Callable[[torch.Tensor], torch.Tensor]) -> Head:
+    """A head from a function hidden [M, H] -> logits [M, V] fp32 (a target's ``logits``, so the
+    rows a step scores and a prompt prefilled alone go through the same one) -> (argmax [M] long
+    or None, full rows [K, V] fp32)."""
 
     def head(picked: torch.Tensor, full_rows: list[int], argmax: bool):
         with torch.inference_mode():
-            logits = model.lm_head(picked).float()  # [M, V]
-        choice = torch.argmax(logits, -1) if argmax and logits.shape[0] else None
-        return choice, (logits[full_rows] if full_rows else None)
+            out = logits(picked)  # [M, V]
+        choice = torch.argmax(out, -1) if argmax and out.shape[0] else None
+        return choice, (out[full_rows] if full_rows else None)
 
     return head
+
+
+def lm_head(model: torch.nn.Module) -> Head:
+    """The default head: ``model.lm_head`` over the logit rows."""
+    return logits_head(lambda h: model.lm_head(h).float())
 
 
 PATHS = ("hf", "per_sequence", "ragged")

@@ -16,7 +16,7 @@ from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME, ModelFileError, em
 from toolspec_core.model.kv import HFKV, KVCache, SeqKV
 from toolspec_core.model.prompting import eos_ids_of
 from toolspec_core.model.ragged import resolve_attention
-from toolspec_core.model.step_runner import StepOutput, StepRequest, StepRunner, cache_kwarg, hf_hidden
+from toolspec_core.model.step_runner import StepOutput, StepRequest, StepRunner, cache_kwarg, hf_hidden, logits_head
 
 __all__ = ["StepOutput", "StepRequest", "Target", "cache_kwarg", "from_model", "load_target"]
 
@@ -111,11 +111,16 @@ class Target:
         holds no state of a step)."""
         if pool is None:
             if self._alone is None:
-                self._alone = StepRunner(self.model, None, self.attention, False)
+                self._alone = StepRunner(self.model, None, self.attention, False, head=self._head())
             return self._alone
         if self._runner is None or self._runner.pool is not pool:
-            self._runner = StepRunner(self.model, pool, self.attention, self.cuda_graphs)
+            self._runner = StepRunner(self.model, pool, self.attention, self.cuda_graphs, head=self._head())
         return self._runner
+
+    def _head(self):
+        """The runners' head: this target's :meth:`logits` (looked up at each step, so the one
+        definition of a row's logits is the target's)."""
+        return logits_head(lambda h: self.logits(h))
 
     def warm_graphs(self, pool, grids: list[tuple[int, int, int]]) -> None:
         """Capture the decode steps of these (running sequences, rows a sequence, KV rows) bucket
