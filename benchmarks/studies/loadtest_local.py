@@ -346,7 +346,7 @@ def base_config(ns) -> dict:
     return base
 
 
-def loadtest_args(ns) -> list[str]:
+def loadtest_args(ns, out: str | None = None) -> list[str]:
     """``toolspec loadtest``'s arguments every endpoint shares (no endpoints, no baseline)."""
     return [a for path in ns.dataset for a in ("--dataset", path)] + [
         "--concurrency",
@@ -362,14 +362,15 @@ def loadtest_args(ns) -> list[str]:
         "--stream",
         "--fresh-requests",
         "--out",
-        ns.out,
+        out or ns.out,
     ]
 
 
 def one_at_a_time(ns, specs: list[str], passthrough: list[str]) -> int:
     """Each app started fresh, driven alone on the same requests (``toolspec loadtest --resume``
     keeps each one's levels under one run name), stopped; then one pass that sends nothing merges
-    them into the report, and the outputs are compared (:func:`compare_outputs`)."""
+    them into ``<out>/<name>.json/.md/.png`` and the outputs are compared (:func:`compare_outputs`,
+    ``<name>.outputs.json``). Scratch (one-app reports, vLLM's logs): ``<out>/<name>.apps/``."""
     import datetime as dt
     import json
     import tempfile
@@ -399,8 +400,11 @@ def one_at_a_time(ns, specs: list[str], passthrough: list[str]) -> int:
     library = tempfile.mkdtemp(prefix="toolspec-loadtest-library-")
     model_dir = None
     served = served_name(ServeAppConfig.model_validate(base))
-    os.makedirs(ns.out, exist_ok=True)
-    common = loadtest_args(ns) + passthrough
+    # each app's own pass keeps its levels in <scratch>/<name>.partial.jsonl (an interrupted run
+    # resumes there) and writes its one-endpoint report there; the merged report goes to --out
+    scratch = os.path.join(ns.out, f"{name}.apps")
+    os.makedirs(scratch, exist_ok=True)
+    common = loadtest_args(ns, scratch) + passthrough
     urls = {}
     for spec in kept:
         if is_vllm(spec):
@@ -408,7 +412,7 @@ def one_at_a_time(ns, specs: list[str], passthrough: list[str]) -> int:
             if model_dir is None:
                 model_dir = vllm_model_dir(base)
             server = VllmServer(
-                vllm_venv(), model_dir, ns.vllm_port, served, opts, os.path.join(ns.out, f"{name}.{app}.vllm.log")
+                vllm_venv(), model_dir, ns.vllm_port, served, opts, os.path.join(scratch, f"{app}.vllm.log")
             )
             try:
                 server.wait_ready()
@@ -430,12 +434,17 @@ def one_at_a_time(ns, specs: list[str], passthrough: list[str]) -> int:
                 stop_server()
         if rc:
             return rc
+    import shutil
+
+    partial = os.path.join(ns.out, f"{name}.partial.jsonl")
+    shutil.copyfile(os.path.join(scratch, f"{name}.partial.jsonl"), partial)
     endpoints = [a for app, url in urls.items() for a in ("--endpoint", f"{app}={url}/v1")]
     model = [] if "--model" in passthrough else ["--model", served]
-    rc = loadtest_main(common + endpoints + model + ["--baseline", list(urls)[-1]])
+    rc = loadtest_main(loadtest_args(ns) + passthrough + endpoints + model + ["--baseline", list(urls)[-1]])
     if rc:
         return rc
-    summary = compare_outputs(os.path.join(ns.out, f"{name}.partial.jsonl"), list(urls))
+    summary = compare_outputs(partial, list(urls))
+    os.remove(partial)  # the merged report holds it (with --save-records, every request)
     path = os.path.join(ns.out, f"{name}.outputs.json")
     with open(path, "w") as f:
         json.dump(summary, f, indent=1)
