@@ -405,8 +405,18 @@ def one_at_a_time(ns, specs: list[str], passthrough: list[str]) -> int:
     scratch = os.path.join(ns.out, f"{name}.apps")
     os.makedirs(scratch, exist_ok=True)
     common = loadtest_args(ns, scratch) + passthrough
+    from benchmarks.datasets import JsonlStore
+
+    rates = passthrough[passthrough.index("--request-rate") + 1] if "--request-rate" in passthrough else None
+    n_levels = len([x for x in (rates or ns.concurrency).split(",") if x.strip()])
     urls = {}
     for spec in kept:
+        app = (vllm_app(spec) if is_vllm(spec) else app_config(spec, library))[0]
+        done = JsonlStore(os.path.join(scratch, f"{name}.partial.jsonl"), lambda r: (r["endpoint"], r["level_no"]))
+        if all((app, k) in done.records for k in range(n_levels)):  # an earlier invocation ran it: not started
+            urls[app] = f"http://127.0.0.1:{ns.vllm_port}" if is_vllm(spec) else f"http://127.0.0.1:{ns.port}/{app}"
+            print(f"{app}: every level done in an earlier pass ({scratch})", flush=True)
+            continue
         if is_vllm(spec):
             app, opts = vllm_app(spec)
             if model_dir is None:
