@@ -15,9 +15,9 @@ once (no prefix-cache hit), alone.
   threads on one core, the other left to its API server) and ``vllm+allcores`` (every core for
   its model). Prompt tokens from each server's usage.
 
-The hardware line: a 0.5B model costs about 2 x 0.49e9 FLOP a prompt token (plus attention);
-``--peak-gflops`` (default: cores x 3 GHz x 32 FP32 FLOP a cycle, AVX-512 on a double-pumped
-256-bit unit) gives the ceiling a rate is set against.
+The hardware line: a prompt token costs 2 x 0.36e9 FLOP in the linears (the 0.5B model without its
+embedding; plus ~5% attention), and torch's GEMM on the model's MLP shape, measured here per dtype
+and thread count, is the ceiling a rate is set against (``ceiling_tokens_per_s``).
 
     flock /tmp/toolspec-cpu.lock python -m benchmarks.studies.prefill_vllm --prompts 4 \\
         --out benchmarks/results/measurements/prefill-vllm-cpu-xeon-SHA.json
@@ -32,7 +32,10 @@ import statistics
 import time
 from pathlib import Path
 
-FLOP_PER_TOKEN = 2 * 0.494e9  # Qwen2.5-0.5B's parameters, tied embedding not multiplied
+# Qwen2.5-0.5B's linears a prompt token goes through: 24 layers x (q, k, v, o, gate, up, down)
+# = 24 x 896 x (896 + 128 + 128 + 896 + 3 x 4864); the embedding is a lookup and lm_head runs on
+# the last row only. Attention adds ~4 x context x 896 x 24 FLOP (5% at 500 tokens of context).
+FLOP_PER_TOKEN = 2 * 24 * 896 * (896 + 128 + 128 + 896 + 3 * 4864)
 SERVERS = ("toolspec", "vllm", "vllm+allcores")
 
 
@@ -48,44 +51,67 @@ def long_prompts(n: int, span: tuple[int, int]) -> list[dict]:
 ENGINE_CONFIGS = "float32:2:512,float32:2:4096,float32:1:512,bfloat16:2:512,bfloat16:2:4096"
 
 
-def engine_rates(items: list[dict], configs: list[tuple[str, int, int]]) -> list[dict]:
-    """Prefill tokens/s per (dtype, torch threads, chunk rows) configuration; one target per dtype."""
+def engine_rates(items: list[dict], configs: list[tuple[str, int, int]], rounds: int) -> list[dict]:
+    """Prefill tokens/s per (dtype, torch threads, chunk rows) configuration, interleaved: every
+    prompt runs under every configuration in turn, ``rounds`` times, so a machine shared with other
+    work slows them alike; each configuration's rate is its median over prompts and rounds."""
     import torch
 
     from benchmarks.data import prompt_ids
     from toolspec_core.engine.loop import prefill
     from toolspec_core.model.target import load_target
 
-    rows = []
-    for dtype in dict.fromkeys(d for d, _, _ in configs):
-        target = load_target(dtype=getattr(torch, dtype))
-        t0 = time.perf_counter()
-        ids = [prompt_ids(target.tokenizer, it) for it in items]
-        template_s = (time.perf_counter() - t0) / len(items)  # chat template + tokenization a prompt
-        for _, threads, chunk in [c for c in configs if c[0] == dtype]:
-            torch.set_num_threads(threads)
-            prefill(target, ids[0], chunk=chunk)  # warm-up
-            times = []
-            for p in ids[1:]:
+    targets = {d: load_target(dtype=getattr(torch, d)) for d in dict.fromkeys(d for d, _, _ in configs)}
+    tok = next(iter(targets.values())).tokenizer
+    t0 = time.perf_counter()
+    ids = [prompt_ids(tok, it) for it in items]
+    template_s = (time.perf_counter() - t0) / len(items)  # chat template + tokenization, a prompt
+    rates: dict[tuple, list[float]] = {c: [] for c in configs}
+    for c in configs:  # warm-up: first calls of each shape and thread count
+        torch.set_num_threads(c[1])
+        prefill(targets[c[0]], ids[0], chunk=c[2])
+    for _ in range(rounds):
+        for p in ids[1:]:
+            for c in configs:
+                torch.set_num_threads(c[1])
                 t0 = time.perf_counter()
-                prefill(target, p, chunk=chunk)
-                times.append(time.perf_counter() - t0)
-            tokens = sum(len(p) for p in ids[1:])
-            row = {
-                "part": "engine",
-                "dtype": dtype,
-                "threads": threads,
-                "chunk": chunk,
-                "tokens": tokens,
-                "mean_prompt_tokens": tokens / len(times),
-                "seconds": sum(times),
-                "tokens_per_s": tokens / sum(times),
-                "template_and_tokenize_s": template_s,
-            }
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        del target
+                prefill(targets[c[0]], p, chunk=c[2])
+                rates[c].append(len(p) / (time.perf_counter() - t0))
+    rows = []
+    for (dtype, threads, chunk), r in rates.items():
+        row = {
+            "part": "engine",
+            "dtype": dtype,
+            "threads": threads,
+            "chunk": chunk,
+            "prompts": len(ids) - 1,
+            "rounds": rounds,
+            "mean_prompt_tokens": statistics.mean(len(p) for p in ids[1:]),
+            "tokens_per_s": statistics.median(r),
+            "tokens_per_s_min_max": [min(r), max(r)],
+            "template_and_tokenize_s": template_s,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
+
+
+def gemm_gflops(threads: int, dtype: str, rows: int = 512, repeats: int = 20) -> float:
+    """What torch's GEMM reaches here on the model's largest projection shape (MLP up/gate:
+    [rows, 896] x [896, 4864]): the practical ceiling of a prompt's linears."""
+    import torch
+
+    torch.set_num_threads(threads)
+    dt = getattr(torch, dtype)
+    x, w = torch.randn(rows, 896, dtype=dt), torch.randn(4864, 896, dtype=dt)
+    for _ in range(3):
+        torch.nn.functional.linear(x, w)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - t0)
+    return 2 * rows * 896 * 4864 / statistics.median(times) / 1e9
 
 
 def _post(url: str, body: dict, timeout: float = 600.0) -> dict:
@@ -164,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-chars", default="2000:8000")
     ap.add_argument("--engine", default=ENGINE_CONFIGS, help="DTYPE:THREADS:CHUNK,... (empty: no engine part)")
     ap.add_argument("--servers", default=",".join(SERVERS), help="empty: no server part")
-    ap.add_argument("--peak-gflops", type=float, default=None)
+    ap.add_argument("--rounds", type=int, default=2, help="engine part: times every prompt runs per configuration")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--vllm-port", type=int, default=8100)
     ap.add_argument("--out", required=True)
@@ -177,27 +203,35 @@ def main(argv: list[str] | None = None) -> int:
     low, _, high = args.prompt_chars.partition(":")
     items = long_prompts(args.prompts, (int(low), int(high)))
     cores = os.cpu_count() or 1
-    peak = args.peak_gflops or cores * 3.0 * 32
     out = {
-        "what": "prefill tokens/s of long fresh tool prompts, alone: ToolSpec's engine by threads/dtype/chunk, "
-        "and time to one token over HTTP of ToolSpec (plain greedy, no retrieval) and vLLM (both placements)",
+        "what": "prefill tokens/s of long fresh tool prompts, alone: ToolSpec's engine by dtype/threads/chunk "
+        "(interleaved, median), and time to one token over HTTP of ToolSpec (plain greedy, no retrieval) and "
+        "vLLM (both placements); ceiling: torch's GEMM on the MLP shape / FLOP a token",
         "hardware": hardware_string("cpu"),
         "torch": torch.__version__,
         "items": [it["id"] for it in items[1:]],
-        "peak_gflops_assumed": peak,
-        "ceiling_tokens_per_s": peak * 1e9 / FLOP_PER_TOKEN,
+        "flop_per_token": FLOP_PER_TOKEN,
         "rows": [],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     configs = [(d, int(t), int(c)) for d, t, c in (x.split(":") for x in args.engine.split(",") if x)]
+    ceilings = {}
+    for dtype, threads in dict.fromkeys((d, t) for d, t, _ in configs or [("float32", cores)]):
+        g = gemm_gflops(threads, dtype)
+        ceilings[(dtype, threads)] = g * 1e9 / FLOP_PER_TOKEN
+        out.setdefault("gemm", []).append(
+            {"dtype": dtype, "threads": threads, "gflops": g, "ceiling_tokens_per_s": ceilings[(dtype, threads)]}
+        )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if configs:
-        out["rows"] += engine_rates(items, configs)
+        out["rows"] += engine_rates(items, configs, args.rounds)
         torch.set_num_threads(cores)
     servers = [s for s in args.servers.split(",") if s]
     if servers:
         out["rows"] += server_rates(items, servers, str(Path(args.out).parent), args.port, args.vllm_port)
+    best = ceilings.get(("float32", cores)) or max(ceilings.values())
     for row in out["rows"]:
-        row["share_of_ceiling"] = row["tokens_per_s"] / out["ceiling_tokens_per_s"]
+        ceiling = ceilings.get((row.get("dtype", "float32"), row.get("threads", cores)), best)
+        row["share_of_ceiling"] = row["tokens_per_s"] / ceiling
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
     return 0
