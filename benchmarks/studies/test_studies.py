@@ -270,7 +270,7 @@ def test_loadtest_local_vllm_command_line(tmp_path):
     assert config["method"] == "suffix" and config["num_speculative_tokens"] > 0
     (tmp_path / "venv" / "lib").mkdir(parents=True)
     (tmp_path / "venv" / "lib" / "libiomp5.so").write_bytes(b"")
-    base = {"PYTHONPATH": "/work/x", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    base = {"PYTHONPATH": "/src/project", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
     default = vllm_env(venv, allcores=False, base=base)
     assert default["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in default
     assert default["HF_HUB_OFFLINE"] == "1" and default["LD_PRELOAD"].endswith("libiomp5.so")
