@@ -129,7 +129,8 @@ class ServeAppConfig(BaseModel):
     method_options: dict[str, Any] = Field(default_factory=dict)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when the replica sees a GPU
-    threads: int | None = Field(None, ge=1)  # torch intra-op threads per replica
+    # torch intra-op threads per replica (None on a CPU: every core it may run on)
+    threads: int | None = Field(None, ge=1)
     # CPU fp32, opt-in: verify forwards of 4..N rows through MKL's packed GEMM (one more weight copy)
     cpu_packed_rows: int = Field(0, ge=0, le=64)
     tensor_parallel_size: int = Field(1, ge=1, le=64)

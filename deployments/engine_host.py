@@ -86,8 +86,9 @@ class EngineHost:
         from toolspec_core.engine.cost_probe import cost_model_for
         from toolspec_core.engine.grammar import _lltokenizer
 
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        threads = serving_threads(cfg)
+        if threads:
+            torch.set_num_threads(threads)
         if retrieval is not None and not method_class(cfg.method).uses_library:
             retrieval = None  # a method that drafts nothing from the library never searches it
         target = load_serving_target(cfg)
@@ -299,6 +300,21 @@ def kv_pool_tokens(cfg: ServeAppConfig, target, tree_rows: int) -> int:
     if budget is not None:
         return max(budget, cfg.kv_block_tokens)
     return max(32768, target.max_context + tree_rows)
+
+
+def serving_threads(cfg: ServeAppConfig) -> int | None:
+    """Torch threads of the replica's model: ``threads`` when set; on the CPU otherwise every core
+    this process may run on. Ray starts an actor with OMP_NUM_THREADS=1 when it asks for fewer
+    than 2 CPUs (the replica's default asks for 1), which would leave a laptop's other cores idle
+    while a prompt prefills; the model is what the replica is for. None: leave torch as it is (a
+    GPU, the scripted target)."""
+    import os
+
+    if cfg.threads:
+        return cfg.threads
+    if cfg.model == "scripted" or resolve_device(cfg.device) != "cpu":
+        return None
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def load_serving_target(cfg: ServeAppConfig):

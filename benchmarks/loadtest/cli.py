@@ -158,15 +158,18 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
 
     base_opts = {k: getattr(args, k) for k in REQUEST_OPTIONS}
     n = args.num_requests
+    partial = None  # finished endpoint x level summaries and records of a resumable run, one JSON line each
+    if args.resume:
+        partial = JsonlStore(Path(args.out) / f"{args.name}.partial.jsonl", lambda r: (r["endpoint"], r["level_no"]))
+    n_levels = len(level_plans(args))
     warmup, used = level_sessions(units, args.warmup) if args.warmup else ([], 0)
     for ep in endpoints if warmup else []:
+        if partial and all((ep["name"], k) in partial.records for k in range(n_levels)):
+            continue  # every level of it resumes: nothing is sent to it
         plan = {"concurrency": 1, "offsets": None, "max_seconds": args.max_seconds, "duration": None}
         run_level_local(ep["chat_url"], warmup, plan, dict(base_opts, model=ep["model"]))
     offset = used if args.fresh_requests else 0
     levels, records = [], {}
-    partial = None  # finished endpoint x level summaries and records of a resumable run, one JSON line each
-    if args.resume:
-        partial = JsonlStore(Path(args.out) / f"{args.name}.partial.jsonl", lambda r: (r["endpoint"], r["level_no"]))
     sessions, used = level_sessions(units, n, offset)
     for level_no, plan in enumerate(level_plans(args)):
         # --fresh-requests: no request repeats across warm-up and levels, so a server that learns

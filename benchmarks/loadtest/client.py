@@ -7,7 +7,7 @@ import hashlib
 import json
 import time
 
-from toolspec_core.drafters.toolcall.parse import ToolCall, is_name_problem, validate_call
+from toolspec_core.drafters.toolcall.parse import ToolCall, is_name_problem, parse_tool_calls, validate_call
 
 from .metrics import request_timings
 
@@ -74,6 +74,28 @@ def output_digest(content: str | None, calls: list[dict]) -> str:
     """Hash of what the model produced, to see whether two endpoints answered identically."""
     norm = [[(c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments")] for c in calls]
     blob = json.dumps({"content": content or "", "calls": norm}, sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def text_digest(content: str | None, calls: list[dict]) -> str:
+    """Hash of the output read as text and calls: calls a server left in ``content`` (a fenced
+    or tagged JSON call its parser did not take) count as calls, arguments compared as JSON
+    values -- so a server that returns the model's fenced call as text and one that returns it
+    as a tool call agree when the model wrote the same tokens."""
+    found = [((c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments")) for c in calls]
+    norm = []
+    for name, args in found:
+        try:
+            norm.append([name, json.dumps(json.loads(args or ""), sort_keys=True)])
+        except ValueError:
+            norm.append([name, args])
+    text = content or ""
+    if not calls and text:
+        parsed = parse_tool_calls(text)
+        if parsed.calls:
+            text = parsed.content or ""
+            norm = [[c.name, json.dumps(c.arguments, sort_keys=True)] for c in parsed.calls]
+    blob = json.dumps({"content": text.strip(), "calls": norm}, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
@@ -184,6 +206,7 @@ RECORD_FIELDS = (  # a request row's fields in the records file's order
     *("index", "item_id", "session", "turn", "ok", "error", "detail", "e2e_ms", "ttft_ms", "tpot_ms", "itl_ms"),
     *("prompt_tokens", "completion_tokens", "tool_calls", "tool_call_problem", "gold_name_match", "mat"),
     *("cached_tokens", "server_prefill_ms", "server_decode_ms", "drafted_tokens", "accepted_tokens", "digest"),
+    "text_digest",
     *("started", "node"),
 )
 
@@ -218,6 +241,7 @@ def fill_success(rec: dict, item: dict, out: dict) -> None:
         completion_tokens=tokens,
         tool_calls=len(calls),
         digest=output_digest(out["content"], calls),
+        text_digest=text_digest(out["content"], calls),
     )
     if calls:
         rec["tool_call_problem"] = tool_call_problem(calls, item["tools"])

@@ -15,6 +15,20 @@ everything down. Arguments it does not know go to
 a batch of up to 64): what the HTTP, Ray and streaming path itself carries on this machine.
 
     python -m benchmarks.studies.loadtest_local --scripted-target --concurrency 1,8,32 --duration 30 --num-requests 4000
+
+vLLM side by side: an app ``vllm`` (``NAME=vllm[+suffix][+allcores]``) is vLLM's CPU build serving
+the same model directory in float32 from the venv ``benchmarks/studies/vllm_setup.sh`` makes
+(``$TOOLSPEC_VLLM_VENV``, default ~/.cache/toolspec/vllm-venv); ``+suffix`` adds suffix decoding
+(ArcticInference), ``+allcores`` gives its model threads every core (its default keeps one for its
+API server). With any vLLM app, or with ``--one-at-a-time``, every app is started fresh, driven
+alone on the same requests and stopped before the next one starts; a last pass merges the levels
+into one report. Outputs are compared on token counts and on text with fenced calls read as calls
+(``<name>.outputs.json``): vLLM's hermes parser leaves the 0.5B model's fenced JSON calls in
+``content`` where ToolSpec returns them as tool calls. Without the venv, vLLM apps are skipped
+with a note.
+
+    python -m benchmarks.studies.loadtest_local --apps toolspec=toolspec,vllm=vllm,vllm-2c=vllm+allcores,\\
+        vllm-suffix-2c=vllm+suffix+allcores,ar=ar --prompt-chars 2000:8000 --concurrency 1,8 --num-requests 16
 """
 
 from __future__ import annotations
@@ -27,6 +41,131 @@ import sys
 OPTIONS = {
     "nocache": {"prefix_caching": False},
 }
+
+
+VLLM_OPTIONS = ("suffix", "allcores")
+VLLM_SPEC_TOKENS = 24  # suffix decoding's num_speculative_tokens (ArcticInference's usual setting)
+
+
+def is_vllm(spec: str) -> bool:
+    name, _, rest = spec.partition("=")
+    return (rest or name).split("+")[0] == "vllm"
+
+
+def vllm_app(spec: str) -> tuple[str, dict]:
+    """``NAME=vllm[+suffix][+allcores]`` -> (name, {"suffix": bool, "allcores": bool})."""
+    name, _, rest = spec.partition("=")
+    _, *options = (rest or name).split("+")
+    if not name or any(o not in VLLM_OPTIONS for o in options):
+        raise SystemExit(f"--apps: cannot read {spec!r} (NAME=vllm[+suffix][+allcores])")
+    return name, {o: o in options for o in VLLM_OPTIONS}
+
+
+def vllm_venv() -> str:
+    return os.environ.get("TOOLSPEC_VLLM_VENV") or os.path.expanduser("~/.cache/toolspec/vllm-venv")
+
+
+def vllm_missing(venv: str, suffix: bool = False) -> str | None:
+    """Why vLLM (and ArcticInference for suffix decoding) cannot run from ``venv``; None: it can.
+    Reads the venv's files only, so the check costs nothing where vLLM was never installed."""
+    import glob
+
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        return f"no vLLM venv at {venv} (bash benchmarks/studies/vllm_setup.sh makes it)"
+    site = glob.glob(os.path.join(venv, "lib", "python3*", "site-packages"))
+    if not site or not os.path.isdir(os.path.join(site[0], "vllm")):
+        return f"vLLM is not installed in {venv} (bash benchmarks/studies/vllm_setup.sh)"
+    if not glob.glob(os.path.join(site[0], "vllm-*cpu.dist-info")):
+        return f"{venv} lacks the vllm-<version>+cpu.dist-info vLLM finds its CPU platform by (vllm_setup.sh)"
+    if suffix and not os.path.isdir(os.path.join(site[0], "arctic_inference")):
+        return f"ArcticInference (suffix decoding) is not installed in {venv} (vllm_setup.sh)"
+    return None
+
+
+def vllm_command(
+    venv: str, model_dir: str, port: int, served_name: str, suffix: bool, max_model_len: int = 8192
+) -> list[str]:
+    """The vLLM server's command line: the model directory in float32, hermes tool parsing (what
+    Qwen2.5's template asks for), suffix decoding when asked."""
+    import json
+
+    cmd = [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server"]
+    cmd += ["--model", model_dir, "--served-model-name", served_name, "--dtype", "float32"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len)]
+    cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    if suffix:
+        spec = {"method": "suffix", "num_speculative_tokens": VLLM_SPEC_TOKENS}
+        cmd += ["--speculative-config", json.dumps(spec)]
+    return cmd
+
+
+def vllm_env(venv: str, allcores: bool, kv_gib: int = 4, base: dict | None = None) -> dict:
+    """vLLM's environment: offline, its KV cache size (GiB), Intel OpenMP preloaded (its CPU
+    build expects it), and the thread placement -- its default (``auto``: the model's threads on
+    all cores but one, that one left to the API server) or every core for the model."""
+    import glob
+
+    env = dict(os.environ if base is None else base)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=str(kv_gib))
+    env.pop("PYTHONPATH", None)  # the project's tree is not vLLM's
+    iomp = glob.glob(os.path.join(venv, "lib", "libiomp5.so"))
+    if iomp:
+        env["LD_PRELOAD"] = iomp[0]
+    if allcores:
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{(os.cpu_count() or 1) - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    else:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "auto"
+        env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
+    return env
+
+
+class VllmServer:
+    """One vLLM server process (its own session, so stopping it ends its engine core too)."""
+
+    def __init__(self, venv: str, model_dir: str, port: int, served_name: str, opts: dict, log_path: str):
+        import subprocess
+
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            vllm_command(venv, model_dir, port, served_name, opts["suffix"]),
+            env=vllm_env(venv, opts["allcores"]),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        import time
+        import urllib.request
+
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"vLLM exited with {self.proc.returncode} before it was ready (log: {self.log.name})")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(2)
+        self.stop()
+        raise SystemExit(f"vLLM not ready after {timeout:.0f} s (log: {self.log.name})")
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
 
 
 def app_config(spec: str, library: str) -> tuple[str, dict]:
@@ -136,9 +275,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="endpoints as NAME=METHOD[+OPTION...] (default toolspec=toolspec,greedy=ar), the last one the "
         "baseline; options: nocache (no prefix caching), chunkN (prefill N prompt rows a step), e.g. "
-        "toolspec-c128=toolspec+chunk128,suffix=suffix,ar=ar",
+        "toolspec-c128=toolspec+chunk128,suffix=suffix,ar=ar; vLLM: NAME=vllm[+suffix][+allcores]",
     )
+    p.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="start each app fresh, drive it alone, stop it before the next (always so with a vLLM app)",
+    )
+    p.add_argument("--vllm-port", type=int, default=8100)
     ns, passthrough = p.parse_known_args(argv)
+    specs = (ns.apps or "").split(",") if ns.apps else []
+    if ns.one_at_a_time or any(is_vllm(spec) for spec in specs):
+        return one_at_a_time(ns, specs, passthrough)
 
     import ray.serve._private.api as serve_api
 
@@ -155,18 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.loadtest import main as loadtest_main
     from deployments.config import ServeAppConfig
 
-    # every request of a level up to 16 reaches the replica (waiting for the batch counts as ongoing)
-    # replicas ask Ray for no CPU: the local cluster has as many as the machine, and the apps take
-    # turns (one endpoint is measured at a time)
-    base = {"port": ns.port, "max_ongoing_requests": 16, "cost_model": "measure", "replica_num_cpus": 0}
-    if ns.scripted_target:  # nothing to budget; the batch never the limit at the levels measured
-        base.update(model="scripted", cost_model="none", max_ongoing_requests=64, max_num_seqs=64)
+    base = base_config(ns)
     ns.apps = ns.apps or ("scripted=ar" if ns.scripted_target else "toolspec=toolspec,greedy=ar")
-    for item in ns.set:
-        import json
-
-        key, _, value = item.partition("=")
-        base[key] = json.loads(value)
     import tempfile
 
     library = tempfile.mkdtemp(prefix="toolspec-loadtest-library-")  # starts empty: online, like a new deployment
@@ -178,24 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = ServeAppConfig.model_validate({**base, **extra, "route_prefix": f"/{name}"})
             urls[name] = start_server(cfg, app_name=name, quiet=True)
             print(f"{name}: {urls[name]}/v1 (method {method})", flush=True)
-        args = [a for path in ns.dataset for a in ("--dataset", path)] + [
-            "--concurrency",
-            ns.concurrency,
-            "--num-requests",
-            ns.num_requests,
-            "--max-seconds",
-            ns.max_seconds,
-            "--max-tokens",
-            ns.max_tokens,
-            "--warmup",
-            ns.warmup,
-            *([] if ns.no_stream else ["--stream"]),
-            "--fresh-requests",
-            "--out",
-            ns.out,
-            "--baseline",
-            apps[-1][0],
-        ]
+        args = loadtest_args(ns) + ["--baseline", apps[-1][0]]
         for name, url in urls.items():
             args += ["--endpoint", f"{name}={url}/v1"]
         args += passthrough
@@ -208,6 +329,196 @@ def main(argv: list[str] | None = None) -> int:
                 sampler.stop(os.path.join(ns.out, f"{name}.rss.json"))
     finally:
         stop_server()
+
+
+def base_config(ns) -> dict:
+    """ServeAppConfig keys every ToolSpec app shares."""
+    # every request of a level up to 16 reaches the replica (waiting for the batch counts as ongoing)
+    # replicas ask Ray for no CPU: the local cluster has as many as the machine, and the apps take
+    # turns (one endpoint is measured at a time)
+    base = {"port": ns.port, "max_ongoing_requests": 16, "cost_model": "measure", "replica_num_cpus": 0}
+    if ns.scripted_target:  # nothing to budget; the batch never the limit at the levels measured
+        base.update(model="scripted", cost_model="none", max_ongoing_requests=64, max_num_seqs=64)
+    for item in ns.set:
+        import json
+
+        key, _, value = item.partition("=")
+        base[key] = json.loads(value)
+    return base
+
+
+def loadtest_args(ns, out: str | None = None) -> list[str]:
+    """``toolspec loadtest``'s arguments every endpoint shares (no endpoints, no baseline)."""
+    return [a for path in ns.dataset for a in ("--dataset", path)] + [
+        "--concurrency",
+        ns.concurrency,
+        "--num-requests",
+        ns.num_requests,
+        "--max-seconds",
+        ns.max_seconds,
+        "--max-tokens",
+        ns.max_tokens,
+        "--warmup",
+        ns.warmup,
+        *([] if ns.no_stream else ["--stream"]),
+        "--fresh-requests",
+        "--out",
+        out or ns.out,
+    ]
+
+
+def one_at_a_time(ns, specs: list[str], passthrough: list[str]) -> int:
+    """Each app started fresh, driven alone on the same requests (``toolspec loadtest --resume``
+    keeps each one's levels under one run name), stopped; then one pass that sends nothing merges
+    them into ``<out>/<name>.json/.md/.png`` and the outputs are compared (:func:`compare_outputs`,
+    ``<name>.outputs.json``). Scratch (one-app reports, vLLM's logs): ``<out>/<name>.apps/``."""
+    import datetime as dt
+    import json
+    import tempfile
+
+    from benchmarks.loadtest import main as loadtest_main
+    from deployments.config import ServeAppConfig, served_name
+
+    specs = specs or ["toolspec=toolspec", "greedy=ar"]
+    kept = []
+    for spec in specs:
+        why = vllm_missing(vllm_venv(), vllm_app(spec)[1]["suffix"]) if is_vllm(spec) else None
+        if why:
+            print(f"[loadtest_local] skipping {spec}: {why}", flush=True)
+        else:
+            kept.append(spec)
+    if not kept:
+        print("[loadtest_local] nothing to run", flush=True)
+        return 0
+    if "--name" in passthrough:
+        name = passthrough[passthrough.index("--name") + 1]
+    else:
+        name = "loadtest-" + dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        passthrough = passthrough + ["--name", name]
+    if "--resume" not in passthrough:
+        passthrough = passthrough + ["--resume"]
+    base = base_config(ns)
+    library = tempfile.mkdtemp(prefix="toolspec-loadtest-library-")
+    model_dir = None
+    served = served_name(ServeAppConfig.model_validate(base))
+    # each app's own pass keeps its levels in <scratch>/<name>.partial.jsonl (an interrupted run
+    # resumes there) and writes its one-endpoint report there; the merged report goes to --out
+    scratch = os.path.join(ns.out, f"{name}.apps")
+    os.makedirs(scratch, exist_ok=True)
+    common = loadtest_args(ns, scratch) + passthrough
+    from benchmarks.datasets import JsonlStore
+
+    rates = passthrough[passthrough.index("--request-rate") + 1] if "--request-rate" in passthrough else None
+    n_levels = len([x for x in (rates or ns.concurrency).split(",") if x.strip()])
+    urls = {}
+    for spec in kept:
+        app = (vllm_app(spec) if is_vllm(spec) else app_config(spec, library))[0]
+        done = JsonlStore(os.path.join(scratch, f"{name}.partial.jsonl"), lambda r: (r["endpoint"], r["level_no"]))
+        if all((app, k) in done.records for k in range(n_levels)):  # an earlier invocation ran it: not started
+            urls[app] = f"http://127.0.0.1:{ns.vllm_port}" if is_vllm(spec) else f"http://127.0.0.1:{ns.port}/{app}"
+            print(f"{app}: every level done in an earlier pass ({scratch})", flush=True)
+            continue
+        if is_vllm(spec):
+            app, opts = vllm_app(spec)
+            if model_dir is None:
+                model_dir = vllm_model_dir(base)
+            server = VllmServer(
+                vllm_venv(), model_dir, ns.vllm_port, served, opts, os.path.join(scratch, f"{app}.vllm.log")
+            )
+            try:
+                server.wait_ready()
+                urls[app] = server.url
+                print(f"{app}: {server.url}/v1 (vLLM {opts})", flush=True)
+                rc = loadtest_main(common + ["--endpoint", f"{app}={server.url}/v1", "--baseline", app])
+            finally:
+                server.stop()
+        else:
+            from deployments.cli import start_server, stop_server
+
+            app, extra = app_config(spec, library)
+            cfg = ServeAppConfig.model_validate({**base, **extra, "route_prefix": f"/{app}"})
+            try:
+                urls[app] = start_server(cfg, app_name=app, quiet=True)
+                print(f"{app}: {urls[app]}/v1 (method {extra['method']})", flush=True)
+                rc = loadtest_main(common + ["--endpoint", f"{app}={urls[app]}/v1", "--baseline", app])
+            finally:
+                stop_server()
+        if rc:
+            return rc
+    import shutil
+
+    partial = os.path.join(ns.out, f"{name}.partial.jsonl")
+    shutil.copyfile(os.path.join(scratch, f"{name}.partial.jsonl"), partial)
+    endpoints = [a for app, url in urls.items() for a in ("--endpoint", f"{app}={url}/v1")]
+    model = [] if "--model" in passthrough else ["--model", served]
+    rc = loadtest_main(loadtest_args(ns) + passthrough + endpoints + model + ["--baseline", list(urls)[-1]])
+    if rc:
+        return rc
+    summary = compare_outputs(partial, list(urls))
+    os.remove(partial)  # the merged report holds it (with --save-records, every request)
+    path = os.path.join(ns.out, f"{name}.outputs.json")
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+    for row in summary["levels"]:
+        print(f"[outputs] {json.dumps(row)}", flush=True)
+    print(f"[loadtest_local] output comparison -> {path}", flush=True)
+    return 0
+
+
+def vllm_model_dir(base: dict) -> str:
+    """The HF directory vLLM serves: the ToolSpec apps' model, the embedded one's float32 directory
+    by default."""
+    model = base.get("model", "embedded")
+    if model in ("", "embedded"):
+        from toolspec_core.model.embedded import embedded_model_dir
+
+        return str(embedded_model_dir())
+    return model
+
+
+def compare_outputs(partial_path: str, endpoints: list[str]) -> dict:
+    """Per level, each endpoint against the first: requests both answered, how many with the same
+    number of output tokens, the same text (calls read as calls wherever the server put them,
+    :func:`benchmarks.loadtest.client.text_digest`) and the same response (calls where the server
+    returned them); and each endpoint's output tokens in all."""
+    import json
+
+    runs = {}
+    with open(partial_path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if not rec.get("error"):
+                runs[(rec["endpoint"], rec["level_no"])] = rec
+    ref, levels = endpoints[0], []
+    for level_no in sorted({k for _, k in runs}):
+        theirs = {r["index"]: r for r in runs.get((ref, level_no), {}).get("records", []) if r["ok"]}
+        for ep in endpoints:
+            run = runs.get((ep, level_no))
+            if run is None:
+                continue
+            mine = {r["index"]: r for r in run["records"] if r["ok"]}
+            both = sorted(set(mine) & set(theirs))
+            levels.append(
+                {
+                    "endpoint": ep,
+                    "reference": ref,
+                    "concurrency": run["summary"]["concurrency"],
+                    "requests": len(mine),
+                    "output_tokens": sum(r["completion_tokens"] or 0 for r in mine.values()),
+                    "tool_calls": sum(1 for r in mine.values() if r["tool_calls"]),
+                    "compared": len(both),
+                    "same_token_count": sum(
+                        mine[i]["completion_tokens"] == theirs[i]["completion_tokens"] for i in both
+                    ),
+                    "same_text": sum(
+                        mine[i].get("text_digest") is not None
+                        and mine[i].get("text_digest") == theirs[i].get("text_digest")
+                        for i in both
+                    ),
+                    "same_response": sum(mine[i]["digest"] == theirs[i]["digest"] for i in both),
+                }
+            )
+    return {"reference": ref, "levels": levels}
 
 
 if __name__ == "__main__":

@@ -243,3 +243,110 @@ def test_rss_sampler_reads_only_its_own_replicas(tmp_path):
         mine.kill()
         for p in others:
             p.kill()
+
+
+def test_loadtest_local_vllm_command_line(tmp_path):
+    """The vLLM apps' specs, the server command line (float32, hermes tool parsing, suffix
+    decoding only with +suffix) and both thread placements."""
+    import json
+
+    from benchmarks.studies.loadtest_local import is_vllm, vllm_app, vllm_command, vllm_env
+
+    assert is_vllm("v=vllm+suffix") and is_vllm("vllm") and not is_vllm("ar=ar")
+    assert vllm_app("v2=vllm+suffix+allcores") == ("v2", {"suffix": True, "allcores": True})
+    assert vllm_app("vllm") == ("vllm", {"suffix": False, "allcores": False})
+    with pytest.raises(SystemExit):
+        vllm_app("v=vllm+eagle")
+    venv = str(tmp_path / "venv")
+    cmd = vllm_command(venv, "/m/qwen", 8123, "Qwen", suffix=False)
+    assert cmd[:3] == [f"{venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "--enable-auto-tool-choice" in cmd
+    at = {a: cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a.startswith("--")}
+    assert at["--model"] == "/m/qwen" and at["--dtype"] == "float32" and at["--port"] == "8123"
+    assert at["--served-model-name"] == "Qwen" and at["--tool-call-parser"] == "hermes"
+    assert "--speculative-config" not in cmd
+    spec = vllm_command(venv, "/m/qwen", 8123, "Qwen", suffix=True)
+    config = json.loads(spec[spec.index("--speculative-config") + 1])
+    assert config["method"] == "suffix" and config["num_speculative_tokens"] > 0
+    (tmp_path / "venv" / "lib").mkdir(parents=True)
+    (tmp_path / "venv" / "lib" / "libiomp5.so").write_bytes(b"")
+    base = {"PYTHONPATH": "/src/project", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    default = vllm_env(venv, allcores=False, base=base)
+    assert default["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in default
+    assert default["HF_HUB_OFFLINE"] == "1" and default["LD_PRELOAD"].endswith("libiomp5.so")
+    assert "PYTHONPATH" not in default and default["VLLM_CPU_KVCACHE_SPACE"].isdigit()
+    every = vllm_env(venv, allcores=True, base=base)
+    assert every["VLLM_CPU_OMP_THREADS_BIND"].startswith("0-") and every["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+def test_loadtest_local_skips_vllm_cleanly_when_absent(tmp_path, monkeypatch, capsys):
+    """Without vLLM's venv every vLLM app is skipped with a note and nothing is started."""
+    from benchmarks.studies import loadtest_local
+
+    monkeypatch.setenv("TOOLSPEC_VLLM_VENV", str(tmp_path / "none"))
+    assert "vllm_setup.sh" in loadtest_local.vllm_missing(str(tmp_path / "none"))
+    site = tmp_path / "v" / "lib" / "python3.11" / "site-packages"
+    (tmp_path / "v" / "bin").mkdir(parents=True)
+    (tmp_path / "v" / "bin" / "python").write_text("")
+    (site / "vllm").mkdir(parents=True)
+    assert "dist-info" in loadtest_local.vllm_missing(str(tmp_path / "v"))
+    (site / "vllm-0.32.0+cpu.dist-info").mkdir()
+    assert loadtest_local.vllm_missing(str(tmp_path / "v")) is None
+    assert "ArcticInference" in loadtest_local.vllm_missing(str(tmp_path / "v"), suffix=True)
+
+    def never(*a, **k):
+        raise AssertionError("nothing may start")
+
+    monkeypatch.setattr(loadtest_local, "VllmServer", never)
+    rc = loadtest_local.main(["--apps", "vllm=vllm,s=vllm+suffix", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "skipping vllm=vllm" in out and "skipping s=vllm+suffix" in out and "nothing to run" in out
+
+
+def test_loadtest_compares_fenced_calls_in_content_with_tool_calls(tmp_path):
+    """A server that leaves the model's fenced call in ``content`` and one that returns it as a
+    tool call have the same text digest (not the same response digest); a different argument
+    does not."""
+    import json
+
+    from benchmarks.loadtest.client import output_digest, text_digest
+    from benchmarks.studies.loadtest_local import compare_outputs
+
+    fenced = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris", "days": 2}\n}\n```'
+    call = [{"function": {"name": "get_weather", "arguments": '{"days": 2, "city": "Paris"}'}}]
+    other = [{"function": {"name": "get_weather", "arguments": '{"days": 3, "city": "Paris"}'}}]
+    assert text_digest(fenced, []) == text_digest(None, call) != text_digest(None, other)
+    assert output_digest(fenced, []) != output_digest(None, call)
+    assert text_digest("plain words", []) == text_digest("plain words ", []) != text_digest("other", [])
+
+    def rec(i, tokens, content, calls):
+        return {
+            "index": i,
+            "ok": True,
+            "completion_tokens": tokens,
+            "tool_calls": len(calls),
+            "digest": output_digest(content, calls),
+            "text_digest": text_digest(content, calls),
+        }
+
+    lines = [
+        {
+            "endpoint": "toolspec",
+            "level_no": 0,
+            "summary": {"concurrency": 1},
+            "records": [rec(0, 30, None, call), rec(1, 5, "hi", [])],
+        },
+        {
+            "endpoint": "vllm",
+            "level_no": 0,
+            "summary": {"concurrency": 1},
+            "records": [rec(0, 30, fenced, []), rec(1, 6, "hi!", [])],
+        },
+    ]
+    path = tmp_path / "run.partial.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rows = {r["endpoint"]: r for r in compare_outputs(str(path), ["toolspec", "vllm"])["levels"]}
+    assert rows["vllm"]["compared"] == 2 and rows["vllm"]["same_token_count"] == 1
+    assert rows["vllm"]["same_text"] == 1 and rows["vllm"]["same_response"] == 0
+    assert rows["vllm"]["output_tokens"] == 36 and rows["toolspec"]["tool_calls"] == 1

@@ -17,6 +17,7 @@ from toolspec_core.engine.loop import DecodeConfig, decode, prefill
 from toolspec_core.engine.sampling import SamplingParams
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler, run_batch
 from toolspec_core.engine.sequence import Sequence
+from toolspec_core.engine.tree import DraftTree
 from toolspec_core.model.step_runner import StepRunner
 
 MAKERS = {"none": None, "oracle": oracle, "garbage": garbage, "branching": branching}
@@ -226,6 +227,79 @@ def test_batch_wide_budget_shrinks_trees_as_the_batch_grows(tiny, refs):
         sizes[b] = max(r.rows for r in decode_steps) / b
         assert [s.result.tokens for s in seqs] == [want[i % len(prompts)] for i in range(b)]
     assert sizes[1] > sizes[8] >= 1.0
+
+
+def _wide(ref):
+    """A tree of 6 x 6 nodes a step, all wrong: the sequence decodes one token a step, drafting on."""
+
+    def fn(ctx):
+        tree = DraftTree()
+        for b in range(6):
+            tree.add_path([(7 + b) % 96, 11, 12, 13, 14, 15], 0.9, f"wrong{b}")
+        return tree
+
+    return fn
+
+
+@pytest.mark.parametrize("cost", ["none", "flat", "cpu"])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_waiting_prompt_gets_its_first_chunk_whatever_the_draft_rows(tiny, refs, cost, pooled):
+    """Sequences decoding with wide trees never delay a new prompt: the step that admits it
+    carries its first chunk at the chunk's full size, and every output is plain greedy's."""
+    prompts, want = refs
+    model = {"none": None, "flat": CostModel.flat(), "cpu": CostModel.cpu_reference()}[cost]
+    chunk = 16
+    limits = BatchLimits(max_running=6, prefill_chunk=chunk, tree_rows=48)
+    pool = tiny.block_pool(2048, 8) if pooled else None
+    sched = Scheduler(tiny, model, limits, pool)
+    decoding = [
+        sched.add(Sequence(tiny, prompts[i], ScriptedDrafter(_wide(want[i])), DecodeConfig(max_new_tokens=N)))
+        for i in range(4)
+    ]
+    while any(s.prefilling or s.prefill_pending for s in decoding):
+        sched.step()
+    late = [(prompts[5 + k] * 20)[: 40 + 7 * k] for k in range(3)]  # no prompt begins another: no cache hit
+    seqs = []
+    for prompt in late:  # each arrives while the others draft; one at a time, so no prompt waits on another
+        seq = sched.add(Sequence(tiny, prompt, None, DecodeConfig(max_new_tokens=4)))
+        sched.step()
+        assert seq in sched.running and seq.filled == chunk  # admitted with its first chunk, whole
+        step = sched.steps[-1]
+        assert step.prefill_rows == chunk and step.sequences >= 4  # beside the four decoding sequences
+        if model is None:
+            assert step.draft_rows == 4 * 36  # their trees as drafted, in the same forward
+        seqs.append(seq)
+        while seq.prefilling:
+            sched.step()
+            assert sched.steps[-1].prefill_rows > 0  # and a chunk every step until its prompt is in
+    sched.run()
+    assert [s.result.tokens for s in decoding] == [want[i] for i in range(4)]
+    assert [s.result.tokens for s in seqs] == [hf_greedy(tiny, p, 4) for p in late]
+
+
+def test_budget_alone_sizes_a_lone_sequences_tree(tiny, refs):
+    """No fixed per-tree cap below the budget: on a flat curve a sequence alone keeps every node
+    its drafter offers, more than the curve's ``max_nodes``; eight sequences on a curve that gets
+    dear are cut by the budget."""
+    prompts, want = refs
+
+    def long_chain(ref):
+        def fn(ctx):
+            done = len(ctx.generated)
+            tree = DraftTree()
+            tree.add_path(ref[done : done + 4], 0.99, "true")
+            for b in range(4):
+                tree.add_path([(7 + b) % 96, 11, 12, 13, 14], 0.98, f"wrong{b}")
+            return tree
+
+        return fn
+
+    seq = Sequence(tiny, prompts[0], ScriptedDrafter(long_chain(want[0])), DecodeConfig(max_new_tokens=N))
+    sched = Scheduler(tiny, CostModel.flat(max_nodes=7), BatchLimits(max_running=1))
+    sched.add(seq)
+    sched.run()
+    assert max(r.draft_rows for r in sched.steps) > 7
+    assert seq.result.tokens == want[0]
 
 
 # ---------------------------------------------------------------------- with a KV block pool

@@ -40,7 +40,9 @@ def interpolate(points: dict[int, float], max_k: int) -> list[float]:
 @dataclass
 class CostModel:
     points: dict[int, float]
-    max_nodes: int = 63  # tree size cap per sequence (forward of root + 63 = 64 tokens)
+    # nodes one sequence's tree is drafted with (the drafters' hint, ``DraftContext.max_nodes``) and
+    # the single-sequence part of the curve; the budget itself keeps whatever pays across the batch
+    max_nodes: int = 63
     source: str = "reference"
     calibrate: bool = False  # learn the curve from the steps decoding really pays (observe)
     max_rows: int = 0  # rows of a batched forward the curve covers (0: one sequence, max_nodes + 1)
@@ -65,8 +67,11 @@ class CostModel:
 
     def allocate(self, trees: list[DraftTree], base_rows: int, prefill_rows: int = 0) -> list[DraftTree]:
         """The batch's trees cut together (:func:`~toolspec_core.engine.tree.allocate`): ``base_rows``
-        root rows, ``prefill_rows`` prompt rows sharing the forward."""
-        return allocate(trees, self.curve, base_rows, self.max_nodes, prefill_rows)
+        root rows, ``prefill_rows`` prompt rows sharing the forward. No per-tree cap: the budget
+        alone decides how many nodes each sequence keeps, so the cut under load is its pricing
+        and nothing that would also cut a sequence alone (the curve covers every row a step can
+        have, :meth:`ensure_rows`)."""
+        return allocate(trees, self.curve, base_rows, None, prefill_rows)
 
     def observe(self, rows: int, seconds: float) -> None:
         """One verify forward of ``rows`` tokens took ``seconds``; refits the curve from time to time."""
