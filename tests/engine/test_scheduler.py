@@ -256,7 +256,7 @@ def test_waiting_prompt_gets_its_first_chunk_whatever_the_draft_rows(tiny, refs,
         sched.add(Sequence(tiny, prompts[i], ScriptedDrafter(_wide(want[i])), DecodeConfig(max_new_tokens=N)))
         for i in range(4)
     ]
-    while any(s.prefilling or s.prefill_pending for s in decoding):
+    while any(s.prefilling for s in decoding):  # waiting ones too: nothing filled before admission
         sched.step()
     late = [(prompts[5 + k] * 20)[: 40 + 7 * k] for k in range(3)]  # no prompt begins another: no cache hit
     seqs = []
