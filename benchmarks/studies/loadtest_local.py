@@ -4,7 +4,7 @@ The committed load-test reports: several apps from one config on loopback, side 
 
 Starts one local Ray cluster with one application per ``--apps`` entry, built from the same config
 except the method and its options (default: ``toolspec`` at /toolspec and plain greedy at
-/greedy; ``+nocache`` serves an app without prefix caching, ``+chunkN`` with ``prefill_chunk_tokens``
+/greedy; ``+nocache`` serves an app without prefix caching, ``+threadsN`` with ``threads`` N, ``+chunkN`` with ``prefill_chunk_tokens``
 N), runs ``toolspec loadtest`` against all of them, the last one the baseline, then shuts
 everything down. Arguments it does not know go to
 ``toolspec loadtest`` unchanged (e.g. ``--workload conversations``, ``--request-rate``, ``--slo``).
@@ -174,8 +174,8 @@ def app_config(spec: str, library: str) -> tuple[str, dict]:
     new deployment)."""
     name, _, rest = spec.partition("=")
     method, *options = (rest or name).split("+")
-    if not name or any(o not in OPTIONS and not re.fullmatch(r"chunk[1-9][0-9]*", o) for o in options):
-        raise SystemExit(f"--apps: cannot read {spec!r} (NAME=METHOD[+{'|'.join(OPTIONS)}|+chunkN])")
+    if not name or any(o not in OPTIONS and not re.fullmatch(r"(chunk|threads)[1-9][0-9]*", o) for o in options):
+        raise SystemExit(f"--apps: cannot read {spec!r} (NAME=METHOD[+{'|'.join(OPTIONS)}|+chunkN|+threadsN])")
     extra: dict = {"method": method}
     from toolspec_core.drafters.methods import method_class
 
@@ -184,7 +184,12 @@ def app_config(spec: str, library: str) -> tuple[str, dict]:
     else:
         extra["retrieval"] = {"enabled": False}
     for o in options:
-        extra.update(OPTIONS[o] if o in OPTIONS else {"prefill_chunk_tokens": int(o[5:])})
+        if o in OPTIONS:
+            extra.update(OPTIONS[o])
+        elif o.startswith("threads"):
+            extra["threads"] = int(o[7:])  # the replica model's torch threads
+        else:
+            extra["prefill_chunk_tokens"] = int(o[5:])
     return name, extra
 
 

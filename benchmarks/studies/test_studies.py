@@ -205,7 +205,9 @@ def test_loadtest_local_app_specs():
     assert cfg == {"method": "ar", "retrieval": {"enabled": False}}
     _, cfg = app_config("nocache=toolspec+nocache", "/tmp/lib")
     assert cfg["prefix_caching"] is False
-    for removed in ("x=toolspec+fast", "x=toolspec+threads"):
+    _, cfg = app_config("t1=toolspec+threads1", "/tmp/lib")
+    assert cfg["threads"] == 1
+    for removed in ("x=toolspec+fast", "x=toolspec+threads", "x=toolspec+threads0"):
         with pytest.raises(SystemExit):
             app_config(removed, "/tmp/lib")
 

@@ -404,24 +404,27 @@ def test_tp2_ragged_steps_equal_plain_greedy(ray_cluster, tiny_model_dir):
 def test_tp_replica_places_its_workers_in_its_placement_group(ray_cluster, serve_port, tiny_model_dir):
     """A TP=2 replica deployed through Serve: a placement group of 2 bundles (replica + rank 0,
     rank 1), and both workers run inside it."""
+    import httpx
     from ray import serve
     from ray.util import placement_group_table
     from serve_fixtures import deploy
 
-    deploy(
+    base = deploy(
         "tp2",
         {"model": tiny_model_dir, "tensor_parallel_size": 2, "retrieval": {"enabled": False}, "max_tokens_default": 8},
         serve_port,
     )
     try:
-        handle = serve.get_deployment_handle("Replica", app_name="tp2")
         info = None
-        for _ in range(120):
+        for _ in range(120):  # the replica serves /health with its engine's info once it is up
             try:
-                info = handle.info.remote().result(timeout_s=30)
-                break
-            except Exception:
-                time.sleep(2)
+                r = httpx.get(base.removesuffix("/v1") + "/health", timeout=30)
+                if r.status_code == 200:
+                    info = r.json()["engine"]
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
         assert info is not None, "the TP replica did not start"
         tp = info["tensor_parallel"]
         pg = tp["placement_group"]
