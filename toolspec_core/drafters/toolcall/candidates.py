@@ -225,7 +225,7 @@ class _Builder:
     def seq(self, segs: list[Seg], tails: list[Cand] | None, prob: float = 1.0) -> list[Cand]:
         if not tails:
             return [Cand(list(segs), prob)]
-        return [Cand(list(segs) + t.segs, prob * t.prob) for t in tails]
+        return [Cand(segs + t.segs, prob * t.prob) for t in tails]  # ``segs + ...``: a new list each
 
     @_memoized
     def call_body(
