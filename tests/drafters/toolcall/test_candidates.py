@@ -447,27 +447,3 @@ def test_a_call_of_an_unknown_tool_still_gets_its_structure_drafted():
     texts = _next_texts('{"name": "calculateSalary", "arguments": {"salary": 5000', idx, eos=7)
     assert ', "' in texts and "}}" in texts
     assert _next_texts('{"name": "calculateSalary", "arguments": {"', idx) == []
-
-
-def test_memoized_expansion_gives_the_reference_candidates(monkeypatch):
-    """Every prefix of a call (tool name, keys, values, closers, a next call), with seen values
-    and the output's own calls as branches: the per-build memo of sub-expansions gives the
-    candidates (segments, labels, probabilities, order) the expansion without it gives."""
-    from toolspec_core.drafters.toolcall import candidates as cand_mod
-
-    idx = ToolIndex.from_tools(TOOLS)
-    past = [("get_weather", {"city": "Oslo", "unit": "celsius"}), ("get_time", {"tz": "UTC"})]
-    text = (
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius", "alerts": true}}'
-        '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
-    )
-    compared = 0
-    for n in range(len(text) + 1):
-        got = []
-        for memo in (True, False):
-            monkeypatch.setattr(cand_mod, "MEMO", memo)
-            cands = continuations(tracker(text[:n]), idx, Priors(), [7], levels=3, past=past, own=past[:1])
-            got.append([(c.segs, c.prob) for c in cands])
-        assert got[0] == got[1], text[:n]
-        compared += bool(got[0])
-    assert compared > len(text) // 2
