@@ -9,7 +9,6 @@ import pytest
 
 from benchmarks.replay import RECORDING, replay_target
 from toolspec_core.drafters.methods import RequestInfo, make_method
-from toolspec_core.drafters.toolcall import candidates as cand_mod
 from toolspec_core.engine import scheduler as sched_mod
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.loop import DecodeConfig, prefill
@@ -39,19 +38,13 @@ def items(replay):
 
 
 class Twin:
-    """The fast drafter and the reference one on the same contexts: every tree compared. The
-    reference drafts with the memos off (``candidates.MEMO``: every sub-expansion recomputed)."""
+    """The fast drafter and the reference one on the same contexts: every tree compared."""
 
     def __init__(self, fast, ref, seen: list):
         self.fast, self.ref, self.seen = fast, ref, seen
 
     def propose(self, ctx):
-        a = self.fast.propose(ctx)
-        cand_mod.MEMO = False
-        try:
-            b = self.ref.propose(ctx)
-        finally:
-            cand_mod.MEMO = True
+        a, b = self.fast.propose(ctx), self.ref.propose(ctx)
         self.seen.append((a.tokens, a.parents, a.labels, a.conf) == (b.tokens, b.parents, b.labels, b.conf))
         return a
 

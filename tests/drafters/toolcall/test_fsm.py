@@ -82,3 +82,21 @@ def test_a_fork_of_the_tracker_leaves_it_as_it_was():
     assert (
         t.state == VALUE and t.buf == "Par" and t.frame("args").keys == ["city"] and t.frame("args").expect == "value"
     )
+
+
+def test_tool_index_keys_are_the_schemas_own_on_every_dev_tool():
+    """``properties`` / ``required`` (kept per tool) equal the schema functions on the tool's
+    parameters, for offered names, misspelt ones and unknown ones, asked twice."""
+    from benchmarks.datasets import dev_set, read_jsonl
+    from toolspec_core.drafters.toolcall.schema import properties, required
+
+    n = 0
+    for bench in ("api_bank", "bfcl_v3", "toolalpaca"):
+        for it in read_jsonl(dev_set(bench), 20):
+            idx = ToolIndex.from_tools(it.get("tools") or [])
+            for name in idx.names + [idx.names[0][:-1] + "x" if idx.names else "x", "no_such_tool_at_all"]:
+                for _ in range(2):
+                    assert idx.properties(name) == properties(idx.params_of(name))
+                    assert idx.required(name) == required(idx.params_of(name))
+                    n += 1
+    assert n > 100

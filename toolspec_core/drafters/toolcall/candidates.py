@@ -9,7 +9,6 @@ value, close or continue) split the probability.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 from toolspec_core.drafters.base import LabelRates
@@ -68,34 +67,6 @@ SEEN_KEY = 0.7  # a key of an undescribed object being typed continues as a key 
 KEY_ENDS = 0.3  # ... or ends here (keys end at token boundaries more often than not)
 KEY_ENDS_UNSEEN = 0.5  # ... ends here when no seen key continues it: even odds
 NEXT_RECORD = 0.5  # after an array's object element: another record like it or the array's end, even odds
-
-
-# Sub-expansions (what follows a value, an argument's name, a tool's name, a call's end) are
-# computed once per build: within one build the tracker and every other input are fixed, so a
-# result depends only on the method's arguments, and the same one is reached from many branches
-# (every seen value, every enum value, every schema alternative expands what follows the value).
-# Off: every branch expands it again (the reference the tests compare against).
-MEMO = True
-
-
-def _memoized(fn):
-    """Cache ``fn(self, *args, **kw)`` in the builder's per-build memo, keyed by the method and
-    all its arguments (lists as tuples); callers get a fresh list of the same candidates (a
-    ``Cand`` is never changed once built)."""
-    name = fn.__name__
-
-    @functools.wraps(fn)
-    def wrapper(self, *args, **kw):
-        memo = self._memo
-        if memo is None:
-            return fn(self, *args, **kw)
-        key = (name, tuple(tuple(a) if isinstance(a, list) else a for a in args), tuple(sorted(kw.items())))
-        hit = memo.get(key)
-        if hit is None:
-            hit = memo[key] = fn(self, *args, **kw)
-        return list(hit)
-
-    return wrapper
 
 
 @dataclass
@@ -172,7 +143,6 @@ class _Builder:
         self.own = list(own)  # (tool name, arguments) of the calls this output has finished
         self.dates = list(dates)  # dates the conversation mentions (values.context_dates)
         self.objects = ([(context_keys, 1.0)] if context_keys is not None else []) + [(tr.objects, OUTPUT_KEYS_WEIGHT)]
-        self._memo: dict | None = {} if MEMO else None  # this build's sub-expansions (``_memoized``)
 
     def tool_weights(self, names: list[str]) -> list[float]:
         """Learned tool frequencies, half the mass moved to the tools this output already called."""
@@ -225,9 +195,8 @@ class _Builder:
     def seq(self, segs: list[Seg], tails: list[Cand] | None, prob: float = 1.0) -> list[Cand]:
         if not tails:
             return [Cand(list(segs), prob)]
-        return [Cand(list(segs) + t.segs, prob * t.prob) for t in tails]
+        return [Cand(segs + t.segs, prob * t.prob) for t in tails]  # ``segs + ...``: a new list each
 
-    @_memoized
     def call_body(
         self, layout: Layout, call_indent: int, lv: int, label: str | None = None, key: str | None = None
     ) -> list[Cand]:
@@ -239,7 +208,6 @@ class _Builder:
         head = [(key + self.tr.kv_sep + '"', label or self.head_label())]
         return self.seq(head, self.tool_names("", layout, call_indent, lv))
 
-    @_memoized
     def tool_names(self, prefix: str, layout: Layout, call_indent: int, lv: int) -> list[Cand]:
         names = [n for n in self.tools.names if n.startswith(prefix)]
         if not names:
@@ -251,7 +219,6 @@ class _Builder:
             out += self.seq(segs, tail, w)
         return out
 
-    @_memoized
     def after_name(
         self, name: str, layout: Layout, call_indent: int, lv: int, since: str = "", after_comma: bool = False
     ) -> list[Cand]:
@@ -267,7 +234,6 @@ class _Builder:
             segs, self.args_open(name, layout, call_indent + self.tr.indent_unit if self.pretty(layout) else 0, lv)
         )
 
-    @_memoized
     def args_open(self, name: str, layout: Layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
         free = self.tools.free(name)  # a tool the request does not offer: a key of unknown name, most likely
         if not free and not self.tools.properties(name):
@@ -302,7 +268,6 @@ class _Builder:
                 nxt[rest[0]] = nxt.get(rest[0], 0.0) + 1.0 / len(calls)
         return nxt
 
-    @_memoized
     def arg_names(self, name: str, used: list[str], prefix: str, layout, args_indent: int, lv: int) -> list[Cand]:
         if self.tools.free(name):  # unknown names: the one being typed may end here (as in ``in_object``)
             return [Cand([('"' + self.tr.kv_sep, ARG_NAME)], FREE_KEY_END)] if prefix else []
@@ -372,7 +337,6 @@ class _Builder:
             return [Cand([("{", VALUE)], BRACKET_OPENS)]
         return []
 
-    @_memoized
     def after_value(self, name, used, layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
         """After an argument value: the next argument, or close arguments + call + layout."""
         if lv < 0:
@@ -397,7 +361,6 @@ class _Builder:
             out += self.seq([(ws + "}", END)], self.close_call(layout, lv), 1 - p_more)
         return out
 
-    @_memoized
     def close_call(self, layout: Layout | None, lv: int, since: str = "") -> list[Cand]:
         """From after the arguments' '}' (and ``since``, whitespace already written after it): the
         call's '}', the layout closer, then end of turn (a structured answer: the end of turn)."""

@@ -47,6 +47,10 @@ class ToolIndex:
     names: list[str]
     params: dict[str, dict]
     _resolved: dict = field(default_factory=dict, repr=False, compare=False)
+    # (properties, required) per described tool: ``params`` is the index's own (inlined) copy,
+    # never changed after ``from_tools``, so each is computed once (drafting reads them at
+    # every branch of every step); callers only read what these return
+    _keys: dict = field(default_factory=dict, repr=False, compare=False)
 
     # a written name this similar to a tool's (difflib ratio) is taken for a misspelling of it
     SIMILAR = 0.75
@@ -87,11 +91,19 @@ class ToolIndex:
     def params_of(self, name: str | None) -> dict:
         return self.params.get(self.resolve(name) or "", {}) or {}
 
+    def _keys_of(self, name: str | None) -> tuple[dict, list[str]]:
+        tool = self.resolve(name) or ""
+        keys = self._keys.get(tool)
+        if keys is None:
+            params = self.params.get(tool, {}) or {}
+            keys = self._keys[tool] = (schema_properties(params), schema_required(params))
+        return keys
+
     def properties(self, name: str | None) -> dict:
-        return schema_properties(self.params_of(name))
+        return self._keys_of(name)[0]
 
     def required(self, name: str | None) -> list[str]:
-        return schema_required(self.params_of(name))
+        return self._keys_of(name)[1]
 
     def free(self, name: str | None) -> bool:
         """A call of a tool no schema describes: its argument names and types are unknown."""
