@@ -3,7 +3,7 @@ sequence's drafting call only (``Scheduler._propose_all``), so the
 profile is of the drafting part of the step and nothing else.
 
     python -m benchmarks.studies.draft_profile --batch 16 --limit 16 --out benchmarks/runs/profile-b16 \\
-        --json benchmarks/results/measurements/draft-profile-b16-cpu-xeon-<commit>.json
+        --json benchmarks/results/measurements/draft-profile-b16-cpu-HW-<commit>.json
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ embedding; plus ~5% attention), and torch's GEMM on the model's MLP shape, measu
 and thread count, is the ceiling a rate is set against (``ceiling_tokens_per_s``).
 
     flock /tmp/toolspec-cpu.lock python -m benchmarks.studies.prefill_vllm --prompts 4 \\
-        --out benchmarks/results/measurements/prefill-vllm-cpu-xeon-SHA.json
+        --out benchmarks/results/measurements/prefill-vllm-cpu-HW-SHA.json
 """
 
 from __future__ import annotations
