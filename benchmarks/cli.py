@@ -149,20 +149,28 @@ def _print_summary(rep: dict, results_dir: Path) -> None:
         print(f"!!! {len(rep['mismatches'])} EXACT-MATCH FAILURES (see the report)", file=sys.stderr)
 
 
-def bench_main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "report":
-        return report_main(argv[1:])
+def parse(argv: list[str]) -> argparse.Namespace:
+    """``toolspec bench``'s arguments, checked; with ``--batch``, plain greedy first (the
+    reference) and B = 1 added unless each B is compared with its own (``--same-batch-reference``).
+    What ``BatchRun`` takes, for studies and tests too."""
     ap = _parser()
     args = ap.parse_args(argv)
     _check(args, ap)
     if args.batch:
-        from .batch import batch_main
-
         if args.methods and args.methods[0] != "ar":
             args.methods = ["ar"] + [m for m in args.methods if m != "ar"]  # the reference runs first
-        # B = 1 plain greedy is the exact-match reference, unless each B is compared with its own
         args.batch = sorted(set(args.batch) | (set() if args.same_batch_reference else {1}))
+    return args
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "report":
+        return report_main(argv[1:])
+    args = parse(argv)
+    if args.batch:
+        from .batch import batch_main
+
         return batch_main(args)
     from .runner import run
 

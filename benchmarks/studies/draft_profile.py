@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.batch import BatchRun
-from benchmarks.datasets import SINGLE_TURN, dev_set
+from benchmarks.cli import parse
 from toolspec_core.engine import scheduler as sched_mod
 
 
@@ -34,26 +34,16 @@ def main(argv=None) -> int:
     ap.add_argument("--replay-file")
     ap.add_argument("--data", action="append")
     a = ap.parse_args(argv)
-    args = argparse.Namespace(
-        out=a.out,
-        threads=None,
-        attention="ragged",
-        cuda_graphs=None,
-        model=None,
-        dtype="float32",
-        device="cpu",
-        data=a.data or [str(dev_set(n)) for n in SINGLE_TURN],
-        limit=a.limit,
-        seed=0,
-        max_new_tokens=a.max_new_tokens,
-        cost=a.cost,
-        calibrate=False,
-        batch=[a.batch],
-        methods=["ar"] + a.methods.split(","),
-        target="replay",
-        replay_file=a.replay_file,
-        cycle=a.cycle,
+    argv_bench = ["--batch", str(a.batch), "--same-batch-reference", "--target", "replay", "--limit", str(a.limit)]
+    argv_bench += ["--methods", "ar," + a.methods, "--cost", a.cost, "--max-new-tokens", str(a.max_new_tokens)]
+    argv_bench += (
+        ["--out", a.out]
+        + (["--cycle"] if a.cycle else [])
+        + (["--replay-file", a.replay_file] if a.replay_file else [])
     )
+    for d in a.data or []:
+        argv_bench += ["--data", d]
+    args = parse(argv_bench)  # what toolspec bench --batch runs
     prof = cProfile.Profile()
     seconds = {"draft": 0.0}
     batch_propose = sched_mod.Scheduler._propose_all

@@ -98,30 +98,14 @@ def test_rows_off_the_recording_get_a_token_no_draft_holds(tiny, recorded):
 def test_committed_recording_replays_through_the_batch_bench(tmp_path):
     """The committed recording: plain greedy and ToolSpec through ``bench --batch --target replay``
     (B = 4, a block pool) give each recorded item's recorded output."""
-    import argparse
-
     from benchmarks.batch import BatchRun
+    from benchmarks.cli import parse
 
     rows = {(r["benchmark"], r["id"]): r["tokens"] for r in load_recording(RECORDING)}
-    args = argparse.Namespace(
-        out=str(tmp_path),
-        threads=None,
-        attention="ragged",
-        cuda_graphs=None,
-        model=None,
-        dtype="float32",
-        device="cpu",
-        data=[str(RECORDING.parent / "toolalpaca.dev.jsonl.gz")],
-        limit=4,
-        seed=0,
-        max_new_tokens=64,
-        cost="reference",
-        calibrate=False,
-        batch=[4],
-        methods=["ar", "toolspec"],
-        target="replay",
-        replay_file=None,
-        cycle=False,
+    args = parse(
+        ["--batch", "4", "--same-batch-reference", "--target", "replay", "--methods", "ar,toolspec", "--limit", "4"]
+        + ["--max-new-tokens", "64", "--cost", "reference", "--out", str(tmp_path)]
+        + ["--data", str(RECORDING.parent / "toolalpaca.dev.jsonl.gz")]
     )
     run = BatchRun(args)
     run.run()

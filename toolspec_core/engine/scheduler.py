@@ -128,7 +128,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.steps: list[StepRecord] = []
         self._worker = None  # the thread that prepares drafters beside the forward (_beside_forward)
-        self._prepared: set[int] = set()  # sequences whose drafters it has prepared
 
     def add(self, seq: Sequence) -> Sequence:
         """Queue ``seq``; a sequence the whole pool could never hold is refused here."""
@@ -318,14 +317,15 @@ class Scheduler:
         drafted yet (waiting, or still prefilling): it does not depend on this step's result, and
         the forward releases the GIL (torch ops), so it runs while the forward does. Returns the
         future to wait on before the step's commits (None: nothing to prepare)."""
-        todo = [s for s in list(self.waiting) + self.running if not s.decoding and s.reason is None]
-        todo = [s for s in todo if hasattr(s.drafter, "prepare") and s.id not in self._prepared]
+        todo = [
+            s
+            for s in list(self.waiting) + self.running
+            if not s.prepared and not s.decoding and s.reason is None and hasattr(s.drafter, "prepare")
+        ]
         if not todo:
             return None
-        self._prepared.update(s.id for s in todo)
-        if len(self._prepared) > 4 * (len(self.waiting) + len(self.running)) + 64:
-            live = {s.id for s in list(self.waiting) + self.running}
-            self._prepared &= live
+        for s in todo:
+            s.prepared = True
         if self._worker is None:
             from concurrent.futures import ThreadPoolExecutor
 

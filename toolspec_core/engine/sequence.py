@@ -193,6 +193,7 @@ class Sequence:
         self.reason: str | None = None
         self.result: GenerationResult | None = None
         self.cancelled = False
+        self.prepared = False  # its drafter's prompt-side work done beside a forward (Scheduler._beside_forward)
         self.error: BaseException | None = None  # why the sequence ended with finish_reason "error"
         self.hidden: torch.Tensor | None = None  # [H] the prompt's last state, once prefilled
         self.prefilled = prefilled
