@@ -181,15 +181,6 @@ def decode_answer(arrays: list[np.ndarray], full_rows: list[int]) -> tuple[StepO
     return StepOutput(choice, arrays[3].tolist(), full, index, hidden), float(arrays[6][0])
 
 
-def tree_mask(visible: torch.Tensor, prefix: int, dtype: torch.dtype) -> torch.Tensor:
-    """[1, 1, n, prefix + n] additive mask: every row sees the cached prefix, and the new rows
-    ``visible`` [n, n] says (the tree's ancestors and the root chain)."""
-    n = visible.shape[0]
-    mask = torch.zeros(1, 1, n, prefix + n, dtype=dtype)
-    mask[0, 0, :, prefix:] = torch.where(visible, 0.0, torch.finfo(dtype).min)
-    return mask
-
-
 def apply_ops(pool: BlockPool, views: dict[int, PagedKV], plan: StepPlan) -> None:
     """Replay the replica's KV operations on this rank's storage: new tables, ended sequences, moves."""
     for sid, table, shared in plan.tables:

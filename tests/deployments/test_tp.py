@@ -165,18 +165,6 @@ def test_vocab_parallel_argmax_and_rows_on_one_rank():
     assert torch.equal(gather_rows(x), x)
 
 
-def test_tree_mask_matches_tree_inputs():
-    from deployments.tp.worker import tree_mask
-    from toolspec_core.engine.verify import tree_inputs
-
-    tree = DraftTree()
-    tree.add_path([4, 5, 6], 0.9, "a")
-    tree.add_path([4, 7], 0.5, "b")
-    _, _, mask = tree_inputs([1, 2], tree, 7)
-    n = mask.shape[-2]
-    assert torch.equal(tree_mask(mask[0, 0, :, -n:] == 0, 7, mask.dtype), mask)
-
-
 def test_sharded_reads_are_the_checkpoint_slices(tmp_path):
     """read_slice (pread, dim 0 and dim 1, straight into the parameter or not) == the tensor's slice."""
     import os

@@ -5,6 +5,7 @@ from __future__ import annotations
 from toolspec_core.engine.budget import interpolate
 from toolspec_core.engine.tree import DraftTree, depths, path_probs, prune_to_budget, select
 from toolspec_core.engine.verify import tree_inputs
+from toolspec_core.model.batch_forward import widen
 
 
 def test_tree_encoding_and_mask():
@@ -17,7 +18,8 @@ def test_tree_encoding_and_mask():
     ids, pos, mask = tree_inputs(7, tree, prefix_len=5)
     assert ids.tolist() == [[7, 10, 11, 12, 13]]
     assert pos.tolist() == [[5, 6, 7, 8, 7]]
-    visible = (mask[0, 0] == 0).int()
+    assert mask.shape == (1, 1, 5, 5)  # the new rows only: every row sees the whole prefix
+    visible = (widen(mask, 5)[0, 0] == 0).int()
     assert visible[:, :5].all()  # everyone sees the prefix
     assert visible[:, 5:].tolist() == [
         [1, 0, 0, 0, 0],

@@ -9,6 +9,7 @@ from tiny import tiny_model, tiny_target
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs
 from toolspec_core.model.attention import NAME, grouped_sdpa
+from toolspec_core.model.batch_forward import widen
 
 
 class _Module(torch.nn.Module):
@@ -63,7 +64,11 @@ def test_models_are_switched_and_tree_verify_never_repeats_kv_heads(monkeypatch)
 
             monkeypatch.setattr(hf_sdpa, "repeat_kv", no_repeat)
         with torch.inference_mode():
-            outs.append(model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache).logits)
+            outs.append(
+                model(
+                    input_ids=ids, position_ids=pos, attention_mask=widen(mask, prompt.shape[1]), past_key_values=cache
+                ).logits
+            )
         monkeypatch.undo()
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 

@@ -20,10 +20,11 @@ def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int, dtype=
     ``roots`` are committed tokens whose KV is not cached yet (the last one, plus any tokens a
     grammar forced after it); they form a causal chain and the tree hangs off the last of them.
     Returns input_ids [1, R+T], position_ids [1, R+T] (prefix_len + depth) and an additive float
-    mask [1, 1, R+T, prefix_len + R+T] where each row sees the prefix, the chain up to itself
-    and its ancestors (None when ``mask`` is False: a caller that runs the rows causally). A
-    float mask is right under both SDPA and eager attention (a bool 4D mask is silently misread
-    by eager attention).
+    mask [1, 1, R+T, R+T] over the new rows only: each row sees the chain up to itself and its
+    ancestors, and every row sees the whole cache, so the prefix's columns are left out (the
+    forwards read these columns; :func:`~toolspec_core.model.batch_forward.widen` makes the full-width mask HF's own forward takes).
+    None when ``mask`` is False: a caller that runs the rows causally. A float mask is right under
+    both SDPA and eager attention (a bool 4D mask is silently misread by eager attention).
     """
     roots = [roots] if isinstance(roots, int) else list(roots)
     r, n = len(roots), len(roots) + len(tree)
@@ -38,8 +39,7 @@ def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int, dtype=
     visible[:r, :r] = torch.tril(torch.ones(r, r, dtype=torch.bool))
     visible[r:, :r] = True
     visible[r:, r:] = tree_visibility(tree.parents)
-    mask = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype)
-    mask[0, 0, :, prefix_len:] = torch.where(visible, 0.0, torch.finfo(dtype).min)
+    mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]  # [1, 1, n, n]
     return ids, pos, mask
 
 

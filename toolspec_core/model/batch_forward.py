@@ -116,10 +116,7 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
         bounds.append((o, o + n))
         o += n
         if s.mask is not None:
-            m = s.mask.to(dev, dtype, non_blocking=True)
-            if m.shape[-1] < prefix + n:  # the new rows' columns only: every row sees the whole cache
-                m = F.pad(m, (prefix + n - m.shape[-1], 0))
-            masks.append(grouped_mask(m, g))
+            masks.append(grouped_mask(widen(s.mask.to(dev, dtype, non_blocking=True), prefix), g))
         elif n > 1:
             masks.append(grouped_mask(causal_mask(prefix, n, dtype, dev), g))
         else:
@@ -159,3 +156,10 @@ def decoder_layers(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor,
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = core.norm(x)
     return x[0]
+
+
+def widen(mask: torch.Tensor, prefix: int) -> torch.Tensor:
+    """A mask over the new rows only, [1, 1, n, n] (what the scheduler builds) -> [1, 1, n, prefix + n]:
+    every new row sees the whole cached prefix. A mask already that wide is returned as it is."""
+    n = mask.shape[-2]
+    return F.pad(mask, (prefix + n - mask.shape[-1], 0)) if mask.shape[-1] < prefix + n else mask

@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from toolspec_core.model.batch_forward import Segment, batched_forward, supports_batched
+from toolspec_core.model.batch_forward import Segment, batched_forward, supports_batched, widen
 from toolspec_core.model.ragged import ragged_forward, resolve_attention
 
 
@@ -207,6 +207,8 @@ def hf_hidden(model: torch.nn.Module, input_ids, position_ids, mask, hf_cache) -
     input_ids/position_ids [1, T]; mask [1, 1, T, S] additive or None (causal). Returns hidden
     states [T, H] on the model's device; the cache grows by T rows."""
     dev = next(model.parameters()).device
+    if mask is not None:
+        mask = widen(mask, hf_cache.get_seq_length())  # HF's forward takes the cached prefix's columns too
     if dev.type != "cpu":
         input_ids, position_ids = input_ids.to(dev, non_blocking=True), position_ids.to(dev, non_blocking=True)
         mask = None if mask is None else mask.to(dev, non_blocking=True)
