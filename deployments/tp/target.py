@@ -255,12 +255,14 @@ class TPTarget(Target):
     def step(self, req: StepRequest, pool=None) -> StepOutput:
         sent = time.perf_counter()
         tables, frees, moves = self.group.ops()
-        rows, vis = [], []
+        rows, parents = [], []
         for s in req.segments:
             n = len(s)
+            if s.mask is not None and s.parents is None:
+                raise ValueError("a tree segment of a tensor-parallel step needs its rows' parents (Segment.parents)")
             rows.append((s.cache.sid, s.cache.length, n, s.mask is not None))
             if s.mask is not None:
-                vis.append(s.mask.numpy()[0, 0, :, -n:] == 0)  # [n, n] the rows among themselves
+                parents += s.parents  # [n] each tree's rows among themselves, as the scheduler drew them
             s.cache.advance(n)  # the ranks' views grow by these rows; the replica's length follows
         segs = np.array(rows, dtype=np.int64).reshape(-1, 4)
         ids = torch.cat([s.ids for s in req.segments]).numpy()
@@ -272,7 +274,7 @@ class TPTarget(Target):
             segs,
             ids,
             pos,
-            vis,
+            np.array(parents, dtype=np.int64),
             req.logit_rows,
             req.full_rows,
             req.hidden_rows,

@@ -35,7 +35,7 @@ from toolspec_core.engine.device_walk import read_walks, walk_inputs
 from toolspec_core.engine.sequence import Sequence, cap_depth
 from toolspec_core.engine.stats import record_step
 from toolspec_core.engine.tree import DraftTree, select
-from toolspec_core.engine.verify import VerifyResult, tree_inputs, walk
+from toolspec_core.engine.verify import VerifyResult, row_parents, tree_inputs, walk
 from toolspec_core.errors import ContextLengthError
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import BlockPool
@@ -215,7 +215,8 @@ class Scheduler:
             kv_len = seq.cache.get_seq_length()
             single = len(seq.roots) == 1 and not tree.tokens  # one row: causal, no mask to build
             ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, self.target.dtype, mask=not single)
-            segments.append(Segment(seq.cache, ids[0], pos[0], mask))
+            parents = None if single else row_parents(len(seq.roots), tree.parents)
+            segments.append(Segment(seq.cache, ids[0], pos[0], mask, parents))
             n = ids.shape[1]
             rows.append(_Row(seq, tree, kv_len, len(logit_rows), n))
             logit_rows.extend(range(o, o + n))

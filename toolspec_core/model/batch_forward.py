@@ -36,13 +36,17 @@ class Segment:
     ``ids`` / ``pos`` [n] (long); ``mask`` [1, 1, n, S] additive float over the cache's ``S - n``
     rows plus these (or [1, 1, n, n], these rows' columns alone), or None for causal rows (a prefill chunk; a single decode row sees everything).
     Every row sees the whole cache (a verify mask's first ``S - n`` columns are zero): the
-    ragged attention and the tensor-parallel plan read only the mask's last ``n`` columns.
+    ragged attention reads only the mask's last ``n`` columns. ``parents`` [n]: the same rows'
+    visibility as each row's parent row among them (-1: none, the row hangs off the cache; a row
+    sees itself and its ancestors), set beside a tree's mask
+    (:func:`~toolspec_core.engine.verify.row_parents`): what a tensor-parallel plan carries.
     """
 
     cache: KVCache
     ids: torch.Tensor
     pos: torch.Tensor
     mask: torch.Tensor | None = None
+    parents: list[int] | None = None
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
