@@ -7,10 +7,10 @@ prefix cache, reference counts) with no storage, and queues what the ranks' stor
 slot moves. :meth:`TPTarget.step` turns the scheduler's :class:`~toolspec_core.model.step_runner.StepRequest`
 into one :class:`~deployments.tp.worker.StepPlan` and hands it to every rank through the step
 channel (:mod:`deployments.tp.channel`); rank 0 answers with the walked trees' accepted tokens
-and the few rows the host reads. The replica holds the tokenizer and the config, never weights,
-so it has no local forward: the config admits a tensor-parallel target only on the batched
-engine, whose block pool prefills and caches prefixes through ``step``, and refuses the
-``hidden`` retrieval key, the one path that prefills in the replica.
+and the few rows the host reads (a completed prompt's last hidden state among them: the
+``hidden`` retrieval key). The replica holds the tokenizer and the config, never weights, so it
+has no local forward: the config admits a tensor-parallel target only on the batched engine,
+whose block pool prefills and caches prefixes through ``step``.
 """
 
 from __future__ import annotations

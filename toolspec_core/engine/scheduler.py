@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, wait
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ from toolspec_core.model.kv import copy_rows
 from toolspec_core.model.step_runner import StepOutput, StepRequest
 
 log = logging.getLogger("toolspec.engine")
+
+HOLD_WAIT_S = 0.005  # the longest a step with nothing else to run waits for a held sequence
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,7 @@ class Scheduler:
             logit_rows.extend(range(o, o + n))
             o += n
         if not segments:
+            self._wait_held()
             return finished
         # full logits rows: those of sequences that read more than the argmax (a sampled or
         # grammar-constrained walk, logprobs, a drafter that learns from logits); a tensor-parallel
@@ -253,9 +257,9 @@ class Scheduler:
         for seq, n, done in prefills:
             seq.stats.prefill_s += fwd
             if done:
-                seq.hidden = out.hidden[j].cpu()
                 first = out.rows(j, 1)
                 seq.start(None if first is None else first[0].cpu(), None if choice is None else choice[j])
+                self._prompt_done(seq, out.hidden[j].cpu())
                 j += 1
                 seq.cache.register(seq.prompt_ids)  # later prompts that begin with this one reuse its blocks
         t3 = time.perf_counter()
@@ -285,6 +289,24 @@ class Scheduler:
             )
         )
         return finished
+
+    @staticmethod
+    def _prompt_done(seq: Sequence, hidden: torch.Tensor) -> None:
+        """``seq``'s prompt is in its cache: its last state [H] to the sequence and its ``on_prompt``
+        hook (e.g. a retrieval search keyed on it); a hook that fails leaves the first draft unheld."""
+        try:
+            seq.prompt_done(hidden)
+        except Exception:
+            log.exception("on_prompt of sequence %s failed; it drafts without waiting for it", seq.id)
+            seq.hold = None
+
+    def _wait_held(self) -> None:
+        """A step with nothing to run while sequences wait for their first draft (``Sequence.hold``):
+        wait for one of them a little (:data:`HOLD_WAIT_S` at most, so sequences queued meanwhile
+        are admitted soon) instead of spinning."""
+        held = [s.hold for s in self.running if s.held]
+        if held:
+            wait(held, timeout=HOLD_WAIT_S, return_when=FIRST_COMPLETED)
 
     def _node_hint(self) -> int | None:
         """Nodes one tree can keep under the budget (``DraftContext.max_nodes``): the cost model's
