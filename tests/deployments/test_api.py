@@ -977,16 +977,21 @@ def test_hidden_state_retrieval_key(tiny_model_dir):
     try:
         done = run(host.generate(req))
         again = run(host.generate(req))
+        handle.down = True  # the search fails: the held first draft goes on with the fallback drafter
+        other = [{"role": "user", "content": "and the weather in Oslo?"}]
+        down = run(host.generate(dataclasses.replace(req, messages=other)))
     finally:
         del host.target.new_cache
         host.close()
     assert isinstance(done, Done) and done.extra["retrieval"]["status"] == "ok" and done.extra["retrieval"]["in_time"]
     assert again.extra["retrieval"]["status"] == "ok" and again.text == done.text
+    assert isinstance(down, Done) and down.extra["retrieval"]["status"] == "fallback"
     assert own == []  # the prompt is prefilled by the engine, in its pool
     ids = render_prompt(host.target.tokenizer, WEATHER_MESSAGES, TOOLS)
-    assert pool.stats().queried_tokens == 2 * len(ids)  # admitted into the pool, both times
+    other_ids = render_prompt(host.target.tokenizer, other, TOOLS)
+    assert pool.stats().queried_tokens == 2 * len(ids) + len(other_ids)  # admitted into the pool, every time
     want = from_hidden(prefill(host.target, ids).hidden)
-    assert len(keys) == 2 and all(np.allclose(k, want, atol=1e-5) for k in keys)
+    assert len(keys) == 3 and all(np.allclose(k, want, atol=1e-5) for k in keys[:2])
 
 
 @pytest.mark.parametrize(
