@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolspec_core.model.batch_forward import Segment
+from toolspec_core.model.batch_forward import Segment, parents_visible
 from toolspec_core.model.block_pool import BlockPool, PagedKV, kv_shape
 from toolspec_core.model.step_runner import StepOutput, StepRequest, StepRunner
 
@@ -188,50 +188,31 @@ def apply_ops(pool: BlockPool, views: dict[int, PagedKV], plan: StepPlan) -> Non
 
 def request_of(plan: StepPlan, views: dict[int, PagedKV], dtype: torch.dtype) -> StepRequest:
     """The step runner's request over this rank's views: each sequence's length set from the plan,
-    a tree's mask over its new rows' columns (every row sees the whole cache), all trees' masks
-    made at once from their parents (:func:`tree_masks`)."""
+    a tree's mask over its new rows' columns (every row sees the whole cache; all trees' masks
+    made at once from their parents, :func:`tree_masks`) and its parents."""
     ids, pos = torch.from_numpy(plan.ids), torch.from_numpy(plan.pos)
     sizes = [n for _, _, n, tree in plan.segs.tolist() if tree]
     masks = iter(tree_masks(plan.parents, sizes, dtype))
-    segments, o = [], 0
+    parents = plan.parents.tolist()
+    segments, o, p = [], 0, 0
     for sid, length, n, tree in plan.segs.tolist():
         view = views[sid]
         view.length = length
-        segments.append(Segment(view, ids[o : o + n], pos[o : o + n], next(masks) if tree else None))
+        if tree:  # the mask (the per-sequence loop) and the parents (the ragged plan)
+            segments.append(Segment(view, ids[o : o + n], pos[o : o + n], next(masks), parents[p : p + n]))
+            p += n
+        else:
+            segments.append(Segment(view, ids[o : o + n], pos[o : o + n]))
         o += n
     walk = None if plan.walk is None else torch.from_numpy(plan.walk)
     return StepRequest(segments, plan.logit_rows, plan.full_rows, plan.hidden_rows, walk, plan.need, argmax=plan.argmax)
-
-
-def tree_visible(parents: np.ndarray, sizes: list[int]) -> np.ndarray:
-    """bool [S, m, m] (m: the largest size): for each of S trees whose rows' parents are
-    ``parents`` (concatenated, [sum(sizes)], -1: none), which of its rows each row sees -- itself
-    and its ancestors; padding sees nothing. One numpy pass per level of the deepest tree."""
-    s, m = len(sizes), max(sizes, default=0)
-    vis = np.zeros((s, m, m), dtype=bool)
-    if not s:
-        return vis
-    lens = np.asarray(sizes)
-    real = np.arange(m)[None] < lens[:, None]  # [S, m]
-    par = np.full((s, m), -1, dtype=np.int64)
-    par[real] = parents
-    si, ri = np.nonzero(real)
-    vis[si, ri, ri] = True
-    up = par[si, ri]  # each real row's current ancestor
-    while True:
-        has = up >= 0
-        if not has.any():
-            return vis
-        si, ri, up = si[has], ri[has], up[has]
-        vis[si, ri, up] = True
-        up = par[si, up]
 
 
 def tree_masks(parents: np.ndarray, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """Each tree's additive mask [1, 1, n, n] (views of one [S, 1, m, m] tensor made at once)."""
     if not sizes:
         return []
-    seen = torch.from_numpy(tree_visible(parents, sizes))
+    seen = torch.from_numpy(parents_visible(parents, sizes))
     masks = torch.where(seen, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]  # [S, 1, m, m]
     return [masks[k : k + 1, :, :n, :n] for k, n in enumerate(sizes)]
 

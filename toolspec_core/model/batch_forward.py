@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,7 +40,8 @@ class Segment:
     ragged attention reads only the mask's last ``n`` columns. ``parents`` [n]: the same rows'
     visibility as each row's parent row among them (-1: none, the row hangs off the cache; a row
     sees itself and its ancestors), set beside a tree's mask
-    (:func:`~toolspec_core.engine.verify.row_parents`): what a tensor-parallel plan carries.
+    (:func:`~toolspec_core.engine.verify.row_parents`): what the ragged attention's plan and a
+    tensor-parallel plan read (:func:`parents_visible`, all trees at once), not the mask.
     """
 
     cache: KVCache
@@ -50,6 +52,31 @@ class Segment:
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
+
+
+def parents_visible(parents, sizes: list[int]) -> np.ndarray:
+    """bool [S, m, m] (m: the largest size): for each of S segments whose rows' parents are
+    ``parents`` (:attr:`Segment.parents`, concatenated: [sum(sizes)], -1: none), which of its rows
+    each row sees -- itself and its ancestors; padding sees nothing. All segments at once, one
+    numpy pass per level of the deepest tree, instead of a mask read back per sequence."""
+    s, m = len(sizes), max(sizes, default=0)
+    vis = np.zeros((s, m, m), dtype=bool)
+    if not s:
+        return vis
+    lens = np.asarray(sizes)
+    real = np.arange(m)[None] < lens[:, None]  # [S, m]
+    par = np.full((s, m), -1, dtype=np.int64)
+    par[real] = np.asarray(parents, dtype=np.int64)
+    si, ri = np.nonzero(real)
+    vis[si, ri, ri] = True
+    up = par[si, ri]  # each real row's current ancestor
+    while True:
+        has = up >= 0
+        if not has.any():
+            return vis
+        si, ri, up = si[has], ri[has], up[has]
+        vis[si, ri, up] = True
+        up = par[si, up]
 
 
 def supports_batched(model: torch.nn.Module) -> bool:
