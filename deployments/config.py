@@ -222,11 +222,6 @@ class ServeAppConfig(BaseModel):
             raise ValueError("max_tokens_default must be <= max_tokens_limit")
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("float16 is not supported on cpu; use float32 or bfloat16")
-        if self.tensor_parallel_size > 1 and self.retrieval.enabled and self.retrieval.key == "hidden":
-            raise ValueError(
-                "retrieval.key hidden reads the target's state of a prompt prefilled in the replica, which a "
-                "tensor-parallel target does not do; use qwen, hybrid or lexical"
-            )
         backend = self.store_config(1).get("backend", "edge")
         r = self.retrieval
         if r.enabled and r.num_replicas > 1 and backend != "qdrant_url":

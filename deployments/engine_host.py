@@ -32,8 +32,8 @@ from .streaming import TextStreamer, TokenText, final_text_event, text_events
 
 log = logging.getLogger("toolspec.serve")
 
-# worker threads of a replica: request preparation (tokenising, grammar set-up), a prefill
-# whose state keys the search, and learning from finished outputs -- CPU work, never a wait
+# worker threads of a replica: request preparation (tokenising, grammar set-up), building
+# drafters, and learning from finished outputs -- CPU work, never a wait
 PREPARE_WORKERS = 4
 
 
@@ -139,11 +139,13 @@ class EngineHost:
     def _prepare(self, req: EngineRequest) -> Prepared:
         return prepare(req, self.cfg, self.target, self.engine.scheduler, self.text_key)
 
-    def _sequence(self, prep: Prepared, info, pre, late):
-        """The request's sequence and drafter; ``pre``: its prompt prefilled here, or None.
-        ``late``: the search still running (a future of its calls): a fallback drafter is built
-        now and the real one, in a worker thread, once the calls are in (see
-        :class:`~deployments.prepare.LateDrafter`) -- no drafter is ever built on the engine thread."""
+    def _sequence(self, prep: Prepared, info, late, begin=None):
+        """The request's sequence and drafter. ``late``: the search still running or still to start
+        (a future of its calls): a fallback drafter is built now and the real one, in a worker
+        thread, once the calls are in (see :class:`~deployments.prepare.LateDrafter`) -- no drafter
+        is ever built on the engine thread. ``begin(key)``: the search keyed on the prompt's last
+        hidden state, started when the engine has prefilled the prompt in its pool; the sequence's
+        first draft waits for the drafter built from what it found (``Sequence.on_prompt``)."""
         from toolspec_core.engine.sequence import Sequence
 
         if late is None:
@@ -161,7 +163,15 @@ class EngineHost:
             fallback = self.method.drafter(dataclasses.replace(info, retrieved=[]))
             late.add_done_callback(lambda f: self.workers.submit(build, f.result()))
             drafter = LateDrafter(built, fallback)
-        return Sequence(self.target, prep.prompt_ids, drafter, prep.decode_cfg, prep.constraint, prefilled=pre)
+        on_prompt = None
+        if begin is not None:
+            from retrieval_service.embedding import from_hidden
+
+            def on_prompt(hidden):  # the engine thread, once the prompt is in the pool
+                begin(from_hidden(hidden))
+                return built
+
+        return Sequence(self.target, prep.prompt_ids, drafter, prep.decode_cfg, prep.constraint, on_prompt=on_prompt)
 
     def _observe(self, info, result) -> None:
         try:
@@ -174,9 +184,7 @@ class EngineHost:
         """Events (:mod:`deployments.events`): ``Start`` | ``Failed`` first, then ``Text`` deltas,
         then ``Done`` (the result) or ``Failed`` (the engine failed the request). Closing the generator early (the client went
         away) cancels the request's sequence at the engine's next step."""
-        from retrieval_service.embedding import from_hidden
         from toolspec_core.drafters.methods import RequestInfo
-        from toolspec_core.engine.loop import prefill
 
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
@@ -187,11 +195,11 @@ class EngineHost:
             return
         yield Start(len(prep.prompt_ids))
         search = Search(self.retrieval, req, prep.key)  # keyed on the text: runs while the engine prefills
-        pre = None
-        if search.needs_state:  # keyed on the prompt's state: prefill it here first, then search
-            pre = await loop.run_in_executor(self.workers, prefill, self.target, prep.prompt_ids)
-            search.start(from_hidden(pre.hidden))
-        late = search.late() if pre is None else None
+        begin = None
+        if search.needs_state:  # keyed on the prompt's state: the engine prefills it (in the pool), then the search
+            late, begin = search.keyed_later(loop)
+        else:
+            late = search.late()
         retrieved, rinfo = (None, None) if late is not None else await search.result()
         if self.library is not None:
             self.library.note_tools(req.tenant, req.tools)
@@ -204,7 +212,7 @@ class EngineHost:
             retrieved if retrieved is not None else ([] if self.retrieval is not None else None),
             req.response_schema,
         )
-        seq = await loop.run_in_executor(self.workers, self._sequence, prep, info, pre, late)
+        seq = await loop.run_in_executor(self.workers, self._sequence, prep, info, late, begin)
         drafter = seq.drafter
         streamer = TextStreamer(req.stop, prep.decode_cfg.end_after)
         stream = None
@@ -220,6 +228,8 @@ class EngineHost:
             if stream is not None and not stream.ended:  # the client went away: quietly, no error
                 stream.cancel()
                 self.stats.cancelled += 1
+        if begin is not None:  # the key is known now: the library remembers the output under it
+            info = dataclasses.replace(info, embedding=search.wire_embedding())
         if result.finish_reason != "cancelled":
             await loop.run_in_executor(self.workers, self._observe, info, result)
         if late is not None:

@@ -2,7 +2,8 @@
 
 The retrieval service never reaches into the engine; a caller that has the target (the
 deployments, the benchmarks) supplies this implementation. The replica itself needs none of it:
-its ``key: hidden`` is ``from_hidden(prefilled.hidden)``, free after the request's own prefill.
+its ``key: hidden`` is ``from_hidden`` of the state the engine's own prefill of the request hands
+to the sequence's ``on_prompt`` hook, free.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from retrieval_service.embedding import from_hidden
 
 class HiddenStateEmbedder:
     """The target's last-layer states. ``pooling="last"``: the final prompt token, i.e.
-    ``Prefilled.hidden`` — at serving time use ``from_hidden(prefilled.hidden)`` (free);
+    ``Prefilled.hidden`` -- at serving time the engine's prefill gives it (free);
     ``"mean"``: the mean over all prompt tokens (better only for unrestricted searches, see
     ``retrieval_service.embedding``; the engine does not expose it, so it costs this embedder's
     own prefill). ``embed`` runs a prefill."""

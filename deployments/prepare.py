@@ -5,8 +5,9 @@ No Ray here. :func:`prepare` renders the prompt and applies the server's policy 
 pool, sampling, stop strings); it runs in a worker thread (tokenising and grammar set-up are
 CPU work). :class:`Search` runs the request's call-library search on the event loop, keyed on
 the request's text (started at once, so it runs while the engine prefills the prompt) or on the
-prompt's hidden state (once the prompt is prefilled); :class:`LateDrafter` takes the drafter
-built (in a worker thread) from whatever the search found by the sequence's first proposal.
+prompt's hidden state (started from the engine thread once the engine has prefilled the prompt
+in its pool, :meth:`Search.keyed_later`); :class:`LateDrafter` takes the drafter built (in a
+worker thread) from whatever the search found by the sequence's first proposal.
 """
 
 from __future__ import annotations
@@ -102,6 +103,25 @@ class Search:
         """The key is the prompt's hidden state: the prompt must be prefilled before the search."""
         return self.wanted and self.embedding is None
 
+    def keyed_later(self, loop: asyncio.AbstractEventLoop):
+        """For a key known only once the engine has prefilled the prompt: (the found calls as a
+        future the engine thread can poll, ``begin(key)`` -- any thread -- that starts the search on
+        ``loop``). The calls future always ends (no calls when the search fails or times out)."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def go(embedding) -> None:
+            try:
+                self.start(embedding)
+            except Exception:  # never leave the sequence waiting for a search that did not start
+                out.set_result([])
+                raise
+            self._chain(out)
+
+        def begin(embedding) -> None:
+            loop.call_soon_threadsafe(go, embedding)
+
+        return out, begin
+
     def start(self, embedding) -> None:
         self.embedding = embedding
         names = [t["function"]["name"] for t in self.req.tools]
@@ -112,12 +132,14 @@ class Search:
         if self.task is None:
             return None
         out: concurrent.futures.Future = concurrent.futures.Future()
+        self._chain(out)
+        return out
 
+    def _chain(self, out: concurrent.futures.Future) -> None:
         def done(task: asyncio.Future) -> None:
             out.set_result([] if task.cancelled() or task.exception() is not None else task.result()[0])
 
         self.task.add_done_callback(done)
-        return out
 
     async def result(self) -> tuple[list | None, dict]:
         """(the calls found, the search's report); (None, disabled) when there is no search."""

@@ -8,7 +8,8 @@
 * ``LexicalEmbedder`` -- hashed word / char n-gram TF of the last user message + the offered tool
   names. No model, deterministic across processes (crc32, not Python's salted ``hash``).
 * the target's own last-layer states (``retrieval.key: hidden``): of the final prompt token
-  (``pooling="last"``, free at serving time as ``Prefilled.hidden``) or their mean over the prompt
+  (``pooling="last"``, free at serving time: the engine's prefill hands it to the sequence's
+  ``on_prompt`` hook) or their mean over the prompt
   (``"mean"``); ``from_hidden`` makes the key. This package never runs the target: the
   ``Embedder`` that does is supplied by the caller (``deployments.hidden_keys.HiddenStateEmbedder``).
   Its space changes with the target, so replicas of different models cannot share it.
@@ -61,7 +62,7 @@ def normalise(v) -> np.ndarray:
 
 
 def from_hidden(hidden, pooling: str = "last") -> np.ndarray:
-    """Last-layer hidden states to a retrieval key: ``Prefilled.hidden`` ([H]) as is, or from
+    """Last-layer hidden states to a retrieval key: one prompt's last state [H] as is, or from
     all prompt states [T, H] the last row (``"last"``) or their mean (``"mean"``)."""
     if pooling not in ("last", "mean"):
         raise ValueError("pooling must be 'last' or 'mean'")

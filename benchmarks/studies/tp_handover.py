@@ -5,10 +5,13 @@ over Ray actors on the CPU (gloo); B sequences decode with a small draft tree ea
 (:class:`RandomTrees`). Per decode step the scheduler's record carries ``handover_s``: from the
 replica starting to build the plan to the last rank having it decoded (build, encode, write into
 shared memory, doorbell, wake-up, decode; ``replica_send_ms``: the replica's part of it, every
-step's mean, prefill steps included); the answer's way back (rank 0 writes, the replica wakes
-and decodes) is the transport's ``answer_s``; ``codec_ms``: the hand-over's own work (encode, write,
-read, decode) for a decode step's plan in one process, without a wake-up. A Ray call's round trip to a rank (``ping``, no
-payload) is measured beside them: the floor of a step handed over by a Ray call.
+step's mean, prefill steps included; ``plan_build_ms``: of that, making the plan from the
+scheduler's request; ``replica_send_ms_median`` the replica's part and ``rank_wake_decode_ms``
+the rest -- the last rank woken and its plan decoded -- over decode steps); the answer's way
+back (rank 0 writes, the replica wakes and decodes) is the transport's ``answer_s``;
+``codec_ms``: the hand-over's own work (encode, write, read, decode) for a decode step's plan in
+one process, without a wake-up. A Ray call's round trip to a rank (``ping``, no payload) is
+measured beside them: the floor of a step handed over by a Ray call.
 
     flock /tmp/toolspec-cpu.lock python -m benchmarks.studies.tp_handover --out benchmarks/results/measurements/NAME.json
 """
@@ -77,15 +80,27 @@ def run_level(target, pool, b: int, new_tokens: int) -> dict:
     t = target.group.transport
     ans0, steps0, send0 = t.answer_s, t.steps, t.send_s
     bytes0 = t.bytes_out
-    plans = []
+    plans, built, sends, hands = [], [], [], []
     real = target.group.step
-    target.group.step = lambda plan, full: plans.append(plan) or real(plan, full)
+
+    def step(plan, full):
+        built.append(time.perf_counter() - plan.sent)  # the plan made from the scheduler's request
+        plans.append(plan)
+        s0 = t.send_s
+        out = real(plan, full)
+        sends.append(t.send_s - s0)  # built, encoded, written, rung
+        hands.append(out.handover_s)
+        return out
+
+    target.group.step = step
     try:
         sched.run()
     finally:
         del target.group.step
-    dec = [r for r in sched.steps if r.prefill_rows == 0 and r.sequences == b]
+    idx = [i for i, r in enumerate(sched.steps) if r.prefill_rows == 0 and r.sequences == b]  # one plan a step
+    dec = [sched.steps[i] for i in idx]
     hand = [1e3 * r.handover_s for r in dec]
+    wake = [1e3 * (hands[i] - sends[i]) for i in idx]
     n = t.steps - steps0
     return {
         "batch": b,
@@ -95,6 +110,10 @@ def run_level(target, pool, b: int, new_tokens: int) -> dict:
         "handover_ms_p90": round(pct(hand, 0.9), 4),
         "handover_ms_mean": round(statistics.fmean(hand), 4),
         "replica_send_ms_mean": round(1e3 * (t.send_s - send0) / max(n, 1), 4),
+        "plan_build_ms_median": round(1e3 * statistics.median(built[i] for i in idx), 4),
+        "replica_send_ms_median": round(1e3 * statistics.median(sends[i] for i in idx), 4),
+        "rank_wake_decode_ms_median": round(statistics.median(wake), 4),
+        "rank_wake_decode_ms_p90": round(pct(wake, 0.9), 4),
         "answer_ms_mean": round(1e3 * (t.answer_s - ans0) / max(n, 1), 4),
         "plan_bytes_per_step": round((t.bytes_out - bytes0) / max(n, 1)),
         "forward_ms_median": round(1e3 * statistics.median(r.forward_s for r in dec), 3),

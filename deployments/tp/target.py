@@ -7,10 +7,10 @@ prefix cache, reference counts) with no storage, and queues what the ranks' stor
 slot moves. :meth:`TPTarget.step` turns the scheduler's :class:`~toolspec_core.model.step_runner.StepRequest`
 into one :class:`~deployments.tp.worker.StepPlan` and hands it to every rank through the step
 channel (:mod:`deployments.tp.channel`); rank 0 answers with the walked trees' accepted tokens
-and the few rows the host reads. The replica holds the tokenizer and the config, never weights,
-so it has no local forward: the config admits a tensor-parallel target only on the batched
-engine, whose block pool prefills and caches prefixes through ``step``, and refuses the
-``hidden`` retrieval key, the one path that prefills in the replica.
+and the few rows the host reads (a completed prompt's last hidden state among them: the
+``hidden`` retrieval key). The replica holds the tokenizer and the config, never weights, so it
+has no local forward: the config admits a tensor-parallel target only on the batched engine,
+whose block pool prefills and caches prefixes through ``step``.
 """
 
 from __future__ import annotations
@@ -255,12 +255,14 @@ class TPTarget(Target):
     def step(self, req: StepRequest, pool=None) -> StepOutput:
         sent = time.perf_counter()
         tables, frees, moves = self.group.ops()
-        rows, vis = [], []
+        rows, parents = [], []
         for s in req.segments:
             n = len(s)
+            if s.mask is not None and s.parents is None:
+                raise ValueError("a tree segment of a tensor-parallel step needs its rows' parents (Segment.parents)")
             rows.append((s.cache.sid, s.cache.length, n, s.mask is not None))
             if s.mask is not None:
-                vis.append(s.mask.numpy()[0, 0, :, -n:] == 0)  # [n, n] the rows among themselves
+                parents += s.parents  # [n] each tree's rows among themselves, as the scheduler drew them
             s.cache.advance(n)  # the ranks' views grow by these rows; the replica's length follows
         segs = np.array(rows, dtype=np.int64).reshape(-1, 4)
         ids = torch.cat([s.ids for s in req.segments]).numpy()
@@ -272,7 +274,7 @@ class TPTarget(Target):
             segs,
             ids,
             pos,
-            vis,
+            np.array(parents, dtype=np.int64),
             req.logit_rows,
             req.full_rows,
             req.hidden_rows,

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolspec_core.model.batch_forward import Segment
+from toolspec_core.model.batch_forward import Segment, parents_visible
 from toolspec_core.model.block_pool import BlockPool, PagedKV, kv_shape
 from toolspec_core.model.step_runner import StepOutput, StepRequest, StepRunner
 
@@ -50,8 +50,9 @@ class StepPlan:
     ``tables``: new sequences' block tables ``(sid, table, shared)``; ``frees``: sids whose
     sequence ended; ``moves``: slot moves of verify commits ``(src, dst)``, each [n] -- the KV
     operations since the last step, applied in that order. ``segs`` [S, 4]: per sequence
-    ``(sid, kv_length, rows, has_tree)``; ``ids`` / ``pos`` [N] the rows; ``vis``: each tree
-    sequence's ``visible`` [n, n] bool (which of its new rows each row sees), in order.
+    ``(sid, kv_length, rows, has_tree)``; ``ids`` / ``pos`` [N] the rows; ``parents``: each tree
+    sequence's rows' parent rows [n] (:func:`~toolspec_core.engine.verify.row_parents`: a row sees
+    itself and its ancestors among its sequence's new rows), concatenated in order.
     ``logit_rows`` / ``full_rows`` / ``hidden_rows`` / ``need`` / ``walk`` / ``argmax``: as in
     :class:`~toolspec_core.model.step_runner.StepRequest`. ``sent``: the replica's clock when
     it began handing the plan over."""
@@ -62,7 +63,7 @@ class StepPlan:
     segs: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), dtype=np.int64))
     ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     pos: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    vis: list[np.ndarray] = field(default_factory=list)
+    parents: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     logit_rows: list[int] = field(default_factory=list)
     full_rows: list[int] = field(default_factory=list)
     hidden_rows: list[int] = field(default_factory=list)
@@ -80,7 +81,6 @@ def encode_plan(plan: StepPlan) -> list[np.ndarray]:
     """The plan as the channel carries it: fixed-layout arrays (see :func:`decode_plan`)."""
     tables = [np.concatenate([_ints([sid, shared, len(t)]), _ints(t)]) for sid, t, shared in plan.tables]
     src, dst = plan.moves if plan.moves is not None else (_ints([]), _ints([]))
-    bits = np.packbits(np.concatenate([v.reshape(-1) for v in plan.vis])) if plan.vis else np.zeros(0, np.uint8)
     walk = plan.walk if plan.walk is not None else np.zeros((0, 0), dtype=np.int64)
     meta = _ints([STEP, int(plan.argmax), len(plan.tables)])
     return [
@@ -92,7 +92,7 @@ def encode_plan(plan: StepPlan) -> list[np.ndarray]:
         plan.segs.astype(np.int64, copy=False).reshape(-1, 4),
         _ints(plan.ids),
         _ints(plan.pos),
-        bits,
+        _ints(plan.parents),
         _ints(plan.logit_rows),
         _ints(plan.full_rows),
         _ints(plan.hidden_rows),
@@ -116,12 +116,6 @@ def decode_plan(arrays: list[np.ndarray]) -> StepPlan | None:
         tables.append((sid, flat[o + 3 : o + 3 + n], shared))
         o += 3 + n
     segs = arrays[5]
-    sizes = [int(n) for n, tree in segs[:, 2:4].tolist() if tree]
-    bits = np.unpackbits(arrays[8], count=sum(n * n for n in sizes)).astype(bool)
-    vis, o = [], 0
-    for n in sizes:
-        vis.append(bits[o : o + n * n].reshape(n, n))
-        o += n * n
     walk = arrays[13]
     return StepPlan(
         tables,
@@ -130,7 +124,7 @@ def decode_plan(arrays: list[np.ndarray]) -> StepPlan | None:
         segs,
         arrays[6],
         arrays[7],
-        vis,
+        arrays[8],
         arrays[9].tolist(),
         arrays[10].tolist(),
         arrays[11].tolist(),
@@ -194,20 +188,33 @@ def apply_ops(pool: BlockPool, views: dict[int, PagedKV], plan: StepPlan) -> Non
 
 def request_of(plan: StepPlan, views: dict[int, PagedKV], dtype: torch.dtype) -> StepRequest:
     """The step runner's request over this rank's views: each sequence's length set from the plan,
-    a tree's mask over its new rows' columns (every row sees the whole cache)."""
+    a tree's mask over its new rows' columns (every row sees the whole cache; all trees' masks
+    made at once from their parents, :func:`tree_masks`) and its parents."""
     ids, pos = torch.from_numpy(plan.ids), torch.from_numpy(plan.pos)
-    segments, o, trees = [], 0, iter(plan.vis)
-    low = torch.finfo(dtype).min
+    sizes = [n for _, _, n, tree in plan.segs.tolist() if tree]
+    masks = iter(tree_masks(plan.parents, sizes, dtype))
+    parents = plan.parents.tolist()
+    segments, o, p = [], 0, 0
     for sid, length, n, tree in plan.segs.tolist():
         view = views[sid]
         view.length = length
-        mask = None
-        if tree:
-            mask = torch.where(torch.from_numpy(next(trees)), 0.0, low).to(dtype)[None, None]  # [1, 1, n, n]
-        segments.append(Segment(view, ids[o : o + n], pos[o : o + n], mask))
+        if tree:  # the mask (the per-sequence loop) and the parents (the ragged plan)
+            segments.append(Segment(view, ids[o : o + n], pos[o : o + n], next(masks), parents[p : p + n]))
+            p += n
+        else:
+            segments.append(Segment(view, ids[o : o + n], pos[o : o + n]))
         o += n
     walk = None if plan.walk is None else torch.from_numpy(plan.walk)
     return StepRequest(segments, plan.logit_rows, plan.full_rows, plan.hidden_rows, walk, plan.need, argmax=plan.argmax)
+
+
+def tree_masks(parents: np.ndarray, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each tree's additive mask [1, 1, n, n] (views of one [S, 1, m, m] tensor made at once)."""
+    if not sizes:
+        return []
+    seen = torch.from_numpy(parents_visible(parents, sizes))
+    masks = torch.where(seen, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]  # [S, 1, m, m]
+    return [masks[k : k + 1, :, :n, :n] for k, n in enumerate(sizes)]
 
 
 def shard_head(model) -> callable:

@@ -940,9 +940,17 @@ def test_a_key_over_its_rate_limit_gets_429_with_retry_after(local, tmp_path):
 
 
 def test_hidden_state_retrieval_key(tiny_model_dir):
-    """retrieval.key=hidden: the library is keyed on the target's last hidden state (after prefill)."""
+    """retrieval.key=hidden: the engine prefills the prompt in its block pool like any other (the
+    pool counts it; nothing is prefilled beside the engine), the search is keyed on the prompt's
+    last hidden state -- the key a separate prefill of the prompt gives -- and its calls reach the
+    drafter before the first draft (in time); the output is remembered under that key."""
+    import numpy as np
+
     from deployments.app import retrieval_dim
     from deployments.retrieval import RetrievalClient, RetrievalServer
+    from retrieval_service.embedding import from_hidden
+    from toolspec_core.engine.loop import prefill
+    from toolspec_core.model.prompting import render_prompt
 
     cfg = ServeAppConfig(
         model=tiny_model_dir,
@@ -952,13 +960,38 @@ def test_hidden_state_retrieval_key(tiny_model_dir):
     )
     assert retrieval_dim(cfg) == 64
     handle = FakeHandle(RetrievalServer(cfg.store_config(retrieval_dim(cfg))))
-    host = EngineHost.build(cfg, RetrievalClient(handle, cfg.retrieval))
+    client = RetrievalClient(handle, cfg.retrieval)
+    keys = []
+    search = client.search
+
+    async def recording(tenant, embedding, names):
+        keys.append(np.asarray(embedding))
+        return await search(tenant, embedding, names)
+
+    client.search = recording
+    host = EngineHost.build(cfg, client)
     req = EngineRequest(messages=WEATHER_MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=6, tenant="t")
+    pool = host.engine.scheduler.pool
+    own = []  # caches made outside the pool
+    host.target.new_cache = lambda: own.append(1)
     try:
         done = run(host.generate(req))
+        again = run(host.generate(req))
+        handle.down = True  # the search fails: the held first draft goes on with the fallback drafter
+        other = [{"role": "user", "content": "and the weather in Oslo?"}]
+        down = run(host.generate(dataclasses.replace(req, messages=other)))
     finally:
+        del host.target.new_cache
         host.close()
-    assert isinstance(done, Done) and done.extra["retrieval"]["status"] == "ok"
+    assert isinstance(done, Done) and done.extra["retrieval"]["status"] == "ok" and done.extra["retrieval"]["in_time"]
+    assert again.extra["retrieval"]["status"] == "ok" and again.text == done.text
+    assert isinstance(down, Done) and down.extra["retrieval"]["status"] == "fallback"
+    assert own == []  # the prompt is prefilled by the engine, in its pool
+    ids = render_prompt(host.target.tokenizer, WEATHER_MESSAGES, TOOLS)
+    other_ids = render_prompt(host.target.tokenizer, other, TOOLS)
+    assert pool.stats().queried_tokens == 2 * len(ids) + len(other_ids)  # admitted into the pool, every time
+    want = from_hidden(prefill(host.target, ids).hidden)
+    assert len(keys) == 3 and all(np.allclose(k, want, atol=1e-5) for k in keys[:2])
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import time
 
+import numpy as np
 import pytest
 import torch
 from serve_fixtures import TOOLS
@@ -106,15 +107,14 @@ def test_step_protocol_equals_single_process(attention):
 
 
 def test_step_channel_carries_plans_and_large_answers():
-    """A plan through the shared-memory slot comes out as it went in (tables, moves, trees as
-    packed bits, walks); a message larger than the slot goes through a one-off segment."""
+    """A plan through the shared-memory slot comes out as it went in (tables, moves, trees' parent
+    rows, walks); a message larger than the slot goes through a one-off segment."""
     import numpy as np
 
     from deployments.tp.channel import Bell, Mailbox, channel_dir, remove_dir
     from deployments.tp.worker import StepPlan, decode_plan, encode_plan
 
-    rng = np.random.default_rng(0)
-    vis = [rng.random((n, n)) < 0.5 for n in (3, 7)]
+    parents = np.array([-1, 0, 0] + [-1, 0, 1, 1, 2, 2, 5])  # a tree of 3 rows, then one of 7
     plan = StepPlan(
         [(4, [9, 2, 7], 1), (5, [3], 0)],
         [1, 2],
@@ -122,7 +122,7 @@ def test_step_channel_carries_plans_and_large_answers():
         np.array([[4, 17, 3, 1], [5, 0, 5, 0], [6, 30, 7, 1]]),
         np.arange(15),
         np.arange(100, 115),
-        vis,
+        parents,
         [2, 7, 8, 9],
         [1],
         [7],
@@ -141,7 +141,7 @@ def test_step_channel_carries_plans_and_large_answers():
         assert bell.wait(1.0) and not bell.wait(0.01)
         got = decode_plan(reader.receive())
         assert got.tables == plan.tables and got.frees == plan.frees and got.sent == plan.sent
-        assert all(np.array_equal(a, b) for a, b in zip(got.vis, vis)) and len(got.vis) == 2
+        assert np.array_equal(got.parents, parents)
         assert np.array_equal(got.walk, plan.walk) and got.need == plan.need and got.moves[1].tolist() == [20, 21]
         big = [np.arange(5000, dtype=np.float32).reshape(50, 100)]  # past the 4 KiB slot
         box.send(big)
@@ -153,6 +153,33 @@ def test_step_channel_carries_plans_and_large_answers():
         box.close()
         bell.close()
         remove_dir(d)
+
+
+def test_rank_tree_masks_from_parents_are_the_scheduler_s_masks():
+    """The masks a rank makes from a plan's parent rows (all trees at once) are the masks the
+    scheduler built for the same root chains and trees (tree_inputs), row for row."""
+    import random
+
+    import torch
+
+    from deployments.tp.worker import tree_masks
+    from toolspec_core.engine.tree import ROOT, DraftTree
+    from toolspec_core.engine.verify import row_parents, tree_inputs
+
+    rng = random.Random(3)
+    want, parents, sizes = [], [], []
+    for _ in range(12):
+        tree = DraftTree()
+        for _ in range(rng.randrange(0, 20)):
+            tree.add_path([rng.randrange(50)], 0.5, "x", rng.choice([ROOT] + list(range(len(tree)))))
+        roots = [1] * rng.randrange(1, 4)
+        _, _, mask = tree_inputs(roots, tree, 9)
+        want.append(mask)
+        parents += row_parents(roots, tree.parents)
+        sizes.append(mask.shape[-1])
+    got = tree_masks(np.array(parents), sizes, torch.float32)
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert tree_masks(np.zeros(0, dtype=np.int64), [], torch.float32) == []
 
 
 def test_vocab_parallel_argmax_and_rows_on_one_rank():
@@ -223,8 +250,8 @@ def test_placement_bundles_reserve_the_replica_with_rank_0():
     assert len(opts["placement_group_bundles"]) == 8 and opts["placement_group_strategy"] == "STRICT_PACK"
     assert opts["placement_group_bundles"][0] == {"CPU": 1, "GPU": 1.0}
     assert "placement_group_bundles" not in ServeAppConfig(device="cpu").deployment_options()
-    with pytest.raises(ValueError, match="use qwen, hybrid or lexical"):
-        ServeAppConfig(tensor_parallel_size=2, retrieval={"key": "hidden"})
+    # the hidden retrieval key comes back with the step's answer: a tensor-parallel replica keys on it too
+    assert ServeAppConfig(tensor_parallel_size=2, retrieval={"key": "hidden"}).retrieval.key == "hidden"
 
 
 @pytest.mark.serve

@@ -1,11 +1,15 @@
-"""Who owns a KV row: the block pool holds every sequence's rows, prompts prefilled outside the
-scheduler (the hidden retrieval key's prefill) included, and one place sets a sequence's cache."""
+"""Who owns a KV row: the block pool holds every sequence's rows -- the hidden retrieval key's
+prompts, prefilled by the scheduler in the pool, and prompts prefilled outside it -- and one
+place sets a sequence's cache."""
 
 from __future__ import annotations
 
 import ast
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
 import pytest
 from scripted import ScriptedDrafter, branching, oracle
 from tiny import CharTokenizer, hf_greedy, tiny_model
@@ -55,6 +59,100 @@ def test_prefilled_prompts_are_placed_in_the_pool_and_run_ragged(ragged_tiny):
     assert runner.steps["ragged"] - before["ragged"] == len(sched.steps)
     assert runner.steps["per_sequence"] == before["per_sequence"]
     assert all(r == 0 for r in pool.refs)  # every block came back
+
+
+class Counting:
+    """A drafter around another that counts its proposals."""
+
+    reads_logits = False
+
+    def __init__(self, inner):
+        self.inner, self.proposals = inner, 0
+
+    def propose(self, ctx):
+        self.proposals += 1
+        return self.inner.propose(ctx)
+
+    def feedback(self, tree, result):
+        self.inner.feedback(tree, result)
+
+
+def test_hidden_key_prompts_are_prefilled_in_the_pool_and_hold_their_first_draft(ragged_tiny):
+    """The hidden retrieval key's path: the scheduler prefills the prompt in its pool blocks like
+    any other (the pool counts them), hands the prompt's last state to ``on_prompt`` -- the key a
+    separate prefill gives, to float tolerance, finding the same library items -- and the future
+    it returns holds the sequence's first draft while the others step on, every step ragged; every
+    output is plain greedy's."""
+    from retrieval_service.embedding import from_hidden
+    from toolspec_core.drafters.toolcall.library import MemoryLibrary, PastCall
+
+    tg = ragged_tiny
+    prompts = [[(5 * i + 3 * j) % 95 + 1 for j in range(12 + 5 * i)] for i in range(4)]
+    want = [hf_greedy(tg, p, 12) for p in prompts]
+    lib = MemoryLibrary()
+    for i, p in enumerate(prompts):  # the library's keys, from a prefill of each prompt alone
+        lib.add("t", PastCall(f"tool{i % 2}", [i]), from_hidden(prefill(tg, p).hidden))
+        lib.add("t", PastCall(f"tool{i % 2}", [i, i]), from_hidden(prefill(tg, p[:-3]).hidden))
+    keys: dict[int, np.ndarray] = {}
+    gates = [Future() for _ in prompts[:2]]
+
+    def keyed(i):
+        def on_prompt(hidden):
+            keys[i] = from_hidden(hidden)
+            return gates[i]
+
+        return on_prompt
+
+    pool = tg.block_pool(1024, 8)
+    sched = Scheduler(tg, None, BatchLimits(max_running=4, prefill_chunk=32, tree_rows=8), pool)
+    drafters = [Counting(ScriptedDrafter(oracle(w))) for w in want]
+    cfg = DecodeConfig(max_new_tokens=12)
+    seqs = [
+        Sequence(tg, p, d, cfg, on_prompt=keyed(i) if i < 2 else None)
+        for i, (p, d) in enumerate(zip(prompts, drafters))
+    ]
+    for s in seqs:
+        sched.add(s)
+    runner = tg.runner(pool)
+    before = dict(runner.steps)
+    sched.step()
+    assert all(s.cache.pool is pool for s in seqs)
+    assert pool.stats().used_blocks == sum(len(s.cache.table) for s in seqs)  # the pool counts every row
+    while not all(s.generated for s in seqs[:2]):
+        sched.step()
+    for _ in range(5):  # held: no draft while the others decode
+        sched.step()
+    assert [d.proposals for d in drafters[:2]] == [0, 0] and all(s.held for s in seqs[:2])
+    assert all(len(s.generated) == 1 for s in seqs[:2]) and drafters[2].proposals > 0 and drafters[3].proposals > 0
+    for i, p in enumerate(prompts[:2]):
+        alone = from_hidden(prefill(tg, p).hidden)
+        assert np.allclose(keys[i], alone, atol=1e-5)  # the key a separate prefill gives
+        found = [(c.tool_name, c.token_ids) for c in lib.search("t", keys[i], None, 4)]
+        assert found == [(c.tool_name, c.token_ids) for c in lib.search("t", alone, None, 4)]
+    threading.Timer(0.02, gates[0].set_result, (None,)).start()  # released while the engine waits
+    gates[1].set_result(None)
+    sched.run()
+    assert [s.result.tokens for s in seqs] == want
+    assert all(d.proposals > 0 for d in drafters)
+    assert runner.steps["ragged"] - before["ragged"] == sum(1 for r in sched.steps)
+    assert runner.steps["per_sequence"] == before["per_sequence"]
+    assert all(r == 0 for r in pool.refs)
+
+
+def test_a_failing_on_prompt_leaves_the_sequence_drafting(ragged_tiny):
+    """A hook that raises is logged; the sequence drafts without waiting and its output is greedy's."""
+    tg = ragged_tiny
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = hf_greedy(tg, prompt, 8)
+
+    def broken(hidden):
+        raise RuntimeError("the search could not start")
+
+    seq = Sequence(tg, prompt, ScriptedDrafter(oracle(want)), DecodeConfig(max_new_tokens=8), on_prompt=broken)
+    sched = Scheduler(tg, None, BatchLimits(tree_rows=8), tg.block_pool(256, 8))
+    sched.add(seq)
+    sched.run()
+    assert seq.result.tokens == want and seq.hold is None
 
 
 def test_a_sequence_cache_is_set_once():

@@ -15,7 +15,7 @@ from toolspec_core.engine.loop import DecodeConfig
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler
 from toolspec_core.engine.sequence import Sequence
 from toolspec_core.engine.tree import DraftTree
-from toolspec_core.engine.verify import tree_inputs
+from toolspec_core.engine.verify import row_parents, tree_inputs
 from toolspec_core.model import ragged, step_runner
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import PagedKV
@@ -105,6 +105,27 @@ def test_ragged_forward_equals_the_per_sequence_loop(tg, seed):
         for la, lb in zip(ca.layers, cb.layers):
             torch.testing.assert_close(la.keys, lb.keys, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(la.values, lb.values, rtol=1e-5, atol=1e-5)
+
+
+def test_the_plan_reads_trees_from_their_parents_as_from_their_masks(tg):
+    """A step's trees given as the scheduler draws them (mask and ``Segment.parents``) plan exactly
+    the visibility their masks alone give, eager and at a captured grid's shape."""
+    rng = random.Random(5)
+    pool = tg.block_pool(2048, BT)
+    drawn, masked = [], []
+    for _ in range(9):
+        cache = PagedKV(pool, pool.allocate(4))
+        roots = [1] * rng.randint(1, 3)
+        tree = _tree(rng, rng.randint(0, 9))
+        ids, pos, mask = tree_inputs(roots, tree, 0)
+        drawn.append(Segment(cache, ids[0], pos[0], mask, row_parents(roots, tree.parents)))
+        masked.append(Segment(cache, ids[0], pos[0], mask))
+    drawn.append(Segment(cache, torch.tensor([3]), torch.tensor([0])))  # a single row: no tree
+    masked.append(drawn[-1])
+    for grid in (None, (12, 16, 32)):
+        a, b = ragged.plan_step(drawn, pool, grid), ragged.plan_step(masked, pool, grid)
+        assert torch.equal(a.groups[0].vis, b.groups[0].vis) and torch.equal(a.groups[0].tree, b.groups[0].tree)
+        assert a.groups[0].tree.sum() == 9
 
 
 def test_a_long_chunk_gets_a_call_of_its_own(tg):

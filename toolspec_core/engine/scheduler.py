@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, wait
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ from toolspec_core.engine.device_walk import read_walks, walk_inputs
 from toolspec_core.engine.sequence import Sequence, cap_depth
 from toolspec_core.engine.stats import record_step
 from toolspec_core.engine.tree import DraftTree, select
-from toolspec_core.engine.verify import VerifyResult, tree_inputs, walk
+from toolspec_core.engine.verify import VerifyResult, row_parents, tree_inputs, walk
 from toolspec_core.errors import ContextLengthError
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import BlockPool
@@ -43,6 +44,8 @@ from toolspec_core.model.kv import copy_rows
 from toolspec_core.model.step_runner import StepOutput, StepRequest
 
 log = logging.getLogger("toolspec.engine")
+
+HOLD_WAIT_S = 0.005  # the longest a step with nothing else to run waits for a held sequence
 
 
 @dataclass(frozen=True)
@@ -215,12 +218,14 @@ class Scheduler:
             kv_len = seq.cache.get_seq_length()
             single = len(seq.roots) == 1 and not tree.tokens  # one row: causal, no mask to build
             ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, self.target.dtype, mask=not single)
-            segments.append(Segment(seq.cache, ids[0], pos[0], mask))
+            parents = None if single else row_parents(len(seq.roots), tree.parents)
+            segments.append(Segment(seq.cache, ids[0], pos[0], mask, parents))
             n = ids.shape[1]
             rows.append(_Row(seq, tree, kv_len, len(logit_rows), n))
             logit_rows.extend(range(o, o + n))
             o += n
         if not segments:
+            self._wait_held()
             return finished
         # full logits rows: those of sequences that read more than the argmax (a sampled or
         # grammar-constrained walk, logprobs, a drafter that learns from logits); a tensor-parallel
@@ -252,9 +257,9 @@ class Scheduler:
         for seq, n, done in prefills:
             seq.stats.prefill_s += fwd
             if done:
-                seq.hidden = out.hidden[j].cpu()
                 first = out.rows(j, 1)
                 seq.start(None if first is None else first[0].cpu(), None if choice is None else choice[j])
+                self._prompt_done(seq, out.hidden[j].cpu())
                 j += 1
                 seq.cache.register(seq.prompt_ids)  # later prompts that begin with this one reuse its blocks
         t3 = time.perf_counter()
@@ -284,6 +289,24 @@ class Scheduler:
             )
         )
         return finished
+
+    @staticmethod
+    def _prompt_done(seq: Sequence, hidden: torch.Tensor) -> None:
+        """``seq``'s prompt is in its cache: its last state [H] to the sequence and its ``on_prompt``
+        hook (e.g. a retrieval search keyed on it); a hook that fails leaves the first draft unheld."""
+        try:
+            seq.prompt_done(hidden)
+        except Exception:
+            log.exception("on_prompt of sequence %s failed; it drafts without waiting for it", seq.id)
+            seq.hold = None
+
+    def _wait_held(self) -> None:
+        """A step with nothing to run while sequences wait for their first draft (``Sequence.hold``):
+        wait for one of them a little (:data:`HOLD_WAIT_S` at most, so sequences queued meanwhile
+        are admitted soon) instead of spinning."""
+        held = [s.hold for s in self.running if s.held]
+        if held:
+            wait(held, timeout=HOLD_WAIT_S, return_when=FIRST_COMPLETED)
 
     def _node_hint(self) -> int | None:
         """Nodes one tree can keep under the budget (``DraftContext.max_nodes``): the cost model's

@@ -7,6 +7,7 @@ detokenizer, stop rules, output -- so any batch it runs in leaves its output wha
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
@@ -157,7 +158,11 @@ class Sequence:
     the scheduler opens for the sequence, and its logits start the output); otherwise the
     scheduler prefills the prompt in chunks (a pool's cached prefix blocks first). The KV cache
     is set in one place, :meth:`~toolspec_core.engine.scheduler.Scheduler._place`, at admission
-    (:meth:`place_cache`). ``on_tokens(new_ids)`` is called after each commit with the newly
+    (:meth:`place_cache`). ``on_prompt(hidden)``: called on the engine thread once the scheduler
+    has prefilled the prompt, with its last token's last-layer state [H] (a retrieval key); a
+    future it returns holds the sequence's first draft until it is done -- the search keyed on
+    that state and the drafter built from what it found (the deployment's ``retrieval.key:
+    hidden``) -- while the other sequences step on. ``on_tokens(new_ids)`` is called after each commit with the newly
     emitted tokens (streaming); returning ``False`` cancels the sequence (finish_reason
     "cancelled"). ``constraint`` (:mod:`toolspec_core.engine.grammar`) restricts the target to a
     grammar; tokens it forces are emitted without verification and enter the next forward as
@@ -176,6 +181,7 @@ class Sequence:
         on_tokens: Callable[[list[int]], bool | None] | None = None,
         detokenizer: Detokenizer | None = None,
         prefilled: Prefilled | None = None,
+        on_prompt: Callable[[torch.Tensor], Future | None] | None = None,
     ):
         self.prompt_ids = list(prefilled.prompt_ids if prefilled is not None else prompt_ids)
         check_prompt(target, self.prompt_ids, cfg.max_new_tokens)
@@ -197,6 +203,8 @@ class Sequence:
         self.error: BaseException | None = None  # why the sequence ended with finish_reason "error"
         self.hidden: torch.Tensor | None = None  # [H] the prompt's last state, once prefilled
         self.prefilled = prefilled
+        self.on_prompt = on_prompt
+        self.hold: Future | None = None  # the first draft waits for it (on_prompt's future)
         self._cache = None  # set once, at admission (place_cache)
         self.filled = 0  # prompt rows whose KV is in the cache
 
@@ -223,7 +231,14 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        return bool(self.roots) and self.reason is None
+        return bool(self.roots) and self.reason is None and not self.held
+
+    @property
+    def held(self) -> bool:
+        """Prefilled, its first draft waiting for ``on_prompt``'s future."""
+        if self.hold is not None and self.hold.done():
+            self.hold = None
+        return self.hold is not None
 
     def take_prefilled(self) -> bool:
         """Start from the ``prefilled`` prompt given at construction, if any (at admission, once its
@@ -235,6 +250,13 @@ class Sequence:
         self.stats.prefill_s, self.hidden = pre.seconds, pre.hidden
         self.start(pre.logits)
         return True
+
+    def prompt_done(self, hidden: torch.Tensor) -> None:
+        """The scheduler has the prompt in the cache: its last state [H] is kept and handed to
+        ``on_prompt``, whose future (if any) holds the first draft."""
+        self.hidden = hidden
+        if self.on_prompt is not None:
+            self.hold = self.on_prompt(hidden)
 
     def start(self, logits: torch.Tensor | None, choice: int | None = None) -> None:
         """The prompt is cached: emit the first token(s) from its last logits [V] (or their argmax

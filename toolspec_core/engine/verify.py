@@ -43,6 +43,15 @@ def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int, dtype=
     return ids, pos, mask
 
 
+def row_parents(roots: list[int] | int, parents: list[int]) -> list[int]:
+    """:func:`tree_inputs`' rows as parent rows [R+T]: the root chain's row ``k`` hangs off row
+    ``k - 1`` (the first off the cache, -1), node ``i`` off its parent's row (the last root's for a
+    top-level node). A row sees exactly itself and its ancestors -- the mask's visibility, as
+    ints a step plan carries instead of the [R+T, R+T] mask."""
+    r = roots if isinstance(roots, int) else len(roots)
+    return list(range(-1, r - 1)) + [r - 1 if p == ROOT else r + p for p in parents]
+
+
 def tree_visibility(parents: list[int]) -> torch.Tensor:
     """bool [T, T]: node i sees node j (j is i or one of its ancestors). Each node's ancestors as
     the bits of one integer (its parent's | itself), unpacked by one shift: a Python loop of

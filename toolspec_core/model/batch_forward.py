@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -36,16 +37,46 @@ class Segment:
     ``ids`` / ``pos`` [n] (long); ``mask`` [1, 1, n, S] additive float over the cache's ``S - n``
     rows plus these (or [1, 1, n, n], these rows' columns alone), or None for causal rows (a prefill chunk; a single decode row sees everything).
     Every row sees the whole cache (a verify mask's first ``S - n`` columns are zero): the
-    ragged attention and the tensor-parallel plan read only the mask's last ``n`` columns.
+    ragged attention reads only the mask's last ``n`` columns. ``parents`` [n]: the same rows'
+    visibility as each row's parent row among them (-1: none, the row hangs off the cache; a row
+    sees itself and its ancestors), set beside a tree's mask
+    (:func:`~toolspec_core.engine.verify.row_parents`): what the ragged attention's plan and a
+    tensor-parallel plan read (:func:`parents_visible`, all trees at once), not the mask.
     """
 
     cache: KVCache
     ids: torch.Tensor
     pos: torch.Tensor
     mask: torch.Tensor | None = None
+    parents: list[int] | None = None
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
+
+
+def parents_visible(parents, sizes: list[int]) -> np.ndarray:
+    """bool [S, m, m] (m: the largest size): for each of S segments whose rows' parents are
+    ``parents`` (:attr:`Segment.parents`, concatenated: [sum(sizes)], -1: none), which of its rows
+    each row sees -- itself and its ancestors; padding sees nothing. All segments at once, one
+    numpy pass per level of the deepest tree, instead of a mask read back per sequence."""
+    s, m = len(sizes), max(sizes, default=0)
+    vis = np.zeros((s, m, m), dtype=bool)
+    if not s:
+        return vis
+    lens = np.asarray(sizes)
+    real = np.arange(m)[None] < lens[:, None]  # [S, m]
+    par = np.full((s, m), -1, dtype=np.int64)
+    par[real] = np.asarray(parents, dtype=np.int64)
+    si, ri = np.nonzero(real)
+    vis[si, ri, ri] = True
+    up = par[si, ri]  # each real row's current ancestor
+    while True:
+        has = up >= 0
+        if not has.any():
+            return vis
+        si, ri, up = si[has], ri[has], up[has]
+        vis[si, ri, up] = True
+        up = par[si, up]
 
 
 def supports_batched(model: torch.nn.Module) -> bool:

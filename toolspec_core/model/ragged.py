@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from toolspec_core.model.batch_forward import Segment, decoder_layers
+from toolspec_core.model.batch_forward import Segment, decoder_layers, parents_visible
 from toolspec_core.model.block_pool import BlockPool
 
 ATTENTION = ("auto", "per_sequence", "ragged")
@@ -143,10 +143,19 @@ def _group(segments: list[Segment], starts: list[int], pool: BlockPool, grid: tu
     t = n if grid is not None else max([lens[i] for i in trees], default=1)  # a captured shape is fixed
     vis = torch.zeros((B, t, t), dtype=torch.long)
     tree = torch.zeros(B, dtype=torch.long)
+    tree[trees] = 1
+    drawn = [i for i in trees if segments[i].parents is not None]  # the scheduler's trees: parents, all at once
+    if drawn:
+        flat: list[int] = []
+        for i in drawn:
+            flat += segments[i].parents
+        seen = torch.from_numpy(parents_visible(flat, [lens[i] for i in drawn]))  # [D, m, m]
+        m = seen.shape[1]
+        vis[drawn, :m, :m] = seen.long()
     for i in trees:
-        k = lens[i]
-        vis[i, :k, :k] = segments[i].mask[0, 0, :, -k:] == 0
-        tree[i] = 1
+        if segments[i].parents is None:  # a mask alone: its visibility read back
+            k = lens[i]
+            vis[i, :k, :k] = segments[i].mask[0, 0, :, -k:] == 0
     j = torch.arange(n)
     real = j[None] < new[:, None]  # [b, n]
     out = (torch.arange(b)[:, None] * n + j[None])[real]  # [m] grid row of each real row
