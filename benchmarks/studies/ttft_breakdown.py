@@ -9,7 +9,9 @@ waited on, in order:
 - ``to_replica``: ingress to the replica (Ray's hop, the router's queue);
 - ``prepare``: tokenization, chat template, schema / grammar set-up in the replica's workers;
 - ``search``: the retrieval search's wait on the request path (0 when it runs beside prefill);
-- ``drafter``: the request's drafter built, its sequence handed to the engine thread;
+- ``drafter``: the request's drafter built in a worker thread;
+- ``step_end``: its sequence handed to the engine thread, which takes new sequences between
+  steps (the rest of the step running when it arrived);
 - ``queue``: waiting in the scheduler before admission (``max_running``, the KV pool);
 - ``chunk_wait``: admitted, waiting for its first prefill chunk (other prompts' chunks first);
 - ``prefill``: its first chunk to its first token (``prefill_steps`` steps; what they carried);
@@ -34,7 +36,8 @@ PARTS = (
     ("to_replica", "http_in", "replica_in"),
     ("prepare", "replica_in", "prepared"),
     ("search", "prepared", "searched"),
-    ("drafter", "searched", "queued"),
+    ("drafter", "searched", "submitted"),
+    ("step_end", "submitted", "queued"),
     ("queue", "queued", "admitted"),
     ("chunk_wait", "admitted", "prefill_start"),
     ("prefill", "prefill_start", "first_token"),
