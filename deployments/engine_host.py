@@ -232,6 +232,7 @@ class EngineHost:
             rinfo["in_time"] = drafter.in_time
         last = final_text_event(streamer, self.token_text, result)
         if last is not None:
+            marks.setdefault("first_text", time.time())
             yield last
         stats = result.stats.to_dict()
         early = stats.pop("early_steps")
