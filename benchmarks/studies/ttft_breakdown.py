@@ -48,15 +48,19 @@ PARTS = (
 
 
 def breakdown(rec: dict) -> dict | None:
-    """One request's TTFT split (seconds) and what its steps carried; None without a timeline."""
+    """One request's TTFT split (seconds) and what its steps carried (without a timeline, its
+    TTFT and E2E alone); None for a failed request."""
     tl = rec.get("server_timeline")
-    if not rec.get("ok") or not isinstance(tl, dict) or rec.get("ttft_ms") is None:
+    if not rec.get("ok") or rec.get("ttft_ms") is None:
         return None
+    if not isinstance(tl, dict):  # another server (vLLM): its TTFT alone
+        keys = ("index", "item_id", "prompt_tokens")
+        return {**{k: rec[k] for k in keys}, "ttft_s": rec["ttft_ms"] / 1e3, "e2e_s": rec["e2e_ms"] / 1e3}
     marks = {k: v for k, v in tl.items() if isinstance(v, (int, float))}
     marks["started"] = rec["started"]
     marks["client_first_chunk"] = rec["started"] + rec["ttft_ms"] / 1e3
     out = {"index": rec["index"], "item_id": rec["item_id"], "prompt_tokens": rec["prompt_tokens"]}
-    out["ttft_s"] = rec["ttft_ms"] / 1e3
+    out["ttft_s"], out["e2e_s"] = rec["ttft_ms"] / 1e3, rec["e2e_ms"] / 1e3
     for name, a, b in PARTS:
         out[name] = marks[b] - marks[a] if a in marks and b in marks else None
     steps = tl.get("early_steps") or []
@@ -81,7 +85,7 @@ def breakdown(rec: dict) -> dict | None:
 
 
 def summarize(rows: list[dict]) -> dict:
-    keys = [p for p, _, _ in PARTS] + ["ttft_s", "first_token_s", "prefill_steps", "prefill_forward_s"]
+    keys = [p for p, _, _ in PARTS] + ["ttft_s", "e2e_s", "first_token_s", "prefill_steps", "prefill_forward_s"]
     keys += ["hold_steps", "hold_steps_with_prefill", "hold_tokens", "hold_forward_s"]
     out = {}
     for k in keys:
