@@ -27,6 +27,7 @@ waited on, in order:
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import statistics
 import sys
@@ -84,6 +85,17 @@ def breakdown(rec: dict) -> dict | None:
     return out
 
 
+def prompt_phase(recs: list[dict]) -> float | None:
+    """Seconds from the level's first request to the end of its last step that carried prompt
+    rows (the steps every request saw, from their ``early_steps``); None without timelines. At a
+    burst of fresh prompts it is the time the replica took to prefill all of them, so a TTFT
+    over it compares runs the machine ran at different speeds."""
+    ends = [s["end"] for r in recs for s in ((r.get("server_timeline") or {}).get("early_steps") or []) if s["prefill_rows"]]
+    if not ends:
+        return None
+    return max(ends) - min(r["started"] for r in recs)
+
+
 def summarize(rows: list[dict]) -> dict:
     keys = [p for p, _, _ in PARTS] + ["ttft_s", "e2e_s", "first_token_s", "prefill_steps", "prefill_forward_s"]
     keys += ["hold_steps", "hold_steps_with_prefill", "hold_tokens", "hold_forward_s"]
@@ -104,20 +116,28 @@ def main(argv=None) -> int:
     import gzip
 
     by_ep: dict[str, list[dict]] = {}
+    raw: dict[str, list[dict]] = {}
     for path in ns.records:
         with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
             for line in f:
                 rec = json.loads(line)
                 ep = f"{rec.get('endpoint')}@c{rec.get('concurrency')}"
+                if len(ns.records) > 1:  # several runs: each endpoint apart per run
+                    ep = f"{os.path.basename(path).split('.')[0]}:{ep}"
                 if ns.endpoint and rec.get("endpoint") not in ns.endpoint:
                     continue
                 row = breakdown(rec)
                 if row is not None:
                     by_ep.setdefault(ep, []).append(row)
+                    raw.setdefault(ep, []).append(rec)
     result = {"sources": ns.records, "parts": [p for p, _, _ in PARTS], "endpoints": {}}
     for ep, rows in by_ep.items():
         rows.sort(key=lambda r: r["ttft_s"])
         result["endpoints"][ep] = {"summary": summarize(rows), "requests": rows}
+        phase = prompt_phase(raw[ep])
+        if phase is not None:  # TTFTs against the time the run took to prefill every prompt (machine speed cancels)
+            result["endpoints"][ep]["prompt_phase_s"] = phase
+            result["endpoints"][ep]["ttft_over_prompt_phase"] = [round(r["ttft_s"] / phase, 3) for r in rows]
         print(f"== {ep}: {len(rows)} requests (sorted by TTFT); seconds")
         cols = ["ttft_s"] + [p for p, _, _ in PARTS] + ["prefill_steps", "hold_steps", "hold_tokens"]
         print(" ".join(f"{c[:10]:>10}" for c in cols))
@@ -125,6 +145,9 @@ def main(argv=None) -> int:
             print(" ".join(f"{'-' if r.get(c) is None else round(r[c], 2):>10}" for c in cols))
         med = result["endpoints"][ep]["summary"]
         print(" ".join(f"{'-' if c not in med else round(med[c]['median'], 2):>10}" for c in cols), "(median)")
+        if "prompt_phase_s" in result["endpoints"][ep]:
+            over = result["endpoints"][ep]["ttft_over_prompt_phase"]
+            print(f"prompt phase {result['endpoints'][ep]['prompt_phase_s']:.1f} s; TTFT / phase: {over}")
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump(result, f, indent=1)
