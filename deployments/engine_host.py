@@ -235,8 +235,7 @@ class EngineHost:
             marks.setdefault("first_text", time.time())
             yield last
         stats = result.stats.to_dict()
-        early = stats.pop("early_steps")
-        marks.update(stats.pop("times"))
+        marks.update(result.stats.times)
         extra = {
             "method": getattr(self.method, "name", self.cfg.method),
             "prefix_cached_tokens": result.stats.cached_tokens,
@@ -245,7 +244,7 @@ class EngineHost:
             "latency_s": time.perf_counter() - t0,
             "constrained": prep.constraint is not None,
             "timeline": marks,
-            "early_steps": early,
+            "early_steps": list(result.stats.early_steps),
         }
         yield Done(
             result.text,

@@ -30,7 +30,8 @@ class GenerationStats:
     commit_s: float = 0.0
     # where the request's time went before its first tokens, for load studies: wall-clock marks
     # (time.time(): queued, admitted, prefill_start, first_token; a server adds its own) and,
-    # for the first EARLY_STEPS steps that held it, what each step carried
+    # for the first EARLY_STEPS steps that held it, what each step carried (not in to_dict: a
+    # server reports them with its own marks)
     times: dict[str, float] = field(default_factory=dict)
     early_steps: list[dict] = field(default_factory=list)
 
@@ -65,8 +66,6 @@ class GenerationStats:
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
             "commit_s": self.commit_s,
-            "times": dict(self.times),
-            "early_steps": list(self.early_steps),
         }
 
 
