@@ -188,11 +188,13 @@ class EngineHost:
 
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        marks = {"replica_in": time.time()}  # where the request's time went (the Done event's ``timeline``)
         try:
             prep = await loop.run_in_executor(self.workers, self._prepare, req)
         except InvalidRequestError as exc:
             yield error_event(request_error(exc))
             return
+        marks["prepared"] = time.time()
         yield Start(len(prep.prompt_ids))
         search = Search(self.retrieval, req, prep.key)  # keyed on the text: runs while the engine prefills
         begin = None
@@ -212,13 +214,16 @@ class EngineHost:
             retrieved if retrieved is not None else ([] if self.retrieval is not None else None),
             req.response_schema,
         )
+        marks["searched"] = time.time()  # the search's wait on the way in (none when it runs late)
         seq = await loop.run_in_executor(self.workers, self._sequence, prep, info, late, begin)
+        marks["submitted"] = time.time()
         drafter = seq.drafter
         streamer = TextStreamer(req.stop, prep.decode_cfg.end_after)
         stream = None
         try:
             stream = self.engine.submit(seq)
             async for ev in text_events(stream.updates(), streamer, self.token_text, seq.logprobs):
+                marks.setdefault("first_text", time.time())
                 yield ev
             result = await stream.result()
         except EngineError as exc:
@@ -237,8 +242,10 @@ class EngineHost:
             rinfo["in_time"] = drafter.in_time
         last = final_text_event(streamer, self.token_text, result)
         if last is not None:
+            marks.setdefault("first_text", time.time())
             yield last
         stats = result.stats.to_dict()
+        marks.update(result.stats.times)
         extra = {
             "method": getattr(self.method, "name", self.cfg.method),
             "prefix_cached_tokens": result.stats.cached_tokens,
@@ -246,6 +253,8 @@ class EngineHost:
             "replica": self.replica_id,
             "latency_s": time.perf_counter() - t0,
             "constrained": prep.constraint is not None,
+            "timeline": marks,
+            "early_steps": list(result.stats.early_steps),
         }
         yield Done(
             result.text,

@@ -218,7 +218,7 @@ def make_api(backend, cfg: ServeAppConfig, gate=None):
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         most = cfg.limits.body_bytes
         sent = request.headers.get("content-length", "")
         if sent.isdigit() and int(sent) > most:  # refused before it is read
@@ -328,6 +328,8 @@ def make_api(backend, cfg: ServeAppConfig, gate=None):
                             yield part
                     elif isinstance(ev, Done):
                         done = ev
+                        if isinstance((ev.extra or {}).get("timeline"), dict):  # the ingress's marks beside the replica's
+                            ev.extra["timeline"].update(http_in=wall0, first_chunk=None if ttft is None else wall0 + ttft)
                         yield sse_many(shaper.finish(ev))
                         if shaper.mismatch:
                             log.warning("stream deltas diverged from the final parse (request %s)", shaper.id)

@@ -208,6 +208,7 @@ RECORD_FIELDS = (  # a request row's fields in the records file's order
     *("cached_tokens", "server_prefill_ms", "server_decode_ms", "drafted_tokens", "accepted_tokens", "digest"),
     "text_digest",
     *("started", "node"),
+    "server_timeline",
 )
 
 
@@ -230,6 +231,12 @@ def fill_success(rec: dict, item: dict, out: dict) -> None:
         # where the server's time went: forwards that held this request's prompt rows / its drafts
         for part in ("prefill", "decode"):
             rec[f"server_{part}_ms"] = 1000 * number[f"{part}_s"] if f"{part}_s" in number else None
+        if isinstance(stats.get("timeline"), dict):  # where its first token waited (wall-clock marks, its first steps)
+            rec["server_timeline"] = {
+                **stats["timeline"],
+                "retrieval": stats.get("retrieval"),
+                "early_steps": stats.get("early_steps"),
+            }
     chunks = out["chunk_times"]
     tokens = usage.get("completion_tokens", len(chunks) if chunks is not None else None)
     rec.update(request_timings(out["sent"], chunks, out["finished"], tokens))

@@ -4,7 +4,8 @@ The committed load-test reports: several apps from one config on loopback, side 
 
 Starts one local Ray cluster with one application per ``--apps`` entry, built from the same config
 except the method and its options (default: ``toolspec`` at /toolspec and plain greedy at
-/greedy; ``+nocache`` serves an app without prefix caching, ``+threadsN`` with ``threads`` N, ``+chunkN`` with ``prefill_chunk_tokens``
+/greedy; ``+nocache`` serves an app without prefix caching, ``+lexical`` keys the library search
+on hashed n-grams (no encoder on the cores), ``+noretrieval`` has no Retrieval deployment, ``+threadsN`` with ``threads`` N, ``+chunkN`` with ``prefill_chunk_tokens``
 N), runs ``toolspec loadtest`` against all of them, the last one the baseline, then shuts
 everything down. Arguments it does not know go to
 ``toolspec loadtest`` unchanged (e.g. ``--workload conversations``, ``--request-rate``, ``--slo``).
@@ -41,6 +42,8 @@ import sys
 OPTIONS = {
     "nocache": {"prefix_caching": False},
 }
+# the call library's search: keyed on hashed n-grams (no encoder on the cores), or none at all
+RETRIEVAL_OPTIONS = {"lexical": {"key": "lexical"}, "noretrieval": {"enabled": False}}
 
 
 VLLM_OPTIONS = ("suffix", "allcores")
@@ -174,8 +177,9 @@ def app_config(spec: str, library: str) -> tuple[str, dict]:
     new deployment)."""
     name, _, rest = spec.partition("=")
     method, *options = (rest or name).split("+")
-    if not name or any(o not in OPTIONS and not re.fullmatch(r"(chunk|threads)[1-9][0-9]*", o) for o in options):
-        raise SystemExit(f"--apps: cannot read {spec!r} (NAME=METHOD[+{'|'.join(OPTIONS)}|+chunkN|+threadsN])")
+    known = (*OPTIONS, *RETRIEVAL_OPTIONS)
+    if not name or any(o not in known and not re.fullmatch(r"(chunk|threads)[1-9][0-9]*", o) for o in options):
+        raise SystemExit(f"--apps: cannot read {spec!r} (NAME=METHOD[+{'|'.join(known)}|+chunkN|+threadsN])")
     extra: dict = {"method": method}
     from toolspec_core.drafters.methods import method_class
 
@@ -186,6 +190,8 @@ def app_config(spec: str, library: str) -> tuple[str, dict]:
     for o in options:
         if o in OPTIONS:
             extra.update(OPTIONS[o])
+        elif o in RETRIEVAL_OPTIONS:
+            extra["retrieval"] = {"enabled": False} if o == "noretrieval" else {**extra["retrieval"], **RETRIEVAL_OPTIONS[o]}
         elif o.startswith("threads"):
             extra["threads"] = int(o[7:])  # the replica model's torch threads
         else:

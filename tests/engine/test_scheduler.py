@@ -277,6 +277,62 @@ def test_waiting_prompt_gets_its_first_chunk_whatever_the_draft_rows(tiny, refs,
     assert [s.result.tokens for s in seqs] == [hf_greedy(tiny, p, 4) for p in late]
 
 
+@pytest.mark.parametrize("pooled", [False, True])
+def test_decoding_sequences_keep_their_trees_while_a_prompt_prefills(tiny, pooled):
+    """Running sequences first: on a curve flat to 32 rows and dear past them, a step that carries
+    a 16-row prompt chunk keeps the trees a decode-only step keeps (priced against the chunk, half
+    of them would be cut), so the decoding sequences go on advancing several tokens a step while
+    the prompt prefills; its first chunk is still whole, and every output is plain greedy's."""
+    prompts = _prompts(5, 3)
+    want = [hf_greedy(tiny, p, 64) for p in prompts[:4]]
+    curve = CostModel({1: 1.0, 32: 1.0, 33: 1.2, 128: 20.0}, max_nodes=15)
+    chunk = 16
+    pool = tiny.block_pool(2048, 8) if pooled else None
+    sched = Scheduler(tiny, curve, BatchLimits(max_running=5, prefill_chunk=chunk, tree_rows=16), pool)
+    decoding = [
+        sched.add(Sequence(tiny, prompts[i], ScriptedDrafter(oracle(want[i])), DecodeConfig(max_new_tokens=64)))
+        for i in range(4)
+    ]
+    while any(s.prefilling for s in decoding):
+        sched.step()
+    sched.step()
+    alone = sched.steps[-1]
+    assert alone.prefill_rows == 0 and alone.draft_rows == 4 * 6  # decode-only: every oracle node pays
+    late = (prompts[4] * 20)[:64]
+    seq = sched.add(Sequence(tiny, late, None, DecodeConfig(max_new_tokens=4)))
+    before = [len(s.generated) for s in decoding]
+    steps = 0
+    while seq.prefilling:
+        sched.step()
+        steps += 1
+        step = sched.steps[-1]
+        assert step.prefill_rows == chunk and step.draft_rows == alone.draft_rows  # the chunk on top of the trees
+    advanced = [len(s.generated) - b for s, b in zip(decoding, before)]
+    assert steps == 4 and all(a >= 4 * steps for a in advanced)  # several tokens a prompt step, not one
+    sched.run()
+    assert [s.result.tokens for s in decoding] == want
+    assert seq.result.tokens == hf_greedy(tiny, late, 4)
+
+
+def test_a_sequence_records_where_its_first_token_waited(tiny, refs):
+    """Load studies read a request's wait from its stats: wall-clock marks in order (queued,
+    admitted, first chunk, first token) and what each of its first steps carried."""
+    prompts, want = refs
+    sched = Scheduler(tiny, CostModel.cpu_reference(), BatchLimits(max_running=1, prefill_chunk=8))
+    first = sched.add(Sequence(tiny, prompts[0], ScriptedDrafter(oracle(want[0])), DecodeConfig(max_new_tokens=N)))
+    second = sched.add(Sequence(tiny, (prompts[1] * 4)[:20], None, DecodeConfig(max_new_tokens=2)))
+    sched.run()
+    for seq in (first, second):
+        t = seq.stats.times
+        assert t["queued"] <= t["admitted"] <= t["prefill_start"] <= t["first_token"]
+        pre = [s for s in seq.stats.early_steps if s["kind"] == "prefill"]
+        assert sum(s["own_rows"] for s in pre) == len(seq.prompt_ids) and pre[-1]["generated"] == 1
+        assert all(s["rows"] >= s["own_rows"] and s["forward_s"] > 0 for s in seq.stats.early_steps)
+    assert second.stats.times["admitted"] >= first.stats.times["first_token"]  # it queued behind max_running 1
+    assert [s["prefill_rows"] for s in second.stats.early_steps[:3]] == [8, 8, 4]
+    assert first.result.tokens == want[0]
+
+
 def test_budget_alone_sizes_a_lone_sequences_tree(tiny, refs):
     """No fixed per-tree cap below the budget: on a flat curve a sequence alone keeps every node
     its drafter offers, more than the curve's ``max_nodes``; eight sequences on a curve that gets

@@ -80,31 +80,3 @@ def test_allocate_across_a_batch_on_a_hand_computed_curve():
     assert [len(t) for t in allocate([a, b], bound, base_rows=2)] == [0, 0]
     # a batch of one is prune_to_budget
     assert allocate([a], dear, base_rows=1)[0].tokens == prune_to_budget(a, dear).tokens
-
-
-def test_draft_rows_sharing_a_prefill_chunk_are_priced_by_what_they_add():
-    """A 512-row prefill chunk shares the step of two decoding sequences on a curve flat to 4 rows,
-    then linear at 0.05 a row. Decode-only, the best step keeps A's chain and B's guess: (2 + 0.9
-    + 0.81 + 0.5) / 1.0 = 4.21 tokens per unit of cost. In the mixed step a row adds 0.05, worth
-    4.21 x 0.05 = 0.21 tokens: A's chain (0.9, 0.81) and B's guess (0.5) pay; A's 0.1 leaf and
-    B's 0.05 one do not, though against a base that counts the chunk's rows (the rate
-    (2 + gain) / cost[514 + n], almost flat there) they would ride along."""
-    from toolspec_core.engine.tree import allocate
-
-    a, b = DraftTree(), DraftTree()
-    a.add_path([10, 11], 0.9, "x")
-    a.add(1, 12, 0.1 / 0.81, "x")  # path prob 0.1
-    b.add(-1, 20, 0.5, "x")
-    b.add(0, 21, 0.1, "x")  # path prob 0.05
-    cost = [0.0] + [1.0] * 4 + [1.0 + 0.05 * (k - 4) for k in range(5, 700)]
-    kept = allocate([a, b], cost, base_rows=2, prefill_rows=512)
-    assert kept[0].tokens == [10, 11] and kept[1].tokens == [20]
-    both = allocate([a, b], cost, base_rows=2 + 512)  # the chunk counted as part of the base
-    assert both[0].tokens == [10, 11, 12] and both[1].tokens == [20, 21]
-    # a flat curve (an accelerator with room for the chunk): draft rows add nothing, all are kept
-    flat = [0.0] + [1.0] * 700
-    kept = allocate([a, b], flat, base_rows=2, prefill_rows=512)
-    assert kept[0].tokens == [10, 11, 12] and kept[1].tokens == [20, 21]
-    # compute-bound past the chunk and dearer per row than any guess is worth: nothing rides on it
-    dear = [0.0] + [1.0] * 4 + [1.0 + 2.0 * (k - 4) for k in range(5, 700)]
-    assert [len(t) for t in allocate([a, b], dear, base_rows=2, prefill_rows=512)] == [0, 0]

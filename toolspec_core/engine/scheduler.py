@@ -34,7 +34,7 @@ from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import commit_kv, kv_rows
 from toolspec_core.engine.device_walk import read_walks, walk_inputs
 from toolspec_core.engine.sequence import Sequence, cap_depth
-from toolspec_core.engine.stats import record_step
+from toolspec_core.engine.stats import EARLY_STEPS, record_step
 from toolspec_core.engine.tree import DraftTree, select
 from toolspec_core.engine.verify import VerifyResult, row_parents, tree_inputs, walk
 from toolspec_core.errors import ContextLengthError
@@ -136,6 +136,7 @@ class Scheduler:
         """Queue ``seq``; a sequence the whole pool could never hold is refused here."""
         if self.pool is not None:
             self.check_fits(len(seq.prompt_ids), seq.cfg.max_new_tokens)
+        seq.stats.times.setdefault("queued", time.time())
         self.waiting.append(seq)
         return seq
 
@@ -184,6 +185,7 @@ class Scheduler:
                 finished.append(seq)
         self._admit()
         self._reap(finished)
+        wall0 = time.time()  # the step's rows are chosen from here
 
         segments: list[Segment] = []
         prefills: list[tuple[Sequence, int, bool]] = []  # (seq, its rows, prompt complete)
@@ -194,6 +196,7 @@ class Scheduler:
                 n = min(budget, len(seq.prompt_ids) - a)
                 segments.append(Segment(seq.cache, torch.tensor(seq.prompt_ids[a : a + n]), torch.arange(a, a + n)))
                 prefills.append((seq, n, a + n == len(seq.prompt_ids)))
+                seq.stats.times.setdefault("prefill_start", wall0)
                 seq.filled += n
                 budget -= n
         prefill_rows = self.limits.prefill_chunk - budget
@@ -204,7 +207,7 @@ class Scheduler:
         trees = [fit_room(seq, tree) for seq, tree in zip(decoding, self._propose_all(decoding))]
         tb = time.perf_counter()
         if self.cost is not None and decoding:
-            trees = self.cost.allocate(trees, root_rows, prefill_rows)
+            trees = self.cost.allocate(trees, root_rows)  # as in a decode-only step: the chunk rides on top
         tc = time.perf_counter()
 
         rows: list[_Row] = []
@@ -259,6 +262,7 @@ class Scheduler:
             if done:
                 first = out.rows(j, 1)
                 seq.start(None if first is None else first[0].cpu(), None if choice is None else choice[j])
+                seq.stats.times["first_token"] = time.time()
                 self._prompt_done(seq, out.hidden[j].cpu())
                 j += 1
                 seq.cache.register(seq.prompt_ids)  # later prompts that begin with this one reuse its blocks
@@ -272,6 +276,7 @@ class Scheduler:
             self.cost.observe(total_rows, fwd)
         self._reap(finished)
         draft_rows = sum(len(t) for t in trees)
+        note_early_steps(prefills, rows, time.time(), fwd, total_rows, prefill_rows, root_rows + draft_rows)
         self.steps.append(
             StepRecord(
                 rows=total_rows,
@@ -446,6 +451,7 @@ class Scheduler:
                 self._place(seq)
             self.waiting.popleft()
             self.running.append(seq)
+            seq.stats.times["admitted"] = time.time()
             reserved += seq.reserved_tokens
             seq.take_prefilled()
 
@@ -496,6 +502,20 @@ class Scheduler:
                     seq.cache.release(seq.tokens)
                 seq.finish()
                 finished.append(seq)
+
+
+def note_early_steps(prefills, rows: list[_Row], end: float, fwd: float, total: int, prefill: int, decode: int) -> None:
+    """What a step carried, kept on each of its sequences for their first ``EARLY_STEPS`` steps
+    (``GenerationStats.early_steps``): when it ended (wall clock), its forward's seconds, its rows
+    (all / prompt rows / decoding rows), this sequence's own rows and its output tokens after it --
+    so a load study can tell where a first token (and a first streamed chunk) waited."""
+    mine = [(seq, n, "prefill") for seq, n, _ in prefills] + [(r.seq, r.n, "decode") for r in rows]
+    for seq, n, kind in mine:
+        if len(seq.stats.early_steps) < EARLY_STEPS:
+            seq.stats.early_steps.append(
+                {"end": round(end, 4), "forward_s": round(fwd, 4), "rows": total, "prefill_rows": prefill,
+                 "decode_rows": decode, "kind": kind, "own_rows": n, "generated": len(seq.generated)}
+            )
 
 
 def reads_logits(seq: Sequence) -> bool:

@@ -8,6 +8,9 @@ from toolspec_core.drafters.labels import NONE
 from toolspec_core.engine.tree import DraftTree, VerifyResult
 
 
+EARLY_STEPS = 24  # steps per request whose shape GenerationStats.early_steps keeps
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -25,6 +28,12 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0
+    # where the request's time went before its first tokens, for load studies: wall-clock marks
+    # (time.time(): queued, admitted, prefill_start, first_token; a server adds its own) and,
+    # for the first EARLY_STEPS steps that held it, what each step carried (not in to_dict: a
+    # server reports them with its own marks)
+    times: dict[str, float] = field(default_factory=dict)
+    early_steps: list[dict] = field(default_factory=list)
 
     @property
     def decode_s(self) -> float:

@@ -161,7 +161,6 @@ def allocate(
     cost: "list[float]",
     base_rows: int,
     max_nodes: int | None = None,
-    prefill_rows: int = 0,
 ) -> "list[DraftTree]":
     """One budget across a batch: the node sets that maximise expected tokens per unit of cost.
 
@@ -175,13 +174,11 @@ def allocate(
     step is never expected to be slower than plain decoding of the same sequences; as the batch
     grows each extra row costs more and trees shrink. ``max_nodes`` caps each tree.
 
-    ``prefill_rows``: prompt rows sharing the forward (a prefill chunk). Draft rows then lengthen a
-    step that also carries a prompt, so they are priced by what they add to it, ``cost[prefill +
-    base + n] - cost[prefill + base]``, in tokens at the rate the same sequences reach in a
-    decode-only step (the best rate above): n maximises ``gain(n) - rate * added cost(n)``. A
-    tree rides on a prefill step only where its expected tokens beat what the time it adds buys
-    in decode steps -- on a curve already linear at the chunk's size that is nearly never, so
-    trees do not slow prompts there, while a flat curve (an accelerator) keeps them free.
+    A prefill chunk sharing the forward takes no part: the decoding sequences' trees are what a
+    decode-only step of theirs would keep (running sequences first, as vLLM v1 schedules their
+    speculative tokens), and the chunk's rows come on top (the scheduler's own budget). Priced
+    against the chunk, trees would almost never ride on a CPU step that carries one, and every
+    decoding sequence would advance one token per prompt step for as long as prompts wait.
     """
     if not any(t.tokens for t in trees):
         return list(trees)
@@ -194,9 +191,7 @@ def allocate(
     tokens = [float(len(trees))]  # expected tokens of the step with the top-n nodes: one per root, then theirs
     for neg, _, _ in ranked:
         tokens.append(tokens[-1] - neg)
-    best_n, rate = best_prefix(tokens, cost, base_rows)
-    if prefill_rows > 0:
-        best_n = priced_prefix(tokens, cost, prefill_rows + base_rows, rate)
+    best_n = best_prefix(tokens, cost, base_rows)[0]
     keep: list[set[int]] = [set() for _ in trees]
     for _, ti, i in ranked[:best_n]:
         keep[ti].add(i)
@@ -221,17 +216,3 @@ def best_prefix(tokens: list[float], cost: list[float], base_rows: int) -> tuple
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n, best_rate
-
-
-def priced_prefix(tokens: list[float], cost: list[float], fixed_rows: int, rate: float) -> int:
-    """The n maximising ``tokens[n] - tokens[0] - rate * (cost[fixed_rows + n] - cost[fixed_rows])``:
-    draft rows added to a forward of ``fixed_rows`` rows, each priced by the time it adds there, in
-    tokens at ``rate`` per unit of cost (n = 0 included, the smallest n on ties)."""
-    base = min(fixed_rows, len(cost) - 1)
-    limit = max(0, min(len(tokens) - 1, len(cost) - 1 - fixed_rows))
-    best_n, best = 0, 0.0
-    for n in range(1, limit + 1):
-        net = tokens[n] - tokens[0] - rate * (cost[fixed_rows + n] - cost[base])
-        if net > best:
-            best_n, best = n, net
-    return best_n
