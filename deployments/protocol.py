@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from toolspec_core.drafters.toolcall.parse import ParsedOutput, ToolCall, parse_tool_calls
+from toolspec_core.engine.limits import requested_tokens
+from toolspec_core.errors import InvalidRequestError
 
 # ---------------------------------------------------------------------------------------- errors
 
@@ -309,22 +311,10 @@ def parse_request(body: Any, served_model: str, max_tokens_limit: int, limits: A
             param="tool_choice",
             code="invalid_value",
         )
-    if (
-        req.max_tokens is not None
-        and req.max_completion_tokens is not None
-        and req.max_tokens != req.max_completion_tokens
-    ):
-        raise APIError(
-            "Set either max_tokens or max_completion_tokens, not both with different values", param="max_tokens"
-        )
-    for field in ("max_tokens", "max_completion_tokens"):
-        v = getattr(req, field)
-        if v is not None and not 1 <= v <= max_tokens_limit:
-            raise APIError(
-                f"Invalid '{field}': must be between 1 and {max_tokens_limit}, got {v}",
-                param=field,
-                code="invalid_value",
-            )
+    try:  # the range of the asked output length: toolspec_core.engine.limits owns every token limit
+        requested_tokens(req.max_tokens, req.max_completion_tokens, max_tokens_limit)
+    except InvalidRequestError as exc:
+        raise APIError(str(exc), param=exc.param, code=exc.code) from None
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > limits.stop or any(not s for s in stops):
         raise APIError(
@@ -424,7 +414,7 @@ def engine_request(req: ChatRequest, tenant: str = "default") -> EngineRequest:
         messages=[m.model_dump(exclude_none=True) for m in req.messages],
         tools=tools,
         tool_choice=choice,
-        max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+        max_tokens=requested_tokens(req.max_tokens, req.max_completion_tokens, None),  # parse_request checked it
         temperature=float(req.temperature) if req.temperature is not None else None,
         top_p=float(req.top_p) if req.top_p is not None else 1.0,
         top_k=req.top_k or 0,

@@ -32,11 +32,11 @@ from toolspec_core.drafters.base import NoDrafter, prepare_all, propose_all
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import commit_kv, kv_rows
 from toolspec_core.engine.device_walk import read_walks, walk_inputs
+from toolspec_core.engine.limits import target_limits
 from toolspec_core.engine.sequence import Sequence, cap_depth
 from toolspec_core.engine.stats import record_step
 from toolspec_core.engine.tree import DraftTree, select
 from toolspec_core.engine.verify import VerifyResult, tree_inputs, walk
-from toolspec_core.errors import ContextLengthError
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import BlockPool
 from toolspec_core.model.kv import copy_rows
@@ -130,29 +130,18 @@ class Scheduler:
         self._worker = None  # the thread that prepares drafters beside the forward (_beside_forward)
 
     def add(self, seq: Sequence) -> Sequence:
-        """Queue ``seq``; a sequence the whole pool could never hold is refused here."""
-        if self.pool is not None:
-            self.check_fits(len(seq.prompt_ids), seq.cfg.max_new_tokens)
+        """Queue ``seq``. A job's limits are checked before it is made
+        (:func:`toolspec_core.engine.limits.token_budget`, with :func:`~toolspec_core.engine.limits.target_limits`
+        of this scheduler); one the whole pool could never hold -- it would wait forever -- is a bug here."""
+        if self.pool is not None and not target_limits(self.target, self).holds(
+            len(seq.prompt_ids), seq.cfg.max_new_tokens
+        ):
+            raise ValueError(
+                f"sequence {seq.id} ({len(seq.prompt_ids)} prompt + {seq.cfg.max_new_tokens} new tokens) can never "
+                f"be held by the KV pool of {self.pool.capacity_tokens} tokens; check it with toolspec_core.engine.limits first"
+            )
         self.waiting.append(seq)
         return seq
-
-    def max_new_tokens(self, prompt_tokens: int) -> int | None:
-        """The most tokens a prompt of this length may ask for here (None: the pool sets no limit).
-        Reads only fixed sizes, so any thread may ask."""
-        if self.pool is None:
-            return None
-        return self.pool.capacity_tokens - prompt_tokens - self.limits.tree_rows
-
-    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        """Raise ContextLengthError for a request the whole pool could never hold (any thread)."""
-        room = self.max_new_tokens(prompt_tokens)
-        if room is not None and max_new_tokens > room:
-            raise ContextLengthError(
-                f"prompt of {prompt_tokens} tokens + max_tokens {max_new_tokens} exceeds the replica's KV pool of "
-                f"{self.pool.capacity_tokens} tokens ({self.limits.tree_rows} kept for a draft tree); ask for at most "
-                f"{max(0, room)} tokens or shorten the prompt",
-                "messages",
-            )
 
     def _rows_needed(self, seq: Sequence) -> int:
         return seq.reserved_tokens + self.limits.tree_rows
