@@ -277,6 +277,50 @@ def test_wrong_model_is_404_and_body_must_be_object():
         parse_request([1, 2], "m", 10)
 
 
+def test_a_schema_is_checked_once_and_answers_the_same(monkeypatch):
+    """A tool schema's metaschema check is kept per schema (an agent sends the same tools every
+    request): the same schema is checked once and answers as the check itself does, valid or not;
+    a schema differing anywhere is checked on its own; the kept checks are bounded."""
+    import collections
+
+    from jsonschema import Draft202012Validator
+
+    from deployments import protocol
+
+    monkeypatch.setattr(protocol, "_SCHEMA_CHECKS", collections.OrderedDict())
+    monkeypatch.setattr(protocol, "SCHEMA_CHECKS_KEPT", 3)
+    checked = []
+    real = Draft202012Validator.check_schema.__func__
+
+    def counting(cls, schema, *a, **kw):
+        checked.append(schema)
+        return real(cls, schema, *a, **kw)
+
+    monkeypatch.setattr(Draft202012Validator, "check_schema", classmethod(counting))
+
+    def tool(params):
+        return {"type": "function", "function": {"name": "f", "parameters": params}}
+
+    good = {"type": "object", "properties": {"x": {"type": "string"}, "n": {"type": "integer", "minimum": 1}}}
+    bad = {"type": "object", "properties": {"x": {"type": "nope"}}}
+    answers = []
+    for schema in (good, bad, good, bad, json.loads(json.dumps(good))):
+        try:
+            parse_request({"messages": MSG, "tools": [tool(schema)]}, "m", 10)
+            answers.append(None)
+        except APIError as exc:
+            answers.append((exc.code, exc.param, exc.message))
+    assert len(checked) == 2  # one check per distinct schema
+    assert answers[0] is None and answers[2] is None and answers[4] is None
+    assert answers[1] == answers[3] and answers[1][0] == "invalid_function_parameters" and "nope" in answers[1][2]
+    near = {**good, "properties": {**good["properties"], "n": {"type": "integer", "minimum": 1.0}}}
+    assert protocol.schema_problem(near) is None and len(checked) == 3  # 1 and 1.0 are different schemas
+    assert protocol.schema_problem({"type": "object", "minimum": "1"}) is not None  # a fourth: the oldest goes
+    assert len(protocol._SCHEMA_CHECKS) == 3
+    for schema in (good, bad, near, {"type": "object", "minimum": "1"}):  # the kept answers are the check's own
+        assert protocol.schema_problem(schema) == protocol._schema_problem(schema)
+
+
 def test_engine_request_normalises():
     req = parse_request(
         {
