@@ -200,10 +200,11 @@ class Scheduler:
             o += n
             if done:
                 logit_rows.append(o - 1)
+        dtype = self.target.dtype if decoding else None  # read once a step: it walks the model's parameters
         for seq, tree in zip(decoding, trees):
             kv_len = seq.cache.get_seq_length()
             single = len(seq.roots) == 1 and not tree.tokens  # one row: causal, no mask to build
-            ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, self.target.dtype, mask=not single)
+            ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, dtype, mask=not single)
             segments.append(Segment(seq.cache, ids[0], pos[0], mask))
             n = ids.shape[1]
             rows.append(_Row(seq, tree, kv_len, len(logit_rows), n))
