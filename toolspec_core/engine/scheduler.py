@@ -201,12 +201,23 @@ class Scheduler:
             if done:
                 logit_rows.append(o - 1)
         dtype = self.target.dtype if decoding else None  # read once a step: it walks the model's parameters
-        for seq, tree in zip(decoding, trees):
-            kv_len = seq.cache.get_seq_length()
-            single = len(seq.roots) == 1 and not tree.tokens  # one row: causal, no mask to build
-            ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, dtype, mask=not single)
-            segments.append(Segment(seq.cache, ids[0], pos[0], mask))
-            n = ids.shape[1]
+        kv_lens = [seq.cache.get_seq_length() for seq in decoding]
+        # a sequence with one row (its root, no tree) runs causally, no mask: the rows of all of them
+        # are made as one tensor a step and handed out as views, not two small tensors each
+        single = [len(seq.roots) == 1 and not tree.tokens for seq, tree in zip(decoding, trees)]
+        ones = [i for i, x in enumerate(single) if x]
+        one_ids = torch.tensor([decoding[i].roots[0] for i in ones], dtype=torch.long).split(1) if ones else ()
+        one_pos = torch.tensor([kv_lens[i] for i in ones], dtype=torch.long).split(1) if ones else ()
+        k = 0
+        for seq, tree, kv_len, alone in zip(decoding, trees, kv_lens, single):
+            if alone:  # [1] each, as tree_inputs would make them
+                segments.append(Segment(seq.cache, one_ids[k], one_pos[k], None))
+                k += 1
+                n = 1
+            else:
+                ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, dtype)
+                segments.append(Segment(seq.cache, ids[0], pos[0], mask))
+                n = ids.shape[1]
             rows.append(_Row(seq, tree, kv_len, len(logit_rows), n))
             logit_rows.extend(range(o, o + n))
             o += n
