@@ -272,7 +272,7 @@ def record(args) -> int:
     appending to ``--out`` (items already there are skipped: an interrupted run resumes)."""
     from benchmarks.data import load_items, prompt_ids, select_items
     from benchmarks.datasets import SINGLE_TURN, dev_set
-    from toolspec_core.engine.sequence import check_prompt
+    from toolspec_core.engine.limits import check_prompt
     from toolspec_core.errors import ToolSpecError
     from toolspec_core.model.target import load_target
 

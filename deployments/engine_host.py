@@ -43,10 +43,8 @@ def error_event(err: APIError) -> Failed:
 
 
 def request_error(exc: InvalidRequestError) -> APIError:
-    from toolspec_core.errors import ContextLengthError
-
-    code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
-    return APIError(str(exc), 400, param=exc.param, code=code)
+    """The OpenAI 400 of an engine-side refusal: its message, parameter and code as they are."""
+    return APIError(str(exc), 400, param=exc.param, code=exc.code)
 
 
 @dataclass
@@ -75,6 +73,7 @@ class EngineHost:
             tokens = kv_pool_tokens(cfg, target, limits.tree_rows)
             kv_pool = target.block_pool(tokens, cfg.kv_block_tokens, cfg.prefix_caching)
         self.engine = EngineBridge(target, cost, limits, kv_pool)
+        self.limits = serving_limits(cfg, target, self.engine.scheduler)
 
     # ------------------------------------------------------------------ start-up
     @classmethod
@@ -137,7 +136,7 @@ class EngineHost:
 
     # ------------------------------------------------------------------ worker-thread steps
     def _prepare(self, req: EngineRequest) -> Prepared:
-        return prepare(req, self.cfg, self.target, self.engine.scheduler, self.text_key)
+        return prepare(req, self.cfg, self.target, self.limits, self.text_key)
 
     def _sequence(self, prep: Prepared, info, late, begin=None):
         """The request's sequence and drafter. ``late``: the search still running or still to start
@@ -307,6 +306,20 @@ class EngineHost:
         if group is not None:
             group.shutdown()
         self.workers.shutdown(wait=False, cancel_futures=True)
+
+
+def serving_limits(cfg: ServeAppConfig, target, scheduler):
+    """Every token limit a job of this replica is held to, resolved once: the target's window and
+    the scheduler's KV pool, the server's ``max_tokens_limit`` / ``max_tokens_default`` and
+    ``limits.prompt_tokens`` (:mod:`toolspec_core.engine.limits` checks them all)."""
+    from toolspec_core.engine.limits import target_limits
+
+    return dataclasses.replace(
+        target_limits(target, scheduler),
+        max_tokens=cfg.max_tokens_limit,
+        default=cfg.max_tokens_default,
+        prompt_tokens=cfg.limits.prompt_tokens,
+    )
 
 
 def kv_pool_tokens(cfg: ServeAppConfig, target, tree_rows: int) -> int:

@@ -1,9 +1,9 @@
 """Request preparation in the replica: prompt, decode policy and the library search, before the engine.
 
-No Ray here. :func:`prepare` renders the prompt and applies the server's policy (limits, the
-``tool_choice`` / ``response_format`` grammar, ``max_tokens`` against the context and the KV
-pool, sampling, stop strings); it runs in a worker thread (tokenising and grammar set-up are
-CPU work). :class:`Search` runs the request's call-library search on the event loop, keyed on
+No Ray here. :func:`prepare` renders the prompt and applies the server's policy (the output
+length the replica's :class:`~toolspec_core.engine.limits.TokenLimits` allow, the
+``tool_choice`` / ``response_format`` grammar, sampling, stop strings); it runs in a worker
+thread (tokenising and grammar set-up are CPU work). :class:`Search` runs the request's call-library search on the event loop, keyed on
 the request's text (started at once, so it runs while the engine prefills the prompt) or on the
 prompt's hidden state (started from the engine thread once the engine has prefilled the prompt
 in its pool, :meth:`Search.keyed_later`); :class:`LateDrafter` takes the drafter built (in a
@@ -16,8 +16,6 @@ import asyncio
 import concurrent.futures
 from dataclasses import dataclass
 from typing import Any
-
-from toolspec_core.errors import InvalidRequestError
 
 from .config import ServeAppConfig
 from .protocol import EngineRequest
@@ -33,43 +31,28 @@ class Prepared:
     key: Any = None  # retrieval key known before prefill (the request's text), else None
 
 
-def prepare(req: EngineRequest, cfg: ServeAppConfig, target, scheduler, text_key: bool) -> Prepared:
+def prepare(req: EngineRequest, cfg: ServeAppConfig, target, limits, text_key: bool) -> Prepared:
     """The request's prompt and decode settings under the server's policy; raises
-    :class:`InvalidRequestError` (a 400) for what the server will not run. ``scheduler``: the
-    engine's, whose KV pool bounds ``max_tokens``; ``text_key``: the search is keyed on the
-    request's text (``Prepared.key``)."""
+    :class:`~toolspec_core.errors.InvalidRequestError` (a 400) for what the server will not run.
+    ``limits``: the replica's :class:`~toolspec_core.engine.limits.TokenLimits` (window, KV pool,
+    the server's caps and default), the one check of the job's token counts; ``text_key``: the
+    search is keyed on the request's text (``Prepared.key``)."""
     from toolspec_core.engine.grammar import make_tool_constraint
-    from toolspec_core.engine.loop import DecodeConfig, check_prompt
+    from toolspec_core.engine.limits import token_budget
+    from toolspec_core.engine.loop import DecodeConfig
     from toolspec_core.engine.sampling import SamplingParams
     from toolspec_core.model.prompting import render_prompt
 
     tok = target.tokenizer
     tools = req.offered_tools
     prompt = render_prompt(tok, req.messages, tools or None)
-    most = cfg.limits.prompt_tokens
-    if most is not None and len(prompt) > most:
-        raise InvalidRequestError(
-            f"the prompt has {len(prompt)} tokens; this server takes at most {most} (limits.prompt_tokens)",
-            "messages",
-        )
+    max_new = token_budget(len(prompt), req.max_tokens, limits)  # before the grammar: a refusal costs no set-up
     constraint = None
     parallel = req.parallel_tool_calls
     answer = req.response_schema
     if (tools and req.tool_choice not in ("auto", "none")) or answer is not None:
         vocab = getattr(target.model.config, "vocab_size", None)
         constraint = make_tool_constraint(tok, tools, req.tool_choice, vocab, parallel, answer)
-    room = target.max_context - len(prompt)
-    if req.max_tokens is None:
-        if room < 1:
-            check_prompt(target, prompt, 1)
-        max_new = min(cfg.max_tokens_default, room)
-        pool_room = scheduler.max_new_tokens(len(prompt))
-        if pool_room is not None and pool_room >= 1:
-            max_new = min(max_new, pool_room)
-    else:
-        max_new = max(1, req.max_tokens)
-    check_prompt(target, prompt, max_new)
-    scheduler.check_fits(len(prompt), max_new)
     temperature = req.temperature if req.temperature is not None else cfg.default_temperature
     sampling = SamplingParams(temperature, req.top_p, req.top_k, req.seed)
     # no parallel calls: the output ends with the first call's closer (the grammar does that

@@ -6,8 +6,10 @@ Pure Python (no Ray, no torch) so it is unit-tested directly. Bad input raises
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
+import threading
 import time
 import uuid
 from typing import Any, Literal
@@ -15,6 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from toolspec_core.drafters.toolcall.parse import ParsedOutput, ToolCall, parse_tool_calls
+from toolspec_core.engine.limits import requested_tokens
+from toolspec_core.errors import InvalidRequestError
 
 # ---------------------------------------------------------------------------------------- errors
 
@@ -243,15 +247,53 @@ def _check_schema(schema: dict, param: str, what: str, code: str = "invalid_valu
             param=param,
             code="schema_too_large",
         )
+    problem = schema_problem(schema)
+    if problem is not None:
+        raise APIError(f"{what}: {problem}", param=param, code=code)
+
+
+def schema_problem(schema: dict) -> str | None:
+    """Why ``schema`` is not a valid JSON schema (draft 2020-12), None when it is. Checking a
+    schema against the metaschema costs about half a millisecond a tool, and an agent sends the
+    same tools with every request: the answer is kept per schema, keyed by a digest of its JSON
+    text (the text holds every key, value and order the check reads). A schema no JSON text can
+    hold is checked as it is."""
+    import hashlib
+    import json
+
+    try:
+        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        return _schema_problem(schema)
+    key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=32).digest()
+    with _SCHEMA_LOCK:
+        if key in _SCHEMA_CHECKS:
+            _SCHEMA_CHECKS.move_to_end(key)
+            return _SCHEMA_CHECKS[key]
+    problem = _schema_problem(schema)
+    with _SCHEMA_LOCK:
+        _SCHEMA_CHECKS[key] = problem
+        while len(_SCHEMA_CHECKS) > SCHEMA_CHECKS_KEPT:
+            _SCHEMA_CHECKS.popitem(last=False)
+    return problem
+
+
+SCHEMA_CHECKS_KEPT = 4096  # schemas whose check is kept (32-byte keys; the least recently used goes)
+_SCHEMA_CHECKS: collections.OrderedDict[bytes, str | None] = collections.OrderedDict()
+_SCHEMA_LOCK = threading.Lock()
+
+
+def _schema_problem(schema: dict) -> str | None:
     try:
         from jsonschema import Draft202012Validator
         from jsonschema.exceptions import SchemaError
     except ImportError:
-        return
+        return None
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
-        raise APIError(f"{what}: {exc.message}", param=param, code=code) from None
+        return exc.message
+    return None
 
 
 def parse_request(body: Any, served_model: str, max_tokens_limit: int, limits: Any = None) -> ChatRequest:
@@ -309,22 +351,10 @@ def parse_request(body: Any, served_model: str, max_tokens_limit: int, limits: A
             param="tool_choice",
             code="invalid_value",
         )
-    if (
-        req.max_tokens is not None
-        and req.max_completion_tokens is not None
-        and req.max_tokens != req.max_completion_tokens
-    ):
-        raise APIError(
-            "Set either max_tokens or max_completion_tokens, not both with different values", param="max_tokens"
-        )
-    for field in ("max_tokens", "max_completion_tokens"):
-        v = getattr(req, field)
-        if v is not None and not 1 <= v <= max_tokens_limit:
-            raise APIError(
-                f"Invalid '{field}': must be between 1 and {max_tokens_limit}, got {v}",
-                param=field,
-                code="invalid_value",
-            )
+    try:  # the range of the asked output length: toolspec_core.engine.limits owns every token limit
+        requested_tokens(req.max_tokens, req.max_completion_tokens, max_tokens_limit)
+    except InvalidRequestError as exc:
+        raise APIError(str(exc), param=exc.param, code=exc.code) from None
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > limits.stop or any(not s for s in stops):
         raise APIError(
@@ -424,7 +454,7 @@ def engine_request(req: ChatRequest, tenant: str = "default") -> EngineRequest:
         messages=[m.model_dump(exclude_none=True) for m in req.messages],
         tools=tools,
         tool_choice=choice,
-        max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+        max_tokens=requested_tokens(req.max_tokens, req.max_completion_tokens, None),  # parse_request checked it
         temperature=float(req.temperature) if req.temperature is not None else None,
         top_p=float(req.top_p) if req.top_p is not None else 1.0,
         top_k=req.top_k or 0,

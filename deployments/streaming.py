@@ -16,7 +16,7 @@ from typing import AsyncIterator, Iterator
 
 import orjson
 
-from toolspec_core.drafters.toolcall.parse import raw_arguments, stream_calls
+from toolspec_core.drafters.toolcall.parse import CallScan, raw_arguments, scan_calls, stream_calls
 
 from .events import Done, Text
 from .protocol import TAGS, call_id, choice_logprobs, completion_id, finish_reason, split_output, stats_extra, usage
@@ -140,19 +140,83 @@ def final_text_event(streamer: TextStreamer, token_text: TokenText, result) -> T
 _CALL_OPENERS = ("<tool_call>", "```", "{", "[", "<|python_tag|>")
 
 
-def _hold_from(text: str, tags_only: bool = False) -> int:
-    """Index from which text might belong to a tool call (held back until it is parsed)."""
-    cut = len(text)
+def _hold_from(text: str, tags_only: bool = False) -> tuple[int, bool]:
+    """Index from which text might belong to a tool call (held back until it is parsed), and
+    whether a whole opener starts there. Once one does, the index never moves however the text
+    goes on: no opener's beginning holds another opener, so none can start before it later."""
+    cut, whole = len(text), False
     for op in _CALL_OPENERS[:1] if tags_only else _CALL_OPENERS:
         i = text.find(op)
-        if i >= 0:
-            cut = min(cut, i)
+        if 0 <= i < cut or (i == cut and i >= 0):
+            cut, whole = i, True
         # a partial opener at the very end ("<tool", "``")
         for k in range(min(len(op) - 1, len(text)), 0, -1):
             if text.endswith(op[:k]):
-                cut = min(cut, len(text) - k)
+                if len(text) - k < cut:
+                    cut, whole = len(text) - k, False
                 break
-    return cut
+    return cut, whole
+
+
+_TAG = "<tool_call>"
+_WS = " \t\r\n"  # JSON's whitespace, as the parser skips it
+
+
+class CallScanner:
+    """:func:`~toolspec_core.drafters.toolcall.parse.stream_calls` of an output that only grows,
+    without reading all of it again at every delta.
+
+    Once the text holds a ``<tool_call>`` tag the parser reads calls from tags alone, and so it
+    will however the text goes on: each tag's region is read until its JSON value closes (or
+    shows it cannot be calls) and kept from then on -- a closed value, or a refusal, is decided
+    by the text up to it alone -- so a delta reads only the regions still open. Before any tag
+    (fences or bare JSON, whose reading a later tag may still change) the text is read whole.
+    """
+
+    def __init__(self, tags_only: bool = False):
+        self.tags_only = tags_only
+        self.tags: list[int] = []  # where each tag starts
+        self.searched = 0  # text searched for tags so far
+        self.kept: dict[int, list[CallScan] | None] = {}  # a tag's region once decided (None: no calls)
+
+    @property
+    def by_tags(self) -> bool:
+        """Calls are read from tags, for good (a kept call stays as it is)."""
+        return bool(self.tags)
+
+    def calls(self, text: str) -> list[CallScan]:
+        i = max(0, self.searched - len(_TAG) + 1)
+        while (k := text.find(_TAG, i)) >= 0:
+            self.tags.append(k)
+            i = k + len(_TAG)
+        self.searched = len(text)
+        if not self.tags:
+            return stream_calls(text, self.tags_only)
+        out: list[CallScan] = []
+        for t in self.tags:
+            if t in self.kept:
+                scans = self.kept[t]
+            else:
+                scans, decided = self._region(text, t)
+                if decided:
+                    self.kept[t] = scans
+            out.extend(scans or ())
+        return out
+
+    @staticmethod
+    def _region(text: str, tag: int) -> tuple[list[CallScan] | None, bool]:
+        """The calls of the tag at ``tag`` as far as the text goes, and whether that is final."""
+        i = tag + len(_TAG)
+        while i < len(text) and text[i] in _WS:
+            i += 1
+        if i == len(text):
+            return None, False
+        if text[i] not in "{[":
+            return None, True
+        found = scan_calls(text, i)
+        if found is None:
+            return None, True
+        return found[0], found[1] is not None
 
 
 class StreamShaper:
@@ -175,6 +239,9 @@ class StreamShaper:
         self.sent_calls: list[tuple[str, str]] = []  # (name, arguments sent so far) per call index
         self.mismatch = False
         self.logprobs: list[dict] = []  # token entries not sent yet (they ride on the next chunk)
+        self.calls = CallScanner(self.tags_only)
+        self.opener: int | None = None  # where a call's opener starts, once one has (content ends there)
+        self.settled = 0  # leading calls closed, kept by the scanner and sent whole: nothing more to send
 
     def chunk(self, delta: dict, finish: str | None = None, **extra) -> dict:
         out = {
@@ -231,14 +298,21 @@ class StreamShaper:
         if not self.parse:
             yield from self._content_delta(self.text)
             return
-        visible = self.text[: _hold_from(self.text, self.tags_only)].strip()
-        yield from self._content_delta(visible)
-        for index, scan in enumerate(stream_calls(self.text, self.tags_only)):
+        if self.opener is None:  # after an opener the content before it is all sent
+            cut, whole = _hold_from(self.text, self.tags_only)
+            yield from self._content_delta(self.text[:cut].strip())
+            if whole:
+                self.opener = cut
+        calls = self.calls.calls(self.text)
+        for index in range(self.settled if self.calls.by_tags else 0, len(calls)):
+            scan = calls[index]
             if self.mismatch or not scan.ready(self.text):
                 return
             yield from self._call_delta(index, scan.name, raw_arguments(self.text, scan) or "")
             if scan.end is None:  # a later call cannot have begun
                 return
+            if self.calls.by_tags and index == self.settled and not self.mismatch:
+                self.settled += 1  # kept as it is: its deltas are all sent
 
     def finish(self, result: Done) -> Iterator[dict]:
         """Flush against the authoritative full text; then the finish (and usage) chunks."""

@@ -8,7 +8,10 @@ class ToolSpecError(Exception):
 
 
 class InvalidRequestError(ToolSpecError, ValueError):
-    """The request is malformed (empty prompt, bad sampling parameters, bad tool schema...)."""
+    """The request is malformed (empty prompt, bad sampling parameters, bad tool schema...).
+    ``param``: the request parameter it is about; ``code``: the OpenAI error code a server answers."""
+
+    code = "invalid_value"
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -16,4 +19,6 @@ class InvalidRequestError(ToolSpecError, ValueError):
 
 
 class ContextLengthError(InvalidRequestError):
-    """Prompt (+ requested tokens) does not fit the target's context window."""
+    """Prompt (+ requested tokens) does not fit the target's context window or the KV pool."""
+
+    code = "context_length_exceeded"

@@ -6,8 +6,8 @@ Serve's controller, Ray's raylet / GCS / agents -- and of this process (the load
 clients) every ``--every`` seconds. Each load level's CPU seconds per process, divided by the
 completion tokens the level streamed, is the CPU each process spends per token. With
 ``--py-spy SECONDS`` it also records each replica's and the proxy's Python stacks for that long
-in the middle of the last level (``py-spy record -f raw``) and writes their top self-time
-functions beside the report.
+in the middle of the last level (``py-spy record --gil --nonblocking -f raw``) and writes their
+top functions by self and inclusive time of the GIL-holding thread beside the report.
 
     python -m benchmarks.studies.serving_cpu --scripted-target --concurrency 1,8,32 --duration 30 \\
         --num-requests 4000 --name serving-ceiling --py-spy 8
@@ -109,46 +109,51 @@ def per_level(samples, records_path: str) -> list[dict]:
 
 
 def py_spy(pids: dict[str, int], seconds: float, out_dir: str, name: str) -> dict:
-    """Each process's top self-time functions over ``seconds`` (py-spy, raw stacks)."""
+    """Each process's top functions over ``seconds`` (py-spy, raw stacks): by self time and by
+    inclusive time, of the samples whose thread holds the GIL (``--gil``: a replica's Python work
+    is one thread at a time, and its idle threads -- the worker pool waiting on its queue, Ray's
+    loops in native code -- would otherwise fill the top). ``--nonblocking``: the process is not
+    paused for each sample, so the recording does not slow down what it records. A process that
+    yields no samples reports py-spy's own words (``error``)."""
     procs = {}
+    exe = os.path.join(os.path.dirname(sys.executable), "py-spy")
     for who, pid in pids.items():
         path = os.path.join(out_dir, f"{name}.pyspy.{who}.txt")
+        cmd = [exe, "record", "-p", str(pid), "-d", str(int(seconds)), "-f", "raw", "-o", path, "-r", "200"]
         procs[who] = (
             path,
-            subprocess.Popen(
-                [
-                    os.path.join(os.path.dirname(sys.executable), "py-spy"),
-                    "record",
-                    "-p",
-                    str(pid),
-                    "-d",
-                    str(int(seconds)),
-                    "-f",
-                    "raw",
-                    "-o",
-                    path,
-                    "-r",
-                    "200",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=open(path + ".err", "w"),  # why a recording failed (a process gone, no ptrace)
-            ),
+            subprocess.Popen(cmd + ["--gil", "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
         )
     tops = {}
     for who, (path, proc) in procs.items():
-        proc.wait(timeout=seconds + 60)
-        self_time, total = collections.Counter(), 0
         try:
-            with open(path) as f:
-                for line in f:
-                    stack, _, n = line.rstrip().rpartition(" ")
-                    leaf = stack.split(";")[-1]
-                    self_time[leaf] += int(n)
-                    total += int(n)
-        except FileNotFoundError:
-            continue
-        tops[who] = {"samples": total, "top": [(k, round(v / total, 4)) for k, v in self_time.most_common(25)]}
+            _, err = proc.communicate(timeout=seconds + 60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        tops[who] = stack_tops(path) if os.path.exists(path) else {"samples": 0}
+        if not tops[who]["samples"]:
+            tops[who]["error"] = f"py-spy exit {proc.returncode}: " + err.decode(errors="replace").strip()[-500:]
     return tops
+
+
+def stack_tops(path: str, n: int = 25) -> dict:
+    """Self and inclusive shares of each function (``function (file)``, lines merged) in a py-spy
+    raw file."""
+    self_time, inclusive, total = collections.Counter(), collections.Counter(), 0
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip().rpartition(" ")
+            if not count.isdigit():
+                continue
+            k = int(count)
+            frames = [frame.rsplit(":", 1)[0] + ")" if ":" in frame else frame for frame in stack.split(";")]
+            self_time[frames[-1]] += k
+            for frame in set(frames):
+                inclusive[frame] += k
+            total += k
+    share = lambda c: [(key, round(v / total, 4)) for key, v in c.most_common(n)]  # noqa: E731
+    return {"samples": total, "top": share(self_time) if total else [], "inclusive": share(inclusive) if total else []}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,8 +27,8 @@ waited on, in order:
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import statistics
 import sys
 

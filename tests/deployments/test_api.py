@@ -138,8 +138,11 @@ def test_request_limits_are_4xx_naming_the_limit(local, monkeypatch):
     tight = cfg.model_copy(
         update={"limits": RequestLimits(body_bytes=2048, messages=3, tools=1, stop=2, prompt_tokens=40)}
     )
+    from deployments.engine_host import serving_limits
+
     app = make_api(LocalBackend(host), tight)
     monkeypatch.setattr(host, "cfg", tight)
+    monkeypatch.setattr(host, "limits", serving_limits(tight, host.target, host.engine.scheduler))
 
     async def go():
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
@@ -160,6 +163,87 @@ def test_request_limits_are_4xx_naming_the_limit(local, monkeypatch):
     assert stop.status_code == 400 and "limits.stop" in stop.json()["error"]["message"]
     assert prompt.status_code == 400 and "limits.prompt_tokens" in prompt.json()["error"]["message"]
     assert ok.status_code == 200
+
+
+def test_every_token_limit_is_the_same_400_over_http(local, monkeypatch):
+    """Each token limit a request can break over HTTP answers the 400 JSON the limit function
+    (toolspec_core.engine.limits) gives for the same numbers, streamed or not: the output length
+    asked (range, both fields), the prompt's limit, the context window, the KV pool. And a request
+    inside every limit is served with the length the function resolves."""
+    import httpx
+
+    from deployments.config import RequestLimits
+    from deployments.engine_host import request_error
+    from deployments.http import LocalBackend, make_api
+    from toolspec_core.engine.limits import TokenLimits, requested_tokens, token_budget
+    from toolspec_core.errors import InvalidRequestError
+    from toolspec_core.model.prompting import render_prompt
+
+    host, _, cfg, _ = local
+    tight = cfg.model_copy(update={"max_tokens_limit": 900, "limits": RequestLimits(prompt_tokens=300)})
+    window = host.target.max_context
+    # a pool smaller than the window, so the window and the pool refuse different requests
+    pool = window // 4
+    limits = TokenLimits(window, pool, 64, tight.max_tokens_limit, tight.max_tokens_default, 300)
+    monkeypatch.setattr(host, "cfg", tight)
+    monkeypatch.setattr(host, "limits", limits)
+    app = make_api(LocalBackend(host), tight)
+    short = MSG
+    long = [{"role": "user", "content": "word " * 250}]
+    n_short, n_long = (len(render_prompt(host.target.tokenizer, m)) for m in (short, long))
+    assert n_short < n_long <= 300 and n_long + 64 < pool and pool - n_short - 64 < 900  # the cases mean what they say
+    cases = [  # (body, the limit function's answer for the same numbers)
+        ({"messages": short, "max_tokens": 0}, lambda: requested_tokens(0, None, 900)),
+        ({"messages": short, "max_tokens": 901}, lambda: requested_tokens(901, None, 900)),
+        ({"messages": short, "max_completion_tokens": -2}, lambda: requested_tokens(None, -2, 900)),
+        ({"messages": short, "max_tokens": 3, "max_completion_tokens": 4}, lambda: requested_tokens(3, 4, 900)),
+        (
+            {"messages": long * 2},
+            lambda: token_budget(len(render_prompt(host.target.tokenizer, long * 2)), None, limits),
+        ),
+        ({"messages": short, "max_tokens": 900}, lambda: token_budget(n_short, 900, limits)),  # the pool
+        (
+            {"messages": long, "max_tokens": pool - n_long - 63},
+            lambda: token_budget(n_long, pool - n_long - 63, limits),
+        ),
+    ]
+    wide = TokenLimits(window, None, 0, 10**6, 20, None)  # no pool: the window refuses
+    wide_cases = [
+        ({"messages": short, "max_tokens": window}, lambda: token_budget(n_short, window, wide)),
+        (
+            {"messages": long, "max_tokens": window - n_long + 1},
+            lambda: token_budget(n_long, window - n_long + 1, wide),
+        ),
+    ]
+
+    def want(call):
+        with pytest.raises(InvalidRequestError) as err:
+            call()
+        return request_error(err.value).body()
+
+    async def go(rows):
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        return [
+            [await http.post("/v1/chat/completions", json={**b, "stream": st}) for st in (False, True)] for b, _ in rows
+        ]
+
+    seen = run(go(cases))
+    monkeypatch.setattr(host, "limits", wide)
+    app = make_api(LocalBackend(host), tight.model_copy(update={"max_tokens_limit": 10**6}))
+    seen += run(go(wide_cases))
+    codes = []
+    for (body, call), answers in zip(cases + wide_cases, seen):
+        for r in answers:
+            assert r.status_code == 400 and r.json() == want(call), (body.keys(), r.text)
+        codes.append(answers[0].json()["error"]["code"])
+    assert codes == ["invalid_value"] * 5 + ["context_length_exceeded"] * 4
+
+    async def ok():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+        return await http.post("/v1/chat/completions", json={"messages": short, "max_tokens": 5, "temperature": 0})
+
+    r = run(ok())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= token_budget(n_short, 5, wide)
 
 
 def test_a_body_nested_beyond_the_parser_is_a_400(local):
@@ -191,6 +275,50 @@ def test_wrong_model_is_404_and_body_must_be_object():
     assert err.value.status == 404 and err.value.code == "model_not_found"
     with pytest.raises(APIError):
         parse_request([1, 2], "m", 10)
+
+
+def test_a_schema_is_checked_once_and_answers_the_same(monkeypatch):
+    """A tool schema's metaschema check is kept per schema (an agent sends the same tools every
+    request): the same schema is checked once and answers as the check itself does, valid or not;
+    a schema differing anywhere is checked on its own; the kept checks are bounded."""
+    import collections
+
+    from jsonschema import Draft202012Validator
+
+    from deployments import protocol
+
+    monkeypatch.setattr(protocol, "_SCHEMA_CHECKS", collections.OrderedDict())
+    monkeypatch.setattr(protocol, "SCHEMA_CHECKS_KEPT", 3)
+    checked = []
+    real = Draft202012Validator.check_schema.__func__
+
+    def counting(cls, schema, *a, **kw):
+        checked.append(schema)
+        return real(cls, schema, *a, **kw)
+
+    monkeypatch.setattr(Draft202012Validator, "check_schema", classmethod(counting))
+
+    def tool(params):
+        return {"type": "function", "function": {"name": "f", "parameters": params}}
+
+    good = {"type": "object", "properties": {"x": {"type": "string"}, "n": {"type": "integer", "minimum": 1}}}
+    bad = {"type": "object", "properties": {"x": {"type": "nope"}}}
+    answers = []
+    for schema in (good, bad, good, bad, json.loads(json.dumps(good))):
+        try:
+            parse_request({"messages": MSG, "tools": [tool(schema)]}, "m", 10)
+            answers.append(None)
+        except APIError as exc:
+            answers.append((exc.code, exc.param, exc.message))
+    assert len(checked) == 2  # one check per distinct schema
+    assert answers[0] is None and answers[2] is None and answers[4] is None
+    assert answers[1] == answers[3] and answers[1][0] == "invalid_function_parameters" and "nope" in answers[1][2]
+    near = {**good, "properties": {**good["properties"], "n": {"type": "integer", "minimum": 1.0}}}
+    assert protocol.schema_problem(near) is None and len(checked) == 3  # 1 and 1.0 are different schemas
+    assert protocol.schema_problem({"type": "object", "minimum": "1"}) is not None  # a fourth: the oldest goes
+    assert len(protocol._SCHEMA_CHECKS) == 3
+    for schema in (good, bad, near, {"type": "object", "minimum": "1"}):  # the kept answers are the check's own
+        assert protocol.schema_problem(schema) == protocol._schema_problem(schema)
 
 
 def test_engine_request_normalises():

@@ -286,3 +286,19 @@ def test_the_schema_fsm_reads_the_shared_text_as_the_tokenizer_spells_it(qwen_to
     out = qwen_tok.encode(render_calls(it["gold_calls"], layout_by_name("hermes"))) + [151645]
     with_text = simulate(method.drafter(RequestInfo(prompt, it["tools"])), prompt, out, tokenizer=qwen_tok)
     assert with_text == simulate(method.drafter(RequestInfo(prompt, it["tools"])), prompt, out)
+
+
+def test_the_backend_decode_is_the_tokenizers_own(qwen_tok, monkeypatch):
+    """The Detokenizer calls a fast tokenizer's Rust decode directly only where that is exactly
+    ``tokenizer.decode(ids, skip_special_tokens=False)``; any other tokenizer goes through decode."""
+    from toolspec_core.engine.detokenize import backend_decode
+
+    fast = backend_decode(qwen_tok)
+    assert fast is not None and Detokenizer(qwen_tok)._decode.__qualname__ == fast.__qualname__
+    rng = random.Random(1)
+    for _ in range(200):
+        ids = [rng.choice((151644, 151645, 151657)) if rng.random() < 0.1 else rng.randrange(151643) for _ in range(8)]
+        assert fast(ids) == qwen_tok.decode(ids, skip_special_tokens=False)
+    assert backend_decode(CharTokenizer(96)) is None
+    monkeypatch.setattr(qwen_tok, "clean_up_tokenization_spaces", True)
+    assert backend_decode(qwen_tok) is None  # a decode that cleans spaces up is not the backend's

@@ -443,11 +443,18 @@ def test_full_pool_makes_requests_wait_then_serves_them(tiny, refs):
 
 
 def test_pool_refuses_a_sequence_it_can_never_hold(tiny):
+    """The job's limits (toolspec_core.engine.limits) refuse it with a 400's error; a sequence
+    made past them is a bug the scheduler asserts, never queued to wait forever."""
+    from toolspec_core.engine.limits import target_limits, token_budget
     from toolspec_core.errors import ContextLengthError
 
     sched = Scheduler(tiny, None, BatchLimits(tree_rows=8), tiny.block_pool(64, 8))
-    with pytest.raises(ContextLengthError, match="KV pool"):
+    with pytest.raises(ContextLengthError, match="KV pool of 64 tokens"):
+        token_budget(49, 16, target_limits(tiny, sched))
+    assert token_budget(40, 16, target_limits(tiny, sched)) == 16
+    with pytest.raises(ValueError, match="can never be held") as err:
         sched.add(Sequence(tiny, list(range(1, 50)), None, DecodeConfig(max_new_tokens=16)))
+    assert not isinstance(err.value, ContextLengthError)
     assert not sched.has_work()
 
 

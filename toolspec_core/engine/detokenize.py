@@ -29,6 +29,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer, eos_ids: Iterable[int] = ()):
         self.tok = tokenizer
+        self._decode = backend_decode(tokenizer) or self._hf_decode
         self.eos = frozenset(eos_ids)
         self.ids: list[int] = []
         self.text = ""  # text of ids[: self.read], complete characters only
@@ -64,5 +65,30 @@ class Detokenizer:
         character at the end comes out as "\\ufffd", as a full decode writes it)."""
         return self.text + self.pending
 
-    def _decode(self, ids: list[int]) -> str:
+    def _hf_decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
+
+
+def backend_decode(tokenizer):
+    """``ids -> text`` equal to ``tokenizer.decode(ids, skip_special_tokens=False)`` by calling the
+    Rust tokenizer directly, for a transformers fast tokenizer whose ``decode`` adds nothing to
+    the backend's (no clean-up of spaces, neither method overridden): the Python wrapper's own
+    work (argument conversion, keyword handling) is two thirds of a short window's decode, run
+    twice per committed token. None for any other tokenizer."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (
+        not isinstance(tokenizer, TokenizersBackend)
+        or backend is None
+        or cls.decode is not PreTrainedTokenizerBase.decode
+        or cls._decode is not TokenizersBackend._decode
+        or tokenizer.clean_up_tokenization_spaces
+    ):
+        return None
+    decode = backend.decode
+    return lambda ids: decode(ids, skip_special_tokens=False)

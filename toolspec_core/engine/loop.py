@@ -10,8 +10,9 @@ import torch
 from toolspec_core.drafters.base import Drafter
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.detokenize import Detokenizer
+from toolspec_core.engine.limits import check_prompt
 from toolspec_core.engine.scheduler import BatchLimits, run_batch
-from toolspec_core.engine.sequence import DecodeConfig, Prefilled, Sequence, check_prompt
+from toolspec_core.engine.sequence import DecodeConfig, Prefilled, Sequence
 from toolspec_core.engine.stats import GenerationResult
 from toolspec_core.model.kv import copy_rows
 from toolspec_core.model.target import Target
@@ -62,7 +63,9 @@ def decode(
     detokenizer: Detokenizer | None = None,
 ) -> GenerationResult:
     """Decode after ``pre`` as a batch of one (:class:`~toolspec_core.engine.sequence.Sequence` says
-    what each argument does); ``pre`` is left as it was (its rows are copied in at admission)."""
+    what each argument does); ``pre`` is left as it was (its rows are copied in at admission).
+    Raises :class:`~toolspec_core.errors.InvalidRequestError` for a job over the target's limits."""
+    check_prompt(target, pre.prompt_ids, cfg.max_new_tokens)
     seq = Sequence(target, pre.prompt_ids, drafter, cfg, constraint, on_tokens, detokenizer, pre)
     return run_batch(target, [seq], cost, BatchLimits(max_running=1))[0]
 
@@ -74,6 +77,8 @@ def generate(
     cfg: DecodeConfig = DecodeConfig(),
     cost: CostModel | None = None,
 ) -> GenerationResult:
-    """Prefill and decode one prompt (the scheduler prefills it in chunks)."""
+    """Prefill and decode one prompt (the scheduler prefills it in chunks). Raises
+    :class:`~toolspec_core.errors.InvalidRequestError` for a job over the target's limits."""
+    check_prompt(target, prompt_ids, cfg.max_new_tokens)
     seq = Sequence(target, list(prompt_ids), drafter, cfg)
     return run_batch(target, [seq], cost, BatchLimits(max_running=1))[0]

@@ -33,11 +33,11 @@ from toolspec_core.drafters.base import NoDrafter, prepare_all, propose_all
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import commit_kv, kv_rows
 from toolspec_core.engine.device_walk import read_walks, walk_inputs
+from toolspec_core.engine.limits import target_limits
 from toolspec_core.engine.sequence import Sequence, cap_depth
 from toolspec_core.engine.stats import EARLY_STEPS, record_step
 from toolspec_core.engine.tree import DraftTree, select
 from toolspec_core.engine.verify import VerifyResult, row_parents, tree_inputs, walk
-from toolspec_core.errors import ContextLengthError
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import BlockPool
 from toolspec_core.model.kv import copy_rows
@@ -133,30 +133,19 @@ class Scheduler:
         self._worker = None  # the thread that prepares drafters beside the forward (_beside_forward)
 
     def add(self, seq: Sequence) -> Sequence:
-        """Queue ``seq``; a sequence the whole pool could never hold is refused here."""
-        if self.pool is not None:
-            self.check_fits(len(seq.prompt_ids), seq.cfg.max_new_tokens)
+        """Queue ``seq``. A job's limits are checked before it is made
+        (:func:`toolspec_core.engine.limits.token_budget`, with :func:`~toolspec_core.engine.limits.target_limits`
+        of this scheduler); one the whole pool could never hold -- it would wait forever -- is a bug here."""
+        if self.pool is not None and not target_limits(self.target, self).holds(
+            len(seq.prompt_ids), seq.cfg.max_new_tokens
+        ):
+            raise ValueError(
+                f"sequence {seq.id} ({len(seq.prompt_ids)} prompt + {seq.cfg.max_new_tokens} new tokens) can never "
+                f"be held by the KV pool of {self.pool.capacity_tokens} tokens; check it with toolspec_core.engine.limits first"
+            )
         seq.stats.times.setdefault("queued", time.time())
         self.waiting.append(seq)
         return seq
-
-    def max_new_tokens(self, prompt_tokens: int) -> int | None:
-        """The most tokens a prompt of this length may ask for here (None: the pool sets no limit).
-        Reads only fixed sizes, so any thread may ask."""
-        if self.pool is None:
-            return None
-        return self.pool.capacity_tokens - prompt_tokens - self.limits.tree_rows
-
-    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        """Raise ContextLengthError for a request the whole pool could never hold (any thread)."""
-        room = self.max_new_tokens(prompt_tokens)
-        if room is not None and max_new_tokens > room:
-            raise ContextLengthError(
-                f"prompt of {prompt_tokens} tokens + max_tokens {max_new_tokens} exceeds the replica's KV pool of "
-                f"{self.pool.capacity_tokens} tokens ({self.limits.tree_rows} kept for a draft tree); ask for at most "
-                f"{max(0, room)} tokens or shorten the prompt",
-                "messages",
-            )
 
     def _rows_needed(self, seq: Sequence) -> int:
         return seq.reserved_tokens + self.limits.tree_rows
@@ -217,13 +206,24 @@ class Scheduler:
             o += n
             if done:
                 logit_rows.append(o - 1)
-        for seq, tree in zip(decoding, trees):
-            kv_len = seq.cache.get_seq_length()
-            single = len(seq.roots) == 1 and not tree.tokens  # one row: causal, no mask to build
-            ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, self.target.dtype, mask=not single)
-            parents = None if single else row_parents(len(seq.roots), tree.parents)
-            segments.append(Segment(seq.cache, ids[0], pos[0], mask, parents))
-            n = ids.shape[1]
+        dtype = self.target.dtype if decoding else None  # read once a step: it walks the model's parameters
+        kv_lens = [seq.cache.get_seq_length() for seq in decoding]
+        # a sequence with one row (its root, no tree) runs causally, no mask: the rows of all of them
+        # are made as one tensor a step and handed out as views, not two small tensors each
+        single = [len(seq.roots) == 1 and not tree.tokens for seq, tree in zip(decoding, trees)]
+        ones = [i for i, x in enumerate(single) if x]
+        one_ids = torch.tensor([decoding[i].roots[0] for i in ones], dtype=torch.long).split(1) if ones else ()
+        one_pos = torch.tensor([kv_lens[i] for i in ones], dtype=torch.long).split(1) if ones else ()
+        k = 0
+        for seq, tree, kv_len, alone in zip(decoding, trees, kv_lens, single):
+            if alone:  # [1] each, as tree_inputs would make them
+                segments.append(Segment(seq.cache, one_ids[k], one_pos[k], None))
+                k += 1
+                n = 1
+            else:
+                ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, dtype)
+                segments.append(Segment(seq.cache, ids[0], pos[0], mask, row_parents(len(seq.roots), tree.parents)))
+                n = ids.shape[1]
             rows.append(_Row(seq, tree, kv_len, len(logit_rows), n))
             logit_rows.extend(range(o, o + n))
             o += n

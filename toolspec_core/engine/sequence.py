@@ -15,6 +15,7 @@ import torch
 
 from toolspec_core.drafters.base import DraftContext, Drafter, NoDrafter
 from toolspec_core.engine.detokenize import Detokenizer
+from toolspec_core.engine.limits import TokenLimits
 from toolspec_core.engine.sampling import (
     MAX_TOP_LOGPROBS,
     SamplingParams,
@@ -26,7 +27,7 @@ from toolspec_core.engine.sampling import (
 )
 from toolspec_core.engine.stats import GenerationResult, GenerationStats
 from toolspec_core.engine.tree import DraftTree, depths, select
-from toolspec_core.errors import ContextLengthError, InvalidRequestError
+from toolspec_core.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,8 @@ class DecodeConfig:
 
     def __post_init__(self):
         m = self.max_new_tokens
-        if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
-            raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {m!r}", "max_tokens")
+        if not isinstance(m, int) or isinstance(m, bool) or m <= 0:  # an invariant: limits.token_budget resolved it
+            raise ValueError(f"max_new_tokens must be a positive integer, got {m!r}")
         for name in ("stop", "end_after"):
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, (getattr(self, name),))
@@ -63,17 +64,6 @@ class Prefilled:
     hidden: torch.Tensor  # [H] last-layer state of the final prompt token (retrieval key)
     seconds: float = 0.0
     states: torch.Tensor | None = None  # [T, H] every prompt token's state, when asked for
-
-
-def check_prompt(target, prompt_ids: list[int], max_new_tokens: int = 1) -> None:
-    if not prompt_ids:
-        raise InvalidRequestError("prompt is empty", "messages")
-    if len(prompt_ids) + max_new_tokens > target.max_context:
-        raise ContextLengthError(
-            f"prompt of {len(prompt_ids)} tokens + max_tokens {max_new_tokens} exceeds the context window "
-            f"of {target.max_context} tokens",
-            "messages",
-        )
 
 
 class Stopper:
@@ -184,7 +174,11 @@ class Sequence:
         on_prompt: Callable[[torch.Tensor], Future | None] | None = None,
     ):
         self.prompt_ids = list(prefilled.prompt_ids if prefilled is not None else prompt_ids)
-        check_prompt(target, self.prompt_ids, cfg.max_new_tokens)
+        if not TokenLimits(target.max_context).holds(len(self.prompt_ids), cfg.max_new_tokens):
+            raise ValueError(  # an invariant, not a user's error: the job's limits are checked before it is made
+                f"a prompt of {len(self.prompt_ids)} tokens + {cfg.max_new_tokens} new tokens does not fit the "
+                f"context window of {target.max_context}; check it with toolspec_core.engine.limits first"
+            )
         self.id = next(_ids)
         self.drafter = drafter or NoDrafter()
         self.cfg, self.constraint, self.on_tokens = cfg, constraint, on_tokens

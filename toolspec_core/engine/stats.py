@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from toolspec_core.drafters.labels import NONE
 from toolspec_core.engine.tree import DraftTree, VerifyResult
 
-
 EARLY_STEPS = 24  # steps per request whose shape GenerationStats.early_steps keeps
 
 
