@@ -77,27 +77,35 @@ def candidates_to_tree(
     mass: list[float] = []
     path_rate: list[float] = []  # product of the label rates from the root down to each node
     node_rate: list[float] = []  # each node's own label rate
-    rate: dict[str, float] = {}  # the rates do not change while one tree is built
+    # a node's rate by (its label, its parent's label): the rates do not change while one tree is built
+    rate: dict[tuple[str, str | None], float] = {}
     tail = tuple(committed[-TAIL_TOKENS:])  # all the boundary tokenizer reads of the context
     left = sum(c.prob for c in cands)  # mass of the candidates not yet added
     scale = max(1.0, left)  # root shares are capped at 1: path probability >= mass x rates / scale
+    top = 0.0  # the largest node mass (masses only grow)
+    parents, labels_of = tree.parents, tree.labels
     for cand in cands:
         bound = left * scale
-        if max_nodes is not None and len(tree) >= max_nodes and bound < max(mass):
+        if max_nodes is not None and len(tree) >= max_nodes and bound < top:
             if _kept_above(mass, path_rate, max_nodes, bound):
                 break
         left -= cand.prob
         ids, labels = bt.candidate(tail, tuple(cand.segs))
         nodes = tree.add_chain(ids[:max_tokens], labels)
         for i in range(len(mass), len(tree)):
-            p, key = tree.parents[i], rate_key(tree, i)
-            if key not in rate:
-                rate[key] = rates.rate(key)
+            p = parents[i]
+            pair = (labels_of[i], labels_of[p] if p != ROOT else None)
+            r = rate.get(pair)
+            if r is None:
+                r = rate[pair] = rates.rate(rate_key(tree, i))
             mass.append(0.0)
-            node_rate.append(rate[key])
-            path_rate.append(rate[key] * (1.0 if p == ROOT else path_rate[p]))
+            node_rate.append(r)
+            path_rate.append(r * (1.0 if p == ROOT else path_rate[p]))
+        prob = cand.prob
         for i in nodes:
-            mass[i] += cand.prob
+            mass[i] += prob
+            if mass[i] > top:
+                top = mass[i]
     for i, p in enumerate(tree.parents):
         share = mass[i] / (1.0 if p == ROOT else max(mass[p], 1e-12))
         tree.conf[i] = min(1.0, share) * node_rate[i]
