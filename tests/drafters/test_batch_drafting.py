@@ -61,7 +61,7 @@ def _req(replay, it, rec):
 def test_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, items):
     """B = 6 through the batched scheduler, two groups (the second drafts from the library the first
     filled): every step's tree, node for node (tokens, parents, labels, confidences)."""
-    fast, ref = make_method("toolspec", replay.tokenizer), make_method("toolspec", replay.tokenizer)
+    fast, ref = make_method("toolspec", replay.tokenizer), make_method("toolspec", replay.tokenizer, reference=True)
     seen: list[bool] = []
     for group in (items[:6], items[6:]):
         sched = Scheduler(replay, CostModel.cpu_reference(), BatchLimits(max_running=6))

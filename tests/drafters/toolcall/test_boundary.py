@@ -33,3 +33,19 @@ def test_boundary_encodes_like_the_tokenizer(qwen_tok):
     ]
     for text in texts:
         assert list(bt._encode_uncached(text)) == qwen_tok.encode(text, add_special_tokens=False), text
+
+
+def test_a_candidates_tokens_are_kept_per_tail_and_candidate(qwen_tok):
+    """``candidate`` gives the uncached tokenization (text segments tokenized together after the
+    tail, raw ids as they are, a label per token) and a second sequence at the same boundary with
+    the same candidate is served from the cache."""
+    bt, ref = BoundaryTokenizer(qwen_tok), BoundaryTokenizer(qwen_tok, cache_candidates=False)
+    tail = tuple(qwen_tok.encode('{"name":'))[-3:]
+    segs = ((' "get_', "tool_name"), ('weather", "arguments": {', "call_key"), ((7,), "end"))
+    ids, labels = bt.candidate(tail, segs)
+    assert (ids, labels) == ref.candidate(tail, segs)
+    assert ids[-1] == 7 and labels[0] == "tool_name" and labels[-1] == "end" and "call_key" in labels
+    assert list(ids[:-1]) == bt.continuation(tail, ' "get_weather", "arguments": {')
+    before = bt._candidate.cache_info().hits
+    assert bt.candidate(tail, segs) == (ids, labels)
+    assert bt._candidate.cache_info().hits == before + 1 and ref._candidate.cache_info().currsize == 0

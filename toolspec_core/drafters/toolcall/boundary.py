@@ -14,10 +14,19 @@ TAIL_TOKENS = 3
 
 
 class BoundaryTokenizer:
-    """Caches ``continuation_tokens`` per (tail, candidate): tool/argument names repeat a lot."""
+    """Caches ``continuation_tokens`` per (tail, candidate): tool/argument names repeat a lot.
 
-    def __init__(self, tokenizer, cache_size: int = 65536):
+    ``candidate`` tokenizes a whole schema candidate after a context tail; its result depends on
+    nothing else (the tail's tokens and the candidate's segments), so it is kept per (tail,
+    candidate) for every sequence the tokenizer drafts for: sequences with one tool set at one
+    position of a call (the same boundary) tokenize each candidate once. ``cache_candidates=False``
+    is the reference path the tests compare against.
+    """
+
+    def __init__(self, tokenizer, cache_size: int = 65536, cache_candidates: bool = True, candidates: int = 16384):
         self.tok = tokenizer
+        self.cache_candidates = cache_candidates
+        self._candidate = lru_cache(maxsize=candidates)(self._candidate_uncached)  # a few kB each
         # a fast tokenizer's Rust backend directly: the same ids without the Python wrapper's
         # per-call overhead (about half of an uncached encode; drafting tokenizes every step)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -53,3 +62,41 @@ class BoundaryTokenizer:
             if ids[:k] == tail:
                 return list(ids[k:])
         return list(self._encode(text))
+
+    def candidate(self, tail: tuple[int, ...], segs: tuple) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """Token ids of a candidate's segments written after ``tail`` (text segments tokenized
+        together, raw token ids as they are) with a label per token. ``tail``: the context's last
+        tokens (``TAIL_TOKENS`` are all ``continuation`` reads); ``segs``: (text or token ids, label)."""
+        if self.cache_candidates:
+            return self._candidate(tail, segs)
+        return self._candidate_uncached(tail, segs)
+
+    def _candidate_uncached(self, tail: tuple[int, ...], segs: tuple) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        ids: list[int] = []
+        labels: list[str] = []
+        text, text_labels = "", []  # pending text and (end offset, label) per segment
+        for seg, lab in tuple(segs) + ((None, None),):
+            if isinstance(seg, str):
+                text += seg
+                text_labels.append((len(text), lab))
+                continue
+            if text:
+                toks = self.continuation(tail + tuple(ids), text)
+                ids += toks
+                labels += self._label_tokens(toks, text_labels)
+                text, text_labels = "", []
+            if seg:  # raw token ids (end of turn)
+                ids += list(seg)
+                labels += [lab] * len(seg)
+        return tuple(ids), tuple(labels)
+
+    def _label_tokens(self, toks: list[int], text_labels: list[tuple[int, str]]) -> list[str]:
+        """Each token's label: that of the first segment ending after the token's first character
+        (the last segment's past the end); segment ends only grow, so one pass."""
+        out, pos, j, last = [], 0, 0, len(text_labels) - 1
+        for t in toks:
+            while j < last and pos >= text_labels[j][0]:
+                j += 1
+            out.append(text_labels[j][1])
+            pos += self.chars(t)
+        return out

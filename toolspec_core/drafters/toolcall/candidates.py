@@ -9,6 +9,7 @@ value, close or continue) split the probability.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from toolspec_core.drafters.base import LabelRates
@@ -32,7 +33,7 @@ from toolspec_core.drafters.toolcall.schema import enum_values, variants
 from toolspec_core.drafters.toolcall.schema import properties as schema_properties
 from toolspec_core.drafters.toolcall.values import date_values, numbers_for, wants_date
 
-Seg = tuple  # (text: str | list[int], label: str)
+Seg = tuple  # (text: str | tuple[int, ...], label: str): hashable, so a candidate is a cache key
 
 # Branch probabilities of schema drafting. They are hand-set, not fitted: a node's conf is its
 # share of its parent's mass times its label's learned acceptance rate (``candidates_to_tree``),
@@ -120,8 +121,25 @@ def _past_values(past: list[tuple[str, dict]], name: str, key: str) -> list[tupl
     return sorted(((v, c / (n_calls + NEW_VALUE_CALLS)) for v, c in out.values()), key=lambda x: -x[1])
 
 
+class _Cut(list):
+    """No continuations because all were left out as below the floor (``_Builder.under``): unlike
+    an empty list, not "nothing follows"."""
+
+
+SLACK = 1e-9  # relative margin on the floor: a bound multiplies in another order than the candidate's prob
+
+
 class _Builder:
-    """Expands continuations for one tracker position; small recursive helpers, one per structure."""
+    """Expands continuations for one tracker position; small recursive helpers, one per structure.
+
+    Bounded expansion (``keep``): only the ``keep`` most probable candidates are returned, so a
+    branch whose candidates are all less probable than ``keep`` candidates already expanded is
+    not expanded. Every factor of a candidate's probability is at most 1, so a branch's bound is
+    the product of the factors above it (``mult``); the floor is the ``keep``-th largest
+    probability of the leaves expanded so far (``_best``). A cut branch still counts as
+    non-empty (``_cuts``): its parent must not become a candidate of its own. The result after
+    the cut (``continuations``) is the full expansion's, candidate for candidate and in order.
+    """
 
     def __init__(
         self,
@@ -143,6 +161,42 @@ class _Builder:
         self.own = list(own)  # (tool name, arguments) of the calls this output has finished
         self.dates = list(dates)  # dates the conversation mentions (values.context_dates)
         self.objects = ([(context_keys, 1.0)] if context_keys is not None else []) + [(tr.objects, OUTPUT_KEYS_WEIGHT)]
+        self.keep = 0  # candidates kept (0: expand every branch)
+        self.mult = 1.0  # product of the probability factors above the branch being expanded
+        self._best: list[float] = []  # min-heap: the ``keep`` largest leaf probabilities so far
+        self._cuts = 0  # branches left out as below the floor
+
+    def _floor(self) -> float:
+        return self._best[0] if len(self._best) >= self.keep else 0.0
+
+    def _below(self, prob: float) -> bool:
+        """Whether every candidate of a branch with factor ``prob`` here is below the floor."""
+        if self.keep and self.mult * prob * (1.0 + SLACK) < self._floor():
+            self._cuts += 1
+            return True
+        return False
+
+    def leaf(self, segs: list[Seg], prob: float) -> Cand:
+        """A candidate nothing follows; its probability (times ``mult``, the factors above it) is
+        one of the floor's, so every factor a caller multiplies in later is in ``mult`` already."""
+        if self.keep and any(s[0] for s in segs):
+            p = self.mult * prob
+            if p > 0:
+                (heapq.heappush if len(self._best) < self.keep else heapq.heappushpop)(self._best, p)
+        return Cand(segs, prob)
+
+    def under(self, prob: float, fn) -> list:
+        """``fn()`` expanded with factor ``prob`` above it (for a list several branches share, the
+        largest of their factors); a ``_Cut`` where all of it was below the floor."""
+        if self._below(prob):
+            return _Cut()
+        outer, cuts = self.mult, self._cuts
+        self.mult = outer * prob
+        try:
+            out = fn()
+        finally:
+            self.mult = outer
+        return out if out or self._cuts == cuts else _Cut()
 
     def tool_weights(self, names: list[str]) -> list[float]:
         """Learned tool frequencies, half the mass moved to the tools this output already called."""
@@ -192,9 +246,17 @@ class _Builder:
         return expected_ws[len(since) :] if expected_ws.startswith(since) else ""
 
     # ---- structures (each returns list[Cand]) ----
-    def seq(self, segs: list[Seg], tails: list[Cand] | None, prob: float = 1.0) -> list[Cand]:
+    def seq(self, segs: list[Seg], tails, prob: float = 1.0) -> list[Cand]:
+        """``segs`` then each of ``tails`` (a list, or a function that expands them, called with
+        ``prob`` above it), or ``segs`` alone when nothing follows."""
+        if callable(tails):
+            tails = self.under(prob, tails)
+        elif self._below(prob):
+            return []
         if not tails:
-            return [Cand(list(segs), prob)]
+            if tails.__class__ is _Cut:
+                return []  # what follows was cut: every candidate here is below the floor
+            return [self.leaf(list(segs), prob)]
         return [Cand(segs + t.segs, prob * t.prob) for t in tails]  # ``segs + ...``: a new list each
 
     def call_body(
@@ -206,7 +268,7 @@ class _Builder:
         ``label`` is given."""
         key = self.ws_in(call_indent, layout) + '"name"' if key is None else key
         head = [(key + self.tr.kv_sep + '"', label or self.head_label())]
-        return self.seq(head, self.tool_names("", layout, call_indent, lv))
+        return self.seq(head, lambda: self.tool_names("", layout, call_indent, lv))
 
     def tool_names(self, prefix: str, layout: Layout, call_indent: int, lv: int) -> list[Cand]:
         names = [n for n in self.tools.names if n.startswith(prefix)]
@@ -215,7 +277,7 @@ class _Builder:
         out = []
         for name, w in zip(names, self.tool_weights(names)):
             segs = [(name[len(prefix) :] + '"', TOOL_NAME)]
-            tail = self.after_name(name, layout, call_indent, lv - 1) if lv > 0 else None
+            tail = (lambda n=name: self.after_name(n, layout, call_indent, lv - 1)) if lv > 0 else None
             out += self.seq(segs, tail, w)
         return out
 
@@ -231,17 +293,18 @@ class _Builder:
         )
         segs = [(text + '"' + key + '"' + self.tr.kv_sep + "{", CALL_KEY)]
         return self.seq(
-            segs, self.args_open(name, layout, call_indent + self.tr.indent_unit if self.pretty(layout) else 0, lv)
+            segs,
+            lambda: self.args_open(name, layout, call_indent + self.tr.indent_unit if self.pretty(layout) else 0, lv),
         )
 
     def args_open(self, name: str, layout: Layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
         free = self.tools.free(name)  # a tool the request does not offer: a key of unknown name, most likely
         if not free and not self.tools.properties(name):
-            return self.seq([("}", CALL_KEY)], self.close_call(layout, lv)) if lv >= 0 else []
+            return self.seq([("}", CALL_KEY)], lambda: self.close_call(layout, lv)) if lv >= 0 else []
         ws = self.rest(self.ws_in(args_indent, layout), since)
         if free:
-            return [Cand([(ws + '"', CALL_KEY)], FREE_MORE)]
-        return self.seq([(ws + '"', CALL_KEY)], self.arg_names(name, [], "", layout, args_indent, lv))
+            return [self.leaf([(ws + '"', CALL_KEY)], FREE_MORE)]
+        return self.seq([(ws + '"', CALL_KEY)], lambda: self.arg_names(name, [], "", layout, args_indent, lv))
 
     def arg_weights(self, name: str, used: list[str], cands: list[str]) -> list[float]:
         props = list(self.tools.properties(name))
@@ -270,14 +333,16 @@ class _Builder:
 
     def arg_names(self, name: str, used: list[str], prefix: str, layout, args_indent: int, lv: int) -> list[Cand]:
         if self.tools.free(name):  # unknown names: the one being typed may end here (as in ``in_object``)
-            return [Cand([('"' + self.tr.kv_sep, ARG_NAME)], FREE_KEY_END)] if prefix else []
+            return [self.leaf([('"' + self.tr.kv_sep, ARG_NAME)], FREE_KEY_END)] if prefix else []
         props = self.tools.properties(name)
         cands = [a for a in props if a not in used and a.startswith(prefix)]
         out = []
         for a, w in zip(cands, self.arg_weights(name, used, cands)):
             segs = [(a[len(prefix) :] + '"' + self.tr.kv_sep, ARG_NAME)]
             tail = (
-                self.value_start(name, used + [a], props.get(a) or {}, layout, args_indent, lv - 1) if lv > 0 else None
+                (lambda a=a: self.value_start(name, used + [a], props.get(a) or {}, layout, args_indent, lv - 1))
+                if lv > 0
+                else None
             )
             out += self.seq(segs, tail, w)
         return out
@@ -288,18 +353,18 @@ class _Builder:
         out = []
         for v, share, label in seen:
             out += self.seq(
-                [(_json_scalar(v), label)], self.after_value(name, used, layout, args_indent, lv - 1), share
+                [(_json_scalar(v), label)], lambda: self.after_value(name, used, layout, args_indent, lv - 1), share
             )
         rest = 1.0 - sum(sh for _, sh, _ in seen)
         derived = self.derived(used[-1], schema) if used else []
         if derived:
-            after = self.after_value(name, used, layout, args_indent, lv - 1)
-            for v, share in zip(derived, _rank_shares(len(derived), DATE_SHARE * rest)):
+            shares = _rank_shares(len(derived), DATE_SHARE * rest)
+            after = self.under(shares[0], lambda: self.after_value(name, used, layout, args_indent, lv - 1))
+            for v, share in zip(derived, shares):
                 out += self.seq([('"', VALUE), (v, DERIVED), ('"', VALUE)], after, share)
             rest *= 1.0 - DATE_SHARE
-        return out + [
-            Cand(c.segs, c.prob * rest) for c in self.typed_start(name, used, schema, layout, args_indent, lv)
-        ]
+        typed = self.under(rest, lambda: self.typed_start(name, used, schema, layout, args_indent, lv))
+        return out + [Cand(c.segs, c.prob * rest) for c in typed]
 
     def typed_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
         """Typed value openings, the schema's alternatives (``anyOf`` / ``oneOf`` branches, type
@@ -308,33 +373,37 @@ class _Builder:
         alts = variants(schema)
         out = []
         for v in alts:
-            out += [Cand(c.segs, c.prob / len(alts)) for c in self._typed_start(name, used, v, layout, args_indent, lv)]
+            start = self.under(1.0 / len(alts), lambda v=v: self._typed_start(name, used, v, layout, args_indent, lv))
+            out += [Cand(c.segs, c.prob / len(alts)) for c in start]
         return out
 
     def _typed_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
         typ = schema.get("type")
         enum = schema.get("enum")
-        after = self.after_value(name, used, layout, args_indent, lv - 1) if lv > 0 else None
+
+        def after(top: float):  # what follows the value, shared by its branches (top: their largest factor)
+            return self.under(top, lambda: self.after_value(name, used, layout, args_indent, lv - 1)) if lv > 0 else None
+
         if isinstance(enum, list) and enum and all(isinstance(e, (str, int, float, bool)) for e in enum):
             vals = [_json_scalar(e) for e in enum]
-            return [c for v in vals for c in self.seq([(v, VALUE)], after, 1.0 / len(vals))]
+            tails = after(1.0 / len(vals))
+            return [c for v in vals for c in self.seq([(v, VALUE)], tails, 1.0 / len(vals))]
         if typ == "boolean":
-            return [c for v in ("true", "false") for c in self.seq([(v, VALUE)], after, 0.5)]
+            tails = after(0.5)
+            return [c for v in ("true", "false") for c in self.seq([(v, VALUE)], tails, 0.5)]
         if typ == "null":
-            return self.seq([("null", VALUE)], after)
+            return self.seq([("null", VALUE)], after(1.0))
         if typ in ("integer", "number"):
             nums = numbers_for(self.numbers, schema)
-            return [
-                c
-                for v, share in zip(nums, _rank_shares(len(nums), NUMBER_SHARE))
-                for c in self.seq([(v, VALUE)], after, share)
-            ]
+            shares = _rank_shares(len(nums), NUMBER_SHARE)
+            tails = after(shares[0]) if nums else None
+            return [c for v, share in zip(nums, shares) for c in self.seq([(v, VALUE)], tails, share)]
         if typ == "string":
-            return [Cand([('"', VALUE)], 1.0)]
+            return [self.leaf([('"', VALUE)], 1.0)]
         if typ == "array":
-            return [Cand([("[", VALUE)], BRACKET_OPENS)]
+            return [self.leaf([("[", VALUE)], BRACKET_OPENS)]
         if typ == "object":
-            return [Cand([("{", VALUE)], BRACKET_OPENS)]
+            return [self.leaf([("{", VALUE)], BRACKET_OPENS)]
         return []
 
     def after_value(self, name, used, layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
@@ -355,10 +424,12 @@ class _Builder:
         if p_more > 0:
             sep = self.sep(args_indent, layout)
             sep = "," + self.rest(sep[1:], since) if since else sep
-            out += self.seq([(sep + '"', CALL_KEY)], self.arg_names(name, used, "", layout, args_indent, lv), p_more)
+            out += self.seq(
+                [(sep + '"', CALL_KEY)], lambda: self.arg_names(name, used, "", layout, args_indent, lv), p_more
+            )
         if p_more < 1:
             ws = self.rest(self.ws_close(args_indent, layout), since)
-            out += self.seq([(ws + "}", END)], self.close_call(layout, lv), 1 - p_more)
+            out += self.seq([(ws + "}", END)], lambda: self.close_call(layout, lv), 1 - p_more)
         return out
 
     def close_call(self, layout: Layout | None, lv: int, since: str = "") -> list[Cand]:
@@ -371,21 +442,22 @@ class _Builder:
         text = self.rest(self.ws_close(call_indent, layout), since) + "}"
         if self.tr.frame("calls") is None and layout is not None:
             return self.seq(
-                [(text, END)], self.after_closer(layout.closer) if layout.closer else self.after_bare_call(layout, "")
+                [(text, END)],
+                lambda: self.after_closer(layout.closer) if layout.closer else self.after_bare_call(layout, ""),
             )
-        return [Cand([(text, END)], 1.0)]
+        return [self.leaf([(text, END)], 1.0)]
 
     def after_closer(self, rest: str) -> list[Cand]:
         """The rest of the layout's closer, then the end of the turn -- or, for a closer that is
         text, a paragraph of prose: its first token differs ("``" + "`\\n\\n", not "```"), so
         both are drafted."""
         if not rest:
-            return [Cand([(list(self.eos[:1]), END)], 1.0)]
+            return [self.leaf([(tuple(self.eos[:1]), END)], 1.0)]
         p = self.priors.prose_after
-        return [Cand([(rest, END), (list(self.eos[:1]), END)], 1.0 - p), Cand([(rest + "\n\n", END)], p)]
+        return [self.leaf([(rest, END), (tuple(self.eos[:1]), END)], 1.0 - p), self.leaf([(rest + "\n\n", END)], p)]
 
     def end_turn(self) -> list[Cand]:
-        return [Cand([(list(self.eos[:1]), END)], 1.0)]
+        return [self.leaf([(tuple(self.eos[:1]), END)], 1.0)]
 
     def answer_open(self) -> list[Cand]:
         """A structured answer from its start: '{' and its keys, compact or pretty-printed."""
@@ -393,7 +465,7 @@ class _Builder:
             return []
         out = []
         for lay in (BARE, BARE_PRETTY):
-            out += self.seq([("{", OPENER)], self.args_open(self.tr.root, lay, 0, self.levels), 0.5)
+            out += self.seq([("{", OPENER)], lambda lay=lay: self.args_open(self.tr.root, lay, 0, self.levels), 0.5)
         return out
 
     # ---- entry: from the tracker's current position ----
@@ -427,7 +499,7 @@ class _Builder:
                 continue
             segs = [(full[j:], OPENER)]
             p = w * (self.priors.call_start if text == "" else (1.0 if j > 0 else p_line))
-            out += self.seq(segs, self.call_body(lay, 0, self.levels), p)
+            out += self.seq(segs, lambda lay=lay: self.call_body(lay, 0, self.levels), p)
         return out
 
     def closer(self) -> list[Cand]:
@@ -438,7 +510,8 @@ class _Builder:
         if not lay.closer:
             return self.after_bare_call(lay, written)
         if lay.closer.startswith(written):
-            return [Cand(c.segs, CLOSER_GOES_ON * c.prob) for c in self.after_closer(lay.closer[len(written) :])]
+            after = self.under(CLOSER_GOES_ON, lambda: self.after_closer(lay.closer[len(written) :]))
+            return [Cand(c.segs, CLOSER_GOES_ON * c.prob) for c in after]
         return []
 
     def after_bare_call(self, layout: Layout, written: str) -> list[Cand]:
@@ -450,8 +523,8 @@ class _Builder:
         if line not in ("", "\n"):
             return []
         p = NEXT_OBJECT_AFTER_NEWLINE if line else NEXT_OBJECT
-        nxt = self.seq([(self.rest("\n", line) + "{", END)], self.call_body(layout, 0, 0, NEXT_CALL), p)
-        return [Cand([(list(self.eos[:1]), END)], 1.0 - p)] + nxt
+        nxt = self.seq([(self.rest("\n", line) + "{", END)], lambda: self.call_body(layout, 0, 0, NEXT_CALL), p)
+        return [self.leaf([(tuple(self.eos[:1]), END)], 1.0 - p)] + nxt
 
     def in_call(self, f: Frame) -> list[Cand]:
         tr, lay = self.tr, self.tr.layout
@@ -464,7 +537,7 @@ class _Builder:
                 return self.call_body(lay, f.indent, lv, key=need[len(tr.buf) :] + '"')
             return self.seq(
                 [(need[len(tr.buf) :] + '"' + tr.kv_sep + "{", CALL_KEY)],
-                self.args_open(tr.name, lay, self._args_indent(f, lay), lv),
+                lambda: self.args_open(tr.name, lay, self._args_indent(f, lay), lv),
             )
         if tr.in_str == "value" and f.key == "name":
             return self.tool_names(tr.buf, lay, f.indent, lv)
@@ -475,12 +548,13 @@ class _Builder:
                 tr.name or "", lay, f.indent, lv, since=tr.since, after_comma=True
             )  # a step may end on the comma
         if f.expect in ("colon", "value") and f.key == "name":
-            return self.seq([(self.after_colon(f) + '"', CALL_KEY)], self.tool_names("", lay, f.indent, lv))
+            return self.seq([(self.after_colon(f) + '"', CALL_KEY)], lambda: self.tool_names("", lay, f.indent, lv))
         if f.expect == "next" and f.key == "name":
             return self.after_name(tr.name or "", lay, f.indent, lv, since=tr.since)
         if f.expect in ("colon", "value") and f.key in ("arguments", "parameters"):
             return self.seq(
-                [(self.after_colon(f) + "{", CALL_KEY)], self.args_open(tr.name, lay, self._args_indent(f, lay), lv)
+                [(self.after_colon(f) + "{", CALL_KEY)],
+                lambda: self.args_open(tr.name, lay, self._args_indent(f, lay), lv),
             )
         if f.expect == "next":
             return self.close_call(lay, lv, since=tr.since) if self.tr.frame("args") is None else []
@@ -571,12 +645,12 @@ class _Builder:
             return self.arg_names(name, used, tr.buf, lay, f.indent, lv)  # the key being typed is not in f.keys yet
         if f.expect == "key":
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
-            return self.seq([(ws + '"', CALL_KEY)], self.arg_names(name, used, "", lay, f.indent, lv))
+            return self.seq([(ws + '"', CALL_KEY)], lambda: self.arg_names(name, used, "", lay, f.indent, lv))
         schema = self.tools.properties(name).get(f.key or "") or {}
         if f.expect == "colon" or (f.expect == "value" and not tr.in_str and not tr.in_scalar):
             ws = self.after_colon(f)  # the separator, or (a step may end on the colon) its space still to come
-            starts = self.value_start(name, used, schema, lay, f.indent, lv)
-            return self.seq([(ws, CALL_KEY)], starts) if ws else starts
+            starts = lambda: self.value_start(name, used, schema, lay, f.indent, lv)  # noqa: E731
+            return self.seq([(ws, CALL_KEY)], starts) if ws else starts()
         if tr.in_str == "value":
             return self.string_value(name, used, schema, lay, f.indent, lv)
         if tr.in_scalar:
@@ -593,18 +667,25 @@ class _Builder:
             out = []
             for v in vals:
                 out += self.seq(
-                    [(v[len(buf) :] + '"', VALUE)], self.after_value(name, used, lay, indent, lv - 1), 1.0 / len(vals)
+                    [(v[len(buf) :] + '"', VALUE)],
+                    lambda: self.after_value(name, used, lay, indent, lv - 1),
+                    1.0 / len(vals),
                 )
             return out
         # the string may end here: closing quote + what follows (low prior; the budget decides)
-        after = self.after_value(name, used, lay, indent, lv - 1)
-        out = self.seq([('"', VALUE)], after, STRING_ENDS)
+        seen = []
         for v, share, label in self.seen_values(name, used[-1]) if used else []:
             text = _json_scalar(v)[1:] if isinstance(v, str) else ""
             if text.startswith(buf) and len(text) > len(buf) + 1:
-                out += self.seq([(text[len(buf) :], label)], after, share)
+                seen.append((text[len(buf) :], label, share))
         derived = [v for v in self.derived(used[-1], schema) if v.startswith(buf) and len(v) > len(buf)] if used else []
-        for v, share in zip(derived, _rank_shares(len(derived), DATE_TEXT_SHARE)):
+        shares = _rank_shares(len(derived), DATE_TEXT_SHARE)
+        top = max([STRING_ENDS] + [sh for _, _, sh in seen] + shares)
+        after = self.under(top, lambda: self.after_value(name, used, lay, indent, lv - 1))
+        out = self.seq([('"', VALUE)], after, STRING_ENDS)
+        for text, label, share in seen:
+            out += self.seq([(text, label)], after, share)
+        for v, share in zip(derived, shares):
             out += self.seq([(v[len(buf) :], DERIVED), ('"', VALUE)], after, share)
         return out
 
@@ -612,8 +693,9 @@ class _Builder:
         buf = self.tr.buf
         for word in ("true", "false", "null"):
             if word.startswith(buf) and word != buf:
-                return self.seq([(word[len(buf) :], VALUE)], self.after_value(name, used, lay, indent, lv - 1))
-        return [Cand(c.segs, c.prob * NUMBER_ENDS) for c in self.after_value(name, used, lay, indent, lv - 1)]
+                return self.seq([(word[len(buf) :], VALUE)], lambda: self.after_value(name, used, lay, indent, lv - 1))
+        after = self.under(NUMBER_ENDS, lambda: self.after_value(name, used, lay, indent, lv - 1))
+        return [Cand(c.segs, c.prob * NUMBER_ENDS) for c in after]
 
 
 def _rank_shares(n: int, total: float) -> list[float]:
@@ -648,6 +730,7 @@ def continuations(
     context_keys: KeyIndex | None = None,
     own=(),
     numbers=(),
+    bounded: bool = True,
 ) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first.
 
@@ -661,8 +744,12 @@ def continuations(
     drafted whole, within the schema's type and bounds.
     ``context_keys``: the conversation's JSON objects (``objkeys.KeyScanner``) -- with the output's
     own (``tr.objects``), the keys of objects no schema describes (made-up results, records) follow them.
+    ``bounded``: expand only branches that can reach the ``max_cands`` kept (the same result;
+    ``False`` expands every branch, the reference the tests compare against).
     """
-    cands = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys, own, numbers).build()
+    b = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys, own, numbers)
+    b.keep = max_cands if bounded else 0
+    cands = b.build()
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
     cands.sort(key=lambda c: -c.prob)
     return cands[:max_cands]

@@ -77,27 +77,35 @@ def candidates_to_tree(
     mass: list[float] = []
     path_rate: list[float] = []  # product of the label rates from the root down to each node
     node_rate: list[float] = []  # each node's own label rate
-    rate: dict[str, float] = {}  # the rates do not change while one tree is built
-    tail = list(committed[-TAIL_TOKENS:])  # all the boundary tokenizer reads of the context
+    # a node's rate by (its label, its parent's label): the rates do not change while one tree is built
+    rate: dict[tuple[str, str | None], float] = {}
+    tail = tuple(committed[-TAIL_TOKENS:])  # all the boundary tokenizer reads of the context
     left = sum(c.prob for c in cands)  # mass of the candidates not yet added
     scale = max(1.0, left)  # root shares are capped at 1: path probability >= mass x rates / scale
+    top = 0.0  # the largest node mass (masses only grow)
+    parents, labels_of = tree.parents, tree.labels
     for cand in cands:
         bound = left * scale
-        if max_nodes is not None and len(tree) >= max_nodes and bound < max(mass):
+        if max_nodes is not None and len(tree) >= max_nodes and bound < top:
             if _kept_above(mass, path_rate, max_nodes, bound):
                 break
         left -= cand.prob
-        ids, labels = _tokens(bt, tail, cand)
+        ids, labels = bt.candidate(tail, tuple(cand.segs))
         nodes = tree.add_chain(ids[:max_tokens], labels)
         for i in range(len(mass), len(tree)):
-            p, key = tree.parents[i], rate_key(tree, i)
-            if key not in rate:
-                rate[key] = rates.rate(key)
+            p = parents[i]
+            pair = (labels_of[i], labels_of[p] if p != ROOT else None)
+            r = rate.get(pair)
+            if r is None:
+                r = rate[pair] = rates.rate(rate_key(tree, i))
             mass.append(0.0)
-            node_rate.append(rate[key])
-            path_rate.append(rate[key] * (1.0 if p == ROOT else path_rate[p]))
+            node_rate.append(r)
+            path_rate.append(r * (1.0 if p == ROOT else path_rate[p]))
+        prob = cand.prob
         for i in nodes:
-            mass[i] += cand.prob
+            mass[i] += prob
+            if mass[i] > top:
+                top = mass[i]
     for i, p in enumerate(tree.parents):
         share = mass[i] / (1.0 if p == ROOT else max(mass[p], 1e-12))
         tree.conf[i] = min(1.0, share) * node_rate[i]
@@ -113,40 +121,6 @@ def _kept_above(mass: list[float], path_rate: list[float], n: int, bound: float)
             if above >= n:
                 return True
     return False
-
-
-def _tokens(bt: BoundaryTokenizer, committed: list[int], cand: Cand) -> tuple[list[int], list[str]]:
-    """Token ids of a candidate (text segments tokenized together) with a label per token;
-    ``committed``: the context's last tokens (``TAIL_TOKENS`` are enough)."""
-    ids: list[int] = []
-    labels: list[str] = []
-    text, text_labels = "", []  # pending text and (end offset, label) per segment
-    for seg, lab in cand.segs + [(None, None)]:
-        if isinstance(seg, str):
-            text += seg
-            text_labels.append((len(text), lab))
-            continue
-        if text:
-            toks = bt.continuation(committed + ids, text)
-            ids += toks
-            labels += _label_tokens(bt, toks, text_labels)
-            text, text_labels = "", []
-        if seg:  # raw token ids (end of turn)
-            ids += list(seg)
-            labels += [lab] * len(seg)
-    return ids, labels
-
-
-def _label_tokens(bt: BoundaryTokenizer, toks: list[int], text_labels: list[tuple[int, str]]) -> list[str]:
-    """Each token's label: that of the first segment ending after the token's first character
-    (the last segment's past the end); segment ends only grow, so one pass."""
-    out, pos, j, last = [], 0, 0, len(text_labels) - 1
-    for t in toks:
-        while j < last and pos >= text_labels[j][0]:
-            j += 1
-        out.append(text_labels[j][1])
-        pos += bt.chars(t)
-    return out
 
 
 class RetrievalDrafter:
@@ -240,9 +214,12 @@ class SchemaDrafter:
         schema: bool = True,
         answer: bool = False,
         layouts: tuple = LAYOUTS,
+        bounded: bool = True,
     ):
         """``answer``: the output is a structured answer (response_format) whose schema ``tools``
-        holds under ``RESPONSE``; ``layouts``: the target's call layouts (``layouts_for``)."""
+        holds under ``RESPONSE``; ``layouts``: the target's call layouts (``layouts_for``);
+        ``bounded``: expand only the candidates that can be kept (``continuations``)."""
+        self.bounded = bounded
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
         self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
         self.tracker = CallTracker(tools, RESPONSE if answer else None, layouts)
@@ -321,6 +298,7 @@ class SchemaDrafter:
             context_keys=self._context_keys(ctx),
             own=self._own_calls(),
             numbers=self._context_numbers(ctx),
+            bounded=self.bounded,
         )
 
     def _own_calls(self) -> list[tuple[str, dict]]:
@@ -459,9 +437,13 @@ class SchemaMethod:
         max_match: int = 8,
         prompt_tail: int = 8,
         history_tokens: int = 32768,
+        reference: bool = False,
     ):
+        """``reference``: every schema candidate expanded and tokenized afresh at every step (no
+        bounded expansion, no per-candidate token cache): the drafter the tests hold the fast one to."""
         self.tok = tokenizer
-        self.bt = BoundaryTokenizer(tokenizer)
+        self.reference = reference
+        self.bt = BoundaryTokenizer(tokenizer, cache_candidates=not reference)
         # acceptance rates are learned per tenant (one tenant's model habits or poisoned library
         # never shape another's trees): (schema rates, suffix rates), least recently used dropped
         self._tenant_rates: dict[str, tuple[LabelRates, LabelRates]] = {}
@@ -543,6 +525,7 @@ class SchemaMethod:
             self.uses_schema,
             answer=req.response_schema is not None and not req.tools,
             layouts=self.layouts,
+            bounded=not self.reference,
         )
 
     def observe(self, req: RequestInfo, output_ids: list[int], text: str) -> None:
