@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from toolspec_core.model.kv import KVCache
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+CAUSAL_KERNEL = True  # first prefill chunks attend through causal_attention (False: a causal mask tensor)
 
 
 @dataclass
@@ -90,6 +91,22 @@ def segment_attention(q, k, v, mask, scale: float) -> torch.Tensor:
     return out.reshape(1, h, n, d).transpose(1, 2).reshape(1, n, h * d)
 
 
+def causal_attention(q, k, v, scale: float) -> torch.Tensor:
+    """A sequence's first prefill chunk (no cached prefix) without a mask tensor: q [1, H, n, D],
+    k / v [1, H_kv, n, D] -> [1, n, H * D].
+
+    Why: with a materialized [g * n, n] causal mask SDPA's CPU flash kernel computes every block
+    of the score matrix and adds the mask; with ``is_causal`` it skips the blocks above the
+    diagonal and reads no mask. The result equals the masked call's to float rounding (a skipped block's
+    every score is masked to zero weight; tested). A chunk after a cached prefix keeps the mask:
+    SDPA's ``is_causal`` is top-left aligned, and splitting such a chunk into its rows over the
+    prefix and over themselves (two calls merged by their log-sum-exps) measured slower than the
+    masked call (``python -m benchmarks.studies.prefill_forward``)."""
+    _, h, n, d = q.shape
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)  # [1, H, n, D]
+    return out.transpose(1, 2).reshape(1, n, h * d)
+
+
 def grouped_mask(mask: torch.Tensor, g: int) -> torch.Tensor:
     """[1, 1, n, S] -> [1, 1, g * n, S]: the mask of the stacked query rows, built once a forward
     (not once a layer)."""
@@ -117,6 +134,8 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
         o += n
         if s.mask is not None:
             masks.append(grouped_mask(widen(s.mask.to(dev, dtype, non_blocking=True), prefix), g))
+        elif n > 1 and prefix == 0 and CAUSAL_KERNEL:
+            masks.append("causal")  # a first prefill chunk: causal_attention, no mask tensor
         elif n > 1:
             masks.append(grouped_mask(causal_mask(prefix, n, dtype, dev), g))
         else:
@@ -126,7 +145,10 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
         outs = []
         for s, (a, b), m in zip(segments, bounds, masks):
             keys, values = s.cache.write(li, k[:, :, a:b], v[:, :, a:b])  # [1, H_kv, S, D]
-            outs.append(segment_attention(q[:, :, a:b], keys, values, m, scale))
+            if isinstance(m, str):  # "causal"
+                outs.append(causal_attention(q[:, :, a:b], keys, values, scale))
+            else:
+                outs.append(segment_attention(q[:, :, a:b], keys, values, m, scale))
         return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
 
     x = decoder_layers(model, ids, pos, attend)
