@@ -17,7 +17,8 @@ vLLM's prefill):
   blocks skipped) or, for a chunk after a cached prefix, :func:`split_attention` (prefix and
   chunk apart, merged by log-sum-exp).
 * ``prefill``: whole prefills (:func:`toolspec_core.engine.loop.prefill`) of the prompts,
-  512-row chunks and the whole prompt at once, with the causal kernel off and on, interleaved
+  512-row chunks and the whole prompt at once, the forward before (causal mask tensor, HF's
+  rotary embedding) and after (causal kernel for first chunks, ``rope``), interleaved
   ``--rounds`` times; best and median tokens/s (a shared machine: the best says what the kernels
   do, the spread what other work does).
 * ``compile`` (``--compile``): the decoder traced by ``torch.compile`` (inductor, ``freezing``:
@@ -159,36 +160,60 @@ def attention_rates(repeats: int = 7) -> list[dict]:
     return out
 
 
+def hf_rope(x, cos, sin):
+    """HF's rotary embedding (``x * cos + rotate_half(x) * sin``): the ``before`` configuration."""
+    import torch
+
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
+
+
 def prefill_rates(target, ids: list[list[int]], chunks=(512, 4096), rounds: int = 3) -> list[dict]:
-    """Prefill tokens/s per (chunk, causal kernel), every prompt under every configuration in turn."""
+    """Prefill tokens/s per (chunk, forward), every prompt under every configuration in turn:
+    ``before`` (causal mask tensor, HF's rotary embedding) and ``after`` (the served forward:
+    :func:`~toolspec_core.model.batch_forward.causal_attention` for first chunks and
+    :func:`~toolspec_core.model.batch_forward.rope`)."""
     from toolspec_core.engine.loop import prefill
     from toolspec_core.model import batch_forward
 
-    configs = [(c, k) for c in chunks for k in (False, True)]
+    served_rope = batch_forward.rope
+
+    def use(forward: str) -> None:
+        batch_forward.CAUSAL_KERNEL = forward == "after"
+        batch_forward.rope = served_rope if forward == "after" else hf_rope
+
+    configs = [(c, f) for c in chunks for f in ("before", "after")]
     rates: dict[tuple, list[float]] = {c: [] for c in configs}
-    for c, k in configs:  # warm-up: first calls of each shape
-        batch_forward.CAUSAL_KERNEL = k
-        prefill(target, ids[0], chunk=c)
-    for _ in range(rounds):
-        for p in ids[1:]:
-            for c, k in configs:
-                batch_forward.CAUSAL_KERNEL = k
-                t0 = time.perf_counter()
-                prefill(target, p, chunk=c)
-                rates[(c, k)].append(len(p) / (time.perf_counter() - t0))
-    batch_forward.CAUSAL_KERNEL = True
+    try:
+        for c, f in configs:  # warm-up: first calls of each shape
+            use(f)
+            prefill(target, ids[0], chunk=c)
+        for _ in range(rounds):
+            for p in ids[1:]:
+                for c, f in configs:
+                    use(f)
+                    t0 = time.perf_counter()
+                    prefill(target, p, chunk=c)
+                    rates[(c, f)].append(len(p) / (time.perf_counter() - t0))
+    finally:
+        use("after")
     rows = []
-    for (c, k), r in rates.items():
+    for (c, f), r in rates.items():
         row = {
             "chunk": c,
-            "causal_kernel": k,
+            "forward": f,
             "prompts": len(ids) - 1,
             "rounds": rounds,
             "best_tokens_per_s": max(r),
             "median_tokens_per_s": statistics.median(r),
+            "all_tokens_per_s": r,
         }
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "all_tokens_per_s"}), flush=True)
+    by = {(r["chunk"], r["forward"]): r for r in rows}
+    for c in chunks:  # per prompt and round, after / before side by side
+        pairs = [a / b for a, b in zip(by[(c, "after")]["all_tokens_per_s"], by[(c, "before")]["all_tokens_per_s"])]
+        by[(c, "after")]["speedup_median_of_pairs"] = statistics.median(pairs)
     return rows
 
 
@@ -199,7 +224,7 @@ def compiled_prefill(ids: list[list[int]], sizes=(512,), repeats: int = 3) -> li
     import torch.nn.functional as F
 
     from toolspec_core.engine.loop import prefill
-    from toolspec_core.model.batch_forward import _rope_fn
+    from toolspec_core.model.batch_forward import rope
     from toolspec_core.model.target import load_target
 
     served = load_target()
@@ -223,7 +248,7 @@ def compiled_prefill(ids: list[list[int]], sizes=(512,), repeats: int = 3) -> li
                 shape = (1, h.shape[1], -1, a.head_dim)
                 q, k = a.q_proj(h).view(shape).transpose(1, 2), a.k_proj(h).view(shape).transpose(1, 2)
                 v = a.v_proj(h).view(shape).transpose(1, 2)
-                q, k = _rope_fn(a)(q, k, cos, sin)
+                q, k = rope(q, cos[:, None], sin[:, None]), rope(k, cos[:, None], sin[:, None])
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=a.scaling, enable_gqa=True)
                 x = x + a.o_proj(o.transpose(1, 2).reshape(1, h.shape[1], -1))
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -283,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = set(args.parts.split(","))
     out = {
         "what": "float32 CPU prefill forward part by part: projection kernels (GFLOP/s), prefill attention "
-        "(mask tensor vs causal kernel), whole prefills with the causal kernel off/on (best and median "
+        "(mask tensor vs causal kernel), whole prefills with the forward before/after (best and median "
         "tokens/s, interleaved), and optionally the inductor-compiled decoder (compile time, rate)",
         "hardware": hardware_string("cpu"),
         "torch": torch.__version__,

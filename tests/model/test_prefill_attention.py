@@ -12,7 +12,7 @@ from toolspec_core.engine.loop import DecodeConfig, prefill
 from toolspec_core.engine.scheduler import BatchLimits, run_batch
 from toolspec_core.engine.sequence import Sequence
 from toolspec_core.model import batch_forward
-from toolspec_core.model.batch_forward import causal_attention, causal_mask, grouped_mask, segment_attention
+from toolspec_core.model.batch_forward import causal_attention, causal_mask, grouped_mask, rope, segment_attention
 
 
 @pytest.mark.parametrize("heads", [(4, 2), (14, 2), (4, 4)])
@@ -63,3 +63,21 @@ def test_greedy_output_is_plain_greedy_with_and_without_the_kernel(kernel, monke
         ]
         out = run_batch(tg, seqs, CostModel.flat(), BatchLimits(max_running=3, prefill_chunk=16))
         assert [r.tokens for r in out] == refs
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_bitwise_hf_rotary_embedding(family, dtype):
+    """``rope`` is each supported family's ``apply_rotary_pos_emb``, bit for bit, on the strided
+    q / k the decoder makes (heads transposed out of the projection's rows)."""
+    import importlib
+
+    hf = importlib.import_module(f"transformers.models.{family}.modeling_{family}").apply_rotary_pos_emb
+    torch.manual_seed(0)
+    for n in (1, 5, 300):
+        q = torch.randn(1, n, 6, 32, dtype=dtype).transpose(1, 2)  # [1, H, n, D], strided
+        k = torch.randn(1, n, 2, 32, dtype=dtype).transpose(1, 2)
+        cos, sin = torch.randn(1, n, 32, dtype=dtype), torch.randn(1, n, 32, dtype=dtype)
+        want_q, want_k = hf(q, k, cos, sin)
+        assert torch.equal(rope(q, cos[:, None], sin[:, None]), want_q)
+        assert torch.equal(rope(k, cos[:, None], sin[:, None]), want_k)
