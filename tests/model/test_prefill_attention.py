@@ -29,14 +29,17 @@ def test_causal_attention_equals_the_masked_call(heads):
 
 
 def test_only_first_chunks_take_the_causal_kernel(monkeypatch):
-    """A prompt's first chunk (no cached prefix, 2+ rows) goes through ``causal_attention``, once a
-    layer; later chunks and single rows keep their masks; with the kernel off none does; the
-    hidden states agree either way."""
+    """A prompt's first chunk (no cached prefix, ``CAUSAL_MIN_ROWS`` rows or more) goes through
+    ``causal_attention``, once a layer; shorter first chunks, later chunks and single rows keep
+    their masks; with the kernel off none does; the hidden states agree either way."""
     tg = tiny_target()
     calls = []
     real = batch_forward.causal_attention
-    monkeypatch.setattr(batch_forward, "causal_attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
     prompt = [(7 * i) % 90 + 3 for i in range(40)]
+    monkeypatch.setattr(batch_forward, "causal_attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    prefill(tg, prompt, chunk=16)  # first chunk below CAUSAL_MIN_ROWS: the mask
+    assert calls == []
+    monkeypatch.setattr(batch_forward, "CAUSAL_MIN_ROWS", 2)
     on = prefill(tg, prompt, chunk=16, states=True)
     assert calls == [16] * tg.model.config.num_hidden_layers  # chunk 1 only, every layer
     monkeypatch.setattr(batch_forward, "CAUSAL_KERNEL", False)
@@ -54,6 +57,7 @@ def test_greedy_output_is_plain_greedy_with_and_without_the_kernel(kernel, monke
     """A batch through the scheduler -- prompts prefilled in 16-row chunks beside decoding rows,
     each drafted by an oracle and a branching drafter -- writes HF's plain greedy output."""
     monkeypatch.setattr(batch_forward, "CAUSAL_KERNEL", kernel)
+    monkeypatch.setattr(batch_forward, "CAUSAL_MIN_ROWS", 8)  # the tiny prompts' first chunks take it
     tg = tiny_target()
     prompts = [[5, 9, 17, 33, 2, 8, 60, 41, 12, 7, 7, 19, 88, 3], [(5 * i) % 90 + 2 for i in range(45)], [4]]
     refs = [hf_greedy(tg, p, 12) for p in prompts]

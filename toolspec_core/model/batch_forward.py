@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from toolspec_core.model.kv import KVCache
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-CAUSAL_KERNEL = True  # first prefill chunks attend through causal_attention (False: a causal mask tensor)
+CAUSAL_KERNEL = True  # long first prefill chunks attend through causal_attention (False: a causal mask tensor)
+CAUSAL_MIN_ROWS = 640  # from this many rows; below, SDPA's CPU kernel blocks a per-head causal call more finely and it measured slower
 
 
 @dataclass
@@ -105,7 +106,9 @@ def causal_attention(q, k, v, scale: float) -> torch.Tensor:
     Why: with a materialized [g * n, n] causal mask SDPA's CPU flash kernel computes every block
     of the score matrix and adds the mask; with ``is_causal`` it skips the blocks above the
     diagonal and reads no mask. The result equals the masked call's to float rounding (a skipped block's
-    every score is masked to zero weight; tested). A chunk after a cached prefix keeps the mask:
+    every score is masked to zero weight; tested). Taken from :data:`CAUSAL_MIN_ROWS` rows: on this
+    CPU the causal call was 1.2-1.6x faster at 640-1,024 rows and 0.5-0.85x at 384-512, where the
+    grouped masked call (7x the query rows) gets the kernel's larger query blocks. A chunk after a cached prefix keeps the mask:
     SDPA's ``is_causal`` is top-left aligned, and splitting such a chunk into its rows over the
     prefix and over themselves (two calls merged by their log-sum-exps) measured slower than the
     masked call (``python -m benchmarks.studies.prefill_forward``)."""
@@ -141,7 +144,7 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
         o += n
         if s.mask is not None:
             masks.append(grouped_mask(widen(s.mask.to(dev, dtype, non_blocking=True), prefix), g))
-        elif n > 1 and prefix == 0 and CAUSAL_KERNEL:
+        elif n >= CAUSAL_MIN_ROWS and prefix == 0 and CAUSAL_KERNEL:
             masks.append("causal")  # a first prefill chunk: causal_attention, no mask tensor
         elif n > 1:
             masks.append(grouped_mask(causal_mask(prefix, n, dtype, dev), g))
