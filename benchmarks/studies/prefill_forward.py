@@ -1,0 +1,338 @@
+"""Study: the CPU forward of a prompt, part by part. Result: benchmarks/results/measurements/prefill-forward-*.json.
+
+Where a float32 prefill's time goes on the CPU and what each candidate change buys, on the
+load test's long tool prompts (the prompts :mod:`benchmarks.studies.prefill_vllm` sets against
+vLLM's prefill):
+
+* ``linears``: GFLOP/s of each way to run the model's projections at prefill row counts (256,
+  512, 1024): ``F.linear`` (MKL), oneDNN on a weight reordered at load for 16 rows (what
+  :mod:`toolspec_core.model.cpu_linears` serves every step of over 16 rows with) or for the row
+  count itself, MKL's packed GEMM at the row count, and the fused q/k/v and gate/up weights
+  (one GEMM instead of three / two) -- against this CPU's peak, they say whether the GEMMs have
+  anything left.
+* ``attention``: one layer's prefill attention (Qwen2.5-0.5B: 14 query heads, 2 KV heads, 64
+  dims) at chunk shapes, through a causal mask tensor (the grouped-query rows of
+  :func:`~toolspec_core.model.batch_forward.segment_attention`) against
+  :func:`~toolspec_core.model.batch_forward.causal_attention` (a first chunk: no mask, causal
+  blocks skipped) or, for a chunk after a cached prefix, :func:`split_attention` (prefix and
+  chunk apart, merged by log-sum-exp).
+* ``prefill``: whole prefills (:func:`toolspec_core.engine.loop.prefill`) of the prompts,
+  512-row chunks and the whole prompt at once, the forward before (causal mask tensor, HF's
+  rotary embedding) and after (causal kernel for first chunks, ``rope``), interleaved
+  ``--rounds`` times; best and median tokens/s (a shared machine: the best says what the kernels
+  do, the spread what other work does).
+* ``compile`` (``--compile``): the decoder traced by ``torch.compile`` (inductor, ``freezing``:
+  weights constant-folded and prepacked) for a whole prompt of ``--compile-rows`` rows at once
+  (no cache, causal SDPA), the compile time of each shape, its rate against the same function
+  eager and against the served path, and its largest hidden-state difference.
+
+    flock /tmp/toolspec-cpu.lock python -m benchmarks.studies.prefill_forward --compile \\
+        --out benchmarks/results/measurements/prefill-forward-cpu-HW-SHA.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+SHAPES = {"q/o": (896, 896), "k/v": (128, 896), "qkv": (1152, 896), "up": (4864, 896), "gate+up": (9728, 896),
+          "down": (896, 4864)}  # fmt: skip
+FUSED_OF = {"qkv": ("q/o", "k/v", "k/v"), "gate+up": ("up", "up")}
+
+
+def best_seconds(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def linear_rates(rows_list=(256, 512, 1024), repeats: int = 7) -> list[dict]:
+    """GFLOP/s (best of ``repeats``) per kernel per projection shape per row count."""
+    import torch
+    import torch.nn.functional as F
+
+    from toolspec_core.model.cpu_linears import mkl_pack, onednn_linear, onednn_pack
+
+    out = []
+    with torch.inference_mode():
+        for rows in rows_list:
+            for name, (o, i) in SHAPES.items():
+                w, x = torch.randn(o, i), torch.randn(rows, i)
+                b = torch.randn(o) if name in ("k/v", "qkv") else None
+                d16, drows, mkl = onednn_pack(w, 16), onednn_pack(w, rows), mkl_pack(w, rows)
+                flop = 2 * rows * o * i
+                kernels = {
+                    "F.linear": lambda: F.linear(x, w, b),
+                    "onednn_packed16": lambda: onednn_linear(x, d16, b),
+                    "onednn_packed_rows": lambda: onednn_linear(x, drows, b),
+                    "mkl_packed_rows": lambda: torch.ops.mkl._mkl_linear(x, mkl, w, b, rows),
+                }
+                row = {"rows": rows, "weight": name, "out_in": [o, i]}
+                for k, fn in kernels.items():
+                    row[k + "_gflops"] = flop / best_seconds(fn, repeats) / 1e9
+                row["onednn_packed16_ms"] = flop / row["onednn_packed16_gflops"] / 1e6
+                out.append(row)
+                print(json.dumps(row), flush=True)
+    by = {(r["rows"], r["weight"]): r for r in out}
+    for rows in rows_list:  # a fused GEMM against its parts run one after another (oneDNN, 16-row layout)
+        for fused, parts in FUSED_OF.items():
+            r = by[(rows, fused)]
+            r["parts_ms"] = sum(by[(rows, p)]["onednn_packed16_ms"] for p in parts)
+            r["fused_speedup"] = r["parts_ms"] / r["onednn_packed16_ms"]
+    return out
+
+
+def fused_exact(rows_list=(1, 3, 5, 17, 100, 512, 1024)) -> bool:
+    """Whether oneDNN on a concatenated weight gives bitwise the columns of the separate weights."""
+    import torch
+
+    from toolspec_core.model.cpu_linears import onednn_linear, onednn_pack
+
+    torch.manual_seed(0)
+    ok = True
+    with torch.inference_mode():
+        for outs in ((896, 128, 128), (4864, 4864)):
+            ws = [torch.randn(o, 896) * 0.05 for o in outs]
+            bs = [torch.randn(o) for o in outs]
+            fused, parts = onednn_pack(torch.cat(ws)), [onednn_pack(w) for w in ws]
+            for n in rows_list:
+                x = torch.randn(n, 896)
+                y = onednn_linear(x, fused, torch.cat(bs))
+                ok &= torch.equal(y, torch.cat([onednn_linear(x, p, b) for p, b in zip(parts, bs)], -1))
+    return bool(ok)
+
+
+def split_attention(q, k, v, prefix: int, scale: float):
+    """A chunk after a cached prefix without a mask tensor: its rows over the prefix (no mask) and
+    over themselves (``is_causal``), merged by their log-sum-exps -> [1, n, H * D]."""
+    import torch
+
+    _, h, n, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    old, lse_old = flash(q.reshape(1, hkv, g * n, d), k[:, :, :prefix], v[:, :, :prefix], scale=scale)[:2]
+    kn, vn = k[:, :, prefix:].repeat_interleave(g, 1), v[:, :, prefix:].repeat_interleave(g, 1)
+    new, lse_new = flash(q, kn, vn, is_causal=True, scale=scale)[:2]
+    old, lse_old, lse_new = old.reshape(1, h, n, d), lse_old.reshape(1, h, n, 1), lse_new.unsqueeze(-1)
+    top = torch.maximum(lse_old, lse_new)
+    a, b = torch.exp(lse_old - top), torch.exp(lse_new - top)
+    return ((old * a + new * b) / (a + b)).transpose(1, 2).reshape(1, n, h * d)
+
+
+def attention_rates(repeats: int = 7) -> list[dict]:
+    """One layer's prefill attention (ms, best of ``repeats``): causal mask tensor vs causal_attention."""
+    import torch
+
+    from toolspec_core.model.batch_forward import causal_attention, causal_mask, grouped_mask, segment_attention
+
+    h, hkv, d = 14, 2, 64
+    g, scale = h // hkv, d**-0.5
+    out = []
+    with torch.inference_mode():
+        for prefix, n in ((0, 256), (0, 512), (0, 1024), (512, 400), (512, 512)):
+            q, k, v = torch.randn(1, h, n, d), torch.randn(1, hkv, prefix + n, d), torch.randn(1, hkv, prefix + n, d)
+            m = causal_mask(prefix, n, torch.float32, "cpu")
+            mg = grouped_mask(m, g)
+            masked = best_seconds(lambda: segment_attention(q, k, v, mg, scale), repeats)
+            fn = (lambda: causal_attention(q, k, v, scale)) if prefix == 0 else (
+                lambda: split_attention(q, k, v, prefix, scale))  # fmt: skip
+            causal = best_seconds(fn, repeats)
+            diff = (segment_attention(q, k, v, mg, scale) - fn()).abs().max()
+            row = {
+                "prefix": prefix,
+                "rows": n,
+                "mask_ms": masked * 1e3,
+                "causal_kernel_ms": causal * 1e3,
+                "speedup": masked / causal,
+                "max_abs_diff": float(diff),
+                "bitwise_equal": bool(diff == 0),
+            }
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
+def hf_rope(x, cos, sin):
+    """HF's rotary embedding (``x * cos + rotate_half(x) * sin``): the ``before`` configuration."""
+    import torch
+
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
+
+
+def prefill_rates(target, ids: list[list[int]], chunks=(512, 4096), rounds: int = 3) -> list[dict]:
+    """Prefill tokens/s per (chunk, forward), every prompt under every configuration in turn:
+    ``before`` (causal mask tensor, HF's rotary embedding) and ``after`` (the served forward:
+    :func:`~toolspec_core.model.batch_forward.causal_attention` for first chunks and
+    :func:`~toolspec_core.model.batch_forward.rope`)."""
+    from toolspec_core.engine.loop import prefill
+    from toolspec_core.model import batch_forward
+
+    served_rope = batch_forward.rope
+
+    def use(forward: str) -> None:
+        batch_forward.CAUSAL_KERNEL = forward == "after"
+        batch_forward.rope = served_rope if forward == "after" else hf_rope
+
+    configs = [(c, f) for c in chunks for f in ("before", "after")]
+    rates: dict[tuple, list[float]] = {c: [] for c in configs}
+    try:
+        for c, f in configs:  # warm-up: first calls of each shape
+            use(f)
+            prefill(target, ids[0], chunk=c)
+        for _ in range(rounds):
+            for p in ids[1:]:
+                for c, f in configs:
+                    use(f)
+                    t0 = time.perf_counter()
+                    prefill(target, p, chunk=c)
+                    rates[(c, f)].append(len(p) / (time.perf_counter() - t0))
+    finally:
+        use("after")
+    rows = []
+    for (c, f), r in rates.items():
+        row = {
+            "chunk": c,
+            "forward": f,
+            "prompts": len(ids) - 1,
+            "rounds": rounds,
+            "best_tokens_per_s": max(r),
+            "median_tokens_per_s": statistics.median(r),
+            "all_tokens_per_s": r,
+        }
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "all_tokens_per_s"}), flush=True)
+    by = {(r["chunk"], r["forward"]): r for r in rows}
+    for c in chunks:  # per prompt and round, after / before side by side
+        pairs = [a / b for a, b in zip(by[(c, "after")]["all_tokens_per_s"], by[(c, "before")]["all_tokens_per_s"])]
+        by[(c, "after")]["speedup_median_of_pairs"] = statistics.median(pairs)
+    return rows
+
+
+def compiled_prefill(ids: list[list[int]], sizes=(512,), repeats: int = 3) -> list[dict]:
+    """The decoder compiled by inductor with freezing, for whole prompts of ``sizes`` rows."""
+    import torch
+    import torch._inductor.config as inductor_config
+    import torch.nn.functional as F
+
+    from toolspec_core.engine.loop import prefill
+    from toolspec_core.model.batch_forward import rope
+    from toolspec_core.model.target import load_target
+
+    served = load_target()
+    plain = load_target(tune_gemm=False).model  # nn.Linear as is: inductor packs the weights itself
+
+    class Whole(torch.nn.Module):
+        """A whole prompt, no cache: last-layer hidden states [N, H] and each layer's K / V."""
+
+        def __init__(self, model):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids, pos):
+            core = self.m.model
+            x = core.embed_tokens(ids[None])
+            cos, sin = core.rotary_emb(x, pos[None])
+            kv = []
+            for layer in core.layers:
+                a = layer.self_attn
+                h = layer.input_layernorm(x)
+                shape = (1, h.shape[1], -1, a.head_dim)
+                q, k = a.q_proj(h).view(shape).transpose(1, 2), a.k_proj(h).view(shape).transpose(1, 2)
+                v = a.v_proj(h).view(shape).transpose(1, 2)
+                q, k = rope(q, cos[:, None], sin[:, None]), rope(k, cos[:, None], sin[:, None])
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=a.scaling, enable_gqa=True)
+                x = x + a.o_proj(o.transpose(1, 2).reshape(1, h.shape[1], -1))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                kv.append((k, v))
+            return core.norm(x)[0], kv
+
+    eager = Whole(plain).eval()
+    inductor_config.freezing = True
+    compiled = torch.compile(eager, dynamic=False)
+    pool = [t for p in ids for t in p]
+    out = []
+    with torch.inference_mode():
+        for n in sizes:
+            x, pos = torch.tensor(pool[:n]), torch.arange(n)
+            t0 = time.perf_counter()
+            compiled(x, pos)
+            compile_s = time.perf_counter() - t0
+            hc = compiled(x, pos)[0]
+            hs = served.hidden(x[None], pos[None], None, served.new_cache())
+            row = {
+                "rows": n,
+                "compile_s": compile_s,
+                "compiled_tokens_per_s": n / best_seconds(lambda: compiled(x, pos), repeats),
+                "same_function_eager_tokens_per_s": n / best_seconds(lambda: eager(x, pos), repeats),
+                "served_path_tokens_per_s": n / best_seconds(lambda: prefill(served, pool[:n], chunk=4096), repeats),
+                "max_abs_hidden_diff_vs_served": float((hc - hs).abs().max()),
+                "argmax_equal_rows": float(
+                    (served.logits(hc).argmax(-1) == served.logits(hs).argmax(-1)).float().mean()
+                ),
+            }
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=4, help="prompts timed (one more is the warm-up)")
+    ap.add_argument("--prompt-chars", default="2000:8000")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--parts", default="linears,attention,prefill")
+    ap.add_argument("--compile", action="store_true", help="also the inductor-compiled whole-prompt forward")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from benchmarks.cost import hardware_string
+    from benchmarks.data import prompt_ids
+    from benchmarks.studies.prefill_vllm import FLOP_PER_TOKEN, long_prompts
+    from toolspec_core.model.target import load_target
+
+    torch.set_num_threads(args.threads)
+    low, _, high = args.prompt_chars.partition(":")
+    items = long_prompts(args.prompts, (int(low), int(high)))
+    parts = set(args.parts.split(","))
+    out = {
+        "what": "float32 CPU prefill forward part by part: projection kernels (GFLOP/s), prefill attention "
+        "(mask tensor vs causal kernel), whole prefills with the forward before/after (best and median "
+        "tokens/s, interleaved), and optionally the inductor-compiled decoder (compile time, rate)",
+        "hardware": hardware_string("cpu"),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "flop_per_token": FLOP_PER_TOKEN,
+        "items": [it["id"] for it in items[1:]],
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    if "linears" in parts:
+        out["linears"] = linear_rates()
+        out["fused_bitwise_equal_to_parts"] = fused_exact()
+    if "attention" in parts:
+        out["attention"] = attention_rates()
+    target = load_target()
+    ids = [prompt_ids(target.tokenizer, it) for it in items]
+    out["mean_prompt_tokens"] = statistics.mean(len(p) for p in ids[1:])
+    if "prefill" in parts:
+        out["prefill"] = prefill_rates(target, ids, rounds=args.rounds)
+    del target
+    if args.compile:
+        out["compile"] = compiled_prefill(ids)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
