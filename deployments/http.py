@@ -328,8 +328,12 @@ def make_api(backend, cfg: ServeAppConfig, gate=None):
                             yield part
                     elif isinstance(ev, Done):
                         done = ev
-                        if isinstance((ev.extra or {}).get("timeline"), dict):  # the ingress's marks beside the replica's
-                            ev.extra["timeline"].update(http_in=wall0, first_chunk=None if ttft is None else wall0 + ttft)
+                        if isinstance(
+                            (ev.extra or {}).get("timeline"), dict
+                        ):  # the ingress's marks beside the replica's
+                            ev.extra["timeline"].update(
+                                http_in=wall0, first_chunk=None if ttft is None else wall0 + ttft
+                            )
                         yield sse_many(shaper.finish(ev))
                         if shaper.mismatch:
                             log.warning("stream deltas diverged from the final parse (request %s)", shaper.id)

@@ -191,7 +191,9 @@ def app_config(spec: str, library: str) -> tuple[str, dict]:
         if o in OPTIONS:
             extra.update(OPTIONS[o])
         elif o in RETRIEVAL_OPTIONS:
-            extra["retrieval"] = {"enabled": False} if o == "noretrieval" else {**extra["retrieval"], **RETRIEVAL_OPTIONS[o]}
+            extra["retrieval"] = (
+                {"enabled": False} if o == "noretrieval" else {**extra["retrieval"], **RETRIEVAL_OPTIONS[o]}
+            )
         elif o.startswith("threads"):
             extra["threads"] = int(o[7:])  # the replica model's torch threads
         else:

@@ -90,7 +90,9 @@ def prompt_phase(recs: list[dict]) -> float | None:
     rows (the steps every request saw, from their ``early_steps``); None without timelines. At a
     burst of fresh prompts it is the time the replica took to prefill all of them, so a TTFT
     over it compares runs the machine ran at different speeds."""
-    ends = [s["end"] for r in recs for s in ((r.get("server_timeline") or {}).get("early_steps") or []) if s["prefill_rows"]]
+    ends = [
+        s["end"] for r in recs for s in ((r.get("server_timeline") or {}).get("early_steps") or []) if s["prefill_rows"]
+    ]
     if not ends:
         return None
     return max(ends) - min(r["started"] for r in recs)
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
     by_ep: dict[str, list[dict]] = {}
     raw: dict[str, list[dict]] = {}
     for path in ns.records:
-        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
             for line in f:
                 rec = json.loads(line)
                 ep = f"{rec.get('endpoint')}@c{rec.get('concurrency')}"

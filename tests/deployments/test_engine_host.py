@@ -28,7 +28,9 @@ def test_done_carries_where_the_first_token_waited():
     from deployments.events import Done
     from deployments.protocol import engine_request, parse_request
 
-    host = EngineHost.build(ServeAppConfig(model="scripted", method="ar", cost_model="none", retrieval={"enabled": False}))
+    host = EngineHost.build(
+        ServeAppConfig(model="scripted", method="ar", cost_model="none", retrieval={"enabled": False})
+    )
     try:
         body = {"model": host.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         done = asyncio.run(host.generate(engine_request(parse_request(body, host.name, 4096))))
@@ -40,5 +42,8 @@ def test_done_carries_where_the_first_token_waited():
     order += ["first_token", "first_text"]
     assert [t[k] for k in order] == sorted(t[k] for k in order)
     steps = done.extra["early_steps"]
-    assert steps[0]["kind"] == "prefill" and sum(s["own_rows"] for s in steps if s["kind"] == "prefill") == done.prompt_tokens
+    assert (
+        steps[0]["kind"] == "prefill"
+        and sum(s["own_rows"] for s in steps if s["kind"] == "prefill") == done.prompt_tokens
+    )
     assert "times" not in done.stats and "early_steps" not in done.stats

@@ -513,8 +513,16 @@ def note_early_steps(prefills, rows: list[_Row], end: float, fwd: float, total: 
     for seq, n, kind in mine:
         if len(seq.stats.early_steps) < EARLY_STEPS:
             seq.stats.early_steps.append(
-                {"end": round(end, 4), "forward_s": round(fwd, 4), "rows": total, "prefill_rows": prefill,
-                 "decode_rows": decode, "kind": kind, "own_rows": n, "generated": len(seq.generated)}
+                {
+                    "end": round(end, 4),
+                    "forward_s": round(fwd, 4),
+                    "rows": total,
+                    "prefill_rows": prefill,
+                    "decode_rows": decode,
+                    "kind": kind,
+                    "own_rows": n,
+                    "generated": len(seq.generated),
+                }
             )
 
 

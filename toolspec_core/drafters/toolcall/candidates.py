@@ -382,7 +382,9 @@ class _Builder:
         enum = schema.get("enum")
 
         def after(top: float):  # what follows the value, shared by its branches (top: their largest factor)
-            return self.under(top, lambda: self.after_value(name, used, layout, args_indent, lv - 1)) if lv > 0 else None
+            return (
+                self.under(top, lambda: self.after_value(name, used, layout, args_indent, lv - 1)) if lv > 0 else None
+            )
 
         if isinstance(enum, list) and enum and all(isinstance(e, (str, int, float, bool)) for e in enum):
             vals = [_json_scalar(e) for e in enum]
