@@ -38,19 +38,15 @@ import statistics
 import time
 from pathlib import Path
 
+from toolspec_core.model.cpu_linears import call_seconds
+
 SHAPES = {"q/o": (896, 896), "k/v": (128, 896), "qkv": (1152, 896), "up": (4864, 896), "gate+up": (9728, 896),
           "down": (896, 4864)}  # fmt: skip
 FUSED_OF = {"qkv": ("q/o", "k/v", "k/v"), "gate+up": ("up", "up")}
 
 
 def best_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return min(call_seconds(fn, repeats))
 
 
 def linear_rates(rows_list=(256, 512, 1024), repeats: int = 7) -> list[dict]:

@@ -80,14 +80,20 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def median_seconds(fn, repeats: int) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` calls, after one untimed call."""
+def call_seconds(fn, repeats: int) -> list[float]:
+    """Wall times of ``repeats`` calls of ``fn()``, after one untimed call (a first call pays set-up)."""
     fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+    return times
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` calls, after one untimed call."""
+    times = call_seconds(fn, repeats)
     return sorted(times)[len(times) // 2]
 
 
