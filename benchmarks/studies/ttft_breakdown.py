@@ -32,20 +32,12 @@ import os
 import statistics
 import sys
 
-PARTS = (
-    ("to_ingress", "started", "http_in"),
-    ("to_replica", "http_in", "replica_in"),
-    ("prepare", "replica_in", "prepared"),
-    ("search", "prepared", "searched"),
-    ("drafter", "searched", "submitted"),
-    ("step_end", "submitted", "queued"),
-    ("queue", "queued", "admitted"),
-    ("chunk_wait", "admitted", "prefill_start"),
-    ("prefill", "prefill_start", "first_token"),
-    ("to_text", "first_token", "first_text"),
-    ("hold", "first_text", "first_chunk"),
-    ("to_client", "first_chunk", "client_first_chunk"),
-)
+# the timeline's marks in order; each part of a TTFT runs from one mark to the next
+MARKS = ("started", "http_in", "replica_in", "prepared", "searched", "submitted", "queued", "admitted",
+         "prefill_start", "first_token", "first_text", "first_chunk", "client_first_chunk")  # fmt: skip
+NAMES = ("to_ingress", "to_replica", "prepare", "search", "drafter", "step_end", "queue", "chunk_wait",
+         "prefill", "to_text", "hold", "to_client")  # fmt: skip
+PARTS = tuple(zip(NAMES, MARKS, MARKS[1:]))
 
 
 def breakdown(rec: dict) -> dict | None:
