@@ -27,7 +27,7 @@ from .bridge import EngineBridge, EngineError
 from .config import ServeAppConfig, served_name
 from .events import Done, Event, Failed, Start
 from .prepare import LateDrafter, Prepared, Search, prepare
-from .protocol import APIError, EngineRequest
+from .protocol import APIError, EngineRequest, request_error
 from .streaming import TextStreamer, TokenText, final_text_event, text_events
 
 log = logging.getLogger("toolspec.serve")
@@ -40,11 +40,6 @@ PREPARE_WORKERS = 4
 def error_event(err: APIError) -> Failed:
     """The replica's ``Failed`` event: the request ends with this OpenAI error."""
     return Failed(err.status, err.body()["error"])
-
-
-def request_error(exc: InvalidRequestError) -> APIError:
-    """The OpenAI 400 of an engine-side refusal: its message, parameter and code as they are."""
-    return APIError(str(exc), 400, param=exc.param, code=exc.code)
 
 
 @dataclass

@@ -79,6 +79,11 @@ def _loc(loc: tuple) -> str:
     return out
 
 
+def request_error(exc: InvalidRequestError) -> APIError:
+    """The OpenAI 400 of a refusal from the engine's checks: its message, parameter and code as they are."""
+    return APIError(str(exc), 400, param=exc.param, code=exc.code)
+
+
 def validation_error(exc: ValidationError) -> APIError:
     err = exc.errors()[0]
     param = _loc(err["loc"]) or None
@@ -354,7 +359,7 @@ def parse_request(body: Any, served_model: str, max_tokens_limit: int, limits: A
     try:  # the range of the asked output length: toolspec_core.engine.limits owns every token limit
         requested_tokens(req.max_tokens, req.max_completion_tokens, max_tokens_limit)
     except InvalidRequestError as exc:
-        raise APIError(str(exc), param=exc.param, code=exc.code) from None
+        raise request_error(exc) from None
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > limits.stop or any(not s for s in stops):
         raise APIError(

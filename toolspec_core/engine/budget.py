@@ -67,11 +67,10 @@ class CostModel:
 
     def allocate(self, trees: list[DraftTree], base_rows: int) -> list[DraftTree]:
         """The batch's trees cut together (:func:`~toolspec_core.engine.tree.allocate`): ``base_rows``
-        root rows; a prefill chunk sharing the forward does not shrink them. No per-tree cap: the
-        budget alone decides how many nodes each sequence keeps, so the cut under load is its
-        pricing and nothing that would also cut a sequence alone (the curve covers every row a
-        step can have, :meth:`ensure_rows`)."""
-        return allocate(trees, self.curve, base_rows, None)
+        root rows; a prefill chunk sharing the forward does not shrink them. The budget alone
+        decides how many nodes each sequence keeps (the curve covers every row a step can have,
+        :meth:`ensure_rows`)."""
+        return allocate(trees, self.curve, base_rows)
 
     def observe(self, rows: int, seconds: float) -> None:
         """One verify forward of ``rows`` tokens took ``seconds``; refits the curve from time to time."""

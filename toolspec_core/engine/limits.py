@@ -88,9 +88,9 @@ def token_budget(prompt_tokens: int, requested: int | None, limits: TokenLimits)
             f"the prompt has {prompt_tokens} tokens; this server takes at most {most} (limits.prompt_tokens)",
             "messages",
         )
+    room = limits.pool_room(prompt_tokens)
     if requested is None:
         cut = [limits.default, limits.context - prompt_tokens]
-        room = limits.pool_room(prompt_tokens)
         if room is not None:
             cut.append(room)
         new = max(1, min(cut))  # 1 when nothing fits: the checks below say why
@@ -103,7 +103,6 @@ def token_budget(prompt_tokens: int, requested: int | None, limits: TokenLimits)
             f"of {limits.context} tokens",
             "messages",
         )
-    room = limits.pool_room(prompt_tokens)
     if room is not None and new > room:
         raise ContextLengthError(
             f"prompt of {prompt_tokens} tokens + max_tokens {new} exceeds the replica's KV pool of "

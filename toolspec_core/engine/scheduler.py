@@ -209,16 +209,20 @@ class Scheduler:
         dtype = self.target.dtype if decoding else None  # read once a step: it walks the model's parameters
         kv_lens = [seq.cache.get_seq_length() for seq in decoding]
         # a sequence with one row (its root, no tree) runs causally, no mask: the rows of all of them
-        # are made as one tensor a step and handed out as views, not two small tensors each
-        single = [len(seq.roots) == 1 and not tree.tokens for seq, tree in zip(decoding, trees)]
-        ones = [i for i, x in enumerate(single) if x]
-        one_ids = torch.tensor([decoding[i].roots[0] for i in ones], dtype=torch.long).split(1) if ones else ()
-        one_pos = torch.tensor([kv_lens[i] for i in ones], dtype=torch.long).split(1) if ones else ()
-        k = 0
-        for seq, tree, kv_len, alone in zip(decoding, trees, kv_lens, single):
-            if alone:  # [1] each, as tree_inputs would make them
-                segments.append(Segment(seq.cache, one_ids[k], one_pos[k], None))
-                k += 1
+        # are made as one tensor a step and handed out as views
+        alone = [len(seq.roots) == 1 and not tree.tokens for seq, tree in zip(decoding, trees)]
+        ones = [i for i, a in enumerate(alone) if a]
+        one_rows = iter(
+            zip(
+                torch.tensor([decoding[i].roots[0] for i in ones], dtype=torch.long).split(1),
+                torch.tensor([kv_lens[i] for i in ones], dtype=torch.long).split(1),
+            )
+            if ones
+            else ()
+        )
+        for seq, tree, kv_len, one in zip(decoding, trees, kv_lens, alone):
+            if one:  # [1] each, as tree_inputs would make them
+                segments.append(Segment(seq.cache, *next(one_rows), None))
                 n = 1
             else:
                 ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, dtype)
@@ -509,21 +513,16 @@ def note_early_steps(prefills, rows: list[_Row], end: float, fwd: float, total: 
     (``GenerationStats.early_steps``): when it ended (wall clock), its forward's seconds, its rows
     (all / prompt rows / decoding rows), this sequence's own rows and its output tokens after it --
     so a load study can tell where a first token (and a first streamed chunk) waited."""
-    mine = [(seq, n, "prefill") for seq, n, _ in prefills] + [(r.seq, r.n, "decode") for r in rows]
-    for seq, n, kind in mine:
+    step = {
+        "end": round(end, 4),
+        "forward_s": round(fwd, 4),
+        "rows": total,
+        "prefill_rows": prefill,
+        "decode_rows": decode,
+    }
+    for seq, n, kind in [(seq, n, "prefill") for seq, n, _ in prefills] + [(r.seq, r.n, "decode") for r in rows]:
         if len(seq.stats.early_steps) < EARLY_STEPS:
-            seq.stats.early_steps.append(
-                {
-                    "end": round(end, 4),
-                    "forward_s": round(fwd, 4),
-                    "rows": total,
-                    "prefill_rows": prefill,
-                    "decode_rows": decode,
-                    "kind": kind,
-                    "own_rows": n,
-                    "generated": len(seq.generated),
-                }
-            )
+            seq.stats.early_steps.append({**step, "kind": kind, "own_rows": n, "generated": len(seq.generated)})
 
 
 def reads_logits(seq: Sequence) -> bool:

@@ -176,9 +176,8 @@ def allocate(
 
     A prefill chunk sharing the forward takes no part: the decoding sequences' trees are what a
     decode-only step of theirs would keep (running sequences first, as vLLM v1 schedules their
-    speculative tokens), and the chunk's rows come on top (the scheduler's own budget). Priced
-    against the chunk, trees would almost never ride on a CPU step that carries one, and every
-    decoding sequence would advance one token per prompt step for as long as prompts wait.
+    speculative tokens), and the chunk's rows come on top (the scheduler's own budget), so a
+    decoding sequence keeps its draft while prompts wait.
     """
     if not any(t.tokens for t in trees):
         return list(trees)
@@ -191,7 +190,7 @@ def allocate(
     tokens = [float(len(trees))]  # expected tokens of the step with the top-n nodes: one per root, then theirs
     for neg, _, _ in ranked:
         tokens.append(tokens[-1] - neg)
-    best_n = best_prefix(tokens, cost, base_rows)[0]
+    best_n = best_prefix(tokens, cost, base_rows)
     keep: list[set[int]] = [set() for _ in trees]
     for _, ti, i in ranked[:best_n]:
         keep[ti].add(i)
@@ -206,8 +205,8 @@ def allocate(
     return out
 
 
-def best_prefix(tokens: list[float], cost: list[float], base_rows: int) -> tuple[int, float]:
-    """(n, its rate): the n maximising ``tokens[n] / cost[base_rows + n]`` (n = 0 included, the
+def best_prefix(tokens: list[float], cost: list[float], base_rows: int) -> int:
+    """The n maximising ``tokens[n] / cost[base_rows + n]`` (n = 0 included, the
     smallest n on ties) -- the decode-only step's best tokens per unit of cost."""
     limit = max(0, min(len(tokens) - 1, len(cost) - 1 - base_rows))
     best_n, best_rate = 0, tokens[0] / cost[min(base_rows, len(cost) - 1)]
@@ -215,4 +214,4 @@ def best_prefix(tokens: list[float], cost: list[float], base_rows: int) -> tuple
         rate = tokens[n] / cost[base_rows + n]
         if rate > best_rate:
             best_n, best_rate = n, rate
-    return best_n, best_rate
+    return best_n
