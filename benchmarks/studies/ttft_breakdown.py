@@ -91,7 +91,7 @@ def prompt_phase(recs: list[dict]) -> float | None:
 
 
 def summarize(rows: list[dict]) -> dict:
-    keys = [p for p, _, _ in PARTS] + ["ttft_s", "e2e_s", "first_token_s", "prefill_steps", "prefill_forward_s"]
+    keys = list(NAMES) + ["ttft_s", "e2e_s", "first_token_s", "prefill_steps", "prefill_forward_s"]
     keys += ["hold_steps", "hold_steps_with_prefill", "hold_tokens", "hold_forward_s"]
     out = {}
     for k in keys:
@@ -107,24 +107,22 @@ def main(argv=None) -> int:
     p.add_argument("--endpoint", action="append", help="only these endpoints (default: every one with timelines)")
     p.add_argument("--out", help="write the breakdown here (JSON)")
     ns = p.parse_args(argv)
-    import gzip
+    from benchmarks.datasets import read_jsonl
 
     by_ep: dict[str, list[dict]] = {}
     raw: dict[str, list[dict]] = {}
     for path in ns.records:
-        with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
-            for line in f:
-                rec = json.loads(line)
-                ep = f"{rec.get('endpoint')}@c{rec.get('concurrency')}"
-                if len(ns.records) > 1:  # several runs: each endpoint apart per run
-                    ep = f"{os.path.basename(path).split('.')[0]}:{ep}"
-                if ns.endpoint and rec.get("endpoint") not in ns.endpoint:
-                    continue
-                row = breakdown(rec)
-                if row is not None:
-                    by_ep.setdefault(ep, []).append(row)
-                    raw.setdefault(ep, []).append(rec)
-    result = {"sources": ns.records, "parts": [p for p, _, _ in PARTS], "endpoints": {}}
+        for rec in read_jsonl(path):
+            ep = f"{rec.get('endpoint')}@c{rec.get('concurrency')}"
+            if len(ns.records) > 1:  # several runs: each endpoint apart per run
+                ep = f"{os.path.basename(path).split('.')[0]}:{ep}"
+            if ns.endpoint and rec.get("endpoint") not in ns.endpoint:
+                continue
+            row = breakdown(rec)
+            if row is not None:
+                by_ep.setdefault(ep, []).append(row)
+                raw.setdefault(ep, []).append(rec)
+    result = {"sources": ns.records, "parts": list(NAMES), "endpoints": {}}
     for ep, rows in by_ep.items():
         rows.sort(key=lambda r: r["ttft_s"])
         result["endpoints"][ep] = {"summary": summarize(rows), "requests": rows}
@@ -133,7 +131,7 @@ def main(argv=None) -> int:
             result["endpoints"][ep]["prompt_phase_s"] = phase
             result["endpoints"][ep]["ttft_over_prompt_phase"] = [round(r["ttft_s"] / phase, 3) for r in rows]
         print(f"== {ep}: {len(rows)} requests (sorted by TTFT); seconds")
-        cols = ["ttft_s"] + [p for p, _, _ in PARTS] + ["prefill_steps", "hold_steps", "hold_tokens"]
+        cols = ["ttft_s"] + list(NAMES) + ["prefill_steps", "hold_steps", "hold_tokens"]
         print(" ".join(f"{c[:10]:>10}" for c in cols))
         for r in rows:
             print(" ".join(f"{'-' if r.get(c) is None else round(r[c], 2):>10}" for c in cols))
