@@ -88,6 +88,9 @@ class Priors:
     events: LabelRates = field(
         default_factory=lambda: LabelRates({"call_start": CALL_START_PRIOR, "prose_after": PROSE_AFTER_PRIOR})
     )
+    # bumped by every change (``SchemaMethod.observe``): what an expansion kept across steps was
+    # computed from (``ExpansionMemo``)
+    version: int = 0
 
     @property
     def call_start(self) -> float:
@@ -124,6 +127,18 @@ def _past_values(past: list[tuple[str, dict]], name: str, key: str) -> list[tupl
 class _Cut(list):
     """No continuations because all were left out as below the floor (``_Builder.under``): unlike
     an empty list, not "nothing follows"."""
+
+
+class _Sub:
+    """A builder method and its arguments, to be expanded when a branch is (``_Builder.sub``)."""
+
+    __slots__ = ("b", "key")
+
+    def __init__(self, b: "_Builder", key: tuple):
+        self.b, self.key = b, key
+
+    def __call__(self) -> list[Cand]:
+        return getattr(self.b, self.key[0])(*self.key[1:])
 
 
 SLACK = 1e-9  # relative margin on the floor: a bound multiplies in another order than the candidate's prob
@@ -165,6 +180,13 @@ class _Builder:
         self.mult = 1.0  # product of the probability factors above the branch being expanded
         self._best: list[float] = []  # min-heap: the ``keep`` largest leaf probabilities so far
         self._cuts = 0  # branches left out as below the floor
+        self.memo: dict | None = None  # full sub-expansions by (method, arguments): ``ExpansionMemo.entries``
+
+    def sub(self, meth: str, *args) -> "_Sub":
+        """The sub-expansion ``meth(*args)`` as a branch to expand (``seq`` / ``under``): a key the
+        memo can hold it by, since what it returns depends on its arguments and the memo's
+        signature only."""
+        return _Sub(self, (meth, *args))
 
     def _floor(self) -> float:
         return self._best[0] if len(self._best) >= self.keep else 0.0
@@ -190,6 +212,8 @@ class _Builder:
         largest of their factors); a ``_Cut`` where all of it was below the floor."""
         if self._below(prob):
             return _Cut()
+        if self.memo is not None and fn.__class__ is _Sub:
+            return self._kept(prob, fn)
         outer, cuts = self.mult, self._cuts
         self.mult = outer * prob
         try:
@@ -197,6 +221,50 @@ class _Builder:
         finally:
             self.mult = outer
         return out if out or self._cuts == cuts else _Cut()
+
+    def _full(self, fn: "_Sub") -> tuple[list[Cand], list[float]]:
+        """The full (unbounded) expansion of ``fn`` and its candidates' probabilities that count
+        for the floor (a candidate with text and probability above 0), largest first: from the
+        memo, or expanded with every branch and kept there."""
+        entry = self.memo.get(fn.key)
+        if entry is None:
+            keep, mult = self.keep, self.mult
+            self.keep, self.mult = 0, 1.0
+            try:
+                cands = fn()
+            finally:
+                self.keep, self.mult = keep, mult
+            probs = sorted((c.prob for c in cands if c.prob > 0 and any(s[0] for s in c.segs)), reverse=True)
+            entry = self.memo[fn.key] = (cands, probs)
+        return entry
+
+    def _kept(self, prob: float, fn: "_Sub") -> list:
+        """``under(prob, fn)`` from the full expansion: with ``mult`` the factors above, each
+        candidate's probability here is ``mult * c.prob``, so the largest of them go into the
+        floor's heap (as its leaves would, largest first: a smaller one cannot raise the floor
+        past a larger), then the candidates below the floor are left out (a ``_Cut`` where that
+        is all of them). The floor is the ``keep``-th largest of candidates kept, so what is left
+        out could not be kept and the result after the cut is the full expansion's."""
+        cands, probs = self._full(fn)
+        if not self.keep:
+            return list(cands)
+        mult = self.mult * prob
+        best, keep = self._best, self.keep
+        for q in probs:
+            p = mult * q
+            if len(best) < keep:
+                heapq.heappush(best, p)
+            elif p > best[0]:
+                heapq.heapreplace(best, p)
+            else:
+                break
+        floor, m = self._floor(), mult * (1.0 + SLACK)
+        out = [c for c in cands if m * c.prob >= floor]
+        if len(out) < len(cands):
+            self._cuts += 1
+            if not out:
+                return _Cut()
+        return out
 
     def tool_weights(self, names: list[str]) -> list[float]:
         """Learned tool frequencies, half the mass moved to the tools this output already called."""
@@ -268,7 +336,7 @@ class _Builder:
         ``label`` is given."""
         key = self.ws_in(call_indent, layout) + '"name"' if key is None else key
         head = [(key + self.tr.kv_sep + '"', label or self.head_label())]
-        return self.seq(head, lambda: self.tool_names("", layout, call_indent, lv))
+        return self.seq(head, self.sub("tool_names", "", layout, call_indent, lv))
 
     def tool_names(self, prefix: str, layout: Layout, call_indent: int, lv: int) -> list[Cand]:
         names = [n for n in self.tools.names if n.startswith(prefix)]
@@ -277,7 +345,7 @@ class _Builder:
         out = []
         for name, w in zip(names, self.tool_weights(names)):
             segs = [(name[len(prefix) :] + '"', TOOL_NAME)]
-            tail = (lambda n=name: self.after_name(n, layout, call_indent, lv - 1)) if lv > 0 else None
+            tail = self.sub("after_name", name, layout, call_indent, lv - 1) if lv > 0 else None
             out += self.seq(segs, tail, w)
         return out
 
@@ -294,17 +362,17 @@ class _Builder:
         segs = [(text + '"' + key + '"' + self.tr.kv_sep + "{", CALL_KEY)]
         return self.seq(
             segs,
-            lambda: self.args_open(name, layout, call_indent + self.tr.indent_unit if self.pretty(layout) else 0, lv),
+            self.sub("args_open", name, layout, call_indent + self.tr.indent_unit if self.pretty(layout) else 0, lv),
         )
 
     def args_open(self, name: str, layout: Layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
         free = self.tools.free(name)  # a tool the request does not offer: a key of unknown name, most likely
         if not free and not self.tools.properties(name):
-            return self.seq([("}", CALL_KEY)], lambda: self.close_call(layout, lv)) if lv >= 0 else []
+            return self.seq([("}", CALL_KEY)], self.sub("close_call", layout, lv)) if lv >= 0 else []
         ws = self.rest(self.ws_in(args_indent, layout), since)
         if free:
             return [self.leaf([(ws + '"', CALL_KEY)], FREE_MORE)]
-        return self.seq([(ws + '"', CALL_KEY)], lambda: self.arg_names(name, [], "", layout, args_indent, lv))
+        return self.seq([(ws + '"', CALL_KEY)], self.sub("arg_names", name, (), "", layout, args_indent, lv))
 
     def arg_weights(self, name: str, used: list[str], cands: list[str]) -> list[float]:
         props = list(self.tools.properties(name))
@@ -340,12 +408,16 @@ class _Builder:
         for a, w in zip(cands, self.arg_weights(name, used, cands)):
             segs = [(a[len(prefix) :] + '"' + self.tr.kv_sep, ARG_NAME)]
             tail = (
-                (lambda a=a: self.value_start(name, used + [a], props.get(a) or {}, layout, args_indent, lv - 1))
+                self.sub("value_start_of", name, (*used, a), layout, args_indent, lv - 1)
                 if lv > 0
                 else None
             )
             out += self.seq(segs, tail, w)
         return out
+
+    def value_start_of(self, name, used, layout, args_indent: int, lv: int) -> list[Cand]:
+        """``value_start`` of the argument ``used[-1]`` with its schema from the tool's properties."""
+        return self.value_start(name, used, self.tools.properties(name).get(used[-1]) or {}, layout, args_indent, lv)
 
     def value_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
         """Values earlier calls of this tool passed here, then the typed openings."""
@@ -353,13 +425,13 @@ class _Builder:
         out = []
         for v, share, label in seen:
             out += self.seq(
-                [(_json_scalar(v), label)], lambda: self.after_value(name, used, layout, args_indent, lv - 1), share
+                [(_json_scalar(v), label)], self.sub("after_value", name, tuple(used), layout, args_indent, lv - 1), share
             )
         rest = 1.0 - sum(sh for _, sh, _ in seen)
         derived = self.derived(used[-1], schema) if used else []
         if derived:
             shares = _rank_shares(len(derived), DATE_SHARE * rest)
-            after = self.under(shares[0], lambda: self.after_value(name, used, layout, args_indent, lv - 1))
+            after = self.under(shares[0], self.sub("after_value", name, tuple(used), layout, args_indent, lv - 1))
             for v, share in zip(derived, shares):
                 out += self.seq([('"', VALUE), (v, DERIVED), ('"', VALUE)], after, share)
             rest *= 1.0 - DATE_SHARE
@@ -383,7 +455,7 @@ class _Builder:
 
         def after(top: float):  # what follows the value, shared by its branches (top: their largest factor)
             return (
-                self.under(top, lambda: self.after_value(name, used, layout, args_indent, lv - 1)) if lv > 0 else None
+                self.under(top, self.sub("after_value", name, tuple(used), layout, args_indent, lv - 1)) if lv > 0 else None
             )
 
         if isinstance(enum, list) and enum and all(isinstance(e, (str, int, float, bool)) for e in enum):
@@ -427,11 +499,11 @@ class _Builder:
             sep = self.sep(args_indent, layout)
             sep = "," + self.rest(sep[1:], since) if since else sep
             out += self.seq(
-                [(sep + '"', CALL_KEY)], lambda: self.arg_names(name, used, "", layout, args_indent, lv), p_more
+                [(sep + '"', CALL_KEY)], self.sub("arg_names", name, tuple(used), "", layout, args_indent, lv), p_more
             )
         if p_more < 1:
             ws = self.rest(self.ws_close(args_indent, layout), since)
-            out += self.seq([(ws + "}", END)], lambda: self.close_call(layout, lv), 1 - p_more)
+            out += self.seq([(ws + "}", END)], self.sub("close_call", layout, lv), 1 - p_more)
         return out
 
     def close_call(self, layout: Layout | None, lv: int, since: str = "") -> list[Cand]:
@@ -445,7 +517,7 @@ class _Builder:
         if self.tr.frame("calls") is None and layout is not None:
             return self.seq(
                 [(text, END)],
-                lambda: self.after_closer(layout.closer) if layout.closer else self.after_bare_call(layout, ""),
+                self.sub("after_closer", layout.closer) if layout.closer else self.sub("after_bare_call", layout, ""),
             )
         return [self.leaf([(text, END)], 1.0)]
 
@@ -467,7 +539,7 @@ class _Builder:
             return []
         out = []
         for lay in (BARE, BARE_PRETTY):
-            out += self.seq([("{", OPENER)], lambda lay=lay: self.args_open(self.tr.root, lay, 0, self.levels), 0.5)
+            out += self.seq([("{", OPENER)], self.sub("args_open", self.tr.root, lay, 0, self.levels), 0.5)
         return out
 
     # ---- entry: from the tracker's current position ----
@@ -501,7 +573,7 @@ class _Builder:
                 continue
             segs = [(full[j:], OPENER)]
             p = w * (self.priors.call_start if text == "" else (1.0 if j > 0 else p_line))
-            out += self.seq(segs, lambda lay=lay: self.call_body(lay, 0, self.levels), p)
+            out += self.seq(segs, self.sub("call_body", lay, 0, self.levels), p)
         return out
 
     def closer(self) -> list[Cand]:
@@ -512,7 +584,7 @@ class _Builder:
         if not lay.closer:
             return self.after_bare_call(lay, written)
         if lay.closer.startswith(written):
-            after = self.under(CLOSER_GOES_ON, lambda: self.after_closer(lay.closer[len(written) :]))
+            after = self.under(CLOSER_GOES_ON, self.sub("after_closer", lay.closer[len(written) :]))
             return [Cand(c.segs, CLOSER_GOES_ON * c.prob) for c in after]
         return []
 
@@ -525,7 +597,7 @@ class _Builder:
         if line not in ("", "\n"):
             return []
         p = NEXT_OBJECT_AFTER_NEWLINE if line else NEXT_OBJECT
-        nxt = self.seq([(self.rest("\n", line) + "{", END)], lambda: self.call_body(layout, 0, 0, NEXT_CALL), p)
+        nxt = self.seq([(self.rest("\n", line) + "{", END)], self.sub("call_body", layout, 0, 0, NEXT_CALL), p)
         return [self.leaf([(tuple(self.eos[:1]), END)], 1.0 - p)] + nxt
 
     def in_call(self, f: Frame) -> list[Cand]:
@@ -539,7 +611,7 @@ class _Builder:
                 return self.call_body(lay, f.indent, lv, key=need[len(tr.buf) :] + '"')
             return self.seq(
                 [(need[len(tr.buf) :] + '"' + tr.kv_sep + "{", CALL_KEY)],
-                lambda: self.args_open(tr.name, lay, self._args_indent(f, lay), lv),
+                self.sub("args_open", tr.name, lay, self._args_indent(f, lay), lv),
             )
         if tr.in_str == "value" and f.key == "name":
             return self.tool_names(tr.buf, lay, f.indent, lv)
@@ -550,13 +622,13 @@ class _Builder:
                 tr.name or "", lay, f.indent, lv, since=tr.since, after_comma=True
             )  # a step may end on the comma
         if f.expect in ("colon", "value") and f.key == "name":
-            return self.seq([(self.after_colon(f) + '"', CALL_KEY)], lambda: self.tool_names("", lay, f.indent, lv))
+            return self.seq([(self.after_colon(f) + '"', CALL_KEY)], self.sub("tool_names", "", lay, f.indent, lv))
         if f.expect == "next" and f.key == "name":
             return self.after_name(tr.name or "", lay, f.indent, lv, since=tr.since)
         if f.expect in ("colon", "value") and f.key in ("arguments", "parameters"):
             return self.seq(
                 [(self.after_colon(f) + "{", CALL_KEY)],
-                lambda: self.args_open(tr.name, lay, self._args_indent(f, lay), lv),
+                self.sub("args_open", tr.name, lay, self._args_indent(f, lay), lv),
             )
         if f.expect == "next":
             return self.close_call(lay, lv, since=tr.since) if self.tr.frame("args") is None else []
@@ -647,7 +719,7 @@ class _Builder:
             return self.arg_names(name, used, tr.buf, lay, f.indent, lv)  # the key being typed is not in f.keys yet
         if f.expect == "key":
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
-            return self.seq([(ws + '"', CALL_KEY)], lambda: self.arg_names(name, used, "", lay, f.indent, lv))
+            return self.seq([(ws + '"', CALL_KEY)], self.sub("arg_names", name, tuple(used), "", lay, f.indent, lv))
         schema = self.tools.properties(name).get(f.key or "") or {}
         if f.expect == "colon" or (f.expect == "value" and not tr.in_str and not tr.in_scalar):
             ws = self.after_colon(f)  # the separator, or (a step may end on the colon) its space still to come
@@ -670,7 +742,7 @@ class _Builder:
             for v in vals:
                 out += self.seq(
                     [(v[len(buf) :] + '"', VALUE)],
-                    lambda: self.after_value(name, used, lay, indent, lv - 1),
+                    self.sub("after_value", name, tuple(used), lay, indent, lv - 1),
                     1.0 / len(vals),
                 )
             return out
@@ -683,7 +755,7 @@ class _Builder:
         derived = [v for v in self.derived(used[-1], schema) if v.startswith(buf) and len(v) > len(buf)] if used else []
         shares = _rank_shares(len(derived), DATE_TEXT_SHARE)
         top = max([STRING_ENDS] + [sh for _, _, sh in seen] + shares)
-        after = self.under(top, lambda: self.after_value(name, used, lay, indent, lv - 1))
+        after = self.under(top, self.sub("after_value", name, tuple(used), lay, indent, lv - 1))
         out = self.seq([('"', VALUE)], after, STRING_ENDS)
         for text, label, share in seen:
             out += self.seq([(text, label)], after, share)
@@ -695,8 +767,8 @@ class _Builder:
         buf = self.tr.buf
         for word in ("true", "false", "null"):
             if word.startswith(buf) and word != buf:
-                return self.seq([(word[len(buf) :], VALUE)], lambda: self.after_value(name, used, lay, indent, lv - 1))
-        after = self.under(NUMBER_ENDS, lambda: self.after_value(name, used, lay, indent, lv - 1))
+                return self.seq([(word[len(buf) :], VALUE)], self.sub("after_value", name, tuple(used), lay, indent, lv - 1))
+        after = self.under(NUMBER_ENDS, self.sub("after_value", name, tuple(used), lay, indent, lv - 1))
         return [Cand(c.segs, c.prob * NUMBER_ENDS) for c in after]
 
 
@@ -733,6 +805,7 @@ def continuations(
     own=(),
     numbers=(),
     bounded: bool = True,
+    memo: "ExpansionMemo | None" = None,
 ) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first.
 
@@ -748,10 +821,59 @@ def continuations(
     own (``tr.objects``), the keys of objects no schema describes (made-up results, records) follow them.
     ``bounded``: expand only branches that can reach the ``max_cands`` kept (the same result;
     ``False`` expands every branch, the reference the tests compare against).
+    ``memo``: the sequence's full sub-expansions kept across steps (``ExpansionMemo``); with
+    ``bounded``, the same result.
     """
     b = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys, own, numbers)
     b.keep = max_cands if bounded else 0
+    if memo is not None and bounded:
+        b.memo = memo.entries_for(b)
     cands = b.build()
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
     cands.sort(key=lambda c: -c.prob)
     return cands[:max_cands]
+
+
+class ExpansionMemo:
+    """One sequence's full sub-expansions, kept across its steps: what follows a tool name, an
+    argument, a value, the arguments' or the call's end -- by method and arguments.
+
+    A step's expansion starts from the FSM's new position, but below its first branch point it
+    expands the same sub-structures the last steps did (a string value being written re-expands
+    what follows the value every step; a tool name being written, each matching tool's
+    arguments), so they are expanded once, in full, and each step takes from them what its floor
+    keeps (``_Builder._kept``). A sub-expansion reads its arguments and, besides them, only what
+    the signature holds: the output's style (pretty or compact, indent unit, separators), the
+    structured-answer root, whether a call was finished and the enclosing call's indent (a next
+    call's head label, the call's closing brace), the calls this output finished (seen values,
+    argument order, tool weights; they only grow), the learned priors (``Priors.version``) and
+    the expansion depth. The retrieved past calls, the conversation's dates and numbers are the
+    sequence's and fixed. When the signature changes, the entries are dropped.
+    """
+
+    MAX_ENTRIES = 2048  # full sub-expansions held; all dropped past it (one sequence's are a few hundred)
+
+    def __init__(self):
+        self.sig: tuple | None = None
+        self.entries: dict = {}
+
+    def entries_for(self, b: _Builder) -> dict:
+        tr = b.tr
+        call = tr.frame("call")
+        sig = (
+            b.priors.version,
+            len(b.own),
+            tr.pretty,
+            tr.indent_unit,
+            tr.kv_sep,
+            tr.item_sep,
+            tr.root,
+            bool(tr.calls),
+            tr.frame("calls") is None,
+            call.indent if call is not None else None,
+            b.levels,
+            id(b.tools),
+        )
+        if sig != self.sig or len(self.entries) > self.MAX_ENTRIES:
+            self.sig, self.entries = sig, {}
+        return self.entries

@@ -18,7 +18,7 @@ from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter
 from toolspec_core.drafters.suffix_trie import SuffixTrie
 from toolspec_core.drafters.toolcall.boundary import TAIL_TOKENS, BoundaryTokenizer
-from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
+from toolspec_core.drafters.toolcall.candidates import Cand, ExpansionMemo, Priors, continuations
 from toolspec_core.drafters.toolcall.fsm import RESPONSE, CallTracker, ToolIndex
 from toolspec_core.drafters.toolcall.layouts import LAYOUTS, LLAMA_LAYOUTS, layout_of, layouts_for
 from toolspec_core.drafters.toolcall.library import CallLibrary, MemoryLibrary, PastCall, as_past_call
@@ -220,6 +220,7 @@ class SchemaDrafter:
         holds under ``RESPONSE``; ``layouts``: the target's call layouts (``layouts_for``);
         ``bounded``: expand only the candidates that can be kept (``continuations``)."""
         self.bounded = bounded
+        self._memo = ExpansionMemo() if bounded else None  # sub-expansions kept across this output's steps
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
         self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
         self.tracker = CallTracker(tools, RESPONSE if answer else None, layouts)
@@ -299,6 +300,7 @@ class SchemaDrafter:
             own=self._own_calls(),
             numbers=self._context_numbers(ctx),
             bounded=self.bounded,
+            memo=self._memo,
         )
 
     def _own_calls(self) -> list[tuple[str, dict]]:
@@ -539,6 +541,7 @@ class SchemaMethod:
         spans = parsed.spans
         with self._lock:  # drafters only read the counts (.get): each change is one dict store
             self.priors.events.count("call_start", bool(spans) and not text[: spans[0][0]].strip())
+            self.priors.version += 1
             if not parsed.calls:
                 return
             for _, end in spans:  # after a closer that is text (a fence, a tag): does the output go on?
@@ -548,6 +551,7 @@ class SchemaMethod:
                 self.priors.tool_counts[c.name] = self.priors.tool_counts.get(c.name, 0.0) + 1.0
             lay = layout_of(text).name
             self.priors.layout_counts[lay] = self.priors.layout_counts.get(lay, 0.0) + 1.0
+            self.priors.version += 1
         if self.library is not None and req.remember:
             for c in parsed.calls:
                 self.library.add(
