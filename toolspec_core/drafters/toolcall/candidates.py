@@ -407,11 +407,7 @@ class _Builder:
         out = []
         for a, w in zip(cands, self.arg_weights(name, used, cands)):
             segs = [(a[len(prefix) :] + '"' + self.tr.kv_sep, ARG_NAME)]
-            tail = (
-                self.sub("value_start_of", name, (*used, a), layout, args_indent, lv - 1)
-                if lv > 0
-                else None
-            )
+            tail = self.sub("value_start_of", name, (*used, a), layout, args_indent, lv - 1) if lv > 0 else None
             out += self.seq(segs, tail, w)
         return out
 
@@ -425,7 +421,9 @@ class _Builder:
         out = []
         for v, share, label in seen:
             out += self.seq(
-                [(_json_scalar(v), label)], self.sub("after_value", name, tuple(used), layout, args_indent, lv - 1), share
+                [(_json_scalar(v), label)],
+                self.sub("after_value", name, tuple(used), layout, args_indent, lv - 1),
+                share,
             )
         rest = 1.0 - sum(sh for _, sh, _ in seen)
         derived = self.derived(used[-1], schema) if used else []
@@ -455,7 +453,9 @@ class _Builder:
 
         def after(top: float):  # what follows the value, shared by its branches (top: their largest factor)
             return (
-                self.under(top, self.sub("after_value", name, tuple(used), layout, args_indent, lv - 1)) if lv > 0 else None
+                self.under(top, self.sub("after_value", name, tuple(used), layout, args_indent, lv - 1))
+                if lv > 0
+                else None
             )
 
         if isinstance(enum, list) and enum and all(isinstance(e, (str, int, float, bool)) for e in enum):
@@ -767,7 +767,9 @@ class _Builder:
         buf = self.tr.buf
         for word in ("true", "false", "null"):
             if word.startswith(buf) and word != buf:
-                return self.seq([(word[len(buf) :], VALUE)], self.sub("after_value", name, tuple(used), lay, indent, lv - 1))
+                return self.seq(
+                    [(word[len(buf) :], VALUE)], self.sub("after_value", name, tuple(used), lay, indent, lv - 1)
+                )
         after = self.under(NUMBER_ENDS, self.sub("after_value", name, tuple(used), lay, indent, lv - 1))
         return [Cand(c.segs, c.prob * NUMBER_ENDS) for c in after]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 from toolspec_core.drafters import labels as lbl
+from toolspec_core.drafters import tree_kernel
 from toolspec_core.drafters.base import DraftContext, LabelRates, add_copies, rate_key
 from toolspec_core.drafters.history import TenantHistories
 from toolspec_core.drafters.methods import RequestInfo
@@ -61,6 +62,7 @@ def candidates_to_tree(
     rates: LabelRates,
     max_tokens: int = 96,
     max_nodes: int | None = None,
+    compiled: bool = True,
 ) -> DraftTree:
     """Tokenize each candidate after ``committed`` and merge them into one tree.
 
@@ -72,7 +74,12 @@ def candidates_to_tree(
     candidates not yet added would create has at most their summed mass. So once ``max_nodes``
     nodes are above that sum, the rest of the candidates (most probable first) could only add
     nodes the budget drops unverified, and are not tokenized -- the long tail is most of the cost.
+    ``compiled``: the merge loop in C where it is built (``tree_kernel``), the same tree bit for
+    bit; this Python loop is the reference.
     """
+    kernel = tree_kernel.load() if compiled else None
+    if kernel is not None:
+        return _merged(kernel, bt, committed, cands, rates, max_tokens, max_nodes)
     tree = DraftTree()
     mass: list[float] = []
     path_rate: list[float] = []  # product of the label rates from the root down to each node
@@ -110,6 +117,25 @@ def candidates_to_tree(
         share = mass[i] / (1.0 if p == ROOT else max(mass[p], 1e-12))
         tree.conf[i] = min(1.0, share) * node_rate[i]
     return tree
+
+
+def _merged(kernel, bt, committed, cands, rates, max_tokens, max_nodes) -> DraftTree:
+    """``candidates_to_tree`` by the compiled loop: the same inputs, rates by (label, parent label)."""
+
+    def rate(label: str, parent: str | None) -> float:
+        return rates.rate(label + "+" if parent is not None and parent == label and lbl.is_chain(label) else label)
+
+    tokens, parents, conf, labels, kids = kernel.merge(
+        tuple(committed[-TAIL_TOKENS:]),
+        [c.segs for c in cands],
+        [c.prob for c in cands],
+        bt.candidate,
+        rate,
+        sum(c.prob for c in cands),
+        max_tokens,
+        -1 if max_nodes is None else max_nodes,
+    )
+    return DraftTree(tokens, parents, conf, labels, kids)
 
 
 def _kept_above(mass: list[float], path_rate: list[float], n: int, bound: float) -> bool:
@@ -214,13 +240,15 @@ class SchemaDrafter:
         schema: bool = True,
         answer: bool = False,
         layouts: tuple = LAYOUTS,
-        bounded: bool = True,
+        reference: bool = False,
     ):
         """``answer``: the output is a structured answer (response_format) whose schema ``tools``
         holds under ``RESPONSE``; ``layouts``: the target's call layouts (``layouts_for``);
-        ``bounded``: expand only the candidates that can be kept (``continuations``)."""
-        self.bounded = bounded
-        self._memo = ExpansionMemo() if bounded else None  # sub-expansions kept across this output's steps
+        ``reference``: every step from scratch in Python -- the full candidate expansion, no
+        sub-expansions kept across steps, the Python tree merge -- the drafter the tests hold
+        this one to (the same trees)."""
+        self.reference = reference
+        self._memo = None if reference else ExpansionMemo()  # sub-expansions kept across this output's steps
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
         self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
         self.tracker = CallTracker(tools, RESPONSE if answer else None, layouts)
@@ -267,7 +295,12 @@ class SchemaDrafter:
         tree = DraftTree()
         if self.schema and (self.tools.names or self.tracker.root is not None):
             tree = candidates_to_tree(
-                self.bt, ctx.tokens, self._continuations(ctx, self.tracker), self.rates, max_nodes=ctx.max_nodes
+                self.bt,
+                ctx.tokens,
+                self._continuations(ctx, self.tracker),
+                self.rates,
+                max_nodes=ctx.max_nodes,
+                compiled=not self.reference,
             )
         if self.retrieval is not None:
             tree.merge(self.retrieval.tree(ctx, self.tracker.name))
@@ -299,7 +332,7 @@ class SchemaDrafter:
             context_keys=self._context_keys(ctx),
             own=self._own_calls(),
             numbers=self._context_numbers(ctx),
-            bounded=self.bounded,
+            bounded=not self.reference,
             memo=self._memo,
         )
 
@@ -363,7 +396,7 @@ class SchemaDrafter:
                     else [Cand([(text, lbl.SPAN)], p)]
                 )
         if cands:
-            tree = candidates_to_tree(self.bt, ctx.tokens, cands, self.rates)
+            tree = candidates_to_tree(self.bt, ctx.tokens, cands, self.rates, compiled=not self.reference)
         run = digit_run(tr.buf)
         if run:
             tree.merge(
@@ -441,8 +474,9 @@ class SchemaMethod:
         history_tokens: int = 32768,
         reference: bool = False,
     ):
-        """``reference``: every schema candidate expanded and tokenized afresh at every step (no
-        bounded expansion, no per-candidate token cache): the drafter the tests hold the fast one to."""
+        """``reference``: every schema candidate expanded, tokenized and merged afresh at every step
+        in Python (no bounded expansion, nothing kept across steps, no per-candidate token cache, no
+        compiled merge): the drafter the tests hold the fast one to."""
         self.tok = tokenizer
         self.reference = reference
         self.bt = BoundaryTokenizer(tokenizer, cache_candidates=not reference)
@@ -527,7 +561,7 @@ class SchemaMethod:
             self.uses_schema,
             answer=req.response_schema is not None and not req.tools,
             layouts=self.layouts,
-            bounded=not self.reference,
+            reference=self.reference,
         )
 
     def observe(self, req: RequestInfo, output_ids: list[int], text: str) -> None:

@@ -1,0 +1,75 @@
+"""The schema tree's merge loop compiled (``kernels/tree_merge.c``), built once per machine.
+
+Why: merging a step's candidates into one trie -- a child lookup and a node append per token,
+a rate per new node, the mass of every node on each chain, the stop test over all nodes, each
+node's confidence -- is per-token Python work that the profile of drafting puts at about a
+quarter of it (docs/design.md, "Where drafting's time goes"); it is plain integers and floats,
+so C does it without the interpreter. The tokenization of each candidate stays in Python (the
+boundary tokenizer and its cache are called back per candidate), as do the learned rates (called
+back once per distinct (label, parent label)).
+
+Built with the system C compiler against this Python's headers (no torch) into the project's
+cache (``~/.cache/toolspec/kernels``, or under ``TOOLSPEC_CACHE``), named by the source's hash,
+on first use (a second or two). Where that is impossible -- no compiler or headers, or
+``TOOLSPEC_TREE_KERNEL=0`` -- :func:`load` returns None and ``candidates_to_tree`` runs its
+Python loop, which is also the reference the tests compare the compiled one against.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import subprocess
+import sysconfig
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "tree_merge.c"
+NAME = "toolspec_tree_merge"
+# IEEE doubles computed in the Python loop's order: no fused multiply-add, no fast-math
+CFLAGS = ["-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+
+
+def build_dir() -> Path:
+    from toolspec_core.model.embedded import cache_root
+
+    return cache_root() / "kernels" / f"tree-merge-{sysconfig.get_config_var('SOABI')}"
+
+
+def build(source: Path = SOURCE, directory: Path | None = None) -> Path:
+    """Compile ``source`` into ``directory`` (default :func:`build_dir`) unless a build of the same
+    source is there; the shared object's path."""
+    directory = directory or build_dir()
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    out = directory / f"{NAME}-{digest}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if out.exists():
+        return out
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    cc = os.environ.get("CC", "cc")
+    cmd = [cc, *CFLAGS, f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(tmp)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    os.replace(tmp, out)  # atomic: a concurrent build of the same source writes the same file
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """The compiled module (``merge``), or None where it cannot be built or is switched off."""
+    if os.environ.get("TOOLSPEC_TREE_KERNEL", "1") == "0":
+        return None
+    try:
+        path = build()
+        loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))
+        spec = importlib.util.spec_from_file_location(NAME, str(path), loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module
+    except Exception as exc:  # no compiler / headers: the Python loop, never a failed draft
+        log.warning("tree merge kernel unavailable (%s: %s); drafting merges trees in Python", type(exc).__name__, exc)
+        return None
