@@ -141,6 +141,10 @@ class _Sub:
         return getattr(self.b, self.key[0])(*self.key[1:])
 
 
+# the sub-expansions a sequence keeps across steps: those its next steps expand again (what follows
+# a tool name or a value, a call's head and end); an argument's value openings are expanded at a
+# new depth each step (``levels`` reaches one level further) and are not kept
+KEPT = frozenset({"call_body", "tool_names", "after_name", "args_open", "after_value", "close_call", "after_closer"})
 SLACK = 1e-9  # relative margin on the floor: a bound multiplies in another order than the candidate's prob
 
 
@@ -180,6 +184,7 @@ class _Builder:
         self.mult = 1.0  # product of the probability factors above the branch being expanded
         self._best: list[float] = []  # min-heap: the ``keep`` largest leaf probabilities so far
         self._cuts = 0  # branches left out as below the floor
+        self._cutmax = 0.0  # the largest bound of a branch left out (in the sub-expansion being kept)
         self.memo: dict | None = None  # full sub-expansions by (method, arguments): ``ExpansionMemo.entries``
 
     def sub(self, meth: str, *args) -> "_Sub":
@@ -195,6 +200,8 @@ class _Builder:
         """Whether every candidate of a branch with factor ``prob`` here is below the floor."""
         if self.keep and self.mult * prob * (1.0 + SLACK) < self._floor():
             self._cuts += 1
+            if self.mult * prob > self._cutmax:
+                self._cutmax = self.mult * prob
             return True
         return False
 
@@ -212,7 +219,7 @@ class _Builder:
         largest of their factors); a ``_Cut`` where all of it was below the floor."""
         if self._below(prob):
             return _Cut()
-        if self.memo is not None and fn.__class__ is _Sub:
+        if self.memo is not None and fn.__class__ is _Sub and fn.key[0] in KEPT:
             return self._kept(prob, fn)
         outer, cuts = self.mult, self._cuts
         self.mult = outer * prob
@@ -222,34 +229,44 @@ class _Builder:
             self.mult = outer
         return out if out or self._cuts == cuts else _Cut()
 
-    def _full(self, fn: "_Sub") -> tuple[list[Cand], list[float]]:
-        """The full (unbounded) expansion of ``fn`` and its candidates' probabilities that count
-        for the floor (a candidate with text and probability above 0), largest first: from the
-        memo, or expanded with every branch and kept there."""
-        entry = self.memo.get(fn.key)
-        if entry is None:
-            keep, mult = self.keep, self.mult
-            self.keep, self.mult = 0, 1.0
-            try:
-                cands = fn()
-            finally:
-                self.keep, self.mult = keep, mult
-            probs = sorted((c.prob for c in cands if c.prob > 0 and any(s[0] for s in c.segs)), reverse=True)
-            entry = self.memo[fn.key] = (cands, probs)
-        return entry
-
     def _kept(self, prob: float, fn: "_Sub") -> list:
-        """``under(prob, fn)`` from the full expansion: with ``mult`` the factors above, each
-        candidate's probability here is ``mult * c.prob``, so the largest of them go into the
-        floor's heap (as its leaves would, largest first: a smaller one cannot raise the floor
-        past a larger), then the candidates below the floor are left out (a ``_Cut`` where that
-        is all of them). The floor is the ``keep``-th largest of candidates kept, so what is left
-        out could not be kept and the result after the cut is the full expansion's."""
-        cands, probs = self._full(fn)
-        if not self.keep:
-            return list(cands)
+        """``under(prob, fn)`` with the sequence's memo: from the entry an earlier expansion of
+        ``fn`` left where it provably gives the same result, else expanded and kept.
+
+        An entry is what a bounded expansion of ``fn`` returned, with the largest probability
+        (relative to ``fn``'s own root) of anything it left out below its floor then (0: it is
+        complete). Here, with ``mult`` the factors above, a candidate's probability is ``mult *
+        c.prob``; if what the entry left out is below this build's floor -- after the entry's own
+        candidates go into the floor's heap, as its leaves would -- it could not be kept here
+        either, and the entry's candidates above the floor are this expansion's result.
+        """
         mult = self.mult * prob
+        entry = self.memo.get(fn.key)
+        if entry is not None:
+            if entry[1] is None:
+                entry[1] = sorted((c.prob for c in entry[0] if c.prob > 0 and any(s[0] for s in c.segs)), reverse=True)
+            out = self._from_entry(mult, *entry)
+            if out is not None:
+                return out
+        outer, cuts, cutmax = self.mult, self._cuts, self._cutmax
+        self.mult, self._cutmax = mult, 0.0
+        try:
+            out = fn()
+        finally:
+            inside = self._cutmax
+            self.mult, self._cutmax = outer, max(cutmax, inside)
+        rel = inside / mult if mult > 0 else (0.0 if inside == 0 else float("inf"))
+        if entry is None or rel < entry[2]:
+            self.memo[fn.key] = [out, None, rel]  # the heap's probabilities sorted on first use
+        return out if out or self._cuts == cuts else _Cut()
+
+    def _from_entry(self, mult: float, cands: list, probs: list[float], rel: float) -> list | None:
+        """An entry's candidates kept at factor ``mult``, or None where what it left out might be
+        kept here (then nothing is changed)."""
         best, keep = self._best, self.keep
+        left_out = mult * rel * (1.0 + SLACK)  # bound of what the entry does not hold
+        if rel > 0 and left_out >= self._floor():
+            best = list(best)  # the floor the entry's own candidates would raise, tried on a copy
         for q in probs:
             p = mult * q
             if len(best) < keep:
@@ -258,10 +275,21 @@ class _Builder:
                 heapq.heapreplace(best, p)
             else:
                 break
-        floor, m = self._floor(), mult * (1.0 + SLACK)
-        out = [c for c in cands if m * c.prob >= floor]
-        if len(out) < len(cands):
+        floor = best[0] if len(best) >= keep else 0.0
+        if rel > 0 and left_out >= floor:
+            return None
+        self._best = best
+        m = mult * (1.0 + SLACK)
+        out, dropped = [], mult * rel
+        for c in cands:
+            if m * c.prob >= floor:
+                out.append(c)
+            elif mult * c.prob > dropped:
+                dropped = mult * c.prob
+        if dropped > 0 or len(out) < len(cands):
             self._cuts += 1
+            if dropped > self._cutmax:
+                self._cutmax = dropped
             if not out:
                 return _Cut()
         return out
@@ -853,7 +881,7 @@ class ExpansionMemo:
     sequence's and fixed. When the signature changes, the entries are dropped.
     """
 
-    MAX_ENTRIES = 2048  # full sub-expansions held; all dropped past it (one sequence's are a few hundred)
+    MAX_ENTRIES = 256  # sub-expansions held; all dropped past it
 
     def __init__(self):
         self.sig: tuple | None = None

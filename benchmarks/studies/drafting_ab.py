@@ -1,0 +1,113 @@
+"""Drafting CPU time, A/B by part of the drafter: ``bench --batch --target replay`` with the schema
+drafter's sequence memo (``ExpansionMemo``) and the compiled tree merge (``tree_kernel``) each on
+or off, run in turn (alternated, ``--rounds`` times), timing the thread CPU time of the batch
+drafting call only (``Scheduler._propose_all``) per drafted sequence-step. Trees are the same in
+every variant (tests/drafters/test_batch_drafting.py), so MAT and outputs are too; the report
+checks it.
+
+    python -m benchmarks.studies.drafting_ab --batch 16 --rounds 2 --json benchmarks/runs/drafting-ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.batch import BatchRun
+from benchmarks.cli import parse
+from toolspec_core.drafters import tree_kernel
+from toolspec_core.drafters.toolcall import drafter as drafter_mod
+from toolspec_core.engine import scheduler as sched_mod
+
+VARIANTS = {
+    "python": dict(memo=False, compiled=False),
+    "memo": dict(memo=True, compiled=False),
+    "compiled": dict(memo=False, compiled=True),
+    "memo+compiled": dict(memo=True, compiled=True),
+}
+
+
+def run_variant(a, memo: bool, compiled: bool) -> dict:
+    memo_cls, load = drafter_mod.ExpansionMemo, tree_kernel.load
+    if not memo:
+        drafter_mod.ExpansionMemo = lambda: None
+    if not compiled:
+        tree_kernel.load = lambda: None
+    cpu = {"s": 0.0, "seq_steps": 0}
+    batch_propose = sched_mod.Scheduler._propose_all
+
+    def timed(self, seqs):
+        t = time.thread_time()
+        try:
+            return batch_propose(self, seqs)
+        finally:
+            cpu["s"] += time.thread_time() - t
+            cpu["seq_steps"] += len(seqs)
+
+    sched_mod.Scheduler._propose_all = timed
+    gc_s, gc_n, started = [0.0, 0.0, 0.0], [0, 0, 0], {}
+
+    def on_gc(phase, info):  # collections, by generation: what the objects a variant keeps cost
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        else:
+            gc_s[info["generation"]] += time.perf_counter() - started.get("t", time.perf_counter())
+            gc_n[info["generation"]] += 1
+
+    gc.callbacks.append(on_gc)
+    argv = ["--batch", str(a.batch), "--target", "replay", "--limit", str(a.limit), "--methods", "toolspec"]
+    out = str(Path(a.out) / f"{len(list(Path(a.out).glob('*')))}" if Path(a.out).exists() else Path(a.out) / "0")
+    argv += ["--cost", "reference", "--max-new-tokens", "128", "--out", out] + (["--cycle"] if a.cycle else [])
+    try:
+        run = BatchRun(parse(argv))
+        run.run()
+    finally:
+        sched_mod.Scheduler._propose_all = batch_propose
+        gc.callbacks.remove(on_gc)
+        drafter_mod.ExpansionMemo, tree_kernel.load = memo_cls, load
+    outs, mats = [], []
+    for rec in run.store.records.values():
+        for item, o in sorted(rec["outputs"].items()):
+            outs.append((rec["benchmark"], rec["group"], item, tuple(o["tokens"])))
+            mats.append(o["mat"])
+    digest = hashlib.sha1(repr(sorted(outs)).encode()).hexdigest()[:12]
+    return {
+        "draft_cpu_s": cpu["s"],
+        "seq_steps": cpu["seq_steps"],
+        "ms_per_seq_step": 1e3 * cpu["s"] / max(1, cpu["seq_steps"]),
+        "outputs_sha1": digest,
+        "mean_item_mat": sum(mats) / max(1, len(mats)),
+        "gc_s_by_generation": gc_s,
+        "gc_collections_by_generation": gc_n,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--limit", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cycle", action="store_true")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--out", default="benchmarks/runs/drafting-ab")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    rows = []
+    for r in range(a.rounds):
+        for name in a.variants.split(","):
+            res = run_variant(a, **VARIANTS[name])
+            res.update(variant=name, round=r)
+            rows.append(res)
+            print(f"round {r} {name:14s} drafting {res['ms_per_seq_step']:.3f} ms / seq-step  ({res['seq_steps']} seq-steps; gc {[round(x, 2) for x in res['gc_s_by_generation']]} s)", flush=True)
+            if a.json:
+                Path(a.json).write_text(json.dumps({"batch": a.batch, "limit": a.limit, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
