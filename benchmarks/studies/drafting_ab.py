@@ -33,9 +33,8 @@ VARIANTS = {
 
 
 def run_variant(a, memo: bool, compiled: bool) -> dict:
-    memo_cls, load = drafter_mod.ExpansionMemo, tree_kernel.load
-    if not memo:
-        drafter_mod.ExpansionMemo = lambda: None
+    keep, load = drafter_mod.SchemaDrafter.KEEP_EXPANSIONS, tree_kernel.load
+    drafter_mod.SchemaDrafter.KEEP_EXPANSIONS = memo
     if not compiled:
         tree_kernel.load = lambda: None
     cpu = {"s": 0.0, "seq_steps": 0}
@@ -69,7 +68,7 @@ def run_variant(a, memo: bool, compiled: bool) -> dict:
     finally:
         sched_mod.Scheduler._propose_all = batch_propose
         gc.callbacks.remove(on_gc)
-        drafter_mod.ExpansionMemo, tree_kernel.load = memo_cls, load
+        drafter_mod.SchemaDrafter.KEEP_EXPANSIONS, tree_kernel.load = keep, load
     outs, mats = [], []
     for rec in run.store.records.values():
         for item, o in sorted(rec["outputs"].items()):
@@ -103,7 +102,10 @@ def main(argv=None) -> int:
             res = run_variant(a, **VARIANTS[name])
             res.update(variant=name, round=r)
             rows.append(res)
-            print(f"round {r} {name:14s} drafting {res['ms_per_seq_step']:.3f} ms / seq-step  ({res['seq_steps']} seq-steps; gc {[round(x, 2) for x in res['gc_s_by_generation']]} s)", flush=True)
+            print(
+                f"round {r} {name:14s} drafting {res['ms_per_seq_step']:.3f} ms / seq-step  ({res['seq_steps']} seq-steps; gc {[round(x, 2) for x in res['gc_s_by_generation']]} s)",
+                flush=True,
+            )
             if a.json:
                 Path(a.json).write_text(json.dumps({"batch": a.batch, "limit": a.limit, "rows": rows}, indent=1) + "\n")
     return 0

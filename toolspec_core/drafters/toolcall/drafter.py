@@ -226,6 +226,7 @@ class SchemaDrafter:
     retrieved past calls, one tree."""
 
     TAILS = 8  # most probable continuations drafted after a copied value (each is tokenized with the span)
+    KEEP_EXPANSIONS = False  # keep each sequence's sub-expansions across steps (``ExpansionMemo``)
     WORD_END = 0.3  # share of a prose span's mass on the value ending where the source's word ends
 
     def __init__(
@@ -248,7 +249,9 @@ class SchemaDrafter:
         sub-expansions kept across steps, the Python tree merge -- the drafter the tests hold
         this one to (the same trees)."""
         self.reference = reference
-        self._memo = None if reference else ExpansionMemo()  # sub-expansions kept across this output's steps
+        # sub-expansions kept across this output's steps: exact, but measured slower than expanding
+        # them again on the dev sets' traffic (docs/design.md, "Where drafting's time goes"), so off
+        self._memo = ExpansionMemo() if self.KEEP_EXPANSIONS and not reference else None
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
         self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
         self.tracker = CallTracker(tools, RESPONSE if answer else None, layouts)
