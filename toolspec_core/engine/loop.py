@@ -38,7 +38,9 @@ def prefill(target: Target, prompt_ids: list[int], pool=None, chunk: int = 512, 
     The prompt's full blocks are registered in the pool's prefix cache, so a later sequence of
     the same pool that begins with this prompt prefills only its last partial block (a
     benchmark prefills each prompt once, untimed, this way). ``states``: every prefilled
-    token's last-layer state too (``Prompt.states``; a key pooled over the prompt). Raises
+    token's last-layer state too (``Prompt.states``; a key pooled over the prompt). On the
+    caller's thread, never beside another thread stepping the same target (the target keeps the
+    step runner of the pool its last step ran in). Raises
     :class:`~toolspec_core.errors.InvalidRequestError` for a prompt over the target's limits."""
     check_prompt(target, prompt_ids)
     limits = BatchLimits(max_running=1, prefill_chunk=chunk)
