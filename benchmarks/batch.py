@@ -1,8 +1,9 @@
 """``toolspec bench --batch 1,2,4,8,16``: decode throughput of batched methods at each batch size.
 
 For each benchmark, batch size B and method (``ar`` first): the items are cut into groups of B in
-stream order; each group is prefilled (untimed, once per item) and decoded together on one step
-scheduler, every sequence with its own drafter, under the batch-wide budget. Reported per
+stream order; each group is decoded together on one step scheduler, every sequence with its own
+drafter, under the batch-wide budget. Every prompt is prefilled once, untimed, into the run's
+block pool and every decode starts from its cached blocks (:mod:`benchmarks.prompts`). Reported per
 (benchmark, method, B): decode-phase output tokens/s, the ratio to batched plain greedy at the same
 B, MAT, rows per forward, forward and host time per step, host time per live sequence by part
 (``HOST_PARTS``), and exact match per item against single-stream plain greedy (``ar`` at B = 1;
@@ -21,17 +22,18 @@ import time
 from pathlib import Path
 
 from toolspec_core.drafters.methods import RequestInfo
-from toolspec_core.engine.loop import DecodeConfig, prefill
-from toolspec_core.engine.scheduler import BatchLimits, Scheduler
+from toolspec_core.engine.limits import check_prompt
+from toolspec_core.engine.loop import DecodeConfig
+from toolspec_core.engine.scheduler import BatchLimits
 from toolspec_core.engine.sequence import Sequence
 from toolspec_core.errors import ToolSpecError
-from toolspec_core.model.block_pool import BlockPool
 
 from .cost import hardware_string
 from .data import load_items, prompt_ids, select_items
 from .datasets import JsonlStore
 from .metrics import first_mismatch
 from .plots import md_table, pyplot
+from .prompts import BLOCK_TOKENS, PromptPool
 from .runner import MethodPool, bench_target, log, resolve_cost
 
 MAX_ROWS = 256  # the batch budget's curve is measured up to forwards of this many rows
@@ -99,13 +101,24 @@ class BatchRun:
             self.cost.calibrate = bool(args.calibrate)  # learns from the batched steps it pays (budget.Calibration)
         self.store = group_store(self.out)
         self.done = self.store.records
-        self.prefills: dict[str, object] = {}
+        self.prompts: PromptPool | None = None  # the current benchmark's prompts, each prefilled once
         (self.out / "config.json").write_text(json.dumps({**vars(args), "tool": "toolspec bench --batch"}, indent=2))
 
+    def _ids(self, item: dict) -> list[int]:
+        return prompt_ids(self.target.tokenizer, item)
+
     def prefilled(self, item: dict):
-        if item["id"] not in self.prefills:
-            self.prefills[item["id"]] = prefill(self.target, prompt_ids(self.target.tokenizer, item))
-        return self.prefills[item["id"]]
+        """The item's prompt in the run's pool (prefilled there the first time, untimed)."""
+        return self.prompts.warm(item["id"].split("#")[0], self._ids(item))
+
+    def _prompt_pool(self, items: list[dict]) -> PromptPool:
+        """A pool for a benchmark: every item's prompt, pinned, plus the largest group's sequences
+        (prompt, ``max_new_tokens`` and one draft tree each)."""
+        bt, tree = BLOCK_TOKENS, BatchLimits().tree_rows
+        lens = [len(self._ids(it)) for it in items]
+        prompts = sum(-(-n // bt) for n in lens)
+        group = max(self.args.batch) * -(-(max(lens, default=0) + self.dcfg.max_new_tokens + tree) // bt)
+        return PromptPool(self.target, (prompts + group) * bt)
 
     def run(self) -> None:
         from tqdm import tqdm
@@ -115,6 +128,7 @@ class BatchRun:
         total = sum(len(_groups(items, b, cycle)) for items in self.benches for b in a.batch) * len(a.methods)
         with tqdm(total=total, initial=len(self.done), unit="group", dynamic_ncols=True) as bar:
             for items in self.benches:
+                self.prompts = self._prompt_pool(items)
                 items = [it for it in items if self._fits(it)]
                 for b in a.batch:
                     for name in a.methods:
@@ -132,10 +146,11 @@ class BatchRun:
                             rec = self.run_group(pool, name, b, gi, group)
                             self.store.append(rec)
                             bar.update(1)
-                self.prefills.clear()  # a benchmark's prefills go once all its runs are done
+                self.prompts.clear()  # a benchmark's prompts are unpinned once all its runs are done
 
     def _fits(self, item: dict) -> bool:
         try:
+            check_prompt(self.target, self._ids(item), self.dcfg.max_new_tokens)
             self.prefilled(item)
             return True
         except ToolSpecError as exc:
@@ -144,17 +159,9 @@ class BatchRun:
 
     def _warm_up(self, group: list[dict]) -> None:
         """An untimed 2-token batch first: the first decode after big prefills pays one-off costs."""
-        sched = Scheduler(self.target, None, BatchLimits(max_running=len(group)))
-        for it in group:
-            sched.add(Sequence(self.target, None, None, DecodeConfig(max_new_tokens=2), prefilled=self.prefilled(it)))
-        sched.run()
-
-    def _pool(self, seqs: list[Sequence], limits: BatchLimits) -> BlockPool:
-        """A block pool with room for the group's prompts, outputs and one draft tree each: admission
-        places each prefilled prompt in it (a copy of its rows, the same for every method)."""
-        bt = 16
-        reserve = [s.reserved_tokens + limits.tree_rows for s in seqs]
-        return self.target.block_pool(sum(-(-r // bt) * bt for r in reserve), bt, prefix_caching=False)
+        cfg = DecodeConfig(max_new_tokens=2)
+        seqs = [Sequence(self.target, self._ids(it), None, cfg) for it in group]
+        self.prompts.start(seqs, None, BatchLimits(max_running=len(group))).run()
 
     def _request(self, item: dict) -> RequestInfo:
         pre = self.prefilled(item)
@@ -172,20 +179,20 @@ class BatchRun:
         method = pool.get(bench, name, "online")
         limits = BatchLimits(max_running=b)
         reqs = [self._request(it) for it in group]
-        seqs = [Sequence(self.target, None, None, self.dcfg, prefilled=self.prefilled(it)) for it in group]
-        sched = Scheduler(self.target, self.cost, limits, self._pool(seqs, limits))
+        seqs = [Sequence(self.target, req.prompt_ids, None, self.dcfg) for req in reqs]
+        started = self.prompts.start(seqs, self.cost, limits)  # untimed: the prompts' last rows, first tokens
+        sched, first = started.sched, len(started.sched.steps)
         t0 = time.perf_counter()
         for seq, req in zip(seqs, reqs):
             seq.drafter = method.drafter(req)  # drafter setup (retrieval) is part of the decode phase
-            sched.add(seq)
-        sched.run()
+        started.run()
         decode_s = time.perf_counter() - t0
         outputs = {}
         for it, seq, req in zip(group, seqs, reqs):
             r = seq.result
             outputs[it["id"]] = {"tokens": r.tokens, "text": r.text, "forwards": r.stats.forwards, "mat": r.stats.mat}
             pool.after_item(bench, name, "online", req, outputs[it["id"]])
-        steps = [s for s in sched.steps if s.sequences]
+        steps = [s for s in sched.steps[first:] if s.sequences]
         sums = {f: sum(getattr(s, f) for s in steps) for f in ("rows", "forward_s", "host_s")}
         head = {"benchmark": bench, "method": name, "batch": b, "group": gi, "items": [it["id"] for it in group]}
         return {

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from toolspec_core.drafters.methods import RequestInfo, make_method
     from toolspec_core.engine.cost_probe import cost_model_for
-    from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+    from toolspec_core.engine.loop import DecodeConfig, generate, prefill
     from toolspec_core.model.prompting import render_prompt
     from toolspec_core.model.target import load_target
 
@@ -47,11 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     messages, tools = _request(ns)
     prompt = render_prompt(target.tokenizer, messages, tools)
     cost = cost_model_for(ns.cost, target)
-    pre = prefill(target, prompt)
     cfg = DecodeConfig(max_new_tokens=ns.max_new_tokens)
-    plain = decode(target, pre, None, cfg)
+    # the prompt in one pool, prefilled once: both decodes start from its cached blocks
+    pool = target.block_pool(len(prompt) + 2 * (ns.max_new_tokens + 64))
+    pre = prefill(target, prompt, pool)
+    plain = generate(target, prompt, None, cfg, pool=pool)
     method = make_method(ns.method, target.tokenizer)
-    res = decode(target, pre, method.drafter(RequestInfo(prompt, tools, embedding=pre.hidden)), cfg, cost)
+    res = generate(
+        target, prompt, method.drafter(RequestInfo(prompt, tools, embedding=pre.hidden)), cfg, cost, pool=pool
+    )
     print(res.text)
     print(f"\nidentical to plain greedy: {res.tokens == plain.tokens}")
     print(

@@ -11,8 +11,8 @@ while the forward costs nothing but this lookup (it shows in the forward column,
 ones).
 
 How it knows a sequence: its "forward" writes each row's token id into the KV storage (layer 0,
-K, every slot of the row), so the committed tokens of any cache -- a prompt prefilled alone, its
-copy into a block pool, a commit that moved rows -- are read back from the cache itself, and the
+K, every slot of the row), so the committed tokens of any cache -- a prompt's cached prefix
+blocks, a commit that moved rows -- are read back from the cache itself, and the
 recording whose prompt + output begins with them is the sequence's. The model under it is a
 one-layer random Qwen2 of width 8 over the embedded tokenizer (the KV pool and vocabulary are sized
 from it). The retrieval key the bench gives the call library (the prompt's last hidden state) is
@@ -102,14 +102,11 @@ class ReplayTarget(Target):
     def __post_init__(self):
         super().__post_init__()
         self._by_first: dict[tuple, list[_Rec]] = {}
-        self._by_hidden: dict[bytes, int] = {}  # a recorded hidden state -> the first output token
         self._owner: dict[int, tuple] = {}  # id(cache) -> (cache, its record)
         for r in self.records:
             full = list(r["prompt_ids"]) + list(r["tokens"])
             rec = _Rec(full, len(r["prompt_ids"]), decode_hidden(r["hidden"]))
             self._by_first.setdefault(tuple(full[:8]), []).append(rec)
-            if r["tokens"]:
-                self._by_hidden[rec.hidden.numpy().tobytes()] = r["tokens"][0]
         vocab = self.model.config.vocab_size
         self.off = (vocab - 1, vocab - 2)  # tokens no recording writes: the answer where nothing was recorded
 
@@ -122,27 +119,6 @@ class ReplayTarget(Target):
         return int(next(iter(self._by_first.values()))[0].hidden.shape[0]) if self._by_first else 8
 
     # ------------------------------------------------------------------ what the engine calls
-    def hidden(self, input_ids, position_ids, mask, cache) -> torch.Tensor:
-        """A prompt chunk (``prefill``): its tokens go into the cache; the last row of a whole
-        prompt is the recorded hidden state (the retrieval key; ``logits`` reads it back)."""
-        from toolspec_core.model.batch_forward import Segment
-
-        seg = Segment(cache, input_ids[0], position_ids[0], mask)
-        tokens = self._write([seg])[0] + input_ids[0].tolist()
-        out = torch.zeros(len(seg), self.hidden_size)
-        rec = self._record(cache, tokens)
-        if rec is not None and len(tokens) == rec.prompt_len:
-            out[-1] = rec.hidden
-        return out
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """One-hot rows: a recorded prompt state predicts its recorded first token."""
-        vocab = self.model.config.vocab_size
-        out = torch.full((hidden.shape[0], vocab), -1e4)
-        for i, h in enumerate(hidden):
-            out[i, self._by_hidden.get(h.float().numpy().tobytes(), self.off[0])] = 0.0
-        return out
-
     def step(self, req: StepRequest, pool=None) -> StepOutput:
         """The step's argmax read from the recordings, then :func:`~toolspec_core.model.step_runner.answer`
         (the greedy walks and the host's rows), as every target's step ends."""
@@ -323,18 +299,17 @@ def record(args) -> int:
 
 
 def greedy_rows(target, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
-    """Batched plain greedy of ``prompts`` (each prefilled alone, decoded together): one recording
-    row each (``prompt_ids`` included; the recording file keeps only their hash)."""
-    from toolspec_core.engine.loop import DecodeConfig, prefill
-    from toolspec_core.engine.scheduler import BatchLimits, Scheduler
+    """Batched plain greedy of ``prompts`` (prefilled and decoded together in one block pool): one
+    recording row each (``prompt_ids`` included; the recording file keeps only their hash), with
+    the prompt's last state (the retrieval key the scheduler hands each sequence)."""
+    from toolspec_core.engine.loop import DecodeConfig
+    from toolspec_core.engine.scheduler import BatchLimits, run_batch
     from toolspec_core.engine.sequence import Sequence
 
-    pres = [prefill(target, ids) for ids in prompts]
-    seqs = [Sequence(target, None, None, DecodeConfig(max_new_tokens=max_new_tokens), prefilled=p) for p in pres]
-    sched = Scheduler(target, None, BatchLimits(max_running=max(1, len(seqs))))
-    for s in seqs:
-        sched.add(s)
-    sched.run()
+    limits = BatchLimits(max_running=max(1, len(prompts)))
+    seqs = [Sequence(target, ids, None, DecodeConfig(max_new_tokens=max_new_tokens)) for ids in prompts]
+    pool = target.block_pool(sum(s.reserved_tokens + limits.tree_rows + 16 for s in seqs))
+    run_batch(target, seqs, None, limits, pool)
     return [
         {
             "prompt_key": prompt_key(ids),
@@ -344,9 +319,9 @@ def greedy_rows(target, prompts: list[list[int]], max_new_tokens: int) -> list[d
             "finish": s.result.finish_reason,
             "max_new_tokens": max_new_tokens,
             "eos_ids": list(target.eos_ids),
-            "hidden": encode_hidden(pre.hidden),
+            "hidden": encode_hidden(s.hidden),
         }
-        for ids, pre, s in zip(prompts, pres, seqs)
+        for ids, s in zip(prompts, seqs)
     ]
 
 

@@ -1,7 +1,7 @@
 """The side-by-side run: every method in the same decode loop, KV cache and process.
 
-Per item: prefill ONCE, then decode with each method from its own copy of the prefix cache, plain
-greedy first as the reference. One JSON line per (item, method, library) goes to
+Per item: prefill ONCE (untimed, into the run's block pool), then decode with each method from
+the prompt's cached blocks (:mod:`benchmarks.prompts`), plain greedy first as the reference. One JSON line per (item, method, library) goes to
 ``<out>/items.jsonl`` as soon as it is done, so a rerun continues where a run stopped.
 
 Library protocol of history methods: ``cold`` a fresh method per item; ``online`` one method per
@@ -25,12 +25,16 @@ import torch
 from toolspec_core.drafters.methods import RequestInfo, make_method, method_class
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.cost_probe import cost_model_for
-from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+from toolspec_core.engine.limits import check_prompt
+from toolspec_core.engine.loop import DecodeConfig, prefill
+from toolspec_core.engine.scheduler import BatchLimits
+from toolspec_core.engine.sequence import Sequence
 from toolspec_core.errors import ToolSpecError
 
 from .data import load_items, load_stream, prompt_ids, response_schema, select_items, warm_documents
 from .datasets import JsonlStore
 from .metrics import answer_metrics, call_metrics, first_mismatch
+from .prompts import BLOCK_TOKENS, PromptPool
 
 ALL_METHODS = ("ar", "pld", "suffix", "token_recycling", "toolspec_schema", "toolspec_retrieval", "toolspec")
 LIBRARIES = ("cold", "online", "warm")
@@ -224,22 +228,30 @@ class MethodPool:
 # --------------------------------------------------------------------------- one decode
 
 
-def decode_record(target, pre, method, req: RequestInfo, dcfg: DecodeConfig, cost: CostModel) -> dict:
-    """Decode with ``method`` and return the timing / acceptance part of a record.
+def decode_record(
+    target, prompts: PromptPool, method, req: RequestInfo, dcfg: DecodeConfig, cost: CostModel | None
+) -> dict:
+    """Decode ``req``'s prompt (in ``prompts``' pool) with ``method`` and return the timing /
+    acceptance part of a record.
 
-    decode_s = drafter setup (e.g. retrieval) + the loop's draft/verify/commit time; the prefix
-    cache clone and a structured answer's grammar (the same for every method) are excluded.
+    decode_s = drafter setup (e.g. retrieval) + the loop's draft/verify/commit time; the prompt's
+    prefill (its last rows past the cached blocks included: :meth:`PromptPool.start`) and a
+    structured answer's grammar (the same for every method) are excluded.
     """
+    check_prompt(target, req.prompt_ids, dcfg.max_new_tokens)
     constraint = None
     if req.response_schema is not None:  # every method decodes under the answer's grammar
         from toolspec_core.engine.grammar import make_tool_constraint
 
         vocab = getattr(target.model.config, "vocab_size", None)
         constraint = make_tool_constraint(target.tokenizer, [], "none", vocab, response=req.response_schema)
+    seq = Sequence(target, list(req.prompt_ids), None, dcfg, constraint)
+    started = prompts.start([seq], cost, BatchLimits(max_running=1))
     t0 = time.perf_counter()
-    drafter = method.drafter(req)
+    seq.drafter = method.drafter(req)
     setup = time.perf_counter() - t0
-    res = decode(target, pre, drafter, dcfg, cost, constraint=constraint)
+    started.run()
+    res = seq.result
     stats = res.stats.to_dict()
     stats["decode_s"] += setup
     return {"tokens": res.tokens, "text": res.text, "finish_reason": res.finish_reason, "setup_s": setup, **stats}
@@ -295,6 +307,9 @@ class Runner:
         self.pairs = run_pairs(cfg)
         self.store = item_store(self.out)
         self.prefills = PrefillCache(self.out / "prefill.jsonl")
+        # one item's prompt pinned at a time, and its decode (pages of the pool are touched as used)
+        room = target.max_context + cfg.max_new_tokens + BatchLimits().tree_rows + 2 * BLOCK_TOKENS
+        self.prompts = PromptPool(target, room)
         self.warm_prefills = PrefillCache(self.out / "warm_prefill.jsonl")
         if cfg.retrieval_key not in RETRIEVAL_KEYS:
             raise ValueError(f"unknown retrieval key {cfg.retrieval_key!r}; known: {', '.join(RETRIEVAL_KEYS)}")
@@ -362,7 +377,7 @@ class Runner:
             return self.request_key(item)
         rec = self.warm_prefills.get(item["id"])
         if rec is None:
-            rec = self.warm_prefills.put(item["id"], prefill(self.target, ids))
+            rec = self.warm_prefills.put(item["id"], prefill(self.target, ids, self.prompts.pool))
         return decode_hidden(rec["hidden"])
 
     def todo(self, item: dict) -> list[tuple[str, str | None]]:
@@ -386,9 +401,10 @@ class Runner:
         bench, pending = item["benchmark"], self.todo(item)
         ids = prompt_ids(self.target.tokenizer, item)
         pre, pinfo = None, self.prefills.get(item["id"])
+        self.prompts.clear()  # the previous item's prompt: its blocks evictable
         if pending:
             try:
-                pre = prefill(self.target, ids)
+                pre = self.prompts.warm(item["id"], ids)
             except ToolSpecError as exc:
                 log(f"skipping item {item['id']}: {exc}")
                 bar.update(len(pending))
@@ -396,7 +412,9 @@ class Runner:
             pinfo = pinfo or self.prefills.put(item["id"], pre)
             # untimed 2-token decode so plain greedy (always first) does not pay the first
             # decode's one-off costs after a large prefill (allocator, caches)
-            decode(self.target, pre, None, DecodeConfig(max_new_tokens=2))
+            self.prompts.start(
+                [Sequence(self.target, ids, None, DecodeConfig(max_new_tokens=2))], None, BatchLimits()
+            ).run()
         emb = self.request_key(item, pre, pinfo)
         self._key_s = None
         if self.text_key and any(_method_flag(m, "uses_library") for m, _ in self.pairs):
@@ -435,7 +453,9 @@ class Runner:
         """
         if not self.cfg.retime_reference:
             return None
-        rec = decode_record(self.target, pre, self.pool.get(item["benchmark"], "ar", None), req, self.dcfg, self.cost)
+        rec = decode_record(
+            self.target, self.prompts, self.pool.get(item["benchmark"], "ar", None), req, self.dcfg, self.cost
+        )
         if rec["tokens"] != ar["tokens"]:
             log(
                 f"!!! plain greedy on item {item['id']} differs from its stored output at token "
@@ -449,7 +469,7 @@ class Runner:
             return None
         head = {"item": item["id"], "benchmark": item["benchmark"], "index": pos, "method": name, "library": lib}
         try:
-            rec = {**head, **decode_record(self.target, pre, method, req, self.dcfg, self.cost)}
+            rec = {**head, **decode_record(self.target, self.prompts, method, req, self.dcfg, self.cost)}
         except Exception as exc:  # a broken method must not stop the other methods' run
             log(f"!!! method {name}/{lib} failed on item {item['id']}: {type(exc).__name__}: {exc}")
             self.store.append({**head, "error": f"{type(exc).__name__}: {exc}"})

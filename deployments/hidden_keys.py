@@ -14,11 +14,12 @@ from retrieval_service.embedding import from_hidden
 
 
 class HiddenStateEmbedder:
-    """The target's last-layer states. ``pooling="last"``: the final prompt token, i.e.
-    ``Prefilled.hidden`` -- at serving time the engine's prefill gives it (free);
+    """The target's last-layer states. ``pooling="last"``: the final prompt token's -- at serving
+    time the state the engine's prefill of the request hands to ``Sequence.on_prompt`` (free);
     ``"mean"``: the mean over all prompt tokens (better only for unrestricted searches, see
     ``retrieval_service.embedding``; the engine does not expose it, so it costs this embedder's
-    own prefill). ``embed`` runs a prefill."""
+    own prefill). ``embed`` runs a prefill through the step scheduler, its KV in a block pool
+    (:func:`toolspec_core.engine.loop.prefill`)."""
 
     def __init__(self, target, pooling: str = "last"):
         if pooling not in ("last", "mean"):
@@ -28,7 +29,8 @@ class HiddenStateEmbedder:
         self.dim = int(target.model.config.hidden_size)
 
     def states(self, prompt_ids: list[int]):
-        """(Prefilled, all last-layer prompt states [T, H]) from one prefill."""
+        """(the :class:`~toolspec_core.engine.loop.Prompt` -- its last state ``hidden`` [H], its
+        prefill ``seconds`` --, all the prompt's last-layer states [T, H]) from one prefill."""
 
         from toolspec_core.engine.loop import prefill
 

@@ -62,10 +62,11 @@ def summarize(raw: dict) -> dict:
 def measure(n_items: int) -> dict:
     from benchmarks.data import load_items, prompt_ids
     from benchmarks.datasets import dev_set
+    from benchmarks.prompts import PromptPool
     from toolspec_core.drafters.methods import RequestInfo, make_method
     from toolspec_core.engine.budget import CostModel
     from toolspec_core.engine.cost_probe import measure_cost_points
-    from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+    from toolspec_core.engine.loop import DecodeConfig
     from toolspec_core.model.target import load_target
 
     items = [it for f in ("api_bank", "bfcl_v3") for it in load_items(dev_set(f))[: 10 * n_items : 10]]
@@ -81,12 +82,14 @@ def measure(n_items: int) -> dict:
         cost = CostModel(res["points"], calibrate=calibrate)
         for it in items:
             ids = prompt_ids(target.tokenizer, it)
-            pre = prefill(target, ids)
-            decode(target, pre, None, DecodeConfig(max_new_tokens=2))  # untimed warm-up
+            prompts = PromptPool(target, 2 * len(ids) + 512)
+            prompts.warm(it["id"], ids)  # the prompt prefilled once; each decode starts from its blocks
+            prompts.decode(ids, None, DecodeConfig(max_new_tokens=2))  # untimed warm-up
             runs = {}
             for name in ("ar", "toolspec_schema"):
-                drafter = make_method(name, target.tokenizer).drafter(RequestInfo(ids, it.get("tools") or []))
-                runs[name] = decode(target, pre, drafter, DecodeConfig(max_new_tokens=128), cost)
+                method = make_method(name, target.tokenizer)
+                req = RequestInfo(ids, it.get("tools") or [])
+                runs[name] = prompts.decode(ids, lambda: method.drafter(req), DecodeConfig(max_new_tokens=128), cost)[0]
             assert runs["ar"].tokens == runs["toolspec_schema"].tokens, it["id"]
             ar_steps = sorted(runs["ar"].stats.verify_step_s)
             res["items"].append(

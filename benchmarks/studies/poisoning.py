@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 SETS = ("api_bank", "bfcl_v3", "toolalpaca")
@@ -59,12 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.cost import hardware_string
     from benchmarks.data import load_items, prompt_ids, select_items
     from benchmarks.datasets import dev_set
+    from benchmarks.prompts import PromptPool
     from retrieval_service.embedding import LexicalEmbedder
     from toolspec_core.drafters.methods import RequestInfo, make_method
     from toolspec_core.drafters.toolcall.layouts import FENCE, render_calls
     from toolspec_core.drafters.toolcall.library import MemoryLibrary, PastCall
     from toolspec_core.engine.budget import CostModel
-    from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+    from toolspec_core.engine.loop import DecodeConfig
     from toolspec_core.model.target import load_target
 
     target = load_target()
@@ -77,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         items = [it for it in load_items(dev_set(name)) if it.get("gold_calls")]
         for item in select_items(items, args.limit, 0):
             ids = prompt_ids(tok, item)
-            pre = prefill(target, ids)
+            prompts = PromptPool(target, 2 * len(ids) + 2 * args.max_new_tokens + 256)
+            prompts.warm(item["id"], ids)  # the prompt prefilled once; each decode starts from its blocks
             emb = embedder.embed_request(item["messages"], item["tools"]).tolist()
-            plain = decode(target, pre, None, cfg)
+            plain = prompts.decode(ids, None, cfg)[0]
             row = {"item": item["id"], "benchmark": name, "tokens": len(plain.tokens)}
             for label in ("clean", "poisoned"):
                 library = MemoryLibrary()
@@ -88,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                         text = render_calls([call], FENCE)
                         library.add("t", PastCall(call["name"], tok.encode(text), text, call["arguments"]), emb)
                 method = make_method("toolspec", tok, library=library)
-                t0 = time.perf_counter()
-                res = decode(target, pre, method.drafter(RequestInfo(ids, item["tools"], "t", emb)), cfg, cost)
-                row[f"{label}_s"] = time.perf_counter() - t0
+                req = RequestInfo(ids, item["tools"], "t", emb)
+                res, row[f"{label}_s"] = prompts.decode(ids, lambda: method.drafter(req), cfg, cost)
                 row[f"{label}_mat"] = res.stats.mat
                 row[f"{label}_exact"] = res.tokens == plain.tokens
             rows.append(row)

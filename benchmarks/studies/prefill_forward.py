@@ -263,7 +263,7 @@ def compiled_prefill(ids: list[list[int]], sizes=(512,), repeats: int = 3) -> li
             compiled(x, pos)
             compile_s = time.perf_counter() - t0
             hc = compiled(x, pos)[0]
-            hs = served.hidden(x[None], pos[None], None, served.new_cache())
+            hs = prefill(served, pool[:n], chunk=4096, states=True).states  # [n, H] the served path's
             row = {
                 "rows": n,
                 "compile_s": compile_s,

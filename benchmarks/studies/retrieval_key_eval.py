@@ -31,7 +31,7 @@ Keys. The Retrieval deployment's, computed exactly as it computes them: ``TextKe
   ranks start at 0); ``rrf_k2``: the same with Qdrant's default ``k=2`` (1 / (2 + rank - 1)).
   Computed here from the two rankings.
 
-The target's own keys, as before: ``hidden_last`` (``Prefilled.hidden``), ``hidden_mean`` (mean
+The target's own keys, as before: ``hidden_last`` (the prompt's last state, ``loop.prefill``'s ``Prompt.hidden``), ``hidden_mean`` (mean
 last-layer state over the prompt, same prefill), and ``lexical_req`` (``LexicalEmbedder.embed_request``:
 last user message + offered tool names, the replica-side lexical key of earlier releases).
 Baselines: ``recent`` (the k latest calls, no key) and ``oracle`` (every earlier call of the gold

@@ -178,7 +178,7 @@ def decode_answer(arrays: list[np.ndarray], full_rows: list[int]) -> tuple[StepO
 def apply_ops(pool: BlockPool, views: dict[int, PagedKV], plan: StepPlan) -> None:
     """Replay the replica's KV operations on this rank's storage: new tables, ended sequences, moves."""
     for sid, table, shared in plan.tables:
-        views[sid] = PagedKV(pool, table, shared, sid=sid)
+        views[sid] = pool.open(table, shared, sid=sid)
     for sid in plan.frees:
         views.pop(sid, None)
     if plan.moves is not None and len(plan.moves[0]):

@@ -146,19 +146,38 @@ def test_engine_flags_reach_load_target_only_when_given(tmp_path, monkeypatch, f
     assert {k: v for k, v in seen.items() if k in ("attention", "cuda_graphs")} == want
 
 
-def test_ragged_batch_run_decodes_from_a_pool_and_stays_exact(tmp_path):
-    """With the ragged attention the groups decode from a block pool admission copies their
-    prefilled prompts into; every step runs ragged and every output still equals single-stream
+def test_ragged_batch_run_decodes_from_a_pool_and_stays_exact(tmp_path, monkeypatch):
+    """The groups decode from the run's block pool, where each prompt was prefilled once (untimed)
+    and every method's sequences find it in the prefix cache; the timed steps carry no prompt
+    rows (the rest of each prompt past its cached blocks is prefilled before the clock starts),
+    every step runs ragged, every block comes back, and every output still equals single-stream
     plain greedy."""
+    import benchmarks.prompts as prompts_mod
+
     target = from_model(tiny_model(vocab=128), AsciiTokenizer(), name="tiny-qwen2", attention="ragged")
     p = tmp_path / "syn.jsonl"
     p.write_text("".join(json.dumps(_item(i, "syn")) + "\n" for i in range(4)))
     run = BatchRun(_args(tmp_path, [p], batch=[1, 4], methods=["ar", "toolspec"]), target)
+    prefills, started = [], []
+    real_prefill, real_start = prompts_mod.prefill, prompts_mod.PromptPool.start
+    monkeypatch.setattr(prompts_mod, "prefill", lambda *a, **k: prefills.append(a[1]) or real_prefill(*a, **k))
+
+    def start(self, seqs, cost, limits):
+        out = real_start(self, seqs, cost, limits)
+        started.append((out.sched, len(out.sched.steps), seqs))
+        return out
+
+    monkeypatch.setattr(prompts_mod.PromptPool, "start", start)
     pools = []
-    real = run._pool
-    run._pool = lambda seqs, limits: pools.append(real(seqs, limits)) or pools[-1]
+    real = run._prompt_pool
+    run._prompt_pool = lambda items: pools.append(real(items)) or pools[-1]
     run.run()
-    assert pools and all(p.stats().used_blocks == 0 for p in pools)  # every sequence gave its blocks back
-    assert target.runner(pools[-1]).steps["ragged"] > 0 and target.runner(pools[-1]).steps["per_sequence"] == 0
+    assert len(pools) == 1 and len(prefills) == 4  # one pool; each prompt prefilled once
+    pool = pools[0].pool
+    assert pool.stats().used_blocks == 0  # every sequence gave its blocks back, every prompt unpinned
+    for sched, first, seqs in started:
+        assert all(s.stats.cached_tokens > 0 for s in seqs)  # found in the prefix cache
+        assert all(step.prefill_rows == 0 for step in sched.steps[first:])  # the timed phase decodes only
+    assert target.runner(pool).steps["ragged"] > 0 and target.runner(pool).steps["per_sequence"] == 0
     rep = build_report(tmp_path / "run", "batch-ragged", tmp_path / "results", "test box", "tiny-qwen2")
     assert rep["runs"] and all(r["exact_match"] == 1.0 for r in rep["runs"])

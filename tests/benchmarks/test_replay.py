@@ -38,23 +38,29 @@ def _drafter(kind, want):
 
 
 def _decode(target, rows, kinds, pooled: bool, chunk: int, prefilled: bool):
-    pool = target.block_pool(1024, 8) if pooled else None
+    pool = target.block_pool(2048, 8) if pooled else None
+    if prefilled:  # each prompt run through the pool first: the sequences start from its cached blocks
+        for r in rows:
+            prefill(target, r["prompt_ids"], pool)
     sched = Scheduler(target, CostModel.flat(), BatchLimits(max_running=4, prefill_chunk=chunk, tree_rows=16), pool)
     seqs = []
     for r, kind in zip(rows, kinds):
-        pre = prefill(target, r["prompt_ids"]) if prefilled else None
-        prompt = None if prefilled else r["prompt_ids"]
         drafter = _drafter(kind, r["tokens"])
-        seqs.append(sched.add(Sequence(target, prompt, drafter, DecodeConfig(max_new_tokens=N), prefilled=pre)))
+        seqs.append(sched.add(Sequence(target, r["prompt_ids"], drafter, DecodeConfig(max_new_tokens=N))))
     sched.run()
+    if prefilled:
+        assert all(s.stats.cached_tokens >= 8 for s in seqs)  # read back from the blocks the prefill left
     return seqs
 
 
-@pytest.mark.parametrize("pooled,chunk,prefilled", [(False, 512, True), (True, 7, False), (True, 512, False)])
+@pytest.mark.parametrize(
+    "pooled,chunk,prefilled", [(False, 512, False), (True, 512, True), (True, 7, False), (True, 512, False)]
+)
 def test_replay_gives_the_recorded_model_s_outputs_and_acceptance(tiny, recorded, pooled, chunk, prefilled):
     """Decoding through the replay gives the real model's tokens and, with drafters that branch and
-    miss, the real model's accepted lengths at every step (prompts prefilled alone, or in chunks by
-    the scheduler in a block pool with shared prefix blocks)."""
+    miss, the real model's accepted lengths at every step (prompts in caches of their own,
+    prefilled into the pool first and found in its prefix cache, or in chunks by the scheduler in
+    a block pool with shared prefix blocks)."""
     replay = replay_over(tiny, recorded)
     rng = random.Random(5)
     kinds = [rng.choice(["oracle", "garbage", "branching", "pld"]) for _ in recorded]
@@ -84,9 +90,7 @@ def test_rows_off_the_recording_get_a_token_no_draft_holds(tiny, recorded):
         t.add_path(off[1:2], 0.9, "x", parent=first)
         return t
 
-    seq = Sequence(
-        replay, None, ScriptedDrafter(wrong), DecodeConfig(max_new_tokens=N), prefilled=prefill(replay, r["prompt_ids"])
-    )
+    seq = Sequence(replay, r["prompt_ids"], ScriptedDrafter(wrong), DecodeConfig(max_new_tokens=N))
     sched = Scheduler(replay, None, BatchLimits(max_running=1))
     sched.add(seq)
     sched.run()

@@ -6,7 +6,7 @@ import pytest
 from tiny import tiny_target
 
 from toolspec_core.drafters.methods import RequestInfo
-from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+from toolspec_core.engine.loop import DecodeConfig, generate
 
 N = 40
 
@@ -18,6 +18,6 @@ def tiny():
 
 def run(tiny, method, prompt, cost):
     req = RequestInfo(prompt_ids=list(prompt))
-    res = decode(tiny, prefill(tiny, list(prompt)), method.drafter(req), DecodeConfig(max_new_tokens=N), cost)
+    res = generate(tiny, list(prompt), method.drafter(req), DecodeConfig(max_new_tokens=N), cost)
     method.observe(req, res.tokens, res.text)
     return res

@@ -54,7 +54,7 @@ class Twin:
 
 
 def _req(replay, it, rec):
-    pre = prefill(replay, rec["prompt_ids"])
+    pre = prefill(replay, rec["prompt_ids"])  # the prompt's last state: the retrieval key
     return pre, RequestInfo(prompt_ids=rec["prompt_ids"], tools=it.get("tools") or [], embedding=pre.hidden)
 
 
@@ -75,9 +75,7 @@ def test_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, item
             pre, req = _req(replay, it, rec)
             r = ref.drafter(req)
             r.suffix.context.lazy = False  # the eager subtrie build
-            seq = Sequence(
-                replay, None, Twin(fast.drafter(req), r, seen), DecodeConfig(max_new_tokens=N), prefilled=pre
-            )
+            seq = Sequence(replay, rec["prompt_ids"], Twin(fast.drafter(req), r, seen), DecodeConfig(max_new_tokens=N))
             seqs.append((seq, req, rec))
             sched.add(seq)
         sched.run()

@@ -12,7 +12,7 @@ from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter, SuffixMethod, suffix_key
 from toolspec_core.drafters.suffix_trie import SuffixTrie
 from toolspec_core.engine.budget import CostModel
-from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+from toolspec_core.engine.loop import DecodeConfig, generate
 from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult, depths
 
 PATTERN = [5, 9, 13, 17, 21, 25, 29, 33]
@@ -26,7 +26,7 @@ def refs(tiny):
     """HF generate(do_sample=False) == our loop with no drafter, per prompt."""
     out = [hf_greedy(tiny, p, N) for p in PROMPTS]
     for p, ref in zip(PROMPTS, out):
-        assert decode(tiny, prefill(tiny, list(p)), None, DecodeConfig(max_new_tokens=N)).tokens == ref
+        assert generate(tiny, list(p), None, DecodeConfig(max_new_tokens=N)).tokens == ref
     return out
 
 

@@ -7,14 +7,13 @@ from scripted import PROMPT
 from scripted import tiny as tiny
 
 from toolspec_core.engine.commit import commit_kv, kv_rows
-from toolspec_core.engine.loop import prefill
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs
 
 
 def test_commit_kv_keeps_exactly_the_accepted_rows(tiny):
-    pre = prefill(tiny, PROMPT)
-    cache = pre.cache
+    cache = tiny.new_cache()  # the prompt's KV: a forward over it
+    tiny.hidden(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None], None, cache)
     kv = cache.get_seq_length()
     tree = DraftTree()
     tree.add_path([30, 31], 1.0, "x")

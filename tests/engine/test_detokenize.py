@@ -17,7 +17,7 @@ from toolspec_core.drafters.simulate import simulate
 from toolspec_core.drafters.toolcall.drafter import SchemaMethod
 from toolspec_core.drafters.toolcall.layouts import layout_by_name, render_calls
 from toolspec_core.engine.detokenize import Detokenizer
-from toolspec_core.engine.loop import DecodeConfig, decode, generate, prefill
+from toolspec_core.engine.loop import DecodeConfig, generate
 from toolspec_core.engine.sequence import Stopper as _Stopper
 
 QWEN_EOS = (151645, 151643)  # <|im_end|>, <|endoftext|>
@@ -236,9 +236,9 @@ def test_drafters_and_the_caller_read_the_one_text_of_the_request():
 
     detok = Detokenizer(tiny.tokenizer, tiny.eos_ids)
     texts = []
-    res = decode(
+    res = generate(
         tiny,
-        prefill(tiny, PROMPT),
+        PROMPT,
         ScriptedDrafter(fn),
         DecodeConfig(max_new_tokens=N),
         on_tokens=lambda ids: texts.append(detok.text),

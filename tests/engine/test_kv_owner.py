@@ -1,6 +1,6 @@
 """Who owns a KV row: the block pool holds every sequence's rows -- the hidden retrieval key's
-prompts, prefilled by the scheduler in the pool, and prompts prefilled outside it -- and one
-place sets a sequence's cache."""
+prompts, prefilled by the scheduler in the pool, and prompts prefilled into the pool before
+their sequences (a benchmark's) --, one place sets a sequence's cache, and nothing else makes one."""
 
 from __future__ import annotations
 
@@ -27,20 +27,22 @@ def ragged_tiny():
     return from_model(tiny_model(), CharTokenizer(96), name="tiny", attention="ragged")
 
 
-def test_prefilled_prompts_are_placed_in_the_pool_and_run_ragged(ragged_tiny):
-    """Sequences whose prompt was prefilled alone (the hidden-key path: prefill, search, then
-    decode) share a step with sequences the scheduler prefills: the pool counts every one of them,
-    every step runs the ragged attention, the caller's prefilled cache is left as it was, and each
-    output is plain greedy's."""
+def test_prefilled_prompts_are_found_in_the_pool_and_run_ragged(ragged_tiny):
+    """Prompts prefilled into the pool first (a benchmark's untimed prefill, ``loop.prefill``) are
+    found in its prefix cache by their sequences, which share a step with sequences the scheduler
+    prefills from scratch: the pool counts every one of them (the shared blocks too, referenced
+    by the sequence and still cached), every step runs the ragged attention, and each output is
+    plain greedy's."""
     tg = ragged_tiny
     prompts = [[(7 * i + j) % 95 + 1 for j in range(10 + 3 * i)] for i in range(4)]
     want = [hf_greedy(tg, p, 12) for p in prompts]
-    pres = [prefill(tg, p) for p in prompts[:2]]
     pool = tg.block_pool(1024, 8)
+    pres = [prefill(tg, p, pool) for p in prompts[:2]]
+    assert all(p.cached_tokens == 0 for p in pres) and all(r == 0 for r in pool.refs)  # cached, unreferenced
     sched = Scheduler(tg, None, BatchLimits(max_running=4, tree_rows=8), pool)
     seqs = [
-        Sequence(tg, None, ScriptedDrafter(oracle(want[0])), DecodeConfig(max_new_tokens=12), prefilled=pres[0]),
-        Sequence(tg, None, ScriptedDrafter(branching(want[1])), DecodeConfig(max_new_tokens=12), prefilled=pres[1]),
+        Sequence(tg, prompts[0], ScriptedDrafter(oracle(want[0])), DecodeConfig(max_new_tokens=12)),
+        Sequence(tg, prompts[1], ScriptedDrafter(branching(want[1])), DecodeConfig(max_new_tokens=12)),
         Sequence(tg, prompts[2], ScriptedDrafter(oracle(want[2])), DecodeConfig(max_new_tokens=12)),
         Sequence(tg, prompts[3], None, DecodeConfig(max_new_tokens=12)),
     ]
@@ -48,12 +50,13 @@ def test_prefilled_prompts_are_placed_in_the_pool_and_run_ragged(ragged_tiny):
         sched.add(s)
     runner = tg.runner(pool)
     before = dict(runner.steps)
-    sched.step()  # admission places all four; the prefilled two decode beside the others' prefill
+    sched.step()  # admission places all four; the prefilled two prefill only their last block
     for s in seqs:
         assert s.cache.pool is pool
+    assert [s.stats.cached_tokens for s in seqs] == [8, 8, 0, 0]
+    assert sched.steps[-1].prefill_rows == sum(len(p) for p in prompts) - 16
     held = sum(len(s.cache.table) for s in seqs)
     assert pool.stats().used_blocks == held  # the pool counts every row a sequence holds
-    assert all(p.cache.get_seq_length() == len(p.prompt_ids) for p in pres)  # the caller's prefill is untouched
     sched.run()
     assert [s.result.tokens for s in seqs] == want
     assert runner.steps["ragged"] - before["ragged"] == len(sched.steps)
@@ -93,6 +96,7 @@ def test_hidden_key_prompts_are_prefilled_in_the_pool_and_hold_their_first_draft
     for i, p in enumerate(prompts):  # the library's keys, from a prefill of each prompt alone
         lib.add("t", PastCall(f"tool{i % 2}", [i]), from_hidden(prefill(tg, p).hidden))
         lib.add("t", PastCall(f"tool{i % 2}", [i, i]), from_hidden(prefill(tg, p[:-3]).hidden))
+    alone = [from_hidden(prefill(tg, p).hidden) for p in prompts[:2]]  # the keys a separate prefill gives
     keys: dict[int, np.ndarray] = {}
     gates = [Future() for _ in prompts[:2]]
 
@@ -124,11 +128,10 @@ def test_hidden_key_prompts_are_prefilled_in_the_pool_and_hold_their_first_draft
         sched.step()
     assert [d.proposals for d in drafters[:2]] == [0, 0] and all(s.held for s in seqs[:2])
     assert all(len(s.generated) == 1 for s in seqs[:2]) and drafters[2].proposals > 0 and drafters[3].proposals > 0
-    for i, p in enumerate(prompts[:2]):
-        alone = from_hidden(prefill(tg, p).hidden)
-        assert np.allclose(keys[i], alone, atol=1e-5)  # the key a separate prefill gives
+    for i in range(2):
+        assert np.allclose(keys[i], alone[i], atol=1e-5)  # the key a separate prefill gives
         found = [(c.tool_name, c.token_ids) for c in lib.search("t", keys[i], None, 4)]
-        assert found == [(c.tool_name, c.token_ids) for c in lib.search("t", alone, None, 4)]
+        assert found == [(c.tool_name, c.token_ids) for c in lib.search("t", alone[i], None, 4)]
     threading.Timer(0.02, gates[0].set_result, (None,)).start()  # released while the engine waits
     gates[1].set_result(None)
     sched.run()
@@ -203,3 +206,45 @@ def test_one_place_sets_a_sequence_cache():
     writes = sorted({(p, f.split(".")[0]) for p, f, what in found if what == "_cache ="})
     assert calls == [("toolspec_core/engine/scheduler.py", "Scheduler._place")]
     assert writes == [("toolspec_core/engine/sequence.py", "Sequence")]
+
+
+def _constructions(path: Path):
+    """(function qualname, name) of every call of a KV cache class or of ``new_cache``."""
+    tree = ast.parse(path.read_text())
+    kinds = {"SeqKV", "HFKV", "PagedKV", "DynamicCache", "new_cache"}
+    out = []
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            name = scope
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{scope}.{child.name}" if scope else child.name
+            if isinstance(child, ast.Call):
+                f = child.func
+                called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                if called in kinds:
+                    out.append((name, called))
+            visit(child, name)
+
+    visit(tree, "")
+    return out
+
+
+def test_nothing_outside_the_pool_makes_a_kv_cache():
+    """A sequence's KV is a block table the pool opens (``BlockPool.open``, the only maker of a
+    ``PagedKV``; a tensor-parallel rank replays the replica's tables through it); a cache of a
+    sequence's own (``Target.new_cache``) is made only where there is no pool -- admission
+    without one (``Scheduler._place``) and the cost probe of a target without one. A prompt
+    prefilled, cloned or copied anywhere else fails here."""
+    found = set()
+    for pkg in ("toolspec_core", "deployments", "benchmarks"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            found |= {(str(path.relative_to(ROOT)), *hit) for hit in _constructions(path)}
+    assert sorted(found) == [
+        ("toolspec_core/engine/cost_probe.py", "probe_cache", "new_cache"),
+        ("toolspec_core/engine/scheduler.py", "Scheduler._place", "new_cache"),
+        ("toolspec_core/model/block_pool.py", "BlockPool.open", "PagedKV"),
+        ("toolspec_core/model/target.py", "Target.hf_cache", "DynamicCache"),
+        ("toolspec_core/model/target.py", "Target.new_cache", "HFKV"),
+        ("toolspec_core/model/target.py", "Target.new_cache", "SeqKV"),
+    ]

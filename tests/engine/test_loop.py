@@ -9,7 +9,7 @@ from scripted import tiny as tiny
 from tiny import tiny_target
 
 from toolspec_core.drafters.base import NoDrafter
-from toolspec_core.engine.loop import DecodeConfig, decode, generate, prefill
+from toolspec_core.engine.loop import DecodeConfig, generate, prefill
 from toolspec_core.engine.sampling import SamplingParams
 from toolspec_core.errors import ContextLengthError, InvalidRequestError
 
@@ -88,18 +88,18 @@ def test_logprobs_are_the_models_whatever_the_drafts(tiny, reference, make):
 
 def test_streaming_callback_sees_every_token_once(tiny, reference):
     seen = []
-    res = decode(
+    res = generate(
         tiny,
-        prefill(tiny, PROMPT),
+        PROMPT,
         ScriptedDrafter(branching(reference)),
         DecodeConfig(max_new_tokens=N),
         on_tokens=lambda ids: seen.extend(ids),
     )
     assert seen == res.tokens == reference
     stop_after = []
-    res = decode(
+    res = generate(
         tiny,
-        prefill(tiny, PROMPT),
+        PROMPT,
         None,
         DecodeConfig(max_new_tokens=N),
         on_tokens=lambda ids: stop_after.extend(ids) or len(stop_after) < 3,
@@ -108,11 +108,19 @@ def test_streaming_callback_sees_every_token_once(tiny, reference):
 
 
 def test_prefill_with_prefix_reuse_is_identical(tiny, reference):
-    prefix = prefill(tiny, PROMPT[:8])
-    pre = prefill(tiny, PROMPT, prefix=prefix)
-    assert pre.cache.get_seq_length() == len(PROMPT)
-    assert decode(tiny, pre, None, DecodeConfig(max_new_tokens=N)).tokens == reference
-    assert prefix.cache.get_seq_length() == 8  # the shared prefix is not consumed
+    """A prompt prefilled into a pool leaves its blocks findable: a longer prompt that begins with
+    it prefills only the rest, and a decode after both starts from the cached blocks and is
+    plain greedy's; the shared prefix is not consumed."""
+    pool = tiny.block_pool(256, 4)
+    prefix = prefill(tiny, PROMPT[:8], pool)
+    assert prefix.cached_tokens == 0 and prefix.hidden.shape == (tiny.model.config.hidden_size,)
+    pre = prefill(tiny, PROMPT, pool)
+    assert pre.cached_tokens == 8
+    res = generate(tiny, PROMPT, None, DecodeConfig(max_new_tokens=N), pool=pool)
+    assert res.tokens == reference and res.stats.cached_tokens == 8  # the last block is prefilled: its logits
+    shared, _ = pool.match(PROMPT[:8], 8)
+    assert len(shared) == 2  # the shared prefix is still cached
+    pool.release(shared)
 
 
 def test_stats_arithmetic(tiny, reference):

@@ -16,7 +16,7 @@ from tiny import tiny_target
 
 from toolspec_core.drafters.base import DraftContext
 from toolspec_core.engine.budget import CostModel
-from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+from toolspec_core.engine.loop import DecodeConfig, generate
 from toolspec_core.engine.sampling import SamplingParams, target_probs
 from toolspec_core.engine.scheduler import run_batch
 from toolspec_core.engine.sequence import Sequence
@@ -108,13 +108,12 @@ def _chi_square_p(counts: np.ndarray, exact: np.ndarray) -> float:
 def test_speculative_sampling_matches_exact_sequence_distribution():
     tg = tiny_target(vocab=V, hidden=32, init=0.4, seed=3)
     prompt = [1, 2, 3]
-    pre = prefill(tg, prompt)
     exact, likely = _exact_three_token_distribution(tg, prompt)
     counts = np.zeros(V**3)
     n = 3000
     for s in range(n):
         cfg = DecodeConfig(max_new_tokens=3, sampling=SamplingParams(temperature=1.0, seed=1000 + s))
-        res = decode(tg, pre, FixedTree(likely), cfg)
+        res = generate(tg, prompt, FixedTree(likely), cfg)
         a, b, c = res.tokens
         counts[a * V * V + b * V + c] += 1
     assert _chi_square_p(counts, exact) > 1e-3
@@ -125,7 +124,6 @@ def test_speculative_sampling_inside_mixed_batches_matches_exact_distribution():
     sequences (other prompts, other trees, other temperatures) under one batch-wide budget."""
     tg = tiny_target(vocab=V, hidden=32, init=0.4, seed=3)
     prompt = [1, 2, 3]
-    pre = prefill(tg, prompt)
     exact, likely = _exact_three_token_distribution(tg, prompt)
     counts = np.zeros(V**3)
     n, per_batch = 3000, 12
@@ -137,7 +135,6 @@ def test_speculative_sampling_inside_mixed_batches_matches_exact_distribution():
                 prompt,
                 FixedTree(likely),
                 DecodeConfig(max_new_tokens=3, sampling=SamplingParams(temperature=1.0, seed=1000 + b * per_batch + i)),
-                prefilled=pre,
             )
             for i in range(per_batch)
         ]
@@ -158,8 +155,7 @@ def test_speculative_sampling_inside_mixed_batches_matches_exact_distribution():
 
 def test_seed_makes_sampling_reproducible():
     tg = tiny_target(vocab=V, hidden=32, init=0.4, seed=3)
-    pre = prefill(tg, [1, 2, 3])
     cfg = DecodeConfig(max_new_tokens=6, sampling=SamplingParams(temperature=1.0, seed=7))
-    a = decode(tg, pre, FixedTree([1, 2, 3]), cfg).tokens
-    b = decode(tg, pre, FixedTree([1, 2, 3]), cfg).tokens
+    a = generate(tg, [1, 2, 3], FixedTree([1, 2, 3]), cfg).tokens
+    b = generate(tg, [1, 2, 3], FixedTree([1, 2, 3]), cfg).tokens
     assert a == b

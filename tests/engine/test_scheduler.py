@@ -13,7 +13,7 @@ from tiny import hf_greedy
 from toolspec_core.engine import device_walk as device_walk_mod
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.device_walk import accept_rows
-from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+from toolspec_core.engine.loop import DecodeConfig, generate
 from toolspec_core.engine.sampling import SamplingParams
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler, run_batch
 from toolspec_core.engine.sequence import Sequence
@@ -67,10 +67,9 @@ def test_greedy_in_any_batch_equals_plain_greedy(tiny, refs, seed):
 
 
 def test_decode_is_a_batch_of_one(tiny, reference):
-    pre = prefill(tiny, PROMPT)
-    seq = Sequence(tiny, PROMPT, ScriptedDrafter(branching(reference)), DecodeConfig(max_new_tokens=N), prefilled=pre)
+    seq = Sequence(tiny, PROMPT, ScriptedDrafter(branching(reference)), DecodeConfig(max_new_tokens=N))
     batch = run_batch(tiny, [seq])[0]
-    alone = decode(tiny, pre, ScriptedDrafter(branching(reference)), DecodeConfig(max_new_tokens=N))
+    alone = generate(tiny, PROMPT, ScriptedDrafter(branching(reference)), DecodeConfig(max_new_tokens=N))
     assert batch.tokens == alone.tokens == reference
     assert batch.stats.forwards == alone.stats.forwards and batch.stats.accepted == alone.stats.accepted
 
@@ -149,7 +148,7 @@ def test_sampled_sequence_in_a_batch_is_reproducible_and_leaves_greedy_alone(tin
     prompts, want = refs
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
     cfg = DecodeConfig(max_new_tokens=N, sampling=params)
-    alone = decode(tiny, prefill(tiny, prompts[0]), ScriptedDrafter(garbage(want[0])), cfg, CostModel.flat()).tokens
+    alone = generate(tiny, prompts[0], ScriptedDrafter(garbage(want[0])), cfg, CostModel.flat()).tokens
     mixed = [
         Sequence(tiny, prompts[0], ScriptedDrafter(garbage(want[0])), DecodeConfig(max_new_tokens=N, sampling=params)),
         Sequence(tiny, prompts[1], ScriptedDrafter(oracle(want[1])), DecodeConfig(max_new_tokens=N)),

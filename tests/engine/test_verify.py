@@ -7,7 +7,6 @@ from scripted import PROMPT
 from scripted import tiny as tiny
 from tiny import tiny_target
 
-from toolspec_core.engine.loop import prefill
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import greedy_walk, tree_inputs
 
@@ -25,12 +24,12 @@ def test_greedy_walk_takes_longest_matching_path():
 
 def test_tree_forward_equals_per_branch_runs(tiny):
     """Logits of every tree node equal those of running its branch alone (SDPA + float mask)."""
-    pre = prefill(tiny, PROMPT)
+    cache = tiny.new_cache()  # the prompt's KV: a forward over it
+    tiny.hidden(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None], None, cache)
     tree = DraftTree()
     tree.add_path([10, 11, 12], 1.0, "x")
     tree.add_path([10, 13], 1.0, "x")
     tree.add_path([20, 21], 1.0, "x")
-    cache = pre.cache
     kv = cache.get_seq_length()
     ids, pos, mask = tree_inputs(PROMPT[-1], tree, kv)
     logits = tiny.logits(tiny.hidden(ids, pos, mask, cache))

@@ -12,7 +12,7 @@ from toolspec_core.engine.commit import commit_kv, kv_rows
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs
 from toolspec_core.model.batch_forward import Segment, causal_mask, supports_batched
-from toolspec_core.model.kv import GROW, SeqKV, copy_rows
+from toolspec_core.model.kv import GROW, SeqKV
 
 
 def _random_tree(rng: random.Random, n: int) -> DraftTree:
@@ -57,7 +57,7 @@ def test_batched_forward_equals_hf_forward_per_sequence(seed):
             torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-5)
 
 
-def test_seqkv_grows_crops_commits_and_copies():
+def test_seqkv_grows_crops_and_commits():
     tg = tiny_target()
     kv = tg.new_cache()
     n = GROW + 40  # past the first allocation: the storage grows, the valid rows survive
@@ -67,7 +67,8 @@ def test_seqkv_grows_crops_commits_and_copies():
     tg.hf_hidden(ids[None], torch.arange(n)[None], None, ref)
     assert kv.get_seq_length() == n
     torch.testing.assert_close(kv.layers[1].values, ref.layers[1].values, rtol=1e-4, atol=1e-5)
-    clone = copy_rows(kv, tg.new_cache())
+    clone = tg.new_cache()  # a second cache of the same rows: cropping one leaves the other
+    tg.hidden(ids[None], torch.arange(n)[None], None, clone)
     kv.crop(-10)
     assert kv.get_seq_length() == n - 10 and clone.get_seq_length() == n
     kv.crop(5)
@@ -107,7 +108,7 @@ def test_a_family_outside_the_batched_forward_decodes_through_hf_caches():
     from scripted import ScriptedDrafter, branching
     from tiny import CharTokenizer, hf_greedy
 
-    from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+    from toolspec_core.engine.loop import DecodeConfig, generate
     from toolspec_core.model.kv import HFKV
     from toolspec_core.model.target import from_model
 
@@ -116,5 +117,5 @@ def test_a_family_outside_the_batched_forward_decodes_through_hf_caches():
     assert not tg.batched and isinstance(tg.new_cache(), HFKV)
     prompt = [1, 2, 3, 4, 5, 6]
     want = hf_greedy(tg, prompt, 12)
-    out = decode(tg, prefill(tg, prompt), ScriptedDrafter(branching(want)), DecodeConfig(max_new_tokens=12))
+    out = generate(tg, prompt, ScriptedDrafter(branching(want)), DecodeConfig(max_new_tokens=12))
     assert out.tokens == want and sum(out.stats.accepted) > 0

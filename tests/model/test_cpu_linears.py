@@ -12,7 +12,7 @@ from scripted import tiny as tiny
 from tiny import tiny_target
 
 from toolspec_core.engine.budget import CostModel
-from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+from toolspec_core.engine.loop import DecodeConfig, generate
 
 
 def test_packed_linear_matches_linear():
@@ -98,9 +98,9 @@ def test_tuned_cpu_linears_keep_greedy_output(reference, packed_rows):
         h = torch.randn(rows, plain.model.config.hidden_size)
         torch.testing.assert_close(tuned.logits(h), plain.logits(h), rtol=1e-5, atol=1e-5)
     for make in (oracle, branching):
-        res = decode(
+        res = generate(
             tuned,
-            prefill(tuned, PROMPT),
+            PROMPT,
             ScriptedDrafter(make(reference)),
             DecodeConfig(max_new_tokens=N),
             CostModel.flat(),

@@ -9,7 +9,7 @@ from scripted import ScriptedDrafter, branching, garbage, oracle
 from benchmarks.datasets import dev_set, read_jsonl
 from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.engine.budget import CostModel
-from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+from toolspec_core.engine.loop import DecodeConfig, generate, prefill
 from toolspec_core.model import embedded
 from toolspec_core.model.embedded import ModelFileError, assemble_gguf, verify_gguf
 from toolspec_core.model.prompting import render_prompt
@@ -72,9 +72,10 @@ def test_embedded_greedy_equals_hf_generate_for_oracle_garbage_branching(qwen):
             )[0, len(prompt) :].tolist()
         eos = set(qwen.eos_ids)
         ref = ref[: next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))]
-        pre = prefill(qwen, prompt)
+        pool = qwen.block_pool(2 * len(prompt) + 256)
+        prefill(qwen, prompt, pool)  # once: each decode finds the prompt's blocks in the prefix cache
         for make in (oracle, garbage, branching):
-            res = decode(qwen, pre, ScriptedDrafter(make(ref)), DecodeConfig(max_new_tokens=n))
+            res = generate(qwen, prompt, ScriptedDrafter(make(ref)), DecodeConfig(max_new_tokens=n), pool=pool)
             assert res.tokens == ref, (it["id"], make.__name__)
 
 
@@ -90,11 +91,12 @@ def test_embedded_toolspec_greedy_identical_on_30_real_prompts(qwen):
     eos = set(qwen.eos_ids)
     for it in items:
         prompt = render_prompt(qwen.tokenizer, it["messages"], it["tools"])
-        pre = prefill(qwen, prompt)
-        plain = decode(qwen, pre, None, cfg)
+        pool = qwen.block_pool(2 * len(prompt) + 2 * (cfg.max_new_tokens + 64))
+        pre = prefill(qwen, prompt, pool)  # once: each decode finds the prompt's blocks in the prefix cache
+        plain = generate(qwen, prompt, None, cfg, pool=pool)
         req = RequestInfo(prompt, it["tools"], embedding=pre.hidden)
         drafter = method.drafter(req)
-        spec = decode(qwen, pre, drafter, cfg, cost)
+        spec = generate(qwen, prompt, drafter, cfg, cost, pool=pool)
         assert spec.tokens == plain.tokens, it["id"]
         # the incrementally decoded text is the full decode; the FSM read it as the tokenizer spells it
         ids = plain.tokens[:-1] if plain.tokens[-1] in eos else plain.tokens
@@ -120,14 +122,15 @@ def test_embedded_batch_of_4_equals_single_stream_greedy_on_30_real_prompts(qwen
     for start in range(0, len(items), 4):
         group = items[start : start + 4]
         prompts = [render_prompt(qwen.tokenizer, it["messages"], it["tools"]) for it in group]
-        pres = [prefill(qwen, p) for p in prompts]
-        plain = [decode(qwen, pre, None, cfg).tokens for pre in pres]
-        sched = Scheduler(qwen, cost, BatchLimits(max_running=4))
+        pool = qwen.block_pool(2 * sum(len(p) for p in prompts) + 8 * (cfg.max_new_tokens + 80))
+        pres = [prefill(qwen, p, pool) for p in prompts]  # once: every decode finds the prompts' blocks
+        plain = [generate(qwen, p, None, cfg, pool=pool).tokens for p in prompts]
+        sched = Scheduler(qwen, cost, BatchLimits(max_running=4), pool)
         seqs = []
         for i, (it, p, pre) in enumerate(zip(group, prompts, pres)):
             name = ("toolspec", "suffix", "toolspec", None)[(start // 4 + i) % 4]
             drafter = methods[name].drafter(RequestInfo(p, it["tools"], embedding=pre.hidden)) if name else None
-            seqs.append(sched.add(Sequence(qwen, p, drafter, cfg, prefilled=pre)))
+            seqs.append(sched.add(Sequence(qwen, p, drafter, cfg)))
         sched.run()
         assert max(s.sequences for s in sched.steps) == len(group)
         for it, seq, want in zip(group, seqs, plain):
@@ -145,5 +148,5 @@ def test_replay_recording_is_this_model_s_plain_greedy(qwen):
 
     rows = load_recording(RECORDING, qwen.tokenizer)
     r = min(rows, key=lambda x: x["prompt_len"])
-    res = decode(qwen, prefill(qwen, r["prompt_ids"]), None, DecodeConfig(max_new_tokens=8))
+    res = generate(qwen, r["prompt_ids"], None, DecodeConfig(max_new_tokens=8))
     assert res.tokens == r["tokens"][:8]

@@ -1,8 +1,9 @@
-"""The single-request API: prefill a prompt, decode after it -- a batch of one on the step scheduler."""
+"""The single-request API: a prompt run through the block pool, a request decoded -- a batch of one
+on the step scheduler, the same step every served request takes."""
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -12,62 +13,48 @@ from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.detokenize import Detokenizer
 from toolspec_core.engine.limits import check_prompt
 from toolspec_core.engine.scheduler import BatchLimits, run_batch
-from toolspec_core.engine.sequence import DecodeConfig, Prefilled, Sequence
+from toolspec_core.engine.sequence import DecodeConfig, Sequence
 from toolspec_core.engine.stats import GenerationResult
-from toolspec_core.model.kv import copy_rows
 from toolspec_core.model.target import Target
 
-__all__ = ["DecodeConfig", "Prefilled", "check_prompt", "decode", "generate", "prefill"]
+__all__ = ["DecodeConfig", "Prompt", "check_prompt", "generate", "prefill"]
 
 
-def prefill(
-    target: Target, prompt_ids: list[int], prefix: Prefilled | None = None, chunk: int = 512, states: bool = False
-) -> Prefilled:
-    """Run the prompt (or its part past a cached ``prefix``) through the target, ``chunk`` rows a forward.
+@dataclass
+class Prompt:
+    """What running a prompt through the target gives (:func:`prefill`); its KV stays in the pool."""
 
-    ``states``: keep every prompt token's last-layer state (``Prefilled.states`` [T, H]; a
-    retrieval key pooled over the prompt needs them)."""
+    prompt_ids: list[int]
+    hidden: torch.Tensor  # [H] last-layer state of the final prompt token (a retrieval key)
+    seconds: float  # the prefill's forwards
+    cached_tokens: int = 0  # prompt tokens found in the pool's prefix cache (not prefilled)
+    states: torch.Tensor | None = None  # [T - cached_tokens, H] every prefilled token's state, when asked for
 
+
+def prefill(target: Target, prompt_ids: list[int], pool=None, chunk: int = 512, states: bool = False) -> Prompt:
+    """Run a prompt through ``target`` on the step scheduler, ``chunk`` rows a forward, its KV in
+    ``pool``, a block pool of the target's (None: one of its own, dropped after).
+
+    The prompt's full blocks are registered in the pool's prefix cache, so a later sequence of
+    the same pool that begins with this prompt prefills only its last partial block (a
+    benchmark prefills each prompt once, untimed, this way). ``states``: every prefilled
+    token's last-layer state too (``Prompt.states``; a key pooled over the prompt). On the
+    caller's thread, never beside another thread stepping the same target (the target keeps the
+    step runner of the pool its last step ran in). Raises
+    :class:`~toolspec_core.errors.InvalidRequestError` for a prompt over the target's limits."""
     check_prompt(target, prompt_ids)
-    t0 = time.perf_counter()
-    start, cache = 0, target.new_cache()
-    if (
-        prefix is not None
-        and len(prefix.prompt_ids) < len(prompt_ids)
-        and prompt_ids[: len(prefix.prompt_ids)] == prefix.prompt_ids
-    ):
-        start, cache = len(prefix.prompt_ids), copy_rows(prefix.cache, target.new_cache())
-    hidden, kept = None, []
-    for s in range(start, len(prompt_ids), chunk):
-        ids = torch.tensor([prompt_ids[s : s + chunk]], dtype=torch.long)
-        pos = torch.arange(s, s + ids.shape[1]).unsqueeze(0)
-        hidden = target.hidden(ids, pos, None, cache)
-        if states:
-            kept.append(hidden.float().cpu())
-    last = hidden[-1]
-    # one row each, to the host: sampling (CPU generator), grammar masks and retrieval keys live there
-    logits = target.logits(last[None])[0].cpu()
-    return Prefilled(
-        list(prompt_ids), cache, logits, last.cpu(), time.perf_counter() - t0, torch.cat(kept) if states else None
+    limits = BatchLimits(max_running=1, prefill_chunk=chunk)
+    seq = Sequence(target, list(prompt_ids), None, DecodeConfig(max_new_tokens=1), prompt_states=states)
+    if pool is None:
+        pool = target.block_pool(len(seq.prompt_ids) + 1 + limits.tree_rows)
+    run_batch(target, [seq], None, limits, pool)
+    return Prompt(
+        seq.prompt_ids,
+        seq.hidden,
+        seq.stats.prefill_s,
+        seq.stats.cached_tokens,
+        torch.cat(seq.states) if states else None,
     )
-
-
-def decode(
-    target: Target,
-    pre: Prefilled,
-    drafter: Drafter | None = None,
-    cfg: DecodeConfig = DecodeConfig(),
-    cost: CostModel | None = None,
-    on_tokens: Callable[[list[int]], bool | None] | None = None,
-    constraint=None,
-    detokenizer: Detokenizer | None = None,
-) -> GenerationResult:
-    """Decode after ``pre`` as a batch of one (:class:`~toolspec_core.engine.sequence.Sequence` says
-    what each argument does); ``pre`` is left as it was (its rows are copied in at admission).
-    Raises :class:`~toolspec_core.errors.InvalidRequestError` for a job over the target's limits."""
-    check_prompt(target, pre.prompt_ids, cfg.max_new_tokens)
-    seq = Sequence(target, pre.prompt_ids, drafter, cfg, constraint, on_tokens, detokenizer, pre)
-    return run_batch(target, [seq], cost, BatchLimits(max_running=1))[0]
 
 
 def generate(
@@ -76,9 +63,15 @@ def generate(
     drafter: Drafter | None = None,
     cfg: DecodeConfig = DecodeConfig(),
     cost: CostModel | None = None,
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
+    constraint=None,
+    detokenizer: Detokenizer | None = None,
+    pool=None,
 ) -> GenerationResult:
-    """Prefill and decode one prompt (the scheduler prefills it in chunks). Raises
+    """Prefill and decode one prompt (:class:`~toolspec_core.engine.sequence.Sequence` says what
+    each argument does): the scheduler prefills it in chunks, in ``pool`` when given (its cached
+    prefix blocks first), else in a cache of the sequence's own. Raises
     :class:`~toolspec_core.errors.InvalidRequestError` for a job over the target's limits."""
     check_prompt(target, prompt_ids, cfg.max_new_tokens)
-    seq = Sequence(target, list(prompt_ids), drafter, cfg)
-    return run_batch(target, [seq], cost, BatchLimits(max_running=1))[0]
+    seq = Sequence(target, list(prompt_ids), drafter, cfg, constraint, on_tokens, detokenizer)
+    return run_batch(target, [seq], cost, BatchLimits(max_running=1), pool)[0]

@@ -40,7 +40,6 @@ from toolspec_core.engine.tree import DraftTree, select
 from toolspec_core.engine.verify import VerifyResult, row_parents, tree_inputs, walk
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import BlockPool
-from toolspec_core.model.kv import copy_rows
 from toolspec_core.model.step_runner import StepOutput, StepRequest
 
 log = logging.getLogger("toolspec.engine")
@@ -241,18 +240,20 @@ class Scheduler:
         for r in rows:
             if reads_logits(r.seq):
                 full_rows.extend(range(r.start, r.start + r.n))
-        ends, end = [], 0
-        for _, n, done in prefills:
+        hidden_rows, end = [], 0  # rows whose last-layer state comes back: each completed prompt's last
+        for seq, n, done in prefills:
+            if seq.states is not None:  # every prompt row's (Sequence.prompt_states)
+                hidden_rows.extend(range(end, end + n))
+            elif done:
+                hidden_rows.append(end + n - 1)
             end += n
-            if done:
-                ends.append(end - 1)
         greedy = any(r.seq.cfg.sampling.greedy and r.seq.constraint is None for r in rows) or any(
             not reads_logits(seq) for seq, _, done in prefills if done
         )
-        on_device, need, walk = self._walks(rows, len(ends), greedy)
+        on_device, need, walk = self._walks(rows, sum(done for _, _, done in prefills), greedy)
         side = self._beside_forward()
         t1 = time.perf_counter()
-        req = StepRequest(segments, logit_rows, full_rows, ends, walk, need, argmax=greedy)
+        req = StepRequest(segments, logit_rows, full_rows, hidden_rows, walk, need, argmax=greedy)
         out = self.target.step(req, self.pool)  # waits for the forward: its one copy back
         walks, choice = self._accept(on_device, out)
         t2 = time.perf_counter()
@@ -260,14 +261,19 @@ class Scheduler:
             side.result()
         fwd = t2 - t1
 
-        j = 0
+        j = h = 0  # completed prompts' logit rows; hidden rows
         for seq, n, done in prefills:
             seq.stats.prefill_s += fwd
+            if seq.states is not None:
+                seq.states.append(out.hidden[h : h + n].cpu())
+                h += n
+            elif done:
+                h += 1
             if done:
                 first = out.rows(j, 1)
                 seq.start(None if first is None else first[0].cpu(), None if choice is None else choice[j])
                 seq.stats.times["first_token"] = time.time()
-                self._prompt_done(seq, out.hidden[j].cpu())
+                self._prompt_done(seq, out.hidden[h - 1].cpu())
                 j += 1
                 seq.cache.register(seq.prompt_ids)  # later prompts that begin with this one reuse its blocks
         t3 = time.perf_counter()
@@ -457,33 +463,18 @@ class Scheduler:
             self.running.append(seq)
             seq.stats.times["admitted"] = time.time()
             reserved += seq.reserved_tokens
-            seq.take_prefilled()
 
     def _place(self, seq: Sequence) -> bool:
         """Open ``seq``'s KV cache: the one place a sequence's cache is set (``Sequence.place_cache``).
 
-        With a pool, a block table: a prompt prefilled outside the scheduler (``seq.prefilled``,
-        e.g. to key a retrieval search on its hidden state) is copied into blocks of its own;
-        otherwise the prompt's cached prefix blocks (at least one prompt token is left to prefill:
-        its logits start the output), then its own blocks for the rest of the prompt,
-        ``max_new_tokens`` and one draft tree. False: the pool has no room yet. Without a pool, a
-        cache of the sequence's own (the target's :meth:`new_cache`)."""
-        pool, pre = self.pool, seq.prefilled
+        With a pool, a block table opened by the pool: the prompt's cached prefix blocks (at
+        least one prompt token is left to prefill: its logits start the output), then its own
+        blocks for the rest of the prompt, ``max_new_tokens`` and one draft tree; the scheduler
+        prefills the rest. False: the pool has no room yet. Without a pool (a family the batched
+        forward does not cover), a cache of the sequence's own (the target's :meth:`new_cache`)."""
+        pool = self.pool
         if pool is None:
-            cache = self.target.new_cache()
-            if pre is None:
-                seq.place_cache(cache, 0)
-            else:
-                seq.place_cache(copy_rows(pre.cache, cache), len(seq.prompt_ids))
-            return True
-        if pre is not None:
-            need = pool.blocks_for(self._rows_needed(seq))
-            if need > pool.available():
-                return False
-            cache = copy_rows(pre.cache, pool.open(pool.allocate(need)))
-            cache.register(seq.prompt_ids)  # later prompts that begin with this one reuse its blocks
-            pool.count_query(len(seq.prompt_ids), 0)
-            seq.place_cache(cache, len(seq.prompt_ids))
+            seq.place_cache(self.target.new_cache(), 0)
             return True
         shared, keys = pool.match(seq.prompt_ids, len(seq.prompt_ids) - 1)
         need = pool.blocks_for(self._rows_needed(seq)) - len(shared)

@@ -52,20 +52,6 @@ class DecodeConfig:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {k!r}", "top_logprobs")
 
 
-@dataclass
-class Prefilled:
-    """A prompt run through the target outside a scheduler (:func:`~toolspec_core.engine.loop.prefill`):
-    its KV in ``cache`` (the caller's; a scheduler copies the rows into the cache it opens for a
-    sequence, never takes this one); ``logits`` [V] predict the first generated token."""
-
-    prompt_ids: list[int]
-    cache: object
-    logits: torch.Tensor
-    hidden: torch.Tensor  # [H] last-layer state of the final prompt token (retrieval key)
-    seconds: float = 0.0
-    states: torch.Tensor | None = None  # [T, H] every prompt token's state, when asked for
-
-
 class Stopper:
     """EOS / max_new_tokens / stop strings (and ``end_after`` strings), checked after every emitted token.
 
@@ -144,20 +130,21 @@ _ids = itertools.count()
 class Sequence:
     """One request being decoded.
 
-    ``prefilled``: the prompt already run through the target (its rows are copied into the cache
-    the scheduler opens for the sequence, and its logits start the output); otherwise the
-    scheduler prefills the prompt in chunks (a pool's cached prefix blocks first). The KV cache
-    is set in one place, :meth:`~toolspec_core.engine.scheduler.Scheduler._place`, at admission
-    (:meth:`place_cache`). ``on_prompt(hidden)``: called on the engine thread once the scheduler
-    has prefilled the prompt, with its last token's last-layer state [H] (a retrieval key); a
-    future it returns holds the sequence's first draft until it is done -- the search keyed on
-    that state and the drafter built from what it found (the deployment's ``retrieval.key:
-    hidden``) -- while the other sequences step on. ``on_tokens(new_ids)`` is called after each commit with the newly
-    emitted tokens (streaming); returning ``False`` cancels the sequence (finish_reason
-    "cancelled"). ``constraint`` (:mod:`toolspec_core.engine.grammar`) restricts the target to a
-    grammar; tokens it forces are emitted without verification and enter the next forward as
-    part of the root chain. One ``Detokenizer`` decodes the output once, incrementally, for stop
-    strings, the drafter (``DraftContext.text``) and the final text; a caller that reads the text
+    The scheduler prefills the prompt in chunks (after the cached prefix blocks of its pool) into
+    the KV cache it opens for the sequence at admission, the one place a cache is set
+    (:meth:`~toolspec_core.engine.scheduler.Scheduler._place`, :meth:`place_cache`).
+    ``on_prompt(hidden)``: called on the engine thread once the scheduler has prefilled the
+    prompt, with its last token's last-layer state [H] (a retrieval key); a future it returns
+    holds the sequence's first draft until it is done -- the search keyed on that state and the
+    drafter built from what it found (the deployment's ``retrieval.key: hidden``) -- while the
+    other sequences step on. ``prompt_states``: keep every prompt token's last-layer state too
+    (``states``: one [n, H] tensor a prefill chunk; a key pooled over the whole prompt).
+    ``on_tokens(new_ids)`` is called after each commit with the newly emitted tokens
+    (streaming); returning ``False`` cancels the sequence (finish_reason "cancelled").
+    ``constraint`` (:mod:`toolspec_core.engine.grammar`) restricts the target to a grammar;
+    tokens it forces are emitted without verification and enter the next forward as part of the
+    root chain. One ``Detokenizer`` decodes the output once, incrementally, for stop strings, the
+    drafter (``DraftContext.text``) and the final text; a caller that reads the text
     while decoding passes its own as ``detokenizer``.
     """
 
@@ -170,10 +157,10 @@ class Sequence:
         constraint=None,
         on_tokens: Callable[[list[int]], bool | None] | None = None,
         detokenizer: Detokenizer | None = None,
-        prefilled: Prefilled | None = None,
         on_prompt: Callable[[torch.Tensor], Future | None] | None = None,
+        prompt_states: bool = False,
     ):
-        self.prompt_ids = list(prefilled.prompt_ids if prefilled is not None else prompt_ids)
+        self.prompt_ids = list(prompt_ids)
         if not TokenLimits(target.max_context).holds(len(self.prompt_ids), cfg.max_new_tokens):
             raise ValueError(  # an invariant, not a user's error: the job's limits are checked before it is made
                 f"a prompt of {len(self.prompt_ids)} tokens + {cfg.max_new_tokens} new tokens does not fit the "
@@ -196,7 +183,7 @@ class Sequence:
         self.prepared = False  # its drafter's prompt-side work done beside a forward (Scheduler._beside_forward)
         self.error: BaseException | None = None  # why the sequence ended with finish_reason "error"
         self.hidden: torch.Tensor | None = None  # [H] the prompt's last state, once prefilled
-        self.prefilled = prefilled
+        self.states: list[torch.Tensor] | None = [] if prompt_states else None  # [n, H] a prefill chunk's states
         self.on_prompt = on_prompt
         self.hold: Future | None = None  # the first draft waits for it (on_prompt's future)
         self._cache = None  # set once, at admission (place_cache)
@@ -233,17 +220,6 @@ class Sequence:
         if self.hold is not None and self.hold.done():
             self.hold = None
         return self.hold is not None
-
-    def take_prefilled(self) -> bool:
-        """Start from the ``prefilled`` prompt given at construction, if any (at admission, once its
-        rows are in the sequence's cache)."""
-        pre = self.prefilled
-        if pre is None:
-            return False
-        self.prefilled = None  # the caller's prefill is not held past admission
-        self.stats.prefill_s, self.hidden = pre.seconds, pre.hidden
-        self.start(pre.logits)
-        return True
 
     def prompt_done(self, hidden: torch.Tensor) -> None:
         """The scheduler has the prompt in the cache: its last state [H] is kept and handed to

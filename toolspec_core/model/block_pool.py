@@ -108,12 +108,15 @@ class BlockPool:
         self.queried_tokens = self.hit_tokens = self.evictions = 0
         self._pending: tuple[list[int], list[int]] | None = None  # (src, dst) slots moved at the end of together()
 
-    def open(self, table: list[int], shared: int = 0, keys: list[bytes] | None = None) -> "PagedKV":
+    def open(
+        self, table: list[int], shared: int = 0, keys: list[bytes] | None = None, sid: int | None = None
+    ) -> "PagedKV":
         """A sequence's cache over ``table`` (blocks the caller holds: ``shared`` leading ones found
         in the prefix cache, with their ``keys``): the one way a :class:`PagedKV` is made, so the
         pool knows every sequence whose rows it holds (``sid``: its id here and on the ranks of a
-        tensor-parallel target, whose pool replays this; unique in the process)."""
-        return PagedKV(self, table, shared, keys, next(_sids))
+        tensor-parallel target, whose pool replays this with the replica's ``sid``; else a new
+        one, unique in the process)."""
+        return PagedKV(self, table, shared, keys, next(_sids) if sid is None else sid)
 
     def close(self, cache: "PagedKV") -> None:
         """A sequence's blocks come back (:meth:`PagedKV.release`)."""
@@ -386,16 +389,6 @@ class PagedKV:
         """Bytes of the pool this sequence holds (its blocks, shared ones included)."""
         per_row = self.pool.k.element_size() * self.pool.k.shape[0] * self.pool.k.shape[1] * self.pool.k.shape[3]
         return 2 * per_row * self.capacity
-
-
-def paged_copy(pool: BlockPool, cache, reserve: int) -> PagedKV:
-    """A new :class:`PagedKV` of ``reserve`` rows in ``pool`` holding the valid rows of another cache
-    (a prompt prefilled alone, e.g. a :class:`~toolspec_core.model.kv.SeqKV`): how such a prompt
-    is placed in the pool at admission without being prefilled again."""
-    from toolspec_core.model.kv import copy_rows
-
-    n = cache.get_seq_length()
-    return copy_rows(cache, pool.open(pool.allocate(pool.blocks_for(max(reserve, n)))))
 
 
 def kv_shape(config) -> tuple[int, int, int]:

@@ -60,19 +60,6 @@ def gather_rows(layers, prefix_len: int, rows: list[int]) -> None:
             layer.values[:, :, prefix_len:end] = layer.values.index_select(2, src)
 
 
-def copy_rows(src, dst):
-    """Write the valid rows of cache ``src`` after ``dst``'s (every layer) and return ``dst``: how
-    a prompt prefilled alone is placed in the cache the scheduler opened for its sequence (a
-    block table of the pool), the prefilled cache itself left as it was."""
-    n = src.get_seq_length()
-    if n:
-        with torch.inference_mode():
-            for i, layer in enumerate(src.layers):
-                dst.write(i, layer.keys[:, :, :n], layer.values[:, :, :n])
-        dst.advance(n)
-    return dst
-
-
 class _LayerView:
     """``keys`` / ``values`` of one layer: views of the valid rows, [1, H_kv, length, D]."""
 

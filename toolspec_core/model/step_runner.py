@@ -10,7 +10,8 @@ hidden states it needs, and the greedy trees to walk where the argmax is) and on
   else the eager ragged attention over the block pool (:mod:`~toolspec_core.model.ragged`), or,
   where it measures faster (the CPU), the per-sequence loop (:mod:`~toolspec_core.model.batch_forward`);
   a family the batched forward does not cover runs HF's own forward per sequence, and a runner
-  without a pool (a prompt prefilled outside the scheduler) the per-sequence loop.
+  without a pool (sequences with caches of their own: a scheduler made without one) the
+  per-sequence loop.
 - the head (``head``): logits of the logit rows, their argmax and the full rows asked for. The
   default is the model's ``lm_head``; a tensor-parallel rank passes its vocabulary-parallel head
   (argmax and rows gathered over the ranks).
@@ -94,7 +95,7 @@ Head = Callable[[torch.Tensor, list[int], bool], tuple[torch.Tensor | None, torc
 
 def logits_head(logits: Callable[[torch.Tensor], torch.Tensor]) -> Head:
     """A head from a function hidden [M, H] -> logits [M, V] fp32 (a target's ``logits``, so the
-    rows a step scores and a prompt prefilled alone go through the same one) -> (argmax [M] long
+    rows a step scores and any other caller's go through the same one) -> (argmax [M] long
     or None, full rows [K, V] fp32)."""
 
     def head(picked: torch.Tensor, full_rows: list[int], argmax: bool):

@@ -106,8 +106,9 @@ class Target:
 
     def runner(self, pool=None) -> StepRunner:
         """The :class:`~toolspec_core.model.step_runner.StepRunner` of this target's steps over
-        ``pool``, kept (a graphed runner's buffers write that pool's storage): the scheduler's
-        pool, or None for prompts prefilled alone outside a scheduler (any thread; that runner
+        ``pool``, kept (a graphed runner's buffers write that pool's storage; a step over another
+        pool makes that pool's runner the kept one): the scheduler's pool, or None for caches of
+        the sequences' own (a scheduler without a pool, :meth:`hidden`; any thread, that runner
         holds no state of a step)."""
         if pool is None:
             if self._alone is None:
@@ -140,7 +141,8 @@ class Target:
         return self.runner(pool).hidden(segments)
 
     def hidden(self, input_ids, position_ids, mask, cache) -> torch.Tensor:
-        """One sequence outside a scheduler's pool (a prompt prefilled alone): input_ids /
+        """One sequence's forward over a cache of its own, outside any scheduler (the model-level
+        tests of the forward and the cache; the engine's steps go through :meth:`step`): input_ids /
         position_ids [1, T]; mask [1, 1, T, S] additive or None (causal); ``cache`` from
         :meth:`new_cache`. Returns last-layer hidden states [T, H]; the cache grows by T rows."""
         return self.runner(None).hidden([Segment(cache, input_ids[0], position_ids[0], mask)])

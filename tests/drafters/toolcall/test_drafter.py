@@ -19,7 +19,7 @@ from toolspec_core.drafters.toolcall.library import MemoryLibrary, PastCall
 from toolspec_core.drafters.toolcall.parse import parse_tool_calls, validate_call
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.grammar import make_tool_constraint
-from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+from toolspec_core.engine.loop import DecodeConfig, generate, prefill
 from toolspec_core.errors import InvalidRequestError
 from toolspec_core.model.prompting import render_prompt
 from toolspec_core.model.target import from_model
@@ -73,13 +73,12 @@ def _poisoned_library(tok, tenant="t1") -> MemoryLibrary:
 
 def test_greedy_unchanged_by_schema_retrieval_and_poisoned_library(tiny_qwen, qwen_tok):
     prompt = _prompt(qwen_tok)
-    pre = prefill(tiny_qwen, prompt)
     cfg = DecodeConfig(max_new_tokens=40)
-    plain = decode(tiny_qwen, pre, None, cfg).tokens
+    plain = generate(tiny_qwen, prompt, None, cfg).tokens
     for name in ("toolspec_schema", "toolspec_retrieval", "toolspec"):
         method = make_method(name, qwen_tok, library=_poisoned_library(qwen_tok))
         req = RequestInfo(prompt, TOOLS, tenant="t1", embedding=[1.0, 0.0])
-        res = decode(tiny_qwen, pre, method.drafter(req), cfg, CostModel.flat())
+        res = generate(tiny_qwen, prompt, method.drafter(req), cfg, CostModel.flat())
         assert res.tokens == plain, name
 
 
@@ -97,11 +96,10 @@ def test_the_library_belongs_to_the_methods_that_draft_from_it(qwen_tok):
 
 def test_cold_library_behaves_like_schema_only(tiny_qwen, qwen_tok):
     prompt = _prompt(qwen_tok)
-    pre = prefill(tiny_qwen, prompt)
     cfg = DecodeConfig(max_new_tokens=30)
     req = RequestInfo(prompt, TOOLS)
-    schema = decode(tiny_qwen, pre, make_method("toolspec_schema", qwen_tok).drafter(req), cfg, CostModel.flat())
-    cold = decode(tiny_qwen, pre, make_method("toolspec", qwen_tok).drafter(req), cfg, CostModel.flat())
+    schema = generate(tiny_qwen, prompt, make_method("toolspec_schema", qwen_tok).drafter(req), cfg, CostModel.flat())
+    cold = generate(tiny_qwen, prompt, make_method("toolspec", qwen_tok).drafter(req), cfg, CostModel.flat())
     assert cold.tokens == schema.tokens
     assert cold.stats.drafted == schema.stats.drafted and cold.stats.accepted == schema.stats.accepted
 
@@ -112,14 +110,13 @@ def test_constrained_tool_choice_always_gives_a_valid_call(closing_qwen, qwen_to
     """Even a random model writes a valid call under the grammar, with or without drafting."""
     tiny_qwen = closing_qwen
     prompt = _prompt(qwen_tok)
-    pre = prefill(tiny_qwen, prompt)
     cfg = DecodeConfig(max_new_tokens=120)
     outs = []
     for drafter in (
         [None] if method is None else [None, make_method(method, qwen_tok).drafter(RequestInfo(prompt, TOOLS))]
     ):
         c = make_tool_constraint(qwen_tok, TOOLS, choice, tiny_qwen.model.config.vocab_size)
-        res = decode(tiny_qwen, pre, drafter, cfg, CostModel.flat(), constraint=c)
+        res = generate(tiny_qwen, prompt, drafter, cfg, CostModel.flat(), constraint=c)
         outs.append(res.tokens)
         assert res.finish_reason == "stop", res.text
         calls = parse_tool_calls(res.text).calls
@@ -257,7 +254,9 @@ def test_toolspec_and_grammar_sequences_in_one_batch(closing_qwen, qwen_tok):
     tg = closing_qwen
     prompt = _prompt(qwen_tok)
     other = render_prompt(qwen_tok, [{"role": "user", "content": "What time is it in Lima?"}], TOOLS)
-    pre, pre2 = prefill(tg, prompt), prefill(tg, other)
+    pool = tg.block_pool(4 * (len(prompt) + len(other)) + 1024)
+    for p in (prompt, other):  # run through the pool first: the batch's sequences find them cached
+        prefill(tg, p, pool)
     cfg = DecodeConfig(max_new_tokens=60)
 
     def grammar():
@@ -269,18 +268,19 @@ def test_toolspec_and_grammar_sequences_in_one_batch(closing_qwen, qwen_tok):
         )
 
     alone = [
-        decode(tg, pre, toolspec(prompt), cfg, CostModel.flat()).tokens,
-        decode(tg, pre2, None, cfg, constraint=grammar()).tokens,
-        decode(tg, pre2, None, cfg).tokens,
-        decode(tg, pre, toolspec(prompt), cfg, CostModel.flat(), constraint=grammar()).tokens,
+        generate(tg, prompt, toolspec(prompt), cfg, CostModel.flat()).tokens,
+        generate(tg, other, None, cfg, constraint=grammar()).tokens,
+        generate(tg, other, None, cfg).tokens,
+        generate(tg, prompt, toolspec(prompt), cfg, CostModel.flat(), constraint=grammar()).tokens,
     ]
     seqs = [
-        Sequence(tg, prompt, toolspec(prompt), cfg, prefilled=pre),
-        Sequence(tg, other, None, cfg, constraint=grammar(), prefilled=pre2),
-        Sequence(tg, other, None, cfg),  # prefilled by the scheduler, beside the others
-        Sequence(tg, prompt, toolspec(prompt), cfg, constraint=grammar(), prefilled=pre),
+        Sequence(tg, prompt, toolspec(prompt), cfg),
+        Sequence(tg, other, None, cfg, constraint=grammar()),
+        Sequence(tg, other, None, cfg),
+        Sequence(tg, prompt, toolspec(prompt), cfg, constraint=grammar()),
     ]
-    out = run_batch(tg, seqs, CostModel.cpu_reference())
+    out = run_batch(tg, seqs, CostModel.cpu_reference(), None, pool)
+    assert all(s.stats.cached_tokens > 0 for s in seqs)  # each prompt's blocks found in the pool
     assert [r.tokens for r in out] == alone
     for r in (out[1], out[3]):
         calls = parse_tool_calls(r.text).calls
@@ -329,15 +329,14 @@ def test_a_structured_answer_is_lossless_under_its_grammar(closing_qwen, qwen_to
     """Drafted or not, a response_format answer is the same tokens, valid JSON of the schema."""
     tg = closing_qwen
     prompt = render_prompt(qwen_tok, MESSAGES, None)
-    pre = prefill(tg, prompt)
     cfg = DecodeConfig(max_new_tokens=80)
 
     def grammar():
         return make_tool_constraint(qwen_tok, [], "none", tg.model.config.vocab_size, response=WEATHER)
 
-    plain = decode(tg, pre, None, cfg, constraint=grammar())
+    plain = generate(tg, prompt, None, cfg, constraint=grammar())
     drafter = make_method(method, qwen_tok).drafter(RequestInfo(prompt, [], response_schema=WEATHER))
-    spec = decode(tg, pre, drafter, cfg, CostModel.flat(), constraint=grammar())
+    spec = generate(tg, prompt, drafter, cfg, CostModel.flat(), constraint=grammar())
     assert spec.tokens == plain.tokens and spec.finish_reason == "stop", plain.text
     jsonschema.validate(json.loads(spec.text), WEATHER)
     assert spec.stats.forced > 0

@@ -14,7 +14,7 @@ from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.drafters.toolcall.layouts import LAYOUTS, LLAMA, LLAMA_LAYOUTS, LLAMA_TAG, layouts_for, opened_by
 from toolspec_core.drafters.toolcall.parse import parse_tool_calls
 from toolspec_core.engine.budget import CostModel
-from toolspec_core.engine.loop import DecodeConfig, decode, prefill
+from toolspec_core.engine.loop import DecodeConfig, generate
 from toolspec_core.model.prompting import render_prompt
 from toolspec_core.model.target import from_model
 
@@ -111,13 +111,12 @@ def test_llama_calls_are_drafted_with_parameters_and_greedy_is_unchanged(llama_t
     end = tok.convert_tokens_to_ids("<|eom_id|>" if tag else "<|eot_id|>")
     out = tok.encode(tag + CALL, add_special_tokens=False) + [end]
     tg = _parrot(tok, prompt, out)
-    pre = prefill(tg, prompt)
     cfg = DecodeConfig(max_new_tokens=len(out) + 4)
-    plain = decode(tg, pre, None, cfg)
+    plain = generate(tg, prompt, None, cfg)
     assert plain.tokens == out, tok.decode(plain.tokens)  # the parrot writes the call
     method = make_method("toolspec_schema", tok)
     assert method.layouts is LLAMA_LAYOUTS
-    spec = decode(tg, pre, method.drafter(RequestInfo(prompt, TOOLS)), cfg, CostModel.flat())
+    spec = generate(tg, prompt, method.drafter(RequestInfo(prompt, TOOLS)), cfg, CostModel.flat())
     assert spec.tokens == plain.tokens and spec.text == plain.text
     assert spec.stats.label_accepted.get(CALL_KEY, 0) > 0  # '", "parameters": {"' drafted and kept
     assert sum(spec.stats.accepted) > len(out) // 3 and spec.stats.forwards < len(out) // 2
