@@ -229,10 +229,15 @@ class Sequence:
 
     @property
     def held(self) -> bool:
-        """Prefilled, its first draft waiting for ``on_prompt``'s future."""
+        """Prefilled, its first draft waiting for ``on_prompt``'s future. A pure read: the
+        scheduler drops a done future once at the top of a step (:meth:`release_hold`), so every
+        read within a step sees the same answer."""
+        return self.hold is not None
+
+    def release_hold(self) -> None:
+        """Drop ``hold`` once its future is done (the first draft may go ahead)."""
         if self.hold is not None and self.hold.done():
             self.hold = None
-        return self.hold is not None
 
     def take_prefilled(self) -> bool:
         """Start from the ``prefilled`` prompt given at construction, if any (at admission, once its

@@ -139,7 +139,7 @@ def _group(segments: list[Segment], starts: list[int], pool: BlockPool, grid: tu
     for i, s in enumerate(segments):
         used = -(-(s.cache.length + lens[i]) // bt)
         tables[i, :used] = s.cache.host_table[:used]
-    trees = [i for i, s in enumerate(segments) if s.mask is not None]
+    trees = [i for i, s in enumerate(segments) if s.tree]
     t = n if grid is not None else max([lens[i] for i in trees], default=1)  # a captured shape is fixed
     vis = torch.zeros((B, t, t), dtype=torch.long)
     tree = torch.zeros(B, dtype=torch.long)
