@@ -22,8 +22,10 @@ away and padded KV columns are masked (they read the pool's scratch block, whose
 finite, so a masked column adds exactly zero).
 
 Masks: a prefill chunk is causal, a single row sees its whole cache, a root chain with a draft
-tree sees the cache and the ancestors its :class:`~toolspec_core.model.batch_forward.Segment`
-mask gives (only that mask's last ``n`` columns are read: every row sees the whole cache).
+tree sees the cache and the ancestors its :class:`~toolspec_core.model.batch_forward.Segment`'s
+``parents`` give (every tree of the step at once; no float mask is made on this path), or, for
+a segment that brings a mask of its own, that mask's last ``n`` columns (every row sees the
+whole cache).
 
 Which path runs is decided by the step runner (:mod:`toolspec_core.model.step_runner`) from the
 target's ``attention`` setting (:data:`ATTENTION`): "per_sequence" (the loop), "ragged", or
