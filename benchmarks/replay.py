@@ -130,7 +130,7 @@ class ReplayTarget(Target):
             ids, pos = seg.ids.tolist(), seg.pos.tolist()
             parents = _parents(seg, pos)
             # rows known to be committed: a causal segment's (a prompt chunk, a lone root), else the first root
-            rec = self._record(seg.cache, before + (ids if seg.mask is None else ids[:1]))
+            rec = self._record(seg.cache, before + (ids if not seg.tree else ids[:1]))
             ok: list[bool] = []
             for i, (t, p) in enumerate(zip(ids, pos)):
                 par = parents[i]
@@ -208,8 +208,11 @@ def _kv_shape(config) -> tuple[int, int, int]:
 
 def _parents(seg, pos: list[int]) -> list[int]:
     """Parent row of each row of a segment (-1: the cache's last committed token): the previous
-    row for causal rows, else the visible row one position earlier (a tree's ancestors)."""
+    row for causal rows, a tree's parents where it carries them, else the visible row of its mask
+    one position earlier (a tree's ancestors)."""
     n = len(pos)
+    if seg.parents is not None:  # a tree as the scheduler draws it
+        return list(seg.parents)
     if seg.mask is None:
         return [i - 1 for i in range(n)]
     vis = (seg.mask[0, 0, :, -n:] == 0).tolist()  # [n, n] row i sees row j

@@ -14,8 +14,11 @@ vLLM's prefill):
   dims) at chunk shapes, through a causal mask tensor (the grouped-query rows of
   :func:`~toolspec_core.model.batch_forward.segment_attention`) against
   :func:`~toolspec_core.model.batch_forward.causal_attention` (a first chunk: no mask, causal
-  blocks skipped) or, for a chunk after a cached prefix, :func:`split_attention` (prefix and
-  chunk apart, merged by log-sum-exp).
+  blocks skipped; swept over ``--attention-rows``, interleaved ``--attention-rounds`` times) or,
+  for a chunk after a cached prefix, :func:`split_attention` (prefix and chunk apart, merged by
+  log-sum-exp). ``causal_from_rows``: the fewest rows from which the causal kernel was faster at
+  every larger row count -- what :data:`~toolspec_core.model.batch_forward.CAUSAL_MIN_ROWS` is
+  set from. The attention part alone (``--parts attention``) loads no model.
 * ``prefill``: whole prefills (:func:`toolspec_core.engine.loop.prefill`) of the prompts,
   512-row chunks and the whole prompt at once, the forward before (causal mask tensor, HF's
   rotary embedding) and after (causal kernel for first chunks, ``rope``), interleaved
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -123,37 +127,74 @@ def split_attention(q, k, v, prefix: int, scale: float):
     return ((old * a + new * b) / (a + b)).transpose(1, 2).reshape(1, n, h * d)
 
 
-def attention_rates(repeats: int = 7) -> list[dict]:
-    """One layer's prefill attention (ms, best of ``repeats``): causal mask tensor vs causal_attention."""
+ATTENTION_ROWS = tuple(range(128, 1025, 64))  # first chunks the sweep times (``--attention-rows``)
+
+
+def attention_rates(rows=ATTENTION_ROWS, repeats: int = 5, rounds: int = 7) -> list[dict]:
+    """One layer's prefill attention: causal mask tensor vs the causal kernel.
+
+    First chunks (no cached prefix) of each of ``rows``: the grouped masked call
+    (:func:`~toolspec_core.model.batch_forward.segment_attention`) against
+    :func:`~toolspec_core.model.batch_forward.causal_attention`, the two interleaved row count by
+    row count, ``rounds`` times (best of ``repeats`` each), so other work on the machine slows
+    both alike: per row count the best time of each over the rounds and the median of the rounds'
+    ratios (``speedup``, masked / causal). Then two chunks after a 512-row prefix, masked against
+    :func:`split_attention`. ``max_abs_diff``: the two outputs' largest difference."""
     import torch
 
     from toolspec_core.model.batch_forward import causal_attention, causal_mask, grouped_mask, segment_attention
 
     h, hkv, d = 14, 2, 64
     g, scale = h // hkv, d**-0.5
-    out = []
+    cases = [(0, n) for n in rows] + [(512, 400), (512, 512)]
+    gen = torch.Generator().manual_seed(0)
+    inputs = {}
+    for prefix, n in cases:
+        q = torch.randn(1, h, n, d, generator=gen)
+        k, v = torch.randn(1, hkv, prefix + n, d, generator=gen), torch.randn(1, hkv, prefix + n, d, generator=gen)
+        mg = grouped_mask(causal_mask(prefix, n, torch.float32, "cpu"), g)
+        other = (lambda q=q, k=k, v=v: causal_attention(q, k, v, scale)) if prefix == 0 else (
+            lambda q=q, k=k, v=v, prefix=prefix: split_attention(q, k, v, prefix, scale))  # fmt: skip
+        inputs[(prefix, n)] = (lambda q=q, k=k, v=v, mg=mg: segment_attention(q, k, v, mg, scale)), other
+    times: dict[tuple, list[tuple[float, float]]] = {c: [] for c in cases}
     with torch.inference_mode():
-        for prefix, n in ((0, 256), (0, 512), (0, 1024), (512, 400), (512, 512)):
-            q, k, v = torch.randn(1, h, n, d), torch.randn(1, hkv, prefix + n, d), torch.randn(1, hkv, prefix + n, d)
-            m = causal_mask(prefix, n, torch.float32, "cpu")
-            mg = grouped_mask(m, g)
-            masked = best_seconds(lambda: segment_attention(q, k, v, mg, scale), repeats)
-            fn = (lambda: causal_attention(q, k, v, scale)) if prefix == 0 else (
-                lambda: split_attention(q, k, v, prefix, scale))  # fmt: skip
-            causal = best_seconds(fn, repeats)
-            diff = (segment_attention(q, k, v, mg, scale) - fn()).abs().max()
+        for _ in range(rounds):
+            for c in cases:
+                masked, causal = inputs[c]
+                times[c].append((best_seconds(masked, repeats), best_seconds(causal, repeats)))
+        out = []
+        for prefix, n in cases:
+            masked, causal = inputs[(prefix, n)]
+            diff = (masked() - causal()).abs().max()
+            pairs = times[(prefix, n)]
             row = {
                 "prefix": prefix,
                 "rows": n,
-                "mask_ms": masked * 1e3,
-                "causal_kernel_ms": causal * 1e3,
-                "speedup": masked / causal,
+                "mask_ms": min(m for m, _ in pairs) * 1e3,
+                "causal_kernel_ms": min(c for _, c in pairs) * 1e3,
+                "speedup": statistics.median(m / c for m, c in pairs),
+                "speedup_of_best": min(m for m, _ in pairs) / min(c for _, c in pairs),
+                "rounds_causal_faster": sum(m > c for m, c in pairs),
+                "rounds": len(pairs),
                 "max_abs_diff": float(diff),
                 "bitwise_equal": bool(diff == 0),
             }
             out.append(row)
             print(json.dumps(row), flush=True)
     return out
+
+
+def causal_from_rows(rows: list[dict]) -> int | None:
+    """The fewest first-chunk rows from which the causal kernel was faster (median of the rounds'
+    ratios above 1) at that row count and at every larger one measured; None when it never was."""
+    first = sorted((r for r in rows if r["prefix"] == 0), key=lambda r: r["rows"])
+    start = None
+    for r in first:
+        if r["speedup"] > 1:
+            start = r["rows"] if start is None else start
+        else:
+            start = None
+    return start
 
 
 def hf_rope(x, cos, sin):
@@ -287,7 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--parts", default="linears,attention,prefill")
+    ap.add_argument(
+        "--attention-rows", default="128:1024:64", help="first-chunk rows the attention part sweeps (FROM:TO:STEP)"
+    )
+    ap.add_argument("--attention-rounds", type=int, default=7)
     ap.add_argument("--compile", action="store_true", help="also the inductor-compiled whole-prompt forward")
+    ap.add_argument("--note", default="", help="what else ran on the machine meanwhile (kept as 'machine')")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
@@ -300,8 +346,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     low, _, high = args.prompt_chars.partition(":")
-    items = long_prompts(args.prompts, (int(low), int(high)))
     parts = set(args.parts.split(","))
+    prompts = bool(parts & {"prefill"}) or args.compile  # the parts that run the model on the prompts
+    items = long_prompts(args.prompts, (int(low), int(high))) if prompts else []
     out = {
         "what": "float32 CPU prefill forward part by part: projection kernels (GFLOP/s), prefill attention "
         "(mask tensor vs causal kernel), whole prefills with the forward before/after (best and median "
@@ -309,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         "hardware": hardware_string("cpu"),
         "torch": torch.__version__,
         "threads": args.threads,
+        "code": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "machine": args.note,
         "flop_per_token": FLOP_PER_TOKEN,
         "items": [it["id"] for it in items[1:]],
     }
@@ -317,15 +366,19 @@ def main(argv: list[str] | None = None) -> int:
         out["linears"] = linear_rates()
         out["fused_bitwise_equal_to_parts"] = fused_exact()
     if "attention" in parts:
-        out["attention"] = attention_rates()
-    target = load_target()
-    ids = [prompt_ids(target.tokenizer, it) for it in items]
-    out["mean_prompt_tokens"] = statistics.mean(len(p) for p in ids[1:])
-    if "prefill" in parts:
-        out["prefill"] = prefill_rates(target, ids, rounds=args.rounds)
-    del target
-    if args.compile:
-        out["compile"] = compiled_prefill(ids)
+        a, b, step = (int(x) for x in args.attention_rows.split(":"))
+        out["attention"] = attention_rates(tuple(range(a, b + 1, step)), rounds=args.attention_rounds)
+        out["causal_from_rows"] = causal_from_rows(out["attention"])
+        print(json.dumps({"causal_from_rows": out["causal_from_rows"]}), flush=True)
+    if prompts:
+        target = load_target()
+        ids = [prompt_ids(target.tokenizer, it) for it in items]
+        out["mean_prompt_tokens"] = statistics.mean(len(p) for p in ids[1:])
+        if "prefill" in parts:
+            out["prefill"] = prefill_rates(target, ids, rounds=args.rounds)
+        del target
+        if args.compile:
+            out["compile"] = compiled_prefill(ids)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

@@ -258,10 +258,10 @@ class TPTarget(Target):
         rows, parents = [], []
         for s in req.segments:
             n = len(s)
-            if s.mask is not None and s.parents is None:
+            if s.tree and s.parents is None:
                 raise ValueError("a tree segment of a tensor-parallel step needs its rows' parents (Segment.parents)")
-            rows.append((s.cache.sid, s.cache.length, n, s.mask is not None))
-            if s.mask is not None:
+            rows.append((s.cache.sid, s.cache.length, n, s.tree))
+            if s.tree:
                 parents += s.parents  # [n] each tree's rows among themselves, as the scheduler drew them
             s.cache.advance(n)  # the ranks' views grow by these rows; the replica's length follows
         segs = np.array(rows, dtype=np.int64).reshape(-1, 4)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolspec_core.model.batch_forward import Segment, parents_visible
+from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import BlockPool, PagedKV, kv_shape
 from toolspec_core.model.step_runner import StepOutput, StepRequest, StepRunner
 
@@ -186,35 +186,24 @@ def apply_ops(pool: BlockPool, views: dict[int, PagedKV], plan: StepPlan) -> Non
         pool.move_slots(torch.from_numpy(plan.moves[0]).to(dev), torch.from_numpy(plan.moves[1]).to(dev))
 
 
-def request_of(plan: StepPlan, views: dict[int, PagedKV], dtype: torch.dtype) -> StepRequest:
-    """The step runner's request over this rank's views: each sequence's length set from the plan,
-    a tree's mask over its new rows' columns (every row sees the whole cache; all trees' masks
-    made at once from their parents, :func:`tree_masks`) and its parents."""
+def request_of(plan: StepPlan, views: dict[int, PagedKV]) -> StepRequest:
+    """The step runner's request over this rank's views: each sequence's length set from the plan
+    and each tree's rows' parents (the ragged plan reads them; the per-sequence loop builds its
+    masks from them, :func:`~toolspec_core.model.batch_forward.tree_masks`)."""
     ids, pos = torch.from_numpy(plan.ids), torch.from_numpy(plan.pos)
-    sizes = [n for _, _, n, tree in plan.segs.tolist() if tree]
-    masks = iter(tree_masks(plan.parents, sizes, dtype))
     parents = plan.parents.tolist()
     segments, o, p = [], 0, 0
     for sid, length, n, tree in plan.segs.tolist():
         view = views[sid]
         view.length = length
-        if tree:  # the mask (the per-sequence loop) and the parents (the ragged plan)
-            segments.append(Segment(view, ids[o : o + n], pos[o : o + n], next(masks), parents[p : p + n]))
+        if tree:
+            segments.append(Segment(view, ids[o : o + n], pos[o : o + n], None, parents[p : p + n]))
             p += n
         else:
             segments.append(Segment(view, ids[o : o + n], pos[o : o + n]))
         o += n
     walk = None if plan.walk is None else torch.from_numpy(plan.walk)
     return StepRequest(segments, plan.logit_rows, plan.full_rows, plan.hidden_rows, walk, plan.need, argmax=plan.argmax)
-
-
-def tree_masks(parents: np.ndarray, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Each tree's additive mask [1, 1, n, n] (views of one [S, 1, m, m] tensor made at once)."""
-    if not sizes:
-        return []
-    seen = torch.from_numpy(parents_visible(parents, sizes))
-    masks = torch.where(seen, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]  # [S, 1, m, m]
-    return [masks[k : k + 1, :, :n, :n] for k, n in enumerate(sizes)]
 
 
 def shard_head(model) -> callable:
@@ -241,7 +230,7 @@ def run_step(runner: StepRunner, views: dict[int, PagedKV], plan: StepPlan, rank
     """One step on this rank (every rank runs it with the same plan); rank 0 returns the answer."""
     with torch.inference_mode():
         apply_ops(runner.pool, views, plan)
-        req = request_of(plan, views, runner.pool.k.dtype)
+        req = request_of(plan, views)
         return runner.run(req, reply=rank == 0)
 
 

@@ -109,7 +109,6 @@ def test_step_protocol_equals_single_process(attention):
 def test_step_channel_carries_plans_and_large_answers():
     """A plan through the shared-memory slot comes out as it went in (tables, moves, trees' parent
     rows, walks); a message larger than the slot goes through a one-off segment."""
-    import numpy as np
 
     from deployments.tp.channel import Bell, Mailbox, channel_dir, remove_dir
     from deployments.tp.worker import StepPlan, decode_plan, encode_plan
@@ -153,33 +152,6 @@ def test_step_channel_carries_plans_and_large_answers():
         box.close()
         bell.close()
         remove_dir(d)
-
-
-def test_rank_tree_masks_from_parents_are_the_scheduler_s_masks():
-    """The masks a rank makes from a plan's parent rows (all trees at once) are the masks the
-    scheduler built for the same root chains and trees (tree_inputs), row for row."""
-    import random
-
-    import torch
-
-    from deployments.tp.worker import tree_masks
-    from toolspec_core.engine.tree import ROOT, DraftTree
-    from toolspec_core.engine.verify import row_parents, tree_inputs
-
-    rng = random.Random(3)
-    want, parents, sizes = [], [], []
-    for _ in range(12):
-        tree = DraftTree()
-        for _ in range(rng.randrange(0, 20)):
-            tree.add_path([rng.randrange(50)], 0.5, "x", rng.choice([ROOT] + list(range(len(tree)))))
-        roots = [1] * rng.randrange(1, 4)
-        _, _, mask = tree_inputs(roots, tree, 9)
-        want.append(mask)
-        parents += row_parents(roots, tree.parents)
-        sizes.append(mask.shape[-1])
-    got = tree_masks(np.array(parents), sizes, torch.float32)
-    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
-    assert tree_masks(np.zeros(0, dtype=np.int64), [], torch.float32) == []
 
 
 def test_vocab_parallel_argmax_and_rows_on_one_rank():

@@ -158,6 +158,27 @@ def test_a_failing_on_prompt_leaves_the_sequence_drafting(ragged_tiny):
     assert seq.result.tokens == want and seq.hold is None
 
 
+def test_a_hold_is_read_purely_and_released_at_the_top_of_a_step(ragged_tiny):
+    """``Sequence.held`` reads without side effects (a done future stays until the scheduler drops
+    it); the next step drops it at its top and the sequence drafts in that same step."""
+    tg = ragged_tiny
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = hf_greedy(tg, prompt, 6)
+    gate = Future()
+    drafter = Counting(ScriptedDrafter(oracle(want)))
+    seq = Sequence(tg, prompt, drafter, DecodeConfig(max_new_tokens=6), on_prompt=lambda hidden: gate)
+    sched = Scheduler(tg, None, BatchLimits(tree_rows=8), tg.block_pool(256, 8))
+    sched.add(seq)
+    sched.step()  # the prompt: held from here
+    assert seq.held and seq.generated and drafter.proposals == 0
+    gate.set_result(None)
+    assert seq.held and seq.held and seq.hold is gate  # reading it changes nothing
+    sched.step()
+    assert seq.hold is None and not seq.held and drafter.proposals == 1
+    sched.run()
+    assert seq.result.tokens == want
+
+
 def test_a_sequence_cache_is_set_once():
     tg = from_model(tiny_model(), CharTokenizer(96), name="tiny")
     seq = Sequence(tg, [1, 2, 3], None, DecodeConfig(max_new_tokens=2))

@@ -10,8 +10,8 @@ from tiny import tiny_model, tiny_target
 
 from toolspec_core.engine.commit import commit_kv, kv_rows
 from toolspec_core.engine.tree import DraftTree
-from toolspec_core.engine.verify import tree_inputs
-from toolspec_core.model.batch_forward import Segment, causal_mask, supports_batched
+from toolspec_core.engine.verify import row_parents, tree_inputs
+from toolspec_core.model.batch_forward import Segment, causal_mask, supports_batched, tree_masks
 from toolspec_core.model.kv import GROW, SeqKV
 
 
@@ -25,7 +25,8 @@ def _random_tree(rng: random.Random, n: int) -> DraftTree:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_batched_forward_equals_hf_forward_per_sequence(seed):
-    """Mixed segments -- prefill chunks, single decode rows, root chains with trees -- in one forward."""
+    """Mixed segments -- prefill chunks, single decode rows, root chains with trees (given as their
+    rows' parents, the masks built in the forward, or as masks) -- in one forward."""
     rng = random.Random(seed)
     tg = tiny_target()
     prompts = [[rng.randrange(1, 96) for _ in range(rng.randint(1, 30))] for _ in range(5)]
@@ -44,7 +45,12 @@ def test_batched_forward_equals_hf_forward_per_sequence(seed):
         ids, pos, mask = tree_inputs(roots, tree, len(p))
         single = len(roots) == 1 and not tree.tokens
         inputs.append((ids, pos, None if single else mask))
-        segs.append(Segment(c, ids[0], pos[0], None if single else mask))
+        if single:
+            segs.append(Segment(c, ids[0], pos[0]))
+        elif i % 2:
+            segs.append(Segment(c, ids[0], pos[0], None, row_parents(roots, tree.parents)))
+        else:
+            segs.append(Segment(c, ids[0], pos[0], mask))
     got = tg.logits(tg.forward(segs))
     o = 0
     for (ids, pos, mask), c in zip(inputs, hf):
@@ -83,6 +89,33 @@ def test_seqkv_grows_crops_and_commits():
     assert clone.get_seq_length() == n + 2
     tg.hf_hidden(torch.tensor([[3, 6]]), torch.tensor([[n, n + 1]]), None, ref)
     torch.testing.assert_close(clone.layers[0].keys, ref.layers[0].keys, rtol=1e-4, atol=1e-5)
+
+
+def test_masks_built_from_parents_are_tree_inputs_masks():
+    """The masks the float-mask paths build from trees' parent rows (all trees at once, or one
+    segment's own) are the masks ``tree_inputs`` draws for the same root chains and trees, row for
+    row, in each dtype's own minimum."""
+    from toolspec_core.engine.tree import ROOT
+
+    rng = random.Random(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        want, parents, sizes, segs = [], [], [], []
+        for _ in range(12):
+            tree = DraftTree()
+            for _ in range(rng.randrange(0, 20)):
+                tree.add_path([rng.randrange(50)], 0.5, "x", rng.choice([ROOT] + list(range(len(tree)))))
+            roots = [1] * rng.randrange(1, 4)
+            ids, pos, mask = tree_inputs(roots, tree, 9, dtype)
+            want.append(mask)
+            parents += row_parents(roots, tree.parents)
+            sizes.append(mask.shape[-1])
+            segs.append(Segment(None, ids[0], pos[0], None, row_parents(roots, tree.parents)))
+        got = tree_masks(parents, sizes, dtype)
+        assert len(got) == len(want) and all(torch.equal(g, w) and g.dtype == dtype for g, w in zip(got, want))
+        assert all(torch.equal(s.attn_mask(dtype), w) for s, w in zip(segs, want))
+    assert tree_masks([], [], torch.float32) == []
+    causal = Segment(None, torch.tensor([1, 2]), torch.tensor([0, 1]))
+    assert not causal.tree and causal.attn_mask(torch.float32) is None
 
 
 def test_causal_mask_shape_and_values():

@@ -28,6 +28,19 @@ def test_causal_attention_equals_the_masked_call(heads):
         torch.testing.assert_close(got, segment_attention(q, k, v, mask, 0.25), rtol=1e-6, atol=1e-6)
 
 
+def test_causal_attention_equals_the_masked_call_at_served_shapes():
+    """The embedded model's attention shape (14 query heads, 2 KV heads, 64 dims) at the first
+    chunks that take the causal kernel: from ``CAUSAL_MIN_ROWS`` rows, across the CPU kernel's
+    query-block sizes."""
+    h, hkv, d = 14, 2, 64
+    torch.manual_seed(1)
+    for n in sorted({batch_forward.CAUSAL_MIN_ROWS, 800, 1024}):
+        q, k, v = torch.randn(1, h, n, d), torch.randn(1, hkv, n, d), torch.randn(1, hkv, n, d)
+        mask = grouped_mask(causal_mask(0, n, torch.float32, "cpu"), h // hkv)
+        got = causal_attention(q, k, v, d**-0.5)
+        torch.testing.assert_close(got, segment_attention(q, k, v, mask, d**-0.5), rtol=1e-5, atol=1e-6)
+
+
 def test_only_first_chunks_take_the_causal_kernel(monkeypatch):
     """A prompt's first chunk (no cached prefix, ``CAUSAL_MIN_ROWS`` rows or more) goes through
     ``causal_attention``, once a layer; shorter first chunks, later chunks and single rows keep

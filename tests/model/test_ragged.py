@@ -10,13 +10,14 @@ import torch
 from scripted import ScriptedDrafter, branching, garbage, oracle
 from tiny import CharTokenizer, hf_greedy, tiny_model
 
+from toolspec_core.engine import scheduler, verify
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.loop import DecodeConfig
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler
 from toolspec_core.engine.sequence import Sequence
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import row_parents, tree_inputs
-from toolspec_core.model import ragged, step_runner
+from toolspec_core.model import batch_forward, ragged, step_runner
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import PagedKV
 from toolspec_core.model.graphs import StepGraphs, grid_of
@@ -64,7 +65,8 @@ def _caches(tg, pool, prompts, shared_prompt):
 
 def _steps(rng: random.Random, prompts, caches):
     """Segments of three steps: the prompts' rest (some past GRID_ROWS rows: calls of their own),
-    then mixed steps of single roots, root chains and draft trees."""
+    then mixed steps of single roots, root chains and draft trees (each tree given as its rows'
+    parents, as the scheduler draws it, or as a mask of its own)."""
     yield [Segment(c, torch.tensor(p[c.length :]), torch.arange(c.length, len(p))) for p, c in zip(prompts, caches)]
     for _ in range(2):
         segs = []
@@ -74,7 +76,12 @@ def _steps(rng: random.Random, prompts, caches):
             roots = [rng.randrange(96) for _ in range(1 if kind != "chain" else 2)]
             tree = _tree(rng, rng.randint(1, 12)) if kind == "tree" else DraftTree()
             ids, pos, mask = tree_inputs(roots, tree, kv)
-            segs.append(Segment(c, ids[0], pos[0], None if kind == "single" else mask))
+            if kind == "single":
+                segs.append(Segment(c, ids[0], pos[0]))
+            elif rng.random() < 0.5:
+                segs.append(Segment(c, ids[0], pos[0], None, row_parents(roots, tree.parents)))
+            else:
+                segs.append(Segment(c, ids[0], pos[0], mask))
         yield segs
 
 
@@ -108,7 +115,7 @@ def test_ragged_forward_equals_the_per_sequence_loop(tg, seed):
 
 
 def test_the_plan_reads_trees_from_their_parents_as_from_their_masks(tg):
-    """A step's trees given as the scheduler draws them (mask and ``Segment.parents``) plan exactly
+    """A step's trees given as the scheduler draws them (``Segment.parents``, no mask) plan exactly
     the visibility their masks alone give, eager and at a captured grid's shape."""
     rng = random.Random(5)
     pool = tg.block_pool(2048, BT)
@@ -118,7 +125,7 @@ def test_the_plan_reads_trees_from_their_parents_as_from_their_masks(tg):
         roots = [1] * rng.randint(1, 3)
         tree = _tree(rng, rng.randint(0, 9))
         ids, pos, mask = tree_inputs(roots, tree, 0)
-        drawn.append(Segment(cache, ids[0], pos[0], mask, row_parents(roots, tree.parents)))
+        drawn.append(Segment(cache, ids[0], pos[0], None, row_parents(roots, tree.parents)))
         masked.append(Segment(cache, ids[0], pos[0], mask))
     drawn.append(Segment(cache, torch.tensor([3]), torch.tensor([0])))  # a single row: no tree
     masked.append(drawn[-1])
@@ -182,21 +189,40 @@ def family():
     return prompts, [hf_greedy(ref, p, 10) for p in prompts]
 
 
-@pytest.mark.parametrize("mode", ["ragged", "graph"])
+@pytest.mark.parametrize("mode", ["ragged", "graph", "per_sequence"])
 def test_pooled_scheduler_greedy_equals_plain_greedy(family, mode, monkeypatch):
     """B = 16 through the scheduler with prefill chunks, single roots, root chains and draft trees,
     prefix-cache hits and scattered tables: every output is plain greedy's (HF generate). "graph"
-    replays decode steps through the static buffers (no capture on the CPU)."""
+    replays decode steps through the static buffers (no capture on the CPU). A tree's visibility
+    is made once a step, as parent rows: the ragged and graph steps never build a float mask
+    (neither the scheduler's ``tree_inputs`` mask nor the forward's ``tree_masks``); the
+    per-sequence loop builds one a step with trees, from the parents."""
     prompts, want = family
-    tg = _target("ragged")
+    tg = _target("ragged" if mode != "per_sequence" else "per_sequence")
     pool = tg.block_pool(4096, BT)
     _fragment(pool)
+    built = {"tree_inputs": 0, "tree_masks": 0}
+
+    def counted(module, name):
+        real = getattr(module, name)
+
+        def call(*a, **kw):
+            if a[1] if name == "tree_masks" else kw.get("mask", True):  # masks of some trees
+                built[name] += 1
+            return real(*a, **kw)
+
+        monkeypatch.setattr(module, name, call)
+
+    counted(verify, "tree_inputs")
+    counted(scheduler, "tree_inputs")
+    counted(batch_forward, "tree_masks")
     if mode == "graph":
         # CUDA-only on a real target; the step runs uncaptured here
         tg.runner(pool).graphs = StepGraphs(tg.model, pool, capture=False)
     calls = []
-    real = step_runner.ragged_forward
-    monkeypatch.setattr(step_runner, "ragged_forward", lambda *a: calls.append(1) or real(*a))
+    real = step_runner.ragged_forward if mode != "per_sequence" else step_runner.batched_forward
+    name = "ragged_forward" if mode != "per_sequence" else "batched_forward"
+    monkeypatch.setattr(step_runner, name, lambda *a: calls.append(1) or real(*a))
     sched = Scheduler(tg, CostModel.flat(), BatchLimits(max_running=16, prefill_chunk=96, tree_rows=16), pool)
     rng = random.Random(3)
     seqs = []
@@ -211,6 +237,13 @@ def test_pooled_scheduler_greedy_equals_plain_greedy(family, mode, monkeypatch):
     assert pool.stats().hit_tokens > 0
     if mode == "graph":
         assert tg.runner(pool).graphs.entries and tg.runner(pool).steps["graph"] > 0
+    assert built["tree_inputs"] == 0  # the scheduler draws no mask
+    tree_steps = sum(1 for r in sched.steps if r.draft_rows)
+    assert tree_steps > 0
+    if mode == "per_sequence":
+        assert built["tree_masks"] == tree_steps  # built in the forward, once a step that has trees
+    else:
+        assert built["tree_masks"] == 0
 
 
 def test_attention_setting_is_validated_and_resolved():

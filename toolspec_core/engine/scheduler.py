@@ -75,7 +75,8 @@ class StepRecord:
     ``rows`` = ``prefill_rows`` + ``root_rows`` + ``draft_rows``, so time per row by row count and
     by mix (a prefill chunk sharing the step or not) can be read from a run's records under load.
     ``host_s`` splits into ``draft_s`` (drafters' trees), ``budget_s`` (the batch budget),
-    ``inputs_s`` (the forward's rows, positions and masks) and ``commit_s`` (walks, KV commits,
+    ``inputs_s`` (the forward's rows, positions and trees' parent rows; a path that takes a float
+    mask builds it inside the forward) and ``commit_s`` (walks, KV commits,
     drafter feedback, emits); the rest (admission, prefill bookkeeping) is the difference.
     """
 
@@ -164,6 +165,8 @@ class Scheduler:
     def step(self) -> list[Sequence]:
         """One forward over every running sequence; returns the sequences that finished in it."""
         t0 = time.perf_counter()
+        for seq in self.running:  # a first draft whose retrieval finished goes ahead this step
+            seq.release_hold()
         finished: list[Sequence] = []
         for seq in list(self.waiting):
             if seq.cancelled:
@@ -205,7 +208,6 @@ class Scheduler:
             o += n
             if done:
                 logit_rows.append(o - 1)
-        dtype = self.target.dtype if decoding else None  # read once a step: it walks the model's parameters
         kv_lens = [seq.cache.get_seq_length() for seq in decoding]
         # a sequence with one row (its root, no tree) runs causally, no mask: the rows of all of them
         # are made as one tensor a step and handed out as views
@@ -224,8 +226,9 @@ class Scheduler:
                 segments.append(Segment(seq.cache, *next(one_rows), None))
                 n = 1
             else:
-                ids, pos, mask = tree_inputs(seq.roots, tree, kv_len, dtype)
-                segments.append(Segment(seq.cache, ids[0], pos[0], mask, row_parents(len(seq.roots), tree.parents)))
+                # the tree's visibility once, as parent rows: a path that needs a float mask builds it from them
+                ids, pos, _ = tree_inputs(seq.roots, tree, kv_len, mask=False)
+                segments.append(Segment(seq.cache, ids[0], pos[0], None, row_parents(len(seq.roots), tree.parents)))
                 n = ids.shape[1]
             rows.append(_Row(seq, tree, kv_len, len(logit_rows), n))
             logit_rows.extend(range(o, o + n))

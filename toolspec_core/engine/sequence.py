@@ -216,10 +216,15 @@ class Sequence:
 
     @property
     def held(self) -> bool:
-        """Prefilled, its first draft waiting for ``on_prompt``'s future."""
+        """Prefilled, its first draft waiting for ``on_prompt``'s future. A pure read: the
+        scheduler drops a done future once at the top of a step (:meth:`release_hold`), so every
+        read within a step sees the same answer."""
+        return self.hold is not None
+
+    def release_hold(self) -> None:
+        """Drop ``hold`` once its future is done (the first draft may go ahead)."""
         if self.hold is not None and self.hold.done():
             self.hold = None
-        return self.hold is not None
 
     def prompt_done(self, hidden: torch.Tensor) -> None:
         """The scheduler has the prompt in the cache: its last state [H] is kept and handed to

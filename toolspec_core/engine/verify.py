@@ -23,8 +23,11 @@ def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int, dtype=
     mask [1, 1, R+T, R+T] over the new rows only: each row sees the chain up to itself and its
     ancestors, and every row sees the whole cache, so the prefix's columns are left out (the
     forwards read these columns; :func:`~toolspec_core.model.batch_forward.widen` makes the full-width mask HF's own forward takes).
-    None when ``mask`` is False: a caller that runs the rows causally. A float mask is right under
-    both SDPA and eager attention (a bool 4D mask is silently misread by eager attention).
+    None when ``mask`` is False: the scheduler, which gives a tree's visibility as
+    :func:`row_parents` (the forward paths that take a float mask build this same mask from
+    them, :func:`~toolspec_core.model.batch_forward.tree_masks`), or a caller that runs the rows
+    causally. A float mask is right under both SDPA and eager attention (a bool 4D mask is
+    silently misread by eager attention).
     """
     roots = [roots] if isinstance(roots, int) else list(roots)
     r, n = len(roots), len(roots) + len(tree)

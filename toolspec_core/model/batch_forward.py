@@ -35,14 +35,17 @@ CAUSAL_MIN_ROWS = 640  # from this many rows; below, SDPA's CPU kernel blocks a 
 class Segment:
     """One sequence's rows in a batched forward.
 
-    ``ids`` / ``pos`` [n] (long); ``mask`` [1, 1, n, S] additive float over the cache's ``S - n``
-    rows plus these (or [1, 1, n, n], these rows' columns alone), or None for causal rows (a prefill chunk; a single decode row sees everything).
-    Every row sees the whole cache (a verify mask's first ``S - n`` columns are zero): the
-    ragged attention reads only the mask's last ``n`` columns. ``parents`` [n]: the same rows'
-    visibility as each row's parent row among them (-1: none, the row hangs off the cache; a row
-    sees itself and its ancestors), set beside a tree's mask
-    (:func:`~toolspec_core.engine.verify.row_parents`): what the ragged attention's plan and a
-    tensor-parallel plan read (:func:`parents_visible`, all trees at once), not the mask.
+    ``ids`` / ``pos`` [n] (long). A tree's rows (a root chain with a draft tree) carry their
+    visibility once, as ``parents`` [n]: each row's parent row among them (-1: none, the row hangs
+    off the cache; a row sees itself and its ancestors, and every row sees the whole cache),
+    what :func:`~toolspec_core.engine.verify.row_parents` gives. The ragged attention's plan and a
+    tensor-parallel plan read the parents (:func:`parents_visible`, all trees at once); the paths
+    that take an additive float mask (the per-sequence loop, HF's own forward) build it from them
+    when they run (:func:`tree_masks`, :meth:`attn_mask`), so a step on the ragged path never
+    makes one. ``mask`` [1, 1, n, S] additive float over the cache's ``S - n`` rows plus these (or
+    [1, 1, n, n], these rows' columns alone): a mask given instead of parents (a caller with a
+    mask of its own; only its last ``n`` columns are read). Neither: causal rows (a prefill
+    chunk; a single decode row sees everything).
     """
 
     cache: KVCache
@@ -53,6 +56,18 @@ class Segment:
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
+
+    @property
+    def tree(self) -> bool:
+        """Whether the rows see each other as a tree (parents or a mask given), not causally."""
+        return self.parents is not None or self.mask is not None
+
+    def attn_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The additive mask of these rows: the one given, else [1, 1, n, n] built now from
+        ``parents`` (None: causal rows)."""
+        if self.mask is not None or self.parents is None:
+            return self.mask
+        return tree_masks(self.parents, [len(self)], dtype)[0]
 
 
 def parents_visible(parents, sizes: list[int]) -> np.ndarray:
@@ -78,6 +93,17 @@ def parents_visible(parents, sizes: list[int]) -> np.ndarray:
         si, ri, up = si[has], ri[has], up[has]
         vis[si, ri, up] = True
         up = par[si, up]
+
+
+def tree_masks(parents, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each of the trees' additive masks [1, 1, n, n] from their rows' ``parents`` (concatenated,
+    as in :func:`parents_visible`): views of one [S, 1, m, m] tensor made at once. What the
+    paths that take a float mask build, where they run."""
+    if not sizes:
+        return []
+    seen = torch.from_numpy(parents_visible(parents, sizes))
+    masks = torch.where(seen, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]  # [S, 1, m, m]
+    return [masks[k : k + 1, :, :n, :n] for k, n in enumerate(sizes)]
 
 
 def supports_batched(model: torch.nn.Module) -> bool:
@@ -168,13 +194,16 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
     pos = torch.cat([s.pos for s in segments]).to(dev, non_blocking=True)  # [N]
     cfg = model.config
     g = cfg.num_attention_heads // cfg.num_key_value_heads  # query heads per KV head (the same on a TP shard)
+    drawn = [s for s in segments if s.mask is None and s.parents is not None]  # trees given as parents
+    built = iter(tree_masks([p for s in drawn for p in s.parents], [len(s) for s in drawn], dtype))  # all at once
     bounds, masks, o = [], [], 0
     for s in segments:
         n, prefix = len(s), s.cache.get_seq_length()
         bounds.append((o, o + n))
         o += n
-        if s.mask is not None:
-            masks.append(grouped_mask(widen(s.mask.to(dev, dtype, non_blocking=True), prefix), g))
+        if s.tree:
+            m = s.mask if s.mask is not None else next(built)  # [1, 1, n, n or S]
+            masks.append(grouped_mask(widen(m.to(dev, dtype, non_blocking=True), prefix), g))
         elif n >= CAUSAL_MIN_ROWS and prefix == 0 and CAUSAL_KERNEL:
             masks.append("causal")  # a first prefill chunk: causal_attention, no mask tensor
         elif n > 1:

@@ -48,7 +48,7 @@ def kv_bucket(rows: int, pool: BlockPool) -> int | None:
 
 def grid_of(segments: list[Segment], pool: BlockPool) -> tuple[int, int, int] | None:
     """The bucketed (B, n, S) a decode step is replayed at, or None (a prefill chunk, or no bucket)."""
-    if any(s.mask is None and len(s) > 1 for s in segments):
+    if any(not s.tree and len(s) > 1 for s in segments):
         return None
     B = bucket(len(segments), BATCH_BUCKETS)
     n = bucket(max(len(s) for s in segments), ROW_BUCKETS)

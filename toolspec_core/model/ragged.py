@@ -22,8 +22,10 @@ away and padded KV columns are masked (they read the pool's scratch block, whose
 finite, so a masked column adds exactly zero).
 
 Masks: a prefill chunk is causal, a single row sees its whole cache, a root chain with a draft
-tree sees the cache and the ancestors its :class:`~toolspec_core.model.batch_forward.Segment`
-mask gives (only that mask's last ``n`` columns are read: every row sees the whole cache).
+tree sees the cache and the ancestors its :class:`~toolspec_core.model.batch_forward.Segment`'s
+``parents`` give (every tree of the step at once; no float mask is made on this path), or, for
+a segment that brings a mask of its own, that mask's last ``n`` columns (every row sees the
+whole cache).
 
 Which path runs is decided by the step runner (:mod:`toolspec_core.model.step_runner`) from the
 target's ``attention`` setting (:data:`ATTENTION`): "per_sequence" (the loop), "ragged", or
@@ -139,7 +141,7 @@ def _group(segments: list[Segment], starts: list[int], pool: BlockPool, grid: tu
     for i, s in enumerate(segments):
         used = -(-(s.cache.length + lens[i]) // bt)
         tables[i, :used] = s.cache.host_table[:used]
-    trees = [i for i, s in enumerate(segments) if s.mask is not None]
+    trees = [i for i, s in enumerate(segments) if s.tree]
     t = n if grid is not None else max([lens[i] for i in trees], default=1)  # a captured shape is fixed
     vis = torch.zeros((B, t, t), dtype=torch.long)
     tree = torch.zeros(B, dtype=torch.long)

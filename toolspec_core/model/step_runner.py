@@ -153,7 +153,8 @@ class StepRunner:
         """Last-layer hidden states [N, H] of every segment's rows, in order; every cache grows by its rows."""
         if self.path == "hf":
             self.steps["hf"] += 1
-            outs = [hf_hidden(self.model, s.ids[None], s.pos[None], s.mask, s.cache.hf) for s in segments]
+            dtype = next(self.model.parameters()).dtype
+            outs = [hf_hidden(self.model, s.ids[None], s.pos[None], s.attn_mask(dtype), s.cache.hf) for s in segments]
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         if self.path == "per_sequence":
             self.steps["per_sequence"] += 1
