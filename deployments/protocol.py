@@ -155,6 +155,9 @@ class StreamOptions(_Strict):
 
 class ToolSpecOptions(_Strict):
     remember: StrictBool = True  # False: this request's calls are never stored in the library
+    # True: the response's ``toolspec`` field carries the request's ``timeline`` (wall-clock marks
+    # of its way through the server) and ``early_steps`` (its first engine steps), ~3 KB
+    timeline: StrictBool = False
 
 
 Number = StrictFloat | StrictInt
@@ -439,6 +442,7 @@ class EngineRequest:
     parallel_tool_calls: bool = True
     logprobs: int | None = None
     response_schema: dict | None = None
+    timeline: bool = False  # the Done event's extra carries the timeline and early steps
 
     @property
     def offered_tools(self) -> list[dict]:
@@ -467,6 +471,7 @@ def engine_request(req: ChatRequest, tenant: str = "default") -> EngineRequest:
         stop=stops,
         tenant=tenant,
         remember=req.toolspec.remember if req.toolspec else True,
+        timeline=bool(req.toolspec and req.toolspec.timeline),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         response_schema=response_schema(req, check=False),  # parse_request checked it

@@ -1558,3 +1558,56 @@ def test_the_scripted_target_writes_its_script_through_the_engine():
     assert done.completion_tokens == 40 and done.text == want
     chunks = [json.loads(ln[6:]) for ln in streamed.text.splitlines() if ln.startswith("data: {")]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == want
+
+
+def test_the_timeline_rides_on_a_response_only_when_asked():
+    """A response's ``toolspec`` field carries the request's timeline and early engine steps (~3 KB)
+    only when asked -- the X-ToolSpec-Timeline header (what ``toolspec loadtest --timeline`` sends),
+    the ``toolspec.timeline`` request field, or the server's ``timeline`` option --, so the OpenAI
+    response stays lean by default."""
+    import httpx
+
+    from deployments.http import LocalBackend, make_api
+
+    cfg = ServeAppConfig(
+        model="scripted", method="ar", cost_model="none", served_model_name="s", retrieval={"enabled": False}
+    )
+    host = EngineHost.build(cfg)
+    apps = {
+        False: make_api(LocalBackend(host), cfg),
+        True: make_api(LocalBackend(host), cfg.model_copy(update={"timeline": True})),
+    }
+
+    async def post(always: bool, stream: bool, headers=None, **extra) -> dict:
+        body = {"messages": MSG, "max_tokens": 8, "stream": stream, **extra}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=apps[always]), base_url="http://t") as http:
+            r = await http.post("/v1/chat/completions", json=body, headers=headers or {})
+        assert r.status_code == 200, r.text
+        if not stream:
+            return r.json()["toolspec"]
+        chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+        return [c["toolspec"] for c in chunks if "toolspec" in c][-1]
+
+    async def go():
+        return {
+            "plain": await post(False, True),
+            "plain_whole": await post(False, False),
+            "header": await post(False, True, {"X-ToolSpec-Timeline": "1"}),
+            "field": await post(False, False, toolspec={"timeline": True}),
+            "server": await post(True, True),
+        }
+
+    try:
+        got = run(go())
+    finally:
+        host.close()
+    for name in ("plain", "plain_whole"):
+        assert "timeline" not in got[name] and "early_steps" not in got[name], name
+        assert got[name]["method"] == "ar"  # the rest of the field as before
+    for name in ("header", "field", "server"):
+        t = got[name]["timeline"]
+        assert t["replica_in"] <= t["prepared"] <= t["first_token"] <= t["first_text"], name
+        assert got[name]["early_steps"][0]["kind"] == "prefill", name
+    for name in ("header", "server"):  # streamed: the route's own marks beside the engine's
+        t = got[name]["timeline"]
+        assert t["http_in"] <= t["replica_in"] and t["first_text"] <= t["first_chunk"], name
