@@ -33,9 +33,9 @@ def test_done_carries_where_the_first_token_waited():
     )
     try:
         body = {"model": host.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        asked = {**body, "toolspec": {"timeline": True}}  # first: its whole prompt is prefilled
+        done = asyncio.run(host.generate(engine_request(parse_request(asked, host.name, 4096))))
         plain = asyncio.run(host.generate(engine_request(parse_request(body, host.name, 4096))))
-        body["toolspec"] = {"timeline": True}
-        done = asyncio.run(host.generate(engine_request(parse_request(body, host.name, 4096))))
     finally:
         host.close()
     assert "timeline" not in plain.extra and "early_steps" not in plain.extra  # only when asked
