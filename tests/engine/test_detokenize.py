@@ -300,5 +300,10 @@ def test_the_backend_decode_is_the_tokenizers_own(qwen_tok, monkeypatch):
         ids = [rng.choice((151644, 151645, 151657)) if rng.random() < 0.1 else rng.randrange(151643) for _ in range(8)]
         assert fast(ids) == qwen_tok.decode(ids, skip_special_tokens=False)
     assert backend_decode(CharTokenizer(96)) is None
+    real = qwen_tok.decode
+    monkeypatch.setattr(qwen_tok, "decode", lambda ids, **kw: real(ids, **kw).replace(" ,", ","))
+    assert backend_decode(qwen_tok) is None  # a decode that differs from the backend's on the probe
+    monkeypatch.setattr(qwen_tok, "decode", real)
+    assert backend_decode(qwen_tok) is not None
     monkeypatch.setattr(qwen_tok, "clean_up_tokenization_spaces", True)
     assert backend_decode(qwen_tok) is None  # a decode that cleans spaces up is not the backend's
