@@ -8,6 +8,7 @@ vLLM's incremental detokenizer and HF's streamers do, and the readers share its 
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable
 
 
@@ -29,7 +30,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer, eos_ids: Iterable[int] = ()):
         self.tok = tokenizer
-        self._decode = backend_decode(tokenizer) or self._hf_decode
+        self._decode = tokenizer_decode(tokenizer) or self._hf_decode
         self.eos = frozenset(eos_ids)
         self.ids: list[int] = []
         self.text = ""  # text of ids[: self.read], complete characters only
@@ -74,6 +75,21 @@ class Detokenizer:
 PROBE = (
     """Hello , world ! Is it ? yes . do n't , I 'm , they 're { "a" : [1, 2.5] } caf\u00e9 \u4e2d\u6587 \U0001f600"""
 )
+
+
+_DECODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its backend_decode
+
+
+def tokenizer_decode(tokenizer):
+    """:func:`backend_decode` of ``tokenizer``, probed once per tokenizer (every request's
+    Detokenizer asks; the probe decodes a few dozen windows)."""
+    try:
+        if tokenizer in _DECODES:
+            return _DECODES[tokenizer]
+    except TypeError:  # neither weakly referable nor hashable: probed each time
+        return backend_decode(tokenizer)
+    out = _DECODES[tokenizer] = backend_decode(tokenizer)
+    return out
 
 
 def backend_decode(tokenizer):
