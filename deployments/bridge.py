@@ -116,9 +116,10 @@ class EngineBridge:
         self._thread = threading.Thread(target=self._run, name="toolspec-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, seq) -> SequenceStream:
-        """Queue ``seq`` (its ``on_tokens`` becomes the stream's); call on the request's event loop."""
-        stream = SequenceStream(seq, asyncio.get_running_loop(), self._outbox)
+    def submit(self, seq, loop: asyncio.AbstractEventLoop | None = None) -> SequenceStream:
+        """Queue ``seq`` (its ``on_tokens`` becomes the stream's); its progress goes to ``loop``, the
+        request's event loop (None: the running one -- any thread may submit when it names it)."""
+        stream = SequenceStream(seq, loop or asyncio.get_running_loop(), self._outbox)
         with self._cv:
             if self._closed:
                 raise EngineError("the engine is shut down")

@@ -96,8 +96,21 @@ def start_server(cfg, app_name: str = "toolspec", quiet: bool = False) -> str:
     return f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}"
 
 
+# Ray Serve settings of a local instance (its processes inherit this process's environment; a
+# cluster sets them on its pods, k8s/base/rayservice.yaml): what Serve's own throughput-optimized
+# mode sets, short of direct ingress and gRPC. A request's handler runs on the replica's main event
+# loop, and the proxy's router on the proxy's -- no hand-over between threads on the way in or for
+# each streamed message -- and the per-request access log is written in batches (errors at once).
+SERVE_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+}
+
+
 def start_ray(quiet: bool = False) -> None:
-    """Connect to Ray: a fresh local instance unless RAY_ADDRESS is set (no-op when connected)."""
+    """Connect to Ray: a fresh local instance unless RAY_ADDRESS is set (no-op when connected).
+    A local instance's processes get :data:`SERVE_ENV` where the environment does not say otherwise."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
@@ -106,6 +119,8 @@ def start_ray(quiet: bool = False) -> None:
         kwargs = {"include_dashboard": False, "log_to_driver": not quiet}
         if address == "local":
             kwargs["num_cpus"] = max(2, os.cpu_count() or 2)
+            for key, value in SERVE_ENV.items():
+                os.environ.setdefault(key, value)
         ray.init(address=address, **kwargs)
 
 

@@ -188,6 +188,9 @@ class ServeAppConfig(BaseModel):
     limits: RequestLimits = Field(default_factory=RequestLimits)
     # temperature when a request sends none (OpenAI's is 1.0; greedy keeps tool calls deterministic)
     default_temperature: float = Field(0.0, ge=0, le=2)
+    # every response's ``toolspec`` field carries the request's timeline and early steps (~3 KB;
+    # otherwise only for requests that ask: ``toolspec.timeline`` or the X-ToolSpec-Timeline header)
+    timeline: bool = False
 
     @field_validator("route_prefix")
     @classmethod

@@ -167,6 +167,33 @@ class EngineHost:
 
         return Sequence(self.target, prep.prompt_ids, drafter, prep.decode_cfg, prep.constraint, on_prompt=on_prompt)
 
+    @staticmethod
+    def _info(req: EngineRequest, prep: Prepared, embedding, retrieved):
+        """The drafter's view of the request (``retrieved``: the calls found; None: no library)."""
+        from toolspec_core.drafters.methods import RequestInfo
+
+        return RequestInfo(
+            list(prep.prompt_ids),
+            list(req.tools),
+            req.tenant,
+            embedding,
+            req.remember,
+            retrieved,
+            req.response_schema,
+        )
+
+    def _start(self, req: EngineRequest, loop, marks: dict):
+        """A worker thread's whole part of a request with nothing to search: prepared, its sequence
+        and drafter built and handed to the engine -- one hand-over from the event loop, and the
+        engine starts on the prompt while the loop is still waking. Returns (prepared, request
+        info, sequence, stream)."""
+        prep = self._prepare(req)
+        marks["prepared"] = marks["searched"] = time.time()
+        info = self._info(req, prep, None, None)
+        seq = self._sequence(prep, info, None)
+        marks["submitted"] = time.time()
+        return prep, info, seq, self.engine.submit(seq, loop)
+
     def _observe(self, info, result) -> None:
         try:
             self.method.observe(info, result.tokens, result.text)
@@ -178,44 +205,48 @@ class EngineHost:
         """Events (:mod:`deployments.events`): ``Start`` | ``Failed`` first, then ``Text`` deltas,
         then ``Done`` (the result) or ``Failed`` (the engine failed the request). Closing the generator early (the client went
         away) cancels the request's sequence at the engine's next step."""
-        from toolspec_core.drafters.methods import RequestInfo
-
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         marks = {"replica_in": time.time()}  # where the request's time went (the Done event's ``timeline``)
-        try:
-            prep = await loop.run_in_executor(self.workers, self._prepare, req)
-        except InvalidRequestError as exc:
-            yield error_event(request_error(exc))
-            return
-        marks["prepared"] = time.time()
-        yield Start(len(prep.prompt_ids))
-        search = Search(self.retrieval, req, prep.key)  # keyed on the text: runs while the engine prefills
-        begin = None
-        if search.needs_state:  # keyed on the prompt's state: the engine prefills it (in the pool), then the search
-            late, begin = search.keyed_later(loop)
+        search = stream = None
+        begin = late = None
+        if self.retrieval is None:  # nothing to search: prepared, given its drafter and queued in one worker call
+            job = self.workers.submit(self._start, req, loop, marks)
+            try:
+                prep, info, seq, stream = await asyncio.wrap_future(job)
+            except InvalidRequestError as exc:
+                yield error_event(request_error(exc))
+                return
+            except BaseException:  # the client went away meanwhile: a sequence queued all the same ends now
+                job.add_done_callback(_cancel_started)
+                raise
+            rinfo = {"status": "disabled"}
+            yield Start(len(prep.prompt_ids))
         else:
-            late = search.late()
-        retrieved, rinfo = (None, None) if late is not None else await search.result()
-        if self.library is not None:
-            self.library.note_tools(req.tenant, req.tools)
-        info = RequestInfo(
-            list(prep.prompt_ids),
-            list(req.tools),
-            req.tenant,
-            search.wire_embedding(),
-            req.remember,
-            retrieved if retrieved is not None else ([] if self.retrieval is not None else None),
-            req.response_schema,
-        )
-        marks["searched"] = time.time()  # the search's wait on the way in (none when it runs late)
-        seq = await loop.run_in_executor(self.workers, self._sequence, prep, info, late, begin)
-        marks["submitted"] = time.time()
+            try:
+                prep = await loop.run_in_executor(self.workers, self._prepare, req)
+            except InvalidRequestError as exc:
+                yield error_event(request_error(exc))
+                return
+            marks["prepared"] = time.time()
+            yield Start(len(prep.prompt_ids))
+            search = Search(self.retrieval, req, prep.key)  # keyed on the text: runs while the engine prefills
+            if search.needs_state:  # keyed on the prompt's state: the engine prefills it (in the pool), then the search
+                late, begin = search.keyed_later(loop)
+            else:
+                late = search.late()
+            retrieved, rinfo = (None, None) if late is not None else await search.result()
+            if self.library is not None:
+                self.library.note_tools(req.tenant, req.tools)
+            info = self._info(req, prep, search.wire_embedding(), retrieved if retrieved is not None else [])
+            marks["searched"] = time.time()  # the search's wait on the way in (none when it runs late)
+            seq = await loop.run_in_executor(self.workers, self._sequence, prep, info, late, begin)
+            marks["submitted"] = time.time()
         drafter = seq.drafter
         streamer = TextStreamer(req.stop, prep.decode_cfg.end_after)
-        stream = None
         try:
-            stream = self.engine.submit(seq)
+            if stream is None:
+                stream = self.engine.submit(seq)
             async for ev in text_events(stream.updates(), streamer, self.token_text, seq.logprobs):
                 marks.setdefault("first_text", time.time())
                 yield ev
@@ -247,9 +278,9 @@ class EngineHost:
             "replica": self.replica_id,
             "latency_s": time.perf_counter() - t0,
             "constrained": prep.constraint is not None,
-            "timeline": marks,
-            "early_steps": list(result.stats.early_steps),
         }
+        if req.timeline:  # asked for: where its time went (~3 KB), the HTTP route adds its own marks
+            extra.update(timeline=marks, early_steps=list(result.stats.early_steps))
         yield Done(
             result.text,
             result.finish_reason,
@@ -301,6 +332,12 @@ class EngineHost:
         if group is not None:
             group.shutdown()
         self.workers.shutdown(wait=False, cancel_futures=True)
+
+
+def _cancel_started(job: concurrent.futures.Future) -> None:
+    """Cancel the engine's sequence of a request whose client left while a worker queued it."""
+    if not job.cancelled() and job.exception() is None:
+        job.result()[3].cancel()
 
 
 def serving_limits(cfg: ServeAppConfig, target, scheduler):

@@ -6,6 +6,7 @@ replica's own ``EngineHost`` (:class:`LocalBackend`), in a Serve replica as in u
 """
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -121,6 +122,15 @@ class KeyAuth:
                 return await _error(err)(scope, receive, send)
         scope.setdefault("state", {})["key"] = key
         return await self.app(scope, receive, send)
+
+
+TIMELINE_HEADER = "x-toolspec-timeline"
+
+
+def wants_timeline(headers) -> bool:
+    """Whether the request's headers ask for its timeline (``X-ToolSpec-Timeline: 1`` or ``true``):
+    a load tester can ask every server so, where a body field might be refused."""
+    return headers.get(TIMELINE_HEADER, "").strip().lower() in ("1", "true", "yes")
 
 
 def make_api(backend, cfg: ServeAppConfig, gate=None):
@@ -256,6 +266,8 @@ def make_api(backend, cfg: ServeAppConfig, gate=None):
             raise
         key = request.state.key
         ereq = engine_request(req, key.library_tenant(req.user))
+        if not ereq.timeline and (cfg.timeline or wants_timeline(request.headers)):
+            ereq = dataclasses.replace(ereq, timeline=True)
         parse = parses_tools(ereq)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         limited = key.limited
@@ -328,12 +340,9 @@ def make_api(backend, cfg: ServeAppConfig, gate=None):
                             yield part
                     elif isinstance(ev, Done):
                         done = ev
-                        if isinstance(
-                            (ev.extra or {}).get("timeline"), dict
-                        ):  # the ingress's marks beside the replica's
-                            ev.extra["timeline"].update(
-                                http_in=wall0, first_chunk=None if ttft is None else wall0 + ttft
-                            )
+                        marks = (ev.extra or {}).get("timeline") if ereq.timeline else None
+                        if isinstance(marks, dict):  # asked for: the route's marks beside the engine's
+                            marks.update(http_in=wall0, first_chunk=None if ttft is None else wall0 + ttft)
                         yield sse_many(shaper.finish(ev))
                         if shaper.mismatch:
                             log.warning("stream deltas diverged from the final parse (request %s)", shaper.id)

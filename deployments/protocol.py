@@ -155,6 +155,9 @@ class StreamOptions(_Strict):
 
 class ToolSpecOptions(_Strict):
     remember: StrictBool = True  # False: this request's calls are never stored in the library
+    # True: the response's ``toolspec`` field carries the request's ``timeline`` (wall-clock marks
+    # of its way through the server) and ``early_steps`` (its first engine steps), ~3 KB
+    timeline: StrictBool = False
 
 
 Number = StrictFloat | StrictInt
@@ -259,13 +262,18 @@ def _check_schema(schema: dict, param: str, what: str, code: str = "invalid_valu
 
 def schema_problem(schema: dict) -> str | None:
     """Why ``schema`` is not a valid JSON schema (draft 2020-12), None when it is. Checking a
-    schema against the metaschema costs about half a millisecond a tool, and an agent sends the
-    same tools with every request: the answer is kept per schema, keyed by a digest of its JSON
-    text (the text holds every key, value and order the check reads). A schema no JSON text can
+    schema against the metaschema costs about a millisecond a tool (jsonschema resolves the
+    metaschema's dynamic references at every level), on the request's way to its first token.
+    Most tools' schemas use a handful of keywords whose rules are simple: :func:`plainly_valid`
+    accepts those in one walk. Any other goes to the metaschema check, whose answer is kept per
+    schema, keyed by a digest of its JSON text (the text holds every key, value and order the
+    check reads; an agent sends the same tools with every request). A schema no JSON text can
     hold is checked as it is."""
     import hashlib
     import json
 
+    if plainly_valid(schema):
+        return None
     try:
         text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
@@ -281,6 +289,107 @@ def schema_problem(schema: dict) -> str | None:
         while len(_SCHEMA_CHECKS) > SCHEMA_CHECKS_KEPT:
             _SCHEMA_CHECKS.popitem(last=False)
     return problem
+
+
+# JSON Schema 2020-12's simple types, and the keywords its metaschema gives rules (every vocabulary,
+# and the deprecated ones it still describes): any other keyword may hold any value
+SIMPLE_TYPES = frozenset({"array", "boolean", "integer", "null", "number", "object", "string"})
+METASCHEMA_KEYWORDS = frozenset(
+    "$id $schema $ref $anchor $dynamicRef $dynamicAnchor $vocabulary $comment $defs prefixItems items contains "
+    "additionalProperties properties patternProperties dependentSchemas propertyNames if then else allOf anyOf "
+    "oneOf not unevaluatedItems unevaluatedProperties type const enum multipleOf maximum exclusiveMaximum minimum "
+    "exclusiveMinimum maxLength minLength pattern maxItems minItems uniqueItems maxContains minContains "
+    "maxProperties minProperties required dependentRequired title description default deprecated readOnly "
+    "writeOnly examples format contentEncoding contentMediaType contentSchema definitions dependencies "
+    "$recursiveAnchor $recursiveRef".split()
+)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _count(v) -> bool:  # nonNegativeInteger, as a Python int (a float such as 2.0 goes to the full check)
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _strings(v) -> bool:  # stringArray: unique strings
+    return isinstance(v, list) and all(isinstance(x, str) for x in v) and len(set(v)) == len(v)
+
+
+def _type(v) -> bool:
+    if isinstance(v, str):
+        return v in SIMPLE_TYPES
+    return (
+        isinstance(v, list)
+        and bool(v)
+        and all(isinstance(x, str) and x in SIMPLE_TYPES for x in v)
+        and len(set(v)) == len(v)
+    )
+
+
+# keyword -> (rule for its value, how its value holds subschemas: None, "one", "map", "list")
+_PLAIN_RULES = {
+    "type": (_type, None),
+    "properties": (lambda v: isinstance(v, dict), "map"),
+    "items": (lambda v: isinstance(v, (dict, bool)), "one"),
+    "additionalProperties": (lambda v: isinstance(v, (dict, bool)), "one"),
+    "anyOf": (lambda v: isinstance(v, list) and bool(v), "list"),
+    "oneOf": (lambda v: isinstance(v, list) and bool(v), "list"),
+    "allOf": (lambda v: isinstance(v, list) and bool(v), "list"),
+    "required": (_strings, None),
+    "enum": (lambda v: isinstance(v, list), None),
+    "const": (lambda v: True, None),
+    "default": (lambda v: True, None),
+    "examples": (lambda v: isinstance(v, list), None),
+    "title": (lambda v: isinstance(v, str), None),
+    "description": (lambda v: isinstance(v, str), None),
+    "format": (lambda v: isinstance(v, str), None),
+    "$comment": (lambda v: isinstance(v, str), None),
+    "deprecated": (lambda v: isinstance(v, bool), None),
+    "readOnly": (lambda v: isinstance(v, bool), None),
+    "writeOnly": (lambda v: isinstance(v, bool), None),
+    "uniqueItems": (lambda v: isinstance(v, bool), None),
+    "minimum": (_number, None),
+    "maximum": (_number, None),
+    "exclusiveMinimum": (_number, None),
+    "exclusiveMaximum": (_number, None),
+    "multipleOf": (lambda v: _number(v) and v > 0, None),
+    **{k: (_count, None) for k in ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")},
+}
+
+
+def plainly_valid(schema) -> bool:
+    """True when ``schema`` is a valid JSON schema (draft 2020-12) by simple rules alone: every
+    keyword the metaschema gives rules is one of the common ones in ``_PLAIN_RULES`` (types,
+    properties, items, required, enum, bounds, annotations, anyOf / oneOf / allOf) with a value
+    its rule accepts, and every subschema is so too; other keywords may hold anything, as the
+    metaschema allows. False means only "not shown here": the metaschema check decides (a
+    ``pattern``, a ``$ref``, a float count, a bad value...). Walked without recursion; a schema
+    past the size limits was refused before."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, bool):
+            continue
+        if not isinstance(node, dict):
+            return False
+        for key, value in node.items():
+            rule = _PLAIN_RULES.get(key)
+            if rule is None:
+                if key in METASCHEMA_KEYWORDS:
+                    return False
+                continue
+            ok, holds = rule
+            if not ok(value):
+                return False
+            if holds == "one":
+                stack.append(value)
+            elif holds == "map":
+                stack.extend(value.values())
+            elif holds == "list":
+                stack.extend(value)
+    return True
 
 
 SCHEMA_CHECKS_KEPT = 4096  # schemas whose check is kept (32-byte keys; the least recently used goes)
@@ -439,6 +548,7 @@ class EngineRequest:
     parallel_tool_calls: bool = True
     logprobs: int | None = None
     response_schema: dict | None = None
+    timeline: bool = False  # the Done event's extra carries the timeline and early steps
 
     @property
     def offered_tools(self) -> list[dict]:
@@ -467,6 +577,7 @@ def engine_request(req: ChatRequest, tenant: str = "default") -> EngineRequest:
         stop=stops,
         tenant=tenant,
         remember=req.toolspec.remember if req.toolspec else True,
+        timeline=bool(req.toolspec and req.toolspec.timeline),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         response_schema=response_schema(req, check=False),  # parse_request checked it

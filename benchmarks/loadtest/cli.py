@@ -20,7 +20,15 @@ from .schedule import arrival_offsets, run_level_local
 from .workloads import default_datasets, level_sessions, load_workload
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "loadtest"  # not method runs: their own folder
-REQUEST_OPTIONS = ("max_tokens", "stream", "api_key", "tool_choice", "timeout", "stream_usage")  # of every request
+REQUEST_OPTIONS = (
+    "max_tokens",
+    "stream",
+    "api_key",
+    "tool_choice",
+    "timeout",
+    "stream_usage",
+    "timeline",
+)  # of every request
 DURATION_REQUEST_CAP = 100_000  # requests prepared per level when only --duration bounds it
 
 
@@ -86,6 +94,15 @@ OPTIONS = (  # group titles, each followed by its (flags, add_argument keywords)
     ("--name", dict(help="report file name without suffix (default: loadtest-<stamp>)")),
     ("--hardware", dict(help="what the servers run on, for the report (default: this host)")),
     ("--save-records", dict(action="store_true", help="also write every request as JSONL")),
+    (
+        "--timeline",
+        dict(
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="ask ToolSpec servers for each request's timeline (header X-ToolSpec-Timeline: 1), kept in the "
+            "records (default: with --save-records)",
+        ),
+    ),
     ("--resume", dict(action="store_true", help="with --name: skip what <name>.partial.jsonl holds")),
     ("--quiet", dict(action="store_true")),
     "many nodes",
@@ -254,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.resume and not args.name:
             parser.error("--resume needs --name (the run it continues)")
+        if args.timeline is None:  # the records are where a timeline is kept
+            args.timeline = args.save_records
         run(args)
     except SystemExit as exc:
         if isinstance(exc.code, str):

@@ -53,6 +53,8 @@ async def run_slice(url: str, sessions: list[list[tuple[int, dict]]], plan: dict
 
     node = opts.get("node") or socket.gethostname()
     headers = {"Authorization": f"Bearer {opts['api_key']}"} if opts.get("api_key") else {}
+    if opts.get("timeline"):  # ToolSpec servers add the request's timeline to the response (others ignore it)
+        headers["X-ToolSpec-Timeline"] = "1"
     records: list[dict] = []
     loop = asyncio.get_running_loop()
     closed = plan.get("offsets") is None

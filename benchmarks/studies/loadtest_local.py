@@ -494,14 +494,9 @@ def compare_outputs(partial_path: str, endpoints: list[str]) -> dict:
     number of output tokens, the same text (calls read as calls wherever the server put them,
     :func:`benchmarks.loadtest.client.text_digest`) and the same response (calls where the server
     returned them); and each endpoint's output tokens in all."""
-    import json
+    from benchmarks.datasets import JsonlStore
 
-    runs = {}
-    with open(partial_path) as f:
-        for line in f:
-            rec = json.loads(line)
-            if not rec.get("error"):
-                runs[(rec["endpoint"], rec["level_no"])] = rec
+    runs = JsonlStore(partial_path, lambda r: (r["endpoint"], r["level_no"])).records  # the runs that finished
     ref, levels = endpoints[0], []
     for level_no in sorted({k for _, k in runs}):
         theirs = {r["index"]: r for r in runs.get((ref, level_no), {}).get("records", []) if r["ok"]}

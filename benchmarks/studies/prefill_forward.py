@@ -20,8 +20,9 @@ vLLM's prefill):
   every larger row count -- what :data:`~toolspec_core.model.batch_forward.CAUSAL_MIN_ROWS` is
   set from. The attention part alone (``--parts attention``) loads no model.
 * ``prefill``: whole prefills (:func:`toolspec_core.engine.loop.prefill`) of the prompts,
-  512-row chunks and the whole prompt at once, the forward before (causal mask tensor, HF's
-  rotary embedding) and after (causal kernel for first chunks, ``rope``), interleaved
+  512-row chunks and the whole prompt at once, the forward with a causal mask tensor and HF's
+  rotary embedding (``mask_tensor_hf_rope``) and the served one (``causal_kernel_rope``: the causal kernel for
+  first chunks, ``rope``), interleaved
   ``--rounds`` times; best and median tokens/s (a shared machine: the best says what the kernels
   do, the spread what other work does).
 * ``compile`` (``--compile``): the decoder traced by ``torch.compile`` (inductor, ``freezing``:
@@ -197,8 +198,13 @@ def causal_from_rows(rows: list[dict]) -> int | None:
     return start
 
 
+# the two forwards whole prefills compare
+MASKED = "mask_tensor_hf_rope"  # a causal mask tensor for every chunk, HF's rotary embedding
+SERVED = "causal_kernel_rope"  # the served forward: the causal kernel for first chunks, ``rope``
+
+
 def hf_rope(x, cos, sin):
-    """HF's rotary embedding (``x * cos + rotate_half(x) * sin``): the ``before`` configuration."""
+    """HF's rotary embedding (``x * cos + rotate_half(x) * sin``): the ``mask_tensor_hf_rope`` configuration."""
     import torch
 
     h = x.shape[-1] // 2
@@ -207,19 +213,19 @@ def hf_rope(x, cos, sin):
 
 def prefill_rates(target, ids: list[list[int]], chunks=(512, 4096), rounds: int = 3) -> list[dict]:
     """Prefill tokens/s per (chunk, forward), every prompt under every configuration in turn:
-    ``before`` (causal mask tensor, HF's rotary embedding) and ``after`` (the served forward:
-    :func:`~toolspec_core.model.batch_forward.causal_attention` for first chunks and
-    :func:`~toolspec_core.model.batch_forward.rope`)."""
+    ``mask_tensor_hf_rope`` (a causal mask tensor, HF's rotary embedding) and ``causal_kernel_rope`` (the
+    served forward: :func:`~toolspec_core.model.batch_forward.causal_attention` for first chunks
+    and :func:`~toolspec_core.model.batch_forward.rope`)."""
     from toolspec_core.engine.loop import prefill
     from toolspec_core.model import batch_forward
 
     served_rope = batch_forward.rope
 
     def use(forward: str) -> None:
-        batch_forward.CAUSAL_KERNEL = forward == "after"
-        batch_forward.rope = served_rope if forward == "after" else hf_rope
+        batch_forward.CAUSAL_KERNEL = forward == SERVED
+        batch_forward.rope = served_rope if forward == SERVED else hf_rope
 
-    configs = [(c, f) for c in chunks for f in ("before", "after")]
+    configs = [(c, f) for c in chunks for f in (MASKED, SERVED)]
     rates: dict[tuple, list[float]] = {c: [] for c in configs}
     try:
         for c, f in configs:  # warm-up: first calls of each shape
@@ -229,11 +235,10 @@ def prefill_rates(target, ids: list[list[int]], chunks=(512, 4096), rounds: int 
             for p in ids[1:]:
                 for c, f in configs:
                     use(f)
-                    t0 = time.perf_counter()
-                    prefill(target, p, chunk=c)
-                    rates[(c, f)].append(len(p) / (time.perf_counter() - t0))
+                    (seconds,) = call_seconds(lambda: prefill(target, p, chunk=c), 1, warm=False)
+                    rates[(c, f)].append(len(p) / seconds)
     finally:
-        use("after")
+        use(SERVED)
     rows = []
     for (c, f), r in rates.items():
         row = {
@@ -248,9 +253,9 @@ def prefill_rates(target, ids: list[list[int]], chunks=(512, 4096), rounds: int 
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "all_tokens_per_s"}), flush=True)
     by = {(r["chunk"], r["forward"]): r for r in rows}
-    for c in chunks:  # per prompt and round, after / before side by side
-        pairs = [a / b for a, b in zip(by[(c, "after")]["all_tokens_per_s"], by[(c, "before")]["all_tokens_per_s"])]
-        by[(c, "after")]["speedup_median_of_pairs"] = statistics.median(pairs)
+    for c in chunks:  # per prompt and round, the served forward against the masked one side by side
+        pairs = [a / b for a, b in zip(by[(c, SERVED)]["all_tokens_per_s"], by[(c, MASKED)]["all_tokens_per_s"])]
+        by[(c, SERVED)]["speedup_median_of_pairs"] = statistics.median(pairs)
     return rows
 
 
@@ -351,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     items = long_prompts(args.prompts, (int(low), int(high))) if prompts else []
     out = {
         "what": "float32 CPU prefill forward part by part: projection kernels (GFLOP/s), prefill attention "
-        "(mask tensor vs causal kernel), whole prefills with the forward before/after (best and median "
+        "(mask tensor vs causal kernel), whole prefills with the forward mask_tensor_hf_rope / causal_kernel_rope (best and median "
         "tokens/s, interleaved), and optionally the inductor-compiled decoder (compile time, rate)",
         "hardware": hardware_string("cpu"),
         "torch": torch.__version__,

@@ -59,6 +59,7 @@ def engine_rates(items: list[dict], configs: list[tuple[str, int, int]], rounds:
 
     from benchmarks.data import prompt_ids
     from toolspec_core.engine.loop import prefill
+    from toolspec_core.model.cpu_linears import call_seconds
     from toolspec_core.model.target import load_target
 
     targets = {d: load_target(dtype=getattr(torch, d)) for d in dict.fromkeys(d for d, _, _ in configs)}
@@ -74,9 +75,8 @@ def engine_rates(items: list[dict], configs: list[tuple[str, int, int]], rounds:
         for p in ids[1:]:
             for c in configs:
                 torch.set_num_threads(c[1])
-                t0 = time.perf_counter()
-                prefill(targets[c[0]], p, chunk=c[2])
-                rates[c].append(len(p) / (time.perf_counter() - t0))
+                (seconds,) = call_seconds(lambda: prefill(targets[c[0]], p, chunk=c[2]), 1, warm=False)
+                rates[c].append(len(p) / seconds)
     rows = []
     for (dtype, threads, chunk), r in rates.items():
         row = {
@@ -101,16 +101,12 @@ def gemm_gflops(threads: int, dtype: str, rows: int = 512, repeats: int = 20) ->
     [rows, 896] x [896, 4864]): the practical ceiling of a prompt's linears."""
     import torch
 
+    from toolspec_core.model.cpu_linears import call_seconds
+
     torch.set_num_threads(threads)
     dt = getattr(torch, dtype)
     x, w = torch.randn(rows, 896, dtype=dt), torch.randn(4864, 896, dtype=dt)
-    for _ in range(3):
-        torch.nn.functional.linear(x, w)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        times.append(time.perf_counter() - t0)
+    times = call_seconds(lambda: torch.nn.functional.linear(x, w), repeats)
     return 2 * rows * 896 * 4864 / statistics.median(times) / 1e9
 
 

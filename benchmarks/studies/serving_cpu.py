@@ -191,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         spy_thread = threading.Thread(target=later, daemon=True)
         spy_thread.start()
     try:
-        rc = loadtest_local.main(rest + ([] if "--save-records" in rest else ["--save-records"]))
+        # the records give each level's tokens; the responses stay lean (no timeline) unless asked
+        extra = [] if "--save-records" in rest else ["--save-records"]
+        extra += [] if {"--timeline", "--no-timeline"} & set(rest) else ["--no-timeline"]
+        rc = loadtest_local.main(rest + extra)
     finally:
         sampler.stop()
     if ns.py_spy:

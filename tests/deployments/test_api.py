@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import time
+from pathlib import Path
 
 import pytest
 from serve_fixtures import TOOLS, WEATHER_MESSAGES
@@ -301,8 +302,12 @@ def test_a_schema_is_checked_once_and_answers_the_same(monkeypatch):
     def tool(params):
         return {"type": "function", "function": {"name": "f", "parameters": params}}
 
-    good = {"type": "object", "properties": {"x": {"type": "string"}, "n": {"type": "integer", "minimum": 1}}}
-    bad = {"type": "object", "properties": {"x": {"type": "nope"}}}
+    # schemas with a pattern: the fast walk leaves them to the metaschema check, whose answers are kept
+    good = {
+        "type": "object",
+        "properties": {"x": {"type": "string", "pattern": "^a"}, "n": {"type": "integer", "minimum": 1}},
+    }
+    bad = {"type": "object", "properties": {"x": {"type": "nope", "pattern": "^a"}}}
     answers = []
     for schema in (good, bad, good, bad, json.loads(json.dumps(good))):
         try:
@@ -317,8 +322,84 @@ def test_a_schema_is_checked_once_and_answers_the_same(monkeypatch):
     assert protocol.schema_problem(near) is None and len(checked) == 3  # 1 and 1.0 are different schemas
     assert protocol.schema_problem({"type": "object", "minimum": "1"}) is not None  # a fourth: the oldest goes
     assert len(protocol._SCHEMA_CHECKS) == 3
+    assert protocol.schema_problem({"type": "object", "properties": {"x": {"type": "string"}}}) is None
+    assert len(checked) == 4  # taken by the fast walk: not checked, not kept
     for schema in (good, bad, near, {"type": "object", "minimum": "1"}):  # the kept answers are the check's own
         assert protocol.schema_problem(schema) == protocol._schema_problem(schema)
+
+
+def test_the_metaschema_keywords_are_every_one_the_metaschema_describes():
+    """plainly_valid lets a keyword outside METASCHEMA_KEYWORDS hold anything: the list must be the
+    draft 2020-12 metaschema's own (every vocabulary's properties)."""
+    from jsonschema import Draft202012Validator
+    from jsonschema_specifications import REGISTRY
+
+    from deployments.protocol import METASCHEMA_KEYWORDS
+
+    meta = Draft202012Validator.META_SCHEMA
+    keys = set(meta["properties"])
+    for ref in meta["allOf"]:
+        keys |= set(REGISTRY.contents("https://json-schema.org/draft/2020-12/" + ref["$ref"])["properties"])
+    assert keys == METASCHEMA_KEYWORDS
+
+
+def _mutations(schema, rng, n: int):
+    """``n`` copies of ``schema`` with one value somewhere replaced by a value of another kind."""
+    import copy
+
+    odd = ["x", 3, -1, 2.5, 0, True, None, [], ["a", "a"], {}, {"type": 7}, [{"type": "nope"}], "string", ["string"]]
+    out = []
+    for _ in range(n):
+        s = copy.deepcopy(schema)
+        node, path = s, []
+        while isinstance(node, dict) and node and rng.random() < 0.7:
+            key = rng.choice(list(node))
+            if not isinstance(node[key], (dict, list)) or rng.random() < 0.4:
+                break
+            path.append(key)
+            node = node[key] if isinstance(node[key], dict) else {}
+        if isinstance(node, dict):
+            key = rng.choice(list(node) + ["type", "required", "items", "minLength", "enum", "anyOf", "pattern"])
+            node[key] = copy.deepcopy(rng.choice(odd))
+        out.append(s)
+    return out
+
+
+def test_a_plainly_valid_schema_is_valid_by_the_metaschema():
+    """The fast walk never accepts what the metaschema check refuses: every dev-set tool schema and
+    thousands of mutations of them (a value of another kind somewhere); and it takes the common
+    schemas itself (most dev-set tools never reach jsonschema)."""
+    import random
+
+    from benchmarks.loadtest.workloads import load_items
+    from deployments.protocol import _schema_problem, plainly_valid
+
+    here = Path(__file__).resolve().parents[2] / "benchmarks" / "datasets"
+    items = [it for b in ("api_bank", "bfcl_v3", "toolalpaca") for it in load_items(f"{here}/{b}.dev.jsonl.gz")]
+    schemas = list(
+        {
+            json.dumps(t["function"].get("parameters") or {}): t["function"].get("parameters") or {}
+            for it in items
+            for t in it["tools"]
+        }.values()
+    )
+    rng = random.Random(0)
+    plain = [s for s in schemas if plainly_valid(s)]
+    assert len(plain) >= 0.8 * len(schemas)
+    for s in plain:
+        assert _schema_problem(s) is None, s
+    taken = refused = 0
+    for s in rng.sample(schemas, min(400, len(schemas))):
+        for m in _mutations(s, rng, 8):
+            if plainly_valid(m):
+                taken += 1
+                assert _schema_problem(m) is None, m
+            else:
+                refused += _schema_problem(m) is not None
+    assert taken > 100 and refused > 100  # both sides were exercised
+    for bad in ({"type": "nope"}, {"required": ["a", "a"]}, {"minLength": -1}, {"items": [{}]}, {"anyOf": []}):
+        assert not plainly_valid(bad) and _schema_problem(bad) is not None, bad
+    assert plainly_valid({"type": "object", "nullable": True, "x-anything": {"type": 5}})  # unknown keywords: any value
 
 
 def test_engine_request_normalises():
@@ -1558,3 +1639,56 @@ def test_the_scripted_target_writes_its_script_through_the_engine():
     assert done.completion_tokens == 40 and done.text == want
     chunks = [json.loads(ln[6:]) for ln in streamed.text.splitlines() if ln.startswith("data: {")]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == want
+
+
+def test_the_timeline_rides_on_a_response_only_when_asked():
+    """A response's ``toolspec`` field carries the request's timeline and early engine steps (~3 KB)
+    only when asked -- the X-ToolSpec-Timeline header (what ``toolspec loadtest --timeline`` sends),
+    the ``toolspec.timeline`` request field, or the server's ``timeline`` option --, so the OpenAI
+    response stays lean by default."""
+    import httpx
+
+    from deployments.http import LocalBackend, make_api
+
+    cfg = ServeAppConfig(
+        model="scripted", method="ar", cost_model="none", served_model_name="s", retrieval={"enabled": False}
+    )
+    host = EngineHost.build(cfg)
+    apps = {
+        False: make_api(LocalBackend(host), cfg),
+        True: make_api(LocalBackend(host), cfg.model_copy(update={"timeline": True})),
+    }
+
+    async def post(always: bool, stream: bool, headers=None, **extra) -> dict:
+        body = {"messages": MSG, "max_tokens": 8, "stream": stream, **extra}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=apps[always]), base_url="http://t") as http:
+            r = await http.post("/v1/chat/completions", json=body, headers=headers or {})
+        assert r.status_code == 200, r.text
+        if not stream:
+            return r.json()["toolspec"]
+        chunks = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+        return [c["toolspec"] for c in chunks if "toolspec" in c][-1]
+
+    async def go():
+        return {
+            "plain": await post(False, True),
+            "plain_whole": await post(False, False),
+            "header": await post(False, True, {"X-ToolSpec-Timeline": "1"}),
+            "field": await post(False, False, toolspec={"timeline": True}),
+            "server": await post(True, True),
+        }
+
+    try:
+        got = run(go())
+    finally:
+        host.close()
+    for name in ("plain", "plain_whole"):
+        assert "timeline" not in got[name] and "early_steps" not in got[name], name
+        assert got[name]["method"] == "ar"  # the rest of the field as before
+    for name in ("header", "field", "server"):
+        t = got[name]["timeline"]
+        assert t["replica_in"] <= t["prepared"] <= t["first_token"] <= t["first_text"], name
+        assert got[name]["early_steps"][0]["kind"] == "prefill", name
+    for name in ("header", "server"):  # streamed: the route's own marks beside the engine's
+        t = got[name]["timeline"]
+        assert t["http_in"] <= t["replica_in"] and t["first_text"] <= t["first_chunk"], name

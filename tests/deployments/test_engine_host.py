@@ -19,7 +19,7 @@ def test_cpu_replica_uses_every_core_it_may_run_on(monkeypatch):
 
 
 def test_done_carries_where_the_first_token_waited():
-    """The replica's Done event says where a request's time went before its first token
+    """Asked for (``toolspec.timeline``), the replica's Done event says where a request's time went before its first token
     (``timeline``: wall-clock marks in the order the request passed them) and what its first
     steps carried (``early_steps``), for load studies (benchmarks.studies.ttft_breakdown)."""
     import asyncio
@@ -33,9 +33,12 @@ def test_done_carries_where_the_first_token_waited():
     )
     try:
         body = {"model": host.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-        done = asyncio.run(host.generate(engine_request(parse_request(body, host.name, 4096))))
+        asked = {**body, "toolspec": {"timeline": True}}  # first: its whole prompt is prefilled
+        done = asyncio.run(host.generate(engine_request(parse_request(asked, host.name, 4096))))
+        plain = asyncio.run(host.generate(engine_request(parse_request(body, host.name, 4096))))
     finally:
         host.close()
+    assert "timeline" not in plain.extra and "early_steps" not in plain.extra  # only when asked
     assert isinstance(done, Done) and done.completion_tokens > 0
     t = done.extra["timeline"]
     order = ["replica_in", "prepared", "searched", "submitted", "queued", "admitted", "prefill_start"]

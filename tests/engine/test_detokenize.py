@@ -291,14 +291,20 @@ def test_the_schema_fsm_reads_the_shared_text_as_the_tokenizer_spells_it(qwen_to
 def test_the_backend_decode_is_the_tokenizers_own(qwen_tok, monkeypatch):
     """The Detokenizer calls a fast tokenizer's Rust decode directly only where that is exactly
     ``tokenizer.decode(ids, skip_special_tokens=False)``; any other tokenizer goes through decode."""
-    from toolspec_core.engine.detokenize import backend_decode
+    from toolspec_core.engine.detokenize import backend_decode, tokenizer_decode
 
     fast = backend_decode(qwen_tok)
     assert fast is not None and Detokenizer(qwen_tok)._decode.__qualname__ == fast.__qualname__
+    assert tokenizer_decode(qwen_tok) is tokenizer_decode(qwen_tok)  # probed once per tokenizer
     rng = random.Random(1)
     for _ in range(200):
         ids = [rng.choice((151644, 151645, 151657)) if rng.random() < 0.1 else rng.randrange(151643) for _ in range(8)]
         assert fast(ids) == qwen_tok.decode(ids, skip_special_tokens=False)
     assert backend_decode(CharTokenizer(96)) is None
+    real = qwen_tok.decode
+    monkeypatch.setattr(qwen_tok, "decode", lambda ids, **kw: real(ids, **kw).replace(" ,", ","))
+    assert backend_decode(qwen_tok) is None  # a decode that differs from the backend's on the probe
+    monkeypatch.setattr(qwen_tok, "decode", real)
+    assert backend_decode(qwen_tok) is not None
     monkeypatch.setattr(qwen_tok, "clean_up_tokenization_spaces", True)
     assert backend_decode(qwen_tok) is None  # a decode that cleans spaces up is not the backend's

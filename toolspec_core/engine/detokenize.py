@@ -8,6 +8,7 @@ vLLM's incremental detokenizer and HF's streamers do, and the readers share its 
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable
 
 
@@ -29,7 +30,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer, eos_ids: Iterable[int] = ()):
         self.tok = tokenizer
-        self._decode = backend_decode(tokenizer) or self._hf_decode
+        self._decode = tokenizer_decode(tokenizer) or self._hf_decode
         self.eos = frozenset(eos_ids)
         self.ids: list[int] = []
         self.text = ""  # text of ids[: self.read], complete characters only
@@ -69,26 +70,48 @@ class Detokenizer:
         return self.tok.decode(ids, skip_special_tokens=False)
 
 
+# text a decode's clean-up would rewrite (spaces before punctuation and contractions), JSON,
+# multi-byte characters: decoded by the tokenizer and by its backend to see they agree
+PROBE = (
+    """Hello , world ! Is it ? yes . do n't , I 'm , they 're { "a" : [1, 2.5] } caf\u00e9 \u4e2d\u6587 \U0001f600"""
+)
+
+
+_DECODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its backend_decode
+
+
+def tokenizer_decode(tokenizer):
+    """:func:`backend_decode` of ``tokenizer``, probed once per tokenizer (every request's
+    Detokenizer asks; the probe decodes a few dozen windows)."""
+    try:
+        if tokenizer in _DECODES:
+            return _DECODES[tokenizer]
+    except TypeError:  # neither weakly referable nor hashable: probed each time
+        return backend_decode(tokenizer)
+    out = _DECODES[tokenizer] = backend_decode(tokenizer)
+    return out
+
+
 def backend_decode(tokenizer):
     """``ids -> text`` equal to ``tokenizer.decode(ids, skip_special_tokens=False)`` by calling the
-    Rust tokenizer directly, for a transformers fast tokenizer whose ``decode`` adds nothing to
-    the backend's (no clean-up of spaces, neither method overridden): the Python wrapper's own
-    work (argument conversion, keyword handling) is two thirds of a short window's decode, run
-    twice per committed token. None for any other tokenizer."""
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:
+    fast tokenizer's Rust ``backend_tokenizer`` directly: the Python wrapper's own work (argument
+    conversion, keyword handling) is two thirds of a short window's decode, run twice per
+    committed token. Only where the two are the same: a fast tokenizer that cleans no spaces up
+    (``clean_up_tokenization_spaces`` false, the one thing a fast tokenizer's decode adds) and
+    whose decode of :data:`PROBE` and the special tokens, whole and in short windows, is the
+    backend's. None for any other tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not getattr(tokenizer, "is_fast", False):
         return None
-    cls = type(tokenizer)
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if (
-        not isinstance(tokenizer, TokenizersBackend)
-        or backend is None
-        or cls.decode is not PreTrainedTokenizerBase.decode
-        or cls._decode is not TokenizersBackend._decode
-        or tokenizer.clean_up_tokenization_spaces
-    ):
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return None
     decode = backend.decode
+    try:
+        ids = list(backend.encode(PROBE, add_special_tokens=False).ids)
+        ids += [i for i in tokenizer.all_special_ids if isinstance(i, int)]
+        windows = [ids] + [ids[k : k + 3] for k in range(len(ids))]
+        if any(tokenizer.decode(w, skip_special_tokens=False) != decode(w, skip_special_tokens=False) for w in windows):
+            return None
+    except Exception:  # a tokenizer the probe cannot run on: its own decode
+        return None
     return lambda ids: decode(ids, skip_special_tokens=False)

@@ -80,9 +80,11 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def call_seconds(fn, repeats: int) -> list[float]:
-    """Wall times of ``repeats`` calls of ``fn()``, after one untimed call (a first call pays set-up)."""
-    fn()
+def call_seconds(fn, repeats: int, warm: bool = True) -> list[float]:
+    """Wall times of ``repeats`` calls of ``fn()``, after one untimed call (a first call pays set-up;
+    ``warm=False``: none, the caller warmed it)."""
+    if warm:
+        fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
