@@ -17,8 +17,8 @@ vLLM's prefill):
   blocks skipped; swept over ``--attention-rows``, interleaved ``--attention-rounds`` times) or,
   for a chunk after a cached prefix, :func:`split_attention` (prefix and chunk apart, merged by
   log-sum-exp). ``causal_from_rows``: the fewest rows from which the causal kernel was faster at
-  every larger row count -- what :data:`~toolspec_core.model.batch_forward.CAUSAL_MIN_ROWS` is
-  set from. The attention part alone (``--parts attention``) loads no model.
+  every larger row count, the figure to hold
+  :data:`~toolspec_core.model.batch_forward.CAUSAL_MIN_ROWS` against. The attention part alone (``--parts attention``) loads no model.
 * ``prefill``: whole prefills (:func:`toolspec_core.engine.loop.prefill`) of the prompts,
   512-row chunks and the whole prompt at once, the forward with a causal mask tensor and HF's
   rotary embedding (``mask_tensor_hf_rope``) and the served one (``causal_kernel_rope``: the causal kernel for
