@@ -323,3 +323,31 @@ def test_per_key_limits_hold_across_two_replicas(serve_port, tmp_path):
         assert wait_until(lambda: ok_requests() >= 30, timeout=30), ok_requests()
     finally:
         serve.delete("pair2")
+
+
+def test_a_local_ray_instance_runs_serve_on_its_event_loops(monkeypatch):
+    """``start_ray`` hands a local instance's processes SERVE_ENV (the handler on the replica's main
+    event loop, the router on the proxy's, batched access logs), where the environment does not
+    already say otherwise; a remote cluster's environment is its own."""
+    import ray
+
+    from deployments import cli
+
+    seen = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda address, **kw: seen.append((address, dict(os.environ))))
+    for key in cli.SERVE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE", "1")  # said otherwise: kept
+    cli.start_ray(quiet=True)
+    address, env = seen[-1]
+    assert address == "local"
+    assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    assert env["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
+    assert env["RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE"] == "1"
+    for key in cli.SERVE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RAY_ADDRESS", "ray://elsewhere:10001")
+    cli.start_ray(quiet=True)
+    assert seen[-1][0] == "ray://elsewhere:10001" and "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" not in seen[-1][1]
