@@ -192,27 +192,31 @@ def test_a_sequence_cache_is_set_once():
         seq.place_cache(tg.new_cache(), 0)
 
 
-def _calls_and_assignments(path: Path):
-    """(function qualname, what) for every ``place_cache`` call and every ``._cache`` assignment."""
-    tree = ast.parse(path.read_text())
-    out = []
+def _scoped(path: Path):
+    """Every AST node of ``path`` with the qualified name of the function or class it is in."""
 
     def visit(node, scope):
         for child in ast.iter_child_nodes(node):
             name = scope
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 name = f"{scope}.{child.name}" if scope else child.name
-            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute):
-                if child.func.attr == "place_cache":
-                    out.append((name, "place_cache"))
-            targets = child.targets if isinstance(child, ast.Assign) else [getattr(child, "target", None)]
-            for t in targets:
-                for e in ast.walk(t) if t is not None else ():
-                    if isinstance(e, ast.Attribute) and e.attr == "_cache" and isinstance(e.ctx, ast.Store):
-                        out.append((name, "_cache ="))
-            visit(child, name)
+            yield name, child
+            yield from visit(child, name)
 
-    visit(tree, "")
+    return visit(ast.parse(path.read_text()), "")
+
+
+def _calls_and_assignments(path: Path):
+    """(function qualname, what) for every ``place_cache`` call and every ``._cache`` assignment."""
+    out = []
+    for name, node in _scoped(path):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "place_cache":
+            out.append((name, "place_cache"))
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for t in targets:
+            for e in ast.walk(t) if t is not None else ():
+                if isinstance(e, ast.Attribute) and e.attr == "_cache" and isinstance(e.ctx, ast.Store):
+                    out.append((name, "_cache ="))
     return out
 
 
@@ -231,23 +235,14 @@ def test_one_place_sets_a_sequence_cache():
 
 def _constructions(path: Path):
     """(function qualname, name) of every call of a KV cache class or of ``new_cache``."""
-    tree = ast.parse(path.read_text())
     kinds = {"SeqKV", "HFKV", "PagedKV", "DynamicCache", "new_cache"}
     out = []
-
-    def visit(node, scope):
-        for child in ast.iter_child_nodes(node):
-            name = scope
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                name = f"{scope}.{child.name}" if scope else child.name
-            if isinstance(child, ast.Call):
-                f = child.func
-                called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
-                if called in kinds:
-                    out.append((name, called))
-            visit(child, name)
-
-    visit(tree, "")
+    for name, node in _scoped(path):
+        if isinstance(node, ast.Call):
+            f = node.func
+            called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if called in kinds:
+                out.append((name, called))
     return out
 
 
