@@ -24,7 +24,6 @@ _EXPORTS = {
     "render_prompt": "toolspec_core.model.prompting",
     "DecodeConfig": "toolspec_core.engine.loop",
     "prefill": "toolspec_core.engine.loop",
-    "decode": "toolspec_core.engine.loop",
     "generate": "toolspec_core.engine.loop",
     "GenerationResult": "toolspec_core.engine.stats",
     "SamplingParams": "toolspec_core.engine.sampling",
