@@ -17,3 +17,4 @@ fi
 # Build the few-rows CPU kernel once (~1 min; toolspec_core/model/rows_kernel.py); without a compiler or AVX2
 # the linears keep the oneDNN / F.linear dispatch.
 .venv/bin/python -c "from toolspec_core.model import rows_kernel; print('rows kernel:', 'built' if rows_kernel.load() else 'unavailable (oneDNN / F.linear dispatch)')"
+.venv/bin/python -c "from toolspec_core.drafters import tree_kernel; print('tree merge kernel:', 'built' if tree_kernel.load() else 'unavailable (Python merge)')"

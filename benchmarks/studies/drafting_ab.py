@@ -1,6 +1,5 @@
 """Drafting CPU time, A/B by part of the drafter: ``bench --batch --target replay`` with the schema
-drafter's sequence memo (``ExpansionMemo``) and the compiled tree merge (``tree_kernel``) each on
-or off, run in turn (alternated, ``--rounds`` times), timing the thread CPU time of the batch
+drafter's compiled tree merge (``tree_kernel``) on and off, run in turn (alternated, ``--rounds`` times), timing the thread CPU time of the batch
 drafting call only (``Scheduler._propose_all``) per drafted sequence-step. Trees are the same in
 every variant (tests/drafters/test_batch_drafting.py), so MAT and outputs are too; the report
 checks it.
@@ -24,17 +23,11 @@ from toolspec_core.drafters import tree_kernel
 from toolspec_core.drafters.toolcall import drafter as drafter_mod
 from toolspec_core.engine import scheduler as sched_mod
 
-VARIANTS = {
-    "python": dict(memo=False, compiled=False),
-    "memo": dict(memo=True, compiled=False),
-    "compiled": dict(memo=False, compiled=True),
-    "memo+compiled": dict(memo=True, compiled=True),
-}
+VARIANTS = {"python": dict(compiled=False), "compiled": dict(compiled=True)}
 
 
-def run_variant(a, memo: bool, compiled: bool) -> dict:
-    keep, load = drafter_mod.SchemaDrafter.KEEP_EXPANSIONS, tree_kernel.load
-    drafter_mod.SchemaDrafter.KEEP_EXPANSIONS = memo
+def run_variant(a, compiled: bool) -> dict:
+    load = tree_kernel.load
     if not compiled:
         tree_kernel.load = lambda: None
     cpu = {"s": 0.0, "seq_steps": 0}
@@ -69,7 +62,7 @@ def run_variant(a, memo: bool, compiled: bool) -> dict:
     finally:
         sched_mod.Scheduler._propose_all = batch_propose
         gc.callbacks.remove(on_gc)
-        drafter_mod.SchemaDrafter.KEEP_EXPANSIONS, tree_kernel.load = keep, load
+        tree_kernel.load = load
     outs, mats = [], []
     for rec in run.store.records.values():
         for item, o in sorted(rec["outputs"].items()):

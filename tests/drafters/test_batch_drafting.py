@@ -58,14 +58,10 @@ def _req(replay, it, rec):
     return pre, RequestInfo(prompt_ids=rec["prompt_ids"], tools=it.get("tools") or [], embedding=pre.hidden)
 
 
-@pytest.mark.parametrize("keep", [False, True], ids=["default", "expansions-kept"])
-def test_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, items, keep, monkeypatch):
+def test_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, items):
     """B = 6 through the batched scheduler, two groups (the second drafts from the library the first
     filled): every step's tree, node for node (tokens, parents, labels, confidences) -- the default
-    drafter (compiled merge where built), and with each sequence's sub-expansions kept across steps."""
-    from toolspec_core.drafters.toolcall.drafter import SchemaDrafter
-
-    monkeypatch.setattr(SchemaDrafter, "KEEP_EXPANSIONS", keep)
+    drafter (bounded expansion, compiled merge where built) against the reference."""
     fast, ref = make_method("toolspec", replay.tokenizer), make_method("toolspec", replay.tokenizer, reference=True)
     seen: list[bool] = []
     for group in (items[:6], items[6:]):

@@ -457,6 +457,20 @@ def test_pool_refuses_a_sequence_it_can_never_hold(tiny):
     assert not sched.has_work()
 
 
+def test_run_raises_when_nothing_running_can_free_the_blocks_a_waiting_sequence_needs(tiny):
+    """Blocks pinned outside the scheduler (a harness's cached prompt) with nothing running: the
+    waiting sequence can never be admitted, and ``run`` says so rather than step forever."""
+    pool = tiny.block_pool(64, 8)
+    pinned = pool.allocate(4)
+    sched = Scheduler(tiny, None, BatchLimits(tree_rows=8), pool)
+    sched.add(Sequence(tiny, list(range(1, 30)), None, DecodeConfig(max_new_tokens=8)))
+    with pytest.raises(RuntimeError, match="cannot free"):
+        sched.run()
+    pool.release(pinned)
+    sched.run()
+    assert not sched.has_work()
+
+
 def test_cancel_and_failure_give_every_block_back(tiny, refs):
     prompts, _ = refs
     pool = tiny.block_pool(512, 8)

@@ -58,10 +58,13 @@ def add_copies(
 def rate_key(tree: DraftTree, i: int) -> str:
     """The acceptance-rate key of node ``i``: copy drafts learn their first token and their
     continuation separately ("pld" vs "pld+"), so long copies can earn a long draft."""
-    lab, p = tree.labels[i], tree.parents[i]
-    if is_chain(lab) and p >= 0 and tree.labels[p] == lab:
-        return lab + "+"
-    return lab
+    p = tree.parents[i]
+    return label_rate_key(tree.labels[i], tree.labels[p] if p >= 0 else None)
+
+
+def label_rate_key(label: str, parent_label: str | None) -> str:
+    """:func:`rate_key` of a node from its label and its parent's (None at the root)."""
+    return label + "+" if parent_label == label and is_chain(label) else label
 
 
 class LabelRates:

@@ -43,15 +43,15 @@ def build_dir() -> Path:
 
 def build(source: Path = SOURCE, directory: Path | None = None) -> Path:
     """Compile ``source`` into ``directory`` (default :func:`build_dir`) unless a build of the same
-    source is there; the shared object's path."""
+    source, compiler and flags is there (the flags carry the bit-exactness); the shared object's path."""
     directory = directory or build_dir()
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    cc = os.environ.get("CC", "cc")
+    digest = hashlib.sha256(source.read_bytes() + repr((cc, CFLAGS)).encode()).hexdigest()[:16]
     out = directory / f"{NAME}-{digest}{sysconfig.get_config_var('EXT_SUFFIX')}"
     if out.exists():
         return out
     directory.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
-    cc = os.environ.get("CC", "cc")
     cmd = [cc, *CFLAGS, f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(tmp)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     os.replace(tmp, out)  # atomic: a concurrent build of the same source writes the same file

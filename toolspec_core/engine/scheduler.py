@@ -159,7 +159,13 @@ class Scheduler:
 
     def run(self) -> None:
         while self.has_work():
+            idle, waiting = not self.running, len(self.waiting)
             self.step()
+            if idle and len(self.waiting) == waiting:  # nothing admitted, nothing running to free blocks
+                raise RuntimeError(
+                    f"a waiting sequence needs {self._rows_needed(self.waiting[0])} KV rows and the pool "
+                    "cannot free that many (its other blocks are pinned or referenced)"
+                )
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Sequence]:

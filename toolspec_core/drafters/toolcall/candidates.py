@@ -88,9 +88,6 @@ class Priors:
     events: LabelRates = field(
         default_factory=lambda: LabelRates({"call_start": CALL_START_PRIOR, "prose_after": PROSE_AFTER_PRIOR})
     )
-    # bumped by every change (``SchemaMethod.observe``): what an expansion kept across steps was
-    # computed from (``ExpansionMemo``)
-    version: int = 0
 
     @property
     def call_start(self) -> float:
@@ -129,22 +126,6 @@ class _Cut(list):
     an empty list, not "nothing follows"."""
 
 
-class _Sub:
-    """A builder method and its arguments, to be expanded when a branch is (``_Builder.sub``)."""
-
-    __slots__ = ("b", "key")
-
-    def __init__(self, b: "_Builder", key: tuple):
-        self.b, self.key = b, key
-
-    def __call__(self) -> list[Cand]:
-        return getattr(self.b, self.key[0])(*self.key[1:])
-
-
-# the sub-expansions a sequence keeps across steps: those its next steps expand again (what follows
-# a tool name or a value, a call's head and end); an argument's value openings are expanded at a
-# new depth each step (``levels`` reaches one level further) and are not kept
-KEPT = frozenset({"call_body", "tool_names", "after_name", "args_open", "after_value", "close_call", "after_closer"})
 SLACK = 1e-9  # relative margin on the floor: a bound multiplies in another order than the candidate's prob
 
 
@@ -184,14 +165,6 @@ class _Builder:
         self.mult = 1.0  # product of the probability factors above the branch being expanded
         self._best: list[float] = []  # min-heap: the ``keep`` largest leaf probabilities so far
         self._cuts = 0  # branches left out as below the floor
-        self._cutmax = 0.0  # the largest bound of a branch left out (in the sub-expansion being kept)
-        self.memo: dict | None = None  # full sub-expansions by (method, arguments): ``ExpansionMemo.entries``
-
-    def sub(self, meth: str, *args) -> "_Sub":
-        """The sub-expansion ``meth(*args)`` as a branch to expand (``seq`` / ``under``): a key the
-        memo can hold it by, since what it returns depends on its arguments and the memo's
-        signature only."""
-        return _Sub(self, (meth, *args))
 
     def _floor(self) -> float:
         return self._best[0] if len(self._best) >= self.keep else 0.0
@@ -200,8 +173,6 @@ class _Builder:
         """Whether every candidate of a branch with factor ``prob`` here is below the floor."""
         if self.keep and self.mult * prob * (1.0 + SLACK) < self._floor():
             self._cuts += 1
-            if self.mult * prob > self._cutmax:
-                self._cutmax = self.mult * prob
             return True
         return False
 
@@ -219,8 +190,6 @@ class _Builder:
         largest of their factors); a ``_Cut`` where all of it was below the floor."""
         if self._below(prob):
             return _Cut()
-        if self.memo is not None and fn.__class__ is _Sub and fn.key[0] in KEPT:
-            return self._kept(prob, fn)
         outer, cuts = self.mult, self._cuts
         self.mult = outer * prob
         try:
@@ -228,71 +197,6 @@ class _Builder:
         finally:
             self.mult = outer
         return out if out or self._cuts == cuts else _Cut()
-
-    def _kept(self, prob: float, fn: "_Sub") -> list:
-        """``under(prob, fn)`` with the sequence's memo: from the entry an earlier expansion of
-        ``fn`` left where it provably gives the same result, else expanded and kept.
-
-        An entry is what a bounded expansion of ``fn`` returned, with the largest probability
-        (relative to ``fn``'s own root) of anything it left out below its floor then (0: it is
-        complete). Here, with ``mult`` the factors above, a candidate's probability is ``mult *
-        c.prob``; if what the entry left out is below this build's floor -- after the entry's own
-        candidates go into the floor's heap, as its leaves would -- it could not be kept here
-        either, and the entry's candidates above the floor are this expansion's result.
-        """
-        mult = self.mult * prob
-        entry = self.memo.get(fn.key)
-        if entry is not None:
-            if entry[1] is None:
-                entry[1] = sorted((c.prob for c in entry[0] if c.prob > 0 and any(s[0] for s in c.segs)), reverse=True)
-            out = self._from_entry(mult, *entry)
-            if out is not None:
-                return out
-        outer, cuts, cutmax = self.mult, self._cuts, self._cutmax
-        self.mult, self._cutmax = mult, 0.0
-        try:
-            out = fn()
-        finally:
-            inside = self._cutmax
-            self.mult, self._cutmax = outer, max(cutmax, inside)
-        rel = inside / mult if mult > 0 else (0.0 if inside == 0 else float("inf"))
-        if entry is None or rel < entry[2]:
-            self.memo[fn.key] = [out, None, rel]  # the heap's probabilities sorted on first use
-        return out if out or self._cuts == cuts else _Cut()
-
-    def _from_entry(self, mult: float, cands: list, probs: list[float], rel: float) -> list | None:
-        """An entry's candidates kept at factor ``mult``, or None where what it left out might be
-        kept here (then nothing is changed)."""
-        best, keep = self._best, self.keep
-        left_out = mult * rel * (1.0 + SLACK)  # bound of what the entry does not hold
-        if rel > 0 and left_out >= self._floor():
-            best = list(best)  # the floor the entry's own candidates would raise, tried on a copy
-        for q in probs:
-            p = mult * q
-            if len(best) < keep:
-                heapq.heappush(best, p)
-            elif p > best[0]:
-                heapq.heapreplace(best, p)
-            else:
-                break
-        floor = best[0] if len(best) >= keep else 0.0
-        if rel > 0 and left_out >= floor:
-            return None
-        self._best = best
-        m = mult * (1.0 + SLACK)
-        out, dropped = [], mult * rel
-        for c in cands:
-            if m * c.prob >= floor:
-                out.append(c)
-            elif mult * c.prob > dropped:
-                dropped = mult * c.prob
-        if dropped > 0 or len(out) < len(cands):
-            self._cuts += 1
-            if dropped > self._cutmax:
-                self._cutmax = dropped
-            if not out:
-                return _Cut()
-        return out
 
     def tool_weights(self, names: list[str]) -> list[float]:
         """Learned tool frequencies, half the mass moved to the tools this output already called."""
@@ -364,7 +268,7 @@ class _Builder:
         ``label`` is given."""
         key = self.ws_in(call_indent, layout) + '"name"' if key is None else key
         head = [(key + self.tr.kv_sep + '"', label or self.head_label())]
-        return self.seq(head, self.sub("tool_names", "", layout, call_indent, lv))
+        return self.seq(head, lambda: self.tool_names("", layout, call_indent, lv))
 
     def tool_names(self, prefix: str, layout: Layout, call_indent: int, lv: int) -> list[Cand]:
         names = [n for n in self.tools.names if n.startswith(prefix)]
@@ -373,7 +277,7 @@ class _Builder:
         out = []
         for name, w in zip(names, self.tool_weights(names)):
             segs = [(name[len(prefix) :] + '"', TOOL_NAME)]
-            tail = self.sub("after_name", name, layout, call_indent, lv - 1) if lv > 0 else None
+            tail = (lambda n=name: self.after_name(n, layout, call_indent, lv - 1)) if lv > 0 else None
             out += self.seq(segs, tail, w)
         return out
 
@@ -390,17 +294,17 @@ class _Builder:
         segs = [(text + '"' + key + '"' + self.tr.kv_sep + "{", CALL_KEY)]
         return self.seq(
             segs,
-            self.sub("args_open", name, layout, call_indent + self.tr.indent_unit if self.pretty(layout) else 0, lv),
+            lambda: self.args_open(name, layout, call_indent + self.tr.indent_unit if self.pretty(layout) else 0, lv),
         )
 
     def args_open(self, name: str, layout: Layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
         free = self.tools.free(name)  # a tool the request does not offer: a key of unknown name, most likely
         if not free and not self.tools.properties(name):
-            return self.seq([("}", CALL_KEY)], self.sub("close_call", layout, lv)) if lv >= 0 else []
+            return self.seq([("}", CALL_KEY)], lambda: self.close_call(layout, lv)) if lv >= 0 else []
         ws = self.rest(self.ws_in(args_indent, layout), since)
         if free:
             return [self.leaf([(ws + '"', CALL_KEY)], FREE_MORE)]
-        return self.seq([(ws + '"', CALL_KEY)], self.sub("arg_names", name, (), "", layout, args_indent, lv))
+        return self.seq([(ws + '"', CALL_KEY)], lambda: self.arg_names(name, [], "", layout, args_indent, lv))
 
     def arg_weights(self, name: str, used: list[str], cands: list[str]) -> list[float]:
         props = list(self.tools.properties(name))
@@ -435,13 +339,13 @@ class _Builder:
         out = []
         for a, w in zip(cands, self.arg_weights(name, used, cands)):
             segs = [(a[len(prefix) :] + '"' + self.tr.kv_sep, ARG_NAME)]
-            tail = self.sub("value_start_of", name, (*used, a), layout, args_indent, lv - 1) if lv > 0 else None
+            tail = (
+                (lambda a=a: self.value_start(name, used + [a], props.get(a) or {}, layout, args_indent, lv - 1))
+                if lv > 0
+                else None
+            )
             out += self.seq(segs, tail, w)
         return out
-
-    def value_start_of(self, name, used, layout, args_indent: int, lv: int) -> list[Cand]:
-        """``value_start`` of the argument ``used[-1]`` with its schema from the tool's properties."""
-        return self.value_start(name, used, self.tools.properties(name).get(used[-1]) or {}, layout, args_indent, lv)
 
     def value_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
         """Values earlier calls of this tool passed here, then the typed openings."""
@@ -449,15 +353,13 @@ class _Builder:
         out = []
         for v, share, label in seen:
             out += self.seq(
-                [(_json_scalar(v), label)],
-                self.sub("after_value", name, tuple(used), layout, args_indent, lv - 1),
-                share,
+                [(_json_scalar(v), label)], lambda: self.after_value(name, used, layout, args_indent, lv - 1), share
             )
         rest = 1.0 - sum(sh for _, sh, _ in seen)
         derived = self.derived(used[-1], schema) if used else []
         if derived:
             shares = _rank_shares(len(derived), DATE_SHARE * rest)
-            after = self.under(shares[0], self.sub("after_value", name, tuple(used), layout, args_indent, lv - 1))
+            after = self.under(shares[0], lambda: self.after_value(name, used, layout, args_indent, lv - 1))
             for v, share in zip(derived, shares):
                 out += self.seq([('"', VALUE), (v, DERIVED), ('"', VALUE)], after, share)
             rest *= 1.0 - DATE_SHARE
@@ -481,9 +383,7 @@ class _Builder:
 
         def after(top: float):  # what follows the value, shared by its branches (top: their largest factor)
             return (
-                self.under(top, self.sub("after_value", name, tuple(used), layout, args_indent, lv - 1))
-                if lv > 0
-                else None
+                self.under(top, lambda: self.after_value(name, used, layout, args_indent, lv - 1)) if lv > 0 else None
             )
 
         if isinstance(enum, list) and enum and all(isinstance(e, (str, int, float, bool)) for e in enum):
@@ -527,11 +427,11 @@ class _Builder:
             sep = self.sep(args_indent, layout)
             sep = "," + self.rest(sep[1:], since) if since else sep
             out += self.seq(
-                [(sep + '"', CALL_KEY)], self.sub("arg_names", name, tuple(used), "", layout, args_indent, lv), p_more
+                [(sep + '"', CALL_KEY)], lambda: self.arg_names(name, used, "", layout, args_indent, lv), p_more
             )
         if p_more < 1:
             ws = self.rest(self.ws_close(args_indent, layout), since)
-            out += self.seq([(ws + "}", END)], self.sub("close_call", layout, lv), 1 - p_more)
+            out += self.seq([(ws + "}", END)], lambda: self.close_call(layout, lv), 1 - p_more)
         return out
 
     def close_call(self, layout: Layout | None, lv: int, since: str = "") -> list[Cand]:
@@ -545,7 +445,7 @@ class _Builder:
         if self.tr.frame("calls") is None and layout is not None:
             return self.seq(
                 [(text, END)],
-                self.sub("after_closer", layout.closer) if layout.closer else self.sub("after_bare_call", layout, ""),
+                lambda: self.after_closer(layout.closer) if layout.closer else self.after_bare_call(layout, ""),
             )
         return [self.leaf([(text, END)], 1.0)]
 
@@ -567,7 +467,7 @@ class _Builder:
             return []
         out = []
         for lay in (BARE, BARE_PRETTY):
-            out += self.seq([("{", OPENER)], self.sub("args_open", self.tr.root, lay, 0, self.levels), 0.5)
+            out += self.seq([("{", OPENER)], lambda lay=lay: self.args_open(self.tr.root, lay, 0, self.levels), 0.5)
         return out
 
     # ---- entry: from the tracker's current position ----
@@ -601,7 +501,7 @@ class _Builder:
                 continue
             segs = [(full[j:], OPENER)]
             p = w * (self.priors.call_start if text == "" else (1.0 if j > 0 else p_line))
-            out += self.seq(segs, self.sub("call_body", lay, 0, self.levels), p)
+            out += self.seq(segs, lambda lay=lay: self.call_body(lay, 0, self.levels), p)
         return out
 
     def closer(self) -> list[Cand]:
@@ -612,7 +512,7 @@ class _Builder:
         if not lay.closer:
             return self.after_bare_call(lay, written)
         if lay.closer.startswith(written):
-            after = self.under(CLOSER_GOES_ON, self.sub("after_closer", lay.closer[len(written) :]))
+            after = self.under(CLOSER_GOES_ON, lambda: self.after_closer(lay.closer[len(written) :]))
             return [Cand(c.segs, CLOSER_GOES_ON * c.prob) for c in after]
         return []
 
@@ -625,7 +525,7 @@ class _Builder:
         if line not in ("", "\n"):
             return []
         p = NEXT_OBJECT_AFTER_NEWLINE if line else NEXT_OBJECT
-        nxt = self.seq([(self.rest("\n", line) + "{", END)], self.sub("call_body", layout, 0, 0, NEXT_CALL), p)
+        nxt = self.seq([(self.rest("\n", line) + "{", END)], lambda: self.call_body(layout, 0, 0, NEXT_CALL), p)
         return [self.leaf([(tuple(self.eos[:1]), END)], 1.0 - p)] + nxt
 
     def in_call(self, f: Frame) -> list[Cand]:
@@ -639,7 +539,7 @@ class _Builder:
                 return self.call_body(lay, f.indent, lv, key=need[len(tr.buf) :] + '"')
             return self.seq(
                 [(need[len(tr.buf) :] + '"' + tr.kv_sep + "{", CALL_KEY)],
-                self.sub("args_open", tr.name, lay, self._args_indent(f, lay), lv),
+                lambda: self.args_open(tr.name, lay, self._args_indent(f, lay), lv),
             )
         if tr.in_str == "value" and f.key == "name":
             return self.tool_names(tr.buf, lay, f.indent, lv)
@@ -650,13 +550,13 @@ class _Builder:
                 tr.name or "", lay, f.indent, lv, since=tr.since, after_comma=True
             )  # a step may end on the comma
         if f.expect in ("colon", "value") and f.key == "name":
-            return self.seq([(self.after_colon(f) + '"', CALL_KEY)], self.sub("tool_names", "", lay, f.indent, lv))
+            return self.seq([(self.after_colon(f) + '"', CALL_KEY)], lambda: self.tool_names("", lay, f.indent, lv))
         if f.expect == "next" and f.key == "name":
             return self.after_name(tr.name or "", lay, f.indent, lv, since=tr.since)
         if f.expect in ("colon", "value") and f.key in ("arguments", "parameters"):
             return self.seq(
                 [(self.after_colon(f) + "{", CALL_KEY)],
-                self.sub("args_open", tr.name, lay, self._args_indent(f, lay), lv),
+                lambda: self.args_open(tr.name, lay, self._args_indent(f, lay), lv),
             )
         if f.expect == "next":
             return self.close_call(lay, lv, since=tr.since) if self.tr.frame("args") is None else []
@@ -747,7 +647,7 @@ class _Builder:
             return self.arg_names(name, used, tr.buf, lay, f.indent, lv)  # the key being typed is not in f.keys yet
         if f.expect == "key":
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
-            return self.seq([(ws + '"', CALL_KEY)], self.sub("arg_names", name, tuple(used), "", lay, f.indent, lv))
+            return self.seq([(ws + '"', CALL_KEY)], lambda: self.arg_names(name, used, "", lay, f.indent, lv))
         schema = self.tools.properties(name).get(f.key or "") or {}
         if f.expect == "colon" or (f.expect == "value" and not tr.in_str and not tr.in_scalar):
             ws = self.after_colon(f)  # the separator, or (a step may end on the colon) its space still to come
@@ -770,7 +670,7 @@ class _Builder:
             for v in vals:
                 out += self.seq(
                     [(v[len(buf) :] + '"', VALUE)],
-                    self.sub("after_value", name, tuple(used), lay, indent, lv - 1),
+                    lambda: self.after_value(name, used, lay, indent, lv - 1),
                     1.0 / len(vals),
                 )
             return out
@@ -783,7 +683,7 @@ class _Builder:
         derived = [v for v in self.derived(used[-1], schema) if v.startswith(buf) and len(v) > len(buf)] if used else []
         shares = _rank_shares(len(derived), DATE_TEXT_SHARE)
         top = max([STRING_ENDS] + [sh for _, _, sh in seen] + shares)
-        after = self.under(top, self.sub("after_value", name, tuple(used), lay, indent, lv - 1))
+        after = self.under(top, lambda: self.after_value(name, used, lay, indent, lv - 1))
         out = self.seq([('"', VALUE)], after, STRING_ENDS)
         for text, label, share in seen:
             out += self.seq([(text, label)], after, share)
@@ -795,10 +695,8 @@ class _Builder:
         buf = self.tr.buf
         for word in ("true", "false", "null"):
             if word.startswith(buf) and word != buf:
-                return self.seq(
-                    [(word[len(buf) :], VALUE)], self.sub("after_value", name, tuple(used), lay, indent, lv - 1)
-                )
-        after = self.under(NUMBER_ENDS, self.sub("after_value", name, tuple(used), lay, indent, lv - 1))
+                return self.seq([(word[len(buf) :], VALUE)], lambda: self.after_value(name, used, lay, indent, lv - 1))
+        after = self.under(NUMBER_ENDS, lambda: self.after_value(name, used, lay, indent, lv - 1))
         return [Cand(c.segs, c.prob * NUMBER_ENDS) for c in after]
 
 
@@ -835,7 +733,6 @@ def continuations(
     own=(),
     numbers=(),
     bounded: bool = True,
-    memo: "ExpansionMemo | None" = None,
 ) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first.
 
@@ -851,59 +748,10 @@ def continuations(
     own (``tr.objects``), the keys of objects no schema describes (made-up results, records) follow them.
     ``bounded``: expand only branches that can reach the ``max_cands`` kept (the same result;
     ``False`` expands every branch, the reference the tests compare against).
-    ``memo``: the sequence's full sub-expansions kept across steps (``ExpansionMemo``); with
-    ``bounded``, the same result.
     """
     b = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys, own, numbers)
     b.keep = max_cands if bounded else 0
-    if memo is not None and bounded:
-        b.memo = memo.entries_for(b)
     cands = b.build()
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
     cands.sort(key=lambda c: -c.prob)
     return cands[:max_cands]
-
-
-class ExpansionMemo:
-    """One sequence's full sub-expansions, kept across its steps: what follows a tool name, an
-    argument, a value, the arguments' or the call's end -- by method and arguments.
-
-    A step's expansion starts from the FSM's new position, but below its first branch point it
-    expands the same sub-structures the last steps did (a string value being written re-expands
-    what follows the value every step; a tool name being written, each matching tool's
-    arguments), so they are expanded once, in full, and each step takes from them what its floor
-    keeps (``_Builder._kept``). A sub-expansion reads its arguments and, besides them, only what
-    the signature holds: the output's style (pretty or compact, indent unit, separators), the
-    structured-answer root, whether a call was finished and the enclosing call's indent (a next
-    call's head label, the call's closing brace), the calls this output finished (seen values,
-    argument order, tool weights; they only grow), the learned priors (``Priors.version``) and
-    the expansion depth. The retrieved past calls, the conversation's dates and numbers are the
-    sequence's and fixed. When the signature changes, the entries are dropped.
-    """
-
-    MAX_ENTRIES = 256  # sub-expansions held; all dropped past it
-
-    def __init__(self):
-        self.sig: tuple | None = None
-        self.entries: dict = {}
-
-    def entries_for(self, b: _Builder) -> dict:
-        tr = b.tr
-        call = tr.frame("call")
-        sig = (
-            b.priors.version,
-            len(b.own),
-            tr.pretty,
-            tr.indent_unit,
-            tr.kv_sep,
-            tr.item_sep,
-            tr.root,
-            bool(tr.calls),
-            tr.frame("calls") is None,
-            call.indent if call is not None else None,
-            b.levels,
-            id(b.tools),
-        )
-        if sig != self.sig or len(self.entries) > self.MAX_ENTRIES:
-            self.sig, self.entries = sig, {}
-        return self.entries

@@ -13,13 +13,13 @@ import threading
 
 from toolspec_core.drafters import labels as lbl
 from toolspec_core.drafters import tree_kernel
-from toolspec_core.drafters.base import DraftContext, LabelRates, add_copies, rate_key
+from toolspec_core.drafters.base import DraftContext, LabelRates, add_copies, label_rate_key, rate_key
 from toolspec_core.drafters.history import TenantHistories
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter
 from toolspec_core.drafters.suffix_trie import SuffixTrie
 from toolspec_core.drafters.toolcall.boundary import TAIL_TOKENS, BoundaryTokenizer
-from toolspec_core.drafters.toolcall.candidates import Cand, ExpansionMemo, Priors, continuations
+from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
 from toolspec_core.drafters.toolcall.fsm import RESPONSE, CallTracker, ToolIndex
 from toolspec_core.drafters.toolcall.layouts import LAYOUTS, LLAMA_LAYOUTS, layout_of, layouts_for
 from toolspec_core.drafters.toolcall.library import CallLibrary, MemoryLibrary, PastCall, as_past_call
@@ -123,7 +123,7 @@ def _merged(kernel, bt, committed, cands, rates, max_tokens, max_nodes) -> Draft
     """``candidates_to_tree`` by the compiled loop: the same inputs, rates by (label, parent label)."""
 
     def rate(label: str, parent: str | None) -> float:
-        return rates.rate(label + "+" if parent is not None and parent == label and lbl.is_chain(label) else label)
+        return rates.rate(label_rate_key(label, parent))
 
     tokens, parents, conf, labels, kids = kernel.merge(
         tuple(committed[-TAIL_TOKENS:]),
@@ -226,7 +226,6 @@ class SchemaDrafter:
     retrieved past calls, one tree."""
 
     TAILS = 8  # most probable continuations drafted after a copied value (each is tokenized with the span)
-    KEEP_EXPANSIONS = False  # keep each sequence's sub-expansions across steps (``ExpansionMemo``)
     WORD_END = 0.3  # share of a prose span's mass on the value ending where the source's word ends
 
     def __init__(
@@ -245,13 +244,9 @@ class SchemaDrafter:
     ):
         """``answer``: the output is a structured answer (response_format) whose schema ``tools``
         holds under ``RESPONSE``; ``layouts``: the target's call layouts (``layouts_for``);
-        ``reference``: every step from scratch in Python -- the full candidate expansion, no
-        sub-expansions kept across steps, the Python tree merge -- the drafter the tests hold
-        this one to (the same trees)."""
+        ``reference``: every step in Python with the full candidate expansion and the Python tree
+        merge -- the drafter the tests hold this one to (the same trees)."""
         self.reference = reference
-        # sub-expansions kept across this output's steps: exact, but measured slower than expanding
-        # them again on the dev sets' traffic (docs/design.md, "Where drafting's time goes"), so off
-        self._memo = ExpansionMemo() if self.KEEP_EXPANSIONS and not reference else None
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
         self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
         self.tracker = CallTracker(tools, RESPONSE if answer else None, layouts)
@@ -336,7 +331,6 @@ class SchemaDrafter:
             own=self._own_calls(),
             numbers=self._context_numbers(ctx),
             bounded=not self.reference,
-            memo=self._memo,
         )
 
     def _own_calls(self) -> list[tuple[str, dict]]:
@@ -478,11 +472,12 @@ class SchemaMethod:
         reference: bool = False,
     ):
         """``reference``: every schema candidate expanded, tokenized and merged afresh at every step
-        in Python (no bounded expansion, nothing kept across steps, no per-candidate token cache, no
-        compiled merge): the drafter the tests hold the fast one to."""
+        in Python (no bounded expansion, no per-candidate token cache, no compiled merge): the drafter the tests hold the fast one to."""
         self.tok = tokenizer
         self.reference = reference
         self.bt = BoundaryTokenizer(tokenizer, cache_candidates=not reference)
+        if not reference:
+            tree_kernel.load()  # built (once per machine) now, not inside a step's drafting
         # acceptance rates are learned per tenant (one tenant's model habits or poisoned library
         # never shape another's trees): (schema rates, suffix rates), least recently used dropped
         self._tenant_rates: dict[str, tuple[LabelRates, LabelRates]] = {}
@@ -578,7 +573,6 @@ class SchemaMethod:
         spans = parsed.spans
         with self._lock:  # drafters only read the counts (.get): each change is one dict store
             self.priors.events.count("call_start", bool(spans) and not text[: spans[0][0]].strip())
-            self.priors.version += 1
             if not parsed.calls:
                 return
             for _, end in spans:  # after a closer that is text (a fence, a tag): does the output go on?
@@ -588,7 +582,6 @@ class SchemaMethod:
                 self.priors.tool_counts[c.name] = self.priors.tool_counts.get(c.name, 0.0) + 1.0
             lay = layout_of(text).name
             self.priors.layout_counts[lay] = self.priors.layout_counts.get(lay, 0.0) + 1.0
-            self.priors.version += 1
         if self.library is not None and req.remember:
             for c in parsed.calls:
                 self.library.add(
