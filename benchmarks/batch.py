@@ -102,10 +102,15 @@ class BatchRun:
         self.store = group_store(self.out)
         self.done = self.store.records
         self.prompts: PromptPool | None = None  # the current benchmark's prompts, each prefilled once
+        self._prompt_ids: dict[str, list[int]] = {}  # item id -> its rendered prompt's tokens
         (self.out / "config.json").write_text(json.dumps({**vars(args), "tool": "toolspec bench --batch"}, indent=2))
 
     def _ids(self, item: dict) -> list[int]:
-        return prompt_ids(self.target.tokenizer, item)
+        """The item's prompt tokens, rendered once per item (its cycled copies ``id#k`` share them)."""
+        key = item["id"].split("#")[0]
+        if key not in self._prompt_ids:
+            self._prompt_ids[key] = prompt_ids(self.target.tokenizer, item)
+        return self._prompt_ids[key]
 
     def prefilled(self, item: dict):
         """The item's prompt in the run's pool (prefilled there the first time, untimed)."""

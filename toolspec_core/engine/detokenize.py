@@ -96,10 +96,11 @@ def backend_decode(tokenizer):
     """``ids -> text`` equal to ``tokenizer.decode(ids, skip_special_tokens=False)`` by calling the
     fast tokenizer's Rust ``backend_tokenizer`` directly: the Python wrapper's own work (argument
     conversion, keyword handling) is two thirds of a short window's decode, run twice per
-    committed token. Only where the two are the same: a fast tokenizer that cleans no spaces up
+    committed token. Used only for a fast tokenizer that cleans no spaces up
     (``clean_up_tokenization_spaces`` false, the one thing a fast tokenizer's decode adds) and
     whose decode of :data:`PROBE` and the special tokens, whole and in short windows, is the
-    backend's. None for any other tokenizer."""
+    backend's -- a probe on sample text, not a proof: a tokenizer class whose ``decode``
+    post-processes text the probe does not hold would pass it. None for any other tokenizer."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not getattr(tokenizer, "is_fast", False):
         return None
