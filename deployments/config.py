@@ -164,11 +164,15 @@ class ServeAppConfig(BaseModel):
     # stalls them by one chunk a step at most)
     prefill_chunk_tokens: int = Field(512, ge=16, le=65536)
     # the batched engine's KV block pool, allocated once per replica: its size in tokens (None: on
-    # cuda kv_memory_fraction of the memory free after the weights; on cpu 32768 tokens, or the
-    # model's context window if larger), tokens per block, and the prefix cache kept in it
+    # cuda kv_memory_fraction of the memory free after the weights; on cpu kv_cpu_gib, at most
+    # half the memory the process may still take, at least the model's context window), tokens
+    # per block, and the prefix cache kept in it
     kv_pool_tokens: int | None = Field(None, ge=64)
     kv_block_tokens: int = Field(16, ge=1, le=256)
     kv_memory_fraction: float = Field(0.9, gt=0, le=0.98)
+    # on cpu, GiB of KV pool (like vLLM's VLLM_CPU_KVCACHE_SPACE): the prefix cache keeps every
+    # recent tool prompt; pages cost memory only once a block is written
+    kv_cpu_gib: float = Field(4.0, gt=0, le=4096)
     # automatic prefix caching in the pool (false: every prompt is prefilled whole, e.g. to measure it)
     prefix_caching: bool = True
     autoscaling: AutoscalingConfig | None = None

@@ -356,14 +356,63 @@ def serving_limits(cfg: ServeAppConfig, target, scheduler):
 
 def kv_pool_tokens(cfg: ServeAppConfig, target, tree_rows: int) -> int:
     """Tokens of the replica's KV block pool: ``kv_pool_tokens``, else on an accelerator a fraction
-    of the memory free after the weights (the least of any tensor-parallel rank's), else 32768 (at
-    least one full context window and a tree)."""
+    of the memory free after the weights (the least of any tensor-parallel rank's), else on the CPU
+    ``kv_cpu_gib`` (:func:`cpu_pool_tokens`). The prefix cache lives in this pool: agents re-send
+    the same tool definitions, so a pool that keeps every recent prompt skips most of a prefill."""
     if cfg.kv_pool_tokens is not None:
         return cfg.kv_pool_tokens
     budget = target.kv_budget_tokens(cfg.kv_memory_fraction)
     if budget is not None:
         return max(budget, cfg.kv_block_tokens)
-    return max(32768, target.max_context + tree_rows)
+    from toolspec_core.model.block_pool import kv_bytes_per_token
+
+    per_token = kv_bytes_per_token(target.model.config, target.dtype)
+    return cpu_pool_tokens(cfg.kv_cpu_gib, per_token, available_memory(), target.max_context + tree_rows)
+
+
+# the pool's block bookkeeping is host lists: past a million tokens (only a toy model's KV is that
+# small per token) it would cost more host memory than the cache it keeps
+CPU_POOL_MAX_TOKENS = 1 << 20
+
+
+def cpu_pool_tokens(gib: float, bytes_per_token: int, available: int | None, floor: int) -> int:
+    """A CPU pool of ``gib`` GiB, at most half of the ``available`` bytes (None: unknown) so a
+    replica that fills its cache still leaves the rest of the machine its memory, and at least
+    ``floor`` tokens (one full context window and a tree: a sequence must always fit)."""
+    want = int(gib * 2**30)
+    if available is not None:
+        want = min(want, available // 2)
+    return max(min(want // bytes_per_token, CPU_POOL_MAX_TOKENS), floor)
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still take: the host's MemAvailable, less where a cgroup (a
+    Kubernetes pod's memory limit) leaves less; None where neither can be read."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    for limit_path, usage_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(limit_path) as f:
+                limit = f.read().strip()
+            with open(usage_path) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max" / a huge v1 number: no limit
+            left = max(int(limit) - usage, 0)
+            avail = left if avail is None else min(avail, left)
+        break
+    return avail
 
 
 def serving_threads(cfg: ServeAppConfig) -> int | None:

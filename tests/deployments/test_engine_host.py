@@ -1,12 +1,14 @@
 """The replica's torch threads (deployments/engine_host.py): every usable core for a CPU model
-unless ``threads`` says otherwise -- Ray starts actors with OMP_NUM_THREADS=1."""
+unless ``threads`` says otherwise -- Ray starts actors with OMP_NUM_THREADS=1. The KV pool's
+size: on the CPU ``kv_cpu_gib``, bounded by the memory left and by one context window."""
 
 from __future__ import annotations
 
 import os
 
+from deployments import engine_host
 from deployments.config import ServeAppConfig
-from deployments.engine_host import serving_threads
+from deployments.engine_host import cpu_pool_tokens, kv_pool_tokens, serving_threads
 
 
 def test_cpu_replica_uses_every_core_it_may_run_on(monkeypatch):
@@ -50,3 +52,33 @@ def test_done_carries_where_the_first_token_waited():
         and sum(s["own_rows"] for s in steps if s["kind"] == "prefill") == done.prompt_tokens
     )
     assert "times" not in done.stats and "early_steps" not in done.stats
+
+
+def test_cpu_pool_is_sized_by_memory_not_by_one_context_window():
+    per_token = 24576  # the embedded 0.5B model in float32: 2 x 24 layers x 2 KV heads x 64 x 4 bytes
+    gib = 2**30
+    assert cpu_pool_tokens(4.0, per_token, None, 32768) == 4 * gib // per_token  # ~175k tokens
+    assert cpu_pool_tokens(4.0, per_token, 2 * gib, 32768) == gib // per_token  # half of what is left
+    assert cpu_pool_tokens(4.0, per_token, 64 * 2**20, 32768) == 32768  # never below one context window
+    assert cpu_pool_tokens(4.0, 8, None, 64) == engine_host.CPU_POOL_MAX_TOKENS  # a toy model's KV
+
+
+def test_replica_pool_follows_the_config_on_the_cpu(monkeypatch):
+    """The default pool of a CPU replica is ``kv_cpu_gib`` of the target's own KV bytes a token;
+    ``kv_pool_tokens`` overrides it."""
+    from deployments.scripted import scripted_target
+    from toolspec_core.model.block_pool import kv_bytes_per_token
+
+    target = scripted_target(context=256)
+    per_token = kv_bytes_per_token(target.model.config, target.dtype)
+    monkeypatch.setattr(engine_host, "available_memory", lambda: 1 << 40)
+    cfg = ServeAppConfig(device="cpu", kv_cpu_gib=0.001)
+    assert kv_pool_tokens(cfg, target, 32) == max(int(0.001 * 2**30) // per_token, 256 + 32)
+    monkeypatch.setattr(engine_host, "available_memory", lambda: 0)  # no memory left: one context + tree
+    assert kv_pool_tokens(cfg, target, 32) == 256 + 32
+    assert kv_pool_tokens(ServeAppConfig(device="cpu", kv_pool_tokens=4096), target, 32) == 4096
+
+
+def test_available_memory_reads_this_machine():
+    left = engine_host.available_memory()
+    assert left is None or 0 < left < 2**50
