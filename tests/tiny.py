@@ -74,3 +74,15 @@ def hf_greedy(target, prompt, n):
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
     )
     return out[0, len(prompt) :].tolist()
+
+
+def reference_mask(parents: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The additive mask [1, 1, n, n] of rows with these parent rows, built the slow obvious way
+    (each row copies its parent's row and sees itself): what the forwards' masks are checked against."""
+    n = len(parents)
+    visible = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            visible[i] = visible[p]
+        visible[i, i] = True
+    return torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]

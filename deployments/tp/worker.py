@@ -197,7 +197,7 @@ def request_of(plan: StepPlan, views: dict[int, PagedKV]) -> StepRequest:
         view = views[sid]
         view.length = length
         if tree:
-            segments.append(Segment(view, ids[o : o + n], pos[o : o + n], None, parents[p : p + n]))
+            segments.append(Segment(view, ids[o : o + n], pos[o : o + n], parents[p : p + n]))
             p += n
         else:
             segments.append(Segment(view, ids[o : o + n], pos[o : o + n]))

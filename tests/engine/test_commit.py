@@ -18,8 +18,8 @@ def test_commit_kv_keeps_exactly_the_accepted_rows(tiny):
     tree = DraftTree()
     tree.add_path([30, 31], 1.0, "x")
     tree.add_path([40, 41, 42], 1.0, "x")
-    ids, pos, mask = tree_inputs(PROMPT[-1], tree, kv)
-    tiny.hidden(ids, pos, mask, cache)
+    ids, pos, parents = tree_inputs(PROMPT[-1], tree, kv)
+    tiny.hidden(ids, pos, parents, cache)
     path = [2, 3]  # tokens 40, 41
     commit_kv(cache, kv, kv_rows(path))
     assert cache.get_seq_length() == kv + 3
@@ -46,8 +46,8 @@ def test_every_cache_kind_commits_through_the_protocol(tiny):
     for cache in caches:
         assert isinstance(cache, KVCache) and cache.room() in (None, 64)
         tiny.hidden(torch.tensor([PROMPT]), torch.arange(kv)[None], None, cache)
-        ids, pos, mask = tree_inputs(PROMPT[-1], tree, kv)
-        tiny.hidden(ids, pos, mask, cache)
+        ids, pos, parents = tree_inputs(PROMPT[-1], tree, kv)
+        tiny.hidden(ids, pos, parents, cache)
         commit_kv(cache, kv, kv_rows([2, 3]))
         cache.register(PROMPT)
         assert cache.get_seq_length() == kv + 3

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+
 from toolspec_core.engine.budget import interpolate
 from toolspec_core.engine.tree import DraftTree, depths, path_probs, prune_to_budget, select
 from toolspec_core.engine.verify import tree_inputs
-from toolspec_core.model.batch_forward import widen
+from toolspec_core.model.batch_forward import tree_masks, widen
 
 
 def test_tree_encoding_and_mask():
@@ -15,9 +17,11 @@ def test_tree_encoding_and_mask():
     assert tree.tokens == [10, 11, 12, 13] and tree.parents == [-1, 0, 1, 0]
     assert (a, b) == (2, 3)
     assert depths(tree.parents) == [1, 2, 3, 2]
-    ids, pos, mask = tree_inputs(7, tree, prefix_len=5)
+    ids, pos, parents = tree_inputs(7, tree, prefix_len=5)
     assert ids.tolist() == [[7, 10, 11, 12, 13]]
     assert pos.tolist() == [[5, 6, 7, 8, 7]]
+    assert parents == [-1, 0, 1, 2, 1]  # the root off the cache, each node off its parent's row
+    mask = tree_masks(parents, [5], torch.float32)[0]
     assert mask.shape == (1, 1, 5, 5)  # the new rows only: every row sees the whole prefix
     visible = (widen(mask, 5)[0, 0] == 0).int()
     assert visible[:, :5].all()  # everyone sees the prefix

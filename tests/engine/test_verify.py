@@ -9,6 +9,7 @@ from tiny import tiny_target
 
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import greedy_walk, tree_inputs
+from toolspec_core.model.batch_forward import tree_masks
 
 
 def test_greedy_walk_takes_longest_matching_path():
@@ -31,8 +32,8 @@ def test_tree_forward_equals_per_branch_runs(tiny):
     tree.add_path([10, 13], 1.0, "x")
     tree.add_path([20, 21], 1.0, "x")
     kv = cache.get_seq_length()
-    ids, pos, mask = tree_inputs(PROMPT[-1], tree, kv)
-    logits = tiny.logits(tiny.hidden(ids, pos, mask, cache))
+    ids, pos, parents = tree_inputs(PROMPT[-1], tree, kv)
+    logits = tiny.logits(tiny.hidden(ids, pos, parents, cache))
     for node in range(len(tree)):
         branch = [tree.tokens[i] for i in tree.path_to(node)]
         full = torch.tensor([PROMPT + [PROMPT[-1]] + branch])
@@ -49,20 +50,10 @@ def test_eager_attention_with_our_float_mask_is_right():
     tree.add_path([10, 11], 1.0, "x")
     tree.add_path([20, 21], 1.0, "x")
     kv = cache.get_seq_length()
-    ids, pos, mask = tree_inputs(PROMPT[-1], tree, kv)
+    ids, pos, parents = tree_inputs(PROMPT[-1], tree, kv)
+    mask = tree_masks(parents, [len(parents)], torch.float32)[0]  # what the per-sequence loop builds
     assert mask.dtype == torch.float32
     logits = tg.logits(tg.hf_hidden(ids, pos, mask, cache))
     branch = [20, 21]
     ref = tg.model(torch.tensor([PROMPT + [PROMPT[-1]] + branch])).logits[0, -1]
     assert torch.allclose(logits[4], ref, atol=2e-5)
-
-
-def test_tree_visibility_bits_equal_the_row_copies():
-    import random
-
-    from toolspec_core.engine.verify import tree_visibility, tree_visibility_rows
-
-    rng = random.Random(0)
-    for t in (0, 1, 2, 7, 30, 62, 63, 80):
-        parents = [rng.randrange(-1, i) for i in range(t)]
-        assert torch.equal(tree_visibility(parents), tree_visibility_rows(parents)), t

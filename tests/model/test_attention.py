@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import tiny_model, tiny_target
+from tiny import reference_mask, tiny_model, tiny_target
 
 from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs
@@ -56,7 +56,8 @@ def test_models_are_switched_and_tree_verify_never_repeats_kv_heads(monkeypatch)
         cache = target.hf_cache()  # HF's own forward: the grouped attention is what it runs
         with torch.inference_mode():
             model.model(input_ids=prompt, use_cache=True, past_key_values=cache)
-        ids, pos, mask = tree_inputs(2, tree, prompt.shape[1])
+        ids, pos, parents = tree_inputs(2, tree, prompt.shape[1])
+        mask = reference_mask(parents)
         if model is target.model:
 
             def no_repeat(*a, **kw):

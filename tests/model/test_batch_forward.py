@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from tiny import tiny_model, tiny_target
+from tiny import reference_mask, tiny_model, tiny_target
 
 from toolspec_core.engine.commit import commit_kv, kv_rows
 from toolspec_core.engine.tree import DraftTree
@@ -26,7 +26,7 @@ def _random_tree(rng: random.Random, n: int) -> DraftTree:
 @pytest.mark.parametrize("seed", range(4))
 def test_batched_forward_equals_hf_forward_per_sequence(seed):
     """Mixed segments -- prefill chunks, single decode rows, root chains with trees (given as their
-    rows' parents, the masks built in the forward, or as masks) -- in one forward."""
+    rows' parents, the masks built in the forward) -- in one forward."""
     rng = random.Random(seed)
     tg = tiny_target()
     prompts = [[rng.randrange(1, 96) for _ in range(rng.randint(1, 30))] for _ in range(5)]
@@ -42,15 +42,10 @@ def test_batched_forward_equals_hf_forward_per_sequence(seed):
     for i, (c, p) in enumerate(zip(ours, prompts)):
         roots = [rng.randrange(96) for _ in range(1 + (i % 2))]
         tree = _random_tree(rng, [0, 0, 3, 7, 12][i])
-        ids, pos, mask = tree_inputs(roots, tree, len(p))
+        ids, pos, parents = tree_inputs(roots, tree, len(p))
         single = len(roots) == 1 and not tree.tokens
-        inputs.append((ids, pos, None if single else mask))
-        if single:
-            segs.append(Segment(c, ids[0], pos[0]))
-        elif i % 2:
-            segs.append(Segment(c, ids[0], pos[0], None, row_parents(roots, tree.parents)))
-        else:
-            segs.append(Segment(c, ids[0], pos[0], mask))
+        inputs.append((ids, pos, None if single else reference_mask(parents)))
+        segs.append(Segment(c, ids[0], pos[0], None if single else parents))
     got = tg.logits(tg.forward(segs))
     o = 0
     for (ids, pos, mask), c in zip(inputs, hf):
@@ -83,18 +78,18 @@ def test_seqkv_grows_crops_and_commits():
     tree = DraftTree()
     tree.add_path([4, 5], 1.0, "x")
     tree.add(-1, 6, 1.0, "x")
-    ids2, pos2, mask2 = tree_inputs(3, tree, clone.get_seq_length())
-    tg.hidden(ids2, pos2, mask2, clone)
+    ids2, pos2, parents2 = tree_inputs(3, tree, clone.get_seq_length())
+    tg.hidden(ids2, pos2, parents2, clone)
     commit_kv(clone, n, kv_rows([2], 1))
     assert clone.get_seq_length() == n + 2
     tg.hf_hidden(torch.tensor([[3, 6]]), torch.tensor([[n, n + 1]]), None, ref)
     torch.testing.assert_close(clone.layers[0].keys, ref.layers[0].keys, rtol=1e-4, atol=1e-5)
 
 
-def test_masks_built_from_parents_are_tree_inputs_masks():
+def test_masks_built_from_parents_are_the_rows_ancestors():
     """The masks the float-mask paths build from trees' parent rows (all trees at once, or one
-    segment's own) are the masks ``tree_inputs`` draws for the same root chains and trees, row for
-    row, in each dtype's own minimum."""
+    segment's own) let each row see itself and its ancestors, row for row, in each dtype's own
+    minimum."""
     from toolspec_core.engine.tree import ROOT
 
     rng = random.Random(3)
@@ -105,11 +100,12 @@ def test_masks_built_from_parents_are_tree_inputs_masks():
             for _ in range(rng.randrange(0, 20)):
                 tree.add_path([rng.randrange(50)], 0.5, "x", rng.choice([ROOT] + list(range(len(tree)))))
             roots = [1] * rng.randrange(1, 4)
-            ids, pos, mask = tree_inputs(roots, tree, 9, dtype)
-            want.append(mask)
-            parents += row_parents(roots, tree.parents)
-            sizes.append(mask.shape[-1])
-            segs.append(Segment(None, ids[0], pos[0], None, row_parents(roots, tree.parents)))
+            ids, pos, rows = tree_inputs(roots, tree, 9)
+            assert rows == row_parents(roots, tree.parents)
+            want.append(reference_mask(rows, dtype))
+            parents += rows
+            sizes.append(len(rows))
+            segs.append(Segment(None, ids[0], pos[0], rows))
         got = tree_masks(parents, sizes, dtype)
         assert len(got) == len(want) and all(torch.equal(g, w) and g.dtype == dtype for g, w in zip(got, want))
         assert all(torch.equal(s.attn_mask(dtype), w) for s, w in zip(segs, want))

@@ -120,8 +120,8 @@ def test_paged_cache_gives_the_same_states_as_a_sequence_cache(shared):
     torch.testing.assert_close(h_pag, h_ref)
     tree = _tree(rng, 9)
     for cache in (ref, paged):
-        ids, pos, mask = tree_inputs([5, 6], tree, 23, tg.dtype)
-        out = tg.forward([Segment(cache, ids[0], pos[0], mask)])
+        ids, pos, parents = tree_inputs([5, 6], tree, 23)
+        out = tg.forward([Segment(cache, ids[0], pos[0], parents)])
         commit_kv(cache, 23, kv_rows([0, 3], 2))  # rows out of order: a gather, then a crop
         assert cache.get_seq_length() == 27
         if cache is ref:

@@ -8,15 +8,14 @@ import random
 import pytest
 import torch
 from scripted import ScriptedDrafter, branching, garbage, oracle
-from tiny import CharTokenizer, hf_greedy, tiny_model
+from tiny import CharTokenizer, hf_greedy, reference_mask, tiny_model
 
-from toolspec_core.engine import scheduler, verify
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.loop import DecodeConfig
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler
 from toolspec_core.engine.sequence import Sequence
 from toolspec_core.engine.tree import DraftTree
-from toolspec_core.engine.verify import row_parents, tree_inputs
+from toolspec_core.engine.verify import tree_inputs
 from toolspec_core.model import batch_forward, ragged, step_runner
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import PagedKV
@@ -65,8 +64,8 @@ def _caches(tg, pool, prompts, shared_prompt):
 
 def _steps(rng: random.Random, prompts, caches):
     """Segments of three steps: the prompts' rest (some past GRID_ROWS rows: calls of their own),
-    then mixed steps of single roots, root chains and draft trees (each tree given as its rows'
-    parents, as the scheduler draws it, or as a mask of its own)."""
+    then mixed steps of single roots, root chains and draft trees (each given as its rows'
+    parents, as the scheduler draws it)."""
     yield [Segment(c, torch.tensor(p[c.length :]), torch.arange(c.length, len(p))) for p, c in zip(prompts, caches)]
     for _ in range(2):
         segs = []
@@ -75,13 +74,8 @@ def _steps(rng: random.Random, prompts, caches):
             kind = rng.choice(["single", "chain", "tree"])
             roots = [rng.randrange(96) for _ in range(1 if kind != "chain" else 2)]
             tree = _tree(rng, rng.randint(1, 12)) if kind == "tree" else DraftTree()
-            ids, pos, mask = tree_inputs(roots, tree, kv)
-            if kind == "single":
-                segs.append(Segment(c, ids[0], pos[0]))
-            elif rng.random() < 0.5:
-                segs.append(Segment(c, ids[0], pos[0], None, row_parents(roots, tree.parents)))
-            else:
-                segs.append(Segment(c, ids[0], pos[0], mask))
+            ids, pos, parents = tree_inputs(roots, tree, kv)
+            segs.append(Segment(c, ids[0], pos[0], None if kind == "single" else parents))
         yield segs
 
 
@@ -114,25 +108,25 @@ def test_ragged_forward_equals_the_per_sequence_loop(tg, seed):
             torch.testing.assert_close(la.values, lb.values, rtol=1e-5, atol=1e-5)
 
 
-def test_the_plan_reads_trees_from_their_parents_as_from_their_masks(tg):
-    """A step's trees given as the scheduler draws them (``Segment.parents``, no mask) plan exactly
-    the visibility their masks alone give, eager and at a captured grid's shape."""
+def test_the_plan_reads_each_trees_visibility_from_its_parents(tg):
+    """A step's trees (``Segment.parents``, as the scheduler draws them) plan exactly the
+    visibility of their rows' ancestors, eager and at a captured grid's shape."""
     rng = random.Random(5)
     pool = tg.block_pool(2048, BT)
-    drawn, masked = [], []
+    segs = []
     for _ in range(9):
         cache = PagedKV(pool, pool.allocate(4))
         roots = [1] * rng.randint(1, 3)
-        tree = _tree(rng, rng.randint(0, 9))
-        ids, pos, mask = tree_inputs(roots, tree, 0)
-        drawn.append(Segment(cache, ids[0], pos[0], None, row_parents(roots, tree.parents)))
-        masked.append(Segment(cache, ids[0], pos[0], mask))
-    drawn.append(Segment(cache, torch.tensor([3]), torch.tensor([0])))  # a single row: no tree
-    masked.append(drawn[-1])
+        ids, pos, parents = tree_inputs(roots, _tree(rng, rng.randint(0, 9)), 0)
+        segs.append(Segment(cache, ids[0], pos[0], parents))
+    segs.append(Segment(cache, torch.tensor([3]), torch.tensor([0])))  # a single row: no tree
     for grid in (None, (12, 16, 32)):
-        a, b = ragged.plan_step(drawn, pool, grid), ragged.plan_step(masked, pool, grid)
-        assert torch.equal(a.groups[0].vis, b.groups[0].vis) and torch.equal(a.groups[0].tree, b.groups[0].tree)
-        assert a.groups[0].tree.sum() == 9
+        g = ragged.plan_step(segs, pool, grid).groups[0]
+        assert g.tree.tolist()[:10] == [1] * 9 + [0] and g.tree.sum() == 9
+        for i, s in enumerate(segs[:9]):
+            n = len(s)
+            want = (reference_mask(s.parents)[0, 0] == 0).long()
+            assert torch.equal(g.vis[i, :n, :n], want) and not g.vis[i, n:].any() and not g.vis[i, :, n:].any()
 
 
 def test_a_long_chunk_gets_a_call_of_its_own(tg):
@@ -195,27 +189,21 @@ def test_pooled_scheduler_greedy_equals_plain_greedy(family, mode, monkeypatch):
     prefix-cache hits and scattered tables: every output is plain greedy's (HF generate). "graph"
     replays decode steps through the static buffers (no capture on the CPU). A tree's visibility
     is made once a step, as parent rows: the ragged and graph steps never build a float mask
-    (neither the scheduler's ``tree_inputs`` mask nor the forward's ``tree_masks``); the
-    per-sequence loop builds one a step with trees, from the parents."""
+    (the forward's ``tree_masks``); the per-sequence loop builds one a step with trees, from the
+    parents."""
     prompts, want = family
     tg = _target("ragged" if mode != "per_sequence" else "per_sequence")
     pool = tg.block_pool(4096, BT)
     _fragment(pool)
-    built = {"tree_inputs": 0, "tree_masks": 0}
+    built = {"tree_masks": 0}
+    real_masks = batch_forward.tree_masks
 
-    def counted(module, name):
-        real = getattr(module, name)
+    def counted(*a, **kw):
+        if a[1]:  # masks of some trees
+            built["tree_masks"] += 1
+        return real_masks(*a, **kw)
 
-        def call(*a, **kw):
-            if a[1] if name == "tree_masks" else kw.get("mask", True):  # masks of some trees
-                built[name] += 1
-            return real(*a, **kw)
-
-        monkeypatch.setattr(module, name, call)
-
-    counted(verify, "tree_inputs")
-    counted(scheduler, "tree_inputs")
-    counted(batch_forward, "tree_masks")
+    monkeypatch.setattr(batch_forward, "tree_masks", counted)
     if mode == "graph":
         # CUDA-only on a real target; the step runs uncaptured here
         tg.runner(pool).graphs = StepGraphs(tg.model, pool, capture=False)
@@ -237,7 +225,6 @@ def test_pooled_scheduler_greedy_equals_plain_greedy(family, mode, monkeypatch):
     assert pool.stats().hit_tokens > 0
     if mode == "graph":
         assert tg.runner(pool).graphs.entries and tg.runner(pool).steps["graph"] > 0
-    assert built["tree_inputs"] == 0  # the scheduler draws no mask
     tree_steps = sum(1 for r in sched.steps if r.draft_rows)
     assert tree_steps > 0
     if mode == "per_sequence":

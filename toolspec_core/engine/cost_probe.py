@@ -15,7 +15,7 @@ from toolspec_core.drafters.labels import PROBE
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import commit_kv
 from toolspec_core.engine.tree import DraftTree
-from toolspec_core.engine.verify import row_parents, tree_inputs
+from toolspec_core.engine.verify import tree_inputs
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.step_runner import StepRequest
 
@@ -74,9 +74,9 @@ def probe_steps(target, prefix_len: int = 500, ks=DEFAULT_KS) -> dict:
     def step(tree: DraftTree) -> float:
         t0 = time.perf_counter()
         kv = cache.get_seq_length()
-        tids, pos, _ = tree_inputs([0], tree, kv, mask=False)
+        tids, pos, parents = tree_inputs([0], tree, kv)
         rows = list(range(tids.shape[1]))
-        segment = Segment(cache, tids[0], pos[0], None, row_parents(1, tree.parents) if tree.tokens else None)
+        segment = Segment(cache, tids[0], pos[0], parents if tree.tokens else None)
         target.step(StepRequest([segment], rows, need=rows), pool)
         commit_kv(cache, kv, [0])
         dt = time.perf_counter() - t0

@@ -37,7 +37,7 @@ from toolspec_core.engine.limits import target_limits
 from toolspec_core.engine.sequence import Sequence, cap_depth
 from toolspec_core.engine.stats import EARLY_STEPS, record_step
 from toolspec_core.engine.tree import DraftTree, select
-from toolspec_core.engine.verify import VerifyResult, row_parents, tree_inputs, walk
+from toolspec_core.engine.verify import VerifyResult, tree_inputs, walk
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import BlockPool
 from toolspec_core.model.step_runner import StepOutput, StepRequest
@@ -229,12 +229,12 @@ class Scheduler:
         )
         for seq, tree, kv_len, one in zip(decoding, trees, kv_lens, alone):
             if one:  # [1] each, as tree_inputs would make them
-                segments.append(Segment(seq.cache, *next(one_rows), None))
+                segments.append(Segment(seq.cache, *next(one_rows)))
                 n = 1
             else:
                 # the tree's visibility once, as parent rows: a path that needs a float mask builds it from them
-                ids, pos, _ = tree_inputs(seq.roots, tree, kv_len, mask=False)
-                segments.append(Segment(seq.cache, ids[0], pos[0], None, row_parents(len(seq.roots), tree.parents)))
+                ids, pos, parents = tree_inputs(seq.roots, tree, kv_len)
+                segments.append(Segment(seq.cache, ids[0], pos[0], parents))
                 n = ids.shape[1]
             rows.append(_Row(seq, tree, kv_len, len(logit_rows), n))
             logit_rows.extend(range(o, o + n))

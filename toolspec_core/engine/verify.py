@@ -14,70 +14,34 @@ from toolspec_core.engine.sampling import SamplingParams, sample, target_probs
 from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult, depths
 
 
-def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int, dtype=torch.float32, mask: bool = True):
+def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int):
     """Flatten the root chain + tree into model inputs.
 
     ``roots`` are committed tokens whose KV is not cached yet (the last one, plus any tokens a
     grammar forced after it); they form a causal chain and the tree hangs off the last of them.
-    Returns input_ids [1, R+T], position_ids [1, R+T] (prefix_len + depth) and an additive float
-    mask [1, 1, R+T, R+T] over the new rows only: each row sees the chain up to itself and its
-    ancestors, and every row sees the whole cache, so the prefix's columns are left out (the
-    forwards read these columns; :func:`~toolspec_core.model.batch_forward.widen` makes the full-width mask HF's own forward takes).
-    None when ``mask`` is False: the scheduler, which gives a tree's visibility as
-    :func:`row_parents` (the forward paths that take a float mask build this same mask from
-    them, :func:`~toolspec_core.model.batch_forward.tree_masks`), or a caller that runs the rows
-    causally. A float mask is right under both SDPA and eager attention (a bool 4D mask is
-    silently misread by eager attention).
+    Returns input_ids [1, R+T], position_ids [1, R+T] (prefix_len + depth) and the rows' parent
+    rows [R+T] (:func:`row_parents`): each row sees the chain up to itself and its ancestors,
+    and every row sees the whole cache. That one encoding is what every forward path reads: the
+    ragged plan as it is, the paths that take an additive float mask build it from it
+    (:func:`~toolspec_core.model.batch_forward.tree_masks`).
     """
     roots = [roots] if isinstance(roots, int) else list(roots)
-    r, n = len(roots), len(roots) + len(tree)
+    r = len(roots)
     ids = torch.tensor([list(roots) + tree.tokens], dtype=torch.long)
     pos = torch.tensor(
         [list(range(prefix_len, prefix_len + r)) + [prefix_len + r - 1 + d for d in depths(tree.parents)]],
         dtype=torch.long,
     )
-    if not mask:
-        return ids, pos, None
-    visible = torch.zeros(n, n, dtype=torch.bool)
-    visible[:r, :r] = torch.tril(torch.ones(r, r, dtype=torch.bool))
-    visible[r:, :r] = True
-    visible[r:, r:] = tree_visibility(tree.parents)
-    mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]  # [1, 1, n, n]
-    return ids, pos, mask
+    return ids, pos, row_parents(r, tree.parents)
 
 
 def row_parents(roots: list[int] | int, parents: list[int]) -> list[int]:
     """:func:`tree_inputs`' rows as parent rows [R+T]: the root chain's row ``k`` hangs off row
     ``k - 1`` (the first off the cache, -1), node ``i`` off its parent's row (the last root's for a
-    top-level node). A row sees exactly itself and its ancestors -- the mask's visibility, as
-    ints a step plan carries instead of the [R+T, R+T] mask."""
+    top-level node). A row sees exactly itself and its ancestors: ints a step plan carries
+    instead of an [R+T, R+T] mask."""
     r = roots if isinstance(roots, int) else len(roots)
     return list(range(-1, r - 1)) + [r - 1 if p == ROOT else r + p for p in parents]
-
-
-def tree_visibility(parents: list[int]) -> torch.Tensor:
-    """bool [T, T]: node i sees node j (j is i or one of its ancestors). Each node's ancestors as
-    the bits of one integer (its parent's | itself), unpacked by one shift: a Python loop of
-    integer ops instead of a tensor row copy per node."""
-    t = len(parents)
-    if t > 62:  # bits of an int64
-        return tree_visibility_rows(parents)
-    anc: list[int] = []
-    for i, p in enumerate(parents):
-        anc.append((anc[p] if p != ROOT else 0) | (1 << i))
-    bits = torch.tensor(anc, dtype=torch.long)  # [T]
-    return ((bits[:, None] >> torch.arange(t)) & 1).bool()
-
-
-def tree_visibility_rows(parents: list[int]) -> torch.Tensor:
-    """:func:`tree_visibility` row by row (any size; the reference it is tested against)."""
-    t = len(parents)
-    visible = torch.zeros(t, t, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p != ROOT:
-            visible[i] = visible[p]
-        visible[i, i] = True
-    return visible
 
 
 def greedy_walk(tree: DraftTree, choice: list[int], root_row: int = 0) -> VerifyResult:

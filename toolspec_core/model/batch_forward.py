@@ -42,16 +42,12 @@ class Segment:
     tensor-parallel plan read the parents (:func:`parents_visible`, all trees at once); the paths
     that take an additive float mask (the per-sequence loop, HF's own forward) build it from them
     when they run (:func:`tree_masks`, :meth:`attn_mask`), so a step on the ragged path never
-    makes one. ``mask`` [1, 1, n, S] additive float over the cache's ``S - n`` rows plus these (or
-    [1, 1, n, n], these rows' columns alone): a mask given instead of parents (a caller with a
-    mask of its own; only its last ``n`` columns are read). Neither: causal rows (a prefill
-    chunk; a single decode row sees everything).
+    makes one. None: causal rows (a prefill chunk; a single decode row sees everything).
     """
 
     cache: KVCache
     ids: torch.Tensor
     pos: torch.Tensor
-    mask: torch.Tensor | None = None
     parents: list[int] | None = None
 
     def __len__(self) -> int:
@@ -59,14 +55,13 @@ class Segment:
 
     @property
     def tree(self) -> bool:
-        """Whether the rows see each other as a tree (parents or a mask given), not causally."""
-        return self.parents is not None or self.mask is not None
+        """Whether the rows see each other as a tree (parents given), not causally."""
+        return self.parents is not None
 
     def attn_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The additive mask of these rows: the one given, else [1, 1, n, n] built now from
-        ``parents`` (None: causal rows)."""
-        if self.mask is not None or self.parents is None:
-            return self.mask
+        """The additive mask [1, 1, n, n] of these rows, built now from ``parents`` (None: causal rows)."""
+        if self.parents is None:
+            return None
         return tree_masks(self.parents, [len(self)], dtype)[0]
 
 
@@ -194,7 +189,7 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
     pos = torch.cat([s.pos for s in segments]).to(dev, non_blocking=True)  # [N]
     cfg = model.config
     g = cfg.num_attention_heads // cfg.num_key_value_heads  # query heads per KV head (the same on a TP shard)
-    drawn = [s for s in segments if s.mask is None and s.parents is not None]  # trees given as parents
+    drawn = [s for s in segments if s.tree]
     built = iter(tree_masks([p for s in drawn for p in s.parents], [len(s) for s in drawn], dtype))  # all at once
     bounds, masks, o = [], [], 0
     for s in segments:
@@ -202,7 +197,7 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
         bounds.append((o, o + n))
         o += n
         if s.tree:
-            m = s.mask if s.mask is not None else next(built)  # [1, 1, n, n or S]
+            m = next(built)  # [1, 1, n, n]
             masks.append(grouped_mask(widen(m.to(dev, dtype, non_blocking=True), prefix), g))
         elif n >= CAUSAL_MIN_ROWS and prefix == 0 and CAUSAL_KERNEL:
             masks.append("causal")  # a first prefill chunk: causal_attention, no mask tensor

@@ -146,18 +146,13 @@ def _group(segments: list[Segment], starts: list[int], pool: BlockPool, grid: tu
     vis = torch.zeros((B, t, t), dtype=torch.long)
     tree = torch.zeros(B, dtype=torch.long)
     tree[trees] = 1
-    drawn = [i for i in trees if segments[i].parents is not None]  # the scheduler's trees: parents, all at once
-    if drawn:
+    if trees:  # every tree's visibility from its parents, all at once
         flat: list[int] = []
-        for i in drawn:
+        for i in trees:
             flat += segments[i].parents
-        seen = torch.from_numpy(parents_visible(flat, [lens[i] for i in drawn]))  # [D, m, m]
+        seen = torch.from_numpy(parents_visible(flat, [lens[i] for i in trees]))  # [D, m, m]
         m = seen.shape[1]
-        vis[drawn, :m, :m] = seen.long()
-    for i in trees:
-        if segments[i].parents is None:  # a mask alone: its visibility read back
-            k = lens[i]
-            vis[i, :k, :k] = segments[i].mask[0, 0, :, -k:] == 0
+        vis[trees, :m, :m] = seen.long()
     j = torch.arange(n)
     real = j[None] < new[:, None]  # [b, n]
     out = (torch.arange(b)[:, None] * n + j[None])[real]  # [m] grid row of each real row

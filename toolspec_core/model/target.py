@@ -140,12 +140,13 @@ class Target:
         forward over ``pool``; None: the per-sequence loop over caches of any kind)."""
         return self.runner(pool).hidden(segments)
 
-    def hidden(self, input_ids, position_ids, mask, cache) -> torch.Tensor:
+    def hidden(self, input_ids, position_ids, parents, cache) -> torch.Tensor:
         """One sequence's forward over a cache of its own, outside any scheduler (the model-level
         tests of the forward and the cache; the engine's steps go through :meth:`step`): input_ids /
-        position_ids [1, T]; mask [1, 1, T, S] additive or None (causal); ``cache`` from
-        :meth:`new_cache`. Returns last-layer hidden states [T, H]; the cache grows by T rows."""
-        return self.runner(None).hidden([Segment(cache, input_ids[0], position_ids[0], mask)])
+        position_ids [1, T]; ``parents`` [T] the rows' parent rows (a tree, as
+        :func:`~toolspec_core.engine.verify.tree_inputs` gives them) or None (causal); ``cache``
+        from :meth:`new_cache`. Returns last-layer hidden states [T, H]; the cache grows by T rows."""
+        return self.runner(None).hidden([Segment(cache, input_ids[0], position_ids[0], parents)])
 
     def hf_hidden(self, input_ids, position_ids, mask, hf_cache) -> torch.Tensor:
         """:meth:`hidden` through HF's own forward over HF's own cache (:meth:`hf_cache`): the
