@@ -218,6 +218,7 @@ class EngineHost:
                 yield error_event(request_error(exc))
                 return
             except BaseException:  # the client went away meanwhile: a sequence queued all the same ends now
+                self.stats.cancelled += 1  # counted here, on the event loop: no stream is left to count it
                 job.add_done_callback(_cancel_started)
                 raise
             rinfo = {"status": "disabled"}

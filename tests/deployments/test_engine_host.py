@@ -82,3 +82,59 @@ def test_replica_pool_follows_the_config_on_the_cpu(monkeypatch):
 def test_available_memory_reads_this_machine():
     left = engine_host.available_memory()
     assert left is None or 0 < left < 2**50
+
+
+def test_a_client_that_leaves_while_its_request_is_prepared_is_counted_once():
+    """The client goes away while a worker still prepares its request (no search: prepared and
+    queued in one worker call): the sequence queued after it is cancelled and the host counts
+    the request as cancelled, once."""
+    import asyncio
+    import threading
+    import time
+
+    from deployments.engine_host import EngineHost
+    from deployments.protocol import EngineRequest
+
+    host = EngineHost.build(
+        ServeAppConfig(model="scripted", method="ar", cost_model="none", retrieval={"enabled": False})
+    )
+    entered, release = threading.Event(), threading.Event()
+    prepare, submit, queued = host._prepare, host.engine.submit, []
+
+    def slow_prepare(req):
+        entered.set()
+        release.wait(30)
+        return prepare(req)
+
+    def recording_submit(seq, loop=None):
+        queued.append(seq)
+        return submit(seq, loop)
+
+    host._prepare, host.engine.submit = slow_prepare, recording_submit
+    req = EngineRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=1000, temperature=0.0)
+
+    async def leave_while_prepared():
+        async def consume():
+            async for _ in host.stream(req):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    try:
+        asyncio.run(leave_while_prepared())
+        release.set()
+        deadline = time.time() + 30
+        while not (queued and queued[0].cancelled) and time.time() < deadline:
+            time.sleep(0.01)
+        assert queued and queued[0].cancelled  # the sequence queued after the client left ends
+        assert host.stats.cancelled == 1
+    finally:
+        release.set()
+        host.close()
