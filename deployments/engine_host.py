@@ -26,7 +26,7 @@ from toolspec_core.errors import InvalidRequestError
 from .bridge import EngineBridge, EngineError
 from .config import ServeAppConfig, served_name
 from .events import Done, Event, Failed, Start
-from .prepare import LateDrafter, Prepared, Search, prepare
+from .prepare import LateDrafter, Prepared, Search, prepare, search_wanted
 from .protocol import APIError, EngineRequest, request_error
 from .streaming import TextStreamer, TokenText, final_text_event, text_events
 
@@ -183,13 +183,15 @@ class EngineHost:
         )
 
     def _start(self, req: EngineRequest, loop, marks: dict):
-        """A worker thread's whole part of a request with nothing to search: prepared, its sequence
+        """A worker thread's whole part of a request that searches nothing: prepared, its sequence
         and drafter built and handed to the engine -- one hand-over from the event loop, and the
         engine starts on the prompt while the loop is still waking. Returns (prepared, request
         info, sequence, stream)."""
         prep = self._prepare(req)
         marks["prepared"] = marks["searched"] = time.time()
-        info = self._info(req, prep, None, None)
+        # with a library, no calls found (None would have the method search it); the text key
+        # still files the output's calls
+        info = self._info(req, prep, prep.key, [] if self.retrieval is not None else None)
         seq = self._sequence(prep, info, None)
         marks["submitted"] = time.time()
         return prep, info, seq, self.engine.submit(seq, loop)
@@ -210,7 +212,9 @@ class EngineHost:
         marks = {"replica_in": time.time()}  # where the request's time went (the Done event's ``timeline``)
         search = stream = None
         begin = late = None
-        if self.retrieval is None:  # nothing to search: prepared, given its drafter and queued in one worker call
+        if not search_wanted(self.retrieval, req):  # prepared, given its drafter and queued in one worker call
+            if self.library is not None:
+                self.library.note_tools(req.tenant, req.tools)
             job = self.workers.submit(self._start, req, loop, marks)
             try:
                 prep, info, seq, stream = await asyncio.wrap_future(job)

@@ -67,15 +67,21 @@ def prepare(req: EngineRequest, cfg: ServeAppConfig, target, limits, text_key: b
     return Prepared(prompt, decode_cfg, constraint, key=key)
 
 
+def search_wanted(retrieval, req: EngineRequest) -> bool:
+    """Whether ``req`` searches the call library: there is one (``retrieval``, None when retrieval
+    is off) and the request offers tools the model may call: the library holds tool calls only."""
+    return retrieval is not None and bool(req.tools) and req.tool_choice != "none"
+
+
 class Search:
     """One request's call-library search (``retrieval``: the replica's
-    :class:`~deployments.retrieval.RetrievalClient`, None when retrieval is off). Wanted when the
-    request offers tools the model may call; keyed on ``key`` (the request's text) at once, or,
+    :class:`~deployments.retrieval.RetrievalClient`, None when retrieval is off), when
+    :func:`search_wanted`; keyed on ``key`` (the request's text) at once, or,
     with ``key`` None, on the prompt's hidden state passed to :meth:`start` after a prefill."""
 
     def __init__(self, retrieval, req: EngineRequest, key):
         self.retrieval, self.req = retrieval, req
-        self.wanted = retrieval is not None and bool(req.tools) and req.tool_choice != "none"
+        self.wanted = search_wanted(retrieval, req)
         self.embedding = key
         self.task: asyncio.Future | None = None
         if self.wanted and key is not None:

@@ -138,3 +138,56 @@ def test_a_client_that_leaves_while_its_request_is_prepared_is_counted_once():
     finally:
         release.set()
         host.close()
+
+
+class RecordingRetrieval:
+    """A Retrieval client stand-in that records every search and finds nothing."""
+
+    loop = None  # the library files no calls without one
+
+    def __init__(self):
+        self.searches: list[list[str]] = []
+
+    async def search(self, tenant, embedding, tool_names):
+        self.searches.append(list(tool_names))
+        return [], {"status": "ok"}
+
+
+def test_a_request_that_wants_no_search_takes_the_one_call_way_in():
+    """Under a method that drafts from the library, a request that offers no tools the model may
+    call (none, or ``tool_choice`` "none") searches nothing and is prepared, given its drafter and
+    queued in one worker call; one that offers tools searches the library once."""
+    import asyncio
+
+    from deployments.engine_host import EngineHost
+    from deployments.events import Done
+    from deployments.protocol import EngineRequest
+
+    retrieval = RecordingRetrieval()
+    host = EngineHost.build(
+        ServeAppConfig(model="scripted", method="toolspec", cost_model="none", retrieval={"key": "lexical"}),
+        retrieval,
+    )
+    assert host.retrieval is retrieval
+    start, started = host._start, []
+
+    def recording_start(req, loop, marks):
+        started.append(req)
+        return start(req, loop, marks)
+
+    host._start = recording_start
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    plain = EngineRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0)
+    quiet = EngineRequest(plain.messages, tools=[tool], tool_choice="none", max_tokens=4, temperature=0.0)
+    calls = EngineRequest(plain.messages, tools=[tool], tool_choice="auto", max_tokens=4, temperature=0.0)
+    try:
+        for req in (plain, quiet):
+            done = asyncio.run(host.generate(req))
+            assert isinstance(done, Done) and done.completion_tokens > 0
+            assert done.extra["retrieval"] == {"status": "disabled"}
+        assert started == [plain, quiet] and retrieval.searches == []
+        done = asyncio.run(host.generate(calls))
+        assert isinstance(done, Done) and done.completion_tokens > 0
+        assert started == [plain, quiet] and retrieval.searches == [["get_weather"]]
+    finally:
+        host.close()
