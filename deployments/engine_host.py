@@ -165,7 +165,15 @@ class EngineHost:
                 begin(from_hidden(hidden))
                 return built
 
-        return Sequence(self.target, prep.prompt_ids, drafter, prep.decode_cfg, prep.constraint, on_prompt=on_prompt)
+        return Sequence(
+            self.target,
+            prep.prompt_ids,
+            drafter,
+            prep.decode_cfg,
+            prep.constraint,
+            on_prompt=on_prompt,
+            early_steps=prep.timeline,
+        )
 
     @staticmethod
     def _info(req: EngineRequest, prep: Prepared, embedding, retrieved):
@@ -253,7 +261,8 @@ class EngineHost:
             if stream is None:
                 stream = self.engine.submit(seq)
             async for ev in text_events(stream.updates(), streamer, self.token_text, seq.logprobs):
-                marks.setdefault("first_text", time.time())
+                if req.timeline and "first_text" not in marks:
+                    marks["first_text"] = time.time()
                 yield ev
             result = await stream.result()
         except EngineError as exc:
@@ -271,8 +280,8 @@ class EngineHost:
             rinfo = dict((await search.result())[1])
             rinfo["in_time"] = drafter.in_time
         last = final_text_event(streamer, self.token_text, result)
-        if last is not None:
-            marks.setdefault("first_text", time.time())
+        if last is not None and req.timeline and "first_text" not in marks:
+            marks["first_text"] = time.time()
             yield last
         stats = result.stats.to_dict()
         marks.update(result.stats.times)
@@ -285,7 +294,7 @@ class EngineHost:
             "constrained": prep.constraint is not None,
         }
         if req.timeline:  # asked for: where its time went (~3 KB), the HTTP route adds its own marks
-            extra.update(timeline=marks, early_steps=list(result.stats.early_steps))
+            extra.update(timeline=marks, early_steps=list(result.stats.early_steps or []))
         yield Done(
             result.text,
             result.finish_reason,

@@ -29,6 +29,7 @@ class Prepared:
     decode_cfg: Any
     constraint: Any = None
     key: Any = None  # retrieval key known before prefill (the request's text), else None
+    timeline: bool = False  # the request asked for its timeline: its sequence keeps its early steps
 
 
 def prepare(req: EngineRequest, cfg: ServeAppConfig, target, limits, text_key: bool) -> Prepared:
@@ -64,7 +65,7 @@ def prepare(req: EngineRequest, cfg: ServeAppConfig, target, limits, text_key: b
         from retrieval_service.embedding import query_text
 
         key = query_text(req.messages, tools)
-    return Prepared(prompt, decode_cfg, constraint, key=key)
+    return Prepared(prompt, decode_cfg, constraint, key=key, timeline=req.timeline)
 
 
 def search_wanted(retrieval, req: EngineRequest) -> bool:

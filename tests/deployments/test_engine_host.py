@@ -33,6 +33,13 @@ def test_done_carries_where_the_first_token_waited():
     host = EngineHost.build(
         ServeAppConfig(model="scripted", method="ar", cost_model="none", retrieval={"enabled": False})
     )
+    submit, queued = host.engine.submit, []
+
+    def recording_submit(seq, loop=None):
+        queued.append(seq)
+        return submit(seq, loop)
+
+    host.engine.submit = recording_submit
     try:
         body = {"model": host.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         asked = {**body, "toolspec": {"timeline": True}}  # first: its whole prompt is prefilled
@@ -41,6 +48,7 @@ def test_done_carries_where_the_first_token_waited():
     finally:
         host.close()
     assert "timeline" not in plain.extra and "early_steps" not in plain.extra  # only when asked
+    assert len(queued[0].stats.early_steps) > 0 and queued[1].stats.early_steps is None  # nor kept unasked
     assert isinstance(done, Done) and done.completion_tokens > 0
     t = done.extra["timeline"]
     order = ["replica_in", "prepared", "searched", "submitted", "queued", "admitted", "prefill_start"]
