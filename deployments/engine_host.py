@@ -280,8 +280,9 @@ class EngineHost:
             rinfo = dict((await search.result())[1])
             rinfo["in_time"] = drafter.in_time
         last = final_text_event(streamer, self.token_text, result)
-        if last is not None and req.timeline and "first_text" not in marks:
-            marks["first_text"] = time.time()
+        if last is not None:
+            if req.timeline and "first_text" not in marks:
+                marks["first_text"] = time.time()
             yield last
         stats = result.stats.to_dict()
         marks.update(result.stats.times)

@@ -199,3 +199,32 @@ def test_a_request_that_wants_no_search_takes_the_one_call_way_in():
         assert started == [plain, quiet] and retrieval.searches == [["get_weather"]]
     finally:
         host.close()
+
+
+def test_the_text_held_back_for_a_stop_string_comes_in_the_last_event():
+    """A stop string that never appears holds the output's last characters back while it streams:
+    they come in the last ``Text`` event, so the deltas spell the final text, timeline or not."""
+    import asyncio
+    import dataclasses
+
+    from deployments.engine_host import EngineHost
+    from deployments.events import Done, Text
+    from deployments.protocol import EngineRequest
+
+    host = EngineHost.build(
+        ServeAppConfig(model="scripted", method="ar", cost_model="none", retrieval={"enabled": False})
+    )
+    req = EngineRequest(
+        messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0.0, stop=["\x00never\x00 in it"]
+    )
+
+    async def events(r):
+        return [ev async for ev in host.stream(r)]
+
+    try:
+        for r in (req, dataclasses.replace(req, timeline=True)):
+            evs = asyncio.run(events(r))
+            assert isinstance(evs[-1], Done) and len(evs[-1].text) > 0
+            assert "".join(e.delta for e in evs if isinstance(e, Text)) == evs[-1].text, r.timeline
+    finally:
+        host.close()
