@@ -26,7 +26,7 @@ from toolspec_core.errors import InvalidRequestError
 from .bridge import EngineBridge, EngineError
 from .config import ServeAppConfig, served_name
 from .events import Done, Event, Failed, Start
-from .prepare import LateDrafter, Prepared, Search, prepare
+from .prepare import LateDrafter, Prepared, Search, prepare, search_wanted
 from .protocol import APIError, EngineRequest, request_error
 from .streaming import TextStreamer, TokenText, final_text_event, text_events
 
@@ -165,7 +165,15 @@ class EngineHost:
                 begin(from_hidden(hidden))
                 return built
 
-        return Sequence(self.target, prep.prompt_ids, drafter, prep.decode_cfg, prep.constraint, on_prompt=on_prompt)
+        return Sequence(
+            self.target,
+            prep.prompt_ids,
+            drafter,
+            prep.decode_cfg,
+            prep.constraint,
+            on_prompt=on_prompt,
+            early_steps=prep.timeline,
+        )
 
     @staticmethod
     def _info(req: EngineRequest, prep: Prepared, embedding, retrieved):
@@ -183,13 +191,15 @@ class EngineHost:
         )
 
     def _start(self, req: EngineRequest, loop, marks: dict):
-        """A worker thread's whole part of a request with nothing to search: prepared, its sequence
+        """A worker thread's whole part of a request that searches nothing: prepared, its sequence
         and drafter built and handed to the engine -- one hand-over from the event loop, and the
         engine starts on the prompt while the loop is still waking. Returns (prepared, request
         info, sequence, stream)."""
         prep = self._prepare(req)
         marks["prepared"] = marks["searched"] = time.time()
-        info = self._info(req, prep, None, None)
+        # with a library, no calls found (None would have the method search it); the text key
+        # still files the output's calls
+        info = self._info(req, prep, prep.key, [] if self.retrieval is not None else None)
         seq = self._sequence(prep, info, None)
         marks["submitted"] = time.time()
         return prep, info, seq, self.engine.submit(seq, loop)
@@ -210,7 +220,9 @@ class EngineHost:
         marks = {"replica_in": time.time()}  # where the request's time went (the Done event's ``timeline``)
         search = stream = None
         begin = late = None
-        if self.retrieval is None:  # nothing to search: prepared, given its drafter and queued in one worker call
+        if not search_wanted(self.retrieval, req):  # prepared, given its drafter and queued in one worker call
+            if self.library is not None:
+                self.library.note_tools(req.tenant, req.tools)
             job = self.workers.submit(self._start, req, loop, marks)
             try:
                 prep, info, seq, stream = await asyncio.wrap_future(job)
@@ -218,6 +230,7 @@ class EngineHost:
                 yield error_event(request_error(exc))
                 return
             except BaseException:  # the client went away meanwhile: a sequence queued all the same ends now
+                self.stats.cancelled += 1  # counted here, on the event loop: no stream is left to count it
                 job.add_done_callback(_cancel_started)
                 raise
             rinfo = {"status": "disabled"}
@@ -248,7 +261,8 @@ class EngineHost:
             if stream is None:
                 stream = self.engine.submit(seq)
             async for ev in text_events(stream.updates(), streamer, self.token_text, seq.logprobs):
-                marks.setdefault("first_text", time.time())
+                if req.timeline and "first_text" not in marks:
+                    marks["first_text"] = time.time()
                 yield ev
             result = await stream.result()
         except EngineError as exc:
@@ -267,7 +281,8 @@ class EngineHost:
             rinfo["in_time"] = drafter.in_time
         last = final_text_event(streamer, self.token_text, result)
         if last is not None:
-            marks.setdefault("first_text", time.time())
+            if req.timeline and "first_text" not in marks:
+                marks["first_text"] = time.time()
             yield last
         stats = result.stats.to_dict()
         marks.update(result.stats.times)
@@ -280,7 +295,7 @@ class EngineHost:
             "constrained": prep.constraint is not None,
         }
         if req.timeline:  # asked for: where its time went (~3 KB), the HTTP route adds its own marks
-            extra.update(timeline=marks, early_steps=list(result.stats.early_steps))
+            extra.update(timeline=marks, early_steps=list(result.stats.early_steps or []))
         yield Done(
             result.text,
             result.finish_reason,

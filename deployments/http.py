@@ -6,7 +6,6 @@ replica's own ``EngineHost`` (:class:`LocalBackend`), in a Serve replica as in u
 """
 
 import asyncio
-import dataclasses
 import json
 import logging
 import math
@@ -265,9 +264,7 @@ def make_api(backend, cfg: ServeAppConfig, gate=None):
             error(bool(isinstance(body, dict) and body.get("stream") is True))
             raise
         key = request.state.key
-        ereq = engine_request(req, key.library_tenant(req.user))
-        if not ereq.timeline and (cfg.timeline or wants_timeline(request.headers)):
-            ereq = dataclasses.replace(ereq, timeline=True)
+        ereq = engine_request(req, key.library_tenant(req.user), cfg.timeline or wants_timeline(request.headers))
         parse = parses_tools(ereq)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         limited = key.limited
@@ -340,7 +337,7 @@ def make_api(backend, cfg: ServeAppConfig, gate=None):
                             yield part
                     elif isinstance(ev, Done):
                         done = ev
-                        marks = (ev.extra or {}).get("timeline") if ereq.timeline else None
+                        marks = (ev.extra or {}).get("timeline")
                         if isinstance(marks, dict):  # asked for: the route's marks beside the engine's
                             marks.update(http_in=wall0, first_chunk=None if ttft is None else wall0 + ttft)
                         yield sse_many(shaper.finish(ev))

@@ -29,6 +29,7 @@ class Prepared:
     decode_cfg: Any
     constraint: Any = None
     key: Any = None  # retrieval key known before prefill (the request's text), else None
+    timeline: bool = False  # the request asked for its timeline: its sequence keeps its early steps
 
 
 def prepare(req: EngineRequest, cfg: ServeAppConfig, target, limits, text_key: bool) -> Prepared:
@@ -64,18 +65,24 @@ def prepare(req: EngineRequest, cfg: ServeAppConfig, target, limits, text_key: b
         from retrieval_service.embedding import query_text
 
         key = query_text(req.messages, tools)
-    return Prepared(prompt, decode_cfg, constraint, key=key)
+    return Prepared(prompt, decode_cfg, constraint, key=key, timeline=req.timeline)
+
+
+def search_wanted(retrieval, req: EngineRequest) -> bool:
+    """Whether ``req`` searches the call library: there is one (``retrieval``, None when retrieval
+    is off) and the request offers tools the model may call: the library holds tool calls only."""
+    return retrieval is not None and bool(req.tools) and req.tool_choice != "none"
 
 
 class Search:
     """One request's call-library search (``retrieval``: the replica's
-    :class:`~deployments.retrieval.RetrievalClient`, None when retrieval is off). Wanted when the
-    request offers tools the model may call; keyed on ``key`` (the request's text) at once, or,
+    :class:`~deployments.retrieval.RetrievalClient`, None when retrieval is off), when
+    :func:`search_wanted`; keyed on ``key`` (the request's text) at once, or,
     with ``key`` None, on the prompt's hidden state passed to :meth:`start` after a prefill."""
 
     def __init__(self, retrieval, req: EngineRequest, key):
         self.retrieval, self.req = retrieval, req
-        self.wanted = retrieval is not None and bool(req.tools) and req.tool_choice != "none"
+        self.wanted = search_wanted(retrieval, req)
         self.embedding = key
         self.task: asyncio.Future | None = None
         if self.wanted and key is not None:

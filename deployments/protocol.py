@@ -557,8 +557,9 @@ class EngineRequest:
         return self.tools if self.tool_choice != "none" else []
 
 
-def engine_request(req: ChatRequest, tenant: str = "default") -> EngineRequest:
-    """The engine's request of a validated ``ChatRequest``."""
+def engine_request(req: ChatRequest, tenant: str = "default", timeline: bool = False) -> EngineRequest:
+    """The engine's request of a validated ``ChatRequest``. Its timeline is asked for by the body's
+    ``toolspec.timeline`` or by ``timeline`` (the server's option or the request's header)."""
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice):
         choice = {"type": "function", "function": {"name": choice.function.name}}
@@ -578,7 +579,7 @@ def engine_request(req: ChatRequest, tenant: str = "default") -> EngineRequest:
         stop=stops,
         tenant=tenant,
         remember=req.toolspec.remember if req.toolspec else True,
-        timeline=bool(req.toolspec and req.toolspec.timeline),
+        timeline=timeline or bool(req.toolspec and req.toolspec.timeline),
         parallel_tool_calls=req.parallel_tool_calls is not False,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         response_schema=response_schema(req, check=False),  # parse_request checked it

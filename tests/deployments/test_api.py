@@ -430,6 +430,16 @@ def test_engine_request_normalises():
     assert engine_request(parse_request({"messages": MSG}, "m", 10)).tool_choice == "none"
 
 
+def test_engine_request_is_where_a_timeline_is_asked_for():
+    """The body's ``toolspec.timeline``, or the server's option / the request's header (the
+    route's ``timeline`` argument), ask for it; the typed request holds the one answer."""
+    plain = parse_request({"messages": MSG}, "m", 10)
+    field = parse_request({"messages": MSG, "toolspec": {"timeline": True}}, "m", 10)
+    assert engine_request(plain).timeline is False
+    assert engine_request(field).timeline is True and engine_request(field, timeline=False).timeline is True
+    assert engine_request(plain, timeline=True).timeline is True
+
+
 CALL = '{"name": "get_current_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 LAYOUTS = {
     "hermes": f"<tool_call>\n{CALL}\n</tool_call>",

@@ -33,6 +33,13 @@ def test_done_carries_where_the_first_token_waited():
     host = EngineHost.build(
         ServeAppConfig(model="scripted", method="ar", cost_model="none", retrieval={"enabled": False})
     )
+    submit, queued = host.engine.submit, []
+
+    def recording_submit(seq, loop=None):
+        queued.append(seq)
+        return submit(seq, loop)
+
+    host.engine.submit = recording_submit
     try:
         body = {"model": host.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         asked = {**body, "toolspec": {"timeline": True}}  # first: its whole prompt is prefilled
@@ -41,6 +48,7 @@ def test_done_carries_where_the_first_token_waited():
     finally:
         host.close()
     assert "timeline" not in plain.extra and "early_steps" not in plain.extra  # only when asked
+    assert len(queued[0].stats.early_steps) > 0 and queued[1].stats.early_steps is None  # nor kept unasked
     assert isinstance(done, Done) and done.completion_tokens > 0
     t = done.extra["timeline"]
     order = ["replica_in", "prepared", "searched", "submitted", "queued", "admitted", "prefill_start"]
@@ -82,3 +90,141 @@ def test_replica_pool_follows_the_config_on_the_cpu(monkeypatch):
 def test_available_memory_reads_this_machine():
     left = engine_host.available_memory()
     assert left is None or 0 < left < 2**50
+
+
+def test_a_client_that_leaves_while_its_request_is_prepared_is_counted_once():
+    """The client goes away while a worker still prepares its request (no search: prepared and
+    queued in one worker call): the sequence queued after it is cancelled and the host counts
+    the request as cancelled, once."""
+    import asyncio
+    import threading
+    import time
+
+    from deployments.engine_host import EngineHost
+    from deployments.protocol import EngineRequest
+
+    host = EngineHost.build(
+        ServeAppConfig(model="scripted", method="ar", cost_model="none", retrieval={"enabled": False})
+    )
+    entered, release = threading.Event(), threading.Event()
+    prepare, submit, queued = host._prepare, host.engine.submit, []
+
+    def slow_prepare(req):
+        entered.set()
+        release.wait(30)
+        return prepare(req)
+
+    def recording_submit(seq, loop=None):
+        queued.append(seq)
+        return submit(seq, loop)
+
+    host._prepare, host.engine.submit = slow_prepare, recording_submit
+    req = EngineRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=1000, temperature=0.0)
+
+    async def leave_while_prepared():
+        async def consume():
+            async for _ in host.stream(req):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    try:
+        asyncio.run(leave_while_prepared())
+        release.set()
+        deadline = time.time() + 30
+        while not (queued and queued[0].cancelled) and time.time() < deadline:
+            time.sleep(0.01)
+        assert queued and queued[0].cancelled  # the sequence queued after the client left ends
+        assert host.stats.cancelled == 1
+    finally:
+        release.set()
+        host.close()
+
+
+class RecordingRetrieval:
+    """A Retrieval client stand-in that records every search and finds nothing."""
+
+    loop = None  # the library files no calls without one
+
+    def __init__(self):
+        self.searches: list[list[str]] = []
+
+    async def search(self, tenant, embedding, tool_names):
+        self.searches.append(list(tool_names))
+        return [], {"status": "ok"}
+
+
+def test_a_request_that_wants_no_search_takes_the_one_call_way_in():
+    """Under a method that drafts from the library, a request that offers no tools the model may
+    call (none, or ``tool_choice`` "none") searches nothing and is prepared, given its drafter and
+    queued in one worker call; one that offers tools searches the library once."""
+    import asyncio
+
+    from deployments.engine_host import EngineHost
+    from deployments.events import Done
+    from deployments.protocol import EngineRequest
+
+    retrieval = RecordingRetrieval()
+    host = EngineHost.build(
+        ServeAppConfig(model="scripted", method="toolspec", cost_model="none", retrieval={"key": "lexical"}),
+        retrieval,
+    )
+    assert host.retrieval is retrieval
+    start, started = host._start, []
+
+    def recording_start(req, loop, marks):
+        started.append(req)
+        return start(req, loop, marks)
+
+    host._start = recording_start
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    plain = EngineRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0)
+    quiet = EngineRequest(plain.messages, tools=[tool], tool_choice="none", max_tokens=4, temperature=0.0)
+    calls = EngineRequest(plain.messages, tools=[tool], tool_choice="auto", max_tokens=4, temperature=0.0)
+    try:
+        for req in (plain, quiet):
+            done = asyncio.run(host.generate(req))
+            assert isinstance(done, Done) and done.completion_tokens > 0
+            assert done.extra["retrieval"] == {"status": "disabled"}
+        assert started == [plain, quiet] and retrieval.searches == []
+        done = asyncio.run(host.generate(calls))
+        assert isinstance(done, Done) and done.completion_tokens > 0
+        assert started == [plain, quiet] and retrieval.searches == [["get_weather"]]
+    finally:
+        host.close()
+
+
+def test_the_text_held_back_for_a_stop_string_comes_in_the_last_event():
+    """A stop string that never appears holds the output's last characters back while it streams:
+    they come in the last ``Text`` event, so the deltas spell the final text, timeline or not."""
+    import asyncio
+    import dataclasses
+
+    from deployments.engine_host import EngineHost
+    from deployments.events import Done, Text
+    from deployments.protocol import EngineRequest
+
+    host = EngineHost.build(
+        ServeAppConfig(model="scripted", method="ar", cost_model="none", retrieval={"enabled": False})
+    )
+    req = EngineRequest(
+        messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0.0, stop=["\x00never\x00 in it"]
+    )
+
+    async def events(r):
+        return [ev async for ev in host.stream(r)]
+
+    try:
+        for r in (req, dataclasses.replace(req, timeline=True)):
+            evs = asyncio.run(events(r))
+            assert isinstance(evs[-1], Done) and len(evs[-1].text) > 0
+            assert "".join(e.delta for e in evs if isinstance(e, Text)) == evs[-1].text, r.timeline
+    finally:
+        host.close()

@@ -318,9 +318,12 @@ def test_a_sequence_records_where_its_first_token_waited(tiny, refs):
     admitted, first chunk, first token) and what each of its first steps carried."""
     prompts, want = refs
     sched = Scheduler(tiny, CostModel.cpu_reference(), BatchLimits(max_running=1, prefill_chunk=8))
-    first = sched.add(Sequence(tiny, prompts[0], ScriptedDrafter(oracle(want[0])), DecodeConfig(max_new_tokens=N)))
-    second = sched.add(Sequence(tiny, (prompts[1] * 4)[:20], None, DecodeConfig(max_new_tokens=2)))
+    drafter = ScriptedDrafter(oracle(want[0]))
+    first = sched.add(Sequence(tiny, prompts[0], drafter, DecodeConfig(max_new_tokens=N), early_steps=True))
+    second = sched.add(Sequence(tiny, (prompts[1] * 4)[:20], None, DecodeConfig(max_new_tokens=2), early_steps=True))
+    plain = sched.add(Sequence(tiny, prompts[1], None, DecodeConfig(max_new_tokens=2)))
     sched.run()
+    assert plain.stats.early_steps is None and plain.stats.times["first_token"]  # not asked: no steps kept
     for seq in (first, second):
         t = seq.stats.times
         assert t["queued"] <= t["admitted"] <= t["prefill_start"] <= t["first_token"]

@@ -509,10 +509,14 @@ class Scheduler:
 
 
 def note_early_steps(prefills, rows: list[_Row], end: float, fwd: float, total: int, prefill: int, decode: int) -> None:
-    """What a step carried, kept on each of its sequences for their first ``EARLY_STEPS`` steps
-    (``GenerationStats.early_steps``): when it ended (wall clock), its forward's seconds, its rows
+    """What a step carried, kept on each of its sequences that keeps early steps, for their first
+    ``EARLY_STEPS`` steps (``GenerationStats.early_steps``, None where not kept): when it ended (wall clock), its forward's seconds, its rows
     (all / prompt rows / decoding rows), this sequence's own rows and its output tokens after it --
     so a load study can tell where a first token (and a first streamed chunk) waited."""
+    held = [(seq, n, "prefill") for seq, n, _ in prefills] + [(r.seq, r.n, "decode") for r in rows]
+    held = [h for h in held if h[0].stats.early_steps is not None and len(h[0].stats.early_steps) < EARLY_STEPS]
+    if not held:
+        return
     step = {
         "end": round(end, 4),
         "forward_s": round(fwd, 4),
@@ -520,9 +524,8 @@ def note_early_steps(prefills, rows: list[_Row], end: float, fwd: float, total: 
         "prefill_rows": prefill,
         "decode_rows": decode,
     }
-    for seq, n, kind in [(seq, n, "prefill") for seq, n, _ in prefills] + [(r.seq, r.n, "decode") for r in rows]:
-        if len(seq.stats.early_steps) < EARLY_STEPS:
-            seq.stats.early_steps.append({**step, "kind": kind, "own_rows": n, "generated": len(seq.generated)})
+    for seq, n, kind in held:
+        seq.stats.early_steps.append({**step, "kind": kind, "own_rows": n, "generated": len(seq.generated)})
 
 
 def reads_logits(seq: Sequence) -> bool:

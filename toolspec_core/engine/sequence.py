@@ -145,7 +145,8 @@ class Sequence:
     tokens it forces are emitted without verification and enter the next forward as part of the
     root chain. One ``Detokenizer`` decodes the output once, incrementally, for stop strings, the
     drafter (``DraftContext.text``) and the final text; a caller that reads the text
-    while decoding passes its own as ``detokenizer``.
+    while decoding passes its own as ``detokenizer``. ``early_steps``: its stats keep what its
+    first steps carried (``GenerationStats.early_steps``), for a request that asked for them.
     """
 
     def __init__(
@@ -159,6 +160,7 @@ class Sequence:
         detokenizer: Detokenizer | None = None,
         on_prompt: Callable[[torch.Tensor], Future | None] | None = None,
         prompt_states: bool = False,
+        early_steps: bool = False,
     ):
         self.prompt_ids = list(prompt_ids)
         if not TokenLimits(target.max_context).holds(len(self.prompt_ids), cfg.max_new_tokens):
@@ -176,7 +178,7 @@ class Sequence:
         self.generated: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if cfg.logprobs is not None else None
         self.roots: list[int] = []  # emitted tokens whose KV is not cached yet (the next forward's chain)
-        self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
+        self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids), early_steps=[] if early_steps else None)
         self.reason: str | None = None
         self.result: GenerationResult | None = None
         self.cancelled = False

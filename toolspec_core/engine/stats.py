@@ -30,9 +30,9 @@ class GenerationStats:
     # where the request's time went before its first tokens, for load studies: wall-clock marks
     # (time.time(): queued, admitted, prefill_start, first_token; a server adds its own) and,
     # for the first EARLY_STEPS steps that held it, what each step carried (not in to_dict: a
-    # server reports them with its own marks)
+    # server reports them with its own marks; None: not kept, the request did not ask)
     times: dict[str, float] = field(default_factory=dict)
-    early_steps: list[dict] = field(default_factory=list)
+    early_steps: list[dict] | None = None
 
     @property
     def decode_s(self) -> float:
