@@ -81,3 +81,29 @@ def test_rows_kernel_off_or_unbuildable_keeps_the_other_dispatch(monkeypatch):
             torch.testing.assert_close(tuned.logits(h), plain.logits(h), rtol=1e-5, atol=1e-5)
     finally:
         rows_kernel.load.cache_clear()
+
+
+def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path):
+    """A build killed mid-way leaves torch's lock file, on which every later load would wait
+    forever; one older than any build is removed, a fresh one (a build under way) is not."""
+    import time
+
+    from toolspec_core.model import rows_kernel
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    now = time.time()
+    assert not rows_kernel.clear_stale_lock(tmp_path, now=now + 5) and lock.exists()
+    assert rows_kernel.clear_stale_lock(tmp_path, now=now + rows_kernel.STALE_LOCK_S + 1) and not lock.exists()
+    assert not rows_kernel.clear_stale_lock(tmp_path)  # no lock: nothing to do
+
+
+def test_each_source_file_builds_in_a_directory_of_its_own(tmp_path):
+    """Two checkouts (two source paths) never share a build directory: ninja would rebuild each
+    time the other one loads."""
+    from toolspec_core.model import rows_kernel
+
+    other = tmp_path / "rows_linear.cpp"
+    other.write_bytes(rows_kernel.SOURCE.read_bytes())
+    a, b = rows_kernel.build_dir("avx2"), rows_kernel.build_dir("avx2", other)
+    assert a != b and a.parent == b.parent and a == rows_kernel.build_dir("avx2")

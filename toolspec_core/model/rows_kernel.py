@@ -46,13 +46,39 @@ def isa_flags() -> list[str]:
     return AVX512_FLAGS if wide_registers() else AVX2_FLAGS
 
 
-def build_dir(flavour: str | None = None) -> Path:
-    """Where a build lives: per torch version and instruction-set flavour (``avx512`` / ``avx2``,
-    default this CPU's), so switching flags never reuses another build."""
+def build_dir(flavour: str | None = None, source: Path = SOURCE) -> Path:
+    """Where a build lives: per torch version, instruction-set flavour (``avx512`` / ``avx2``,
+    default this CPU's) and source file (its path and text), so switching flags never reuses
+    another build and two checkouts never rebuild over each other's (ninja rebuilds whenever the
+    source's path differs from the one it last built)."""
+    import hashlib
+
     from toolspec_core.model.embedded import cache_root
 
     flavour = flavour or ("avx512" if wide_registers() else "avx2")
-    return cache_root() / "kernels" / f"torch-{torch.__version__}-{flavour}"
+    key = hashlib.sha256(str(source.resolve()).encode() + b"\0" + source.read_bytes()).hexdigest()[:12]
+    return cache_root() / "kernels" / f"torch-{torch.__version__}-{flavour}-{key}"
+
+
+STALE_LOCK_S = 600  # a build takes about a minute; a lock this old was left by a build that died
+
+
+def clear_stale_lock(directory: Path, now: float | None = None) -> bool:
+    """Remove ``directory``'s build lock when it is older than :data:`STALE_LOCK_S`: torch's
+    extension loader waits on that file forever, so a build killed mid-way would otherwise hang
+    every later start of a replica. True when one was removed."""
+    import time
+
+    lock = directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    log.warning("rows kernel: removing a build lock %.0f s old (%s), left by a build that did not finish", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 @functools.lru_cache(maxsize=1)
@@ -79,6 +105,7 @@ def build(source: Path, name: str, directory: Path, flags: list[str] | None = No
     from torch.utils.cpp_extension import load as load_extension
 
     directory.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(directory)
     return load_extension(
         name=name,
         sources=[str(source)],
