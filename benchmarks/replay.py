@@ -207,23 +207,11 @@ def _kv_shape(config) -> tuple[int, int, int]:
 
 
 def _parents(seg, pos: list[int]) -> list[int]:
-    """Parent row of each row of a segment (-1: the cache's last committed token): the previous
-    row for causal rows, a tree's parents where it carries them, else the visible row of its mask
-    one position earlier (a tree's ancestors)."""
-    n = len(pos)
-    if seg.parents is not None:  # a tree as the scheduler draws it
+    """Parent row of each row of a segment (-1: the cache's last committed token): a tree's
+    parents as the scheduler draws them, else the previous row (causal rows)."""
+    if seg.parents is not None:
         return list(seg.parents)
-    if seg.mask is None:
-        return [i - 1 for i in range(n)]
-    vis = (seg.mask[0, 0, :, -n:] == 0).tolist()  # [n, n] row i sees row j
-    out = []
-    for i in range(n):
-        par = -1
-        for j in range(i):
-            if vis[i][j] and pos[j] == pos[i] - 1:
-                par = j
-        out.append(par)
-    return out
+    return [i - 1 for i in range(len(pos))]
 
 
 def replay_target(path: str | Path = RECORDING) -> ReplayTarget:
