@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from toolspec_core.drafters.methods import RequestInfo, make_method
     from toolspec_core.engine.cost_probe import cost_model_for
     from toolspec_core.engine.loop import DecodeConfig, generate, prefill
+    from toolspec_core.engine.scheduler import BatchLimits
     from toolspec_core.model.prompting import render_prompt
     from toolspec_core.model.target import load_target
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     cost = cost_model_for(ns.cost, target)
     cfg = DecodeConfig(max_new_tokens=ns.max_new_tokens)
     # the prompt in one pool, prefilled once: both decodes start from its cached blocks
-    pool = target.block_pool(len(prompt) + 2 * (ns.max_new_tokens + 64))
+    pool = target.block_pool(len(prompt) + 2 * BatchLimits().rows_for(0, ns.max_new_tokens))
     pre = prefill(target, prompt, pool)
     plain = generate(target, prompt, None, cfg, pool=pool)
     method = make_method(ns.method, target.tokenizer)

@@ -299,7 +299,8 @@ def greedy_rows(target, prompts: list[list[int]], max_new_tokens: int) -> list[d
 
     limits = BatchLimits(max_running=max(1, len(prompts)))
     seqs = [Sequence(target, ids, None, DecodeConfig(max_new_tokens=max_new_tokens)) for ids in prompts]
-    pool = target.block_pool(sum(s.reserved_tokens + limits.tree_rows + 16 for s in seqs))
+    # each sequence's rows, plus the partial block its table may end in
+    pool = target.block_pool(sum(limits.rows_for(len(s.prompt_ids), max_new_tokens) + 16 for s in seqs))
     run_batch(target, seqs, None, limits, pool)
     return [
         {

@@ -46,7 +46,7 @@ def prefill(target: Target, prompt_ids: list[int], pool=None, chunk: int = 512, 
     limits = BatchLimits(max_running=1, prefill_chunk=chunk)
     seq = Sequence(target, list(prompt_ids), None, DecodeConfig(max_new_tokens=1), prompt_states=states)
     if pool is None:
-        pool = target.block_pool(len(seq.prompt_ids) + 1 + limits.tree_rows)
+        pool = target.block_pool(limits.rows_for(len(seq.prompt_ids), 1))
     run_batch(target, [seq], None, limits, pool)
     return Prompt(
         seq.prompt_ids,

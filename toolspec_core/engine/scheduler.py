@@ -67,6 +67,11 @@ class BatchLimits:
         if self.max_kv_tokens is not None and (not isinstance(self.max_kv_tokens, int) or self.max_kv_tokens <= 0):
             raise ValueError(f"max_kv_tokens must be a positive integer or None, got {self.max_kv_tokens!r}")
 
+    def rows_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """KV rows a pooled sequence may come to hold: its prompt, its output and one draft tree --
+        what admission reserves in the pool, and what a pool made for given sequences must hold."""
+        return prompt_tokens + max_new_tokens + self.tree_rows
+
 
 @dataclass
 class StepRecord:
@@ -148,7 +153,7 @@ class Scheduler:
         return seq
 
     def _rows_needed(self, seq: Sequence) -> int:
-        return seq.reserved_tokens + self.limits.tree_rows
+        return self.limits.rows_for(len(seq.prompt_ids), seq.cfg.max_new_tokens)
 
     def cancel(self, seq: Sequence) -> None:
         """Stop ``seq`` at the next step (finish_reason "cancelled"); the others are untouched."""
