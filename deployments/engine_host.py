@@ -220,9 +220,9 @@ class EngineHost:
         marks = {"replica_in": time.time()}  # where the request's time went (the Done event's ``timeline``)
         search = stream = None
         begin = late = None
+        if self.library is not None:  # the request's tool schemas, against which its output's calls are filed
+            self.library.note_tools(req.tenant, req.tools)
         if not search_wanted(self.retrieval, req):  # prepared, given its drafter and queued in one worker call
-            if self.library is not None:
-                self.library.note_tools(req.tenant, req.tools)
             job = self.workers.submit(self._start, req, loop, marks)
             try:
                 prep, info, seq, stream = await asyncio.wrap_future(job)
@@ -248,11 +248,9 @@ class EngineHost:
                 late, begin = search.keyed_later(loop)
             else:
                 late = search.late()
-            retrieved, rinfo = (None, None) if late is not None else await search.result()
-            if self.library is not None:
-                self.library.note_tools(req.tenant, req.tools)
-            info = self._info(req, prep, search.wire_embedding(), retrieved if retrieved is not None else [])
-            marks["searched"] = time.time()  # the search's wait on the way in (none when it runs late)
+            # the calls found reach the drafter late (``LateDrafter``), the search's report at the end
+            info = self._info(req, prep, search.wire_embedding(), [])
+            marks["searched"] = time.time()
             seq = await loop.run_in_executor(self.workers, self._sequence, prep, info, late, begin)
             marks["submitted"] = time.time()
         drafter = seq.drafter
@@ -261,8 +259,8 @@ class EngineHost:
             if stream is None:
                 stream = self.engine.submit(seq)
             async for ev in text_events(stream.updates(), streamer, self.token_text, seq.logprobs):
-                if req.timeline and "first_text" not in marks:
-                    marks["first_text"] = time.time()
+                if req.timeline:
+                    marks.setdefault("first_text", time.time())
                 yield ev
             result = await stream.result()
         except EngineError as exc:
@@ -281,8 +279,8 @@ class EngineHost:
             rinfo["in_time"] = drafter.in_time
         last = final_text_event(streamer, self.token_text, result)
         if last is not None:
-            if req.timeline and "first_text" not in marks:
-                marks["first_text"] = time.time()
+            if req.timeline:
+                marks.setdefault("first_text", time.time())
             yield last
         stats = result.stats.to_dict()
         marks.update(result.stats.times)

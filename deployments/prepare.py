@@ -75,23 +75,22 @@ def search_wanted(retrieval, req: EngineRequest) -> bool:
 
 
 class Search:
-    """One request's call-library search (``retrieval``: the replica's
-    :class:`~deployments.retrieval.RetrievalClient`, None when retrieval is off), when
-    :func:`search_wanted`; keyed on ``key`` (the request's text) at once, or,
-    with ``key`` None, on the prompt's hidden state passed to :meth:`start` after a prefill."""
+    """One request's call-library search, made only where :func:`search_wanted` (``retrieval``: the
+    replica's :class:`~deployments.retrieval.RetrievalClient`); keyed on ``key`` (the request's
+    text) at once, or, with ``key`` None, on the prompt's hidden state passed to :meth:`start`
+    after a prefill."""
 
     def __init__(self, retrieval, req: EngineRequest, key):
         self.retrieval, self.req = retrieval, req
-        self.wanted = search_wanted(retrieval, req)
         self.embedding = key
         self.task: asyncio.Future | None = None
-        if self.wanted and key is not None:
+        if key is not None:
             self.start(key)
 
     @property
     def needs_state(self) -> bool:
         """The key is the prompt's hidden state: the prompt must be prefilled before the search."""
-        return self.wanted and self.embedding is None
+        return self.embedding is None
 
     def keyed_later(self, loop: asyncio.AbstractEventLoop):
         """For a key known only once the engine has prefilled the prompt: (the found calls as a
@@ -117,10 +116,8 @@ class Search:
         names = [t["function"]["name"] for t in self.req.tools]
         self.task = asyncio.ensure_future(self.retrieval.search(self.req.tenant, embedding, names))
 
-    def late(self) -> concurrent.futures.Future | None:
-        """The found calls as a future the engine thread can poll (None: no search running)."""
-        if self.task is None:
-            return None
+    def late(self) -> concurrent.futures.Future:
+        """The found calls of the search keyed on the text, as a future the engine thread can poll."""
         out: concurrent.futures.Future = concurrent.futures.Future()
         self._chain(out)
         return out
@@ -131,10 +128,8 @@ class Search:
 
         self.task.add_done_callback(done)
 
-    async def result(self) -> tuple[list | None, dict]:
-        """(the calls found, the search's report); (None, disabled) when there is no search."""
-        if self.task is None:
-            return None, {"status": "disabled"}
+    async def result(self) -> tuple[list, dict]:
+        """(the calls found, the search's report)."""
         return await self.task
 
     def wire_embedding(self):

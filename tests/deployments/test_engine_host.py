@@ -11,6 +11,29 @@ from deployments.config import ServeAppConfig
 from deployments.engine_host import cpu_pool_tokens, kv_pool_tokens, serving_threads
 
 
+def scripted_host(**cfg):
+    """An EngineHost over the scripted target (plain greedy, no retrieval unless ``cfg`` says)."""
+    from deployments.engine_host import EngineHost
+
+    return EngineHost.build(
+        ServeAppConfig(
+            **{"model": "scripted", "method": "ar", "cost_model": "none", "retrieval": {"enabled": False}, **cfg}
+        )
+    )
+
+
+def record_submits(host) -> list:
+    """The sequences ``host`` hands its engine, in order (the engine still runs them)."""
+    submit, queued = host.engine.submit, []
+
+    def recording_submit(seq, loop=None):
+        queued.append(seq)
+        return submit(seq, loop)
+
+    host.engine.submit = recording_submit
+    return queued
+
+
 def test_cpu_replica_uses_every_core_it_may_run_on(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what Ray gives an actor of num_cpus < 2
     cores = len(os.sched_getaffinity(0))
@@ -26,20 +49,11 @@ def test_done_carries_where_the_first_token_waited():
     steps carried (``early_steps``), for load studies (benchmarks.studies.ttft_breakdown)."""
     import asyncio
 
-    from deployments.engine_host import EngineHost
     from deployments.events import Done
     from deployments.protocol import engine_request, parse_request
 
-    host = EngineHost.build(
-        ServeAppConfig(model="scripted", method="ar", cost_model="none", retrieval={"enabled": False})
-    )
-    submit, queued = host.engine.submit, []
-
-    def recording_submit(seq, loop=None):
-        queued.append(seq)
-        return submit(seq, loop)
-
-    host.engine.submit = recording_submit
+    host = scripted_host()
+    queued = record_submits(host)
     try:
         body = {"model": host.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         asked = {**body, "toolspec": {"timeline": True}}  # first: its whole prompt is prefilled
@@ -100,25 +114,18 @@ def test_a_client_that_leaves_while_its_request_is_prepared_is_counted_once():
     import threading
     import time
 
-    from deployments.engine_host import EngineHost
     from deployments.protocol import EngineRequest
 
-    host = EngineHost.build(
-        ServeAppConfig(model="scripted", method="ar", cost_model="none", retrieval={"enabled": False})
-    )
+    host = scripted_host()
     entered, release = threading.Event(), threading.Event()
-    prepare, submit, queued = host._prepare, host.engine.submit, []
+    prepare, queued = host._prepare, record_submits(host)
 
     def slow_prepare(req):
         entered.set()
         release.wait(30)
         return prepare(req)
 
-    def recording_submit(seq, loop=None):
-        queued.append(seq)
-        return submit(seq, loop)
-
-    host._prepare, host.engine.submit = slow_prepare, recording_submit
+    host._prepare = slow_prepare
     req = EngineRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=1000, temperature=0.0)
 
     async def leave_while_prepared():
@@ -207,13 +214,10 @@ def test_the_text_held_back_for_a_stop_string_comes_in_the_last_event():
     import asyncio
     import dataclasses
 
-    from deployments.engine_host import EngineHost
     from deployments.events import Done, Text
     from deployments.protocol import EngineRequest
 
-    host = EngineHost.build(
-        ServeAppConfig(model="scripted", method="ar", cost_model="none", retrieval={"enabled": False})
-    )
+    host = scripted_host()
     req = EngineRequest(
         messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0.0, stop=["\x00never\x00 in it"]
     )

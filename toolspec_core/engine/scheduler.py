@@ -518,8 +518,10 @@ def note_early_steps(prefills, rows: list[_Row], end: float, fwd: float, total: 
     ``EARLY_STEPS`` steps (``GenerationStats.early_steps``, None where not kept): when it ended (wall clock), its forward's seconds, its rows
     (all / prompt rows / decoding rows), this sequence's own rows and its output tokens after it --
     so a load study can tell where a first token (and a first streamed chunk) waited."""
-    held = [(seq, n, "prefill") for seq, n, _ in prefills] + [(r.seq, r.n, "decode") for r in rows]
-    held = [h for h in held if h[0].stats.early_steps is not None and len(h[0].stats.early_steps) < EARLY_STEPS]
+    every = [(seq, n, "prefill") for seq, n, _ in prefills] + [(r.seq, r.n, "decode") for r in rows]
+    held = [
+        (s, n, k) for s, n, k in every if s.stats.early_steps is not None and len(s.stats.early_steps) < EARLY_STEPS
+    ]
     if not held:
         return
     step = {
