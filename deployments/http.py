@@ -51,13 +51,14 @@ def _error(exc: APIError):
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
 
-_CANCELLED = ("CancelledError", "TaskCancelledError", "RequestCancelledError")
+_CANCELLED = ("CancelledError", "TaskCancelledError", "RequestCancelledError", "ClientDisconnect")
 
 
 def is_cancellation(exc: BaseException) -> bool:
     """Whether ``exc`` only says the request was cancelled -- its client went away (asyncio's
-    ``CancelledError``, Ray's ``TaskCancelledError`` / Serve's ``RequestCancelledError``, or a
-    group of nothing else): normal, so it is not logged as an error."""
+    ``CancelledError``, Ray's ``TaskCancelledError`` / Serve's ``RequestCancelledError``,
+    Starlette's ``ClientDisconnect`` while the body is still being read, or a group of nothing
+    else): normal, so it is not logged as an error."""
     if isinstance(exc, BaseExceptionGroup):
         return all(is_cancellation(e) for e in exc.exceptions)
     return any(c.__name__ in _CANCELLED for c in type(exc).__mro__)

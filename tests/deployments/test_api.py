@@ -270,6 +270,46 @@ def test_a_body_nested_beyond_the_parser_is_a_400(local):
     assert mid.status_code == 400 and "limits.json_depth" in mid.json()["error"]["message"]
 
 
+def test_a_client_gone_before_its_body_is_read_is_a_quiet_499(local, caplog):
+    """A client that closes its connection while the body is still arriving: Starlette raises
+    ClientDisconnect from the body read; that is a cancellation (499, nothing logged as an error),
+    never a 500."""
+    import logging
+
+    _, app, _, _ = local
+    body = json.dumps({"messages": MSG, "max_tokens": 4}).encode()
+    incoming = [
+        {"type": "http.request", "body": body[:10], "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent = []
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+    with caplog.at_level(logging.DEBUG):
+        run(app(scope, receive, send))
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 def test_wrong_model_is_404_and_body_must_be_object():
     with pytest.raises(APIError) as err:
         parse_request({"model": "gpt-4", "messages": MSG}, "m", 10)
