@@ -270,46 +270,6 @@ def test_a_body_nested_beyond_the_parser_is_a_400(local):
     assert mid.status_code == 400 and "limits.json_depth" in mid.json()["error"]["message"]
 
 
-def test_a_client_gone_before_its_body_is_read_is_a_quiet_499(local, caplog):
-    """A client that closes its connection while the body is still arriving: Starlette raises
-    ClientDisconnect from the body read; that is a cancellation (499, nothing logged as an error),
-    never a 500."""
-    import logging
-
-    _, app, _, _ = local
-    body = json.dumps({"messages": MSG, "max_tokens": 4}).encode()
-    incoming = [
-        {"type": "http.request", "body": body[:10], "more_body": True},
-        {"type": "http.disconnect"},
-    ]
-    sent = []
-
-    async def receive():
-        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        "client": ("127.0.0.1", 1),
-        "server": ("test", 80),
-    }
-    with caplog.at_level(logging.DEBUG):
-        run(app(scope, receive, send))
-    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
-
-
 def test_wrong_model_is_404_and_body_must_be_object():
     with pytest.raises(APIError) as err:
         parse_request({"model": "gpt-4", "messages": MSG}, "m", 10)
@@ -1489,6 +1449,58 @@ class _CancelledBackend:
         return {}
 
 
+def _chat_scope(body: bytes) -> dict:
+    """The ASGI scope of a POST to /v1/chat/completions with ``body``, for driving the app directly."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "scheme": "http",
+        "server": ("test", 80),
+        "client": ("test", 1),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+    }
+
+
+def test_a_client_gone_before_its_body_is_read_is_a_quiet_499(caplog):
+    """A client that closes its connection while its body is still arriving: Starlette raises
+    ClientDisconnect from the body read; that is a cancellation (499, nothing logged at warning or
+    above, the backend never called), never a 500."""
+    import logging
+
+    from deployments.http import make_api
+
+    class Backend(_CancelledBackend):
+        async def stream(self, req):
+            raise AssertionError("a request whose body never arrived reached the backend")
+            yield
+
+        async def generate(self, req):
+            raise AssertionError("a request whose body never arrived reached the backend")
+
+    app = make_api(Backend("first"), ServeAppConfig(served_model_name="m"))
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    incoming = [{"type": "http.request", "body": body[:10], "more_body": True}, {"type": "http.disconnect"}]
+    sent = []
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    with caplog.at_level(logging.DEBUG):
+        run(asyncio.wait_for(app(_chat_scope(body), receive, send), 30))
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [499]
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.WARNING], caplog.text
+    assert "request cancelled (ClientDisconnect)" in caplog.text
+
+
 def test_a_send_cancelled_mid_stream_is_quiet(caplog):
     """Serve cancels the ``send`` of a response already streaming when the client goes away (the
     cancellation surfaces from Starlette's streaming task group): the app returns quietly."""
@@ -1519,22 +1531,8 @@ def test_a_send_cancelled_mid_stream_is_quiet(caplog):
         if message["type"] == "http.response.body" and len(sent) > 2:
             raise RequestCancelledError("req-1")
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "scheme": "http",
-        "server": ("test", 80),
-        "client": ("test", 1),
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-    }
     with caplog.at_level(logging.DEBUG):
-        run(asyncio.wait_for(app(scope, receive, send), 30))
+        run(asyncio.wait_for(app(_chat_scope(body), receive, send), 30))
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
     assert not [rec for rec in caplog.records if rec.levelno >= logging.WARNING], caplog.text
     assert "request cancelled" in caplog.text
