@@ -28,7 +28,7 @@ from toolspec_core.model.kv import KVCache
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 CAUSAL_KERNEL = True  # long first prefill chunks attend through causal_attention (False: a causal mask tensor)
-CAUSAL_MIN_ROWS = 640  # from this many rows; below, SDPA's CPU kernel blocks a per-head causal call more finely and it measured slower
+CAUSAL_MIN_ROWS = 576  # from this many rows (benchmarks/results/measurements/prefill-attention-cpu-epyc-481a359.json); below, SDPA's CPU kernel blocks a per-head causal call more finely and it measured slower
 
 
 @dataclass
@@ -159,7 +159,7 @@ def causal_attention(q, k, v, scale: float) -> torch.Tensor:
     of the score matrix and adds the mask; with ``is_causal`` it skips the blocks above the
     diagonal and reads no mask. The result equals the masked call's to float rounding (a skipped block's
     every score is masked to zero weight; tested). Taken from :data:`CAUSAL_MIN_ROWS` rows: on this
-    CPU the causal call was 1.2-1.6x faster at 640-1,024 rows and 0.5-0.85x at 384-512, where the
+    CPU the causal call was 1.09-1.52x faster at 576-1,024 rows and 0.77-0.97x at 128-512, where the
     grouped masked call (7x the query rows) gets the kernel's larger query blocks. A chunk after a cached prefix keeps the mask:
     SDPA's ``is_causal`` is top-left aligned, and splitting such a chunk into its rows over the
     prefix and over themselves (two calls merged by their log-sum-exps) measured slower than the
