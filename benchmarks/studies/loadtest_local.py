@@ -35,6 +35,7 @@ with a note.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -201,17 +202,28 @@ def app_config(spec: str, library: str) -> tuple[str, dict]:
     return name, extra
 
 
-class RssSampler:
-    """Resident memory of every engine replica process (``ray::ServeReplica:<app>:Replica``) every
-    ``every`` seconds, in a thread, until ``stop`` writes the series and a summary. Only this
-    run's replicas: descendants of this process (the local Ray it started), so another Ray
-    instance on the same machine (a test suite's apps) is never sampled."""
+def is_engine_replica(title: str) -> bool:
+    """A ToolSpec engine replica's process (``ray::ServeReplica:<app>:Replica``): the model and its KV pool."""
+    return "ServeReplica:" in title and ":Replica" in title
 
-    def __init__(self, every: float):
+
+def is_vllm_engine(title: str) -> bool:
+    """vLLM's engine process (``VLLM::EngineCore``): the model and its KV cache, as a replica holds ours."""
+    return "EngineCore" in title
+
+
+class RssSampler:
+    """Resident memory of every engine process (``match`` on its title: by default ToolSpec's
+    engine replicas) every ``every`` seconds, in a thread, until ``stop`` writes the series and a
+    summary. Only this run's processes: descendants of this process (the local Ray or the vLLM
+    server it started), so another Ray instance on the same machine (a test suite's apps) is
+    never sampled."""
+
+    def __init__(self, every: float, match=is_engine_replica):
         import threading
         import time
 
-        self.every, self.t0, self.samples = every, time.time(), []
+        self.every, self.match, self.t0, self.samples = every, match, time.time(), []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -226,7 +238,7 @@ class RssSampler:
             for proc in me.children(recursive=True):
                 try:
                     title = " ".join(proc.cmdline())
-                    if not ("ServeReplica:" in title and ":Replica" in title):
+                    if not self.match(title):
                         continue
                     rss = proc.memory_info().rss
                 except psutil.Error:
@@ -256,6 +268,18 @@ class RssSampler:
         print(f"[rss] {json.dumps(summary)} -> {path}", flush=True)
 
 
+@contextlib.contextmanager
+def sampling_rss(every: float | None, path: str, match=is_engine_replica):
+    """An :class:`RssSampler` of the processes ``match`` picks while the block runs, its series
+    written to ``path`` after (nothing when ``every`` is None)."""
+    sampler = RssSampler(every, match) if every else None
+    try:
+        yield
+    finally:
+        if sampler is not None:
+            sampler.stop(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.studies.loadtest_local", description=__doc__)
     p.add_argument("--dataset", action="append", default=[], help="default: toolspec loadtest's for the workload")
@@ -281,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="sample the engine replicas' resident memory this often; the series goes to <out>/<name>.rss.json",
+        help="sample the engine replicas' resident memory this often; the series goes to <out>/<name>.rss.json "
+        "(with --one-at-a-time or a vLLM app: each app's engine process, ToolSpec's replica or vLLM's EngineCore, "
+        "to <out>/<name>.<app>.rss.json)",
     )
     p.add_argument(
         "--apps",
@@ -333,13 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, url in urls.items():
             args += ["--endpoint", f"{name}={url}/v1"]
         args += passthrough
-        sampler = RssSampler(ns.sample_rss) if ns.sample_rss else None
-        try:
+        name = passthrough[passthrough.index("--name") + 1] if "--name" in passthrough else "loadtest"
+        with sampling_rss(ns.sample_rss, os.path.join(ns.out, f"{name}.rss.json")):
             return loadtest_main(args)
-        finally:
-            if sampler is not None:
-                name = passthrough[passthrough.index("--name") + 1] if "--name" in passthrough else "loadtest"
-                sampler.stop(os.path.join(ns.out, f"{name}.rss.json"))
     finally:
         stop_server()
 
@@ -442,7 +464,8 @@ def one_at_a_time(ns, specs: list[str], passthrough: list[str]) -> int:
                 server.wait_ready()
                 urls[app] = server.url
                 print(f"{app}: {server.url}/v1 (vLLM {opts})", flush=True)
-                rc = loadtest_main(common + ["--endpoint", f"{app}={server.url}/v1", "--baseline", app])
+                with sampling_rss(ns.sample_rss, os.path.join(ns.out, f"{name}.{app}.rss.json"), is_vllm_engine):
+                    rc = loadtest_main(common + ["--endpoint", f"{app}={server.url}/v1", "--baseline", app])
             finally:
                 server.stop()
         else:
@@ -453,7 +476,8 @@ def one_at_a_time(ns, specs: list[str], passthrough: list[str]) -> int:
             try:
                 urls[app] = start_server(cfg, app_name=app, quiet=True)
                 print(f"{app}: {urls[app]}/v1 (method {extra['method']})", flush=True)
-                rc = loadtest_main(common + ["--endpoint", f"{app}={urls[app]}/v1", "--baseline", app])
+                with sampling_rss(ns.sample_rss, os.path.join(ns.out, f"{name}.{app}.rss.json")):
+                    rc = loadtest_main(common + ["--endpoint", f"{app}={urls[app]}/v1", "--baseline", app])
             finally:
                 stop_server()
         if rc:

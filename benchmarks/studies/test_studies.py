@@ -222,7 +222,7 @@ def test_rss_sampler_reads_only_its_own_replicas(tmp_path):
 
     import psutil
 
-    from benchmarks.studies.loadtest_local import RssSampler
+    from benchmarks.studies.loadtest_local import RssSampler, is_vllm_engine
 
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     mine = subprocess.Popen([*sleeper, "ray::ServeReplica:mine:Replica"])
@@ -241,6 +241,15 @@ def test_rss_sampler_reads_only_its_own_replicas(tmp_path):
         sampler.stop(str(tmp_path / "rss.json"))
         series = json.loads((tmp_path / "rss.json").read_text())["series"]
         assert series and {s["pid"] for s in series} == {mine.pid}
+        engine = subprocess.Popen([*sleeper, "VLLM::EngineCore"])
+        try:
+            sampler = RssSampler(0.1, is_vllm_engine)
+            time.sleep(0.5)
+            sampler.stop(str(tmp_path / "vllm.json"))
+        finally:
+            engine.kill()
+        series = json.loads((tmp_path / "vllm.json").read_text())["series"]
+        assert series and {s["pid"] for s in series} == {engine.pid}  # vLLM's engine only, not the replica
     finally:
         mine.kill()
         for p in others:
