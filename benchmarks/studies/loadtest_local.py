@@ -208,14 +208,15 @@ def is_engine_replica(title: str) -> bool:
 
 
 def is_vllm_engine(title: str) -> bool:
-    """vLLM's engine process (``VLLM::EngineCore``): the model and its KV cache, as a replica holds ours."""
-    return "EngineCore" in title
+    """vLLM's engine processes (``VLLM::EngineCore`` and its ``VLLM::Worker``, which holds the model and
+    the KV cache on the CPU): together what one replica holds for us."""
+    return "VLLM::EngineCore" in title or "VLLM::Worker" in title
 
 
 class RssSampler:
     """Resident memory of every engine process (``match`` on its title: by default ToolSpec's
     engine replicas) every ``every`` seconds, in a thread, until ``stop`` writes the series and a
-    summary. Only this run's processes: descendants of this process (the local Ray or the vLLM
+    summary; a sample is the sum over the matching processes (vLLM's engine is two). Only this run's processes: descendants of this process (the local Ray or the vLLM
     server it started), so another Ray instance on the same machine (a test suite's apps) is
     never sampled."""
 
@@ -235,15 +236,16 @@ class RssSampler:
 
         me = psutil.Process()
         while not self._stop.is_set():
+            pids, rss = [], 0
             for proc in me.children(recursive=True):
                 try:
-                    title = " ".join(proc.cmdline())
-                    if not self.match(title):
-                        continue
-                    rss = proc.memory_info().rss
+                    if self.match(" ".join(proc.cmdline())):
+                        rss += proc.memory_info().rss
+                        pids.append(proc.pid)
                 except psutil.Error:
                     continue
-                self.samples.append({"t": round(time.time() - self.t0, 1), "pid": proc.pid, "rss_mb": rss / 2**20})
+            if pids:
+                self.samples.append({"t": round(time.time() - self.t0, 1), "pids": pids, "rss_mb": rss / 2**20})
             self._stop.wait(self.every)
 
     def stop(self, path: str) -> None:

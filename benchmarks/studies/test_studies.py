@@ -240,16 +240,19 @@ def test_rss_sampler_reads_only_its_own_replicas(tmp_path):
         time.sleep(0.5)
         sampler.stop(str(tmp_path / "rss.json"))
         series = json.loads((tmp_path / "rss.json").read_text())["series"]
-        assert series and {s["pid"] for s in series} == {mine.pid}
-        engine = subprocess.Popen([*sleeper, "VLLM::EngineCore"])
+        assert series and {p for s in series for p in s["pids"]} == {mine.pid}
+        engine = [subprocess.Popen([*sleeper, f"VLLM::{title}"]) for title in ("EngineCore", "Worker")]
         try:
+            time.sleep(0.3)
             sampler = RssSampler(0.1, is_vllm_engine)
             time.sleep(0.5)
             sampler.stop(str(tmp_path / "vllm.json"))
         finally:
-            engine.kill()
+            for p in engine:
+                p.kill()
         series = json.loads((tmp_path / "vllm.json").read_text())["series"]
-        assert series and {s["pid"] for s in series} == {engine.pid}  # vLLM's engine only, not the replica
+        # vLLM's engine and worker summed in each sample, not the replica
+        assert series and all(sorted(s["pids"]) == sorted(p.pid for p in engine) for s in series)
     finally:
         mine.kill()
         for p in others:
