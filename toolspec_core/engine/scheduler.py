@@ -513,16 +513,20 @@ class Scheduler:
                 finished.append(seq)
 
 
+def keeps_early_steps(seq: Sequence) -> bool:
+    """Whether ``seq`` asked for its timeline and has fewer than ``EARLY_STEPS`` steps noted."""
+    steps = seq.stats.early_steps
+    return steps is not None and len(steps) < EARLY_STEPS
+
+
 def note_early_steps(prefills, rows: list[_Row], end: float, fwd: float, total: int, prefill: int, decode: int) -> None:
     """What a step carried, kept on each of its sequences that keeps early steps, for their first
     ``EARLY_STEPS`` steps (``GenerationStats.early_steps``, None where not kept): when it ended (wall clock), its forward's seconds, its rows
     (all / prompt rows / decoding rows), this sequence's own rows and its output tokens after it --
     so a load study can tell where a first token (and a first streamed chunk) waited."""
-    every = [(seq, n, "prefill") for seq, n, _ in prefills] + [(r.seq, r.n, "decode") for r in rows]
-    held = [
-        (s, n, k) for s, n, k in every if s.stats.early_steps is not None and len(s.stats.early_steps) < EARLY_STEPS
-    ]
-    if not held:
+    held = [(seq, n, "prefill") for seq, n, _ in prefills if keeps_early_steps(seq)]
+    held += [(r.seq, r.n, "decode") for r in rows if keeps_early_steps(r.seq)]
+    if not held:  # no timeline asked (the default)
         return
     step = {
         "end": round(end, 4),
