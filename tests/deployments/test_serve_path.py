@@ -239,12 +239,14 @@ def test_the_method_shared_state_holds_under_threads(scripted_host):
 
     tok = scripted_host.target.tokenizer
     method = make_method("toolspec", tok)
-    method.TOOLS_CACHE, method.MAX_TENANTS = 3, 3
+    method.MAX_TENANTS = 3
     prompt = tok.encode("hello")
     out_ids = tok.encode(SCRIPT)
 
     def tools(i: int) -> list[dict]:
         return [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object"}}}]
+
+    method.tool_sets.max_bytes = 3 * method.tool_sets.get(tools(0), None, tok).nbytes
 
     errors, per_thread, threads_n = [], 600, 6
 
@@ -273,7 +275,7 @@ def test_the_method_shared_state_holds_under_threads(scripted_host):
     finally:
         sys.setswitchinterval(old)
     assert not errors, errors[:3]
-    assert len(method._tools_cache) <= 3 and len(method._tenant_rates) <= 3
+    assert method.tool_sets.nbytes <= method.tool_sets.max_bytes and len(method._tenant_rates) <= 3
     assert method.priors.tool_counts["get_current_weather"] == threads_n * per_thread
     assert method.priors.events.tries["call_start"] == threads_n * per_thread
 

@@ -59,12 +59,13 @@ def _req(replay, it, rec):
 
 
 def test_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, items):
-    """B = 6 through the batched scheduler, two groups (the second drafts from the library the first
-    filled): every step's tree, node for node (tokens, parents, labels, confidences) -- the default
-    drafter (bounded expansion, compiled merge where built) against the reference."""
+    """B = 6 through the batched scheduler, three groups (the second drafts from the library the first
+    filled, the third sends the first's tool sets again: compiled tables and token tables from the
+    cache): every step's tree, node for node (tokens, parents, labels, confidences) -- the default
+    drafter (bounded expansion, compiled tool sets, compiled merge where built) against the reference."""
     fast, ref = make_method("toolspec", replay.tokenizer), make_method("toolspec", replay.tokenizer, reference=True)
     seen: list[bool] = []
-    for group in (items[:6], items[6:]):
+    for group in (items[:6], items[6:], items[:6]):
         sched = Scheduler(replay, CostModel.cpu_reference(), BatchLimits(max_running=6))
         seqs = []
         for it, rec in group:
@@ -80,6 +81,8 @@ def test_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, item
             for m in (fast, ref):
                 m.observe(req, seq.result.tokens, seq.result.text)
     assert len(seen) > 50 and all(seen)
+    assert fast.tool_sets.hits >= 6 and fast.tool_sets.stats()["entries"] > 0
+    assert ref.tool_sets.stats()["entries"] == 0  # the reference compiles nothing
 
 
 def _serve(replay, items, overlap: bool, monkeypatch, grammar_on=()):

@@ -344,9 +344,11 @@ def test_a_structured_answer_is_lossless_under_its_grammar(closing_qwen, qwen_to
 
 def test_the_prepared_tool_sets_are_bounded(qwen_tok):
     method = make_method("toolspec_schema", qwen_tok)
-    method.TOOLS_CACHE = 4
+    one = method.tool_sets.get([{"type": "function", "function": {"name": "t", "parameters": {}}}], None, qwen_tok)
+    method.tool_sets.max_bytes = 4 * one.nbytes + one.nbytes // 2  # room for four such sets
     for i in range(10):
         method._tools([{"type": "function", "function": {"name": f"t{i}", "parameters": {}}}])
-    assert len(method._tools_cache) == 4
+    assert len(method.tool_sets.keys()) == 4 and method.tool_sets.nbytes <= method.tool_sets.max_bytes
+    method.tool_sets.max_bytes = 1 << 20
     first = method._tools(TOOLS)
-    assert method._tools(TOOLS) is first  # a hit is the same prepared index
+    assert method._tools(TOOLS)[0] is first[0]  # a hit is the same prepared index

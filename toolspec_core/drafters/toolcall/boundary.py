@@ -26,7 +26,7 @@ class BoundaryTokenizer:
     def __init__(self, tokenizer, cache_size: int = 65536, cache_candidates: bool = True, candidates: int = 16384):
         self.tok = tokenizer
         self.cache_candidates = cache_candidates
-        self._candidate = lru_cache(maxsize=candidates)(self._candidate_uncached)  # a few kB each
+        self._candidate = lru_cache(maxsize=candidates)(self.tokenize)  # a few kB each
         # a fast tokenizer's Rust backend directly: the same ids without the Python wrapper's
         # per-call overhead (about half of an uncached encode; drafting tokenizes every step)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -69,9 +69,10 @@ class BoundaryTokenizer:
         tokens (``TAIL_TOKENS`` are all ``continuation`` reads); ``segs``: (text or token ids, label)."""
         if self.cache_candidates:
             return self._candidate(tail, segs)
-        return self._candidate_uncached(tail, segs)
+        return self.tokenize(tail, segs)
 
-    def _candidate_uncached(self, tail: tuple[int, ...], segs: tuple) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    def tokenize(self, tail: tuple[int, ...], segs: tuple) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """``candidate`` without its cache (for callers that keep their own: a tool set's token table)."""
         ids: list[int] = []
         labels: list[str] = []
         text, text_labels = "", []  # pending text and (end offset, label) per segment

@@ -26,6 +26,7 @@ from toolspec_core.drafters.labels import (
     TOOL_NAME,
     VALUE,
 )
+from toolspec_core.drafters.toolcall.compiled import CompiledTools
 from toolspec_core.drafters.toolcall.fsm import CallTracker, Frame, ToolIndex
 from toolspec_core.drafters.toolcall.layouts import BARE, BARE_PRETTY, Layout
 from toolspec_core.drafters.toolcall.objkeys import CLOSE, KeyIndex, key_candidates
@@ -153,8 +154,15 @@ class _Builder:
         context_keys: KeyIndex | None = None,
         own=(),
         numbers=(),
+        tables: CompiledTools | None = None,
+        past_memo: dict | None = None,
     ):
         self.tr, self.tools, self.priors, self.eos = tr, tools, priors, eos
+        # the tool set's compiled schema answers (None: the schema functions, every step)
+        self.tables = tables
+        # ``_past_values`` of ``past`` by (tool, key): the past calls are the request's, fixed for
+        # its whole decode, so the drafter keeps this across steps (None: computed every time)
+        self.past_memo = past_memo
         self.numbers = list(numbers)  # numbers the conversation mentions (values.context_numbers)
         self.levels = levels
         self.past = list(past)  # (tool name, arguments) of retrieved past calls
@@ -209,7 +217,14 @@ class _Builder:
     def seen_values(self, name: str, key: str) -> list[tuple[object, float, str]]:
         """(value, share, label) of the values retrieved past calls and this output's earlier calls
         of ``name`` passed as ``key``; shares scaled to at most ``SEEN_SHARE`` together."""
-        seen = [(v, s, RETRIEVAL) for v, s in _past_values(self.past, name, key)]
+        memo = self.past_memo
+        if memo is None:
+            past = _past_values(self.past, name, key)
+        else:
+            past = memo.get((name, key))
+            if past is None:
+                past = memo[(name, key)] = _past_values(self.past, name, key)
+        seen = [(v, s, RETRIEVAL) for v, s in past]
         seen += [(v, s, OWN_CALL) for v, s in _past_values(self.own, name, key)]
         total = sum(s for _, s, _ in seen)
         scale = SEEN_SHARE / total if total > SEEN_SHARE else 1.0
@@ -217,8 +232,13 @@ class _Builder:
 
     def derived(self, key: str, schema: dict) -> list[str]:
         """Context dates rendered for a string argument that may hold one (most likely first)."""
+        if not self.dates:
+            return []
+        if self.tables is not None:
+            string = self.tables.date_string(key, schema)
+            return date_values(self.dates, string) if string is not None else []
         strings = [v for v in variants(schema) if v.get("type", "string") == "string" and "enum" not in v]
-        if not self.dates or not strings or not wants_date(key, strings[0]):
+        if not strings or not wants_date(key, strings[0]):
             return []
         return date_values(self.dates, strings[0])
 
@@ -370,7 +390,7 @@ class _Builder:
         """Typed value openings, the schema's alternatives (``anyOf`` / ``oneOf`` branches, type
         lists) sharing the mass: enum values, booleans, null, numbers from the context, the quote of
         a string, an array's or object's opening."""
-        alts = variants(schema)
+        alts = self.tables.variants(schema) if self.tables is not None else variants(schema)
         out = []
         for v in alts:
             start = self.under(1.0 / len(alts), lambda v=v: self._typed_start(name, used, v, layout, args_indent, lv))
@@ -386,7 +406,15 @@ class _Builder:
                 self.under(top, lambda: self.after_value(name, used, layout, args_indent, lv - 1)) if lv > 0 else None
             )
 
-        if isinstance(enum, list) and enum and all(isinstance(e, (str, int, float, bool)) for e in enum):
+        if self.tables is not None:  # the opening kind and the enum's JSON, compiled once per tool set
+            start = self.tables.start(schema)
+            typ, enum = start.kind, start.enum_json
+            if typ == "enum":
+                vals = list(enum)
+                tails = after(1.0 / len(vals))
+                return [c for v in vals for c in self.seq([(v, VALUE)], tails, 1.0 / len(vals))]
+            typ = "integer" if typ == "number" else typ
+        elif isinstance(enum, list) and enum and all(isinstance(e, (str, int, float, bool)) for e in enum):
             vals = [_json_scalar(e) for e in enum]
             tails = after(1.0 / len(vals))
             return [c for v in vals for c in self.seq([(v, VALUE)], tails, 1.0 / len(vals))]
@@ -663,7 +691,7 @@ class _Builder:
 
     def string_value(self, name, used, schema, lay, indent, lv) -> list[Cand]:
         buf = self.tr.buf
-        enum = enum_values(schema)
+        enum = self.tables.enum_values(schema) if self.tables is not None else enum_values(schema)
         if isinstance(enum, list):
             vals = [e for e in enum if isinstance(e, str) and e.startswith(buf)]
             out = []
@@ -733,6 +761,8 @@ def continuations(
     own=(),
     numbers=(),
     bounded: bool = True,
+    tables: CompiledTools | None = None,
+    past_memo: dict | None = None,
 ) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first.
 
@@ -749,7 +779,7 @@ def continuations(
     ``bounded``: expand only branches that can reach the ``max_cands`` kept (the same result;
     ``False`` expands every branch, the reference the tests compare against).
     """
-    b = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys, own, numbers)
+    b = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys, own, numbers, tables, past_memo)
     b.keep = max_cands if bounded else 0
     cands = b.build()
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]

@@ -20,6 +20,7 @@ from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter
 from toolspec_core.drafters.suffix_trie import SuffixTrie
 from toolspec_core.drafters.toolcall.boundary import TAIL_TOKENS, BoundaryTokenizer
 from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
+from toolspec_core.drafters.toolcall.compiled import CompiledTools, ToolSetCache
 from toolspec_core.drafters.toolcall.fsm import RESPONSE, CallTracker, ToolIndex
 from toolspec_core.drafters.toolcall.layouts import LAYOUTS, LLAMA_LAYOUTS, layout_of, layouts_for
 from toolspec_core.drafters.toolcall.library import CallLibrary, MemoryLibrary, PastCall, as_past_call
@@ -63,6 +64,7 @@ def candidates_to_tree(
     max_tokens: int = 96,
     max_nodes: int | None = None,
     compiled: bool = True,
+    tokenize=None,
 ) -> DraftTree:
     """Tokenize each candidate after ``committed`` and merge them into one tree.
 
@@ -75,11 +77,14 @@ def candidates_to_tree(
     nodes are above that sum, the rest of the candidates (most probable first) could only add
     nodes the budget drops unverified, and are not tokenized -- the long tail is most of the cost.
     ``compiled``: the merge loop in C where it is built (``tree_kernel``), the same tree bit for
-    bit; this Python loop is the reference.
+    bit; this Python loop is the reference. ``tokenize(tail, segs) -> (ids, labels)``: where a
+    candidate's tokens come from (a tool set's token table, ``CompiledTools.candidate``; default
+    ``bt.candidate``).
     """
+    tokenize = tokenize or bt.candidate
     kernel = tree_kernel.load() if compiled else None
     if kernel is not None:
-        return _merged(kernel, bt, committed, cands, rates, max_tokens, max_nodes)
+        return _merged(kernel, tokenize, committed, cands, rates, max_tokens, max_nodes)
     tree = DraftTree()
     mass: list[float] = []
     path_rate: list[float] = []  # product of the label rates from the root down to each node
@@ -97,7 +102,7 @@ def candidates_to_tree(
             if _kept_above(mass, path_rate, max_nodes, bound):
                 break
         left -= cand.prob
-        ids, labels = bt.candidate(tail, tuple(cand.segs))
+        ids, labels = tokenize(tail, tuple(cand.segs))
         nodes = tree.add_chain(ids[:max_tokens], labels)
         for i in range(len(mass), len(tree)):
             p = parents[i]
@@ -119,7 +124,7 @@ def candidates_to_tree(
     return tree
 
 
-def _merged(kernel, bt, committed, cands, rates, max_tokens, max_nodes) -> DraftTree:
+def _merged(kernel, tokenize, committed, cands, rates, max_tokens, max_nodes) -> DraftTree:
     """``candidates_to_tree`` by the compiled loop: the same inputs, rates by (label, parent label)."""
 
     def rate(label: str, parent: str | None) -> float:
@@ -129,7 +134,7 @@ def _merged(kernel, bt, committed, cands, rates, max_tokens, max_nodes) -> Draft
         tuple(committed[-TAIL_TOKENS:]),
         [c.segs for c in cands],
         [c.prob for c in cands],
-        bt.candidate,
+        tokenize,
         rate,
         sum(c.prob for c in cands),
         max_tokens,
@@ -241,12 +246,21 @@ class SchemaDrafter:
         answer: bool = False,
         layouts: tuple = LAYOUTS,
         reference: bool = False,
+        tables: CompiledTools | None = None,
     ):
         """``answer``: the output is a structured answer (response_format) whose schema ``tools``
         holds under ``RESPONSE``; ``layouts``: the target's call layouts (``layouts_for``);
         ``reference``: every step in Python with the full candidate expansion and the Python tree
-        merge -- the drafter the tests hold this one to (the same trees)."""
+        merge -- the drafter the tests hold this one to (the same trees); ``tables``: the tool
+        set's compiled schema answers and token table (``compiled``; None: none, every step asks
+        the schema functions and the method's tokenizer cache)."""
         self.reference = reference
+        self.tables = tables
+        # the retrieved past calls as the candidate builder reads them, and its per-(tool, key)
+        # values of them: fixed for the request, so built once, not every step
+        self._past = [(c.tool_name, c.arguments) for c in retrieval.calls] if retrieval is not None else []
+        self._past_memo: dict | None = None if reference else {}
+        self._tokenize = (lambda tail, segs: tables.candidate(bt.tokenize, tail, segs)) if tables else None
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
         self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
         self.tracker = CallTracker(tools, RESPONSE if answer else None, layouts)
@@ -299,6 +313,7 @@ class SchemaDrafter:
                 self.rates,
                 max_nodes=ctx.max_nodes,
                 compiled=not self.reference,
+                tokenize=self._tokenize,
             )
         if self.retrieval is not None:
             tree.merge(self.retrieval.tree(ctx, self.tracker.name))
@@ -318,19 +333,20 @@ class SchemaDrafter:
 
     def _continuations(self, ctx: DraftContext, tracker: CallTracker, max_cands: int = 64) -> list[Cand]:
         """What the schemas allow after ``tracker``'s text (this output's tracker, or a fork of it)."""
-        past = [(c.tool_name, c.arguments) for c in self.retrieval.calls] if self.retrieval is not None else ()
         return continuations(
             tracker,
             self.tools,
             self.priors,
             self.eos,
             max_cands=max_cands,
-            past=past,
+            past=self._past,
             dates=self._context_dates(ctx),
             context_keys=self._context_keys(ctx),
             own=self._own_calls(),
             numbers=self._context_numbers(ctx),
             bounded=not self.reference,
+            tables=self.tables,
+            past_memo=self._past_memo,
         )
 
     def _own_calls(self) -> list[tuple[str, dict]]:
@@ -470,9 +486,12 @@ class SchemaMethod:
         prompt_tail: int = 8,
         history_tokens: int = 32768,
         reference: bool = False,
+        tool_set_bytes: int = 64 << 20,
     ):
         """``reference``: every schema candidate expanded, tokenized and merged afresh at every step
-        in Python (no bounded expansion, no per-candidate token cache, no compiled merge): the drafter the tests hold the fast one to."""
+        in Python (no bounded expansion, no per-candidate token cache, no compiled tool sets, no
+        compiled merge): the drafter the tests hold the fast one to. ``tool_set_bytes``: the bound
+        on the compiled tool sets kept (``ToolSetCache``, estimated bytes)."""
         self.tok = tokenizer
         self.reference = reference
         self.bt = BoundaryTokenizer(tokenizer, cache_candidates=not reference)
@@ -498,25 +517,18 @@ class SchemaMethod:
         self.history = TenantHistories(suffix_depth, history_tokens)
         self.eos = list(eos_ids) if eos_ids else turn_end_ids(tokenizer)
         self.layouts = layouts_for(tokenizer)
-        self._tools_cache: dict[str, ToolIndex] = {}
+        # compiled tool sets, shared by every request with the same tools (the reference compiles none)
+        self.tool_sets = ToolSetCache(tool_set_bytes)
         # a server's worker threads build drafters and observe outputs while its engine thread
         # drafts: the caches above and the learned counts change under this lock
         self._lock = threading.Lock()
 
-    TOOLS_CACHE = 256  # tool sets (with their answer schema) kept prepared, least recently used dropped
-
-    def _tools(self, tools: list[dict], response: dict | None = None) -> ToolIndex:
-        import json
-
-        key = json.dumps([tools, response], sort_keys=True)
-        with self._lock:
-            index = self._tools_cache.pop(key, None)
-        index = index or ToolIndex.from_tools(tools, response)  # built outside the lock
-        with self._lock:
-            self._tools_cache[key] = index  # dicts keep insertion order: the first key is the least recent
-            while len(self._tools_cache) > self.TOOLS_CACHE:
-                del self._tools_cache[next(iter(self._tools_cache))]
-        return index
+    def _tools(self, tools: list[dict], response: dict | None = None) -> tuple[ToolIndex, CompiledTools | None]:
+        """The request's tool index and its compiled tables (the reference: a fresh index, no tables)."""
+        if self.reference:
+            return ToolIndex.from_tools(tools, response), None
+        compiled = self.tool_sets.get(tools, response, self.tok)
+        return compiled.index, compiled
 
     MAX_TENANTS = 256  # tenants whose acceptance rates are kept
 
@@ -548,9 +560,10 @@ class SchemaMethod:
                 self.history.add(req.tenant, c.token_ids)
             history = self.history.trie(req.tenant)
         suffix = SuffixDrafter(history, suffix_rates, self.suffix_depth, self.max_match, self.suffix_nodes)
+        index, tables = self._tools(req.tools, req.response_schema)
         return SchemaDrafter(
             self.bt,
-            self._tools(req.tools, req.response_schema),
+            index,
             self.priors,
             rates,
             self.eos,
@@ -560,6 +573,7 @@ class SchemaMethod:
             answer=req.response_schema is not None and not req.tools,
             layouts=self.layouts,
             reference=self.reference,
+            tables=tables,
         )
 
     def observe(self, req: RequestInfo, output_ids: list[int], text: str) -> None:
