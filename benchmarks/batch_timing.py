@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from toolspec_core.drafters.base import DraftContext
-from toolspec_core.drafters.labels import PROBE
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler
 from toolspec_core.engine.sequence import DecodeConfig, Sequence
-from toolspec_core.engine.tree import DraftTree
 from toolspec_core.model.shapes import SHAPES
+from toolspec_core.spec.labels import PROBE
+from toolspec_core.spec.proposer import DraftContext, DrafterBase
+from toolspec_core.spec.tree import DraftTree
 
 from .cost import build_shape, hardware_string, load_model, serving_kernels
 
@@ -46,7 +46,7 @@ WARM_STEPS = 2  # untimed steps after each change of draft length
 PREFILL_CHUNK = 2048
 
 
-class ChainDrafter:
+class ChainDrafter(DrafterBase):
     """A chain of ``t`` random tokens at every step: the rows a drafter's tree costs."""
 
     def __init__(self, t: int, vocab: int, seed: int):

@@ -17,6 +17,8 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import Any
 
+from toolspec_core.spec.proposer import DrafterBase
+
 from .config import ServeAppConfig
 from .protocol import EngineRequest
 
@@ -138,7 +140,7 @@ class Search:
         return e if e is None or isinstance(e, str) else e.tolist()
 
 
-class LateDrafter:
+class LateDrafter(DrafterBase):
     """A request's drafter whose library search may still be running when its sequence starts.
 
     Both drafters are built in the replica's worker threads, never on the engine thread:
@@ -147,8 +149,6 @@ class LateDrafter:
     proposal -- once the engine has prefilled the prompt -- takes the real drafter if it is ready
     by then, else the fallback. So the search runs while the prompt is prefilled instead of
     before it, and never holds the engine up."""
-
-    reads_logits = False
 
     def __init__(self, built: concurrent.futures.Future, fallback):
         self.built, self.fallback = built, fallback

@@ -17,6 +17,7 @@ import torch
 
 from toolspec_core.model.step_runner import StepOutput, StepRequest, answer
 from toolspec_core.model.target import Target, from_model
+from toolspec_core.spec.proposer import DrafterBase
 
 SCRIPT = (
     '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
@@ -76,18 +77,16 @@ def scripted_target(context: int = 32768) -> ScriptedTarget:
     return ScriptedTarget(**fields, script=tuple(tok.encode(SCRIPT)))
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(DrafterBase):
     """Drafts the next ``k - 1`` tokens of the script (all accepted): a step that commits ``k``
     tokens, as speculative decoding does, for the serving path's ceiling at ``k`` tokens a step."""
-
-    reads_logits = False
 
     def __init__(self, script: tuple[int, ...], k: int):
         self.script, self.k = script, k
 
     def propose(self, ctx):
-        from toolspec_core.drafters.labels import PLD
-        from toolspec_core.engine.tree import DraftTree
+        from toolspec_core.spec.labels import PLD
+        from toolspec_core.spec.tree import DraftTree
 
         p, n = len(ctx.tokens) - 1, len(self.script)  # the root's position
         tree = DraftTree()

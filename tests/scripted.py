@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from tiny import hf_greedy, tiny_target
 
-from toolspec_core.drafters.base import DraftContext
-from toolspec_core.engine.tree import DraftTree
+from toolspec_core.spec.proposer import DraftContext, DrafterBase
+from toolspec_core.spec.tree import DraftTree
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
 
@@ -24,7 +24,7 @@ def reference(tiny):
     return hf_greedy(tiny, PROMPT, N)
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(DrafterBase):
     """Drafts from a function of the generated-so-far tokens (oracle / garbage / branching)."""
 
     def __init__(self, fn):

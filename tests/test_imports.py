@@ -173,7 +173,7 @@ def test_the_drafter_protocol_loads_no_model_code():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     loaded = res.stdout.split()
-    assert "toolspec_core.drafters.base" in loaded and "toolspec_core.engine.tree" in loaded
+    assert "toolspec_core.drafters.base" in loaded and "toolspec_core.spec.tree" in loaded
     assert not [m for m in loaded if m == "toolspec_core.model" or m.startswith("toolspec_core.model.")]
 
 

@@ -30,7 +30,7 @@ _EXPORTS = {
     "CostModel": "toolspec_core.engine.budget",
     "measure_cost_model": "toolspec_core.engine.cost_probe",
     "make_tool_constraint": "toolspec_core.engine.grammar",
-    "DraftTree": "toolspec_core.engine.tree",
+    "DraftTree": "toolspec_core.spec.tree",
     "Drafter": "toolspec_core.drafters.base",
     "DraftContext": "toolspec_core.drafters.base",
     "make_method": "toolspec_core.drafters.methods",

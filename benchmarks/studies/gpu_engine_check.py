@@ -24,11 +24,11 @@ import time
 import torch
 
 from tests.tiny import tiny_model
-from toolspec_core.drafters.base import DraftContext, NoDrafter
 from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.engine.loop import DecodeConfig, generate
-from toolspec_core.engine.tree import DraftTree
 from toolspec_core.model.target import DTYPES, from_model
+from toolspec_core.spec.proposer import DraftContext, NoDrafter
+from toolspec_core.spec.tree import DraftTree
 
 
 class ByteTokenizer:

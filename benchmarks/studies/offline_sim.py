@@ -32,7 +32,7 @@ from benchmarks.runner import PrefillCache, decode_hidden
 from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.drafters.simulate import simulate
 from toolspec_core.engine.budget import CostModel
-from toolspec_core.engine.tree import prune_to_budget, tried
+from toolspec_core.spec.tree import prune_to_budget, tried
 
 from .regions import call_bounds, run_items, split_steps
 

@@ -61,11 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.prompts import PromptPool
     from retrieval_service.embedding import LexicalEmbedder
     from toolspec_core.drafters.methods import RequestInfo, make_method
-    from toolspec_core.drafters.toolcall.layouts import FENCE, render_calls
     from toolspec_core.drafters.toolcall.library import MemoryLibrary, PastCall
     from toolspec_core.engine.budget import CostModel
     from toolspec_core.engine.loop import DecodeConfig
     from toolspec_core.model.target import load_target
+    from toolspec_core.spec.layouts import FENCE, render_calls
 
     target = load_target()
     tok = target.tokenizer

@@ -29,14 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from toolspec_core.engine.tree import DraftTree
+from toolspec_core.spec.proposer import DrafterBase
+from toolspec_core.spec.tree import DraftTree
 
 
-class RandomTrees:
+class RandomTrees(DrafterBase):
     """A draft tree of two short random branches every step (accepted or not, the plan's shape is
     a decoding step's)."""
-
-    reads_logits = False
 
     def __init__(self, seed: int):
         self.rng = random.Random(seed)

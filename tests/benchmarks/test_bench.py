@@ -541,7 +541,7 @@ def test_markdown_bound_states_and_repeated_calls(trace):
 def test_tried_nodes_are_those_whose_parent_was_accepted():
     """``tree.tried`` (what acceptance rates and the replay's calibration count): a node counts when
     its parent was accepted or it hangs off the root; a child of a rejected node is left out."""
-    from toolspec_core.engine.tree import DraftTree, tried
+    from toolspec_core.spec.tree import DraftTree, tried
 
     tree = DraftTree()
     a = tree.add(-1, 10, 0.9, "schema")

@@ -80,7 +80,7 @@ def test_rows_off_the_recording_get_a_token_no_draft_holds(tiny, recorded):
     off = [replay.off[0], replay.off[1], 5]
 
     def wrong(ctx):  # the first draft token is wrong; its children are both "off" tokens
-        from toolspec_core.engine.tree import DraftTree
+        from toolspec_core.spec.tree import DraftTree
 
         t = DraftTree()
         done = len(ctx.generated)

@@ -714,9 +714,9 @@ def aclient(app, api_key: str = "unused"):
 
 
 def engine_greedy(host, messages, tools, n):
-    from toolspec_core.drafters.base import NoDrafter
     from toolspec_core.engine.loop import DecodeConfig, generate
     from toolspec_core.model.prompting import render_prompt
+    from toolspec_core.spec.proposer import NoDrafter
 
     ids = render_prompt(host.target.tokenizer, messages, tools or None)
     return generate(host.target, ids, NoDrafter(), DecodeConfig(max_new_tokens=n)).text
@@ -804,9 +804,9 @@ def test_stream_matches_non_stream(local):
 def test_logprobs_equal_plain_decoding_and_stream_with_the_chunks(local):
     """logprobs / top_logprobs: one entry per output token, equal to what plain decoding of the
     same model reports, the same streamed (spread over the chunks) as in the whole response."""
-    from toolspec_core.drafters.base import NoDrafter
     from toolspec_core.engine.loop import DecodeConfig, generate
     from toolspec_core.model.prompting import render_prompt
+    from toolspec_core.spec.proposer import NoDrafter
 
     host, app, _, _ = local
     kw = dict(model="tiny", messages=WEATHER_MESSAGES, tools=TOOLS, temperature=0, max_tokens=20)

@@ -78,11 +78,11 @@ def test_streamed_deltas_reassemble_to_the_same_call(real_app, weather_call):
 
 def test_server_greedy_equals_engine_greedy_real(real_app, weather_call):
     """The served (speculative) output is exactly the target's plain greedy output."""
-    from toolspec_core.drafters.base import NoDrafter
     from toolspec_core.drafters.toolcall.parse import parse_tool_calls
     from toolspec_core.engine.loop import DecodeConfig, generate
     from toolspec_core.model.prompting import render_prompt
     from toolspec_core.model.target import load_target
+    from toolspec_core.spec.proposer import NoDrafter
 
     target = load_target("embedded")
     ids = render_prompt(target.tokenizer, WEATHER_MESSAGES, TOOLS)
@@ -149,11 +149,11 @@ def test_two_engine_replicas_share_one_library(serve_port):
     from ray import serve
     from serve_fixtures import deploy
 
-    from toolspec_core.drafters.base import NoDrafter
     from toolspec_core.drafters.toolcall.parse import parse_tool_calls
     from toolspec_core.engine.loop import DecodeConfig, generate
     from toolspec_core.model.prompting import render_prompt
     from toolspec_core.model.target import load_target
+    from toolspec_core.spec.proposer import NoDrafter
 
     url = deploy(
         "pair",
@@ -203,10 +203,10 @@ def test_two_engine_replicas_share_one_library(serve_port):
 
 
 def test_server_greedy_equals_engine_greedy_tiny(tiny_app, tiny_model_dir):
-    from toolspec_core.drafters.base import NoDrafter
     from toolspec_core.engine.loop import DecodeConfig, generate
     from toolspec_core.model.prompting import render_prompt
     from toolspec_core.model.target import load_target
+    from toolspec_core.spec.proposer import NoDrafter
 
     target = load_target(tiny_model_dir)
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Write anything."}]
@@ -250,10 +250,10 @@ def test_concurrent_requests_complete_with_independent_outputs(tiny_app):
 def test_concurrent_streams_each_equal_single_stream_greedy(tiny_app, tiny_model_dir):
     """Six streamed requests at once through the real app share engine steps and KV blocks (one
     system prompt, so cached blocks too) and each streams exactly its plain greedy text."""
-    from toolspec_core.drafters.base import NoDrafter
     from toolspec_core.engine.loop import DecodeConfig, generate
     from toolspec_core.model.prompting import render_prompt
     from toolspec_core.model.target import load_target
+    from toolspec_core.spec.proposer import NoDrafter
 
     target = load_target(tiny_model_dir)
     system = {"role": "system", "content": "You are a careful assistant who answers in one line. " * 3}

@@ -234,8 +234,8 @@ def test_the_method_shared_state_holds_under_threads(scripted_host):
     import threading
 
     from deployments.scripted import SCRIPT
-    from toolspec_core.drafters.base import DraftContext
     from toolspec_core.drafters.methods import RequestInfo, make_method
+    from toolspec_core.spec.proposer import DraftContext
 
     tok = scripted_host.target.tokenizer
     method = make_method("toolspec", tok)

@@ -15,8 +15,8 @@ from benchmarks.datasets import dev_set, read_jsonl
 from deployments.events import Done
 from deployments.protocol import TAGS
 from deployments.streaming import _CALL_OPENERS, CallScanner, StreamShaper
-from toolspec_core.drafters.toolcall.layouts import LAYOUTS, LLAMA, LLAMA_TAG, render_calls
 from toolspec_core.drafters.toolcall.parse import raw_arguments, stream_calls
+from toolspec_core.spec.layouts import LAYOUTS, LLAMA, LLAMA_TAG, render_calls
 
 CALL = '{"name": "get_current_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 TRICKY = [

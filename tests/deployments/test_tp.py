@@ -19,7 +19,7 @@ from serve_fixtures import TOOLS
 from toolspec_core.engine.sampling import SamplingParams
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler, run_batch
 from toolspec_core.engine.sequence import DecodeConfig, Sequence
-from toolspec_core.engine.tree import DraftTree
+from toolspec_core.spec.tree import DraftTree
 
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed (pip install -e '.[tp]')"

@@ -134,15 +134,15 @@ def test_grammar_rows_in_a_drafted_batch_equal_plain_greedy_under_the_grammar(re
         assert out[k] == seq.result.tokens
 
 
-def test_propose_all_drafts_a_class_together_and_isolates_a_failing_drafter():
+def test_the_proposer_drafts_a_class_together_and_isolates_a_failing_drafter():
     """One ``propose_batch`` call for a class's drafters; a batch that raises is drafted again one by
     one, and only the drafter that raises gets its exception."""
-    from toolspec_core.drafters.base import DraftContext, propose_all
-    from toolspec_core.engine.tree import DraftTree
+    from toolspec_core.spec.proposer import DraftContext, DrafterBase, Proposer
+    from toolspec_core.spec.tree import DraftTree
 
     calls = []
 
-    class Batched:
+    class Batched(DrafterBase):
         def __init__(self, tok, bad=False):
             self.tok, self.bad = tok, bad
 
@@ -162,9 +162,9 @@ def test_propose_all_drafts_a_class_together_and_isolates_a_failing_drafter():
 
     ctx = DraftContext([1, 2], 1, 8)
     good = [Batched(5), Batched(6)]
-    out = propose_all(good, [ctx, ctx])
+    out = Proposer.propose(good, [ctx, ctx])
     assert calls == [2] and [t.tokens for t in out] == [[5], [6]]
-    out = propose_all([Batched(5), Batched(0, bad=True), Batched(7)], [ctx] * 3)
+    out = Proposer.propose([Batched(5), Batched(0, bad=True), Batched(7)], [ctx] * 3)
     assert [t.tokens for t in (out[0], out[2])] == [[5], [7]] and isinstance(out[1], ValueError)
 
 
@@ -172,7 +172,7 @@ def test_a_drafter_that_raises_is_dropped_and_its_sequence_stays_plain_greedy():
     from scripted import PROMPT, ScriptedDrafter, oracle
     from tiny import hf_greedy, tiny_target
 
-    from toolspec_core.drafters.base import NoDrafter
+    from toolspec_core.spec.proposer import NoDrafter
 
     tiny = tiny_target()
     want = hf_greedy(tiny, PROMPT, 12)

@@ -6,10 +6,10 @@ from scripted import PROMPT, N
 from scripted import reference as reference
 from scripted import tiny as tiny
 
-from toolspec_core.drafters.base import NoDrafter
 from toolspec_core.drafters.prompt_lookup import PromptLookupDrafter, ngram_continuations
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.loop import DecodeConfig, generate
+from toolspec_core.spec.proposer import NoDrafter
 
 
 def test_no_drafter_and_prompt_lookup_equal_hf(tiny, reference):

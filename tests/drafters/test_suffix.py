@@ -7,13 +7,14 @@ from baseline_cases import N, run
 from baseline_cases import tiny as tiny
 from tiny import hf_greedy
 
-from toolspec_core.drafters.base import DraftContext, LabelRates
+from toolspec_core.drafters.base import LabelRates
 from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter, SuffixMethod, suffix_key
 from toolspec_core.drafters.suffix_trie import SuffixTrie
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.loop import DecodeConfig, generate
-from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult, depths
+from toolspec_core.spec.proposer import DraftContext
+from toolspec_core.spec.tree import ROOT, DraftTree, VerifyResult, depths
 
 PATTERN = [5, 9, 13, 17, 21, 25, 29, 33]
 

@@ -6,7 +6,7 @@ import pytest
 
 from toolspec_core.drafters.base import LabelRates
 from toolspec_core.drafters.suffix_trie import SuffixTrie
-from toolspec_core.engine.tree import DraftTree
+from toolspec_core.spec.tree import DraftTree
 
 
 def test_suffix_trie_counts_and_matches():

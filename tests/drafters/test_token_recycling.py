@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from toolspec_core.drafters.base import DraftContext, node_paths
+from toolspec_core.drafters.base import node_paths
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.token_recycling import TokenRecyclingMethod, bfs_template
-from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult, depths
+from toolspec_core.spec.proposer import DraftContext
+from toolspec_core.spec.tree import ROOT, DraftTree, VerifyResult, depths
 
 
 def test_token_recycling_template_and_matrix():

@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from toolspec_core.drafters import labels as lbl
 from toolspec_core.drafters import tree_kernel
 from toolspec_core.drafters.base import LabelRates
 from toolspec_core.drafters.toolcall.candidates import Cand
 from toolspec_core.drafters.toolcall.drafter import DEFAULT_RATES, candidates_to_tree
+from toolspec_core.spec import labels as lbl
 
 kernel = tree_kernel.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler / Python headers here")

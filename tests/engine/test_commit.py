@@ -7,8 +7,8 @@ from scripted import PROMPT
 from scripted import tiny as tiny
 
 from toolspec_core.engine.commit import commit_kv, kv_rows
-from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs
+from toolspec_core.spec.tree import DraftTree
 
 
 def test_commit_kv_keeps_exactly_the_accepted_rows(tiny):

@@ -11,14 +11,14 @@ from scripted import PROMPT, N, ScriptedDrafter, branching, oracle
 from tiny import CharTokenizer, tiny_target
 
 from benchmarks.datasets import dev_set, read_jsonl
-from toolspec_core.drafters.base import DraftContext
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.simulate import simulate
 from toolspec_core.drafters.toolcall.drafter import SchemaMethod
-from toolspec_core.drafters.toolcall.layouts import layout_by_name, render_calls
 from toolspec_core.engine.detokenize import Detokenizer
 from toolspec_core.engine.loop import DecodeConfig, generate
 from toolspec_core.engine.sequence import Stopper as _Stopper
+from toolspec_core.spec.layouts import layout_by_name, render_calls
+from toolspec_core.spec.proposer import DraftContext
 
 QWEN_EOS = (151645, 151643)  # <|im_end|>, <|endoftext|>
 TRICKY = [

@@ -18,6 +18,7 @@ from toolspec_core.engine.loop import DecodeConfig, prefill
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler
 from toolspec_core.engine.sequence import Sequence
 from toolspec_core.model.target import from_model
+from toolspec_core.spec.proposer import DrafterBase
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,10 +65,8 @@ def test_prefilled_prompts_are_found_in_the_pool_and_run_ragged(ragged_tiny):
     assert all(r == 0 for r in pool.refs)  # every block came back
 
 
-class Counting:
+class Counting(DrafterBase):
     """A drafter around another that counts its proposals."""
-
-    reads_logits = False
 
     def __init__(self, inner):
         self.inner, self.proposals = inner, 0

@@ -8,10 +8,10 @@ from scripted import reference as reference
 from scripted import tiny as tiny
 from tiny import tiny_target
 
-from toolspec_core.drafters.base import NoDrafter
 from toolspec_core.engine.loop import DecodeConfig, generate, prefill
 from toolspec_core.engine.sampling import SamplingParams
 from toolspec_core.errors import ContextLengthError, InvalidRequestError
+from toolspec_core.spec.proposer import NoDrafter
 
 
 @pytest.mark.parametrize("make", [oracle, garbage, branching], ids=["oracle", "garbage", "branching"])

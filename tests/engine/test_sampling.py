@@ -14,14 +14,14 @@ import torch
 from scipy.stats import chisquare
 from tiny import tiny_target
 
-from toolspec_core.drafters.base import DraftContext
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.loop import DecodeConfig, generate
 from toolspec_core.engine.sampling import SamplingParams, target_probs
 from toolspec_core.engine.scheduler import run_batch
 from toolspec_core.engine.sequence import Sequence
-from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import sample_walk
+from toolspec_core.spec.proposer import DraftContext
+from toolspec_core.spec.tree import DraftTree
 
 V = 8
 

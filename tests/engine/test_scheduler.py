@@ -17,8 +17,8 @@ from toolspec_core.engine.loop import DecodeConfig, generate
 from toolspec_core.engine.sampling import SamplingParams
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler, run_batch
 from toolspec_core.engine.sequence import Sequence
-from toolspec_core.engine.tree import DraftTree
 from toolspec_core.model.step_runner import StepRunner
+from toolspec_core.spec.tree import DraftTree
 
 MAKERS = {"none": None, "oracle": oracle, "garbage": garbage, "branching": branching}
 

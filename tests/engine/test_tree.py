@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from toolspec_core.engine.budget import interpolate
-from toolspec_core.engine.tree import DraftTree, depths, path_probs, prune_to_budget, select
 from toolspec_core.engine.verify import tree_inputs
 from toolspec_core.model.batch_forward import tree_masks, widen
+from toolspec_core.spec.tree import DraftTree, depths, path_probs, prune_to_budget, select
 
 
 def test_tree_encoding_and_mask():
@@ -68,7 +68,7 @@ def test_allocate_across_a_batch_on_a_hand_computed_curve():
     = 2.65; + b1: 4.21 / 2.8 = 1.50 -> keep A's chain, draft nothing for B. With a 5-row forward
     at 1.5, + b1 gives 4.21 / 1.5 = 2.81 > 2.65 -> keep everything.
     """
-    from toolspec_core.engine.tree import allocate
+    from toolspec_core.spec.tree import allocate
 
     a, b = DraftTree(), DraftTree()
     a.add_path([10, 11], 0.9, "x")

@@ -7,9 +7,9 @@ from scripted import PROMPT
 from scripted import tiny as tiny
 from tiny import tiny_target
 
-from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import greedy_walk, tree_inputs
 from toolspec_core.model.batch_forward import tree_masks
+from toolspec_core.spec.tree import DraftTree
 
 
 def test_greedy_walk_takes_longest_matching_path():

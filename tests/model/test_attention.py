@@ -6,10 +6,10 @@ import pytest
 import torch
 from tiny import reference_mask, tiny_model, tiny_target
 
-from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs
 from toolspec_core.model.attention import NAME, grouped_sdpa
 from toolspec_core.model.batch_forward import widen
+from toolspec_core.spec.tree import DraftTree
 
 
 class _Module(torch.nn.Module):

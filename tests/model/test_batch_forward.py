@@ -9,10 +9,10 @@ import torch
 from tiny import reference_mask, tiny_model, tiny_target
 
 from toolspec_core.engine.commit import commit_kv, kv_rows
-from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import row_parents, tree_inputs
 from toolspec_core.model.batch_forward import Segment, causal_mask, supports_batched, tree_masks
 from toolspec_core.model.kv import GROW, SeqKV
+from toolspec_core.spec.tree import DraftTree
 
 
 def _random_tree(rng: random.Random, n: int) -> DraftTree:
@@ -90,7 +90,7 @@ def test_masks_built_from_parents_are_the_rows_ancestors():
     """The masks the float-mask paths build from trees' parent rows (all trees at once, or one
     segment's own) let each row see itself and its ancestors, row for row, in each dtype's own
     minimum."""
-    from toolspec_core.engine.tree import ROOT
+    from toolspec_core.spec.tree import ROOT
 
     rng = random.Random(3)
     for dtype in (torch.float32, torch.bfloat16):

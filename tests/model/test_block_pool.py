@@ -82,7 +82,7 @@ def test_a_prefix_another_block_holds_is_not_registered_twice():
 
 
 def _tree(rng: random.Random, n: int):
-    from toolspec_core.engine.tree import DraftTree
+    from toolspec_core.spec.tree import DraftTree
 
     tree = DraftTree()
     for _ in range(n):

@@ -14,7 +14,6 @@ from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.loop import DecodeConfig
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler
 from toolspec_core.engine.sequence import Sequence
-from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs
 from toolspec_core.model import batch_forward, ragged, step_runner
 from toolspec_core.model.batch_forward import Segment
@@ -22,6 +21,7 @@ from toolspec_core.model.block_pool import PagedKV
 from toolspec_core.model.graphs import StepGraphs, grid_of
 from toolspec_core.model.step_runner import StepRunner
 from toolspec_core.model.target import from_model
+from toolspec_core.spec.tree import DraftTree
 
 BT = 8
 

@@ -1,4 +1,5 @@
-"""The drafter protocol and what every drafter shares: the step context, online acceptance rates.
+"""What every drafter shares: online acceptance rates and copy drafts (the contract the engine
+calls is ``spec.proposer``).
 
 A drafter returns a draft tree, never a decision: the engine prunes it to the budget, the
 target verifies it, and the outcome comes back through ``feedback``.
@@ -6,41 +7,8 @@ target verifies it, and the outcome comes back through ``feedback``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
-from toolspec_core.drafters.labels import base_label, is_chain
-from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult, tried
-
-
-@dataclass
-class DraftContext:
-    """What a drafter sees at a step. ``tokens[-1]`` is the root (committed, KV not cached yet).
-
-    ``text`` is the request's decoded output text (the engine's ``Detokenizer``, shared with stop
-    strings and streaming, so a drafter never decodes the output again): the text of
-    ``generated[:text_tokens]``; tokens past it end inside a character. None in contexts built
-    by hand (a drafter that needs the text then decodes it itself).
-    """
-
-    tokens: list[int]
-    prompt_len: int
-    max_depth: int  # never draft deeper than this (remaining max_new_tokens - 1)
-    text: str | None = None
-    text_tokens: int = 0
-    # nodes of a tree the engine's budget can keep for this sequence (None: no bound): a drafter
-    # may stop building there, since the budget drops the rest unverified
-    max_nodes: int | None = None
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
-
-
-class Drafter(Protocol):
-    def propose(self, ctx: DraftContext) -> DraftTree: ...
-
-    def feedback(self, tree: DraftTree, result: VerifyResult) -> None: ...
+from toolspec_core.spec.labels import base_label, is_chain
+from toolspec_core.spec.tree import ROOT, DraftTree, VerifyResult, tried
 
 
 def add_copies(
@@ -98,57 +66,6 @@ class LabelRates:
             lab = rate_key(tree, i)
             if skip is None or not skip(i, lab):
                 self.count(lab, i in accepted)
-
-
-def propose_all(drafters: list, ctxs: list[DraftContext]) -> list[DraftTree | BaseException]:
-    """Every sequence's tree of one step in one call: drafters of a class with a
-    ``propose_batch(drafters, ctxs)`` classmethod draft together (one call for all of them: the
-    place a compiled or shared-work drafter does a batch at once), the rest one by one. A drafter
-    that raises gets its exception in its slot (the caller drops it); a batch that raises is
-    drafted again one by one, so one bad sequence cannot take the others' trees."""
-    out: list[DraftTree | BaseException | None] = [None] * len(drafters)
-    groups: dict[type, list[int]] = {}
-    for i, d in enumerate(drafters):
-        groups.setdefault(type(d), []).append(i)
-    for cls, idx in groups.items():
-        batch = getattr(cls, "propose_batch", None)
-        if batch is not None and len(idx) > 1:
-            try:
-                trees = batch([drafters[i] for i in idx], [ctxs[i] for i in idx])
-                for i, t in zip(idx, trees):
-                    out[i] = t
-                continue
-            except Exception:
-                pass  # drafted again one by one below: the failing drafter is found there
-        for i in idx:
-            try:
-                out[i] = drafters[i].propose(ctxs[i])
-            except Exception as exc:  # noqa: BLE001 -- the caller logs and drops this drafter
-                out[i] = exc
-    return out  # type: ignore[return-value]
-
-
-def prepare_all(drafters: list, prompts: list[list[int]]) -> None:
-    """Prompt-side work of drafters whose sequences have not drafted yet (indexing the prompt,
-    scanning it for values): what does not depend on any forward's result, so the scheduler runs
-    it beside one (``prepare(prompt_ids)`` on drafters that have it; errors surface at ``propose``)."""
-    for d, p in zip(drafters, prompts):
-        prep = getattr(d, "prepare", None)
-        if prep is not None:
-            try:
-                prep(p)
-            except Exception:  # noqa: BLE001 -- propose does the work again and reports it
-                pass
-
-
-class NoDrafter:
-    """Plain autoregressive decoding through the same loop and cache (the baseline)."""
-
-    def propose(self, ctx: DraftContext) -> DraftTree:
-        return DraftTree()
-
-    def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
-        return None
 
 
 def node_paths(tree: DraftTree) -> list[tuple[int, ...]]:

@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from toolspec_core.drafters.base import Drafter, NoDrafter
+from toolspec_core.spec.proposer import Drafter, NoDrafter
 
 if TYPE_CHECKING:
     from toolspec_core.drafters.toolcall.library import PastCall, RequestKey

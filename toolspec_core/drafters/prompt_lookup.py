@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from toolspec_core.drafters.base import DraftContext, Drafter, LabelRates, add_copies
-from toolspec_core.drafters.labels import PLD, match_label
+from toolspec_core.drafters.base import LabelRates, add_copies
 from toolspec_core.drafters.methods import RequestInfo
-from toolspec_core.engine.tree import DraftTree, VerifyResult
+from toolspec_core.spec.labels import PLD, match_label
+from toolspec_core.spec.proposer import DraftContext, Drafter, DrafterBase
+from toolspec_core.spec.tree import DraftTree, VerifyResult
 
 
 def ngram_continuations(
@@ -44,7 +45,7 @@ def ngram_match(
     return 0, []
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(DrafterBase):
     """N-gram match over the context (prompt + generated), like HF ``prompt_lookup_num_tokens``.
 
     Proposes up to ``branches`` continuations as a tree; node confidence comes from the online

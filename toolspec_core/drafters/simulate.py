@@ -7,9 +7,9 @@ Used by tests (tokenization at boundaries, FSM coverage) and by the offline stud
 
 from __future__ import annotations
 
-from toolspec_core.drafters.base import DraftContext
 from toolspec_core.engine.detokenize import Detokenizer
-from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult
+from toolspec_core.spec.proposer import DraftContext
+from toolspec_core.spec.tree import ROOT, DraftTree, VerifyResult
 
 
 def oracle_walk(tree: DraftTree, truth: list[int]) -> VerifyResult:

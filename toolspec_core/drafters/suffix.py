@@ -16,11 +16,12 @@ from __future__ import annotations
 import heapq
 from itertools import count
 
-from toolspec_core.drafters.base import DraftContext, LabelRates, update_keyed_rates
+from toolspec_core.drafters.base import LabelRates, update_keyed_rates
 from toolspec_core.drafters.history import TenantHistories
-from toolspec_core.drafters.labels import SUFFIX
 from toolspec_core.drafters.suffix_trie import ContextIndex, SuffixTrie
-from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult
+from toolspec_core.spec.labels import SUFFIX
+from toolspec_core.spec.proposer import DraftContext, DrafterBase
+from toolspec_core.spec.tree import ROOT, DraftTree, VerifyResult
 
 SUFFIX_PRIOR = {
     "suffix:hi:L": 0.85,
@@ -97,7 +98,7 @@ def grow_from_trie(
             heapq.heappush(heap, (-score, next(tie), c, idx, sub, depth + 1))
 
 
-class SuffixDrafter:
+class SuffixDrafter(DrafterBase):
     """Drafts continuations of the longest matching suffix, from the request's own context
     (prompt + generated so far) and from the method's global history of earlier outputs."""
 

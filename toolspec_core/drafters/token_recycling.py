@@ -7,9 +7,10 @@ from itertools import count
 
 import torch
 
-from toolspec_core.drafters.base import DraftContext, LabelRates, update_keyed_rates
-from toolspec_core.drafters.labels import TOKEN_RECYCLING
-from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult
+from toolspec_core.drafters.base import LabelRates, update_keyed_rates
+from toolspec_core.spec.labels import TOKEN_RECYCLING
+from toolspec_core.spec.proposer import DraftContext, DrafterBase
+from toolspec_core.spec.tree import ROOT, DraftTree, VerifyResult
 
 TR_TOPK = 8
 TR_RANK_PRIOR = (0.55, 0.15, 0.07, 0.05, 0.035, 0.03, 0.025, 0.02)  # shapes the static tree
@@ -38,7 +39,7 @@ def bfs_template(size: int = 80, prior=TR_RANK_PRIOR, max_depth: int = 10) -> li
     return [(index.get(parent, ROOT), rank) for _, _, parent, rank, _ in chosen]
 
 
-class TokenRecyclingDrafter:
+class TokenRecyclingDrafter(DrafterBase):
     """Expands the static template from the root token through the adjacency matrix and
     recycles every verified row's top-k back into the matrix."""
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolspec_core.drafters.labels import PROBE
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import commit_kv
-from toolspec_core.engine.tree import DraftTree
 from toolspec_core.engine.verify import tree_inputs
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.step_runner import StepRequest
+from toolspec_core.spec.labels import PROBE
+from toolspec_core.spec.tree import DraftTree
 
 DEFAULT_KS = (
     1,

@@ -35,7 +35,7 @@ def _lltokenizer(tokenizer):
 
 def args_key(tokenizer) -> str:
     """The key a target writes a call's arguments under: "parameters" for Llama 3.1's template."""
-    from toolspec_core.drafters.toolcall.layouts import layouts_for
+    from toolspec_core.spec.layouts import layouts_for
 
     return layouts_for(tokenizer)[0].args_key if tokenizer is not None else "arguments"
 

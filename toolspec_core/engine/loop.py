@@ -8,7 +8,6 @@ from typing import Callable
 
 import torch
 
-from toolspec_core.drafters.base import Drafter
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.detokenize import Detokenizer
 from toolspec_core.engine.limits import check_prompt
@@ -16,6 +15,7 @@ from toolspec_core.engine.scheduler import BatchLimits, run_batch
 from toolspec_core.engine.sequence import DecodeConfig, Sequence
 from toolspec_core.engine.stats import GenerationResult
 from toolspec_core.model.target import Target
+from toolspec_core.spec.proposer import Drafter
 
 __all__ = ["DecodeConfig", "Prompt", "check_prompt", "generate", "prefill"]
 

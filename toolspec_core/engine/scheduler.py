@@ -29,18 +29,18 @@ from dataclasses import dataclass
 
 import torch
 
-from toolspec_core.drafters.base import NoDrafter, prepare_all, propose_all
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import commit_kv, kv_rows
 from toolspec_core.engine.device_walk import read_walks, walk_inputs
 from toolspec_core.engine.limits import target_limits
 from toolspec_core.engine.sequence import Sequence, cap_depth
 from toolspec_core.engine.stats import EARLY_STEPS, record_step
-from toolspec_core.engine.tree import DraftTree, select
 from toolspec_core.engine.verify import VerifyResult, tree_inputs, walk
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import BlockPool
 from toolspec_core.model.step_runner import StepOutput, StepRequest
+from toolspec_core.spec.proposer import NoDrafter, Proposer
+from toolspec_core.spec.tree import DraftTree, select
 
 log = logging.getLogger("toolspec.engine")
 
@@ -344,7 +344,7 @@ class Scheduler:
 
     def _propose_all(self, seqs: list[Sequence]) -> list[DraftTree]:
         """Every decoding sequence's tree, drafted in one batch call
-        (:func:`~toolspec_core.drafters.base.propose_all`); a drafter that fails is dropped (the
+        (:meth:`~toolspec_core.spec.proposer.Proposer.propose`); a drafter that fails is dropped (the
         sequence decodes on without drafts, its output unchanged) so it cannot stop the batch."""
         t = time.perf_counter()
         hint = self._node_hint()
@@ -354,7 +354,7 @@ class Scheduler:
             ctx.max_nodes = hint
             ctxs.append(ctx)
         trees = []
-        for seq, ctx, tree in zip(seqs, ctxs, propose_all([s.drafter for s in seqs], ctxs)):
+        for seq, ctx, tree in zip(seqs, ctxs, Proposer.propose([s.drafter for s in seqs], ctxs)):
             if isinstance(tree, BaseException):
                 log.error("drafter of sequence %s failed; it decodes on without drafts", seq.id, exc_info=tree)
                 seq.drafter, tree = NoDrafter(), DraftTree()
@@ -372,7 +372,7 @@ class Scheduler:
         todo = [
             s
             for s in list(self.waiting) + self.running
-            if not s.prepared and not s.decoding and s.reason is None and hasattr(s.drafter, "prepare")
+            if not s.prepared and not s.decoding and s.reason is None and s.drafter.prepares
         ]
         if not todo:
             return None
@@ -382,7 +382,7 @@ class Scheduler:
             from concurrent.futures import ThreadPoolExecutor
 
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="toolspec-draft-prep")
-        return self._worker.submit(prepare_all, [s.drafter for s in todo], [list(s.prompt_ids) for s in todo])
+        return self._worker.submit(Proposer.prepare, [s.drafter for s in todo], [list(s.prompt_ids) for s in todo])
 
     def fail_all(self, exc: BaseException) -> list[Sequence]:
         """A step raised: every sequence ends with finish_reason "error" and ``seq.error`` (their KV
@@ -443,7 +443,7 @@ class Scheduler:
         commit_kv(seq.cache, r.kv_len, kv_rows(result.path, len(seq.roots)))
         result.logits = own  # for drafters that learn from the target (token recycling)
         try:
-            seq.drafter.feedback(tree, result)
+            Proposer.feedback(seq.drafter, tree, result)
         except Exception:
             log.exception("drafter feedback of sequence %s failed; it decodes on without drafts", seq.id)
             seq.drafter = NoDrafter()
@@ -546,7 +546,7 @@ def reads_logits(seq: Sequence) -> bool:
         not seq.cfg.sampling.greedy
         or seq.constraint is not None
         or seq.logprobs is not None
-        or getattr(seq.drafter, "reads_logits", False)
+        or seq.drafter.reads_logits
     )
 
 

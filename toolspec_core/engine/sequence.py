@@ -13,7 +13,6 @@ from typing import Callable
 
 import torch
 
-from toolspec_core.drafters.base import DraftContext, Drafter, NoDrafter
 from toolspec_core.engine.detokenize import Detokenizer
 from toolspec_core.engine.limits import TokenLimits
 from toolspec_core.engine.sampling import (
@@ -26,8 +25,9 @@ from toolspec_core.engine.sampling import (
     token_logprobs,
 )
 from toolspec_core.engine.stats import GenerationResult, GenerationStats
-from toolspec_core.engine.tree import DraftTree, depths, select
 from toolspec_core.errors import InvalidRequestError
+from toolspec_core.spec.proposer import DraftContext, Drafter, conform
+from toolspec_core.spec.tree import DraftTree, depths, select
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ class Sequence:
                 f"context window of {target.max_context}; check it with toolspec_core.engine.limits first"
             )
         self.id = next(_ids)
-        self.drafter = drafter or NoDrafter()
+        self.drafter = conform(drafter)  # a DrafterBase: its flags are typed attributes
         self.cfg, self.constraint, self.on_tokens = cfg, constraint, on_tokens
         self.gen = cfg.sampling.generator()
         self.detok = detokenizer if detokenizer is not None else Detokenizer(target.tokenizer, target.eos_ids)

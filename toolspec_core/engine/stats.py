@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from toolspec_core.drafters.labels import NONE
-from toolspec_core.engine.tree import DraftTree, VerifyResult
+from toolspec_core.spec.labels import NONE
+from toolspec_core.spec.tree import DraftTree, VerifyResult
 
 EARLY_STEPS = 24  # steps per request whose shape GenerationStats.early_steps keeps
 

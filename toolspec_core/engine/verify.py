@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from toolspec_core.engine.sampling import SamplingParams, sample, target_probs
-from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult, depths
+from toolspec_core.spec.tree import ROOT, DraftTree, VerifyResult, depths
 
 
 def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int):

@@ -7,16 +7,17 @@ from toolcall_cases import DATE_TOOLS, TOOLS, _texts, tracker
 from toolcall_cases import qwen_tok as qwen_tok
 
 from benchmarks.datasets import dev_set, read_jsonl
-from toolspec_core.drafters.base import DraftContext, LabelRates
-from toolspec_core.drafters.labels import CALL_KEY, TOOL_NAME
+from toolspec_core.drafters.base import LabelRates
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.simulate import oracle_walk, simulate
 from toolspec_core.drafters.toolcall.boundary import BoundaryTokenizer
 from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
 from toolspec_core.drafters.toolcall.drafter import DEFAULT_RATES, SchemaMethod, candidates_to_tree
 from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
-from toolspec_core.drafters.toolcall.layouts import layout_by_name, render_calls
-from toolspec_core.engine.tree import path_probs
+from toolspec_core.spec.labels import CALL_KEY, TOOL_NAME
+from toolspec_core.spec.layouts import layout_by_name, render_calls
+from toolspec_core.spec.proposer import DraftContext
+from toolspec_core.spec.tree import path_probs
 
 
 def _gold_items(n_per=20):
@@ -100,7 +101,7 @@ def test_compact_json_is_drafted_without_spaces():
 
 
 def test_a_next_call_repeats_the_tools_and_values_this_output_called():
-    from toolspec_core.drafters.labels import OWN_CALL
+    from toolspec_core.spec.labels import OWN_CALL
 
     idx = ToolIndex.from_tools(TOOLS)
     priors = Priors(tool_counts={"get_weather": 20.0})  # the tool most requests call
@@ -129,7 +130,7 @@ def test_the_drafter_passes_the_calls_this_output_finished(qwen_tok):
 
 
 def test_an_object_after_a_finished_call_is_labelled_apart():
-    from toolspec_core.drafters.labels import NEXT_CALL
+    from toolspec_core.spec.labels import NEXT_CALL
 
     idx = ToolIndex.from_tools(TOOLS)
     first = continuations(tracker('{"'), idx, Priors(), [0], levels=1)
@@ -172,8 +173,8 @@ def test_a_call_announced_in_prose_gets_its_opener_drafted_but_inline_code_does_
 
 
 def test_context_dates_become_value_branches_of_date_arguments_only():
-    from toolspec_core.drafters.labels import DERIVED
     from toolspec_core.drafters.toolcall.values import context_dates
+    from toolspec_core.spec.labels import DERIVED
 
     idx = ToolIndex.from_tools(DATE_TOOLS)
     dates = context_dates("The current year is 2023. Book Oslo for March 19th at 9:30 AM.")
@@ -297,7 +298,7 @@ def test_after_a_bare_call_the_end_of_turn_and_a_next_object_are_both_drafted(qw
 
 
 def test_oracle_walk():
-    from toolspec_core.engine.tree import DraftTree
+    from toolspec_core.spec.tree import DraftTree
 
     tree = DraftTree()
     tree.add_path([1, 2, 3], 1.0, "x")
@@ -307,8 +308,8 @@ def test_oracle_walk():
 
 def test_value_drafted_from_the_conversation(qwen_tok):
     """Inside a string value, the drafter continues it as the user wrote it (canonical tokens)."""
-    from toolspec_core.drafters.base import DraftContext
     from toolspec_core.model.prompting import render_prompt
+    from toolspec_core.spec.proposer import DraftContext
 
     msgs = [{"role": "user", "content": "What's the weather in San Francisco de Campeche today?"}]
     prompt = render_prompt(qwen_tok, msgs, TOOLS)
@@ -336,8 +337,8 @@ def test_a_copied_value_is_drafted_on_through_what_follows_it(qwen_tok):
     """A span that closes the value carries the schema's continuation, tokenized with it: the
     closing quote merges with what follows (``"}}``), so the span alone would end on a token the
     target does not write."""
-    from toolspec_core.drafters.labels import SPAN
     from toolspec_core.model.prompting import render_prompt
+    from toolspec_core.spec.labels import SPAN
 
     msgs = [{"role": "user", "content": 'Run {"tz": "Europe/Paris"} through get_time.'}]
     prompt = render_prompt(qwen_tok, msgs, TOOLS)
@@ -358,9 +359,9 @@ def test_a_copied_value_is_drafted_on_through_what_follows_it(qwen_tok):
 def test_a_value_copied_from_prose_may_end_where_the_word_does(qwen_tok):
     """From prose a span runs on past the value ("UTC please ..."): the value ending where the
     source's word ends is a branch of its own, well above the schema's any-position end."""
-    from toolspec_core.drafters.labels import SPAN
     from toolspec_core.drafters.toolcall.drafter import SchemaDrafter
     from toolspec_core.model.prompting import render_prompt
+    from toolspec_core.spec.labels import SPAN
 
     prompt = render_prompt(qwen_tok, [{"role": "user", "content": "What time is it in UTC please?"}], TOOLS)
     call = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC'
@@ -413,8 +414,8 @@ def test_retrieved_values_and_argument_order_become_branches():
 
 def test_copy_rates_learn_by_match_length():
     from toolspec_core.drafters.base import LabelRates, rate_key
-    from toolspec_core.drafters.labels import match_label
-    from toolspec_core.engine.tree import DraftTree
+    from toolspec_core.spec.labels import match_label
+    from toolspec_core.spec.tree import DraftTree
 
     assert match_label("pld", 2, 3) == "pld" and match_label("pld", 3, 3) == "pld:long"
     rates = LabelRates({"pld": 0.5, "pld+": 0.8})

@@ -12,7 +12,7 @@ import torch
 from tiny import tiny_model
 from toolcall_cases import CITY_TOOLS as TOOLS
 
-from toolspec_core.drafters.base import DraftContext, LabelRates
+from toolspec_core.drafters.base import LabelRates
 from toolspec_core.drafters.methods import REGISTRY, RequestInfo, make_method, method_class
 from toolspec_core.drafters.toolcall.drafter import RetrievalDrafter
 from toolspec_core.drafters.toolcall.library import MemoryLibrary, PastCall
@@ -23,6 +23,7 @@ from toolspec_core.engine.loop import DecodeConfig, generate, prefill
 from toolspec_core.errors import InvalidRequestError
 from toolspec_core.model.prompting import render_prompt
 from toolspec_core.model.target import from_model
+from toolspec_core.spec.proposer import DraftContext
 
 MESSAGES = [{"role": "user", "content": "What's the weather in Paris, in celsius?"}]
 

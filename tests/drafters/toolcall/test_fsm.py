@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from toolcall_cases import TOOLS, tracker
 
-from toolspec_core.drafters.labels import ARG_NAME, BETWEEN, CALL_KEY, END, TEXT, TOOL_NAME, VALUE
 from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
+from toolspec_core.spec.labels import ARG_NAME, BETWEEN, CALL_KEY, END, TEXT, TOOL_NAME, VALUE
 
 
 @pytest.mark.parametrize(

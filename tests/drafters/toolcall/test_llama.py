@@ -9,14 +9,14 @@ import torch
 from toolcall_cases import CITY_TOOLS
 from toolcall_cases import qwen_tok as qwen_tok
 
-from toolspec_core.drafters.labels import CALL_KEY
 from toolspec_core.drafters.methods import RequestInfo, make_method
-from toolspec_core.drafters.toolcall.layouts import LAYOUTS, LLAMA, LLAMA_LAYOUTS, LLAMA_TAG, layouts_for, opened_by
 from toolspec_core.drafters.toolcall.parse import parse_tool_calls
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.loop import DecodeConfig, generate
 from toolspec_core.model.prompting import render_prompt
 from toolspec_core.model.target import from_model
+from toolspec_core.spec.labels import CALL_KEY
+from toolspec_core.spec.layouts import LAYOUTS, LLAMA, LLAMA_LAYOUTS, LLAMA_TAG, layouts_for, opened_by
 
 # The shape of Llama 3.1's template: tools in the first user message, the "parameters" format asked
 # for, calls rendered as that JSON, tool results in the ipython role.

@@ -51,8 +51,8 @@ def test_key_candidates_follow_seen_objects():
 
 
 def test_objects_no_schema_describes_are_drafted_from_the_objects_seen():
-    from toolspec_core.drafters.labels import OBJ_KEY
     from toolspec_core.drafters.toolcall.objkeys import KeyScanner
+    from toolspec_core.spec.labels import OBJ_KEY
 
     idx = ToolIndex.from_tools(TOOLS)
     call = '{"name": "get_time", "arguments": {"tz": "UTC"}}\n'

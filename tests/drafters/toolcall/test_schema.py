@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from toolcall_cases import qwen_tok as qwen_tok
 
-from toolspec_core.drafters.base import DraftContext
 from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.drafters.toolcall.schema import MAX_DEPTH, enum_values, inline_refs, items, properties, variants
 from toolspec_core.drafters.toolcall.values import context_numbers, numbers_for
+from toolspec_core.spec.proposer import DraftContext
 
 PARAMS = {
     "type": "object",

@@ -5,10 +5,10 @@ from __future__ import annotations
 from toolcall_cases import DATE_TOOLS, TOOLS
 from toolcall_cases import qwen_tok as qwen_tok
 
-from toolspec_core.drafters.base import DraftContext
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.simulate import oracle_walk
 from toolspec_core.drafters.toolcall.drafter import SchemaMethod
+from toolspec_core.spec.proposer import DraftContext
 
 
 def test_context_dates_found_in_the_forms_people_write():
@@ -48,8 +48,8 @@ def test_date_values_use_the_schema_format_first_then_iso_forms():
 
 
 def test_counting_runs_a_value_has_begun_are_continued(qwen_tok):
-    from toolspec_core.drafters.labels import PATTERN
     from toolspec_core.drafters.toolcall.values import digit_run
+    from toolspec_core.spec.labels import PATTERN
 
     assert digit_run("123") == "4567890" and digit_run("ID-7890") == "" and digit_run("0123") == "4567890"
     assert digit_run("12") == "" and digit_run("1357") == "" and digit_run("abc") == "" and digit_run("") == ""

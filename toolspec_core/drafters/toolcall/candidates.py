@@ -13,7 +13,13 @@ import heapq
 from dataclasses import dataclass, field
 
 from toolspec_core.drafters.base import LabelRates
-from toolspec_core.drafters.labels import (
+from toolspec_core.drafters.toolcall.compiled import CompiledTools
+from toolspec_core.drafters.toolcall.fsm import CallTracker, Frame, ToolIndex
+from toolspec_core.drafters.toolcall.objkeys import CLOSE, KeyIndex, key_candidates
+from toolspec_core.drafters.toolcall.schema import enum_values, variants
+from toolspec_core.drafters.toolcall.schema import properties as schema_properties
+from toolspec_core.drafters.toolcall.values import date_values, numbers_for, wants_date
+from toolspec_core.spec.labels import (
     ARG_NAME,
     CALL_KEY,
     DERIVED,
@@ -26,13 +32,7 @@ from toolspec_core.drafters.labels import (
     TOOL_NAME,
     VALUE,
 )
-from toolspec_core.drafters.toolcall.compiled import CompiledTools
-from toolspec_core.drafters.toolcall.fsm import CallTracker, Frame, ToolIndex
-from toolspec_core.drafters.toolcall.layouts import BARE, BARE_PRETTY, Layout
-from toolspec_core.drafters.toolcall.objkeys import CLOSE, KeyIndex, key_candidates
-from toolspec_core.drafters.toolcall.schema import enum_values, variants
-from toolspec_core.drafters.toolcall.schema import properties as schema_properties
-from toolspec_core.drafters.toolcall.values import date_values, numbers_for, wants_date
+from toolspec_core.spec.layouts import BARE, BARE_PRETTY, Layout
 
 Seg = tuple  # (text: str | tuple[int, ...], label: str): hashable, so a candidate is a cache key
 

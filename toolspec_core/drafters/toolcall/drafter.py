@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import threading
 
-from toolspec_core.drafters import labels as lbl
 from toolspec_core.drafters import tree_kernel
-from toolspec_core.drafters.base import DraftContext, LabelRates, add_copies, label_rate_key, rate_key
+from toolspec_core.drafters.base import LabelRates, add_copies, label_rate_key, rate_key
 from toolspec_core.drafters.history import TenantHistories
 from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter
@@ -22,14 +21,16 @@ from toolspec_core.drafters.toolcall.boundary import TAIL_TOKENS, BoundaryTokeni
 from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
 from toolspec_core.drafters.toolcall.compiled import CompiledTools, ToolSetCache
 from toolspec_core.drafters.toolcall.fsm import RESPONSE, CallTracker, ToolIndex
-from toolspec_core.drafters.toolcall.layouts import LAYOUTS, LLAMA_LAYOUTS, layout_of, layouts_for
 from toolspec_core.drafters.toolcall.library import CallLibrary, MemoryLibrary, PastCall, as_past_call
 from toolspec_core.drafters.toolcall.objkeys import KeyIndex, KeyScanner
 from toolspec_core.drafters.toolcall.parse import parse_tool_calls
 from toolspec_core.drafters.toolcall.values import context_dates, context_numbers, digit_run, value_spans
 from toolspec_core.engine.detokenize import Detokenizer
-from toolspec_core.engine.tree import ROOT, DraftTree, VerifyResult
 from toolspec_core.model.prompting import turn_end_ids
+from toolspec_core.spec import labels as lbl
+from toolspec_core.spec.layouts import LAYOUTS, LLAMA_LAYOUTS, layout_of, layouts_for
+from toolspec_core.spec.proposer import DraftContext, DrafterBase
+from toolspec_core.spec.tree import ROOT, DraftTree, VerifyResult
 
 DEFAULT_RATES = {
     lbl.CALL_KEY: 0.97,
@@ -225,11 +226,12 @@ def _longest_suffix_match(gen: list[int], seq: list[int], max_n: int, length: in
     return best_n, seq[best_pos + 1 : best_pos + 1 + length]
 
 
-class SchemaDrafter:
+class SchemaDrafter(DrafterBase):
     """The ToolSpec drafter for one request: schema tree + generic drafting (suffix matches over the
     context and, with retrieval, the tenant's history; argument values copied from the context) +
     retrieved past calls, one tree."""
 
+    prepares = True  # ``prepare``: the prompt's text, values and suffix index, beside a forward
     TAILS = 8  # most probable continuations drafted after a copied value (each is tokenized with the span)
     WORD_END = 0.3  # share of a prose span's mass on the value ending where the source's word ends
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, replace
 
-from toolspec_core.drafters.labels import ARG_NAME, BETWEEN, CALL_KEY, END, TEXT, TOOL_NAME, VALUE
-from toolspec_core.drafters.toolcall.layouts import LAYOUTS, PYTHON_TAG, Layout, opened_by
 from toolspec_core.drafters.toolcall.objkeys import KeyIndex
 from toolspec_core.drafters.toolcall.schema import inline_refs
 from toolspec_core.drafters.toolcall.schema import items as schema_items
 from toolspec_core.drafters.toolcall.schema import properties as schema_properties
 from toolspec_core.drafters.toolcall.schema import required as schema_required
+from toolspec_core.spec.labels import ARG_NAME, BETWEEN, CALL_KEY, END, TEXT, TOOL_NAME, VALUE
+from toolspec_core.spec.layouts import LAYOUTS, PYTHON_TAG, Layout, opened_by
 
 
 @dataclass

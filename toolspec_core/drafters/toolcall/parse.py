@@ -18,7 +18,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from toolspec_core.drafters.toolcall.layouts import PYTHON_TAG
+from toolspec_core.spec.layouts import PYTHON_TAG
 
 _TAG = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 _FENCE = re.compile(r"```(?:json|JSON)?\s*\n?(.*?)(?:```|$)", re.S)
