@@ -452,7 +452,7 @@ def load_serving_target(cfg: ServeAppConfig):
     if cfg.model == "scripted":
         from .scripted import scripted_target
 
-        return scripted_target()
+        return scripted_target(step_s=cfg.scripted_step_s)
     device = resolve_device(cfg.device)
     if target_placement(cfg.tensor_parallel_size, device, cfg.replica_num_gpus) == "workers":
         from .tp.placement import worker_gpus
