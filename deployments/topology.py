@@ -133,14 +133,27 @@ def replica_room(cfg: ServeAppConfig, groups: list[NodeGroup], grown: bool = Fal
     return sum((g.max_count or g.count if grown else g.count) * fits(need, g.offers()) for g in groups)
 
 
-def rayservice_app_config(rayservice: dict, overrides: dict | None = None) -> ServeAppConfig:
-    """The ``ServeAppConfig`` of a rendered RayService's first application, ``overrides`` applied."""
+def rayservice_args(rayservice: dict, overrides: dict | None = None) -> dict:
+    """The ``build_app`` args of a rendered RayService's first application, ``overrides`` merged
+    in (a dict value key by key, so ``{"retrieval": {"key": "lexical"}}`` keeps its resources; a
+    None value removes the key)."""
     import yaml
 
     serve = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
     args = dict(serve["applications"][0].get("args") or {})
-    args.update(overrides or {})
-    return ServeAppConfig.model_validate(args)
+    for key, value in (overrides or {}).items():
+        if value is None:
+            args.pop(key, None)
+        elif isinstance(value, dict) and isinstance(args.get(key), dict):
+            args[key] = {**args[key], **value}
+        else:
+            args[key] = value
+    return args
+
+
+def rayservice_app_config(rayservice: dict, overrides: dict | None = None) -> ServeAppConfig:
+    """The ``ServeAppConfig`` of :func:`rayservice_args`."""
+    return ServeAppConfig.model_validate(rayservice_args(rayservice, overrides))
 
 
 class LocalCluster:
@@ -150,8 +163,8 @@ class LocalCluster:
 
     def __init__(self, groups: list[NodeGroup], object_store_mb: int = 80, env: dict[str, str] | None = None):
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        for key, value in (env or {}).items():  # the raylets and their workers inherit them
-            os.environ[key] = value
+        self._saved_env = {key: os.environ.get(key) for key in env or {}}
+        os.environ.update(env or {})  # the raylets and their workers inherit them (restored at shutdown)
         from ray.cluster_utils import Cluster
 
         head = next(g for g in groups if g.head)
@@ -203,19 +216,22 @@ class LocalCluster:
     def node(self, node_id: str):
         return next((n for nodes in self.members.values() for n in nodes if n.node_id == node_id), None)
 
-    def serve_actors(self, app: str) -> dict[str, list[dict]]:
-        """The live actors of each deployment of Serve app ``app``: [{"node_id", "group", "pid",
-        "name"}], read from the GCS's actor table (no dashboard needed)."""
-        out: dict[str, list[dict]] = {}
+    def actors(self, prefix: str = "") -> list[dict]:
+        """Live named actors whose name starts with ``prefix``: [{"name", "node_id", "group",
+        "pid"}], read from the GCS's actor table (no dashboard needed)."""
+        out = []
         for a in self.cluster.global_state.actor_table(None).values():
             name = a.get("Name") or ""
-            if a.get("State") != "ALIVE" or not name.startswith(f"SERVE_REPLICA::{app}#"):
-                continue
-            deployment = name.split("#")[1]
-            node_id = a["Address"]["NodeID"]
-            out.setdefault(deployment, []).append(
-                {"node_id": node_id, "group": self.group_of(node_id), "pid": a.get("Pid"), "name": name}
-            )
+            if a.get("State") == "ALIVE" and name and name.startswith(prefix):
+                node_id = a["Address"]["NodeID"]
+                out.append({"name": name, "node_id": node_id, "group": self.group_of(node_id), "pid": a.get("Pid")})
+        return out
+
+    def serve_actors(self, app: str) -> dict[str, list[dict]]:
+        """The live replica actors of each deployment of Serve app ``app`` (see :meth:`actors`)."""
+        out: dict[str, list[dict]] = {}
+        for a in self.actors(f"SERVE_REPLICA::{app}#"):
+            out.setdefault(a["name"].split("#")[1], []).append(a)
         return out
 
     def shutdown(self) -> None:
@@ -230,3 +246,8 @@ class LocalCluster:
         finally:
             ray.shutdown()
             self.cluster.shutdown()
+            for key, value in self._saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value

@@ -126,11 +126,13 @@ def _merge_tool_call_deltas(acc: dict[int, dict], deltas: list[dict]) -> None:
 async def read_stream(response) -> dict:
     """Consume an SSE stream; note when each content / tool-call chunk arrived (perf_counter)."""
     content, calls, usage, stats, chunk_times = [], {}, None, None, []
+    done = False
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
+            done = True
             break
         event = json.loads(data)
         if event.get("error"):
@@ -145,6 +147,8 @@ async def read_stream(response) -> dict:
                 content.append(delta["content"])
             if delta.get("tool_calls"):
                 _merge_tool_call_deltas(calls, delta["tool_calls"])
+    if not done:  # the server went away mid-stream (e.g. its replica's node was lost)
+        raise ServerError("stream_cut", f"the stream ended without [DONE] after {len(chunk_times)} chunks")
     return {
         "content": "".join(content),
         "tool_calls": [calls[k] for k in sorted(calls)],
@@ -194,6 +198,8 @@ def error_kind(exc: BaseException) -> str:
         return "timeout"
     if isinstance(exc, (json.JSONDecodeError, httpx.DecodingError)):
         return "bad_response"
+    if isinstance(exc, httpx.RemoteProtocolError):  # the connection closed in the middle of a response
+        return "connection_lost"
     if isinstance(exc, httpx.HTTPError):
         return "http_error"
     return type(exc).__name__
