@@ -144,7 +144,7 @@ def per_node(recs: list[dict]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for r in recs:
         row = out.setdefault(
-            r["node"], {"requests": 0, "ok": 0, "errors": 0, "error_kinds": {}, "completion_tokens": 0}
+            r.get("node"), {"requests": 0, "ok": 0, "errors": 0, "error_kinds": {}, "completion_tokens": 0}
         )
         row["requests"] += 1
         if r["ok"]:

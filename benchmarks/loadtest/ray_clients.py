@@ -92,4 +92,3 @@ class RayRunner:
         """End the client actors (the cluster and the connection stay)."""
         for a in self.actors:
             self.ray.kill(a)
-        self.actors = []

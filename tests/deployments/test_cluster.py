@@ -289,3 +289,41 @@ def test_5_load_clients_on_every_node_add_up(mn, tmp_path):
     assert sum(row["completion_tokens"] for row in lv["per_node"].values()) == lv["completion_tokens"]
     assert lv["over_time"] and all((row["replicas"] or 0) >= 1 for row in lv["over_time"][1:])
     assert list(out.glob("*.replicas.png"))
+
+
+def test_6_toolspec_serve_attaches_to_the_running_cluster_and_leaves_it_running(mn, tmp_path):
+    """``toolspec serve --address HOST:PORT`` starts no Ray of its own: its app's replica runs
+    on one of the cluster's nodes, behind the cluster's proxy; SIGTERM takes the app off the
+    cluster and leaves the cluster, Serve and the other app up."""
+    import signal
+    import subprocess
+
+    import ray
+
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled")
+    cmd = [sys.executable, "-m", "deployments.cli", "serve", "--address", mn.lc.address, "--model", "scripted"]
+    cmd += ["--method", "ar", "--cost-model", "none", "--no-retrieval", "--port", str(mn.port)]
+    cmd += ["--set", "replica_num_cpus=0", "--set", "served_model_name=attached"]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{mn.port}/v1"
+
+        def up():
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            return _status(url) == 200 and _running("toolspec") == 1
+
+        wait_until(up, timeout=240, every=1.0)
+        (replica,) = mn.lc.serve_actors("toolspec")["Replica"]
+        assert replica["group"] is not None  # a node of the cluster, none started for it
+        assert {n["NodeID"] for n in ray.nodes() if n["Alive"]} == nodes
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        wait_until(lambda: not mn.lc.serve_actors("toolspec"), timeout=60)
+        assert {n["NodeID"] for n in ray.nodes() if n["Alive"]} == nodes
+        assert _status(mn.base) == 200 and _running(APP) >= 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
