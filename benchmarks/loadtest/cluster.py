@@ -93,17 +93,30 @@ def plot_over_time(rows: list[dict], path: Path, events: list[tuple[float, str]]
     t = [r["t"] for r in rows]
     axes[0].step(t, [r["replicas"] or 0 for r in rows], where="post", color="C0")
     axes[0].set_ylabel("Serve replicas\n(RUNNING)")
-    axes[1].plot(t, [r["output_tokens_per_s"] for r in rows], color="C1", label="output tokens/s")
-    axes[1].bar(t, [r["failed"] for r in rows], width=0.8, color="C3", alpha=0.5, label="failed requests")
-    axes[1].set_ylabel("throughput")
-    axes[1].legend(loc="upper right", fontsize=8)
+    width = (t[1] - t[0]) if len(t) > 1 else 1.0
+    axes[1].step(t, [r["output_tokens_per_s"] for r in rows], where="post", color="C1")
+    axes[1].set_ylabel("output tokens/s")
+    failed = axes[1].twinx()
+    failed.bar(t, [r["failed"] for r in rows], width=width, align="edge", color="C3", alpha=0.4)
+    failed.set_ylabel("failed requests", color="C3")
+    failed.set_ylim(0, max([r["failed"] for r in rows] + [1]) * 1.2)
     axes[2].plot(t, [r["e2e_p50_ms"] for r in rows], "o-", ms=3, color="C2")
     axes[2].set_ylabel("e2e p50 (ms)")
     axes[2].set_xlabel("seconds")
     for when, label in events:
         for ax in axes:
             ax.axvline(when, color="C3", ls="--", lw=1)
-        axes[0].annotate(label, (when, 0), xytext=(3, 3), textcoords="offset points", fontsize=8, color="C3")
+        axes[0].annotate(
+            label,
+            (when, 0.02),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, 0),
+            textcoords="offset points",
+            fontsize=8,
+            color="C3",
+            rotation=90,
+            va="bottom",
+        )
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -8,8 +8,9 @@ call library on Qdrant edge on disk (Qdrant's server in the overlay), Serve auto
 replicas on queue length. Three phases of closed-loop clients:
 
 1. ``--clients`` clients for ``--load-s`` seconds: Serve adds the second replica on the other
-   cpu-replicas node; ``--kill-at`` seconds in, the node of one replica is killed (its raylet and
-   every process on it) and a fresh cpu-replicas node joins, as KubeRay replaces a lost pod;
+   cpu-replicas node; ``--kill-at`` seconds in (at the earliest: once both replicas run), the node
+   of a replica that has served requests is killed (its raylet and every process on it) and a
+   fresh cpu-replicas node joins, as KubeRay replaces a lost pod;
 2. one client for ``--tail-s`` seconds: Serve removes a replica (graceful drain).
 
 Recorded: Serve's RUNNING replica count (``serve.status()``) every 0.25 s, every request (start,
@@ -17,8 +18,8 @@ latency, tokens, status, error kind, replica), the RSS of each node's processes 
 (raylet and its workers; the head's GCS too). Counted: requests sent, completed, failed by kind,
 duplicated (the library's adds beyond its distinct records, every request its own tenant).
 
-    python -m benchmarks.studies.cluster_run                   # ~4 minutes on 2 cores
-    python -m benchmarks.studies.cluster_run --clients 6 --load-s 120 --kill-at 60 --key qwen
+    python -m benchmarks.studies.cluster_run                   # ~8 minutes on 2 cores
+    python -m benchmarks.studies.cluster_run --clients 6 --load-s 300 --kill-at 150 --key qwen
 """
 
 from __future__ import annotations
@@ -94,6 +95,15 @@ class RssSampler:
         self._thread.join(timeout=10)
 
 
+def kill_candidate(lc, records: list[dict], running: int):
+    """The replica whose node to kill: once both replicas are RUNNING, one that has answered a
+    request (a replica still loading its model is not what a node loss under load is about)."""
+    if running < 2:
+        return None
+    served = {r["replica"].rsplit(":", 1)[-1] for r in records if r["ok"] and r.get("replica")}
+    return next((a for a in lc.serve_actors(APP).get("Replica", []) if str(a["pid"]) in served), None)
+
+
 def request_bodies(workload_rows: list[dict], max_tokens: int):
     """Request ``i``: dataset item ``i`` (round robin), its own library tenant, every other one streamed."""
 
@@ -118,10 +128,16 @@ def load_items(path: str, limit: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--load-s", type=float, default=90.0)
-    p.add_argument("--kill-at", type=float, default=45.0, help="seconds into the load; 0: no node is killed")
-    p.add_argument("--tail-s", type=float, default=40.0)
+    p.add_argument("--load-s", type=float, default=240.0)
+    p.add_argument(
+        "--kill-at",
+        type=float,
+        default=120.0,
+        help="seconds into the load, at the earliest: the node is killed once both replicas run; 0: none is",
+    )
+    p.add_argument("--tail-s", type=float, default=60.0)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--bucket-s", type=float, default=5.0, help="the time buckets of the over-time table and plot")
     p.add_argument("--key", choices=["lexical", "qwen"], default="lexical", help="retrieval key (qwen: the encoder)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     p.add_argument("--dataset", default=str(ROOT / "benchmarks" / "datasets" / "api_bank.dev.jsonl.gz"))
@@ -194,16 +210,14 @@ def main(argv: list[str] | None = None) -> int:
             with BackgroundLoad(chat, body, args.clients, timeout_s=300) as heavy:
                 killed = None
                 while time.time() - t0 < args.load_s:
-                    if args.kill_at and killed is None and time.time() - t0 >= args.kill_at:
-                        actors = lc.serve_actors(APP).get("Replica", [])
-                        victim = actors[0] if actors else None
-                        if victim is not None:
-                            events.append((time.time() - t0, f"node {victim['node_id'][:6]} killed"))
-                            lc.remove_node(lc.node(victim["node_id"]))
-                            fresh = lc.add_node("cpu-replicas")
-                            events.append((time.time() - t0, f"node {fresh.node_id[:6]} joined"))
-                            killed = {"node": victim["node_id"], "replica_pid": victim["pid"], "at_s": events[-2][0]}
-                            killed["in_flight"] = len(heavy.in_flight_at(t0 + events[-2][0]))
+                    victim = kill_candidate(lc, heavy.records, running_replicas(APP))
+                    due = args.kill_at and killed is None and time.time() - t0 >= args.kill_at
+                    if due and victim is not None:
+                        events.append((time.time() - t0, f"node {victim['node_id'][:6]} killed"))
+                        lc.remove_node(lc.node(victim["node_id"]))
+                        fresh = lc.add_node("cpu-replicas")
+                        events.append((time.time() - t0, f"node {fresh.node_id[:6]} joined"))
+                        killed = {"node": victim["node_id"], "replica_pid": victim["pid"], "at_s": events[-2][0]}
                     time.sleep(0.2)
             events.append((time.time() - t0, "load falls to 1 client"))
             with BackgroundLoad(chat, body, 1, timeout_s=300) as light:
@@ -211,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                 light._next = heavy._next
                 time.sleep(args.tail_s)
         records = heavy.records + light.records
+        if killed:
+            killed["in_flight"] = len(heavy.in_flight_at(t0 + killed["at_s"]))
         lib1 = lib.stats.remote().result()
-        rows = over_time(records, replicas.samples, t0)
+        rows = over_time(records, replicas.samples, t0, bucket_s=args.bucket_s)
         tally = count(records)
         tally["duplicated"] = (lib1["adds"] - lib0["adds"]) - (lib1["records"] - lib0["records"])
         where = {d: sorted({a["group"] for a in xs}) for d, xs in lc.serve_actors(APP).items()}

@@ -246,7 +246,8 @@ def test_4_a_node_lost_under_load_costs_only_its_requests(mn):
     assert tally["completed"] > 0 and tally["sent"] == tally["completed"] + len(failed)
     assert set(tally["failed"]) <= {"http_500", "connection_lost", "stream_cut"}, tally
     for r in failed:
-        assert r["started"] <= killed_at + 1.0, r  # only requests already sent to the lost replica
+        # only requests sent to the lost replica before the proxy knew it was gone
+        assert r["started"] <= killed_at + 5.0, r
         assert r["status"] != 500 or r["detail"] == "Internal Server Error", r  # no traceback
     assert all(r["e2e_ms"] < 30_000 for r in records)  # nothing hung
     # every call a surviving replica acknowledged is in the library, each stored once

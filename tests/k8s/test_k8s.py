@@ -503,19 +503,16 @@ def test_every_overlay_has_a_home_for_every_deployment(rendered, overlay):
     assert replica_room(cfg, groups, grown=True) >= cfg.autoscaling.max_replicas
 
 
-def test_a_deployment_no_node_group_can_hold_fails(rendered, crd_path):
-    broken = k8s_validate.mutated(
-        rendered["cpu-cluster"], "RayService", lambda d: _serve(d, "resources: {retrieval: 1}", "resources: {ret: 1}")
-    )
-    with pytest.raises(ManifestError, match="no node group can hold the Retrieval"):
-        k8s_validate.validate_documents(broken, crd_path=crd_path)
-
-
-def test_more_replicas_than_the_replica_nodes_hold_fails(rendered, crd_path):
-    broken = k8s_validate.mutated(
-        rendered["cpu-cluster"], "RayService", lambda d: _serve(d, "max_replicas: 2", "max_replicas: 3")
-    )
-    with pytest.raises(ManifestError, match="3 engine replicas do not fit"):
+@pytest.mark.parametrize(
+    "old,new,match",
+    [
+        ("resources: {retrieval: 1}", "resources: {ret: 1}", "no node group can hold the Retrieval"),
+        ("max_replicas: 2", "max_replicas: 3", "3 engine replicas do not fit"),
+    ],
+)
+def test_a_deployment_without_room_on_the_node_groups_fails(rendered, crd_path, old, new, match):
+    broken = k8s_validate.mutated(rendered["cpu-cluster"], "RayService", lambda d: _serve(d, old, new))
+    with pytest.raises(ManifestError, match=match):
         k8s_validate.validate_documents(broken, crd_path=crd_path)
 
 
