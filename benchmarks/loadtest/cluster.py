@@ -132,13 +132,14 @@ class BackgroundLoad:
     ``[DONE]``, ``timeout``), the ``retry_after`` header, the serving ``replica`` (from the
     response's ``toolspec`` object) and the times :func:`over_time` reads."""
 
-    def __init__(self, url: str, body, concurrency: int, timeout_s: float = 60.0):
+    def __init__(self, url: str, body, concurrency: int, timeout_s: float = 60.0, stagger_s: float = 0.0):
         self.url, self.body, self.concurrency, self.timeout_s = url, body, concurrency, timeout_s
+        self.stagger_s = stagger_s  # client k sends its first request k * stagger_s after the first
         self.records: list[dict] = []
         self._next = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(concurrency)]
+        self._threads = [threading.Thread(target=self._client, args=(k,), daemon=True) for k in range(concurrency)]
 
     def __enter__(self) -> "BackgroundLoad":
         for t in self._threads:
@@ -158,9 +159,11 @@ class BackgroundLoad:
     def in_flight_at(self, when: float) -> list[dict]:
         return [r for r in self.records if r["started"] <= when < r["started"] + r["e2e_ms"] / 1e3]
 
-    def _client(self) -> None:
+    def _client(self, k: int) -> None:
         import httpx
 
+        if self._stop.wait(k * self.stagger_s):
+            return
         with httpx.Client(timeout=self.timeout_s) as http:
             while not self._stop.is_set():
                 with self._lock:

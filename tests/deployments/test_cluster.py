@@ -34,6 +34,8 @@ MSGS = [{"role": "user", "content": "What's the weather like in Paris right now?
 # The scripted target writes its 28-token call over and over, from wherever the prompt's length
 # puts it in the script: 55 tokens hold exactly one whole call, whatever the start.
 CALL_TOKENS = 55
+DRAIN_TOKENS = 6000  # a request (~9 s) in flight while Serve removes its replica (graceful shutdown: 20 s)
+DRAIN_STAGGER_S = 3.0
 
 
 def _rayservice():
@@ -53,6 +55,7 @@ def _overrides(library: Path) -> dict:
         "served_model_name": APP,
         "scripted_step_s": 0.02,
         "max_tokens_default": CALL_TOKENS,
+        "max_tokens_limit": DRAIN_TOKENS,
         "max_ongoing_requests": 8,
         "qdrant_url": None,
         "qdrant_api_key_env": None,
@@ -112,16 +115,16 @@ def _library():
     return serve.get_deployment_handle("Retrieval", app_name=APP)
 
 
-def _load(prefix: str):
+def _load(prefix: str, max_tokens: int = CALL_TOKENS):
     """Load requests: each its own library tenant (user ``<prefix><i>``), a stream every other
-    one, one call long."""
+    one, one call long unless ``max_tokens`` says otherwise."""
 
     def body(i: int) -> dict:
         return {
             "model": APP,
             "messages": MSGS,
             "tools": TOOLS,
-            "max_tokens": CALL_TOKENS,
+            "max_tokens": max_tokens,
             "stream": i % 2 == 1,
             **({"stream_options": {"include_usage": True}} if i % 2 else {}),
             "user": f"{prefix}{i}",
@@ -154,7 +157,8 @@ def test_1_each_deployment_lands_on_the_node_group_the_overlay_gives_it(mn):
 def test_2_under_load_serve_adds_a_replica_on_the_other_node_they_share_the_library_and_it_drains(mn):
     """Queue length over target: Serve starts the second replica (max_replicas 2) on the other
     cpu-replicas node. A call written through one replica is retrieved as a draft on the other.
-    Load falls to one client: Serve removes a replica; no request fails on the way up or down."""
+    Load falls to two clients of long requests (one replica's worth): Serve removes a replica, the
+    request in flight on it finishes there (graceful drain); no request fails on the way up or down."""
     from benchmarks.loadtest.cluster import BackgroundLoad, ReplicaSampler, count
 
     with ReplicaSampler(APP, every_s=0.2) as sampler:
@@ -172,14 +176,29 @@ def test_2_under_load_serve_adds_a_replica_on_the_other_node_they_share_the_libr
                     break
             assert other is not None, "every request went to one replica"
             assert other["retrieval"]["status"] in ("ok", "cache") and other["retrieval"]["hits"] >= 1, other
-        with BackgroundLoad(mn.chat, _load("down"), concurrency=1) as light:
-            wait_until(lambda: _running(APP) == 1, timeout=120, every=0.5)
-            wait_until(lambda: len(light.records) >= 3, timeout=60, every=0.2)  # served after the drain
+        before = {a["pid"] for a in mn.lc.serve_actors(APP)["Replica"]}
+        # two clients of long requests, the second half a request later (so Serve's router, which
+        # sends a request to the less busy replica, gives each replica one): one replica's worth
+        # of queue, and a request in flight on the replica Serve removes
+        drain = _load("down", max_tokens=DRAIN_TOKENS)
+        with BackgroundLoad(mn.chat, drain, concurrency=2, stagger_s=DRAIN_STAGGER_S) as light:
+            wait_until(lambda: _running(APP) == 1, timeout=120, every=0.2)
+            down_at = time.time()
+            wait_until(lambda: any(r["started"] > down_at for r in light.records), timeout=120, every=0.2)
     counts = [n for _, n in sampler.samples]
     assert max(counts) == 2 and counts[-1] == 1
     for load in (heavy, light):
         assert count(load.records)["failed"] == {}, [r for r in load.records if not r["ok"]][:3]
         assert count(load.records)["completed"] > 0
+    # the removed replica's actor ends once its requests have (graceful shutdown)
+    wait_until(lambda: len(mn.lc.serve_actors(APP).get("Replica", [])) == 1, timeout=120, every=0.2)
+    (removed,) = before - {a["pid"] for a in mn.lc.serve_actors(APP)["Replica"]}
+    drained = [
+        r
+        for r in light.records
+        if r["ok"] and r["replica"].endswith(f":{removed}") and r["started"] + r["e2e_ms"] / 1e3 > down_at
+    ]
+    assert drained, "no request was in flight on the replica Serve removed"
 
 
 def test_3_the_library_survives_its_retrieval_replica_restart(mn):
