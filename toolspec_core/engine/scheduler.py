@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -97,6 +97,8 @@ class StepRecord:
     inputs_s: float = 0.0
     commit_s: float = 0.0
     handover_s: float = 0.0  # the step's plan reaching every rank (a tensor-parallel target; part of forward_s)
+    side_s: float = 0.0  # host work that needs no result of the step (Scheduler._beside_forward), wherever it ran
+    hidden_s: float = 0.0  # the part of side_s that ran while the forward did (overlap on; not in host_s)
 
 
 @dataclass
@@ -116,7 +118,10 @@ class Scheduler:
     ``cost``: the budget's curve over total rows of a forward (None: trees as drafted); ``pool``:
     the KV block pool sequences are admitted into (None: each sequence grows its own cache);
     ``device_walk``: walk greedy trees where the argmax is (None: where that is an accelerator --
-    on the CPU there is no device-to-host copy to save, so the plain Python walk is kept).
+    on the CPU there is no device-to-host copy to save, so the plain Python walk is kept);
+    ``overlap``: run the step's host work that needs no result of it on a worker thread while the
+    forward runs (:meth:`_beside_forward`; None: where the forward releases the GIL and runs
+    elsewhere, :func:`forward_overlaps_host` -- on the CPU both would share the same cores).
     Not thread-safe: one thread steps it (the server's engine thread).
     """
 
@@ -127,15 +132,18 @@ class Scheduler:
         limits: BatchLimits = BatchLimits(),
         pool: BlockPool | None = None,
         device_walk: bool | None = None,
+        overlap: bool | None = None,
     ):
         self.target, self.cost, self.limits, self.pool = target, cost, limits, pool
         self.device_walk = device_walk
+        self.overlap = forward_overlaps_host(target) if overlap is None else bool(overlap)
         if cost is not None:
             cost.ensure_rows(limits.max_running * (cost.max_nodes + 2) + limits.prefill_chunk)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.steps: list[StepRecord] = []
-        self._worker = None  # the thread that prepares drafters beside the forward (_beside_forward)
+        self._worker = None  # the thread that runs host work beside the forward (_beside_forward)
+        self._unrecorded: list[tuple[Sequence, DraftTree, VerifyResult]] = []  # steps whose stats wait (_commit)
 
     def add(self, seq: Sequence) -> Sequence:
         """Queue ``seq``. A job's limits are checked before it is made
@@ -271,8 +279,7 @@ class Scheduler:
         out = self.target.step(req, self.pool)  # waits for the forward: its one copy back
         walks, choice = self._accept(on_device, out)
         t2 = time.perf_counter()
-        if side is not None:
-            side.result()
+        side_s, hidden_s = side_times(side, t1, t2)
         fwd = t2 - t1
 
         j = h = 0  # completed prompts' logit rows; hidden rows
@@ -315,6 +322,8 @@ class Scheduler:
                 inputs_s=t1 - tc,
                 commit_s=t4 - t3,
                 handover_s=out.handover_s,
+                side_s=side_s,
+                hidden_s=hidden_s,
             )
         )
         return finished
@@ -364,30 +373,45 @@ class Scheduler:
             seq.stats.draft_s += share
         return trees
 
-    def _beside_forward(self):
-        """Start, on a worker thread, the prompt-side drafting work of sequences that have not
-        drafted yet (waiting, or still prefilling): it does not depend on this step's result, and
-        the forward releases the GIL (torch ops), so it runs while the forward does. Returns the
-        future to wait on before the step's commits (None: nothing to prepare)."""
+    def _beside_forward(self) -> tuple[float, float] | Future | None:
+        """The step's host work that needs no result of it: the prompt-side drafting work of
+        sequences that have not drafted yet (waiting, or still prefilling) and the statistics of
+        the last step's commits (:meth:`_commit`). With ``overlap`` it starts on the worker thread
+        and runs while the forward does (the forward releases the GIL: an accelerator's copy back,
+        the replay's modelled sleep); returns the future of its (start, end) perf_counter times,
+        waited on before the step's commits. Without, it runs here, before the forward, and its
+        times are returned. None: nothing to do."""
         todo = [
             s
             for s in list(self.waiting) + self.running
             if not s.prepared and not s.decoding and s.reason is None and hasattr(s.drafter, "prepare")
         ]
-        if not todo:
-            return None
         for s in todo:
             s.prepared = True
+        unrecorded, self._unrecorded = self._unrecorded, []
+        if not todo and not unrecorded:
+            return None
+        drafters, prompts = [s.drafter for s in todo], [list(s.prompt_ids) for s in todo]
+        if not self.overlap:
+            return side_work(drafters, prompts, unrecorded)
         if self._worker is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="toolspec-draft-prep")
-        return self._worker.submit(prepare_all, [s.drafter for s in todo], [list(s.prompt_ids) for s in todo])
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="toolspec-beside-forward")
+        return self._worker.submit(side_work, drafters, prompts, unrecorded)
+
+    def _record_unrecorded(self) -> None:
+        """The statistics :meth:`_commit` left for the next step's side work, recorded now (a
+        sequence about to finish: its result carries them)."""
+        unrecorded, self._unrecorded = self._unrecorded, []
+        for seq, tree, result in unrecorded:
+            record_step(seq.stats, tree, result)
 
     def fail_all(self, exc: BaseException) -> list[Sequence]:
         """A step raised: every sequence ends with finish_reason "error" and ``seq.error`` (their KV
         state is no longer known to be consistent, so none of it is registered for reuse); the
         scheduler is empty and usable again."""
+        self._record_unrecorded()
         out = list(self.waiting) + self.running
         self.waiting.clear()
         self.running = []
@@ -447,7 +471,6 @@ class Scheduler:
         except Exception:
             log.exception("drafter feedback of sequence %s failed; it decodes on without drafts", seq.id)
             seq.drafter = NoDrafter()
-        record_step(seq.stats, tree, result)
         forced = seq.constraint.forced() if seq.constraint is not None else []
         seq.stats.forced += len(forced)
         chosen = [tree.tokens[i] for i in result.path] + [result.token]
@@ -456,6 +479,10 @@ class Scheduler:
         logprobs = seq.token_logprobs(own[rows], chosen, forced) if seq.logprobs is not None else None
         seq.emit(chosen + forced, logprobs)
         seq.roots = [result.token] + forced
+        if self.overlap and seq.reason is None:  # counted beside the next forward (_beside_forward)
+            self._unrecorded.append((seq, tree, result))
+        else:
+            record_step(seq.stats, tree, result)
         seq.stats.verify_s += fwd
         seq.stats.verify_step_s.append(fwd)
         seq.stats.commit_s += time.perf_counter() - t
@@ -502,6 +529,8 @@ class Scheduler:
         return True
 
     def _reap(self, finished: list[Sequence]) -> None:
+        if self._unrecorded and any(s.cancelled or s.reason is not None for s in self.running):
+            self._record_unrecorded()
         for seq in list(self.running):
             if seq.cancelled and seq.reason is None:
                 seq.reason = "cancelled"
@@ -511,6 +540,37 @@ class Scheduler:
                     seq.cache.release(seq.tokens)
                 seq.finish()
                 finished.append(seq)
+
+
+def forward_overlaps_host(target) -> bool:
+    """Whether host work run beside ``target``'s forward runs while it does: the forward releases
+    the GIL and runs elsewhere -- an accelerator, or a target that says so (``forward_elsewhere``:
+    the replay target's step model sleeps). On the CPU the forward's threads use the host's cores."""
+    said = getattr(target, "forward_elsewhere", None)
+    if said is not None:
+        return bool(said)
+    device = getattr(target, "device", None)
+    return device is not None and getattr(device, "type", "cpu") != "cpu"
+
+
+def side_work(drafters: list, prompts: list[list[int]], unrecorded: list) -> tuple[float, float]:
+    """The step's host work that needs no result of it (:meth:`Scheduler._beside_forward`):
+    drafters' prompt-side work (:func:`~toolspec_core.drafters.base.prepare_all`) and the last
+    step's per-sequence statistics. Returns its (start, end) ``time.perf_counter``."""
+    t = time.perf_counter()
+    prepare_all(drafters, prompts)
+    for seq, tree, result in unrecorded:
+        record_step(seq.stats, tree, result)
+    return t, time.perf_counter()
+
+
+def side_times(side, t1: float, t2: float) -> tuple[float, float]:
+    """The side work's seconds and the part of them inside the forward ``t1 .. t2`` (waiting for
+    it first where it ran on the worker)."""
+    if side is None:
+        return 0.0, 0.0
+    a, b = side if isinstance(side, tuple) else side.result()
+    return b - a, max(0.0, min(b, t2) - max(a, t1))
 
 
 def keeps_early_steps(seq: Sequence) -> bool:
