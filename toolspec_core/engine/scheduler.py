@@ -97,7 +97,9 @@ class StepRecord:
     inputs_s: float = 0.0
     commit_s: float = 0.0
     handover_s: float = 0.0  # the step's plan reaching every rank (a tensor-parallel target; part of forward_s)
-    side_s: float = 0.0  # host work that needs no result of the step (Scheduler._beside_forward), wherever it ran
+    side_s: float = (
+        0.0  # host work that needs no result of the step (Scheduler._beside_forward), wherever it ran; not in inputs_s
+    )
     hidden_s: float = 0.0  # the part of side_s that ran while the forward did (overlap on; not in host_s)
 
 
@@ -319,7 +321,7 @@ class Scheduler:
                 draft_rows=draft_rows,
                 draft_s=tb - ta,
                 budget_s=tc - tb,
-                inputs_s=t1 - tc,
+                inputs_s=t1 - tc - (side_s if isinstance(side, tuple) else 0.0),  # side work run here: its own
                 commit_s=t4 - t3,
                 handover_s=out.handover_s,
                 side_s=side_s,
