@@ -371,6 +371,21 @@ def _parts(parts: dict | None) -> str:
     return "-" if not parts else " / ".join(_f(parts.get(p), ".3f") for p in HOST_PARTS + ("other",))
 
 
+def _exact_against(report: dict) -> str:
+    if report.get("exact_reference") == "ar at the same B":
+        return "per item against plain greedy at the same B."
+    return "per item against single-stream plain greedy."
+
+
+def _run_cells(r: dict) -> tuple[list, list]:
+    """A report row's leading cells (benchmark .. MAT) and its closing ones (host per sequence, parts, exact)."""
+    exact = 100 * r["exact_match"] if r["exact_match"] is not None else None
+    head = [r["benchmark"], r["method"], r["batch"], f"{r['items']}{'' if r['complete'] else ' (partial)'}"]
+    head += [_f(r["decode_tokens_per_s"], ".1f"), f"{_f(r['speedup_vs_ar'])}x", _f(r["mat"])]
+    tail = [_f(r.get("host_ms_per_seq_step"), ".3f"), _parts(r.get("host_ms_per_seq_step_by_part"))]
+    return head, tail + [f"{_f(exact, '.0f')}%"]
+
+
 def markdown(report: dict) -> str:
     proj = report.get("projection")
     if proj:
@@ -380,23 +395,16 @@ def markdown(report: dict) -> str:
         "",
         f"Model {report['model']} on {report['hardware']}. Decode-phase output tokens/s of B sequences decoded "
         "together (prefill not timed); speedup against batched plain greedy (`ar`) at the same B; exact match "
-        + (
-            "per item against plain greedy at the same B."
-            if report.get("exact_reference") == "ar at the same B"
-            else "per item against single-stream plain greedy."
-        ),
+        + _exact_against(report),
         "",
     ]
     head = ["benchmark", "method", "B", "items", "tok/s", "vs ar", "MAT", "rows/step", "forward ms/step"]
     head += ["host ms/step", "host ms/seq/step", "draft / budget / inputs / commit / other", "exact"]
-    rows = [
-        [r["benchmark"], r["method"], r["batch"], f"{r['items']}{'' if r['complete'] else ' (partial)'}"]
-        + [_f(r["decode_tokens_per_s"], ".1f"), f"{_f(r['speedup_vs_ar'])}x", _f(r["mat"])]
-        + [_f(r["rows_per_step"], ".1f"), _f(r["forward_ms_per_step"], ".0f"), _f(r["host_ms_per_step"], ".1f")]
-        + [_f(r.get("host_ms_per_seq_step"), ".3f"), _parts(r.get("host_ms_per_seq_step_by_part"))]
-        + [f"{_f(100 * r['exact_match'] if r['exact_match'] is not None else None, '.0f')}%"]
-        for r in report["runs"]
-    ]
+    rows = []
+    for r in report["runs"]:
+        head_cells, tail_cells = _run_cells(r)
+        mid = [_f(r["rows_per_step"], ".1f"), _f(r["forward_ms_per_step"], ".0f"), _f(r["host_ms_per_step"], ".1f")]
+        rows.append(head_cells + mid + tail_cells)
     return "\n".join(lines + md_table(head, rows, ["---"] * 2 + ["---:"] * 9 + ["---", "---:"])) + "\n"
 
 
@@ -415,29 +423,19 @@ def projection_markdown(report: dict) -> str:
         f"work beside the forward (overlap): {proj.get('overlap')}. Projected decode-phase output tokens/s; "
         "speedup against batched plain greedy (`ar`) at the same B, projected alike; host ms/step is the "
         "host time not hidden behind the forward; hidden share: host work that ran while the forward did, "
-        "of all host work; exact match "
-        + (
-            "per item against plain greedy at the same B."
-            if report.get("exact_reference") == "ar at the same B"
-            else "per item against single-stream plain greedy."
-        ),
+        "of all host work; exact match " + _exact_against(report),
         "",
     ]
     head = ["kind", "benchmark", "method", "B", "items", "projected tok/s", "projected vs ar", "MAT", "rows/step"]
     head += ["forward ms/step (modelled)", "host ms/step (exposed)", "hidden ms/step", "hidden share"]
     head += ["host ms/seq/step", "draft / budget / inputs / commit / other", "exact"]
-    rows = [
-        ["projection", r["benchmark"], r["method"], r["batch"], f"{r['items']}{'' if r['complete'] else ' (partial)'}"]
-        + [_f(r["decode_tokens_per_s"], ".1f"), f"{_f(r['speedup_vs_ar'])}x", _f(r["mat"])]
-        + [_f(r["rows_per_step"], ".1f"), _f(r["forward_ms_per_step"], ".1f"), _f(r["host_ms_per_step"], ".1f")]
-        + [
-            _f(r.get("hidden_ms_per_step"), ".2f"),
-            _f(100 * r["hidden_share"] if r.get("hidden_share") is not None else None, ".0f") + "%",
-        ]
-        + [_f(r.get("host_ms_per_seq_step"), ".3f"), _parts(r.get("host_ms_per_seq_step_by_part"))]
-        + [f"{_f(100 * r['exact_match'] if r['exact_match'] is not None else None, '.0f')}%"]
-        for r in report["runs"]
-    ]
+    rows = []
+    for r in report["runs"]:
+        head_cells, tail_cells = _run_cells(r)
+        share = 100 * r["hidden_share"] if r.get("hidden_share") is not None else None
+        mid = [_f(r["rows_per_step"], ".1f"), _f(r["forward_ms_per_step"], ".1f"), _f(r["host_ms_per_step"], ".1f")]
+        mid += [_f(r.get("hidden_ms_per_step"), ".2f"), _f(share, ".0f") + "%"]
+        rows.append(["projection"] + head_cells + mid + tail_cells)
     align = ["---"] * 3 + ["---:"] * 12 + ["---", "---:"]
     return "\n".join(lines + md_table(head, rows, align)) + "\n"
 
@@ -456,11 +454,13 @@ def plot(report: dict, path: Path) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size B")
-        ax.set_ylabel("decode output tokens/s")
+        ax.set_ylabel("projected decode output tokens/s" if report.get("projection") else "decode output tokens/s")
         ax.set_title(bench)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{report['model']} on {report['hardware']}")
+    proj = report.get("projection")
+    title = f"{report['model']} on {report['hardware']}"
+    fig.suptitle(f"PROJECTION for {proj.get('gpu')}: {title}" if proj else title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
