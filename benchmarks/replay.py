@@ -20,11 +20,13 @@ recorded too (float16), so library search ranks past calls as with the real mode
 
 With a step model (``--step-model FILE``, :mod:`benchmarks.step_model`) each step lasts as long
 as the forward of its batch and rows on the GPU the model was measured on: the lookup runs, then
-the target sleeps (``time.sleep``, the GIL released) to the modelled end, so host work the
-scheduler runs beside the forward (``Scheduler.overlap``, on by default for such a target:
-``forward_elsewhere``) runs during it, and the bench's tokens/s are a projection for that GPU.
-The lookup itself holds the GIL for its part of the window (a GPU step's launch is shorter), so
-the host time hidden behind it is if anything understated.
+the target sleeps (``time.sleep``, the GIL released) to the modelled end. The step is launched
+(:meth:`ReplayTarget.launch`: the lookup, standing for a GPU step's launch) and then waited for
+(:class:`Launched`), so host work the scheduler runs beside the forward (``Scheduler.overlap``,
+on by default for such a target: ``forward_elsewhere``) runs between the two, on the scheduler's
+own thread, and the bench's tokens/s are a projection for that GPU. The lookup takes its part of
+the modelled window (a graphed GPU step's launch is shorter), so the host time hidden behind the
+forward is if anything understated.
 
 Recording: batched plain greedy (``Scheduler`` with no drafter, ``--batch-size`` sequences at a
 time), which the engine's tests hold equal to single-stream plain greedy.
@@ -135,20 +137,18 @@ class ReplayTarget(Target):
         return self.step_model is not None
 
     # ------------------------------------------------------------------ what the engine calls
-    def step(self, req: StepRequest, pool=None) -> StepOutput:
-        """The step's answer (:meth:`lookup`); with a step model, returned when the modelled
-        forward of the step's batch and rows ends (slept to, the GIL released)."""
-        if self.step_model is None:
-            return self.lookup(req)
-        end = (
-            time.perf_counter()
-            + self.step_model.forward_ms(len(req.segments), sum(len(s) for s in req.segments)) / 1000
-        )
+    def launch(self, req: StepRequest, pool=None) -> Launched:
+        """The step started: its answer looked up now (:meth:`lookup`, the part a GPU step's
+        launch stands for), its forward over when the step model says (at once without one)."""
+        start = time.perf_counter()
+        model = self.step_model
+        ms = 0.0 if model is None else model.forward_ms(len(req.segments), sum(map(len, req.segments)))
         out = self.lookup(req)
-        left = end - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
-        return out
+        return Launched(out, max(start + ms / 1000, time.perf_counter()))
+
+    def step(self, req: StepRequest, pool=None) -> StepOutput:
+        """The step's answer, returned when its modelled forward ends (:meth:`launch`)."""
+        return self.launch(req, pool).result()
 
     def lookup(self, req: StepRequest) -> StepOutput:
         """The step's argmax read from the recordings, then :func:`~toolspec_core.model.step_runner.answer`
@@ -229,6 +229,26 @@ class ReplayTarget(Target):
         rec = max(mine, key=lambda r: r.prompt_len)
         self._owner[key] = (cache, rec)
         return rec
+
+
+@dataclasses.dataclass
+class Launched:
+    """A launched replay step: :meth:`result` sleeps (``time.sleep``: the GIL released) to the end
+    of its modelled forward; ``done_at`` is then when the forward ended (``perf_counter``: the wake,
+    or ``end`` where that had passed), what the scheduler counts as the forward's end."""
+
+    out: StepOutput
+    end: float
+    done_at: float | None = None
+
+    def result(self) -> StepOutput:
+        left = self.end - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+            self.done_at = time.perf_counter()
+        else:
+            self.done_at = self.end
+        return self.out
 
 
 def _kv_shape(config) -> tuple[int, int, int]:

@@ -88,7 +88,7 @@ def _serve(replay, items, overlap: bool, monkeypatch, grammar_on=()):
     from toolspec_core.engine.grammar import make_tool_constraint
 
     if not overlap:
-        monkeypatch.setattr(sched_mod.Scheduler, "_beside_forward", lambda self: None)
+        monkeypatch.setattr(sched_mod.Scheduler, "_side_job", lambda self: None)  # drafters prepare at their first step
     method = make_method("toolspec", replay.tokenizer)
     pool = replay.block_pool(16 * 1024, 16)
     sched = Scheduler(

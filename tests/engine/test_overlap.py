@@ -50,16 +50,42 @@ class Gated:
         self.log.append(what)
         self.noted.set()
 
-    def step(self, req, pool=None):
+    def begin(self) -> None:
         self.steps += 1
         self.log.append("forward start")
         self.started.set()
+
+    def end(self) -> None:
         if self.waits(self.steps):
             self.saw.append(self.noted.wait(WAIT_S))
         self.log.append("forward end")
         self.started.clear()
         self.noted.clear()
+
+    def step(self, req, pool=None):
+        self.begin()
+        self.end()
         return self.inner.step(req, pool)
+
+
+class GatedLaunch(Gated):
+    """The gated target launching its steps (the replay's way): a forward starts at ``launch``
+    and ends in its ``result()``; the side work runs on the scheduler's thread between them."""
+
+    def launch(self, req, pool=None):
+        self.begin()
+        return Pending(self, self.inner.step(req, pool))
+
+
+class Pending:
+    done_at = None  # the forward's end: when result() returned
+
+    def __init__(self, gated: Gated, out):
+        self.gated, self.out = gated, out
+
+    def result(self):
+        self.gated.end()
+        return self.out
 
 
 class Preparing(ScriptedDrafter):
@@ -113,10 +139,13 @@ def test_outputs_and_statistics_are_the_same_with_overlap_on_and_off(tiny, refs,
     assert [s.result.finish_reason for i, s in enumerate(on) if i != 1] == ["length"] * (len(on) - 1)
 
 
-def test_overlapped_work_runs_while_the_forward_does(tiny, refs, monkeypatch):
+@pytest.mark.parametrize("launches", [False, True])
+def test_overlapped_work_runs_while_the_forward_does(tiny, refs, monkeypatch, launches):
     """With overlap, the drafter's prompt-side work and the last step's statistics run after the
     forward started and before it ended: the gated forward waits for them and they wait for it to
-    start (either would time out otherwise); without overlap they run before the forward starts."""
+    start (either would time out otherwise); without overlap they run before the forward starts.
+    A target that launches its steps gets the work between launch and result, one that does not
+    on the worker thread while its ``step`` runs."""
     prompts, want = refs
     for overlap in (True, False):
         log: list[str] = []
@@ -124,7 +153,7 @@ def test_overlapped_work_runs_while_the_forward_does(tiny, refs, monkeypatch):
         # one sequence, its prompt in one chunk: step 1 prefills (side work: prepare), step 2 is the
         # first decode (nothing left from a decode step), steps 3.. count the step before them; the
         # last step's statistics are counted at once (the sequence finishes in it)
-        gated = Gated(tiny, log, lambda k, overlap=overlap: overlap and k != 2, overlap)
+        gated = (GatedLaunch if launches else Gated)(tiny, log, lambda k, overlap=overlap: overlap and k != 2, overlap)
         mine: list[Sequence] = []
 
         def noted(stats, tree, result, gated=gated, real=real, mine=mine):

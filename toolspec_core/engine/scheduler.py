@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -121,9 +121,9 @@ class Scheduler:
     the KV block pool sequences are admitted into (None: each sequence grows its own cache);
     ``device_walk``: walk greedy trees where the argmax is (None: where that is an accelerator --
     on the CPU there is no device-to-host copy to save, so the plain Python walk is kept);
-    ``overlap``: run the step's host work that needs no result of it on a worker thread while the
-    forward runs (:meth:`_beside_forward`; None: where the forward releases the GIL and runs
-    elsewhere, :func:`forward_overlaps_host` -- on the CPU both would share the same cores).
+    ``overlap``: run the step's host work that needs no result of it while the forward runs
+    (:meth:`_beside_forward`; None: where the forward releases the GIL and runs elsewhere,
+    :func:`forward_overlaps_host` -- on the CPU both would share the same cores).
     Not thread-safe: one thread steps it (the server's engine thread).
     """
 
@@ -275,14 +275,16 @@ class Scheduler:
             not reads_logits(seq) for seq, _, done in prefills if done
         )
         on_device, need, walk = self._walks(rows, sum(done for _, _, done in prefills), greedy)
-        side = self._beside_forward()
+        job = self._side_job()
+        inline = side_work(*job) if job is not None and not self.overlap else None  # before the forward
         t1 = time.perf_counter()
         req = StepRequest(segments, logit_rows, full_rows, hidden_rows, walk, need, argmax=greedy)
-        out = self.target.step(req, self.pool)  # waits for the forward: its one copy back
+        out, beside, ended = self._beside_forward(req, job if self.overlap else None)  # waits for the forward
         walks, choice = self._accept(on_device, out)
         t2 = time.perf_counter()
-        side_s, hidden_s = side_times(side, t1, t2)
-        fwd = t2 - t1
+        end = t2 if ended is None else min(ended, t2)
+        side_s, hidden_s = side_times(inline or beside, t1, end)
+        fwd = end - t1
 
         j = h = 0  # completed prompts' logit rows; hidden rows
         for seq, n, done in prefills:
@@ -321,7 +323,7 @@ class Scheduler:
                 draft_rows=draft_rows,
                 draft_s=tb - ta,
                 budget_s=tc - tb,
-                inputs_s=t1 - tc - (side_s if isinstance(side, tuple) else 0.0),  # side work run here: its own
+                inputs_s=t1 - tc - (side_s if inline else 0.0),  # side work run before the forward: its own
                 commit_s=t4 - t3,
                 handover_s=out.handover_s,
                 side_s=side_s,
@@ -375,14 +377,10 @@ class Scheduler:
             seq.stats.draft_s += share
         return trees
 
-    def _beside_forward(self) -> tuple[float, float] | Future | None:
-        """The step's host work that needs no result of it: the prompt-side drafting work of
-        sequences that have not drafted yet (waiting, or still prefilling) and the statistics of
-        the last step's commits (:meth:`_commit`). With ``overlap`` it starts on the worker thread
-        and runs while the forward does (the forward releases the GIL: an accelerator's copy back,
-        the replay's modelled sleep); returns the future of its (start, end) perf_counter times,
-        waited on before the step's commits. Without, it runs here, before the forward, and its
-        times are returned. None: nothing to do."""
+    def _side_job(self) -> tuple[list, list, list] | None:
+        """The step's host work that needs no result of it (:func:`side_work`'s arguments): the
+        prompt-side drafting work of sequences that have not drafted yet (waiting, or still
+        prefilling) and the statistics of the last step's commits (:meth:`_commit`). None: none."""
         todo = [
             s
             for s in list(self.waiting) + self.running
@@ -393,14 +391,31 @@ class Scheduler:
         unrecorded, self._unrecorded = self._unrecorded, []
         if not todo and not unrecorded:
             return None
-        drafters, prompts = [s.drafter for s in todo], [list(s.prompt_ids) for s in todo]
-        if not self.overlap:
-            return side_work(drafters, prompts, unrecorded)
+        return [s.drafter for s in todo], [list(s.prompt_ids) for s in todo], unrecorded
+
+    def _beside_forward(self, req: StepRequest, job) -> tuple[StepOutput, tuple[float, float] | None, float | None]:
+        """The step's forward with ``job`` (:meth:`_side_job`; None: nothing beside it) running
+        while it does. A target that launches its step (``launch(req, pool)``, whose ``result()``
+        waits for the forward and whose ``done_at`` is then when it ended: the replay's step model)
+        runs the job on this thread between the two; any other target's ``step`` runs while the
+        worker thread does the job (its forward must release the GIL: an accelerator's copy back).
+        Returns the output, the job's (start, end) ``perf_counter`` (None: no job) and when the
+        forward ended (None: when it returned)."""
+        launch = getattr(self.target, "launch", None) if job is not None else None
+        if launch is not None:
+            pending = launch(req, self.pool)
+            times = side_work(*job)
+            out = pending.result()
+            return out, times, pending.done_at
+        if job is None:
+            return self.target.step(req, self.pool), None, None
         if self._worker is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="toolspec-beside-forward")
-        return self._worker.submit(side_work, drafters, prompts, unrecorded)
+        side = self._worker.submit(side_work, *job)
+        out = self.target.step(req, self.pool)
+        return out, side.result(), None
 
     def _record_unrecorded(self) -> None:
         """The statistics :meth:`_commit` left for the next step's side work, recorded now (a
@@ -556,7 +571,7 @@ def forward_overlaps_host(target) -> bool:
 
 
 def side_work(drafters: list, prompts: list[list[int]], unrecorded: list) -> tuple[float, float]:
-    """The step's host work that needs no result of it (:meth:`Scheduler._beside_forward`):
+    """The step's host work that needs no result of it (:meth:`Scheduler._side_job`):
     drafters' prompt-side work (:func:`~toolspec_core.drafters.base.prepare_all`) and the last
     step's per-sequence statistics. Returns its (start, end) ``time.perf_counter``."""
     t = time.perf_counter()
@@ -566,12 +581,11 @@ def side_work(drafters: list, prompts: list[list[int]], unrecorded: list) -> tup
     return t, time.perf_counter()
 
 
-def side_times(side, t1: float, t2: float) -> tuple[float, float]:
-    """The side work's seconds and the part of them inside the forward ``t1 .. t2`` (waiting for
-    it first where it ran on the worker)."""
+def side_times(side: tuple[float, float] | None, t1: float, t2: float) -> tuple[float, float]:
+    """The side work's seconds and the part of them inside the forward ``t1 .. t2``."""
     if side is None:
         return 0.0, 0.0
-    a, b = side if isinstance(side, tuple) else side.result()
+    a, b = side
     return b - a, max(0.0, min(b, t2) - max(a, t1))
 
 
