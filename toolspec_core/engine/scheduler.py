@@ -97,9 +97,7 @@ class StepRecord:
     inputs_s: float = 0.0
     commit_s: float = 0.0
     handover_s: float = 0.0  # the step's plan reaching every rank (a tensor-parallel target; part of forward_s)
-    side_s: float = (
-        0.0  # host work that needs no result of the step (Scheduler._beside_forward), wherever it ran; not in inputs_s
-    )
+    side_s: float = 0.0  # host work needing no result of the step (Scheduler._side_job), wherever it ran
     hidden_s: float = 0.0  # the part of side_s that ran while the forward did (overlap on; not in host_s)
 
 
