@@ -204,14 +204,19 @@ def _spans(log: list[str]) -> list[tuple[list[str], list[str]]]:
     return out
 
 
-def test_overlap_defaults_on_only_where_the_forward_runs_elsewhere(tiny):
-    """The CPU's forward shares the host's cores: off; a target that says its forward runs
-    elsewhere (the replay's step model): on; an explicit choice wins."""
-    assert forward_overlaps_host(tiny) is False
-    assert Scheduler(tiny).overlap is False
-    assert Scheduler(tiny, overlap=True).overlap is True
+def test_overlap_defaults_on_unless_the_target_says_otherwise(tiny):
+    """A torch forward releases the GIL: on (the CPU's too); a target that says where its forward
+    runs (the replay's step model, or one that says no): as it says; an explicit choice wins."""
+    assert forward_overlaps_host(tiny) is True
+    assert Scheduler(tiny).overlap is True
+    assert Scheduler(tiny, overlap=False).overlap is False
 
     class Elsewhere:
         forward_elsewhere = True
 
+    class Here:
+        forward_elsewhere = False
+
     assert forward_overlaps_host(Elsewhere()) is True
+    assert forward_overlaps_host(Here()) is False
+    assert Scheduler(tiny, overlap=None).overlap is True

@@ -120,8 +120,8 @@ class Scheduler:
     ``device_walk``: walk greedy trees where the argmax is (None: where that is an accelerator --
     on the CPU there is no device-to-host copy to save, so the plain Python walk is kept);
     ``overlap``: run the step's host work that needs no result of it while the forward runs
-    (:meth:`_beside_forward`; None: where the forward releases the GIL and runs elsewhere,
-    :func:`forward_overlaps_host` -- on the CPU both would share the same cores).
+    (:meth:`_beside_forward`; None: :func:`forward_overlaps_host` -- on unless the target says
+    otherwise; False runs it inline before the forward).
     Not thread-safe: one thread steps it (the server's engine thread).
     """
 
@@ -558,14 +558,12 @@ class Scheduler:
 
 
 def forward_overlaps_host(target) -> bool:
-    """Whether host work run beside ``target``'s forward runs while it does: the forward releases
-    the GIL and runs elsewhere -- an accelerator, or a target that says so (``forward_elsewhere``:
-    the replay target's step model sleeps). On the CPU the forward's threads use the host's cores."""
+    """Whether to run host work beside ``target``'s forward: yes unless the target says otherwise
+    (``forward_elsewhere``). A torch forward releases the GIL, so the work runs while it does: on
+    an accelerator (or the replay's step model, which sleeps) it is hidden; on the CPU it shares the
+    forward's cores, and the drafters' prompt-side work then waits on no forward of its own."""
     said = getattr(target, "forward_elsewhere", None)
-    if said is not None:
-        return bool(said)
-    device = getattr(target, "device", None)
-    return device is not None and getattr(device, "type", "cpu") != "cpu"
+    return True if said is None else bool(said)
 
 
 def side_work(drafters: list, prompts: list[list[int]], unrecorded: list) -> tuple[float, float]:
