@@ -166,7 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     for flag, kw in (
         ("--model", dict(default="embedded", help=f"embedded | HF dir | shape: {', '.join(SHAPES)}")),
         ("--device", dict(default="cuda" if torch.cuda.is_available() else "cpu")),
-        ("--dtype", dict(choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="auto: bf16 on GPU")),
+        (
+            "--dtype",
+            dict(
+                choices=["auto", "float32", "bfloat16", "float16"],
+                default="auto",
+                help="auto: bf16 where the device has it natively",
+            ),
+        ),
         ("--prefix-len", dict(type=int, default=500)),
         ("--ks", dict(default=",".join(map(str, DEFAULT_KS)))),
         ("--repeats", dict(type=int, default=5)),
