@@ -524,28 +524,23 @@ def one_at_a_time(ns, specs: list[str], passthrough: list[str]) -> int:
             urls[app] += "" if is_vllm(spec) or ns.no_ray else f"/{app}"
             print(f"{app}: every level done in an earlier pass ({scratch})", flush=True)
             continue
-        if is_vllm(spec):
-            app, opts = vllm_app(spec)
-            if model_dir is None:
-                model_dir = vllm_model_dir(base)
-            log = os.path.join(scratch, f"{app}.vllm.log")
-            server = VllmServer(vllm_venv(), model_dir, ns.vllm_port, served, opts, log, vllm_dtype(base))
+        if is_vllm(spec) or ns.no_ray:  # a server process of its own: vLLM, or a ToolSpec app without Ray
+            if is_vllm(spec):
+                app, opts = vllm_app(spec)
+                if model_dir is None:
+                    model_dir = vllm_model_dir(base)
+                log = os.path.join(scratch, f"{app}.vllm.log")
+                server = VllmServer(vllm_venv(), model_dir, ns.vllm_port, served, opts, log, vllm_dtype(base))
+                what, engine = f"vLLM {opts}", is_vllm_engine
+            else:
+                app, extra = app_config(spec, library)
+                server = NorayServer({**base, **extra}, ns.port, os.path.join(scratch, f"{app}.serve.log"))
+                what, engine = f"method {extra['method']}, no Ray", is_noray_engine
             try:
                 server.wait_ready()
                 urls[app] = server.url
-                print(f"{app}: {server.url}/v1 (vLLM {opts})", flush=True)
-                with sampling_rss(ns.sample_rss, os.path.join(ns.out, f"{name}.{app}.rss.json"), is_vllm_engine):
-                    rc = loadtest_main(common + ["--endpoint", f"{app}={server.url}/v1", "--baseline", app])
-            finally:
-                server.stop()
-        elif ns.no_ray:
-            app, extra = app_config(spec, library)
-            server = NorayServer({**base, **extra}, ns.port, os.path.join(scratch, f"{app}.serve.log"))
-            try:
-                server.wait_ready()
-                urls[app] = server.url
-                print(f"{app}: {server.url}/v1 (method {extra['method']}, no Ray)", flush=True)
-                with sampling_rss(ns.sample_rss, os.path.join(ns.out, f"{name}.{app}.rss.json"), is_noray_engine):
+                print(f"{app}: {server.url}/v1 ({what})", flush=True)
+                with sampling_rss(ns.sample_rss, os.path.join(ns.out, f"{name}.{app}.rss.json"), engine):
                     rc = loadtest_main(common + ["--endpoint", f"{app}={server.url}/v1", "--baseline", app])
             finally:
                 server.stop()
