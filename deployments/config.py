@@ -136,7 +136,7 @@ class ServeAppConfig(BaseModel):
     attention: Literal["auto", "ragged", "per_sequence"] = "auto"
     # replay decode steps from CUDA graphs (cuda and the ragged attention), the shapes of up to
     # cuda_graphs_warm_tokens KV rows captured when the replica starts, larger ones at first use;
-    # a replica that finds no GPU (device auto) runs its steps eager and logs why
+    # a replica that finds no GPU (device auto) or cannot capture them runs its steps eager and logs why
     cuda_graphs: bool = False
     cuda_graphs_warm_tokens: int = Field(2048, ge=0, le=1 << 20)
     # torch intra-op threads per replica (None on a CPU: every core it may run on)

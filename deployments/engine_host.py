@@ -557,7 +557,13 @@ def warm_replica_graphs(target, pool, cfg: ServeAppConfig, limits) -> dict:
     if pool is None:  # a model family the batched forward does not cover: no pool, no graphed step
         return {"cuda_graphs": "off (no KV block pool for this model family)", "graph_shapes": 0}
     grids = warm_grids(limits, cfg.cuda_graphs_warm_tokens, pool)
-    target.warm_graphs(pool, grids)
+    try:
+        target.warm_graphs(pool, grids)
+    except RuntimeError as exc:  # a kernel this GPU / torch cannot capture: eager steps, said once
+        log.warning("cuda_graphs off: capturing the decode steps failed (%s); decode steps run eager", exc)
+        target.cuda_graphs = False
+        target.runner(pool).graphs = None  # the kept runner of this pool steps eager from now on
+        return {"cuda_graphs": f"off (capture failed: {type(exc).__name__})", "graph_shapes": 0}
     return {"cuda_graphs": "on", "graph_shapes": len(grids)}
 
 

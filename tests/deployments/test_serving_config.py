@@ -202,3 +202,21 @@ def test_warm_graphs_of_a_tensor_parallel_target_are_the_ranks_own():
     out = warm_replica_graphs(group_target, None, cfg, BatchLimits())
     assert out == {"cuda_graphs": "on the ranks, captured at first use", "graph_shapes": 0}
     assert engine_host.graphs_unusable(cfg, "cpu") is not None and engine_host.graphs_unusable(cfg, "cuda") is None
+
+
+def test_graphs_that_cannot_be_captured_leave_the_replica_eager_with_one_warning(caplog):
+    runner = SimpleNamespace(graphs=object())
+
+    def fail(pool, grids):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    target = SimpleNamespace(cuda_graphs=True, warm_graphs=fail, runner=lambda pool: runner)
+    pool = SimpleNamespace(capacity_tokens=4096, block_tokens=16)
+    with caplog.at_level(logging.WARNING, logger="toolspec.serve"):
+        out = warm_replica_graphs(target, pool, ServeAppConfig(cuda_graphs=True, device="cuda"), BatchLimits())
+    assert out == {"cuda_graphs": "off (capture failed: RuntimeError)", "graph_shapes": 0}
+    assert target.cuda_graphs is False and runner.graphs is None
+    assert [r.message for r in caplog.records if "cuda_graphs off" in r.message] == [
+        "cuda_graphs off: capturing the decode steps failed (operation not permitted when stream is capturing); "
+        "decode steps run eager"
+    ]
