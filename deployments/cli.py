@@ -57,6 +57,11 @@ def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--no-retrieval", action="store_true", help="serve without the call library")
     p.add_argument(
+        "--address",
+        help="attach to a running Ray cluster (ray://HEAD:10001, HEAD:6379 or auto; default: RAY_ADDRESS, "
+        "else a fresh local instance) and deploy the app onto it, as KubeRay's head does",
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -114,16 +119,20 @@ def checked_config(ns: argparse.Namespace, prog: str):
         return None
 
 
-def start_server(cfg, app_name: str = "toolspec", quiet: bool = False) -> str:
-    """Start Ray (a fresh local instance unless RAY_ADDRESS is set) and the app; returns its URL."""
-    start_ray(quiet)
+def start_server(cfg, app_name: str = "toolspec", quiet: bool = False, address: str | None = None) -> str:
+    """Start Ray (a fresh local instance unless ``address`` or RAY_ADDRESS names a cluster) and the
+    app; returns its URL. Serve's HTTP proxy runs on the head node only: on a cluster whose nodes
+    share one machine (deployments/topology.py's local cluster) a proxy per node would contend for
+    one port, and a RayService places its own proxies (serveConfigV2 ``proxy_location``). Serve
+    already running on an attached cluster keeps its proxy where it is."""
+    start_ray(quiet, address)
     from ray import serve
 
     from .app import build_app
 
     if quiet:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.start(proxy_location="HeadOnly", http_options={"host": cfg.host, "port": cfg.port})
     serve.run(build_app(cfg), name=app_name, route_prefix=cfg.route_prefix, blocking=False)
     return f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}"
 
@@ -140,20 +149,37 @@ SERVE_ENV = {
 }
 
 
-def start_ray(quiet: bool = False) -> None:
-    """Connect to Ray: a fresh local instance unless RAY_ADDRESS is set (no-op when connected).
-    A local instance's processes get :data:`SERVE_ENV` where the environment does not say otherwise."""
+def ray_address(address: str | None = None) -> str:
+    """The cluster to attach to: ``address``, else RAY_ADDRESS, else "local" (a fresh instance)."""
+    return address or os.environ.get("RAY_ADDRESS") or "local"
+
+
+def start_ray(quiet: bool = False, address: str | None = None) -> None:
+    """Connect to Ray: a fresh local instance unless ``address`` or RAY_ADDRESS names a cluster
+    (no-op when connected). A local instance's processes get :data:`SERVE_ENV` where the
+    environment does not say otherwise; a cluster's nodes have their own (k8s/base/rayservice.yaml)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
     if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS") or "local"
+        address = ray_address(address)
         kwargs = {"include_dashboard": False, "log_to_driver": not quiet}
         if address == "local":
             kwargs["num_cpus"] = max(2, os.cpu_count() or 2)
             for key, value in SERVE_ENV.items():
                 os.environ.setdefault(key, value)
         ray.init(address=address, **kwargs)
+
+
+def detach_server(app_name: str = "toolspec") -> None:
+    """Delete the app from the attached cluster and disconnect; the cluster and Serve stay up."""
+    import ray
+    from ray import serve
+
+    try:
+        serve.delete(app_name)
+    finally:
+        ray.shutdown()
 
 
 def stop_server(graceful: bool = True, wait_s: float = 10.0) -> None:
@@ -203,16 +229,18 @@ def _stop_on_sigterm() -> None:
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    """Start the OpenAI-compatible server and block until Ctrl-C."""
+    """Start the OpenAI-compatible server and block until Ctrl-C (on a cluster given by --address
+    or RAY_ADDRESS: deploy the app onto it, and on Ctrl-C take the app off it)."""
     ns = _parser("toolspec serve", serve_main.__doc__).parse_args(argv)
     cfg = checked_config(ns, "toolspec serve")
     if cfg is None:
         return 2
+    attached = ray_address(ns.address) != "local"
     t0 = time.time()
     try:
-        start_ray()
+        start_ray(address=ns.address)
         _stop_on_sigterm()  # after ray.init, whose handlers would end this process without stopping Ray
-        url = start_server(cfg)
+        url = start_server(cfg, address=ns.address)
         print(
             f"ToolSpec is serving {cfg.model} (method {cfg.method}) at {url}/v1 after {time.time() - t0:.0f} s; Ctrl-C stops it.",
             flush=True,
@@ -222,7 +250,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        stop_server()
+        if attached:  # the cluster is not this process's: take the app off it, leave the rest
+            detach_server()
+        else:
+            stop_server()
     return 0
 
 

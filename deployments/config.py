@@ -22,6 +22,7 @@ class AutoscalingConfig(BaseModel):
     target_ongoing_requests: float = Field(2.0, gt=0)
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(120.0, ge=0)
+    look_back_period_s: float = Field(30.0, gt=0)  # the window Serve averages the queue length over
 
     @model_validator(mode="after")
     def _order(self) -> "AutoscalingConfig":
@@ -188,8 +189,14 @@ class ServeAppConfig(BaseModel):
     autoscaling: AutoscalingConfig | None = None
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)
+    # custom Ray resources each engine replica needs, e.g. {"replica": 1} offered only by the node
+    # group meant for replicas (deployments/topology.py; the cpu-cluster overlay's rayStartParams)
+    replica_resources: dict[str, float] = Field(default_factory=dict)
     # model "scripted" only: tokens each step commits (k > 1: the script's next k - 1 drafted, all accepted)
     scripted_tokens_per_step: int = Field(1, ge=1, le=16)
+    # model "scripted" only: seconds each step takes, a stand-in for a real model's forward (load
+    # tests of autoscaling and node loss need requests that stay in flight)
+    scripted_step_s: float = Field(0.0, ge=0, le=10)
     # the Gate deployment (per-key limits and metrics shared by the replicas)
     gate_num_cpus: float = Field(0.0, ge=0)
 
@@ -298,14 +305,28 @@ class ServeAppConfig(BaseModel):
             self.tensor_parallel_size, self.replica_num_cpus, self.replica_num_gpus, self.tp_worker_num_cpus, gpus
         )
 
+    def retrieval_actor_options(self) -> dict:
+        """Ray actor options of the ``Retrieval`` deployment (its encoder's GPU fraction only for
+        a key the deployment encodes)."""
+        r = self.retrieval
+        gpus = r.encoder.num_gpus if r.key in ("qwen", "hybrid") else 0
+        return {"num_cpus": r.num_cpus, "num_gpus": gpus, "resources": dict(r.resources)}
+
+    def gate_actor_options(self) -> dict:
+        """Ray actor options of the ``Gate`` deployment."""
+        return {"num_cpus": self.gate_num_cpus}
+
     def deployment_options(self) -> dict:
         """Ray Serve options of the engine replica deployment."""
         opts: dict[str, Any] = {
             "max_ongoing_requests": self.max_ongoing_requests,
             "ray_actor_options": {"num_cpus": self.replica_num_cpus, "num_gpus": self.replica_num_gpus},
         }
+        if self.replica_resources:
+            opts["ray_actor_options"]["resources"] = dict(self.replica_resources)
         bundles = self.placement_bundles()
         if bundles is not None:
+            bundles[0].update(self.replica_resources)  # the replica's actor runs in bundle 0
             opts["placement_group_bundles"] = bundles
             opts["placement_group_strategy"] = self.tp_placement_strategy
         if self.autoscaling is not None:

@@ -492,7 +492,7 @@ def load_serving_target(cfg: ServeAppConfig):
     if cfg.model == "scripted":
         from .scripted import scripted_target
 
-        return scripted_target()
+        return scripted_target(step_s=cfg.scripted_step_s)
     device = resolve_device(cfg.device)
     graphs = cfg.cuda_graphs
     why = graphs_unusable(cfg, device)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import os
 import platform
 import socket
 import sys
+import time
 from pathlib import Path
 
 from ..datasets import JsonlStore
@@ -119,6 +121,14 @@ OPTIONS = (  # group titles, each followed by its (flags, add_argument keywords)
     ("--ray-actors", dict(type=int, help="client actors in all (overrides --clients-per-node)")),
     ("--ray-actor-cpus", dict(type=float, default=1.0)),
     ("--ray-local-cpus", dict(type=int, default=2, help="CPUs of the Ray started by --ray local")),
+    (
+        "--serve-app",
+        dict(
+            metavar="APP",
+            help="with --ray on the serving cluster: sample this Serve app's replica count during each level "
+            "(report: replicas over time beside throughput and latency, and a .replicas.png)",
+        ),
+    ),
 )
 
 
@@ -222,9 +232,18 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
             if args.warm_prompts:
                 level_runner(ep["chat_url"], sessions, dict(plan, offsets=None), dict(opts, max_tokens=1))
             desc, quiet = f"{ep['name']} {level_label(plan)}", args.quiet
-            with tqdm(total=n, desc=desc, disable=quiet, leave=False, file=sys.stderr, dynamic_ncols=True) as bar:
+            sampler = replica_sampler(args)
+            t0 = time.time()
+            with (
+                sampler,
+                tqdm(total=n, desc=desc, disable=quiet, leave=False, file=sys.stderr, dynamic_ncols=True) as bar,
+            ):
                 result = level_runner(ep["chat_url"], sessions, plan, opts, on_done=bar.update)
             lv = summarize(ep["name"], ep["url"], plan["concurrency"], plan["request_rate"], result, args.slo)
+            if args.serve_app:
+                from .cluster import over_time
+
+                lv["over_time"] = over_time(result["records"], sampler.samples, t0)
             lv.update(level_no=level_no, max_concurrency=plan.get("max_concurrency"))
             levels.append(lv)
             records[(ep["name"], level_no)] = result["records"]
@@ -238,6 +257,17 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
                 f"e2e_p50={fmt(lv['e2e_ms']['p50'])} req/s={lv['requests_per_s']:.3f}"
             )
     return levels, records
+
+
+def replica_sampler(args: argparse.Namespace):
+    """The Serve replica count sampler of ``--serve-app`` (a context that does nothing without it)."""
+    if not args.serve_app:
+        return contextlib.nullcontext()
+    if not args.ray:
+        raise ValueError("--serve-app reads Serve's status through the cluster: it needs --ray ADDRESS")
+    from .cluster import ReplicaSampler
+
+    return ReplicaSampler(args.serve_app)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -256,7 +286,11 @@ def run(args: argparse.Namespace) -> dict:
         from .ray_clients import RayRunner
 
         runner = RayRunner(args.ray, args.clients_per_node, args.ray_actors, args.ray_actor_cpus, args.ray_local_cpus)
-    levels, records = run_levels(args, units, endpoints, runner, log)
+    try:
+        levels, records = run_levels(args, units, endpoints, runner, log)
+    finally:
+        if runner:
+            runner.close()
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "endpoint")}
     config["api_key"] = "set" if args.api_key else None
     report = {
@@ -269,6 +303,7 @@ def run(args: argparse.Namespace) -> dict:
         "workload": args.workload,
         "workload_units": len(units),
         "runner": f"ray ({args.ray}, {len(runner.actors)} actors)" if runner else "local asyncio",
+        "clients": runner.clients if runner else None,  # each Ray client actor's node id and ip:pid
         "config": config,
         "endpoints": [{k: e[k] for k in ("name", "url", "model")} for e in endpoints],
         "baseline": baseline,
@@ -276,6 +311,16 @@ def run(args: argparse.Namespace) -> dict:
     }
     report["speedup"] = compare(levels, records, baseline)
     write_reports(report, records, Path(args.out), args.save_records)
+    if args.serve_app:
+        from .cluster import plot_over_time
+
+        for lv in levels:
+            stem = Path(report["files"][0]).with_suffix("")
+            png = stem.parent / f"{stem.name}.{lv['endpoint']}-{lv['level_no']}.replicas.png"
+            plot_over_time(
+                lv["over_time"], png, title=f"{lv['endpoint']} {level_label(lv)}: Serve app {args.serve_app}"
+            )
+            report["files"].append(str(png))
     log(f"[loadtest] wrote {', '.join(report['files'])}")
     return report
 

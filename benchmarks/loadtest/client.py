@@ -140,11 +140,13 @@ async def read_stream(response) -> dict:
     """Consume an SSE stream; note when each content / tool-call chunk arrived (perf_counter) and
     when its first tool call was complete (:func:`call_complete`)."""
     content, calls, usage, stats, chunk_times, call_done = [], {}, None, None, [], None
+    done = False
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
+            done = True
             break
         event = json.loads(data)
         if event.get("error"):
@@ -161,6 +163,8 @@ async def read_stream(response) -> dict:
                 _merge_tool_call_deltas(calls, delta["tool_calls"])
             if call_done is None and chunk_times and call_complete(calls, content, bool(delta.get("content"))):
                 call_done = chunk_times[-1]
+    if not done:  # the server went away mid-stream (e.g. its replica's node was lost)
+        raise ServerError("stream_cut", f"the stream ended without [DONE] after {len(chunk_times)} chunks")
     return {
         "content": "".join(content),
         "tool_calls": [calls[k] for k in sorted(calls)],
@@ -212,6 +216,8 @@ def error_kind(exc: BaseException) -> str:
         return "timeout"
     if isinstance(exc, (json.JSONDecodeError, httpx.DecodingError)):
         return "bad_response"
+    if isinstance(exc, httpx.RemoteProtocolError):  # the connection closed in the middle of a response
+        return "connection_lost"
     if isinstance(exc, httpx.HTTPError):
         return "http_error"
     return type(exc).__name__

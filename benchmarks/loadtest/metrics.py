@@ -143,6 +143,7 @@ def summarize(
         "gold_name_match": sum(gold) / len(gold) if gold else None,
         "wall_s": wall,
         "nodes": run["nodes"],
+        "per_node": per_node(recs),
         "stopped_by_time": run["timed_out"],
         "unsent": run["unsent"],
         "peak_in_flight": run.get("peak_in_flight"),
@@ -154,6 +155,24 @@ def prefix_cached_share(records: list[dict]) -> float | None:
     whose response reports ``cached_tokens``); None when there are none."""
     prompt = sum(r["prompt_tokens"] for r in records)
     return sum(r["cached_tokens"] for r in records) / prompt if prompt else None
+
+
+def per_node(recs: list[dict]) -> dict[str, dict]:
+    """Requests, successes, errors (by kind) and output tokens of each client node: what each
+    node's clients sent, adding up to the level's totals."""
+    out: dict[str, dict] = {}
+    for r in recs:
+        row = out.setdefault(
+            r.get("node"), {"requests": 0, "ok": 0, "errors": 0, "error_kinds": {}, "completion_tokens": 0}
+        )
+        row["requests"] += 1
+        if r["ok"]:
+            row["ok"] += 1
+            row["completion_tokens"] += r.get("completion_tokens") or 0
+        else:
+            row["errors"] += 1
+            row["error_kinds"][r["error"]] = row["error_kinds"].get(r["error"], 0) + 1
+    return dict(sorted(out.items()))
 
 
 def _ratio(a, b) -> float | None:

@@ -100,6 +100,18 @@ def write_markdown(report: dict, path: Path) -> None:
             if lv["stopped_by_time"]:
                 notes.append(f"stopped at the {cfg['max_seconds']} s limit, {lv['unsent']} requests unsent")
             lines.append(f"- {lv['endpoint']} @ {level_label(lv)}: " + "; ".join(notes))
+    if report.get("clients"):
+        rows = [
+            [f"{lv['endpoint']} @ {level_label(lv)}", node[:12], row["requests"], row["ok"], row["errors"]]
+            + [", ".join(f"{k} × {v}" for k, v in row["error_kinds"].items()) or "-"]
+            for lv in report["levels"]
+            for node, row in lv.get("per_node", {}).items()
+        ]
+        head = ["level", "client node", "requests", "ok", "errors", "error kinds"]
+        intro = f"{len(report['clients'])} client actors on {len({c['node'] for c in report['clients']})} nodes."
+        lines += md_section(
+            "Requests by client node", intro, md_table(head, rows, ["---"] * 2 + ["---:"] * 3 + ["---"])
+        )
     lines += ["", f"![latency and throughput]({path.with_suffix('.png').name})", ""]
     path.write_text("\n".join(lines))
 

@@ -709,8 +709,10 @@ def test_ray_fanout_runs_slices_as_tasks(server, dataset, tmp_path):
     for lv in report["levels"]:
         assert lv["requests"] == 9 == lv["ok"] + lv["errors"]
         assert set(lv["error_kinds"]) <= {"http_500"}
-        assert len(lv["nodes"]) == 2  # two actor processes ran client slices, merged into one level
+        assert len(lv["nodes"]) == 1 == len(lv["per_node"])  # both client actors on the one node
+        assert sum(row["requests"] for row in lv["per_node"].values()) == lv["requests"]
     assert report["runner"] == "ray (local, 2 actors)"
+    assert len({c["client"] for c in report["clients"]}) == 2 and len({c["node"] for c in report["clients"]}) == 1
 
 
 def test_warm_prompts_send_each_level_once_before_it_uncounted(server, dataset, tmp_path):
