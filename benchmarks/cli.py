@@ -60,7 +60,11 @@ OPTIONS = (  # (flag, add_argument keywords), in --help order
     ("--device", dict(default="cpu", help="cpu | cuda | cuda:N: where the target runs")),
     (
         "--dtype",
-        dict(choices=["float32", "bfloat16", "float16"], default="float32", help="float32: exact"),
+        dict(
+            choices=["float32", "bfloat16", "float16", "auto"],
+            default="float32",
+            help="auto: bfloat16 where the device computes it natively (a CPU with AVX512_BF16 or AMX), else float32",
+        ),
     ),
     ("--packed-rows", dict(type=int, help="CPU fp32, opt-in: MKL packed GEMM for 4..N-row forwards (default 0: off)")),
     ("--attention", dict(choices=["auto", "per_sequence", "ragged"], help="default: the target's own choice")),

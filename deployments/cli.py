@@ -43,6 +43,18 @@ def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--tensor-parallel-size", type=int, dest="tensor_parallel_size")
     p.add_argument("--cost-model", dest="cost_model", choices=["measure", "reference", "flat", "none"])
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16", "auto"], help="auto: bfloat16 where the device has it"
+    )
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--attention", choices=["auto", "ragged", "per_sequence"], help="auto: ragged on cuda")
+    p.add_argument(
+        "--cuda-graphs",
+        dest="cuda_graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay decode steps from CUDA graphs captured at start-up (cuda only)",
+    )
     p.add_argument("--no-retrieval", action="store_true", help="serve without the call library")
     p.add_argument(
         "--address",
@@ -59,6 +71,12 @@ def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
     return p
 
 
+FLAG_KEYS = (  # ServeAppConfig keys with a flag of their own
+    *("model", "method", "host", "port", "tensor_parallel_size", "cost_model"),
+    *("dtype", "device", "attention", "cuda_graphs"),
+)
+
+
 def config_from_args(ns: argparse.Namespace):
     """ServeAppConfig from --config, then flags (validated once, here)."""
     from .config import ServeAppConfig
@@ -73,7 +91,7 @@ def config_from_args(ns: argparse.Namespace):
             args = yaml.safe_load(text) or {}
         else:
             args = json.loads(text)
-    for key in ("model", "method", "host", "port", "tensor_parallel_size", "cost_model"):
+    for key in FLAG_KEYS:
         if getattr(ns, key, None) is not None:
             args[key] = getattr(ns, key)
     if ns.no_retrieval:
@@ -85,6 +103,20 @@ def config_from_args(ns: argparse.Namespace):
         except json.JSONDecodeError:
             args[key] = value
     return ServeAppConfig.model_validate(args)
+
+
+def checked_config(ns: argparse.Namespace, prog: str):
+    """:func:`config_from_args`, or None after printing why the config is refused (one line a
+    problem, no traceback)."""
+    from pydantic import ValidationError
+
+    try:
+        return config_from_args(ns)
+    except ValidationError as exc:
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "config"
+            print(f"{prog}: invalid config ({where}): {err['msg']}", file=sys.stderr)
+        return None
 
 
 def start_server(cfg, app_name: str = "toolspec", quiet: bool = False, address: str | None = None) -> str:
@@ -200,7 +232,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     """Start the OpenAI-compatible server and block until Ctrl-C (on a cluster given by --address
     or RAY_ADDRESS: deploy the app onto it, and on Ctrl-C take the app off it)."""
     ns = _parser("toolspec serve", serve_main.__doc__).parse_args(argv)
-    cfg = config_from_args(ns)
+    cfg = checked_config(ns, "toolspec serve")
+    if cfg is None:
+        return 2
     attached = ray_address(ns.address) != "local"
     t0 = time.time()
     try:
@@ -226,7 +260,9 @@ def serve_main(argv: list[str] | None = None) -> int:
 def demo_main(argv: list[str] | None = None) -> int:
     """Start the server, make one real tool call with the openai client, print it, stop."""
     ns = _parser("toolspec demo", demo_main.__doc__).parse_args(argv)
-    cfg = config_from_args(ns)
+    cfg = checked_config(ns, "toolspec demo")
+    if cfg is None:
+        return 2
     from .config import served_name
 
     t0 = time.time()

@@ -128,8 +128,18 @@ class ServeAppConfig(BaseModel):
     served_model_name: str | None = None  # default: the model directory's name
     method: str = "toolspec"  # toolspec_core.drafters.methods.REGISTRY name; fails fast if it cannot be built
     method_options: dict[str, Any] = Field(default_factory=dict)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # auto: bfloat16 on a GPU that has it and on a CPU that computes it natively (AVX512_BF16 or
+    # AMX), float32 elsewhere (toolspec_core.model.target.resolve_dtype)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when the replica sees a GPU
+    # how a step attends over the pool's sequences: one ragged call a layer, the per-sequence loop,
+    # or auto (ragged on cuda, the loop on the cpu; toolspec_core.model.ragged)
+    attention: Literal["auto", "ragged", "per_sequence"] = "auto"
+    # replay decode steps from CUDA graphs (cuda and the ragged attention), the shapes of up to
+    # cuda_graphs_warm_tokens KV rows captured when the replica starts, larger ones at first use;
+    # a replica that finds no GPU (device auto) or cannot capture them runs its steps eager and logs why
+    cuda_graphs: bool = False
+    cuda_graphs_warm_tokens: int = Field(2048, ge=0, le=1 << 20)
     # torch intra-op threads per replica (None on a CPU: every core it may run on)
     threads: int | None = Field(None, ge=1)
     # CPU fp32, opt-in: verify forwards of 4..N rows through MKL's packed GEMM (one more weight copy)
@@ -236,6 +246,18 @@ class ServeAppConfig(BaseModel):
             raise ValueError("max_tokens_default must be <= max_tokens_limit")
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("float16 is not supported on cpu; use float32 or bfloat16")
+        if self.cuda_graphs:
+            if self.device == "cpu":
+                raise ValueError(
+                    "cuda_graphs needs a GPU: device is cpu (set device: cuda or auto, or cuda_graphs: false)"
+                )
+            if self.attention == "per_sequence":
+                raise ValueError(
+                    "cuda_graphs replays the ragged attention's steps: attention per_sequence cannot use them "
+                    "(set attention: ragged or auto)"
+                )
+            if self.model == "scripted":
+                raise ValueError("cuda_graphs: the scripted target runs no model (set cuda_graphs: false)")
         backend = self.store_config(1).get("backend", "edge")
         r = self.retrieval
         if r.enabled and r.num_replicas > 1 and backend != "qdrant_url":

@@ -19,7 +19,7 @@ from .client import chat_url, parse_endpoint
 from .metrics import compare, parse_slo, summarize
 from .report import fmt, level_label, write_reports
 from .schedule import arrival_offsets, run_level_local
-from .workloads import default_datasets, level_sessions, load_workload
+from .workloads import default_datasets, level_sessions, load_workload, unique_prefix_sessions
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "loadtest"  # not method runs: their own folder
 REQUEST_OPTIONS = (
@@ -70,6 +70,14 @@ OPTIONS = (  # group titles, each followed by its (flags, add_argument keywords)
     ("--fresh-requests", dict(action="store_true", help="each level (and the warm-up) uses new requests")),
     ("--prompt-chars", dict(type=parse_span, metavar="MIN[:MAX]", help="only prompts of MIN..MAX JSON characters")),
     ("--warm-prompts", dict(action="store_true", help="send each level's requests once first (warm prefix cache)")),
+    (
+        "--unique-prefix",
+        dict(
+            action="store_true",
+            help="start every request's first message with a nonce line of its own (the same on every endpoint): "
+            "no two prompts share a prefix, so no prefix cache helps",
+        ),
+    ),
     "endpoints",
     (
         "--endpoint",
@@ -190,6 +198,9 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
         partial = JsonlStore(Path(args.out) / f"{args.name}.partial.jsonl", lambda r: (r["endpoint"], r["level_no"]))
     n_levels = len(level_plans(args))
     warmup, used = level_sessions(units, args.warmup) if args.warmup else ([], 0)
+    salt = getattr(args, "unique_prefix_salt", None)
+    if salt is not None:
+        warmup = unique_prefix_sessions(warmup, salt, "warmup")
     for ep in endpoints if warmup else []:
         if partial and all((ep["name"], k) in partial.records for k in range(n_levels)):
             continue  # every level of it resumes: nothing is sent to it
@@ -197,13 +208,16 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
         run_level_local(ep["chat_url"], warmup, plan, dict(base_opts, model=ep["model"]))
     offset = used if args.fresh_requests else 0
     levels, records = [], {}
-    sessions, used = level_sessions(units, n, offset)
+    drawn, used = level_sessions(units, n, offset)
     for level_no, plan in enumerate(level_plans(args)):
         # --fresh-requests: no request repeats across warm-up and levels, so a server that learns
         # from history (ToolSpec's call library) cannot replay answers it saw at an earlier level
         if args.fresh_requests and level_no:
             offset += used
-            sessions, used = level_sessions(units, n, offset)
+            drawn, used = level_sessions(units, n, offset)
+        sessions = drawn
+        if salt is not None:  # the same prompts on every endpoint of the level, no prefix shared with another
+            sessions = unique_prefix_sessions(drawn, salt, level_no)
         if plan["request_rate"] is not None:
             plan = dict(plan, offsets=arrival_offsets(len(sessions), plan["request_rate"], args.burstiness, args.seed))
         for ep in endpoints:
@@ -262,6 +276,10 @@ def run(args: argparse.Namespace) -> dict:
     args.dataset = args.dataset or default_datasets(args.workload)
     args.num_requests = args.num_requests or (DURATION_REQUEST_CAP if args.duration else 32)
     units = load_workload(args.workload, args.dataset, args.limit, args.seed, args.prompt_chars)
+    now = dt.datetime.now()
+    stamp = now.strftime("%Y%m%d-%H%M%S")
+    # the nonces' salt: the run's name (every pass of a resumed run sends the same prompts), else its start
+    args.unique_prefix_salt = f"{args.seed}:{args.name or stamp}" if args.unique_prefix else None
     endpoints, baseline = resolve_endpoints(args)
     runner = None
     if args.ray:
@@ -275,8 +293,6 @@ def run(args: argparse.Namespace) -> dict:
             runner.close()
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "endpoint")}
     config["api_key"] = "set" if args.api_key else None
-    now = dt.datetime.now()
-    stamp = now.strftime("%Y%m%d-%H%M%S")
     report = {
         "tool": "toolspec loadtest",
         "name": args.name or f"loadtest-{stamp}",
@@ -316,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.resume and not args.name:
             parser.error("--resume needs --name (the run it continues)")
+        if args.unique_prefix and args.warm_prompts:
+            parser.error("--warm-prompts sends each prompt once to fill the prefix cache; --unique-prefix keeps it out")
         if args.timeline is None:  # the records are where a timeline is kept
             args.timeline = args.save_records
         run(args)

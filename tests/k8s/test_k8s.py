@@ -141,6 +141,7 @@ def test_gpu_prod_passes_the_capacity_plan(rendered):
     args = _args(docs)
     assert args["model"].endswith("/Qwen2.5-72B-Instruct")
     assert (args["device"], args["dtype"], args["tensor_parallel_size"]) == ("cuda", "bfloat16", 8)
+    assert (args["attention"], args["cuda_graphs"]) == ("ragged", True)  # the fast decode step, graphs at start-up
     # gpu_memory is at most what the node selector's GPU has (NVIDIA-H100-80GB-HBM3: 81559MiB < 80 GiB)
     product = _worker(docs)["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"]
     assert 0 < parse_memory(args["gpu_memory"]) <= int(re.search(r"(\d+)GB", product).group(1)) * 2**30
