@@ -38,6 +38,7 @@ from .runner import MethodPool, bench_target, log, resolve_cost
 
 MAX_ROWS = 256  # the batch budget's curve is measured up to forwards of this many rows
 HOST_PARTS = ("draft", "budget", "inputs", "commit")  # StepRecord's host time by part (+ "other": the rest)
+OVERLAP = {"auto": None, "on": True, "off": False}  # --overlap: the scheduler's (None: the target's default)
 
 
 def group_store(out: Path) -> JsonlStore:
@@ -87,8 +88,10 @@ class BatchRun:
         engine = (args.threads, None, getattr(args, "attention", None), getattr(args, "cuda_graphs", None))
         if target is None and getattr(args, "target", "model") == "replay":
             from .replay import RECORDING, replay_target
+            from .step_model import StepModel
 
-            target = replay_target(getattr(args, "replay_file", None) or RECORDING)
+            model = StepModel.load(args.step_model) if getattr(args, "step_model", None) else None
+            target = replay_target(getattr(args, "replay_file", None) or RECORDING, model)
         self.target = target = bench_target(args.model, args.dtype, args.device, *engine, target=target)
         self.benches = [
             select_items(load_items(p), args.limit, None if args.seed < 0 else args.seed) for p in args.data
@@ -123,7 +126,9 @@ class BatchRun:
         lens = [len(self._ids(it)) for it in items]
         prompts = sum(-(-n // bt) for n in lens)
         group = max(self.args.batch) * -(-(max(lens, default=0) + self.dcfg.max_new_tokens + tree) // bt)
-        return PromptPool(self.target, (prompts + group) * bt)
+        return PromptPool(
+            self.target, (prompts + group) * bt, overlap=OVERLAP[getattr(self.args, "overlap", None) or "auto"]
+        )
 
     def run(self) -> None:
         from tqdm import tqdm
@@ -198,7 +203,7 @@ class BatchRun:
             outputs[it["id"]] = {"tokens": r.tokens, "text": r.text, "forwards": r.stats.forwards, "mat": r.stats.mat}
             pool.after_item(bench, name, "online", req, outputs[it["id"]])
         steps = [s for s in sched.steps[first:] if s.sequences]
-        sums = {f: sum(getattr(s, f) for s in steps) for f in ("rows", "forward_s", "host_s")}
+        sums = {f: sum(getattr(s, f) for s in steps) for f in ("rows", "forward_s", "host_s", "side_s", "hidden_s")}
         head = {"benchmark": bench, "method": name, "batch": b, "group": gi, "items": [it["id"] for it in group]}
         return {
             **head,
@@ -216,7 +221,16 @@ class BatchRun:
 
 
 POOLED = "pooled"
-SUMS = ("decode_s", "generated", "steps", "rows", "forward_s", "host_s", "live")  # a run's totals over its groups
+SUMS = (
+    "decode_s",
+    "generated",
+    "steps",
+    "rows",
+    "forward_s",
+    "host_s",
+    "live",
+    "hidden_s",
+)  # a run's totals over its groups
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -274,6 +288,11 @@ def summarize(records: list[dict]) -> list[dict]:
                 "forward_ms_per_step": 1000 * run["forward_s"] / run["steps"] if run["steps"] else None,
                 "host_ms_per_step": 1000 * run["host_s"] / run["steps"] if run["steps"] else None,
                 "host_ms_per_seq_step": 1000 * run["host_s"] / run["live"] if run["live"] else None,
+                # host work that ran while the forward did (Scheduler.overlap), not in host_s
+                "hidden_ms_per_step": 1000 * run["hidden_s"] / run["steps"] if run["steps"] else None,
+                "hidden_share": run["hidden_s"] / (run["host_s"] + run["hidden_s"])
+                if run["host_s"] + run["hidden_s"]
+                else None,
                 "host_ms_per_seq_step_by_part": (
                     {
                         **{p: 1000 * v / run["live"] for p, v in run["parts"].items()},
@@ -325,6 +344,17 @@ def build_report(out: Path, name: str, results: Path, hardware: str, model: str,
         "exact_reference": "ar at B = 1" if reference_batch(records) == 1 else "ar at the same B",
         "runs": summarize(records),
     }
+    step_model = report["config"].get("step_model")
+    if step_model:  # the forward was modelled: every figure of the run is a projection
+        sm = json.loads(Path(step_model).read_text()) if Path(step_model).exists() else {}
+        report["projection"] = {
+            "step_model": step_model,
+            "gpu": sm.get("gpu"),
+            "source": sm.get("source"),
+            "overlap": report["config"].get("overlap") or "auto",
+        }
+        for r in report["runs"]:
+            r["kind"] = "projection"
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     (results / f"{name}.md").write_text(markdown(report))
@@ -341,30 +371,73 @@ def _parts(parts: dict | None) -> str:
     return "-" if not parts else " / ".join(_f(parts.get(p), ".3f") for p in HOST_PARTS + ("other",))
 
 
+def _exact_against(report: dict) -> str:
+    if report.get("exact_reference") == "ar at the same B":
+        return "per item against plain greedy at the same B."
+    return "per item against single-stream plain greedy."
+
+
+def _run_cells(r: dict) -> tuple[list, list]:
+    """A report row's leading cells (benchmark .. MAT) and its closing ones (host per sequence, parts, exact)."""
+    exact = 100 * r["exact_match"] if r["exact_match"] is not None else None
+    head = [r["benchmark"], r["method"], r["batch"], f"{r['items']}{'' if r['complete'] else ' (partial)'}"]
+    head += [_f(r["decode_tokens_per_s"], ".1f"), f"{_f(r['speedup_vs_ar'])}x", _f(r["mat"])]
+    tail = [_f(r.get("host_ms_per_seq_step"), ".3f"), _parts(r.get("host_ms_per_seq_step_by_part"))]
+    return head, tail + [f"{_f(exact, '.0f')}%"]
+
+
 def markdown(report: dict) -> str:
+    proj = report.get("projection")
+    if proj:
+        return projection_markdown(report)
     lines = [
         f"# {report['name']}: batched decoding",
         "",
         f"Model {report['model']} on {report['hardware']}. Decode-phase output tokens/s of B sequences decoded "
         "together (prefill not timed); speedup against batched plain greedy (`ar`) at the same B; exact match "
-        + (
-            "per item against plain greedy at the same B."
-            if report.get("exact_reference") == "ar at the same B"
-            else "per item against single-stream plain greedy."
-        ),
+        + _exact_against(report),
         "",
     ]
     head = ["benchmark", "method", "B", "items", "tok/s", "vs ar", "MAT", "rows/step", "forward ms/step"]
     head += ["host ms/step", "host ms/seq/step", "draft / budget / inputs / commit / other", "exact"]
-    rows = [
-        [r["benchmark"], r["method"], r["batch"], f"{r['items']}{'' if r['complete'] else ' (partial)'}"]
-        + [_f(r["decode_tokens_per_s"], ".1f"), f"{_f(r['speedup_vs_ar'])}x", _f(r["mat"])]
-        + [_f(r["rows_per_step"], ".1f"), _f(r["forward_ms_per_step"], ".0f"), _f(r["host_ms_per_step"], ".1f")]
-        + [_f(r.get("host_ms_per_seq_step"), ".3f"), _parts(r.get("host_ms_per_seq_step_by_part"))]
-        + [f"{_f(100 * r['exact_match'] if r['exact_match'] is not None else None, '.0f')}%"]
-        for r in report["runs"]
-    ]
+    rows = []
+    for r in report["runs"]:
+        head_cells, tail_cells = _run_cells(r)
+        mid = [_f(r["rows_per_step"], ".1f"), _f(r["forward_ms_per_step"], ".0f"), _f(r["host_ms_per_step"], ".1f")]
+        rows.append(head_cells + mid + tail_cells)
     return "\n".join(lines + md_table(head, rows, ["---"] * 2 + ["---:"] * 9 + ["---", "---:"])) + "\n"
+
+
+def projection_markdown(report: dict) -> str:
+    """A step-model run's report: every heading and row says projection (the forward was slept, not run)."""
+    proj = report["projection"]
+    src = proj.get("source") or {}
+    lines = [
+        f"# {report['name']}: batched decoding, PROJECTION for {proj.get('gpu')}",
+        "",
+        f"**A projection, not a measurement.** The replay target (recorded outputs of {report['model']}) on "
+        f"{report['hardware']}, each step lasting the forward of its batch and rows on {proj.get('gpu')} as "
+        f"the step model `{Path(proj['step_model']).name}` gives it (from `{src.get('file')}`, "
+        f"code {src.get('code')}, commit {src.get('commit')}, mode {src.get('mode')}; past its largest "
+        "measured batch it extrapolates): the host work is this CPU's, the forward the GPU curve's. Host "
+        f"work beside the forward (overlap): {proj.get('overlap')}. Projected decode-phase output tokens/s; "
+        "speedup against batched plain greedy (`ar`) at the same B, projected alike; host ms/step is the "
+        "host time not hidden behind the forward; hidden share: host work that ran while the forward did, "
+        "of all host work; exact match " + _exact_against(report),
+        "",
+    ]
+    head = ["kind", "benchmark", "method", "B", "items", "projected tok/s", "projected vs ar", "MAT", "rows/step"]
+    head += ["forward ms/step (modelled)", "host ms/step (exposed)", "hidden ms/step", "hidden share"]
+    head += ["host ms/seq/step", "draft / budget / inputs / commit / other", "exact"]
+    rows = []
+    for r in report["runs"]:
+        head_cells, tail_cells = _run_cells(r)
+        share = 100 * r["hidden_share"] if r.get("hidden_share") is not None else None
+        mid = [_f(r["rows_per_step"], ".1f"), _f(r["forward_ms_per_step"], ".1f"), _f(r["host_ms_per_step"], ".1f")]
+        mid += [_f(r.get("hidden_ms_per_step"), ".2f"), _f(share, ".0f") + "%"]
+        rows.append(["projection"] + head_cells + mid + tail_cells)
+    align = ["---"] * 3 + ["---:"] * 12 + ["---", "---:"]
+    return "\n".join(lines + md_table(head, rows, align)) + "\n"
 
 
 def plot(report: dict, path: Path) -> None:
@@ -381,11 +454,13 @@ def plot(report: dict, path: Path) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size B")
-        ax.set_ylabel("decode output tokens/s")
+        ax.set_ylabel("projected decode output tokens/s" if report.get("projection") else "decode output tokens/s")
         ax.set_title(bench)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{report['model']} on {report['hardware']}")
+    proj = report.get("projection")
+    title = f"{report['model']} on {report['hardware']}"
+    fig.suptitle(f"PROJECTION for {proj.get('gpu')}: {title}" if proj else title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

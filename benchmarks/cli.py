@@ -60,7 +60,11 @@ OPTIONS = (  # (flag, add_argument keywords), in --help order
     ("--device", dict(default="cpu", help="cpu | cuda | cuda:N: where the target runs")),
     (
         "--dtype",
-        dict(choices=["float32", "bfloat16", "float16"], default="float32", help="float32: exact"),
+        dict(
+            choices=["float32", "bfloat16", "float16", "auto"],
+            default="float32",
+            help="auto: bfloat16 where the device computes it natively (a CPU with AVX512_BF16 or AMX), else float32",
+        ),
     ),
     ("--packed-rows", dict(type=int, help="CPU fp32, opt-in: MKL packed GEMM for 4..N-row forwards (default 0: off)")),
     ("--attention", dict(choices=["auto", "per_sequence", "ragged"], help="default: the target's own choice")),
@@ -82,6 +86,19 @@ OPTIONS = (  # (flag, add_argument keywords), in --help order
     ),
     ("--replay-file", dict(help="--target replay: the recording (default: benchmarks/datasets/greedy-*.jsonl.gz)")),
     ("--cycle", dict(FLAG, help="--target replay: fill a B larger than a set's recorded items by repeating them")),
+    (
+        "--step-model",
+        dict(
+            help="--target replay: each step lasts this GPU step curve's forward (benchmarks/step_model.py): a projection"
+        ),
+    ),
+    (
+        "--overlap",
+        dict(
+            choices=["auto", "on", "off"],
+            help="--batch: host work beside the forward (Scheduler.overlap; auto: where the forward runs elsewhere)",
+        ),
+    ),
 )
 REPORT_OPTIONS = (
     ("--out", {"required": True}),
@@ -126,6 +143,17 @@ def _check(args, ap) -> None:
         ap.error("--target replay costs no forward: give the real model's curve (--cost PATH, or reference)")
     if args.cycle and args.target != "replay":
         ap.error("--cycle repeats recorded items: it needs --target replay")
+    if args.step_model is not None:
+        if args.target != "replay":
+            ap.error("--step-model models the forward of the replay target: it needs --target replay")
+        try:
+            from .step_model import StepModel
+
+            StepModel.load(args.step_model)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            ap.error(f"--step-model {args.step_model}: {exc}")
+    if args.overlap is not None and not args.batch:
+        ap.error("--overlap is a --batch option")
 
 
 def report_main(argv: list[str]) -> int:

@@ -121,12 +121,17 @@ def load_model(spec: str, device: str, dtype: torch.dtype):
 
 
 def serving_kernels(model, device: str, dtype: torch.dtype, packed_rows: int | None):
-    """The CPU fp32 linear-layer dispatch the engine's ``load_target`` applies, so the curve is the
-    one decoding will see (``packed_rows``: see ``tune_cpu_linears``; None/0: the default oneDNN-reordered copy only)."""
+    """The CPU linear-layer dispatch the engine's ``load_target`` applies, so the curve is the
+    one decoding will see (``packed_rows``: see ``tune_cpu_linears``; None/0: the default
+    oneDNN-reordered copy only; a bfloat16 / float16 model: ``tune_reduced_linears``)."""
     if device == "cpu" and dtype == torch.float32:
         from toolspec_core.model.cpu_linears import tune_cpu_linears
 
         tune_cpu_linears(model, packed_rows=packed_rows or 0)
+    elif device == "cpu":
+        from toolspec_core.model.cpu_linears import tune_reduced_linears
+
+        tune_reduced_linears(model)
     return model
 
 
@@ -166,7 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     for flag, kw in (
         ("--model", dict(default="embedded", help=f"embedded | HF dir | shape: {', '.join(SHAPES)}")),
         ("--device", dict(default="cuda" if torch.cuda.is_available() else "cpu")),
-        ("--dtype", dict(choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="auto: bf16 on GPU")),
+        (
+            "--dtype",
+            dict(
+                choices=["auto", "float32", "bfloat16", "float16"],
+                default="auto",
+                help="auto: bf16 where the device has it natively",
+            ),
+        ),
         ("--prefix-len", dict(type=int, default=500)),
         ("--ks", dict(default=",".join(map(str, DEFAULT_KS)))),
         ("--repeats", dict(type=int, default=5)),

@@ -48,10 +48,11 @@ class Started:
 class PromptPool:
     """One block pool for a bench run's prompts (``tokens`` rows: every prompt of a benchmark plus
     the largest group's sequences); a target without a pool (a family the batched forward does
-    not cover) prefills each prompt again in the untimed phase of every decode."""
+    not cover) prefills each prompt again in the untimed phase of every decode. ``overlap``: the
+    schedulers' (:class:`~toolspec_core.engine.scheduler.Scheduler`; None: the target's default)."""
 
-    def __init__(self, target, tokens: int):
-        self.target = target
+    def __init__(self, target, tokens: int, overlap: bool | None = None):
+        self.target, self.overlap = target, overlap
         self.pool = target.block_pool(tokens, BLOCK_TOKENS, prefix_caching=True)
         self.prompts: dict[str, Prompt] = {}
         self._pinned: dict[str, list[int]] = {}
@@ -80,7 +81,7 @@ class PromptPool:
         gate: Future = Future()
         for s in seqs:
             s.on_prompt = lambda _hidden: gate
-        sched = Scheduler(self.target, cost, limits, self.pool)
+        sched = Scheduler(self.target, cost, limits, self.pool, overlap=self.overlap)
         sched.cost = None
         for s in seqs:
             sched.add(s)

@@ -18,6 +18,16 @@ one-layer random Qwen2 of width 8 over the embedded tokenizer (the KV pool and v
 from it). The retrieval key the bench gives the call library (the prompt's last hidden state) is
 recorded too (float16), so library search ranks past calls as with the real model.
 
+With a step model (``--step-model FILE``, :mod:`benchmarks.step_model`) each step lasts as long
+as the forward of its batch and rows on the GPU the model was measured on: the lookup runs, then
+the target sleeps (``time.sleep``, the GIL released) to the modelled end. The step is launched
+(:meth:`ReplayTarget.launch`: the lookup, standing for a GPU step's launch) and then waited for
+(:class:`Launched`), so host work the scheduler runs beside the forward (``Scheduler.overlap``,
+on by default for such a target: ``forward_elsewhere``) runs between the two, on the scheduler's
+own thread, and the bench's tokens/s are a projection for that GPU. The lookup takes its part of
+the modelled window (a graphed GPU step's launch is shorter), so the host time hidden behind the
+forward is if anything understated.
+
 Recording: batched plain greedy (``Scheduler`` with no drafter, ``--batch-size`` sequences at a
 time), which the engine's tests hold equal to single-stream plain greedy.
 
@@ -38,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.step_model import StepModel
 from toolspec_core.model.step_runner import StepOutput, StepRequest, answer
 from toolspec_core.model.target import Target, from_model
 
@@ -98,6 +109,7 @@ class ReplayTarget(Target):
 
     records: tuple = ()
     max_new_tokens: int = 0
+    step_model: StepModel | None = None  # each step lasts its modelled forward (module docstring)
 
     def __post_init__(self):
         super().__post_init__()
@@ -118,8 +130,27 @@ class ReplayTarget(Target):
     def hidden_size(self) -> int:
         return int(next(iter(self._by_first.values()))[0].hidden.shape[0]) if self._by_first else 8
 
+    @property
+    def forward_elsewhere(self) -> bool:
+        """Whether the step's forward leaves the host's cores free (a step model's sleep): the
+        scheduler's default ``overlap`` (:func:`~toolspec_core.engine.scheduler.forward_overlaps_host`)."""
+        return self.step_model is not None
+
     # ------------------------------------------------------------------ what the engine calls
+    def launch(self, req: StepRequest, pool=None) -> Launched:
+        """The step started: its answer looked up now (:meth:`lookup`, the part a GPU step's
+        launch stands for), its forward over when the step model says (at once without one)."""
+        start = time.perf_counter()
+        model = self.step_model
+        ms = 0.0 if model is None else model.forward_ms(len(req.segments), sum(map(len, req.segments)))
+        out = self.lookup(req)
+        return Launched(out, max(start + ms / 1000, time.perf_counter()))
+
     def step(self, req: StepRequest, pool=None) -> StepOutput:
+        """The step's answer, returned when its modelled forward ends (:meth:`launch`)."""
+        return self.launch(req, pool).result()
+
+    def lookup(self, req: StepRequest) -> StepOutput:
         """The step's argmax read from the recordings, then :func:`~toolspec_core.model.step_runner.answer`
         (the greedy walks and the host's rows), as every target's step ends."""
         segments, logit_rows, full_rows, hidden_rows = req.segments, req.logit_rows, req.full_rows, req.hidden_rows
@@ -200,6 +231,26 @@ class ReplayTarget(Target):
         return rec
 
 
+@dataclasses.dataclass
+class Launched:
+    """A launched replay step: :meth:`result` sleeps (``time.sleep``: the GIL released) to the end
+    of its modelled forward; ``done_at`` is then when the forward ended (``perf_counter``: the wake,
+    or ``end`` where that had passed), what the scheduler counts as the forward's end."""
+
+    out: StepOutput
+    end: float
+    done_at: float | None = None
+
+    def result(self) -> StepOutput:
+        left = self.end - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+            self.done_at = time.perf_counter()
+        else:
+            self.done_at = self.end
+        return self.out
+
+
 def _kv_shape(config) -> tuple[int, int, int]:
     from toolspec_core.model.block_pool import kv_shape
 
@@ -214,8 +265,9 @@ def _parents(seg, pos: list[int]) -> list[int]:
     return [i - 1 for i in range(len(pos))]
 
 
-def replay_target(path: str | Path = RECORDING) -> ReplayTarget:
-    """The replay target over the embedded model's tokenizer, serving the recording at ``path``."""
+def replay_target(path: str | Path = RECORDING, step_model: StepModel | None = None) -> ReplayTarget:
+    """The replay target over the embedded model's tokenizer, serving the recording at ``path``
+    (each step lasting ``step_model``'s forward, if given)."""
     from transformers import AutoTokenizer
 
     from deployments.scripted import tiny_qwen2
@@ -227,7 +279,10 @@ def replay_target(path: str | Path = RECORDING) -> ReplayTarget:
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Target)}
     fields["eos_ids"] = tuple(rows[0]["eos_ids"]) if rows and rows[0].get("eos_ids") else base.eos_ids
     return ReplayTarget(
-        **fields, records=tuple(rows), max_new_tokens=min((r["max_new_tokens"] for r in rows), default=0)
+        **fields,
+        records=tuple(rows),
+        max_new_tokens=min((r["max_new_tokens"] for r in rows), default=0),
+        step_model=step_model,
     )
 
 
@@ -317,13 +372,16 @@ def greedy_rows(target, prompts: list[list[int]], max_new_tokens: int) -> list[d
     ]
 
 
-def replay_over(base: Target, rows: list[dict]) -> ReplayTarget:
+def replay_over(base: Target, rows: list[dict], step_model: StepModel | None = None) -> ReplayTarget:
     """A replay target serving ``rows`` (with their ``prompt_ids``) on ``base``'s tokenizer and
-    model shapes (its forward never runs)."""
+    model shapes (its forward never runs; ``step_model``: each step lasts its modelled forward)."""
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Target)}
     fields["name"] = "replay"
     return ReplayTarget(
-        **fields, records=tuple(rows), max_new_tokens=min((r["max_new_tokens"] for r in rows), default=0)
+        **fields,
+        records=tuple(rows),
+        max_new_tokens=min((r["max_new_tokens"] for r in rows), default=0),
+        step_model=step_model,
     )
 
 

@@ -75,14 +75,15 @@ def bench_target(
 ):
     """The target of a bench run (``target``, when given, as it is). Only the engine flags given are
     passed to ``load_target``, so the target's defaults hold (and a build without them still loads)."""
-    from toolspec_core.model.target import load_target
+    from toolspec_core.model.target import load_target, resolve_dtype
 
     if threads:
         torch.set_num_threads(threads)
     if target is not None:
         return target
     given = (("packed_rows", packed_rows), ("attention", attention), ("cuda_graphs", cuda_graphs))
-    return load_target(model, dtype=getattr(torch, dtype), device=device, **{k: v for k, v in given if v is not None})
+    dtype = resolve_dtype(dtype, device)
+    return load_target(model, dtype=dtype, device=device, **{k: v for k, v in given if v is not None})
 
 
 def run_pairs(cfg: RunConfig) -> list[tuple[str, str | None]]:

@@ -104,11 +104,8 @@ def build_app(args: dict | ServeAppConfig | None = None):
     check_method(cfg.method)
     retrieval = None
     if uses_retrieval(cfg):
-        r = cfg.retrieval
-        gpus = r.encoder.num_gpus if r.key in ("qwen", "hybrid") else 0
         retrieval = Retrieval.options(
-            num_replicas=r.num_replicas,
-            ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": gpus, "resources": dict(r.resources)},
+            num_replicas=cfg.retrieval.num_replicas, ray_actor_options=cfg.retrieval_actor_options()
         ).bind(cfg, retrieval_dim(cfg))
-    gate = Gate.options(ray_actor_options={"num_cpus": cfg.gate_num_cpus}).bind(cfg)
+    gate = Gate.options(ray_actor_options=cfg.gate_actor_options()).bind(cfg)
     return Replica.options(**cfg.deployment_options()).bind(cfg, retrieval, gate)

@@ -43,7 +43,24 @@ def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--tensor-parallel-size", type=int, dest="tensor_parallel_size")
     p.add_argument("--cost-model", dest="cost_model", choices=["measure", "reference", "flat", "none"])
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16", "auto"], help="auto: bfloat16 where the device has it"
+    )
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--attention", choices=["auto", "ragged", "per_sequence"], help="auto: ragged on cuda")
+    p.add_argument(
+        "--cuda-graphs",
+        dest="cuda_graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay decode steps from CUDA graphs captured at start-up (cuda only)",
+    )
     p.add_argument("--no-retrieval", action="store_true", help="serve without the call library")
+    p.add_argument(
+        "--address",
+        help="attach to a running Ray cluster (ray://HEAD:10001, HEAD:6379 or auto; default: RAY_ADDRESS, "
+        "else a fresh local instance) and deploy the app onto it, as KubeRay's head does",
+    )
     p.add_argument(
         "--set",
         action="append",
@@ -52,6 +69,12 @@ def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
         help="any other config key, e.g. --set max_ongoing_requests=4",
     )
     return p
+
+
+FLAG_KEYS = (  # ServeAppConfig keys with a flag of their own
+    *("model", "method", "host", "port", "tensor_parallel_size", "cost_model"),
+    *("dtype", "device", "attention", "cuda_graphs"),
+)
 
 
 def config_from_args(ns: argparse.Namespace):
@@ -68,7 +91,7 @@ def config_from_args(ns: argparse.Namespace):
             args = yaml.safe_load(text) or {}
         else:
             args = json.loads(text)
-    for key in ("model", "method", "host", "port", "tensor_parallel_size", "cost_model"):
+    for key in FLAG_KEYS:
         if getattr(ns, key, None) is not None:
             args[key] = getattr(ns, key)
     if ns.no_retrieval:
@@ -82,16 +105,34 @@ def config_from_args(ns: argparse.Namespace):
     return ServeAppConfig.model_validate(args)
 
 
-def start_server(cfg, app_name: str = "toolspec", quiet: bool = False) -> str:
-    """Start Ray (a fresh local instance unless RAY_ADDRESS is set) and the app; returns its URL."""
-    start_ray(quiet)
+def checked_config(ns: argparse.Namespace, prog: str):
+    """:func:`config_from_args`, or None after printing why the config is refused (one line a
+    problem, no traceback)."""
+    from pydantic import ValidationError
+
+    try:
+        return config_from_args(ns)
+    except ValidationError as exc:
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "config"
+            print(f"{prog}: invalid config ({where}): {err['msg']}", file=sys.stderr)
+        return None
+
+
+def start_server(cfg, app_name: str = "toolspec", quiet: bool = False, address: str | None = None) -> str:
+    """Start Ray (a fresh local instance unless ``address`` or RAY_ADDRESS names a cluster) and the
+    app; returns its URL. Serve's HTTP proxy runs on the head node only: on a cluster whose nodes
+    share one machine (deployments/topology.py's local cluster) a proxy per node would contend for
+    one port, and a RayService places its own proxies (serveConfigV2 ``proxy_location``). Serve
+    already running on an attached cluster keeps its proxy where it is."""
+    start_ray(quiet, address)
     from ray import serve
 
     from .app import build_app
 
     if quiet:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.start(proxy_location="HeadOnly", http_options={"host": cfg.host, "port": cfg.port})
     serve.run(build_app(cfg), name=app_name, route_prefix=cfg.route_prefix, blocking=False)
     return f"http://{cfg.host}:{cfg.port}{cfg.route_prefix.rstrip('/')}"
 
@@ -108,20 +149,37 @@ SERVE_ENV = {
 }
 
 
-def start_ray(quiet: bool = False) -> None:
-    """Connect to Ray: a fresh local instance unless RAY_ADDRESS is set (no-op when connected).
-    A local instance's processes get :data:`SERVE_ENV` where the environment does not say otherwise."""
+def ray_address(address: str | None = None) -> str:
+    """The cluster to attach to: ``address``, else RAY_ADDRESS, else "local" (a fresh instance)."""
+    return address or os.environ.get("RAY_ADDRESS") or "local"
+
+
+def start_ray(quiet: bool = False, address: str | None = None) -> None:
+    """Connect to Ray: a fresh local instance unless ``address`` or RAY_ADDRESS names a cluster
+    (no-op when connected). A local instance's processes get :data:`SERVE_ENV` where the
+    environment does not say otherwise; a cluster's nodes have their own (k8s/base/rayservice.yaml)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
     if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS") or "local"
+        address = ray_address(address)
         kwargs = {"include_dashboard": False, "log_to_driver": not quiet}
         if address == "local":
             kwargs["num_cpus"] = max(2, os.cpu_count() or 2)
             for key, value in SERVE_ENV.items():
                 os.environ.setdefault(key, value)
         ray.init(address=address, **kwargs)
+
+
+def detach_server(app_name: str = "toolspec") -> None:
+    """Delete the app from the attached cluster and disconnect; the cluster and Serve stay up."""
+    import ray
+    from ray import serve
+
+    try:
+        serve.delete(app_name)
+    finally:
+        ray.shutdown()
 
 
 def stop_server(graceful: bool = True, wait_s: float = 10.0) -> None:
@@ -171,14 +229,18 @@ def _stop_on_sigterm() -> None:
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    """Start the OpenAI-compatible server and block until Ctrl-C."""
+    """Start the OpenAI-compatible server and block until Ctrl-C (on a cluster given by --address
+    or RAY_ADDRESS: deploy the app onto it, and on Ctrl-C take the app off it)."""
     ns = _parser("toolspec serve", serve_main.__doc__).parse_args(argv)
-    cfg = config_from_args(ns)
+    cfg = checked_config(ns, "toolspec serve")
+    if cfg is None:
+        return 2
+    attached = ray_address(ns.address) != "local"
     t0 = time.time()
     try:
-        start_ray()
+        start_ray(address=ns.address)
         _stop_on_sigterm()  # after ray.init, whose handlers would end this process without stopping Ray
-        url = start_server(cfg)
+        url = start_server(cfg, address=ns.address)
         print(
             f"ToolSpec is serving {cfg.model} (method {cfg.method}) at {url}/v1 after {time.time() - t0:.0f} s; Ctrl-C stops it.",
             flush=True,
@@ -188,14 +250,19 @@ def serve_main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        stop_server()
+        if attached:  # the cluster is not this process's: take the app off it, leave the rest
+            detach_server()
+        else:
+            stop_server()
     return 0
 
 
 def demo_main(argv: list[str] | None = None) -> int:
     """Start the server, make one real tool call with the openai client, print it, stop."""
     ns = _parser("toolspec demo", demo_main.__doc__).parse_args(argv)
-    cfg = config_from_args(ns)
+    cfg = checked_config(ns, "toolspec demo")
+    if cfg is None:
+        return 2
     from .config import served_name
 
     t0 = time.time()

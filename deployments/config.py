@@ -22,6 +22,7 @@ class AutoscalingConfig(BaseModel):
     target_ongoing_requests: float = Field(2.0, gt=0)
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(120.0, ge=0)
+    look_back_period_s: float = Field(30.0, gt=0)  # the window Serve averages the queue length over
 
     @model_validator(mode="after")
     def _order(self) -> "AutoscalingConfig":
@@ -127,8 +128,18 @@ class ServeAppConfig(BaseModel):
     served_model_name: str | None = None  # default: the model directory's name
     method: str = "toolspec"  # toolspec_core.drafters.methods.REGISTRY name; fails fast if it cannot be built
     method_options: dict[str, Any] = Field(default_factory=dict)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # auto: bfloat16 on a GPU that has it and on a CPU that computes it natively (AVX512_BF16 or
+    # AMX), float32 elsewhere (toolspec_core.model.target.resolve_dtype)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when the replica sees a GPU
+    # how a step attends over the pool's sequences: one ragged call a layer, the per-sequence loop,
+    # or auto (ragged on cuda, the loop on the cpu; toolspec_core.model.ragged)
+    attention: Literal["auto", "ragged", "per_sequence"] = "auto"
+    # replay decode steps from CUDA graphs (cuda and the ragged attention), the shapes of up to
+    # cuda_graphs_warm_tokens KV rows captured when the replica starts, larger ones at first use;
+    # a replica that finds no GPU (device auto) or cannot capture them runs its steps eager and logs why
+    cuda_graphs: bool = False
+    cuda_graphs_warm_tokens: int = Field(2048, ge=0, le=1 << 20)
     # torch intra-op threads per replica (None on a CPU: every core it may run on)
     threads: int | None = Field(None, ge=1)
     # CPU fp32, opt-in: verify forwards of 4..N rows through MKL's packed GEMM (one more weight copy)
@@ -178,8 +189,14 @@ class ServeAppConfig(BaseModel):
     autoscaling: AutoscalingConfig | None = None
     replica_num_cpus: float = Field(1.0, ge=0)
     replica_num_gpus: float = Field(0.0, ge=0)
+    # custom Ray resources each engine replica needs, e.g. {"replica": 1} offered only by the node
+    # group meant for replicas (deployments/topology.py; the cpu-cluster overlay's rayStartParams)
+    replica_resources: dict[str, float] = Field(default_factory=dict)
     # model "scripted" only: tokens each step commits (k > 1: the script's next k - 1 drafted, all accepted)
     scripted_tokens_per_step: int = Field(1, ge=1, le=16)
+    # model "scripted" only: seconds each step takes, a stand-in for a real model's forward (load
+    # tests of autoscaling and node loss need requests that stay in flight)
+    scripted_step_s: float = Field(0.0, ge=0, le=10)
     # the Gate deployment (per-key limits and metrics shared by the replicas)
     gate_num_cpus: float = Field(0.0, ge=0)
 
@@ -229,6 +246,18 @@ class ServeAppConfig(BaseModel):
             raise ValueError("max_tokens_default must be <= max_tokens_limit")
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("float16 is not supported on cpu; use float32 or bfloat16")
+        if self.cuda_graphs:
+            if self.device == "cpu":
+                raise ValueError(
+                    "cuda_graphs needs a GPU: device is cpu (set device: cuda or auto, or cuda_graphs: false)"
+                )
+            if self.attention == "per_sequence":
+                raise ValueError(
+                    "cuda_graphs replays the ragged attention's steps: attention per_sequence cannot use them "
+                    "(set attention: ragged or auto)"
+                )
+            if self.model == "scripted":
+                raise ValueError("cuda_graphs: the scripted target runs no model (set cuda_graphs: false)")
         backend = self.store_config(1).get("backend", "edge")
         r = self.retrieval
         if r.enabled and r.num_replicas > 1 and backend != "qdrant_url":
@@ -276,14 +305,28 @@ class ServeAppConfig(BaseModel):
             self.tensor_parallel_size, self.replica_num_cpus, self.replica_num_gpus, self.tp_worker_num_cpus, gpus
         )
 
+    def retrieval_actor_options(self) -> dict:
+        """Ray actor options of the ``Retrieval`` deployment (its encoder's GPU fraction only for
+        a key the deployment encodes)."""
+        r = self.retrieval
+        gpus = r.encoder.num_gpus if r.key in ("qwen", "hybrid") else 0
+        return {"num_cpus": r.num_cpus, "num_gpus": gpus, "resources": dict(r.resources)}
+
+    def gate_actor_options(self) -> dict:
+        """Ray actor options of the ``Gate`` deployment."""
+        return {"num_cpus": self.gate_num_cpus}
+
     def deployment_options(self) -> dict:
         """Ray Serve options of the engine replica deployment."""
         opts: dict[str, Any] = {
             "max_ongoing_requests": self.max_ongoing_requests,
             "ray_actor_options": {"num_cpus": self.replica_num_cpus, "num_gpus": self.replica_num_gpus},
         }
+        if self.replica_resources:
+            opts["ray_actor_options"]["resources"] = dict(self.replica_resources)
         bundles = self.placement_bundles()
         if bundles is not None:
+            bundles[0].update(self.replica_resources)  # the replica's actor runs in bundle 0
             opts["placement_group_bundles"] = bundles
             opts["placement_group_strategy"] = self.tp_placement_strategy
         if self.autoscaling is not None:

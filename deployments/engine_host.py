@@ -69,6 +69,7 @@ class EngineHost:
             kv_pool = target.block_pool(tokens, cfg.kv_block_tokens, cfg.prefix_caching)
         self.engine = EngineBridge(target, cost, limits, kv_pool)
         self.limits = serving_limits(cfg, target, self.engine.scheduler)
+        self.startup: dict = {}  # what ``build`` took, and the graphs it captured
 
     # ------------------------------------------------------------------ start-up
     @classmethod
@@ -80,12 +81,14 @@ class EngineHost:
         from toolspec_core.engine.cost_probe import cost_model_for
         from toolspec_core.engine.grammar import _lltokenizer
 
+        t0 = time.perf_counter()
         threads = serving_threads(cfg)
         if threads:
             torch.set_num_threads(threads)
         if retrieval is not None and not method_class(cfg.method).uses_library:
             retrieval = None  # a method that drafts nothing from the library never searches it
         target = load_serving_target(cfg)
+        loaded = time.perf_counter()
         library = None
         if retrieval is not None:
             from .retrieval import ServeLibrary
@@ -104,7 +107,29 @@ class EngineHost:
             method = ScriptedMethod(target.script, cfg.scripted_tokens_per_step)
         cost = cost_model_for(cfg.cost_model, target, cfg.calibrate_cost)
         _lltokenizer(target.tokenizer)  # build llguidance's tokenizer view now, not on a request
-        return cls(cfg, target, method, cost, library, retrieval)
+        host = cls(cfg, target, method, cost, library, retrieval)
+        built = time.perf_counter()
+        graphs = warm_replica_graphs(target, host.engine.scheduler.pool, cfg, host.engine.scheduler.limits)
+        done = time.perf_counter()
+        host.startup = {
+            "total_s": round(done - t0, 3),
+            "load_s": round(loaded - t0, 3),  # the weights (or the TP workers)
+            "build_s": round(built - loaded, 3),  # method, cost model, KV pool
+            "graphs_s": round(done - built, 3),
+            "dtype": str(target.dtype).removeprefix("torch."),
+            **graphs,
+        }
+        log.info(
+            "replica %s ready in %.1f s (weights %.1f s, method/cost/pool %.1f s, graphs %.1f s: %s; dtype %s)",
+            host.replica_id,
+            done - t0,
+            loaded - t0,
+            built - loaded,
+            done - built,
+            graphs["cuda_graphs"],
+            host.startup["dtype"],
+        )
+        return host
 
     def info(self) -> dict:
         return {
@@ -116,6 +141,7 @@ class EngineHost:
             "retrieval": self.retrieval.counters() if self.retrieval is not None else None,
             "engine": self.engine.load(),
             "tensor_parallel": self._tp_info(),
+            "startup": self.startup,
         }
 
     def _tp_info(self) -> dict | None:
@@ -287,6 +313,8 @@ class EngineHost:
         extra = {
             "method": getattr(self.method, "name", self.cfg.method),
             "prefix_cached_tokens": result.stats.cached_tokens,
+            # wall clock of the first generated token: the HTTP route turns it into first_token_ms
+            "first_token_at": result.stats.times.get("first_token"),
             "retrieval": rinfo,
             "replica": self.replica_id,
             "latency_s": time.perf_counter() - t0,
@@ -443,8 +471,20 @@ def serving_threads(cfg: ServeAppConfig) -> int | None:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+def graphs_unusable(cfg: ServeAppConfig, device: str) -> str | None:
+    """Why the replica cannot replay CUDA graphs on ``device`` (None: it can, or none were asked
+    for). The config refuses what it can see (a cpu device, the per-sequence attention); a
+    replica of ``device: auto`` that finds no GPU learns it here."""
+    if not cfg.cuda_graphs:
+        return None
+    if device != "cuda":
+        return f"the replica has no CUDA device (device {cfg.device} resolved to {device})"
+    return None
+
+
 def load_serving_target(cfg: ServeAppConfig):
-    """Single-process target, or a tensor-parallel one whose workers are Ray actors."""
+    """Single-process target, or a tensor-parallel one whose workers are Ray actors. CUDA graphs
+    the replica cannot use (:func:`graphs_unusable`) are turned off with one warning."""
     from toolspec_core.model.target import load_target, resolve_dtype
 
     from .tp.placement import target_placement
@@ -452,8 +492,13 @@ def load_serving_target(cfg: ServeAppConfig):
     if cfg.model == "scripted":
         from .scripted import scripted_target
 
-        return scripted_target()
+        return scripted_target(step_s=cfg.scripted_step_s)
     device = resolve_device(cfg.device)
+    graphs = cfg.cuda_graphs
+    why = graphs_unusable(cfg, device)
+    if why is not None:
+        log.warning("cuda_graphs off: %s; decode steps run eager", why)
+        graphs = False
     if target_placement(cfg.tensor_parallel_size, device, cfg.replica_num_gpus) == "workers":
         from .tp.placement import worker_gpus
         from .tp.target import start_tp_target
@@ -468,8 +513,58 @@ def load_serving_target(cfg: ServeAppConfig):
             cfg.threads,
             cfg.tp_placement_strategy,
             cfg.tp_start_timeout_s,
+            attention=cfg.attention,
+            cuda_graphs=graphs,
         )
-    return load_target(cfg.model, resolve_dtype(cfg.dtype, device), packed_rows=cfg.cpu_packed_rows, device=device)
+    return load_target(
+        cfg.model,
+        resolve_dtype(cfg.dtype, device),
+        packed_rows=cfg.cpu_packed_rows,
+        device=device,
+        attention=cfg.attention,
+        cuda_graphs=graphs,
+    )
+
+
+def warm_grids(limits, warm_tokens: int, pool) -> list[tuple[int, int, int]]:
+    """The decode-step shapes (running sequences, rows a sequence, KV rows) a replica captures at
+    start-up: every batch bucket up to ``limits.max_running``, every row bucket up to a draft
+    tree's rows, every KV bucket up to ``warm_tokens`` rows (longer contexts are captured at their
+    first step). Bucketed as :mod:`toolspec_core.model.graphs` buckets a step."""
+    from toolspec_core.model.graphs import BATCH_BUCKETS, ROW_BUCKETS, bucket, kv_bucket
+
+    top_b = bucket(limits.max_running, BATCH_BUCKETS) or BATCH_BUCKETS[-1]
+    top_n = bucket(limits.tree_rows, ROW_BUCKETS) or ROW_BUCKETS[-1]
+    kv, rows = [], 1
+    while rows <= warm_tokens:
+        s = kv_bucket(rows, pool)
+        if s is None:
+            break
+        if s not in kv:
+            kv.append(s)
+        rows = s + 1
+    return [(b, n, s) for b in BATCH_BUCKETS if b <= top_b for n in ROW_BUCKETS if n <= top_n for s in kv]
+
+
+def warm_replica_graphs(target, pool, cfg: ServeAppConfig, limits) -> dict:
+    """Capture the replica's CUDA graphs now (:func:`warm_grids`), not on a request; what it did,
+    for the start-up report. A tensor-parallel target's ranks capture theirs at first use."""
+    if getattr(target, "group", None) is not None:  # tensor parallel: the ranks own the step runners
+        on = cfg.cuda_graphs and graphs_unusable(cfg, resolve_device(cfg.device)) is None
+        return {"cuda_graphs": "on the ranks, captured at first use" if on else "off", "graph_shapes": 0}
+    if not getattr(target, "cuda_graphs", False):
+        return {"cuda_graphs": "off (no CUDA device)" if cfg.cuda_graphs else "off", "graph_shapes": 0}
+    if pool is None:  # a model family the batched forward does not cover: no pool, no graphed step
+        return {"cuda_graphs": "off (no KV block pool for this model family)", "graph_shapes": 0}
+    grids = warm_grids(limits, cfg.cuda_graphs_warm_tokens, pool)
+    try:
+        target.warm_graphs(pool, grids)
+    except RuntimeError as exc:  # a kernel this GPU / torch cannot capture: eager steps, said once
+        log.warning("cuda_graphs off: capturing the decode steps failed (%s); decode steps run eager", exc)
+        target.cuda_graphs = False
+        target.runner(pool).graphs = None  # the kept runner of this pool steps eager from now on
+        return {"cuda_graphs": f"off (capture failed: {type(exc).__name__})", "graph_shapes": 0}
+    return {"cuda_graphs": "on", "graph_shapes": len(grids)}
 
 
 def resolve_device(device: str) -> str:

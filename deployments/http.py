@@ -124,6 +124,17 @@ class KeyAuth:
         return await self.app(scope, receive, send)
 
 
+def first_token_ms(extra: dict | None, wall0: float) -> None:
+    """The ``toolspec`` field's ``first_token_ms``: the engine's first generated token, in ms after
+    this route got the request (its ``first_token_at`` mark, replaced). Beside the client's time to
+    its first chunk it shows what the chunk waited for after the token: a call's name is streamed
+    whole, so a call's first chunk follows the name's last token."""
+    if extra is None:
+        return
+    at = extra.pop("first_token_at", None)
+    extra["first_token_ms"] = None if at is None else round((at - wall0) * 1e3, 3)
+
+
 TIMELINE_HEADER = "x-toolspec-timeline"
 
 
@@ -301,6 +312,7 @@ def make_api(backend, cfg: ServeAppConfig, gate=None):
             if not isinstance(result, Done):
                 error(False)
                 return JSONResponse({"error": result.error}, status_code=result.status)
+            first_token_ms(result.extra, wall0)
             gate.observe(("done", summary(result), False, time.perf_counter() - t0, None))
             return JSONResponse(chat_completion(result, parse, model))
 
@@ -341,6 +353,7 @@ def make_api(backend, cfg: ServeAppConfig, gate=None):
                         marks = (ev.extra or {}).get("timeline")
                         if isinstance(marks, dict):  # asked for: the route's marks beside the engine's
                             marks.update(http_in=wall0, first_chunk=None if ttft is None else wall0 + ttft)
+                        first_token_ms(ev.extra, wall0)
                         yield sse_many(shaper.finish(ev))
                         if shaper.mismatch:
                             log.warning("stream deltas diverged from the final parse (request %s)", shaper.id)

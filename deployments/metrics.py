@@ -67,6 +67,9 @@ class Metrics:
         self.kv_usage = g("toolspec_kv_pool_usage", "Fraction of KV blocks referenced by running sequences")
         self.kv_blocks = g("toolspec_kv_pool_blocks", "KV blocks by state", "state")
         self.prefix_hit = g("toolspec_prefix_cache_hit_rate", "Prompt tokens found in the KV prefix cache / looked up")
+        self.startup_s = g(
+            "toolspec_replica_startup_seconds", "Seconds the replica took to start (weights, KV pool, CUDA graphs)"
+        )
         self._totals: dict[str, list[float]] = {}
 
     def observe_error(self, stream: bool) -> None:
@@ -104,9 +107,12 @@ class Metrics:
         """Set the engine gauges from one replica's ``info()`` (a scrape reaches one replica; each
         keeps its own labelled series)."""
         eng = info.get("engine") or {}
+        rep = str(info.get("replica", "0"))
+        startup = (info.get("startup") or {}).get("total_s")
+        if startup is not None:
+            self.startup_s.labels(rep).set(startup)
         if eng.get("mode") != "batched":
             return
-        rep = str(info.get("replica", "0"))
         self.running.labels(rep).set(eng.get("running", 0))
         self.waiting.labels(rep).set(eng.get("waiting", 0))
         self.step_rows.labels(rep).set(eng.get("step_rows", 0.0))

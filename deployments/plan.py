@@ -170,7 +170,7 @@ def kv_bytes_per_token_per_gpu(shape: dict, tp: int, dtype: str) -> int:
     from toolspec_core.model.target import resolve_dtype
 
     check_tp(shape, tp)
-    return kv_bytes_per_token(SimpleNamespace(**shape), resolve_dtype(dtype)) // tp
+    return kv_bytes_per_token(SimpleNamespace(**shape), resolve_dtype(dtype, "cuda")) // tp
 
 
 def make_plan(
@@ -188,7 +188,7 @@ def make_plan(
     may fill, default the model's ``max_position_embeddings``)."""
     from toolspec_core.model.target import resolve_dtype
 
-    dtype_bytes = resolve_dtype(dtype).itemsize
+    dtype_bytes = resolve_dtype(dtype, "cuda").itemsize
     split, replicated = rank_params(shape, tp)
     weights = (split + replicated) * dtype_bytes
     usable = round(gpu_memory * kv_memory_fraction)

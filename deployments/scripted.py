@@ -12,6 +12,7 @@ the prompt, and it never ends before ``max_tokens``.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -48,8 +49,11 @@ class ScriptedTarget(Target):
     """A target whose every logit row's argmax is ``script[(position + 1) % len(script)]``."""
 
     script: tuple[int, ...] = ()
+    step_s: float = 0.0  # the time each step takes (what a forward would cost)
 
     def step(self, req: StepRequest, pool=None) -> StepOutput:
+        if self.step_s:
+            time.sleep(self.step_s)
         segments = req.segments
         pos = torch.cat([s.pos for s in segments])  # [N] every row's position
         for s in segments:  # the rows count as cached (their K/V slots are left as they are)
@@ -65,8 +69,9 @@ class ScriptedTarget(Target):
         return answer(req, choice, full, hidden)  # the walks, as every target's step ends
 
 
-def scripted_target(context: int = 32768) -> ScriptedTarget:
-    """The scripted target over the embedded model's tokenizer (``context``: its window)."""
+def scripted_target(context: int = 32768, step_s: float = 0.0) -> ScriptedTarget:
+    """The scripted target over the embedded model's tokenizer (``context``: its window; ``step_s``:
+    seconds each step takes)."""
     from transformers import AutoTokenizer
 
     from toolspec_core.model.embedded import embedded_model_dir
@@ -74,7 +79,7 @@ def scripted_target(context: int = 32768) -> ScriptedTarget:
     tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
     base = from_model(tiny_qwen2(tok, hidden=8, layers=1, context=context), tok, name="scripted")
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Target)}
-    return ScriptedTarget(**fields, script=tuple(tok.encode(SCRIPT)))
+    return ScriptedTarget(**fields, script=tuple(tok.encode(SCRIPT)), step_s=step_s)
 
 
 class ScriptedDrafter(DrafterBase):

@@ -430,6 +430,7 @@ def _check_rayservice(doc: dict, services: dict) -> list[str]:
         args = app.get("args") or {}
         problems += _check_engine_gpus(label, args, rc.get("workerGroupSpecs") or [])
         problems += _check_retrieval(label, args, rc.get("workerGroupSpecs") or [])
+        problems += _check_placement(label, doc, args)
         host, _, qport = str(args.get("qdrant_url", "")).split("://")[-1].partition(":")
         if args.get("qdrant_url") and (
             host.split(".")[0] not in services or int(qport or 80) not in services[host.split(".")[0]]
@@ -521,6 +522,29 @@ def _check_retrieval(label: str, args: dict, groups: list[dict]) -> list[str]:
             f"tensor-parallel placement group reserves: add a worker group with {where} "
             "(overlays/gpu-prod/retrieval-gpu.yaml)"
         )
+    return problems
+
+
+def _check_placement(label: str, doc: dict, args: dict) -> list[str]:
+    """Every deployment has a node group whose nodes can hold its actor (CPUs, GPUs and custom
+    resources, as Ray places it: deployments/topology.py, which the local multi-node cluster is
+    started from), and Serve's max_replicas fit the groups at their maxReplicas."""
+    from deployments.config import ServeAppConfig
+    from deployments.topology import node_groups, placement, replica_room
+
+    try:
+        cfg = ServeAppConfig.model_validate(args)
+    except Exception:
+        return []  # the app's own config reports it (validate_app_args)
+    groups = node_groups(doc)
+    problems = [
+        f"{label}: no node group can hold the {name} deployment's actor ({', '.join(g.name for g in groups)})"
+        for name, where in placement(cfg, groups).items()
+        if not where
+    ]
+    most = cfg.autoscaling.max_replicas if cfg.autoscaling else cfg.num_replicas
+    if not problems and most > replica_room(cfg, groups, grown=True):
+        problems.append(f"{label}: {most} engine replicas do not fit the node groups' resources")
     return problems
 
 

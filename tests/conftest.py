@@ -11,3 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The serve tier's session fixtures, registered once here: a session fixture imported into two test
 # modules would be two fixtures (two Serve starts on two ports).
 from serve_fixtures import ray_cluster, real_app, serve_port, tiny_app, tiny_model_dir  # noqa: E402, F401
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The local multi-node cluster's tests (marker ``cluster``) run first: their module starts a
+    Ray cluster of its own in this process, which must not meet the session's one-node Ray."""
+    items.sort(key=lambda item: item.get_closest_marker("cluster") is None)

@@ -1,7 +1,8 @@
 """ToolSpec's engine: lossless speculative decoding for tool calls (pure Python + torch + transformers).
 
 The pipeline is in the subpackages' names: ``drafters`` propose draft trees (``drafters.toolcall``
-for the schema FSM and retrieved calls), ``engine`` verifies them against the target in one
+for the schema FSM and retrieved calls) through the contract in ``spec`` (the tree, the typed
+proposer interface), ``engine`` verifies them against the target in one
 forward and commits the accepted path to the KV cache, ``model`` is the target itself.
 
 The names a user of the library needs are importable from here::
@@ -31,8 +32,9 @@ _EXPORTS = {
     "measure_cost_model": "toolspec_core.engine.cost_probe",
     "make_tool_constraint": "toolspec_core.engine.grammar",
     "DraftTree": "toolspec_core.spec.tree",
-    "Drafter": "toolspec_core.drafters.base",
-    "DraftContext": "toolspec_core.drafters.base",
+    "Drafter": "toolspec_core.spec.proposer",
+    "DrafterBase": "toolspec_core.spec.proposer",
+    "DraftContext": "toolspec_core.spec.proposer",
     "make_method": "toolspec_core.drafters.methods",
     "RequestInfo": "toolspec_core.drafters.methods",
     "REGISTRY": "toolspec_core.drafters.methods",

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import os
 import platform
 import socket
 import sys
+import time
 from pathlib import Path
 
 from ..datasets import JsonlStore
@@ -17,7 +19,7 @@ from .client import chat_url, parse_endpoint
 from .metrics import compare, parse_slo, summarize
 from .report import fmt, level_label, write_reports
 from .schedule import arrival_offsets, run_level_local
-from .workloads import default_datasets, level_sessions, load_workload
+from .workloads import default_datasets, level_sessions, load_workload, unique_prefix_sessions
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "loadtest"  # not method runs: their own folder
 REQUEST_OPTIONS = (
@@ -68,6 +70,14 @@ OPTIONS = (  # group titles, each followed by its (flags, add_argument keywords)
     ("--fresh-requests", dict(action="store_true", help="each level (and the warm-up) uses new requests")),
     ("--prompt-chars", dict(type=parse_span, metavar="MIN[:MAX]", help="only prompts of MIN..MAX JSON characters")),
     ("--warm-prompts", dict(action="store_true", help="send each level's requests once first (warm prefix cache)")),
+    (
+        "--unique-prefix",
+        dict(
+            action="store_true",
+            help="start every request's first message with a nonce line of its own (the same on every endpoint): "
+            "no two prompts share a prefix, so no prefix cache helps",
+        ),
+    ),
     "endpoints",
     (
         "--endpoint",
@@ -111,6 +121,14 @@ OPTIONS = (  # group titles, each followed by its (flags, add_argument keywords)
     ("--ray-actors", dict(type=int, help="client actors in all (overrides --clients-per-node)")),
     ("--ray-actor-cpus", dict(type=float, default=1.0)),
     ("--ray-local-cpus", dict(type=int, default=2, help="CPUs of the Ray started by --ray local")),
+    (
+        "--serve-app",
+        dict(
+            metavar="APP",
+            help="with --ray on the serving cluster: sample this Serve app's replica count during each level "
+            "(report: replicas over time beside throughput and latency, and a .replicas.png)",
+        ),
+    ),
 )
 
 
@@ -180,6 +198,9 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
         partial = JsonlStore(Path(args.out) / f"{args.name}.partial.jsonl", lambda r: (r["endpoint"], r["level_no"]))
     n_levels = len(level_plans(args))
     warmup, used = level_sessions(units, args.warmup) if args.warmup else ([], 0)
+    salt = getattr(args, "unique_prefix_salt", None)
+    if salt is not None:
+        warmup = unique_prefix_sessions(warmup, salt, "warmup")
     for ep in endpoints if warmup else []:
         if partial and all((ep["name"], k) in partial.records for k in range(n_levels)):
             continue  # every level of it resumes: nothing is sent to it
@@ -187,13 +208,16 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
         run_level_local(ep["chat_url"], warmup, plan, dict(base_opts, model=ep["model"]))
     offset = used if args.fresh_requests else 0
     levels, records = [], {}
-    sessions, used = level_sessions(units, n, offset)
+    drawn, used = level_sessions(units, n, offset)
     for level_no, plan in enumerate(level_plans(args)):
         # --fresh-requests: no request repeats across warm-up and levels, so a server that learns
         # from history (ToolSpec's call library) cannot replay answers it saw at an earlier level
         if args.fresh_requests and level_no:
             offset += used
-            sessions, used = level_sessions(units, n, offset)
+            drawn, used = level_sessions(units, n, offset)
+        sessions = drawn
+        if salt is not None:  # the same prompts on every endpoint of the level, no prefix shared with another
+            sessions = unique_prefix_sessions(drawn, salt, level_no)
         if plan["request_rate"] is not None:
             plan = dict(plan, offsets=arrival_offsets(len(sessions), plan["request_rate"], args.burstiness, args.seed))
         for ep in endpoints:
@@ -208,9 +232,18 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
             if args.warm_prompts:
                 level_runner(ep["chat_url"], sessions, dict(plan, offsets=None), dict(opts, max_tokens=1))
             desc, quiet = f"{ep['name']} {level_label(plan)}", args.quiet
-            with tqdm(total=n, desc=desc, disable=quiet, leave=False, file=sys.stderr, dynamic_ncols=True) as bar:
+            sampler = replica_sampler(args)
+            t0 = time.time()
+            with (
+                sampler,
+                tqdm(total=n, desc=desc, disable=quiet, leave=False, file=sys.stderr, dynamic_ncols=True) as bar,
+            ):
                 result = level_runner(ep["chat_url"], sessions, plan, opts, on_done=bar.update)
             lv = summarize(ep["name"], ep["url"], plan["concurrency"], plan["request_rate"], result, args.slo)
+            if args.serve_app:
+                from .cluster import over_time
+
+                lv["over_time"] = over_time(result["records"], sampler.samples, t0)
             lv.update(level_no=level_no, max_concurrency=plan.get("max_concurrency"))
             levels.append(lv)
             records[(ep["name"], level_no)] = result["records"]
@@ -226,23 +259,40 @@ def run_levels(args, units, endpoints, runner, log) -> tuple[list[dict], dict]:
     return levels, records
 
 
+def replica_sampler(args: argparse.Namespace):
+    """The Serve replica count sampler of ``--serve-app`` (a context that does nothing without it)."""
+    if not args.serve_app:
+        return contextlib.nullcontext()
+    if not args.ray:
+        raise ValueError("--serve-app reads Serve's status through the cluster: it needs --ray ADDRESS")
+    from .cluster import ReplicaSampler
+
+    return ReplicaSampler(args.serve_app)
+
+
 def run(args: argparse.Namespace) -> dict:
     """Execute the whole load test; returns the report dict (also written to disk)."""
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     args.dataset = args.dataset or default_datasets(args.workload)
     args.num_requests = args.num_requests or (DURATION_REQUEST_CAP if args.duration else 32)
     units = load_workload(args.workload, args.dataset, args.limit, args.seed, args.prompt_chars)
+    now = dt.datetime.now()
+    stamp = now.strftime("%Y%m%d-%H%M%S")
+    # the nonces' salt: the run's name (every pass of a resumed run sends the same prompts), else its start
+    args.unique_prefix_salt = f"{args.seed}:{args.name or stamp}" if args.unique_prefix else None
     endpoints, baseline = resolve_endpoints(args)
     runner = None
     if args.ray:
         from .ray_clients import RayRunner
 
         runner = RayRunner(args.ray, args.clients_per_node, args.ray_actors, args.ray_actor_cpus, args.ray_local_cpus)
-    levels, records = run_levels(args, units, endpoints, runner, log)
+    try:
+        levels, records = run_levels(args, units, endpoints, runner, log)
+    finally:
+        if runner:
+            runner.close()
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "endpoint")}
     config["api_key"] = "set" if args.api_key else None
-    now = dt.datetime.now()
-    stamp = now.strftime("%Y%m%d-%H%M%S")
     report = {
         "tool": "toolspec loadtest",
         "name": args.name or f"loadtest-{stamp}",
@@ -253,6 +303,7 @@ def run(args: argparse.Namespace) -> dict:
         "workload": args.workload,
         "workload_units": len(units),
         "runner": f"ray ({args.ray}, {len(runner.actors)} actors)" if runner else "local asyncio",
+        "clients": runner.clients if runner else None,  # each Ray client actor's node id and ip:pid
         "config": config,
         "endpoints": [{k: e[k] for k in ("name", "url", "model")} for e in endpoints],
         "baseline": baseline,
@@ -260,6 +311,16 @@ def run(args: argparse.Namespace) -> dict:
     }
     report["speedup"] = compare(levels, records, baseline)
     write_reports(report, records, Path(args.out), args.save_records)
+    if args.serve_app:
+        from .cluster import plot_over_time
+
+        for lv in levels:
+            stem = Path(report["files"][0]).with_suffix("")
+            png = stem.parent / f"{stem.name}.{lv['endpoint']}-{lv['level_no']}.replicas.png"
+            plot_over_time(
+                lv["over_time"], png, title=f"{lv['endpoint']} {level_label(lv)}: Serve app {args.serve_app}"
+            )
+            report["files"].append(str(png))
     log(f"[loadtest] wrote {', '.join(report['files'])}")
     return report
 
@@ -271,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.resume and not args.name:
             parser.error("--resume needs --name (the run it continues)")
+        if args.unique_prefix and args.warm_prompts:
+            parser.error("--warm-prompts sends each prompt once to fill the prefix cache; --unique-prefix keeps it out")
         if args.timeline is None:  # the records are where a timeline is kept
             args.timeline = args.save_records
         run(args)

@@ -123,14 +123,30 @@ def _merge_tool_call_deltas(acc: dict[int, dict], deltas: list[dict]) -> None:
             slot["function"]["arguments"] += fn["arguments"]
 
 
+def call_complete(calls: dict[int, dict], content: list[str], new_content: bool) -> bool:
+    """Whether the stream so far holds a whole tool call: its first call's arguments parse as a
+    JSON object, or -- a server that leaves the model's fenced or tagged JSON call in ``content``
+    (vLLM's hermes parser with the 0.5B model) -- the content parses to a call
+    (``parse_tool_calls``, read again only when a chunk brought content)."""
+    if calls:
+        try:
+            return isinstance(json.loads(calls[min(calls)]["function"]["arguments"] or "null"), dict)
+        except ValueError:
+            return False
+    return new_content and bool(parse_tool_calls("".join(content)).calls)
+
+
 async def read_stream(response) -> dict:
-    """Consume an SSE stream; note when each content / tool-call chunk arrived (perf_counter)."""
-    content, calls, usage, stats, chunk_times = [], {}, None, None, []
+    """Consume an SSE stream; note when each content / tool-call chunk arrived (perf_counter) and
+    when its first tool call was complete (:func:`call_complete`)."""
+    content, calls, usage, stats, chunk_times, call_done = [], {}, None, None, [], None
+    done = False
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
+            done = True
             break
         event = json.loads(data)
         if event.get("error"):
@@ -145,12 +161,17 @@ async def read_stream(response) -> dict:
                 content.append(delta["content"])
             if delta.get("tool_calls"):
                 _merge_tool_call_deltas(calls, delta["tool_calls"])
+            if call_done is None and chunk_times and call_complete(calls, content, bool(delta.get("content"))):
+                call_done = chunk_times[-1]
+    if not done:  # the server went away mid-stream (e.g. its replica's node was lost)
+        raise ServerError("stream_cut", f"the stream ended without [DONE] after {len(chunk_times)} chunks")
     return {
         "content": "".join(content),
         "tool_calls": [calls[k] for k in sorted(calls)],
         "usage": usage,
         "chunk_times": chunk_times,
         "server_stats": stats,
+        "call_done": call_done,
     }
 
 
@@ -178,6 +199,7 @@ async def send_one(client, url: str, payload: dict, headers: dict) -> dict:
             "usage": body.get("usage"),
             "chunk_times": None,
             "server_stats": body.get("toolspec"),
+            "call_done": None,
         }
     out["sent"], out["finished"] = sent, time.perf_counter()
     return out
@@ -194,6 +216,8 @@ def error_kind(exc: BaseException) -> str:
         return "timeout"
     if isinstance(exc, (json.JSONDecodeError, httpx.DecodingError)):
         return "bad_response"
+    if isinstance(exc, httpx.RemoteProtocolError):  # the connection closed in the middle of a response
+        return "connection_lost"
     if isinstance(exc, httpx.HTTPError):
         return "http_error"
     return type(exc).__name__
@@ -204,6 +228,7 @@ def error_kind(exc: BaseException) -> str:
 
 RECORD_FIELDS = (  # a request row's fields in the records file's order
     *("index", "item_id", "session", "turn", "ok", "error", "detail", "e2e_ms", "ttft_ms", "tpot_ms", "itl_ms"),
+    *("server_first_token_ms", "call_complete_ms"),
     *("prompt_tokens", "completion_tokens", "tool_calls", "tool_call_problem", "gold_name_match", "mat"),
     *("cached_tokens", "server_prefill_ms", "server_decode_ms", "drafted_tokens", "accepted_tokens", "digest"),
     "text_digest",
@@ -231,6 +256,7 @@ def fill_success(rec: dict, item: dict, out: dict) -> None:
         # where the server's time went: forwards that held this request's prompt rows / its drafts
         for part in ("prefill", "decode"):
             rec[f"server_{part}_ms"] = 1000 * number[f"{part}_s"] if f"{part}_s" in number else None
+        rec["server_first_token_ms"] = server_first_token_ms(stats)
         if isinstance(stats.get("timeline"), dict):  # where its first token waited (wall-clock marks, its first steps)
             rec["server_timeline"] = {
                 **stats["timeline"],
@@ -240,6 +266,8 @@ def fill_success(rec: dict, item: dict, out: dict) -> None:
     chunks = out["chunk_times"]
     tokens = usage.get("completion_tokens", len(chunks) if chunks is not None else None)
     rec.update(request_timings(out["sent"], chunks, out["finished"], tokens))
+    if out.get("call_done") is not None:
+        rec["call_complete_ms"] = (out["call_done"] - out["sent"]) * 1e3
     details = usage.get("prompt_tokens_details") or {}
     rec.update(
         ok=True,
@@ -254,3 +282,17 @@ def fill_success(rec: dict, item: dict, out: dict) -> None:
         rec["tool_call_problem"] = tool_call_problem(calls, item["tools"])
     if item["gold_names"]:
         rec["gold_name_match"] = [(c.get("function") or {}).get("name") for c in calls][:1] == item["gold_names"][:1]
+
+
+def server_first_token_ms(stats: dict) -> float | None:
+    """When a ToolSpec server generated the request's first token, in ms after its HTTP route got
+    the request (the ``toolspec`` field's ``first_token_ms``, else the timeline's marks where the
+    response carries them): beside TTFT, what the first streamed chunk waited for after the
+    token -- a call's name is sent whole, so its first chunk follows the name's last token."""
+    value = stats.get("first_token_ms")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    marks = stats.get("timeline")
+    if isinstance(marks, dict) and isinstance(marks.get("first_token"), (int, float)) and marks.get("http_in"):
+        return (marks["first_token"] - marks["http_in"]) * 1e3
+    return None

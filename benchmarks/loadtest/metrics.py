@@ -9,6 +9,14 @@ Definitions follow ``vllm bench serve``, so numbers can be compared with it:
   chunk are spread evenly over the later chunks, so each gap counts as ``gap / tokens_per_chunk``.
   Each gap is one sample; a level's ITL distribution pools the samples of all its requests.
 - E2E: request sent -> response complete.
+- Server first token: when a ToolSpec server generated the first token, in ms after its HTTP route
+  got the request (its ``toolspec.first_token_ms``; other servers do not say). TTFT minus it is
+  what the first chunk waited for after the token (a call's name is streamed whole).
+- Call complete: request sent -> the chunk that closed the first tool call's arguments (or, where
+  a server leaves the call in ``content``, the chunk after which the content parses to a call).
+- Prefix cached share: prompt tokens the server says it took from its prefix cache
+  (``usage.prompt_tokens_details.cached_tokens``) over the prompt tokens of the requests that
+  report it; None where no response reports it.
 
 Every time is measured on the client that sent the request (its own monotonic clock), so clients
 on different machines need no clock agreement.
@@ -104,6 +112,7 @@ def summarize(
     drafted = sum(r.get("drafted_tokens") or 0 for r in ok)
     accepted = sum(r.get("accepted_tokens") or 0 for r in ok)
     e2e = distribution(r["e2e_ms"] for r in ok)
+    reported = [r for r in ok if r.get("cached_tokens") is not None and r.get("prompt_tokens")]
     return {
         "endpoint": endpoint,
         "url": url,
@@ -121,6 +130,9 @@ def summarize(
         "tpot_ms": distribution(r["tpot_ms"] for r in ok),
         "itl_ms": distribution(x for r in ok for x in r["itl_ms"]),
         "e2e_ms": e2e,
+        "server_first_token_ms": distribution(r.get("server_first_token_ms") for r in ok),
+        "call_complete_ms": distribution(r.get("call_complete_ms") for r in ok),
+        "prefix_cached_share": prefix_cached_share(reported),
         "identical_outputs": None,  # filled in by compare() against the baseline endpoint
         "mat": mean(r["mat"] for r in ok),
         "acceptance_rate": accepted / drafted if drafted else None,
@@ -131,10 +143,36 @@ def summarize(
         "gold_name_match": sum(gold) / len(gold) if gold else None,
         "wall_s": wall,
         "nodes": run["nodes"],
+        "per_node": per_node(recs),
         "stopped_by_time": run["timed_out"],
         "unsent": run["unsent"],
         "peak_in_flight": run.get("peak_in_flight"),
     }
+
+
+def prefix_cached_share(records: list[dict]) -> float | None:
+    """Prompt tokens served from the prefix cache over all prompt tokens of ``records`` (those
+    whose response reports ``cached_tokens``); None when there are none."""
+    prompt = sum(r["prompt_tokens"] for r in records)
+    return sum(r["cached_tokens"] for r in records) / prompt if prompt else None
+
+
+def per_node(recs: list[dict]) -> dict[str, dict]:
+    """Requests, successes, errors (by kind) and output tokens of each client node: what each
+    node's clients sent, adding up to the level's totals."""
+    out: dict[str, dict] = {}
+    for r in recs:
+        row = out.setdefault(
+            r.get("node"), {"requests": 0, "ok": 0, "errors": 0, "error_kinds": {}, "completion_tokens": 0}
+        )
+        row["requests"] += 1
+        if r["ok"]:
+            row["ok"] += 1
+            row["completion_tokens"] += r.get("completion_tokens") or 0
+        else:
+            row["errors"] += 1
+            row["error_kinds"][r["error"]] = row["error_kinds"].get(r["error"], 0) + 1
+    return dict(sorted(out.items()))
 
 
 def _ratio(a, b) -> float | None:

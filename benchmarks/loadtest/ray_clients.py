@@ -20,34 +20,44 @@ START_LEAD_S = 0.5
 
 
 class LoadClient:
-    """The body of one Ray actor: a client slice bound to the node it runs on."""
+    """The body of one Ray actor: a client slice bound to the node it runs on. Its records name
+    that node by its Ray node id, so a report can add the requests up per node."""
 
     def __init__(self) -> None:
         import ray
 
-        self.node = f"{ray.util.get_node_ip_address()}:{os.getpid()}"
+        self.node = ray.get_runtime_context().get_node_id()
+        self.client = f"{ray.util.get_node_ip_address()}:{os.getpid()}"
 
-    def where(self) -> str:
-        return self.node
+    def where(self) -> dict:
+        return {"node": self.node, "client": self.client}
 
     def run(self, url: str, sessions: list, plan: dict, opts: dict, start_at: float) -> dict:
         time.sleep(max(0.0, start_at - time.time()))
         return asyncio.run(run_slice(url, sessions, plan, dict(opts, node=self.node)))
 
 
-def actor_count(alive_nodes: int, clients_per_node: int | None, actors: int | None) -> int:
-    """--ray-actors if given, else clients_per_node (default 1) on every alive node."""
-    return actors or max(1, alive_nodes) * (clients_per_node or 1)
+def client_nodes(nodes: list[dict], clients_per_node: int | None, actors: int | None, actor_cpus: float) -> list[str]:
+    """The node id of each client actor: ``clients_per_node`` (default 1) on every alive node with
+    ``actor_cpus`` CPUs to give, or ``actors`` in all dealt round-robin over those nodes."""
+    room = [n["NodeID"] for n in nodes if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= actor_cpus]
+    if not room:
+        raise ValueError(f"no alive node has {actor_cpus:g} CPUs for a load client (--ray-actor-cpus)")
+    if actors:
+        return [room[i % len(room)] for i in range(actors)]
+    return [node for node in room for _ in range(clients_per_node or 1)]
 
 
 class RayRunner:
-    """Holds the client actors for the whole run (one Ray cluster connection, actors reused by levels)."""
+    """Holds the client actors for the whole run (one Ray cluster connection, actors reused by
+    levels), each pinned to its node (``client_nodes``)."""
 
     def __init__(
         self, address: str, clients_per_node: int | None, actors: int | None, actor_cpus: float, local_cpus: int | None
     ):
         import ray
         from ray import cloudpickle
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         # Ship this package's code by value: cluster nodes need httpx, not this exact checkout.
         cloudpickle.register_pickle_by_value(sys.modules[__package__])
@@ -57,11 +67,16 @@ class RayRunner:
             else:
                 ray.init(address=address, log_to_driver=False)
         self.ray = ray
-        alive = [n for n in ray.nodes() if n.get("Alive")]
-        n = actor_count(len(alive), clients_per_node, actors)
-        remote_cls = ray.remote(num_cpus=actor_cpus, scheduling_strategy="SPREAD", max_restarts=0)(LoadClient)
-        self.actors = [remote_cls.remote() for _ in range(n)]
-        self.nodes = ray.get([a.where.remote() for a in self.actors])  # every actor is up before a level starts
+        remote_cls = ray.remote(LoadClient)
+        self.actors = [
+            remote_cls.options(
+                num_cpus=actor_cpus,
+                max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            ).remote()
+            for node in client_nodes(ray.nodes(), clients_per_node, actors, actor_cpus)
+        ]
+        self.clients = ray.get([a.where.remote() for a in self.actors])  # every actor is up before a level starts
 
     def run_level(self, url: str, sessions: list, plan: dict, opts: dict, on_done=None) -> dict:
         parts = split_plan(sessions, plan, len(self.actors))
@@ -72,3 +87,8 @@ class RayRunner:
             for _ in merged["records"]:
                 on_done()
         return merged
+
+    def close(self) -> None:
+        """End the client actors (the cluster and the connection stay)."""
+        for a in self.actors:
+            self.ray.kill(a)

@@ -25,18 +25,26 @@ def level_label(lv: dict) -> str:
 
 
 LEVEL_HEAD = (
-    *("endpoint", "level", "requests", "errors", "TTFT ms mean / p50 / p99", "TPOT ms mean / p99", "ITL ms mean / p99"),
-    *("E2E ms p50 / p90 / p99", "out tok/s", "req/s", "goodput req/s", "tool-call valid", "identical", "MAT"),
+    *("endpoint", "level", "requests", "errors", "TTFT ms mean / p50 / p99", "server 1st token ms p50 / p99"),
+    *("call complete ms p50 / p99", "TPOT ms mean / p99", "ITL ms mean / p99", "E2E ms p50 / p90 / p99"),
+    *("out tok/s", "req/s", "goodput req/s", "tool-call valid", "identical", "MAT", "prefix cached"),
 )
-LEVEL_STATS = (("ttft_ms", "mean p50 p99"), ("tpot_ms", "mean p99"), ("itl_ms", "mean p99"), ("e2e_ms", "p50 p90 p99"))
+LEVEL_STATS = (
+    *(("ttft_ms", "mean p50 p99"), ("server_first_token_ms", "p50 p99"), ("call_complete_ms", "p50 p99")),
+    *(("tpot_ms", "mean p99"), ("itl_ms", "mean p99"), ("e2e_ms", "p50 p90 p99")),
+)
 
 
 def _level_row(lv: dict) -> list[str]:
     row = [lv["endpoint"], level_label(lv), lv["requests"], lv["errors"]]
-    row += [" / ".join(fmt(lv[key][q]) for q in stats.split()) for key, stats in LEVEL_STATS]
+    empty = dict.fromkeys(
+        ("mean", "p50", "p90", "p95", "p99")
+    )  # a level resumed from a partial file without the column
+    row += [" / ".join(fmt(lv.get(key, empty)[q]) for q in stats.split()) for key, stats in LEVEL_STATS]
     row += [fmt(lv["output_tokens_per_s"]), fmt(lv["requests_per_s"], 3), fmt(lv["goodput_rps"], 3)]
     row += [f"{fmt(lv['tool_call_validity'], 3)} ({lv['tool_call_responses']})"]
-    return row + [fmt(lv["identical_outputs"], 3), fmt(lv["mat"], 2)]
+    share = lv.get("prefix_cached_share")
+    return row + [fmt(lv["identical_outputs"], 3), fmt(lv["mat"], 2), "–" if share is None else f"{share:.0%}"]
 
 
 def write_markdown(report: dict, path: Path) -> None:
@@ -59,14 +67,19 @@ def write_markdown(report: dict, path: Path) -> None:
             else ""
         )
         + f"); max_tokens {cfg['max_tokens']}, temperature 0, stream {cfg['stream']}"
-        + ("; each level's prompts sent once before it (warm prefix cache)" if cfg.get("warm_prompts") else ""),
+        + ("; each level's prompts sent once before it (warm prefix cache)" if cfg.get("warm_prompts") else "")
+        + (
+            "; **unique prefix**: each prompt starts with a nonce line of its own, so no prefix cache covers any of it"
+            if cfg.get("unique_prefix")
+            else ""
+        ),
         f"- {mode}; per level: {limit}, at most {cfg['max_seconds']} s; warm-up {cfg['warmup']} requests "
         f"(not counted); clients: {report['runner']}",
         f"- hardware: {report['hardware']}",
         "- endpoints: " + ", ".join(f"`{e['name']}` {e['url']} (model `{e['model']}`)" for e in report["endpoints"]),
         "- SLO: " + (", ".join(f"{k} ≤ {v:g} ms" for k, v in cfg["slo"].items()) if cfg.get("slo") else "none"),
         "",
-        *md_table(LEVEL_HEAD, [_level_row(lv) for lv in report["levels"]], ["---"] * 2 + ["---:"] * 12),
+        *md_table(LEVEL_HEAD, [_level_row(lv) for lv in report["levels"]], ["---"] * 2 + ["---:"] * 15),
     ]
     if report["speedup"]:
         rows = [
@@ -87,6 +100,18 @@ def write_markdown(report: dict, path: Path) -> None:
             if lv["stopped_by_time"]:
                 notes.append(f"stopped at the {cfg['max_seconds']} s limit, {lv['unsent']} requests unsent")
             lines.append(f"- {lv['endpoint']} @ {level_label(lv)}: " + "; ".join(notes))
+    if report.get("clients"):
+        rows = [
+            [f"{lv['endpoint']} @ {level_label(lv)}", node[:12], row["requests"], row["ok"], row["errors"]]
+            + [", ".join(f"{k} × {v}" for k, v in row["error_kinds"].items()) or "-"]
+            for lv in report["levels"]
+            for node, row in lv.get("per_node", {}).items()
+        ]
+        head = ["level", "client node", "requests", "ok", "errors", "error kinds"]
+        intro = f"{len(report['clients'])} client actors on {len({c['node'] for c in report['clients']})} nodes."
+        lines += md_section(
+            "Requests by client node", intro, md_table(head, rows, ["---"] * 2 + ["---:"] * 3 + ["---"])
+        )
     lines += ["", f"![latency and throughput]({path.with_suffix('.png').name})", ""]
     path.write_text("\n".join(lines))
 

@@ -14,6 +14,7 @@ share their prefix, so a server's history library and prefix cache see realistic
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -167,3 +168,39 @@ def level_sessions(units: list[list[dict]], n: int, offset: int = 0) -> tuple[li
         index += len(unit)
         used += 1
     return sessions, used
+
+
+NONCE_HEX = 16  # hex digits of a request's nonce line: 64 bits, no two requests of a run share one
+
+
+def request_nonce(salt: str, level: str | int, index: int, item_id: str) -> str:
+    """The nonce of one request of a run: a hash of the run's ``salt``, the level (or "warmup"), the
+    request's index in it and its item id. Every endpoint of the run is sent the same request at
+    the same (level, index), so each gets the same prompt and outputs compare request by request;
+    no other request of the run has the same nonce, so no two prompts share a prefix."""
+    key = f"{salt}\x00{level}\x00{index}\x00{item_id}".encode()
+    return hashlib.sha256(key).hexdigest()[:NONCE_HEX]
+
+
+def with_nonce(item: dict, nonce: str) -> dict:
+    """``item`` with ``nonce`` as its own line at the very start of its prompt: first in its system
+    message (a string content or a list of content parts), or, where it has none, as a system
+    message of its own -- chat templates render the tools into the system turn, before the first
+    user message (Qwen2.5's writes its default system text and the tool list there), so a nonce in
+    the user message would follow the tool list every request shares. No other prompt then has
+    the same first tokens: a server's prefix cache holds none of it and every token is prefilled."""
+    messages = list(item["messages"])
+    if messages and messages[0].get("role") in ("system", "developer"):
+        first = dict(messages[0])
+        content = first.get("content")
+        if isinstance(content, list):
+            first["content"] = [{"type": "text", "text": nonce + "\n"}, *content]
+        else:
+            first["content"] = f"{nonce}\n{content or ''}"
+        return dict(item, messages=[first, *messages[1:]])
+    return dict(item, messages=[{"role": "system", "content": nonce + "\n"}, *messages])
+
+
+def unique_prefix_sessions(sessions: list[list[tuple[int, dict]]], salt: str, level: str | int) -> list:
+    """A level's sessions (:func:`level_sessions`) with every request's nonce line (:func:`with_nonce`)."""
+    return [[(i, with_nonce(item, request_nonce(salt, level, i, item["id"]))) for i, item in s] for s in sessions]

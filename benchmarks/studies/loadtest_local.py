@@ -17,8 +17,15 @@ a batch of up to 64): what the HTTP, Ray and streaming path itself carries on th
 
     python -m benchmarks.studies.loadtest_local --scripted-target --concurrency 1,8,32 --duration 30 --num-requests 4000
 
+``--unique-prefix`` (passed to ``toolspec loadtest``) starts every request's prompt with a nonce
+line of its own, the same on every app (one run name salts them, so every pass of a
+``--one-at-a-time`` run sends the same prompts): no prefix cache helps any server, and each
+report row says the prefix-cached share its server saw. ``NAME=METHOD+graphs`` serves with CUDA
+graphs (``cuda_graphs: true``); ``--no-ray`` serves each ToolSpec app without Ray
+(:mod:`benchmarks.studies.serve_noray`, one at a time; ``benchmarks/gpu_serve_run.sh``).
+
 vLLM side by side: an app ``vllm`` (``NAME=vllm[+suffix][+allcores]``) is vLLM's CPU build serving
-the same model directory in float32 from the venv ``benchmarks/studies/vllm_setup.sh`` makes
+the same model directory in the apps' dtype (float32 by default) from the venv ``benchmarks/studies/vllm_setup.sh`` makes
 (``$TOOLSPEC_VLLM_VENV``, default ~/.cache/toolspec/vllm-venv); ``+suffix`` adds suffix decoding
 (ArcticInference), ``+allcores`` gives its model threads every core (its default keeps one for its
 API server). With any vLLM app, or with ``--one-at-a-time``, every app is started fresh, driven
@@ -42,6 +49,9 @@ import sys
 
 OPTIONS = {
     "nocache": {"prefix_caching": False},
+    # decode steps replayed from CUDA graphs captured at the replica's start (a replica without a
+    # GPU, device auto, runs them eager and says so)
+    "graphs": {"cuda_graphs": True},
 }
 # the call library's search: keyed on hashed n-grams (no encoder on the cores), or none at all
 RETRIEVAL_OPTIONS = {"lexical": {"key": "lexical"}, "noretrieval": {"enabled": False}}
@@ -88,16 +98,24 @@ def vllm_missing(venv: str, suffix: bool = False) -> str | None:
 
 
 def vllm_command(
-    venv: str, model_dir: str, port: int, served_name: str, suffix: bool, max_model_len: int = 8192
+    venv: str,
+    model_dir: str,
+    port: int,
+    served_name: str,
+    suffix: bool,
+    max_model_len: int = 8192,
+    dtype: str = "float32",
 ) -> list[str]:
-    """The vLLM server's command line: the model directory in float32, hermes tool parsing (what
-    Qwen2.5's template asks for), suffix decoding when asked."""
+    """The vLLM server's command line: the model directory in ``dtype`` (the ToolSpec apps'),
+    hermes tool parsing (what Qwen2.5's template asks for), each response's cached prompt tokens
+    (``usage.prompt_tokens_details``, for the report's prefix-cached share), suffix decoding when
+    asked."""
     import json
 
     cmd = [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server"]
-    cmd += ["--model", model_dir, "--served-model-name", served_name, "--dtype", "float32"]
+    cmd += ["--model", model_dir, "--served-model-name", served_name, "--dtype", dtype]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len)]
-    cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prompt-tokens-details"]
     if suffix:
         spec = {"method": "suffix", "num_speculative_tokens": VLLM_SPEC_TOKENS}
         cmd += ["--speculative-config", json.dumps(spec)]
@@ -124,21 +142,19 @@ def vllm_env(venv: str, allcores: bool, kv_gib: int = 4, base: dict | None = Non
     return env
 
 
-class VllmServer:
-    """One vLLM server process (its own session, so stopping it ends its engine core too)."""
+class ServerProcess:
+    """One server process in its own session (stopping it ends its children too), ready when
+    ``ready_path`` answers 200; its output goes to ``log_path``."""
 
-    def __init__(self, venv: str, model_dir: str, port: int, served_name: str, opts: dict, log_path: str):
+    what = "the server"
+    ready_path = "/v1/models"
+
+    def __init__(self, cmd: list[str], env: dict, port: int, log_path: str):
         import subprocess
 
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen(
-            vllm_command(venv, model_dir, port, served_name, opts["suffix"]),
-            env=vllm_env(venv, opts["allcores"]),
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 900.0) -> None:
         import time
@@ -147,16 +163,18 @@ class VllmServer:
         t0 = time.time()
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise SystemExit(f"vLLM exited with {self.proc.returncode} before it was ready (log: {self.log.name})")
+                raise SystemExit(
+                    f"{self.what} exited with {self.proc.returncode} before it was ready (log: {self.log.name})"
+                )
             try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=5) as r:
                     if r.status == 200:
                         return
             except OSError:
                 pass
-            time.sleep(2)
+            time.sleep(1)
         self.stop()
-        raise SystemExit(f"vLLM not ready after {timeout:.0f} s (log: {self.log.name})")
+        raise SystemExit(f"{self.what} not ready after {timeout:.0f} s (log: {self.log.name})")
 
     def stop(self) -> None:
         import signal
@@ -170,6 +188,50 @@ class VllmServer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.log.close()
+
+
+class VllmServer(ServerProcess):
+    """One vLLM server process (stopping it ends its engine core too)."""
+
+    what = "vLLM"
+
+    def __init__(
+        self, venv: str, model_dir: str, port: int, served_name: str, opts: dict, log_path: str, dtype="float32"
+    ):
+        cmd = vllm_command(venv, model_dir, port, served_name, opts["suffix"], dtype=dtype)
+        super().__init__(cmd, vllm_env(venv, opts["allcores"]), port, log_path)
+
+
+class NorayServer(ServerProcess):
+    """One ToolSpec app without Ray (:mod:`benchmarks.studies.serve_noray`): ``config``'s keys, the
+    call library's deployment off; ready when its /health answers."""
+
+    what = "ToolSpec (no Ray)"
+    ready_path = "/health"
+
+    def __init__(self, config: dict, port: int, log_path: str):
+        import json
+        import sys
+
+        config = {k: v for k, v in config.items() if k not in ("port", "route_prefix")}
+        config["retrieval"] = {"enabled": False}
+        cmd = [sys.executable, "-m", "benchmarks.studies.serve_noray", "--config", json.dumps(config)]
+        super().__init__(cmd + ["--port", str(port)], dict(os.environ), port, log_path)
+
+
+def is_noray_engine(title: str) -> bool:
+    """A ToolSpec app served without Ray (:class:`NorayServer`): the model and its KV pool."""
+    return "benchmarks.studies.serve_noray" in title
+
+
+def vllm_dtype(base: dict) -> str:
+    """The dtype vLLM serves in: the ToolSpec apps' (``auto`` resolved as a CPU replica resolves it)."""
+    dtype = base.get("dtype", "float32")
+    if dtype == "auto":
+        from toolspec_core.model.target import resolve_dtype
+
+        return str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
+    return dtype
 
 
 def app_config(spec: str, library: str) -> tuple[str, dict]:
@@ -324,9 +386,15 @@ def main(argv: list[str] | None = None) -> int:
         help="start each app fresh, drive it alone, stop it before the next (always so with a vLLM app)",
     )
     p.add_argument("--vllm-port", type=int, default=8100)
+    p.add_argument(
+        "--no-ray",
+        action="store_true",
+        help="serve each ToolSpec app without Ray (benchmarks.studies.serve_noray: the replica's own app, one "
+        "replica, no call-library deployment), one at a time: for a machine without Ray",
+    )
     ns, passthrough = p.parse_known_args(argv)
     specs = (ns.apps or "").split(",") if ns.apps else []
-    if ns.one_at_a_time or any(is_vllm(spec) for spec in specs):
+    if ns.one_at_a_time or ns.no_ray or any(is_vllm(spec) for spec in specs):
         return one_at_a_time(ns, specs, passthrough)
 
     import ray.serve._private.api as serve_api
@@ -452,21 +520,27 @@ def one_at_a_time(ns, specs: list[str], passthrough: list[str]) -> int:
         app = (vllm_app(spec) if is_vllm(spec) else app_config(spec, library))[0]
         done = JsonlStore(os.path.join(scratch, f"{name}.partial.jsonl"), lambda r: (r["endpoint"], r["level_no"]))
         if all((app, k) in done.records for k in range(n_levels)):  # an earlier invocation ran it: not started
-            urls[app] = f"http://127.0.0.1:{ns.vllm_port}" if is_vllm(spec) else f"http://127.0.0.1:{ns.port}/{app}"
+            urls[app] = f"http://127.0.0.1:{ns.vllm_port}" if is_vllm(spec) else f"http://127.0.0.1:{ns.port}"
+            urls[app] += "" if is_vllm(spec) or ns.no_ray else f"/{app}"
             print(f"{app}: every level done in an earlier pass ({scratch})", flush=True)
             continue
-        if is_vllm(spec):
-            app, opts = vllm_app(spec)
-            if model_dir is None:
-                model_dir = vllm_model_dir(base)
-            server = VllmServer(
-                vllm_venv(), model_dir, ns.vllm_port, served, opts, os.path.join(scratch, f"{app}.vllm.log")
-            )
+        if is_vllm(spec) or ns.no_ray:  # a server process of its own: vLLM, or a ToolSpec app without Ray
+            if is_vllm(spec):
+                app, opts = vllm_app(spec)
+                if model_dir is None:
+                    model_dir = vllm_model_dir(base)
+                log = os.path.join(scratch, f"{app}.vllm.log")
+                server = VllmServer(vllm_venv(), model_dir, ns.vllm_port, served, opts, log, vllm_dtype(base))
+                what, engine = f"vLLM {opts}", is_vllm_engine
+            else:
+                app, extra = app_config(spec, library)
+                server = NorayServer({**base, **extra}, ns.port, os.path.join(scratch, f"{app}.serve.log"))
+                what, engine = f"method {extra['method']}, no Ray", is_noray_engine
             try:
                 server.wait_ready()
                 urls[app] = server.url
-                print(f"{app}: {server.url}/v1 (vLLM {opts})", flush=True)
-                with sampling_rss(ns.sample_rss, os.path.join(ns.out, f"{name}.{app}.rss.json"), is_vllm_engine):
+                print(f"{app}: {server.url}/v1 ({what})", flush=True)
+                with sampling_rss(ns.sample_rss, os.path.join(ns.out, f"{name}.{app}.rss.json"), engine):
                     rc = loadtest_main(common + ["--endpoint", f"{app}={server.url}/v1", "--baseline", app])
             finally:
                 server.stop()

@@ -207,6 +207,8 @@ def test_loadtest_local_app_specs():
     assert cfg["prefix_caching"] is False
     _, cfg = app_config("t1=toolspec+threads1", "/tmp/lib")
     assert cfg["threads"] == 1
+    _, cfg = app_config("g=ar+graphs", "/tmp/lib")
+    assert cfg["cuda_graphs"] is True and cfg["method"] == "ar"
     for removed in ("x=toolspec+fast", "x=toolspec+threads", "x=toolspec+threads0"):
         with pytest.raises(SystemExit):
             app_config(removed, "/tmp/lib")
@@ -279,6 +281,9 @@ def test_loadtest_local_vllm_command_line(tmp_path):
     assert at["--model"] == "/m/qwen" and at["--dtype"] == "float32" and at["--port"] == "8123"
     assert at["--served-model-name"] == "Qwen" and at["--tool-call-parser"] == "hermes"
     assert "--speculative-config" not in cmd
+    assert "--enable-prompt-tokens-details" in cmd  # its cached prompt tokens: the report's prefix-cached share
+    bf16 = vllm_command(venv, "/m/qwen", 8123, "Qwen", suffix=False, dtype="bfloat16")
+    assert bf16[bf16.index("--dtype") + 1] == "bfloat16"
     spec = vllm_command(venv, "/m/qwen", 8123, "Qwen", suffix=True)
     config = json.loads(spec[spec.index("--speculative-config") + 1])
     assert config["method"] == "suffix" and config["num_speculative_tokens"] > 0
@@ -364,3 +369,51 @@ def test_loadtest_compares_fenced_calls_in_content_with_tool_calls(tmp_path):
     assert rows["vllm"]["compared"] == 2 and rows["vllm"]["same_token_count"] == 1
     assert rows["vllm"]["same_text"] == 1 and rows["vllm"]["same_response"] == 0
     assert rows["vllm"]["output_tokens"] == 36 and rows["toolspec"]["tool_calls"] == 1
+
+
+def test_loadtest_local_serves_without_ray_as_one_process_per_app(tmp_path, monkeypatch):
+    """--no-ray: each ToolSpec app is ``benchmarks.studies.serve_noray`` with the app's keys (no
+    call-library deployment, no Ray port or prefix), ready when its /health answers; vLLM is
+    served in the apps' dtype (``auto`` as a CPU replica resolves it)."""
+    import json
+    import subprocess
+
+    from benchmarks.studies import loadtest_local
+
+    started = {}
+
+    class Proc:
+        pid, returncode = 12345, None
+
+        def poll(self):
+            return None
+
+    def popen(cmd, **kw):
+        started.update(cmd=cmd, env=kw["env"], session=kw["start_new_session"])
+        return Proc()
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    server = loadtest_local.NorayServer(
+        {"model": "/m", "port": 8000, "route_prefix": "/x", "method": "toolspec", "retrieval": {"store": {}}},
+        8123,
+        str(tmp_path / "log"),
+    )
+    cmd = started["cmd"]
+    assert cmd[1:3] == ["-m", "benchmarks.studies.serve_noray"] and cmd[-2:] == ["--port", "8123"]
+    cfg = json.loads(cmd[cmd.index("--config") + 1])
+    assert cfg == {"model": "/m", "method": "toolspec", "retrieval": {"enabled": False}}
+    assert server.url == "http://127.0.0.1:8123" and server.ready_path == "/health" and started["session"]
+    assert loadtest_local.is_noray_engine(" ".join(cmd))
+    server.log.close()
+    from toolspec_core.model import target as target_mod
+
+    monkeypatch.setattr(target_mod, "cpu_has_bf16", lambda: True)
+    assert loadtest_local.vllm_dtype({"dtype": "auto"}) == "bfloat16"
+    assert loadtest_local.vllm_dtype({}) == "float32"
+
+
+def test_serve_noray_refuses_the_call_library():
+    from benchmarks.studies import serve_noray
+
+    with pytest.raises(SystemExit, match="retrieval.enabled false"):
+        serve_noray.main(["--config", '{"model": "scripted", "method": "ar"}'])

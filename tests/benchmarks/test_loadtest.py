@@ -48,6 +48,7 @@ def _make_app(state: dict):
         counts = state.setdefault(mode, {"received": 0, "failed": 0, "now": 0, "peak": 0})
         counts["received"] += 1
         state.setdefault("bodies", []).append(body)
+        state.setdefault("by_mode", {}).setdefault(mode, []).append(body)
         if mode == "delay":
             await asyncio.sleep(0.05)
         elif mode == "count":
@@ -71,6 +72,8 @@ def _make_app(state: dict):
             name, args = "no_such_tool", "{not json"
         call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": args}}
         usage = {"prompt_tokens": 20, "completion_tokens": 7, "total_tokens": 27}
+        if mode.startswith("cached"):  # a server that says a quarter of each prompt came from its prefix cache
+            usage["prompt_tokens_details"] = {"cached_tokens": 5}
         if mode == "script":
             return StreamingResponse(_scripted_sse(call), media_type="text/event-stream")
         if body.get("stream"):
@@ -121,7 +124,7 @@ async def _sse(call: dict, usage: dict, body: dict):
     for part in (fn["arguments"][:half], fn["arguments"][half:]):
         await asyncio.sleep(0.01)
         yield chunk({"tool_calls": [{"index": 0, "function": {"arguments": part}}]})
-    yield chunk({}, "tool_calls", toolspec={"mat": 3.0})
+    yield chunk({}, "tool_calls", toolspec={"mat": 3.0, "first_token_ms": 4.5})
     if (body.get("stream_options") or {}).get("include_usage"):
         yield "data: " + json.dumps({"object": "chat.completion.chunk", "choices": [], "usage": usage}) + "\n\n"
     yield "data: [DONE]\n\n"
@@ -706,8 +709,10 @@ def test_ray_fanout_runs_slices_as_tasks(server, dataset, tmp_path):
     for lv in report["levels"]:
         assert lv["requests"] == 9 == lv["ok"] + lv["errors"]
         assert set(lv["error_kinds"]) <= {"http_500"}
-        assert len(lv["nodes"]) == 2  # two actor processes ran client slices, merged into one level
+        assert len(lv["nodes"]) == 1 == len(lv["per_node"])  # both client actors on the one node
+        assert sum(row["requests"] for row in lv["per_node"].values()) == lv["requests"]
     assert report["runner"] == "ray (local, 2 actors)"
+    assert len({c["client"] for c in report["clients"]}) == 2 and len({c["node"] for c in report["clients"]}) == 1
 
 
 def test_warm_prompts_send_each_level_once_before_it_uncounted(server, dataset, tmp_path):
@@ -744,3 +749,164 @@ def test_prompt_chars_keeps_only_prompts_of_that_length(dataset):
     for bad in ("x", "20:10", "-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_span(bad)
+
+
+# ------------------------------------------------------------------ unique prefixes, first token, call complete
+
+
+def _first_contents(bodies: list[dict]) -> list[str]:
+    return [b["messages"][0]["content"] for b in bodies]
+
+
+def test_unique_prefix_gives_every_request_its_own_prefix_the_same_on_every_endpoint(server, dataset, tmp_path):
+    """--unique-prefix: every request's first message starts with a nonce line of its own (no two
+    prompts of the run, warm-up and levels included, share a character of prefix past it), each
+    endpoint is sent the very same requests, and the report says the prefix-cache share each saw."""
+    from benchmarks.loadtest.workloads import NONCE_HEX
+
+    by_mode = server["state"].setdefault("by_mode", {})
+    for mode in ("cached-a", "cached-b"):
+        by_mode.pop(mode, None)
+    code, report, out = _run(
+        tmp_path,
+        dataset,
+        *("--endpoint", f"a={server['base']}/cached-a/v1", "--endpoint", f"b={server['base']}/cached-b/v1"),
+        *("--concurrency", "1,2", "--requests-per-level", "5", "--warmup", "2", "--unique-prefix", "--name", "uniq"),
+    )
+    assert code == 0
+    sent = {mode: by_mode[mode] for mode in ("cached-a", "cached-b")}
+    assert len(sent["cached-a"]) == len(sent["cached-b"]) == 2 + 5 + 5
+    # the same requests on both endpoints (the order inside a level of c = 2 may differ)
+    assert sorted(json.dumps(b["messages"]) for b in sent["cached-a"]) == sorted(
+        json.dumps(b["messages"]) for b in sent["cached-b"]
+    )
+    firsts = _first_contents(sent["cached-a"])
+    nonces = [c.split("\n", 1)[0] for c in firsts]
+    assert all(len(n) == NONCE_HEX and int(n, 16) >= 0 for n in nonces)
+    assert len(set(nonces)) == len(nonces)  # warm-up and both levels (the same items at level 2) all differ
+    for i, a in enumerate(firsts):
+        assert a.split("\n", 1)[1] == "Use the tools."  # the rest of the message as the dataset has it
+        for b in firsts[i + 1 :]:
+            assert len(os.path.commonprefix([a, b])) < NONCE_HEX
+    for lv in report["levels"]:
+        assert lv["prefix_cached_share"] == pytest.approx(0.25)  # 5 of every 20 prompt tokens
+    assert report["config"]["unique_prefix"] is True
+    md = next(out.glob("uniq.md")).read_text()
+    assert "unique prefix" in md and "| 25% |" in md
+    # a rerun of the same run name sends the same prompts (a resumed pass of one endpoint matches the others)
+    by_mode.pop("cached-a")
+    code, _, _ = _run(
+        tmp_path,
+        dataset,
+        *("--endpoint", f"a={server['base']}/cached-a/v1", "--concurrency", "1,2", "--requests-per-level", "5"),
+        *("--warmup", "2", "--unique-prefix", "--name", "uniq"),
+    )
+    assert code == 0 and sorted(_first_contents(by_mode["cached-a"])) == sorted(firsts)
+
+
+def test_without_unique_prefix_requests_are_the_datasets_and_no_share_is_claimed(server, dataset, tmp_path):
+    code, report, _ = _run(
+        tmp_path,
+        dataset,
+        *("--endpoint", f"plain={server['base']}/plainmode/v1", "--requests-per-level", "3", "--concurrency", "1"),
+    )
+    assert code == 0
+    assert _first_contents(server["state"]["by_mode"]["plainmode"]) == ["Use the tools."] * 3
+    assert all(lv["prefix_cached_share"] is None for lv in report["levels"])  # the server reports no cached tokens
+
+
+def test_unique_prefix_refuses_warm_prompts(dataset, tmp_path):
+    code = main(
+        ["--dataset", str(dataset), "--out", str(tmp_path), "--quiet", "--endpoint", "x=http://127.0.0.1:9/v1"]
+        + ["--unique-prefix", "--warm-prompts"]
+    )
+    assert code == 2
+
+
+def test_nonce_goes_first_in_the_system_turn():
+    from benchmarks.loadtest.workloads import request_nonce, with_nonce
+
+    n = request_nonce("s", 0, 3, "item")
+    assert n == request_nonce("s", 0, 3, "item")  # the same request of the run, on any endpoint
+    others = {request_nonce("s", 1, 3, "item"), request_nonce("s", 0, 4, "item"), request_nonce("t", 0, 3, "item")}
+    assert n not in others and len(others) == 3
+    parts = {"id": "i", "messages": [{"role": "system", "content": [{"type": "text", "text": "hi"}]}]}
+    assert with_nonce(parts, n)["messages"][0]["content"] == [
+        {"type": "text", "text": n + "\n"},
+        {"type": "text", "text": "hi"},
+    ]
+    # no system message: one of its own goes first (the template's tool list must come after the nonce)
+    user = {"id": "i", "messages": [{"role": "user", "content": "x"}]}
+    assert with_nonce(user, n)["messages"] == [
+        {"role": "system", "content": n + "\n"},
+        {"role": "user", "content": "x"},
+    ]
+    assert user["messages"] == [{"role": "user", "content": "x"}]  # the item itself is left as it was
+
+
+@pytest.mark.slow
+def test_unique_prefix_prompts_share_no_kv_block_of_tokens():
+    """Token level, on the embedded model's chat template over real tool prompts (one that opens
+    with a system message, one that does not): two unique-prefix requests of one item share fewer
+    tokens than one KV block (16), so no block of either is in the other's prefix cache; without
+    the nonces they share their system turn and tool list."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.datasets import dev_set
+    from benchmarks.loadtest.workloads import load_items, request_nonce, with_nonce
+    from toolspec_core.model.embedded import embedded_model_dir
+    from toolspec_core.model.prompting import render_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()))
+
+    def common(a, b) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    for bench, n in (("api_bank", 0), ("bfcl_v3", 2)):
+        item = load_items(dev_set(bench), n + 1)[n]
+        prompts = [
+            render_prompt(tok, with_nonce(item, request_nonce("run", lv, i, item["id"]))["messages"], item["tools"])
+            for lv, i in ((0, 0), (0, 1), (1, 0))
+        ]
+        plain = render_prompt(tok, item["messages"], item["tools"])
+        assert all(common(a, b) < 16 for a in prompts for b in prompts if a is not b), bench
+        assert common(prompts[0], plain) < 16 and len(plain) > 100, bench
+
+
+def test_stream_records_server_first_token_and_call_complete(server, dataset, tmp_path):
+    """Beside TTFT: the server's first-token time (its ``toolspec.first_token_ms``) and when the
+    streamed call's arguments closed (after the name chunk, by the last argument fragment)."""
+    code, report, out = _run(
+        tmp_path,
+        dataset,
+        *("--endpoint", f"s={server['base']}/fast/v1", "--requests-per-level", "3", "--stream", "--save-records"),
+    )
+    assert code == 0
+    recs = [json.loads(line) for line in next(out.glob("*.records.jsonl")).read_text().splitlines()]
+    for r in recs:
+        assert r["server_first_token_ms"] == 4.5
+        assert r["ttft_ms"] < r["call_complete_ms"] <= r["e2e_ms"]  # name first, arguments closed later
+    lv = report["levels"][0]
+    assert lv["server_first_token_ms"]["p50"] == 4.5
+    assert lv["ttft_ms"]["p50"] < lv["call_complete_ms"]["p50"]
+    assert "call complete ms" in next(out.glob("*.md")).read_text()
+
+
+def test_call_complete_reads_calls_left_in_content():
+    """A server that leaves the model's fenced JSON call in ``content`` (vLLM's hermes parser with
+    the 0.5B model): the call is complete at the chunk that closes its JSON."""
+    text = '```json\n{"name": "search", "arguments": {"query": "abc"}}\n```'
+    parts = [text[:20], text[20:50], text[50:57], text[57:]]
+    seen = []
+    done = [client.call_complete({}, seen, True) for p in parts if not seen.append(p)]
+    assert done == [False, False, True, True]
+    calls = {0: {"function": {"name": "search", "arguments": '{"query": "a'}}}
+    assert not client.call_complete(calls, [], False)
+    calls[0]["function"]["arguments"] += 'bc"}'
+    assert client.call_complete(calls, [], False)
+
+
+def test_server_first_token_from_stats_or_timeline():
+    assert client.server_first_token_ms({"first_token_ms": 12.0}) == 12.0
+    assert client.server_first_token_ms({"timeline": {"http_in": 100.0, "first_token": 100.25}}) == pytest.approx(250.0)
+    assert client.server_first_token_ms({"mat": 1.0}) is None

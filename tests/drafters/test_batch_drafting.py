@@ -91,10 +91,12 @@ def _serve(replay, items, overlap: bool, monkeypatch, grammar_on=()):
     from toolspec_core.engine.grammar import make_tool_constraint
 
     if not overlap:
-        monkeypatch.setattr(sched_mod.Scheduler, "_beside_forward", lambda self: None)
+        monkeypatch.setattr(sched_mod.Scheduler, "_side_job", lambda self: None)  # drafters prepare at their first step
     method = make_method("toolspec", replay.tokenizer)
     pool = replay.block_pool(16 * 1024, 16)
-    sched = Scheduler(replay, CostModel.cpu_reference(), BatchLimits(max_running=4, prefill_chunk=300), pool)
+    sched = Scheduler(
+        replay, CostModel.cpu_reference(), BatchLimits(max_running=4, prefill_chunk=300), pool, overlap=overlap
+    )
     seqs = []
     for k, (it, rec) in enumerate(items):
         req = RequestInfo(prompt_ids=rec["prompt_ids"], tools=it.get("tools") or [])

@@ -141,6 +141,7 @@ def test_gpu_prod_passes_the_capacity_plan(rendered):
     args = _args(docs)
     assert args["model"].endswith("/Qwen2.5-72B-Instruct")
     assert (args["device"], args["dtype"], args["tensor_parallel_size"]) == ("cuda", "bfloat16", 8)
+    assert (args["attention"], args["cuda_graphs"]) == ("ragged", True)  # the fast decode step, graphs at start-up
     # gpu_memory is at most what the node selector's GPU has (NVIDIA-H100-80GB-HBM3: 81559MiB < 80 GiB)
     product = _worker(docs)["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"]
     assert 0 < parse_memory(args["gpu_memory"]) <= int(re.search(r"(\d+)GB", product).group(1)) * 2**30
@@ -469,3 +470,59 @@ def test_strategic_merge_keys_only_for_builtin_kinds():
 )
 def test_split_image(image, parts):
     assert k8s_render.split_image(image) == parts
+
+
+def _topology(docs):
+    from deployments.topology import node_groups, rayservice_app_config
+
+    rs = _one(docs, "RayService")
+    return node_groups(rs), rayservice_app_config(rs)
+
+
+def test_cpu_cluster_places_each_deployment_on_its_own_node_group(rendered):
+    """cpu-cluster: the engine replicas only on the cpu-replicas group (one per node: its `replica`
+    resource), the Retrieval deployment only on the retrieval group, nothing that needs CPUs on the
+    head -- read from the rendered manifests by the code the local cluster is started from."""
+    from deployments.topology import placement, replica_room
+
+    groups, cfg = _topology(rendered["cpu-cluster"])
+    by_name = {g.name: g for g in groups}
+    assert by_name["head"].num_cpus == 0 and by_name["cpu-replicas"].count == 2 and by_name["retrieval"].count == 1
+    assert dict(by_name["cpu-replicas"].resources) == {"replica": 1.0}
+    assert dict(by_name["retrieval"].resources) == {"retrieval": 1.0}
+    where = placement(cfg, groups)
+    assert where["Replica"] == ["cpu-replicas"] and where["Retrieval"] == ["retrieval"]
+    assert replica_room(cfg, groups) == cfg.autoscaling.max_replicas == 2
+
+
+@pytest.mark.parametrize("overlay", ["cpu-dev", "gpu-prod"])
+def test_every_overlay_has_a_home_for_every_deployment(rendered, overlay):
+    from deployments.topology import placement, replica_room
+
+    groups, cfg = _topology(rendered[overlay])
+    assert all(placement(cfg, groups).values())
+    assert replica_room(cfg, groups, grown=True) >= cfg.autoscaling.max_replicas
+
+
+@pytest.mark.parametrize(
+    "old,new,match",
+    [
+        ("resources: {retrieval: 1}", "resources: {ret: 1}", "no node group can hold the Retrieval"),
+        ("max_replicas: 2", "max_replicas: 3", "3 engine replicas do not fit"),
+    ],
+)
+def test_a_deployment_without_room_on_the_node_groups_fails(rendered, crd_path, old, new, match):
+    broken = k8s_validate.mutated(rendered["cpu-cluster"], "RayService", lambda d: _serve(d, old, new))
+    with pytest.raises(ManifestError, match=match):
+        k8s_validate.validate_documents(broken, crd_path=crd_path)
+
+
+def test_kuberay_quoted_resources_are_read():
+    from deployments.topology import start_params
+
+    assert start_params({"num-cpus": "2", "resources": '"{\\"retrieval_gpu\\": 1}"'}) == (
+        2.0,
+        None,
+        {"retrieval_gpu": 1.0},
+    )
+    assert start_params({"resources": '{"replica": 2}'}) == (None, None, {"replica": 2.0})

@@ -134,3 +134,45 @@ def test_small_row_kernel_choice_is_measured_and_dispatched():
                 h = torch.randn(rows, plain.model.config.hidden_size)
                 torch.testing.assert_close(tuned.logits(h), plain.logits(h), rtol=1e-5, atol=1e-5)
         assert bool(calls) == forced[0]
+
+
+def test_reduced_precision_linears_give_a_row_the_same_bits_beside_any_rows():
+    """bfloat16 CPU linears (``tune_reduced_linears``): a row's output is bitwise the same alone
+    and in any larger call -- what lets a verify step's rows equal plain decoding's single rows.
+    The down_proj shape of the embedded model (4,864 inputs) is where ``F.linear`` differs."""
+    from toolspec_core.model.cpu_linears import tune_reduced_linears
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(4864, 96), torch.nn.Linear(96, 4864, bias=False)).bfloat16()
+    assert tune_reduced_linears(layers) == 2
+    assert tune_reduced_linears(torch.nn.Linear(8, 8)) == 0  # float32 keeps tune_cpu_linears
+    x = torch.randn(40, 4864).bfloat16()
+    with torch.inference_mode():
+        for mod, inp in ((layers[0], x), (layers[1], torch.randn(40, 96).bfloat16())):
+            alone = torch.cat([mod(inp[r : r + 1]) for r in range(inp.shape[0])])  # [40, out]
+            for m in (2, 3, 17, 40):
+                assert torch.equal(mod(inp[:m]), alone[:m]), m
+            assert torch.equal(mod(inp[None, :1])[0], alone[:1])  # any leading dims
+
+
+def test_a_bfloat16_step_gives_a_row_the_same_state_as_one_row_at_a_time():
+    """A bfloat16 CPU target (linears tuned, attention in float32): eight tokens fed as one causal
+    chunk over a cached prefix give bitwise the last-layer states they give one token a step."""
+    from toolspec_core.model.cpu_linears import tune_reduced_linears
+
+    tg = tiny_target(hidden=128, layers=2, seed=3)
+    tg.model.to(torch.bfloat16)
+    tune_reduced_linears(tg.model)
+    prompt = torch.tensor([list(range(5, 45))])
+    new = torch.tensor([[7, 9, 11, 13, 15, 17, 19, 21]])
+
+    def states(chunks):
+        cache, pos, outs = tg.new_cache(), 0, []
+        for ids in chunks:
+            outs.append(tg.hidden(ids, torch.arange(pos, pos + ids.shape[1])[None], None, cache))
+            pos += ids.shape[1]
+        return torch.cat(outs[1:])  # [8, H]
+
+    one_by_one = states([prompt] + [new[:, k : k + 1] for k in range(8)])
+    together = states([prompt, new])
+    assert one_by_one.dtype == torch.bfloat16 and torch.equal(one_by_one, together)

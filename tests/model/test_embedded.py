@@ -150,3 +150,35 @@ def test_replay_recording_is_this_model_s_plain_greedy(qwen):
     r = min(rows, key=lambda x: x["prompt_len"])
     res = generate(qwen, r["prompt_ids"], None, DecodeConfig(max_new_tokens=8))
     assert res.tokens == r["tokens"][:8]
+
+
+@pytest.mark.slow
+def test_embedded_bfloat16_toolspec_greedy_equals_plain_greedy():
+    """In bfloat16 on the CPU (``dtype: bfloat16``, or ``auto`` where the CPU computes it), greedy
+    ToolSpec writes plain greedy's tokens: a tool call drafted many tokens a step, and a text
+    answer whose verify steps' rows rounded differently from one-row steps until one-row linears
+    ran as GEMMs and attention in float32 (``tune_reduced_linears``, ``exact_inputs``)."""
+    target = load_target(dtype=torch.bfloat16)
+    assert target.dtype == torch.bfloat16
+    wanted = {"simple_1", "api_bank-L1-DocumentQA-level-1-3-0"}
+    items = [it for b in ("bfcl_v3", "api_bank") for it in read_jsonl(dev_set(b)) if it["id"] in wanted]
+    assert len(items) == 2
+    method = make_method("toolspec", target.tokenizer)
+    cfg = DecodeConfig(max_new_tokens=40)
+    accepted = 0
+    for it in items:
+        prompt = render_prompt(target.tokenizer, it["messages"], it["tools"])
+        pool = target.block_pool(2 * len(prompt) + 2 * (cfg.max_new_tokens + 64))
+        pre = prefill(target, prompt, pool)
+        plain = generate(target, prompt, None, cfg, pool=pool)
+        spec = generate(
+            target,
+            prompt,
+            method.drafter(RequestInfo(prompt, it["tools"], embedding=pre.hidden)),
+            cfg,
+            CostModel.cpu_reference(),
+            pool=pool,
+        )
+        assert spec.tokens == plain.tokens, it["id"]
+        accepted += sum(spec.stats.accepted)
+    assert accepted > 0

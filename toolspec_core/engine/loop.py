@@ -25,10 +25,10 @@ class Prompt:
     """What running a prompt through the target gives (:func:`prefill`); its KV stays in the pool."""
 
     prompt_ids: list[int]
-    hidden: torch.Tensor  # [H] last-layer state of the final prompt token (a retrieval key)
+    hidden: torch.Tensor  # [H] float32 last-layer state of the final prompt token (a retrieval key)
     seconds: float  # the prefill's forwards
     cached_tokens: int = 0  # prompt tokens found in the pool's prefix cache (not prefilled)
-    states: torch.Tensor | None = None  # [T - cached_tokens, H] every prefilled token's state, when asked for
+    states: torch.Tensor | None = None  # [T - cached_tokens, H] float32 every prefilled token's state, when asked for
 
 
 def prefill(target: Target, prompt_ids: list[int], pool=None, chunk: int = 512, states: bool = False) -> Prompt:
@@ -48,12 +48,12 @@ def prefill(target: Target, prompt_ids: list[int], pool=None, chunk: int = 512, 
     if pool is None:
         pool = target.block_pool(limits.rows_for(len(seq.prompt_ids), 1))
     run_batch(target, [seq], None, limits, pool)
-    return Prompt(
+    return Prompt(  # keys in float32 whatever the model's dtype: numpy, the library's arithmetic, has no bfloat16
         seq.prompt_ids,
-        seq.hidden,
+        seq.hidden.float(),
         seq.stats.prefill_s,
         seq.stats.cached_tokens,
-        torch.cat(seq.states) if states else None,
+        torch.cat(seq.states).float() if states else None,
     )
 
 

@@ -97,6 +97,8 @@ class StepRecord:
     inputs_s: float = 0.0
     commit_s: float = 0.0
     handover_s: float = 0.0  # the step's plan reaching every rank (a tensor-parallel target; part of forward_s)
+    side_s: float = 0.0  # host work needing no result of the step (Scheduler._side_job), wherever it ran
+    hidden_s: float = 0.0  # the part of side_s that ran while the forward did (overlap on; not in host_s)
 
 
 @dataclass
@@ -116,7 +118,10 @@ class Scheduler:
     ``cost``: the budget's curve over total rows of a forward (None: trees as drafted); ``pool``:
     the KV block pool sequences are admitted into (None: each sequence grows its own cache);
     ``device_walk``: walk greedy trees where the argmax is (None: where that is an accelerator --
-    on the CPU there is no device-to-host copy to save, so the plain Python walk is kept).
+    on the CPU there is no device-to-host copy to save, so the plain Python walk is kept);
+    ``overlap``: run the step's host work that needs no result of it while the forward runs
+    (:meth:`_beside_forward`; None: :func:`forward_overlaps_host` -- on unless the target says
+    otherwise; False runs it inline before the forward).
     Not thread-safe: one thread steps it (the server's engine thread).
     """
 
@@ -127,15 +132,18 @@ class Scheduler:
         limits: BatchLimits = BatchLimits(),
         pool: BlockPool | None = None,
         device_walk: bool | None = None,
+        overlap: bool | None = None,
     ):
         self.target, self.cost, self.limits, self.pool = target, cost, limits, pool
         self.device_walk = device_walk
+        self.overlap = forward_overlaps_host(target) if overlap is None else bool(overlap)
         if cost is not None:
             cost.ensure_rows(limits.max_running * (cost.max_nodes + 2) + limits.prefill_chunk)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.steps: list[StepRecord] = []
-        self._worker = None  # the thread that prepares drafters beside the forward (_beside_forward)
+        self._worker = None  # the thread that runs host work beside the forward (_beside_forward)
+        self._unrecorded: list[tuple[Sequence, DraftTree, VerifyResult]] = []  # steps whose stats wait (_commit)
 
     def add(self, seq: Sequence) -> Sequence:
         """Queue ``seq``. A job's limits are checked before it is made
@@ -265,15 +273,16 @@ class Scheduler:
             not reads_logits(seq) for seq, _, done in prefills if done
         )
         on_device, need, walk = self._walks(rows, sum(done for _, _, done in prefills), greedy)
-        side = self._beside_forward()
+        job = self._side_job()
+        inline = side_work(*job) if job is not None and not self.overlap else None  # before the forward
         t1 = time.perf_counter()
         req = StepRequest(segments, logit_rows, full_rows, hidden_rows, walk, need, argmax=greedy)
-        out = self.target.step(req, self.pool)  # waits for the forward: its one copy back
+        out, beside, ended = self._beside_forward(req, job if self.overlap else None)  # waits for the forward
         walks, choice = self._accept(on_device, out)
         t2 = time.perf_counter()
-        if side is not None:
-            side.result()
-        fwd = t2 - t1
+        end = t2 if ended is None else min(ended, t2)
+        side_s, hidden_s = side_times(inline or beside, t1, end)
+        fwd = end - t1
 
         j = h = 0  # completed prompts' logit rows; hidden rows
         for seq, n, done in prefills:
@@ -312,9 +321,11 @@ class Scheduler:
                 draft_rows=draft_rows,
                 draft_s=tb - ta,
                 budget_s=tc - tb,
-                inputs_s=t1 - tc,
+                inputs_s=t1 - tc - (side_s if inline else 0.0),  # side work run before the forward: its own
                 commit_s=t4 - t3,
                 handover_s=out.handover_s,
+                side_s=side_s,
+                hidden_s=hidden_s,
             )
         )
         return finished
@@ -364,30 +375,58 @@ class Scheduler:
             seq.stats.draft_s += share
         return trees
 
-    def _beside_forward(self):
-        """Start, on a worker thread, the prompt-side drafting work of sequences that have not
-        drafted yet (waiting, or still prefilling): it does not depend on this step's result, and
-        the forward releases the GIL (torch ops), so it runs while the forward does. Returns the
-        future to wait on before the step's commits (None: nothing to prepare)."""
+    def _side_job(self) -> tuple[list, list, list] | None:
+        """The step's host work that needs no result of it (:func:`side_work`'s arguments): the
+        prompt-side drafting work of sequences that have not drafted yet (waiting, or still
+        prefilling) and the statistics of the last step's commits (:meth:`_commit`). None: none."""
         todo = [
             s
             for s in list(self.waiting) + self.running
             if not s.prepared and not s.decoding and s.reason is None and s.drafter.prepares
         ]
-        if not todo:
-            return None
         for s in todo:
             s.prepared = True
+        unrecorded, self._unrecorded = self._unrecorded, []
+        if not todo and not unrecorded:
+            return None
+        return [s.drafter for s in todo], [list(s.prompt_ids) for s in todo], unrecorded
+
+    def _beside_forward(self, req: StepRequest, job) -> tuple[StepOutput, tuple[float, float] | None, float | None]:
+        """The step's forward with ``job`` (:meth:`_side_job`; None: nothing beside it) running
+        while it does. A target that launches its step (``launch(req, pool)``, whose ``result()``
+        waits for the forward and whose ``done_at`` is then when it ended: the replay's step model)
+        runs the job on this thread between the two; any other target's ``step`` runs while the
+        worker thread does the job (its forward must release the GIL: an accelerator's copy back).
+        Returns the output, the job's (start, end) ``perf_counter`` (None: no job) and when the
+        forward ended (None: when it returned)."""
+        launch = getattr(self.target, "launch", None) if job is not None else None
+        if launch is not None:
+            pending = launch(req, self.pool)
+            times = side_work(*job)
+            out = pending.result()
+            return out, times, pending.done_at
+        if job is None:
+            return self.target.step(req, self.pool), None, None
         if self._worker is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="toolspec-draft-prep")
-        return self._worker.submit(Proposer.prepare, [s.drafter for s in todo], [list(s.prompt_ids) for s in todo])
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="toolspec-beside-forward")
+        side = self._worker.submit(side_work, *job)
+        out = self.target.step(req, self.pool)
+        return out, side.result(), None
+
+    def _record_unrecorded(self) -> None:
+        """The statistics :meth:`_commit` left for the next step's side work, recorded now (a
+        sequence about to finish: its result carries them)."""
+        unrecorded, self._unrecorded = self._unrecorded, []
+        for seq, tree, result in unrecorded:
+            record_step(seq.stats, tree, result)
 
     def fail_all(self, exc: BaseException) -> list[Sequence]:
         """A step raised: every sequence ends with finish_reason "error" and ``seq.error`` (their KV
         state is no longer known to be consistent, so none of it is registered for reuse); the
         scheduler is empty and usable again."""
+        self._record_unrecorded()
         out = list(self.waiting) + self.running
         self.waiting.clear()
         self.running = []
@@ -447,7 +486,6 @@ class Scheduler:
         except Exception:
             log.exception("drafter feedback of sequence %s failed; it decodes on without drafts", seq.id)
             seq.drafter = NoDrafter()
-        record_step(seq.stats, tree, result)
         forced = seq.constraint.forced() if seq.constraint is not None else []
         seq.stats.forced += len(forced)
         chosen = [tree.tokens[i] for i in result.path] + [result.token]
@@ -456,6 +494,10 @@ class Scheduler:
         logprobs = seq.token_logprobs(own[rows], chosen, forced) if seq.logprobs is not None else None
         seq.emit(chosen + forced, logprobs)
         seq.roots = [result.token] + forced
+        if self.overlap and seq.reason is None:  # counted beside the next forward (_beside_forward)
+            self._unrecorded.append((seq, tree, result))
+        else:
+            record_step(seq.stats, tree, result)
         seq.stats.verify_s += fwd
         seq.stats.verify_step_s.append(fwd)
         seq.stats.commit_s += time.perf_counter() - t
@@ -502,6 +544,8 @@ class Scheduler:
         return True
 
     def _reap(self, finished: list[Sequence]) -> None:
+        if self._unrecorded and any(s.cancelled or s.reason is not None for s in self.running):
+            self._record_unrecorded()
         for seq in list(self.running):
             if seq.cancelled and seq.reason is None:
                 seq.reason = "cancelled"
@@ -511,6 +555,34 @@ class Scheduler:
                     seq.cache.release(seq.tokens)
                 seq.finish()
                 finished.append(seq)
+
+
+def forward_overlaps_host(target) -> bool:
+    """Whether to run host work beside ``target``'s forward: yes unless the target says otherwise
+    (``forward_elsewhere``). A torch forward releases the GIL, so the work runs while it does: on
+    an accelerator (or the replay's step model, which sleeps) it is hidden; on the CPU it shares the
+    forward's cores, and the drafters' prompt-side work then waits on no forward of its own."""
+    said = getattr(target, "forward_elsewhere", None)
+    return True if said is None else bool(said)
+
+
+def side_work(drafters: list, prompts: list[list[int]], unrecorded: list) -> tuple[float, float]:
+    """The step's host work that needs no result of it (:meth:`Scheduler._side_job`):
+    drafters' prompt-side work (:meth:`~toolspec_core.spec.proposer.Proposer.prepare`) and the last
+    step's per-sequence statistics. Returns its (start, end) ``time.perf_counter``."""
+    t = time.perf_counter()
+    Proposer.prepare(drafters, prompts)
+    for seq, tree, result in unrecorded:
+        record_step(seq.stats, tree, result)
+    return t, time.perf_counter()
+
+
+def side_times(side: tuple[float, float] | None, t1: float, t2: float) -> tuple[float, float]:
+    """The side work's seconds and the part of them inside the forward ``t1 .. t2``."""
+    if side is None:
+        return 0.0, 0.0
+    a, b = side
+    return b - a, max(0.0, min(b, t2) - max(a, t1))
 
 
 def keeps_early_steps(seq: Sequence) -> bool:

@@ -146,9 +146,25 @@ def segment_attention(q, k, v, mask, scale: float) -> torch.Tensor:
     """
     _, h, n, d = q.shape
     hkv = k.shape[1]
+    q, k, v, mask, dtype = exact_inputs(q, k, v, mask)
     qg = q.reshape(1, hkv, (h // hkv) * n, d)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [1, H_kv, g*n, D]
-    return out.reshape(1, h, n, d).transpose(1, 2).reshape(1, n, h * d)
+    return out.reshape(1, h, n, d).transpose(1, 2).reshape(1, n, h * d).to(dtype)
+
+
+def exact_inputs(q, k, v, mask):
+    """q, k, v and the mask in float32 where they are a reduced-precision CPU model's, and the
+    dtype the output goes back to. SDPA's bfloat16 CPU kernel rounds a block's softmax weights to
+    bfloat16 before multiplying them with V, and its query blocks follow the rows of the call, so
+    a row's output would depend on how many rows share its call: a verify step's rows would differ
+    from plain decoding's single rows and greedy ToolSpec from plain greedy. In float32 a row's
+    output does not (what the float32 model is tested for); the copies are the rows' K and V,
+    small beside a layer's weights."""
+    dtype = q.dtype
+    if dtype in (torch.float32, torch.float64) or q.device.type != "cpu":
+        return q, k, v, mask, dtype
+    to = torch.float32
+    return q.to(to), k.to(to), v.to(to), None if mask is None else mask.to(to), dtype
 
 
 def causal_attention(q, k, v, scale: float) -> torch.Tensor:
@@ -165,8 +181,9 @@ def causal_attention(q, k, v, scale: float) -> torch.Tensor:
     prefix and over themselves (two calls merged by their log-sum-exps) measured slower than the
     masked call (``python -m benchmarks.studies.prefill_forward``)."""
     _, h, n, d = q.shape
+    q, k, v, _, dtype = exact_inputs(q, k, v, None)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)  # [1, H, n, D]
-    return out.transpose(1, 2).reshape(1, n, h * d)
+    return out.transpose(1, 2).reshape(1, n, h * d).to(dtype)
 
 
 def grouped_mask(mask: torch.Tensor, g: int) -> torch.Tensor:

@@ -186,3 +186,35 @@ def tune_cpu_linears(
         mod.forward = forward
         n += 1
     return n
+
+
+def tune_reduced_linears(model: torch.nn.Module) -> int:
+    """Run every one-row ``nn.Linear`` call of a bfloat16 / float16 CPU model as a two-row call
+    (the row doubled, the copy's output dropped).
+
+    Why: ``F.linear`` in bfloat16 computes one row on a matrix-vector path whose sums run in
+    another order than its GEMM's for two rows or more (Qwen2.5-0.5B's down_proj, 4,864 inputs:
+    one bfloat16 ulp apart), so plain decoding's one-row steps differed from a verify step's rows
+    and greedy ToolSpec from plain greedy. Its GEMM gives a row the same bits whatever the rows
+    beside it (2-600 rows, every weight shape of the model, tested). oneDNN on a weight packed
+    once (:func:`onednn_pack`) was faster at one row (~2.5x, not quiet) but not exact: past ~15
+    rows its 4,864-input product rounds some rows differently from one row. The rows kernel of
+    :func:`tune_cpu_linears` is float32 only. Returns how many layers were wrapped."""
+    import torch.nn.functional as F
+
+    n = 0
+    for mod in model.modules():
+        if not isinstance(mod, torch.nn.Linear) or mod.weight.device.type != "cpu":
+            continue
+        if mod.weight.dtype not in (torch.bfloat16, torch.float16):
+            continue
+
+        def forward(x, weight=mod.weight, bias=mod.bias):
+            if x.numel() != x.shape[-1]:
+                return F.linear(x, weight, bias)
+            flat = x.reshape(1, -1)  # [1, in]
+            return F.linear(flat.expand(2, -1), weight, bias)[:1].reshape(*x.shape[:-1], -1)  # [..., out]
+
+        mod.forward = forward
+        n += 1
+    return n

@@ -11,7 +11,7 @@ import torch
 from toolspec_core.model.attention import use_grouped_sdpa
 from toolspec_core.model.batch_forward import Segment, supports_batched
 from toolspec_core.model.block_pool import pool_for
-from toolspec_core.model.cpu_linears import tune_cpu_linears
+from toolspec_core.model.cpu_linears import tune_cpu_linears, tune_reduced_linears
 from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME, ModelFileError, embedded_model_dir
 from toolspec_core.model.kv import HFKV, KVCache, SeqKV
 from toolspec_core.model.prompting import eos_ids_of
@@ -23,12 +23,39 @@ __all__ = ["StepOutput", "StepRequest", "Target", "cache_kwarg", "from_model", "
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512_BF16 or AMX): there oneDNN's bf16 GEMMs
+    read half the bytes of float32 at the same or a higher FLOP rate; elsewhere bf16 is converted
+    in software and runs slower than float32."""
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        check = getattr(torch.cpu, probe, None)
+        try:
+            if check is not None and check():
+                return True
+        except RuntimeError:
+            pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return bool({"avx512_bf16", "amx_bf16"} & set(line.split()))
+    except OSError:
+        pass
+    return False
+
+
 def resolve_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
-    """A dtype by its config name; ``auto`` is bfloat16 on an accelerator and float32 on the CPU."""
+    """A dtype by its config name. ``auto``: bfloat16 where the device computes it natively -- a
+    CPU with AVX512_BF16 or AMX (:func:`cpu_has_bf16`), a GPU of compute capability 8 or more (or
+    an accelerator this process cannot see, as when a capacity plan is made) -- else float32."""
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
-        return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
+        if str(device).startswith("cpu"):
+            return torch.bfloat16 if cpu_has_bf16() else torch.float32
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            return torch.float32
+        return torch.bfloat16
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; known: auto, {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -214,7 +241,8 @@ def load_target(
     Both go through the same ``from_pretrained`` code path; SDPA attention is required because
     the tree mask is 4D. ``device``: where the model runs (the engine moves its inputs there).
     ``tune_gemm``, ``packed_rows``: see :func:`tune_cpu_linears` (CPU float32 only;
-    ``packed_rows=0`` saves a copy of the weights). ``attention`` / ``cuda_graphs``: see
+    ``packed_rows=0`` saves a copy of the weights); a bfloat16 / float16 CPU model's linears go
+    through :func:`tune_reduced_linears` instead. ``attention`` / ``cuda_graphs``: see
     :class:`Target`.
     """
     from transformers import AutoTokenizer
@@ -237,4 +265,6 @@ def load_target(
         model = model.to(device)
     elif tune_gemm and dtype == torch.float32:
         tune_cpu_linears(model, packed_rows=packed_rows)
+    elif tune_gemm:  # a reduced-precision CPU model: every row computed alike (what greedy identity needs)
+        tune_reduced_linears(model)
     return from_model(model, tok, name=name, attention=attention, cuda_graphs=cuda_graphs)
