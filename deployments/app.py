@@ -9,7 +9,9 @@ deployment (one replica; :mod:`deployments.gate`).
 ``build_app(args)`` is the application builder (``serve run deployments.app:build_app`` and the
 RayService ``import_path``): it validates :class:`~deployments.config.ServeAppConfig` once and
 composes the deployments with handles. The ``Retrieval`` deployment is started only for a
-method that drafts from the call library.
+method that drafts from the call library. With ``ingress: failover`` an ``Ingress`` deployment on
+the head node is the HTTP entry instead, relaying each request to a replica so that a replica
+lost mid-request costs a retry or a retryable error, not a 500 (:mod:`deployments.failover`).
 """
 
 from __future__ import annotations
@@ -60,12 +62,36 @@ class Replica:
         from .http import LocalBackend, make_api
 
         gate = RemoteGate(self.gate, self.host.replica_id) if self.gate is not None else None
-        return make_api(LocalBackend(self.host), self.cfg, gate=gate)
+        self.api = make_api(LocalBackend(self.host), self.cfg, gate=gate)
+        return self.api
+
+    async def asgi(self, scope: dict, body: bytes):
+        """One HTTP request relayed by the ``Ingress`` deployment (``ingress: failover``): the
+        same app Serve's proxy would call, its ASGI messages streamed back in batches."""
+        from .failover import run_asgi
+
+        async for batch in run_asgi(self.api, scope, body):
+            yield batch
 
     def __del__(self):
         host = getattr(self, "host", None)
         if host is not None:
             host.close()
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=4096)
+@serve.ingress()
+class Ingress:
+    """``ingress: failover``: the app's HTTP entry on the head node, relaying each request to an
+    engine replica and answering for a replica lost under it (:mod:`deployments.failover`)."""
+
+    def __init__(self, cfg: ServeAppConfig, replica):
+        self.cfg, self.replica = cfg, replica
+
+    def __serve_build_asgi_app__(self):
+        from .failover import FailoverApp
+
+        return FailoverApp(self.replica.options(stream=True), self.cfg.ingress_retries, self.cfg.ingress_retry_after_s)
 
 
 def retrieval_dim(cfg: ServeAppConfig) -> int:
@@ -108,4 +134,7 @@ def build_app(args: dict | ServeAppConfig | None = None):
             num_replicas=cfg.retrieval.num_replicas, ray_actor_options=cfg.retrieval_actor_options()
         ).bind(cfg, retrieval_dim(cfg))
     gate = Gate.options(ray_actor_options=cfg.gate_actor_options()).bind(cfg)
-    return Replica.options(**cfg.deployment_options()).bind(cfg, retrieval, gate)
+    replica = Replica.options(**cfg.deployment_options()).bind(cfg, retrieval, gate)
+    if cfg.ingress == "failover":
+        return Ingress.options(ray_actor_options=cfg.ingress_actor_options()).bind(cfg, replica)
+    return replica
