@@ -142,15 +142,19 @@ async def _send_json(send: Send, err: APIError) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def read_body(receive) -> bytes | None:
-    """The request's whole body (None when the client went away first)."""
-    parts = []
+async def read_body(receive, limit: int | None = None) -> bytes | None:
+    """The request's body (None when the client went away first), read no further than the
+    first part past ``limit`` bytes: the replica's app refuses a body over its limit (413), so
+    more of it would only cost the ingress memory."""
+    parts, size = [], 0
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
             return None
-        parts.append(msg.get("body", b""))
-        if not msg.get("more_body", False):
+        part = msg.get("body", b"")
+        parts.append(part)
+        size += len(part)
+        if not msg.get("more_body", False) or (limit is not None and size > limit):
             return b"".join(parts)
 
 
@@ -195,8 +199,9 @@ class FailoverApp:
     """The ``Ingress`` deployment's ASGI app: every HTTP request relayed to an engine replica's
     :meth:`asgi` through ``handle`` (a streaming handle of the ``Replica`` deployment)."""
 
-    def __init__(self, handle, retries: int = 1, retry_after_s: int = 1):
+    def __init__(self, handle, retries: int = 1, retry_after_s: int = 1, body_limit: int | None = None):
         self.handle, self.retries, self.retry_after_s = handle, retries, retry_after_s
+        self.body_limit = body_limit  # the replica app's limits.body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -209,7 +214,7 @@ class FailoverApp:
                     return
         if scope["type"] != "http":
             return
-        body = await read_body(receive)
+        body = await read_body(receive, self.body_limit)
         if body is None:
             return
         plain = {k: scope[k] for k in SCOPE_KEYS if k in scope}

@@ -9,7 +9,7 @@ import json
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
-from deployments.failover import REPLICA_LOST, is_replica_lost, relay, run_asgi
+from deployments.failover import REPLICA_LOST, is_replica_lost, read_body, relay, run_asgi
 
 SSE_START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
 JSON_START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
@@ -132,3 +132,19 @@ def test_run_asgi_raises_the_apps_error():
 
     with pytest.raises(KeyError):
         asyncio.run(collect())
+
+
+def test_the_body_is_read_no_further_than_one_part_past_the_limit():
+    parts = [b"ab", b"cd", b"ef", b"gh"]
+
+    def receiver():
+        it = iter(parts)
+
+        async def receive():
+            part = next(it)
+            return {"type": "http.request", "body": part, "more_body": part != parts[-1]}
+
+        return receive
+
+    assert asyncio.run(read_body(receiver())) == b"abcdefgh"
+    assert asyncio.run(read_body(receiver(), limit=3)) == b"abcd"  # over the limit: the replica's 413
