@@ -155,6 +155,12 @@ def test_1_each_deployment_lands_on_the_node_group_the_overlay_gives_it(mn):
     # the overlay's failover ingress: on the head, beside the proxy, never lost with a replica
     assert mn.cfg.ingress == "failover" and where["Ingress"] == ["head"]
     assert [a["group"] for a in actors["Ingress"]] == ["head"]
+    # the Ingress relays, the replica's app validates: its OpenAI errors come through as they are
+    r = httpx.post(mn.chat, json={"model": APP, "messages": "nope"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    big = b'{"model": "mn", "pad": "' + b"a" * mn.cfg.limits.body_bytes + b'"}'
+    chunked = httpx.post(mn.chat, content=iter([big[:1024], big[1024:]]), timeout=60)  # no content-length
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large", chunked.text
 
 
 def test_2_under_load_serve_adds_a_replica_on_the_other_node_they_share_the_library_and_it_drains(mn):
