@@ -198,7 +198,7 @@ class ServeAppConfig(BaseModel):
     # message, and a lost replica costs a retry or a 503 / SSE error with code replica_lost;
     # deployments/failover.py)
     ingress: Literal["replica", "failover"] = "replica"
-    # "failover": tries on another replica when one dies before the response started
+    # "failover": tries on another replica when one is lost before it received the request
     ingress_retries: int = Field(1, ge=0, le=3)
     # "failover": the Retry-After (s) of the 503 a lost replica's request gets
     ingress_retry_after_s: int = Field(1, ge=0, le=600)

@@ -12,9 +12,13 @@ which runs the replica's own API app (:func:`deployments.http.make_api`: still t
 request is parsed and validated) and streams its ASGI messages back. :func:`relay` decides what a
 replica's death costs:
 
-- before any body byte reached the client: the request is sent once more (Serve's router has
-  marked the dead replica and picks another); if that fails too, ``503`` with ``Retry-After``
-  and an OpenAI-style error (type ``server_error``, code ``replica_lost``);
+- before the replica received the request (its receipt, the stream's first, empty batch): the
+  request is sent once more (Serve's router has marked the dead replica and picks another) --
+  the app never ran it, so nothing it does runs twice;
+- after the receipt, before any body byte reached the client (or when the retry fails too):
+  ``503`` with ``Retry-After`` and an OpenAI-style error (type ``server_error``, code
+  ``replica_lost``) -- the replica may have done the request's work (its library write), so a
+  retry is the client's choice;
 - a stream already started: an SSE error event with that error object, then ``[DONE]`` (how the
   API ends every stream that failed mid-way).
 
@@ -89,15 +93,19 @@ async def relay(
     lost: Callable[[BaseException], bool] = is_replica_lost,
 ) -> str:
     """Send the ASGI messages of one request's replica stream (``open_stream()``: batches of
-    messages) to ``send``, answering for a lost replica. The response's start is held until its
-    first body part, so "not started" means the client has seen nothing and a retry is safe to
-    show it. Returns how it ended: ``"ok"``, ``"retried"`` (completed on a later try),
+    messages, the first one empty: the replica's receipt, sent before its app runs) to ``send``,
+    answering for a lost replica. Only a request whose replica died before its receipt is sent
+    again: the app never ran it, so nothing it does (a library write) can happen twice. One lost
+    after its receipt but before any body part gets 503 + ``Retry-After`` (the response's start is
+    held until its first body part: the client has seen nothing); one lost mid-stream ends with
+    an error event. Returns how it ended: ``"ok"``, ``"retried"`` (completed on a later try),
     ``"unavailable"`` (503 sent) or ``"cut"`` (a started stream ended with the error event)."""
     for attempt in range(retries + 1):
         start: Message | None = None
-        started = ended = False
+        received = started = ended = False
         try:
             async for batch in open_stream():
+                received = True
                 for msg in batch:
                     if msg["type"] == "http.response.start":
                         start = msg
@@ -118,10 +126,10 @@ async def relay(
                     return "retried" if attempt else "ok"
                 raise
             err = lost_error(retry_after_s)
+            if not received and attempt < retries:
+                log.warning("replica lost before it received the request (%s); retrying", type(exc).__name__)
+                continue
             if not started:
-                if attempt < retries:
-                    log.warning("replica lost before the response started (%s); retrying", type(exc).__name__)
-                    continue
                 log.warning("replica lost before the response started (%s); 503", type(exc).__name__)
                 await _send_json(send, err)
                 return "unavailable"
@@ -160,7 +168,8 @@ async def read_body(receive, limit: int | None = None) -> bytes | None:
 
 async def run_asgi(app, scope: dict, body: bytes) -> AsyncIterator[list[Message]]:
     """Run ASGI ``app`` on one HTTP request (``scope``, whole ``body``) and yield its messages,
-    every one ready in one batch. The request never reports a disconnect: the caller going away
+    every one ready in one batch, after an empty first batch: the receipt :func:`relay` reads
+    (sent before the app runs). The request never reports a disconnect: the caller going away
     cancels this generator, which cancels the app."""
     out: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -177,6 +186,7 @@ async def run_asgi(app, scope: dict, body: bytes) -> AsyncIterator[list[Message]
     async def send(msg: Message) -> None:
         out.put_nowait(msg)
 
+    yield []  # the receipt
     task = asyncio.ensure_future(app({**scope, "state": {}}, receive, send))
     task.add_done_callback(lambda _: out.put_nowait(done))
     try:

@@ -163,6 +163,26 @@ def test_1_each_deployment_lands_on_the_node_group_the_overlay_gives_it(mn):
     assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large", chunked.text
 
 
+def test_1b_a_client_that_leaves_is_cancelled_through_the_ingress(mn):
+    """A stream the client leaves after a few chunks: Serve cancels the Ingress's request, the
+    cancellation reaches the replica through the handle, and the engine drops the sequence (its
+    batch empty, its KV blocks back) long before the request's 6,000 tokens would have ended."""
+    body = {"model": APP, "messages": MSGS, "max_tokens": DRAIN_TOKENS, "stream": True}
+    health = mn.base[: -len("/v1")] + "/health"
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", mn.chat, json=body) as r:
+            assert r.status_code == 200
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= 6:
+                    break  # leave mid-stream
+
+        def drained():
+            engine = http.get(health).json()["engine"]["engine"]
+            return engine["running"] == 0 and engine["waiting"] == 0 and engine["kv_pool"]["used_blocks"] == 0
+
+        wait_until(drained, timeout=30, every=0.5)  # the request itself would run ~120 s
+
+
 def test_2_under_load_serve_adds_a_replica_on_the_other_node_they_share_the_library_and_it_drains(mn):
     """Queue length over target: Serve starts the second replica (max_replicas 2) on the other
     cpu-replicas node. A call written through one replica is retrieved as a draft on the other.
@@ -243,10 +263,10 @@ def test_3_the_library_survives_its_retrieval_replica_restart(mn):
 def test_4_a_node_lost_under_load_costs_only_its_requests(mn):
     """Under load with both replicas up, one cpu-replicas node is killed (its raylet and every
     process on it) and a fresh node of the group joins, as KubeRay replaces a lost pod. The
-    overlay's failover ingress answers for the lost replica's requests: one whose response had
-    not started is sent again to the other replica (it completes) or gets 503 with Retry-After
-    and code ``replica_lost``; a stream already started ends with an error event of that code,
-    then ``[DONE]``. No 500, no cut stream, none hangs, none sent after the kill fails; the rest
+    overlay's failover ingress answers for the lost replica's requests: one sent to it after it
+    died (before its receipt) goes again to the other replica and completes; one it had received
+    but not begun to answer gets 503 with Retry-After and code ``replica_lost`` (never run twice);
+    a stream already started ends with an error event of that code, then ``[DONE]``. No 500, no cut stream, none hangs, none sent after the kill fails; the rest
     complete; Serve starts the replacement replica on the new node; every call acknowledged by
     a replica on a surviving node is in the library, and no request ran twice."""
     from benchmarks.loadtest.cluster import BackgroundLoad, count

@@ -57,23 +57,36 @@ def test_replica_lost_recognises_actor_death_and_nothing_else():
     assert not is_replica_lost(ValueError("bad request")) and not is_replica_lost(asyncio.CancelledError())
 
 
-def test_death_before_the_start_is_retried_and_the_client_sees_only_the_retry():
-    ok = [[JSON_START, body(b'{"ok": 1}')]]
-    stream = Scripted(([[JSON_START]], ActorDiedError()), (ok, None))
+def test_death_before_the_receipt_is_retried_and_the_client_sees_only_the_retry():
+    ok = [[], [JSON_START, body(b'{"ok": 1}')]]
+    stream = Scripted(([], ActorUnavailableError("gone", None)), (ok, None))
     outcome, sent = run(stream)
     assert outcome == "retried" and stream.opened == 2
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
     assert sent[0]["status"] == 200 and payload(sent) == b'{"ok": 1}'
 
 
-def test_death_on_every_try_before_the_start_is_a_503_with_retry_after():
-    stream = Scripted(([], ActorDiedError()), ([], ActorUnavailableError("gone", None)))
-    outcome, sent = run(stream)
-    assert outcome == "unavailable" and stream.opened == 2
+def assert_lost_503(sent):
     assert sent[0]["status"] == 503 and (b"retry-after", b"2") in sent[0]["headers"]
     err = json.loads(payload(sent))["error"]
     assert err["type"] == "server_error" and err["code"] == REPLICA_LOST
     assert sent[-1]["more_body"] is False
+
+
+def test_death_after_the_receipt_before_the_start_is_a_503_never_a_second_run():
+    """The replica may have done the request's work (its library write): not sent again."""
+    for batches in ([[]], [[], [JSON_START]]):
+        stream = Scripted((batches, ActorDiedError()), ([[], [JSON_START, body(b"{}")]], None))
+        outcome, sent = run(stream)
+        assert outcome == "unavailable" and stream.opened == 1
+        assert_lost_503(sent)
+
+
+def test_death_on_every_try_before_the_receipt_is_a_503_with_retry_after():
+    stream = Scripted(([], ActorDiedError()), ([], ActorUnavailableError("gone", None)))
+    outcome, sent = run(stream)
+    assert outcome == "unavailable" and stream.opened == 2
+    assert_lost_503(sent)
 
 
 def test_no_retries_means_the_first_death_is_the_503():
@@ -83,7 +96,7 @@ def test_no_retries_means_the_first_death_is_the_503():
 
 
 def test_death_after_the_stream_started_ends_it_with_a_retryable_error_event_then_done():
-    chunks = [[SSE_START, body(b'data: {"id": 1}\n\n', more=True)]]
+    chunks = [[], [SSE_START, body(b'data: {"id": 1}\n\n', more=True)]]
     stream = Scripted((chunks, ActorDiedError()))
     outcome, sent = run(stream)
     assert outcome == "cut" and stream.opened == 1  # never sent twice once the client saw a byte
@@ -119,6 +132,7 @@ def test_run_asgi_streams_an_apps_messages_and_its_request_body():
         return [b async for b in run_asgi(app, {"type": "http", "path": "/p"}, b"hi")]
 
     batches = asyncio.run(collect())
+    assert batches[0] == []  # the receipt, before the app ran
     sent = [m for b in batches for m in b]
     assert sent[0]["status"] == 201 and payload(sent) == b"hi/p!"
 
