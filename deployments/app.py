@@ -9,7 +9,9 @@ deployment (one replica; :mod:`deployments.gate`).
 ``build_app(args)`` is the application builder (``serve run deployments.app:build_app`` and the
 RayService ``import_path``): it validates :class:`~deployments.config.ServeAppConfig` once and
 composes the deployments with handles. The ``Retrieval`` deployment is started only for a
-method that drafts from the call library.
+method that drafts from the call library. With ``ingress: failover`` an ``Ingress`` deployment on
+the head node is the HTTP entry instead, relaying each request to a replica so that a replica
+lost mid-request costs a retry or a retryable error, not a 500 (:mod:`deployments.failover`).
 """
 
 from __future__ import annotations
@@ -41,9 +43,7 @@ class Gate(GateServer):
     """The app's per-key limits and request metrics, one count for every replica."""
 
 
-@serve.deployment(name="Replica")
-@serve.ingress()
-class Replica:
+class ReplicaServer:
     """Hosts the engine and serves the OpenAI routes on it (:func:`deployments.http.make_api`).
     Heavy start-up runs off the event loop; the app is built once the engine is up."""
 
@@ -52,20 +52,64 @@ class Replica:
         from .retrieval import RetrievalClient
 
         client = RetrievalClient(retrieval, cfg.retrieval) if retrieval is not None else None
-        self.cfg, self.gate = cfg, gate
+        self.cfg, self.gate, self._api = cfg, gate, None
         self.host = await asyncio.to_thread(EngineHost.build, cfg, client)
 
-    def __serve_build_asgi_app__(self):
-        from .gate import RemoteGate
-        from .http import LocalBackend, make_api
+    def api(self):
+        """The replica's one API app (built on first use)."""
+        if self._api is None:
+            from .gate import RemoteGate
+            from .http import LocalBackend, make_api
 
-        gate = RemoteGate(self.gate, self.host.replica_id) if self.gate is not None else None
-        return make_api(LocalBackend(self.host), self.cfg, gate=gate)
+            gate = RemoteGate(self.gate, self.host.replica_id) if self.gate is not None else None
+            self._api = make_api(LocalBackend(self.host), self.cfg, gate=gate)
+        return self._api
 
     def __del__(self):
         host = getattr(self, "host", None)
         if host is not None:
             host.close()
+
+
+@serve.deployment(name="Replica")
+@serve.ingress()
+class Replica(ReplicaServer):
+    """``ingress: replica``: Serve's proxy calls the replica's API app directly."""
+
+    def __serve_build_asgi_app__(self):
+        return self.api()
+
+
+@serve.deployment(name="Replica")
+class RelayedReplica(ReplicaServer):
+    """``ingress: failover``: the replica's API app, called by the ``Ingress`` deployment (one
+    ASGI ingress per Serve app) through :meth:`asgi`."""
+
+    async def asgi(self, scope: dict, body: bytes):
+        """One HTTP request relayed by the ``Ingress``: the same app Serve's proxy would call,
+        its ASGI messages streamed back in batches."""
+        from .failover import run_asgi
+
+        async for batch in run_asgi(self.api(), scope, body):
+            yield batch
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=4096)
+@serve.ingress()
+class Ingress:
+    """``ingress: failover``: the app's HTTP entry on the head node, relaying each request to an
+    engine replica and answering for a replica lost under it (:mod:`deployments.failover`)."""
+
+    def __init__(self, cfg: ServeAppConfig, replica):
+        self.cfg, self.replica = cfg, replica
+
+    def __serve_build_asgi_app__(self):
+        from .failover import FailoverApp
+
+        cfg = self.cfg
+        return FailoverApp(
+            self.replica.options(stream=True), cfg.ingress_retries, cfg.ingress_retry_after_s, cfg.limits.body_bytes
+        )
 
 
 def retrieval_dim(cfg: ServeAppConfig) -> int:
@@ -108,4 +152,7 @@ def build_app(args: dict | ServeAppConfig | None = None):
             num_replicas=cfg.retrieval.num_replicas, ray_actor_options=cfg.retrieval_actor_options()
         ).bind(cfg, retrieval_dim(cfg))
     gate = Gate.options(ray_actor_options=cfg.gate_actor_options()).bind(cfg)
+    if cfg.ingress == "failover":
+        replica = RelayedReplica.options(**cfg.deployment_options()).bind(cfg, retrieval, gate)
+        return Ingress.options(ray_actor_options=cfg.ingress_actor_options()).bind(cfg, replica)
     return Replica.options(**cfg.deployment_options()).bind(cfg, retrieval, gate)

@@ -11,6 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+# the resource Ray gives the head node alone
+HEAD_RESOURCE = "node:__internal_head__"
+
 
 class AutoscalingConfig(BaseModel):
     """Ray Serve autoscaling on queue length (ongoing requests per replica)."""
@@ -199,6 +202,19 @@ class ServeAppConfig(BaseModel):
     scripted_step_s: float = Field(0.0, ge=0, le=10)
     # the Gate deployment (per-key limits and metrics shared by the replicas)
     gate_num_cpus: float = Field(0.0, ge=0)
+    # the app's HTTP entry: "replica" (Serve's proxy -> an engine replica, which serves the API
+    # itself; a replica lost mid-request is the proxy's plain 500) or "failover" (an ``Ingress``
+    # deployment on the head relays each request to a replica: one more hop per response
+    # message, and a lost replica costs a retry or a 503 / SSE error with code replica_lost;
+    # deployments/failover.py)
+    ingress: Literal["replica", "failover"] = "replica"
+    # "failover": tries on another replica when one is lost before it received the request
+    ingress_retries: int = Field(1, ge=0, le=3)
+    # "failover": the Retry-After (s) of the 503 a lost replica's request gets
+    ingress_retry_after_s: int = Field(1, ge=0, le=600)
+    # "failover": the Ingress deployment's Ray resources; the head node by default (where Serve's
+    # proxy and controller run), never a worker node a replica may be lost with
+    ingress_resources: dict[str, float] = Field(default_factory=lambda: {HEAD_RESOURCE: 0.001})
 
     retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
     # shortcuts for a remote Qdrant (what the k8s manifests set): retrieval.store backend qdrant_url
@@ -315,6 +331,10 @@ class ServeAppConfig(BaseModel):
     def gate_actor_options(self) -> dict:
         """Ray actor options of the ``Gate`` deployment."""
         return {"num_cpus": self.gate_num_cpus}
+
+    def ingress_actor_options(self) -> dict:
+        """Ray actor options of the ``Ingress`` deployment (``ingress: failover``)."""
+        return {"num_cpus": 0, "resources": dict(self.ingress_resources)}
 
     def deployment_options(self) -> dict:
         """Ray Serve options of the engine replica deployment."""

@@ -20,7 +20,7 @@ import json
 import os
 from typing import Any
 
-from .config import ServeAppConfig
+from .config import HEAD_RESOURCE, ServeAppConfig
 
 # Ray's own resource names; everything else a node offers is a custom resource
 CPU, GPU = "CPU", "GPU"
@@ -39,8 +39,9 @@ class NodeGroup:
     max_count: int | None = None  # the most nodes KubeRay's autoscaler may start (``maxReplicas``)
 
     def offers(self) -> dict[str, float]:
-        """What one node of the group offers Ray's scheduler."""
-        return {CPU: self.num_cpus, GPU: self.num_gpus, **dict(self.resources)}
+        """What one node of the group offers Ray's scheduler (the head also Ray's own head resource)."""
+        head = {HEAD_RESOURCE: 1.0} if self.head else {}
+        return {CPU: self.num_cpus, GPU: self.num_gpus, **head, **dict(self.resources)}
 
 
 def start_params(params: dict[str, Any] | None) -> tuple[float | None, float | None, dict[str, float]]:
@@ -108,6 +109,8 @@ def demands(cfg: ServeAppConfig) -> dict[str, dict[str, float]]:
     out = {"Replica": replica, "Gate": _demand(cfg.gate_actor_options())}
     if uses_retrieval(cfg):
         out["Retrieval"] = _demand(cfg.retrieval_actor_options())
+    if cfg.ingress == "failover":
+        out["Ingress"] = _demand(cfg.ingress_actor_options())
     return out
 
 

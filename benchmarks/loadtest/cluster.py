@@ -129,7 +129,8 @@ class BackgroundLoad:
     last one ended (``body(i)``: request ``i``'s JSON). Every request ends as one record, never
     retried: ``ok``, its HTTP ``status`` (None when the connection failed), an ``error`` kind
     (``http_<status>``, ``connection_lost``, ``stream_cut``: a stream that closed without
-    ``[DONE]``, ``timeout``), the ``retry_after`` header, the serving ``replica`` (from the
+    ``[DONE]``, ``stream_<code>``: a stream that ended with an error event, e.g.
+    ``stream_replica_lost``, ``timeout``), the ``retry_after`` header, the serving ``replica`` (from the
     response's ``toolspec`` object) and the times :func:`over_time` reads."""
 
     def __init__(self, url: str, body, concurrency: int, timeout_s: float = 60.0, stagger_s: float = 0.0):
@@ -189,14 +190,17 @@ def send_recorded(http, url: str, index: int, body: dict) -> dict:
                 if resp.status_code != 200:
                     rec["detail"] = resp.read().decode(errors="replace")[:500]
                 else:
-                    done, stats, usage = False, {}, {}
+                    done, stats, usage, error = False, {}, {}, None
                     for line in resp.iter_lines():
                         if line == "data: [DONE]":
                             done = True
                         elif line.startswith("data: "):
                             event = json.loads(line[6:])
                             stats, usage = event.get("toolspec") or stats, event.get("usage") or usage
-                    if not done:
+                            error = event.get("error") or error
+                    if error is not None:
+                        rec["error"], rec["detail"] = f"stream_{error.get('code') or error.get('type')}", error
+                    elif not done:
                         rec["error"] = "stream_cut"
                     else:
                         rec.update(
