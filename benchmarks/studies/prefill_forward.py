@@ -140,10 +140,29 @@ def split_attention(q, k, v, prefix: int, scale: float):
     return ((old * a + new * b) / (a + b)).transpose(1, 2).reshape(1, n, h * d)
 
 
+def blocked_attention(q, k, v, prefix: int, scale: float, block: int = 256):
+    """A causal chunk of n rows after ``prefix`` cached rows in row blocks of ``block``: block j
+    attends through a grouped causal mask over only the keys it may see (the prefix and the
+    chunk's rows up to its own last), so the score blocks right of the diagonal that the one
+    masked call computes and masks away are never computed -> [1, n, H * D]."""
+    import torch
+
+    from toolspec_core.model.batch_forward import causal_mask, grouped_mask, segment_attention
+
+    n = q.shape[2]
+    g = q.shape[1] // k.shape[1]
+    outs = []
+    for a in range(0, n, block):
+        b = min(n, a + block)
+        m = grouped_mask(causal_mask(prefix + a, b - a, q.dtype, q.device), g)
+        outs.append(segment_attention(q[:, :, a:b], k[:, :, : prefix + b], v[:, :, : prefix + b], m, scale))
+    return torch.cat(outs, 1)
+
+
 ATTENTION_ROWS = tuple(range(128, 1025, 64))  # first chunks the sweep times (``--attention-rows``)
 
 
-def attention_rates(rows=ATTENTION_ROWS, repeats: int = 5, rounds: int = 7) -> list[dict]:
+def attention_rates(rows=ATTENTION_ROWS, repeats: int = 5, rounds: int = 7, block: int = 0) -> list[dict]:
     """One layer's prefill attention: causal mask tensor vs the causal kernel.
 
     First chunks (no cached prefix) of each of ``rows``: the grouped masked call
@@ -152,7 +171,9 @@ def attention_rates(rows=ATTENTION_ROWS, repeats: int = 5, rounds: int = 7) -> l
     row count, ``rounds`` times (best of ``repeats`` each), so other work on the machine slows
     both alike: per row count the best time of each over the rounds and the median of the rounds'
     ratios (``speedup``, masked / causal). Then two chunks after a 512-row prefix, masked against
-    :func:`split_attention`. ``max_abs_diff``: the two outputs' largest difference."""
+    :func:`split_attention`. ``block`` > 0: the masked call against :func:`blocked_attention` in
+    row blocks of ``block`` instead, for every case. ``max_abs_diff``: the two outputs' largest
+    difference."""
     import torch
 
     from toolspec_core.model.batch_forward import causal_attention, causal_mask, grouped_mask, segment_attention
@@ -168,6 +189,8 @@ def attention_rates(rows=ATTENTION_ROWS, repeats: int = 5, rounds: int = 7) -> l
         mg = grouped_mask(causal_mask(prefix, n, torch.float32, "cpu"), g)
         other = (lambda q=q, k=k, v=v: causal_attention(q, k, v, scale)) if prefix == 0 else (
             lambda q=q, k=k, v=v, prefix=prefix: split_attention(q, k, v, prefix, scale))  # fmt: skip
+        if block:
+            other = lambda q=q, k=k, v=v, prefix=prefix: blocked_attention(q, k, v, prefix, scale, block)  # noqa: E731
         inputs[(prefix, n)] = (lambda q=q, k=k, v=v, mg=mg: segment_attention(q, k, v, mg, scale)), other
     times: dict[tuple, list[tuple[float, float]]] = {c: [] for c in cases}
     with torch.inference_mode():
@@ -519,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
         "--attention-rows", default="128:1024:64", help="first-chunk rows the attention part sweeps (FROM:TO:STEP)"
     )
     ap.add_argument("--attention-rounds", type=int, default=7)
+    ap.add_argument(
+        "--attention-block", type=int, default=0, help="> 0: the masked call against row blocks of this size"
+    )
     ap.add_argument("--envs", default=",".join(ENVS), help="the env part's configurations (the first is the baseline)")
     ap.add_argument("--env-chunk", type=int, default=512)
     ap.add_argument("--env-worker", action="store_true", help=argparse.SUPPRESS)
@@ -563,7 +589,9 @@ def main(argv: list[str] | None = None) -> int:
                                args.rounds)  # fmt: skip
     if "attention" in parts:
         a, b, step = (int(x) for x in args.attention_rows.split(":"))
-        out["attention"] = attention_rates(tuple(range(a, b + 1, step)), rounds=args.attention_rounds)
+        out["attention"] = attention_rates(
+            tuple(range(a, b + 1, step)), rounds=args.attention_rounds, block=args.attention_block
+        )
         out["causal_from_rows"] = causal_from_rows(out["attention"])
         print(json.dumps({"causal_from_rows": out["causal_from_rows"]}), flush=True)
     if prompts:
