@@ -445,13 +445,14 @@ def env_worker(n_prompts: int, span: str, chunk: int, threads: int) -> None:
 
 
 def env_rates(names: list[str], n_prompts: int, span: str, chunk: int, threads: int, rounds: int) -> list[dict]:
-    """Each configuration of ``names`` (:data:`ENVS`) in a fresh process, interleaved ``rounds`` times."""
+    """Each configuration of ``names`` (:data:`ENVS`) in a fresh process, interleaved ``rounds`` times
+    (every other round in reverse order)."""
     import os
     import sys
 
     runs: dict[str, list[dict]] = {n: [] for n in names}
-    for _ in range(rounds):
-        for name in names:
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:  # each order in turn: no configuration always first
             env = {**os.environ, **ENVS[name]}
             cmd = [sys.executable, "-m", "benchmarks.studies.prefill_forward", "--env-worker", "--prompts", str(n_prompts),
                    "--prompt-chars", span, "--env-chunk", str(chunk), "--threads", str(threads), "--out", "-"]  # fmt: skip
