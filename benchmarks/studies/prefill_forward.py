@@ -140,35 +140,6 @@ def split_attention(q, k, v, prefix: int, scale: float):
     return ((old * a + new * b) / (a + b)).transpose(1, 2).reshape(1, n, h * d)
 
 
-def blocked_masks(prefix: int, n: int, g: int, dtype, device, block: int) -> list[tuple]:
-    """A causal chunk of ``n`` rows after ``prefix`` cached rows as row blocks of ``block``:
-    ``(a, b, mask)`` per block -- rows ``a..b`` of the chunk and their grouped mask
-    [1, 1, g * (b - a), prefix + b] over only the keys they may see (made once, as the forward
-    makes its masks once a step)."""
-    from toolspec_core.model.batch_forward import causal_mask, grouped_mask
-
-    return [
-        (a, min(n, a + block), grouped_mask(causal_mask(prefix + a, min(n, a + block) - a, dtype, device), g))
-        for a in range(0, n, block)
-    ]
-
-
-def blocked_attention(q, k, v, blocks: list[tuple], prefix: int, scale: float):
-    """The candidate: a causal chunk q [1, H, n, D] over k / v [1, H_kv, prefix + n, D] in
-    :func:`blocked_masks`' row blocks, each a grouped masked call over only the keys its rows may
-    see, so the score blocks right of the diagonal that the one masked call computes and masks
-    away are never computed (a 512-row first chunk in two blocks: 3/4 of the score work) ->
-    [1, n, H * D], the one call's output to float rounding."""
-    import torch
-
-    from toolspec_core.model.batch_forward import segment_attention
-
-    outs = [
-        segment_attention(q[:, :, a:b], k[:, :, : prefix + b], v[:, :, : prefix + b], m, scale) for a, b, m in blocks
-    ]
-    return torch.cat(outs, 1)
-
-
 ATTENTION_ROWS = tuple(range(128, 1025, 64))  # first chunks the sweep times (``--attention-rows``)
 
 
@@ -181,12 +152,19 @@ def attention_rates(rows=ATTENTION_ROWS, repeats: int = 5, rounds: int = 7, bloc
     row count, ``rounds`` times (best of ``repeats`` each), so other work on the machine slows
     both alike: per row count the best time of each over the rounds and the median of the rounds'
     ratios (``speedup``, masked / causal). Then two chunks after a 512-row prefix, masked against
-    :func:`split_attention`. ``block`` > 0: the masked call against :func:`blocked_attention` in
+    :func:`split_attention`. ``block`` > 0: the masked call against :func:`~toolspec_core.model.batch_forward.blocked_attention` in
     row blocks of ``block`` instead, for every case. ``max_abs_diff``: the two outputs' largest
     difference."""
     import torch
 
-    from toolspec_core.model.batch_forward import causal_attention, causal_mask, grouped_mask, segment_attention
+    from toolspec_core.model.batch_forward import (
+        blocked_attention,
+        blocked_masks,
+        causal_attention,
+        causal_mask,
+        grouped_mask,
+        segment_attention,
+    )
 
     h, hkv, d = 14, 2, 64
     g, scale = h // hkv, d**-0.5

@@ -366,22 +366,6 @@ def test_loadtest_compares_fenced_calls_in_content_with_tool_calls(tmp_path):
     assert rows["vllm"]["output_tokens"] == 36 and rows["toolspec"]["tool_calls"] == 1
 
 
-@pytest.mark.parametrize(("prefix", "n", "block"), [(0, 512, 256), (512, 388, 256), (5, 9, 4)])
-def test_prefill_forward_row_blocks_equal_the_masked_call(prefix, n, block):
-    """``prefill_forward.blocked_attention`` (the row-block candidate) gives the served masked
-    call's output at the embedded model's attention shape."""
-    import torch
-
-    from benchmarks.studies.prefill_forward import blocked_attention, blocked_masks
-    from toolspec_core.model.batch_forward import causal_mask, grouped_mask, segment_attention
-
-    torch.manual_seed(0)
-    q, k, v = torch.randn(1, 14, n, 64), torch.randn(1, 2, prefix + n, 64), torch.randn(1, 2, prefix + n, 64)
-    got = blocked_attention(q, k, v, blocked_masks(prefix, n, 7, torch.float32, "cpu", block), prefix, 0.125)
-    want = segment_attention(q, k, v, grouped_mask(causal_mask(prefix, n, torch.float32, "cpu"), 7), 0.125)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-
 def test_prefill_forward_parts_of_profiler_operators():
     from benchmarks.studies.prefill_forward import part_of
 
