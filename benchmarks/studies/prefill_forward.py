@@ -25,6 +25,18 @@ vLLM's prefill):
   first chunks, ``rope``), interleaved
   ``--rounds`` times; best and median tokens/s (a shared machine: the best says what the kernels
   do, the spread what other work does).
+* ``breakdown``: where one served prefill's time goes, by the profiler's per-operator self time,
+  grouped into linears (oneDNN / MKL / the rows kernel), attention (SDPA), KV-cache writes and
+  gathers, elementwise work (RMSNorm, rotary, SwiGLU, residuals), and the framework's share (the
+  wall time of an unprofiled prefill less every operator's time: Python, the scheduler, the
+  step runner), on one 512-row first chunk, the scheduler's chunks of a whole prompt and the whole
+  prompt in one forward -- each against the GEMM ceiling (the linears' FLOP at the measured
+  rate of a 512-row MLP GEMM, :func:`benchmarks.studies.prefill_vllm.gemm_gflops`).
+* ``env``: the process environment a served prefill runs under -- OpenMP thread binding
+  (``OMP_PROC_BIND`` / ``OMP_PLACES``; torch's OpenMP here is libgomp) and the C allocator
+  (tcmalloc or jemalloc preloaded) -- each configuration a fresh process loading the served
+  target, the configurations interleaved ``--rounds`` times; per configuration the median over
+  prompts and rounds of its prefill time against the plain process's in the same round.
 * ``compile`` (``--compile``): the decoder traced by ``torch.compile`` (inductor, ``freezing``:
   weights constant-folded and prepacked) for a whole prompt of ``--compile-rows`` rows at once
   (no cache, causal SDPA), the compile time of each shape, its rate against the same function
@@ -131,7 +143,7 @@ def split_attention(q, k, v, prefix: int, scale: float):
 ATTENTION_ROWS = tuple(range(128, 1025, 64))  # first chunks the sweep times (``--attention-rows``)
 
 
-def attention_rates(rows=ATTENTION_ROWS, repeats: int = 5, rounds: int = 7) -> list[dict]:
+def attention_rates(rows=ATTENTION_ROWS, repeats: int = 5, rounds: int = 7, block: int = 0) -> list[dict]:
     """One layer's prefill attention: causal mask tensor vs the causal kernel.
 
     First chunks (no cached prefix) of each of ``rows``: the grouped masked call
@@ -140,10 +152,19 @@ def attention_rates(rows=ATTENTION_ROWS, repeats: int = 5, rounds: int = 7) -> l
     row count, ``rounds`` times (best of ``repeats`` each), so other work on the machine slows
     both alike: per row count the best time of each over the rounds and the median of the rounds'
     ratios (``speedup``, masked / causal). Then two chunks after a 512-row prefix, masked against
-    :func:`split_attention`. ``max_abs_diff``: the two outputs' largest difference."""
+    :func:`split_attention`. ``block`` > 0: the masked call against :func:`~toolspec_core.model.batch_forward.blocked_attention` in
+    row blocks of ``block`` instead, for every case. ``max_abs_diff``: the two outputs' largest
+    difference."""
     import torch
 
-    from toolspec_core.model.batch_forward import causal_attention, causal_mask, grouped_mask, segment_attention
+    from toolspec_core.model.batch_forward import (
+        blocked_attention,
+        blocked_masks,
+        causal_attention,
+        causal_mask,
+        grouped_mask,
+        segment_attention,
+    )
 
     h, hkv, d = 14, 2, 64
     g, scale = h // hkv, d**-0.5
@@ -156,6 +177,9 @@ def attention_rates(rows=ATTENTION_ROWS, repeats: int = 5, rounds: int = 7) -> l
         mg = grouped_mask(causal_mask(prefix, n, torch.float32, "cpu"), g)
         other = (lambda q=q, k=k, v=v: causal_attention(q, k, v, scale)) if prefix == 0 else (
             lambda q=q, k=k, v=v, prefix=prefix: split_attention(q, k, v, prefix, scale))  # fmt: skip
+        if block:  # the masks made once, as the forward makes them once a step
+            bl = blocked_masks(prefix, n, g, torch.float32, "cpu", block)
+            other = lambda q=q, k=k, v=v, prefix=prefix, bl=bl: blocked_attention(q, k, v, bl, prefix, scale)  # noqa: E731
         inputs[(prefix, n)] = (lambda q=q, k=k, v=v, mg=mg: segment_attention(q, k, v, mg, scale)), other
     times: dict[tuple, list[tuple[float, float]]] = {c: [] for c in cases}
     with torch.inference_mode():
@@ -259,6 +283,177 @@ def prefill_rates(target, ids: list[list[int]], chunks=(512, 4096), rounds: int 
     return rows
 
 
+PART_OF = {  # profiler operator name -> part (first match by substring; the rest: "other ops")
+    "linears": ("_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm", "_mkl_linear", "rows_linear"),
+    "attention": ("scaled_dot_product", "flash_attention"),
+    "kv_cache": ("index_copy", "index_select", "aten::copy_", "aten::narrow"),
+    "elementwise": ("aten::mul", "aten::add", "aten::sub", "aten::pow", "aten::mean", "aten::rsqrt", "aten::silu",
+                    "aten::neg", "aten::cat", "aten::to", "aten::embedding", "aten::where", "aten::repeat",
+                    "aten::zeros", "aten::new_zeros", "aten::fill_", "aten::cos", "aten::sin", "aten::matmul",
+                    "aten::bmm"),
+}  # fmt: skip
+
+
+def part_of(name: str) -> str:
+    for part, keys in PART_OF.items():
+        if any(k in name for k in keys):
+            return part
+    return "other ops"
+
+
+def ceiling_gflops(rows: int = 512, repeats: int = 10) -> float:
+    """The GEMM ceiling here: the faster of ``F.linear`` and oneDNN on a weight reordered at load
+    (the served kernel) on the model's MLP shape at ``rows`` rows, best of ``repeats``."""
+    import torch
+    import torch.nn.functional as F
+
+    from toolspec_core.model.cpu_linears import onednn_linear, onednn_pack
+
+    with torch.inference_mode():
+        x, w = torch.randn(rows, 896), torch.randn(4864, 896)
+        dnn = onednn_pack(w)
+        best = best_seconds(lambda: F.linear(x, w), repeats)
+        if dnn is not None:
+            best = min(best, best_seconds(lambda: onednn_linear(x, dnn, None), repeats))
+    return 2 * rows * 896 * 4864 / best / 1e9
+
+
+def prefill_breakdown(target, ids: list[list[int]], rounds: int = 3) -> dict:
+    """Where a served prefill's time goes: per case (one 512-row first chunk; the whole prompt
+    in 512-row chunks, the scheduler's; the whole prompt in one forward), the best unprofiled
+    wall time over ``rounds`` interleaved rounds and every prompt, and, from one profiled run of
+    each, the seconds per part (:data:`PART_OF`) scaled to that wall time's prompt; the
+    framework's share is the wall time less the operators' (Python, scheduler, step runner)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.studies.prefill_vllm import FLOP_PER_TOKEN
+    from toolspec_core.engine.loop import prefill
+
+    gflops = ceiling_gflops()
+    cases = [("first_chunk_512", 512, 512)] + [("prompt_chunks_512", None, 512), ("prompt_whole", None, 4096)]
+    prompts = ids[1:]
+    for _, rows, c in cases:  # warm-up: first calls of each shape
+        prefill(target, (ids[0] * 2)[: rows or len(ids[0])], chunk=c)
+    walls: dict[tuple, list[float]] = {}
+    for _ in range(rounds):
+        for pi, p in enumerate(prompts):
+            for name, rows, c in cases:
+                q = p[:rows] if rows else p
+                (sec,) = call_seconds(lambda: prefill(target, q, chunk=c), 1, warm=False)
+                walls.setdefault((name, pi), []).append(sec)
+    out = {"ceiling_gflops": gflops, "ceiling_tokens_per_s": gflops * 1e9 / FLOP_PER_TOKEN, "cases": []}
+    for name, rows, c in cases:
+        parts: dict[str, float] = {}
+        tokens, wall = 0, 0.0
+        for pi, p in enumerate(prompts):
+            q = p[:rows] if rows else p
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                (psec,) = call_seconds(lambda: prefill(target, q, chunk=c), 1, warm=False)
+            best = min(walls[(name, pi)])
+            scale = best / psec  # the profiled run's operators, scaled to the best unprofiled wall
+            ops = 0.0
+            for ev in prof.key_averages():
+                sec = ev.self_cpu_time_total / 1e6 * scale
+                parts[part_of(ev.key)] = parts.get(part_of(ev.key), 0.0) + sec
+                ops += sec
+            parts["framework"] = parts.get("framework", 0.0) + max(0.0, best - ops)
+            tokens += len(q)
+            wall += best
+        row = {
+            "case": name,
+            "chunk": c,
+            "prompts": len(prompts),
+            "tokens": tokens,
+            "best_tokens_per_s": tokens / wall,
+            "share_of_ceiling": tokens / wall / out["ceiling_tokens_per_s"],
+            "linears_at_ceiling_s": tokens * FLOP_PER_TOKEN / gflops / 1e9,
+            "seconds": {k: round(v, 4) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+            "share": {k: round(v / wall, 4) for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+            "top_ops": [(e.key, round(e.self_cpu_time_total / 1e3, 2)) for e in sorted(
+                prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:14]],
+        }  # fmt: skip
+        row["linears_gflops"] = tokens * FLOP_PER_TOKEN / parts.get("linears", float("nan")) / 1e9
+        row["median_round_tokens_per_s"] = statistics.median(
+            tokens / sum(walls[(name, pi)][r] for pi in range(len(prompts))) for r in range(rounds)
+        )
+        out["cases"].append(row)
+        print(json.dumps(row), flush=True)
+    pairs = [
+        a / b
+        for pi in range(len(prompts))
+        for a, b in zip(walls[("prompt_chunks_512", pi)], walls[("prompt_whole", pi)])
+    ]
+    out["whole_over_chunks_median_of_pairs"] = statistics.median(pairs)  # > 1: the whole prompt at once is faster
+    print(json.dumps({"whole_over_chunks_median_of_pairs": out["whole_over_chunks_median_of_pairs"]}), flush=True)
+    return out
+
+
+LIBDIR = "/usr/lib/x86_64-linux-gnu"
+ENVS = {  # configuration -> environment added to a fresh process (``env``)
+    "plain": {},
+    "bind_close": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
+    "tcmalloc": {"LD_PRELOAD": f"{LIBDIR}/libtcmalloc_minimal.so.4"},
+    "jemalloc": {"LD_PRELOAD": f"{LIBDIR}/libjemalloc.so.2"},
+    "tcmalloc_bind": {"LD_PRELOAD": f"{LIBDIR}/libtcmalloc_minimal.so.4", "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
+}  # fmt: skip
+
+
+def env_worker(n_prompts: int, span: str, chunk: int, threads: int) -> None:
+    """One configuration's process: load the served target, warm up on the first prompt, then
+    print one JSON line of each timed prompt's prefill seconds and its process's sys / user CPU."""
+    import resource
+
+    import torch
+
+    from benchmarks.data import prompt_ids
+    from benchmarks.studies.prefill_vllm import long_prompts
+    from toolspec_core.engine.loop import prefill
+    from toolspec_core.model.target import load_target
+
+    torch.set_num_threads(threads)
+    low, _, high = span.partition(":")
+    target = load_target()
+    ids = [prompt_ids(target.tokenizer, it) for it in long_prompts(n_prompts, (int(low), int(high)))]
+    prefill(target, ids[0], chunk=chunk)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    secs = [call_seconds(lambda p=p: prefill(target, p, chunk=chunk), 1, warm=False)[0] for p in ids[1:]]
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    print("ENV " + json.dumps({"seconds": secs, "tokens": [len(p) for p in ids[1:]], "sys_s": r1.ru_stime - r0.ru_stime,
+                               "user_s": r1.ru_utime - r0.ru_utime, "minor_faults": r1.ru_minflt - r0.ru_minflt}))  # fmt: skip
+
+
+def env_rates(names: list[str], n_prompts: int, span: str, chunk: int, threads: int, rounds: int) -> list[dict]:
+    """Each configuration of ``names`` (:data:`ENVS`) in a fresh process, interleaved ``rounds`` times
+    (every other round in reverse order)."""
+    import os
+    import sys
+
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:  # each order in turn: no configuration always first
+            env = {**os.environ, **ENVS[name]}
+            cmd = [sys.executable, "-m", "benchmarks.studies.prefill_forward", "--env-worker", "--prompts", str(n_prompts),
+                   "--prompt-chars", span, "--env-chunk", str(chunk), "--threads", str(threads), "--out", "-"]  # fmt: skip
+            res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            line = [x for x in res.stdout.splitlines() if x.startswith("ENV ")]
+            if not line:
+                raise RuntimeError(f"{name}: {res.stderr[-2000:]}")
+            runs[name].append(json.loads(line[0][4:]))
+            print(json.dumps({"env": name, **runs[name][-1]}), flush=True)
+    out = []
+    for name in names:
+        ratios = [b / a for ra, rb in zip(runs[name], runs[names[0]]) for a, b in zip(ra["seconds"], rb["seconds"])]
+        tok = [t / s for r in runs[name] for t, s in zip(r["tokens"], r["seconds"])]
+        out.append({
+            "env": name, "vars": ENVS[name], "chunk": chunk, "rounds": rounds,
+            "median_tokens_per_s": statistics.median(tok), "best_tokens_per_s": max(tok),
+            "speedup_vs_" + names[0]: statistics.median(ratios),
+            "sys_s": [r["sys_s"] for r in runs[name]], "minor_faults": [r["minor_faults"] for r in runs[name]],
+        })  # fmt: skip
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def compiled_prefill(ids: list[list[int]], sizes=(512,), repeats: int = 3) -> list[dict]:
     """The decoder compiled by inductor with freezing, for whole prompts of ``sizes`` rows."""
     import torch
@@ -337,10 +532,19 @@ def main(argv: list[str] | None = None) -> int:
         "--attention-rows", default="128:1024:64", help="first-chunk rows the attention part sweeps (FROM:TO:STEP)"
     )
     ap.add_argument("--attention-rounds", type=int, default=7)
+    ap.add_argument(
+        "--attention-block", type=int, default=0, help="> 0: the masked call against row blocks of this size"
+    )
+    ap.add_argument("--envs", default=",".join(ENVS), help="the env part's configurations (the first is the baseline)")
+    ap.add_argument("--env-chunk", type=int, default=512)
+    ap.add_argument("--env-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile", action="store_true", help="also the inductor-compiled whole-prompt forward")
     ap.add_argument("--note", default="", help="what else ran on the machine meanwhile (kept as 'machine')")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.env_worker:
+        env_worker(args.prompts, args.prompt_chars, args.env_chunk, args.threads)
+        return 0
 
     import torch
 
@@ -352,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     low, _, high = args.prompt_chars.partition(":")
     parts = set(args.parts.split(","))
-    prompts = bool(parts & {"prefill"}) or args.compile  # the parts that run the model on the prompts
+    prompts = bool(parts & {"prefill", "breakdown"}) or args.compile  # the parts that run the model on the prompts
     items = long_prompts(args.prompts, (int(low), int(high))) if prompts else []
     out = {
         "what": "float32 CPU prefill forward part by part: projection kernels (GFLOP/s), prefill attention "
@@ -370,15 +574,22 @@ def main(argv: list[str] | None = None) -> int:
     if "linears" in parts:
         out["linears"] = linear_rates()
         out["fused_bitwise_equal_to_parts"] = fused_exact()
+    if "env" in parts:
+        out["env"] = env_rates(args.envs.split(","), args.prompts, args.prompt_chars, args.env_chunk, args.threads,
+                               args.rounds)  # fmt: skip
     if "attention" in parts:
         a, b, step = (int(x) for x in args.attention_rows.split(":"))
-        out["attention"] = attention_rates(tuple(range(a, b + 1, step)), rounds=args.attention_rounds)
+        out["attention"] = attention_rates(
+            tuple(range(a, b + 1, step)), rounds=args.attention_rounds, block=args.attention_block
+        )
         out["causal_from_rows"] = causal_from_rows(out["attention"])
         print(json.dumps({"causal_from_rows": out["causal_from_rows"]}), flush=True)
     if prompts:
         target = load_target()
         ids = [prompt_ids(target.tokenizer, it) for it in items]
         out["mean_prompt_tokens"] = statistics.mean(len(p) for p in ids[1:])
+        if "breakdown" in parts:
+            out["breakdown"] = prefill_breakdown(target, ids, rounds=args.rounds)
         if "prefill" in parts:
             out["prefill"] = prefill_rates(target, ids, rounds=args.rounds)
         del target

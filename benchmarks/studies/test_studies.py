@@ -417,3 +417,13 @@ def test_serve_noray_refuses_the_call_library():
 
     with pytest.raises(SystemExit, match="retrieval.enabled false"):
         serve_noray.main(["--config", '{"model": "scripted", "method": "ar"}'])
+
+
+def test_prefill_forward_parts_of_profiler_operators():
+    from benchmarks.studies.prefill_forward import part_of
+
+    assert part_of("mkldnn::_linear_pointwise") == "linears"
+    assert part_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert part_of("aten::index_copy_") == "kv_cache"
+    assert part_of("aten::silu") == "elementwise"
+    assert part_of("aten::empty") == "other ops"

@@ -12,7 +12,15 @@ from toolspec_core.engine.loop import DecodeConfig, prefill
 from toolspec_core.engine.scheduler import BatchLimits, run_batch
 from toolspec_core.engine.sequence import Sequence
 from toolspec_core.model import batch_forward
-from toolspec_core.model.batch_forward import causal_attention, causal_mask, grouped_mask, rope, segment_attention
+from toolspec_core.model.batch_forward import (
+    blocked_attention,
+    blocked_masks,
+    causal_attention,
+    causal_mask,
+    grouped_mask,
+    rope,
+    segment_attention,
+)
 
 
 @pytest.mark.parametrize("heads", [(4, 2), (14, 2), (4, 4)])
@@ -80,6 +88,47 @@ def test_greedy_output_is_plain_greedy_with_and_without_the_kernel(kernel, monke
         ]
         out = run_batch(tg, seqs, CostModel.flat(), BatchLimits(max_running=3, prefill_chunk=16))
         assert [r.tokens for r in out] == refs
+
+
+@pytest.mark.parametrize(
+    ("prefix", "n", "block"), [(0, 512, 256), (512, 388, 256), (300, 700, 256), (5, 9, 4), (0, 3, 8)]
+)
+def test_row_blocks_equal_the_masked_call(prefix, n, block):
+    """A causal chunk attended in row blocks (each over only the keys it may see) gives the one
+    masked call's output, at the embedded model's attention shape and the served chunk shapes."""
+    h, hkv, d = 14, 2, 64
+    torch.manual_seed(2)
+    q = torch.randn(1, h, n, d)
+    k, v = torch.randn(1, hkv, prefix + n, d), torch.randn(1, hkv, prefix + n, d)
+    blocks = blocked_masks(prefix, n, h // hkv, torch.float32, "cpu", block)
+    assert [(a, b) for a, b, _ in blocks] == [(a, min(n, a + block)) for a in range(0, n, block)]
+    got = blocked_attention(q, k, v, blocks, prefix, d**-0.5)
+    want = segment_attention(q, k, v, grouped_mask(causal_mask(prefix, n, torch.float32, "cpu"), h // hkv), d**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_prefill_chunks_in_row_blocks_give_the_same_states_and_greedy_output(monkeypatch):
+    """Prompt chunks above ``ROW_BLOCK`` rows attend in row blocks: the prompt's hidden states
+    agree with one masked call's, and a batch through the scheduler writes HF's plain greedy."""
+    tg = tiny_target()
+    prompt = [(7 * i) % 90 + 3 for i in range(40)]
+    monkeypatch.setattr(batch_forward, "ROW_BLOCK", 0)
+    off = prefill(tg, prompt, chunk=16, states=True)
+    monkeypatch.setattr(batch_forward, "ROW_BLOCK", 5)
+    calls = []
+    real = batch_forward.blocked_attention
+    monkeypatch.setattr(batch_forward, "blocked_attention", lambda *a: calls.append(len(a[3])) or real(*a))
+    on = prefill(tg, prompt, chunk=16, states=True)
+    layers = tg.model.config.num_hidden_layers
+    assert calls == [4] * layers + [4] * layers + [2] * layers  # chunks of 16, 16, 8 rows in blocks of 5
+    torch.testing.assert_close(on.states, off.states, rtol=1e-5, atol=1e-5)
+    prompts = [[5, 9, 17, 33, 2, 8, 60, 41, 12, 7, 7, 19, 88, 3], [(5 * i) % 90 + 2 for i in range(45)], [4]]
+    refs = [hf_greedy(tg, p, 12) for p in prompts]
+    seqs = [
+        Sequence(tg, p, ScriptedDrafter(branching(r)), DecodeConfig(max_new_tokens=12)) for p, r in zip(prompts, refs)
+    ]
+    out = run_batch(tg, seqs, CostModel.flat(), BatchLimits(max_running=3, prefill_chunk=16))
+    assert [r.tokens for r in out] == refs
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3", "mistral"])
