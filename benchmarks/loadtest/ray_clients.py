@@ -63,7 +63,9 @@ class RayRunner:
         cloudpickle.register_pickle_by_value(sys.modules[__package__])
         if not ray.is_initialized():
             if address == "local":
-                ray.init(num_cpus=local_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+                ray.init(
+                    address="local", num_cpus=local_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False
+                )
             else:
                 ray.init(address=address, log_to_driver=False)
         self.ray = ray
