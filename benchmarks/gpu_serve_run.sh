@@ -28,11 +28,7 @@ PROMPT_CHARS=${PROMPT_CHARS:-2000:8000}
 WARM_TOKENS=${WARM_TOKENS:-2048}  # cuda_graphs_warm_tokens: KV rows whose step shapes are captured at start
 PORT=${PORT:-8000}
 mkdir -p "$OUT"
-exec > >(tee -a "$OUT/run.log") 2>&1
-TEE=$!
-trap 'exec >&- 2>&-; wait "$TEE" 2>/dev/null || true' EXIT  # run.log complete before the script ends
-say() { echo "=== $(date -u +%H:%M:%S) +$(($(date +%s) - START))s: $*"; }
-left() { echo $((BUDGET_S - ($(date +%s) - START))); }
+source benchmarks/gpu_log.sh  # tee to $OUT/run.log, say, left
 
 say "prepare (PARTS=$PARTS, DEVICE=$DEVICE, budget ${BUDGET_S}s)"
 source benchmarks/gpu_prepare.sh

@@ -28,11 +28,7 @@ ITEMS=${ITEMS:-48}
 MAX_NEW=${MAX_NEW:-128}
 COST=${COST:-measured}
 mkdir -p "$OUT/raw"
-exec > >(tee -a "$OUT/run.log") 2>&1
-TEE=$!
-trap 'exec >&- 2>&-; wait "$TEE" 2>/dev/null || true' EXIT  # run.log complete before the script ends
-say() { echo "=== $(date -u +%H:%M:%S) +$(($(date +%s) - START))s: $*"; }
-left() { echo $((BUDGET_S - ($(date +%s) - START))); }
+source benchmarks/gpu_log.sh  # tee to $OUT/run.log, say, left
 
 say "prepare (PARTS=$PARTS, DEVICE=$DEVICE, budget ${BUDGET_S}s)"
 source benchmarks/gpu_prepare.sh
