@@ -249,8 +249,10 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
             masks.append(grouped_mask(widen(m.to(dev, dtype, non_blocking=True), prefix), g))
         elif n >= CAUSAL_MIN_ROWS and prefix == 0 and CAUSAL_KERNEL:
             masks.append("causal")  # a first prefill chunk: causal_attention, no mask tensor
-        elif ROW_BLOCK and n > ROW_BLOCK:
-            masks.append(blocked_masks(prefix, n, g, dtype, dev, ROW_BLOCK))  # a prefill chunk in row blocks
+        elif ROW_BLOCK and n > ROW_BLOCK and dtype == torch.float32:
+            # a prefill chunk in row blocks (float32 only: a bf16 model's greedy identity is tested
+            # without them, and with them one embedded prompt diverged from plain greedy)
+            masks.append(blocked_masks(prefix, n, g, dtype, dev, ROW_BLOCK))
         elif n > 1:
             masks.append(grouped_mask(causal_mask(prefix, n, dtype, dev), g))
         else:
