@@ -72,3 +72,11 @@ def test_a_batch_that_returns_none_drafts_one_by_one():
 
     out = Proposer.propose([One(), One()], [DraftContext([1], 1, 4), DraftContext([1, 2], 1, 4)])
     assert [t.tokens for t in out] == [[1], [2]]
+
+
+def test_a_drafter_class_without_propose_cannot_be_made():
+    class Flagged(DrafterBase):
+        reads_logits = True
+
+    with pytest.raises(TypeError, match="propose"):
+        Flagged()

@@ -19,6 +19,7 @@ sequence's result.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -62,9 +63,10 @@ class Drafter(Protocol):
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None: ...
 
 
-class DrafterBase:
+class DrafterBase(ABC):
     """What every drafter has: the flags (off), no prompt-side work, no feedback, and a batch
-    proposal that drafts one by one (a class that drafts a batch at once overrides it)."""
+    proposal that drafts one by one (a class that drafts a batch at once overrides it). ``propose``
+    is abstract: a drafter class without it cannot be made."""
 
     reads_logits: ClassVar[bool] = False
     prepares: ClassVar[bool] = False
@@ -72,8 +74,9 @@ class DrafterBase:
     def prepare(self, prompt_ids: list[int]) -> None:
         return None
 
+    @abstractmethod
     def propose(self, ctx: DraftContext) -> DraftTree:
-        raise NotImplementedError
+        """The sequence's draft tree at this step (an empty tree: nothing worth drafting)."""
 
     def feedback(self, tree: DraftTree, result: VerifyResult) -> None:
         return None
