@@ -206,12 +206,16 @@ def _spans(log: list[str]) -> list[tuple[list[str], list[str]]]:
     return out
 
 
-def test_overlap_defaults_on_unless_the_target_says_otherwise(tiny):
-    """A torch forward releases the GIL: on (the CPU's too); a target that says where its forward
-    runs (the replay's step model, or one that says no): as it says; an explicit choice wins."""
-    assert forward_overlaps_host(tiny) is True
-    assert Scheduler(tiny).overlap is True
-    assert Scheduler(tiny, overlap=False).overlap is False
+def test_overlap_defaults_to_what_the_target_says(tiny):
+    """A torch target on the CPU: off (its forward uses every core; a worker thread would only add
+    a hand-over each step); a target that says where its forward runs (an accelerator's, the
+    replay's step model, or one that says no): as it says; one that says nothing: off; an explicit
+    choice wins."""
+    assert tiny.forward_elsewhere is False
+    assert forward_overlaps_host(tiny) is False
+    assert Scheduler(tiny).overlap is False
+    assert Scheduler(tiny, overlap=True).overlap is True
+    assert forward_overlaps_host(object()) is False
 
     class Elsewhere:
         forward_elsewhere = True
@@ -221,4 +225,4 @@ def test_overlap_defaults_on_unless_the_target_says_otherwise(tiny):
 
     assert forward_overlaps_host(Elsewhere()) is True
     assert forward_overlaps_host(Here()) is False
-    assert Scheduler(tiny, overlap=None).overlap is True
+    assert Scheduler(Elsewhere(), overlap=None).overlap is True

@@ -120,8 +120,8 @@ class Scheduler:
     ``device_walk``: walk greedy trees where the argmax is (None: where that is an accelerator --
     on the CPU there is no device-to-host copy to save, so the plain Python walk is kept);
     ``overlap``: run the step's host work that needs no result of it while the forward runs
-    (:meth:`_beside_forward`; None: :func:`forward_overlaps_host` -- on unless the target says
-    otherwise; False runs it inline before the forward).
+    (:meth:`_beside_forward`; None: :func:`forward_overlaps_host` -- on where the target's
+    forward runs elsewhere, an accelerator's; False runs it inline before the forward).
     Not thread-safe: one thread steps it (the server's engine thread).
     """
 
@@ -558,12 +558,11 @@ class Scheduler:
 
 
 def forward_overlaps_host(target) -> bool:
-    """Whether to run host work beside ``target``'s forward: yes unless the target says otherwise
-    (``forward_elsewhere``). A torch forward releases the GIL, so the work runs while it does: on
-    an accelerator (or the replay's step model, which sleeps) it is hidden; on the CPU it shares the
-    forward's cores, and the drafters' prompt-side work then waits on no forward of its own."""
-    said = getattr(target, "forward_elsewhere", None)
-    return True if said is None else bool(said)
+    """Whether to run host work beside ``target``'s forward: as the target says
+    (``forward_elsewhere``), no where it says nothing. A torch forward releases the GIL, so on an
+    accelerator (or the replay's step model, which sleeps) the work is hidden behind it; on the CPU
+    the forward already uses every core, and a worker thread would only add a hand-over a step."""
+    return bool(getattr(target, "forward_elsewhere", False))
 
 
 def side_work(drafters: list, prompts: list[list[int]], unrecorded: list) -> tuple[float, float]:

@@ -191,6 +191,14 @@ class Target:
         of every row back; on the CPU the host walk costs less than the tensor ops)."""
         return self.device.type != "cpu"
 
+    @property
+    def forward_elsewhere(self) -> bool:
+        """Whether the forward leaves the host's cores to other work (an accelerator's): the
+        scheduler's default ``overlap`` (:func:`~toolspec_core.engine.scheduler.forward_overlaps_host`).
+        On the CPU the forward already uses every core, so a worker thread beside it only adds a
+        hand-over each step."""
+        return self.device.type != "cpu"
+
     def step(self, req: StepRequest, pool=None) -> StepOutput:
         """One verify forward as the scheduler needs it (:class:`~toolspec_core.model.step_runner.StepRequest`),
         run by the step runner over ``pool``, the pool the segments' caches are in."""
