@@ -1,17 +1,27 @@
-"""The core's import graph: no cycle between its modules, nothing from the layers above it, every
-module importable on its own, and the public API resolves; and no product module or test imports a
-study (``benchmarks/studies``: not installed)."""
+"""The installed packages' import graph (read by ``import_graph``, every import statement counted):
+no cycle between modules, nor between the parts of any package; the core imports nothing from the
+layers above it nor their heavy dependencies, every core module imports on its own, and the public
+API resolves; and no product module or test imports a study (``benchmarks/studies``: not
+installed)."""
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from import_graph import (
+    ROOT,
+    cycles,
+    describe,
+    imports_of,
+    module_graph,
+    modules_under,
+    packages_in,
+    parts_graph,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "toolspec_core"
 # what the engine may never import: the serving / retrieval / benchmark layers and their heavy dependencies
 FORBIDDEN = (
@@ -29,78 +39,79 @@ FORBIDDEN = (
 STUDIES = "benchmarks.studies"
 # where a study may never be imported from: the installed packages and the suite
 PRODUCT_AND_TESTS = ("toolspec_core", "deployments", "retrieval_service", "benchmarks", "tests")
+# the installed packages whose import graph has no cycle
+PRODUCT = ("toolspec_core", "deployments", "retrieval_service")
 
 
 def core_modules() -> dict[str, Path]:
     return modules_under(CORE)
 
 
-def modules_under(folder: Path) -> dict[str, Path]:
-    """Dotted module name -> file, for every ``.py`` below ``folder`` (named from the repository root)."""
-    out = {}
-    for path in sorted(folder.rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = path
-    return out
+def product_modules() -> dict[str, Path]:
+    mods = {}
+    for top in PRODUCT:
+        mods.update(modules_under(ROOT / top))
+    return mods
 
 
-def imports_of(name: str, path: Path) -> set[str]:
-    """Every module ``path`` imports, at the top or inside a function (a lazy import is still an edge)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            found.add(mod)
-            found.update(f"{mod}.{a.name}" for a in node.names)  # "from pkg import module"
-    return found
+def knots(edges) -> str:
+    """Every cycle of ``edges``, each with the import lines that close it (the failure message)."""
+    return "\n".join(describe(c, edges) for c in cycles(edges))
 
 
-def graph() -> dict[str, set[str]]:
-    mods = core_modules()
-    return {name: {m for m in imports_of(name, path) if m in mods and m != name} for name, path in mods.items()}
+def test_the_cycle_finder_sees_each_knot_and_its_path():
+    edges = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {"e": 5}, "e": {"d": 6}, "f": {"a": 7}}
+    assert cycles(edges) == [["a", "b", "c", "a"], ["d", "e", "d"]]
+    assert describe(["d", "e", "d"], edges) == "d\n    -> e  (line 5)\n    -> d  (line 6)"
+    assert cycles({"a": {"b": 1}, "b": {}}) == []
 
 
-def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(n: str) -> list[str] | None:
-        state[n] = 1
-        stack.append(n)
-        for m in sorted(edges.get(n, ())):
-            if state.get(m) == 1:
-                return stack[stack.index(m) :] + [m]
-            if m not in state and (cyc := visit(m)):
-                return cyc
-        state[n] = 2
-        stack.pop()
-        return None
-
-    for n in sorted(edges):
-        if n not in state and (cyc := visit(n)):
-            return cyc
-    return None
+def test_no_import_cycle_between_modules():
+    """No module of the installed packages imports itself back through others -- within the core,
+    within ``deployments`` (``deployments/tp`` counted as its modules), within the retrieval service
+    and across them."""
+    edges = module_graph(product_modules())
+    assert sum(map(len, edges.values())) > 100  # the graph was read
+    if cycles(edges):
+        pytest.fail("import cycles:\n" + knots(edges))
 
 
-def test_find_cycle_sees_a_cycle():
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert find_cycle({"a": {"b"}, "b": set()}) is None
+@pytest.mark.parametrize("package", [p for p in packages_in(product_modules()) if p != "deployments"])
+def test_no_import_cycle_between_the_parts_of_a_package(package):
+    """Within each package, its direct children -- modules, and each subpackage as one part -- import
+    each other in one direction only: ``toolspec_core``'s subpackages, the drafters' modules and
+    ``drafters.toolcall``, and so on down. (``deployments`` is held module by module, above: its
+    ``tp`` subpackage is a set of modules, not one layer.)"""
+    edges = parts_graph(module_graph(product_modules()), package)
+    if cycles(edges):
+        pytest.fail("import cycles:\n" + knots(edges))
 
 
-def test_no_import_cycle_inside_the_core():
-    edges = graph()
-    edges.pop("toolspec_core", None)  # the public API names modules lazily, by string
-    assert len(edges) > 30
-    assert find_cycle(edges) is None
+def test_the_graph_checks_find_a_cycle_in_a_package(tmp_path):
+    """A package written here: ``a`` imports ``b`` inside a function and ``b`` imports ``a`` under
+    ``TYPE_CHECKING`` (a module cycle); ``sub.x`` imports ``c`` and ``c`` takes ``sub.y`` by
+    ``from .sub import y`` (no module cycle, but ``sub`` and ``c`` import each other)."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "a.py": "def f():\n    from pkg import b\n",
+        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n",
+        "c.py": "from .sub import y\n",
+        "sub/__init__.py": "",
+        "sub/x.py": "import pkg.c\n",
+        "sub/y.py": "X = 1\n",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    edges = module_graph(modules_under(pkg, root=tmp_path))
+    assert edges["pkg.c"] == {"pkg.sub.y": 1}  # the module taken from the package, not the package
+    assert cycles(edges) == [["pkg.a", "pkg.b", "pkg.a"]]
+    assert knots(edges) == "pkg.a\n    -> pkg.b  (line 2)\n    -> pkg.a  (line 3)"
+    parts = parts_graph(edges, "pkg")
+    assert cycles(parts) == [["pkg.a", "pkg.b", "pkg.a"], ["pkg.c", "pkg.sub", "pkg.c"]]
+    assert "(pkg.sub.x line 1 imports pkg.c)" in knots(parts)
+    assert cycles(parts_graph(edges, "pkg.sub")) == []
 
 
 def test_the_core_imports_nothing_above_it():

@@ -10,26 +10,27 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from toolspec_core.spec.proposer import Drafter, NoDrafter
-
-if TYPE_CHECKING:
-    from toolspec_core.drafters.toolcall.library import PastCall, RequestKey
 
 
 @dataclass
 class RequestInfo:
-    """Everything a method may use about one request (all optional but the prompt)."""
+    """Everything a method may use about one request (all optional but the prompt).
+
+    The methods import it, the tool-call ones included, so the call library's types are named in
+    words, not imported (``toolcall.library.RequestKey``, ``PastCall``): an import of ``toolcall``
+    here would make ``methods`` and ``toolcall`` import each other."""
 
     prompt_ids: list[int]
     tools: list[dict] = field(default_factory=list)
     tenant: str = "default"
-    embedding: RequestKey | None = None  # the library's key for this request (its text or a vector)
+    embedding: object = None  # the library's key for this request (a RequestKey: its text or a vector)
     remember: bool = True  # False: never store this request's output in any history
     # past calls fetched for this request (retrieval methods): PastCall, or the retrieval service's
     # result dict (``as_past_call``); None: not fetched, the method searches its own library
-    retrieved: list[PastCall | dict] | None = None
+    retrieved: list | None = None
     response_schema: dict | None = None  # the answer is JSON of this schema (response_format; {}: any object)
 
 
