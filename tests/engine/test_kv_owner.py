@@ -1,6 +1,7 @@
 """Who owns a KV row: the block pool holds every sequence's rows -- the hidden retrieval key's
 prompts, prefilled by the scheduler in the pool, and prompts prefilled into the pool before
-their sequences (a benchmark's) --, one place sets a sequence's cache, and nothing else makes one."""
+their sequences (a benchmark's) --, one place sets a sequence's cache, nothing else makes one
+(every cache kind and every maker read from the source), and nothing copies one."""
 
 from __future__ import annotations
 
@@ -191,8 +192,21 @@ def test_a_sequence_cache_is_set_once():
         seq.place_cache(tg.new_cache(), 0)
 
 
-def _scoped(path: Path):
-    """Every AST node of ``path`` with the qualified name of the function or class it is in."""
+# what the cache checks read: everything that runs a model's KV (a study too)
+SCANNED = ("toolspec_core", "deployments", "benchmarks")
+PROTOCOL = ROOT / "toolspec_core" / "model" / "kv.py"
+
+
+def _trees(root: Path = ROOT, packages=SCANNED) -> dict[str, ast.Module]:
+    return {
+        str(path.relative_to(root)): ast.parse(path.read_text())
+        for pkg in packages
+        for path in sorted((root / pkg).rglob("*.py"))
+    }
+
+
+def _scoped(tree: ast.AST):
+    """Every AST node of ``tree`` with the qualified name of the function or class it is in."""
 
     def visit(node, scope):
         for child in ast.iter_child_nodes(node):
@@ -202,13 +216,20 @@ def _scoped(path: Path):
             yield name, child
             yield from visit(child, name)
 
-    return visit(ast.parse(path.read_text()), "")
+    return visit(tree, "")
 
 
-def _calls_and_assignments(path: Path):
+def _functions(tree: ast.Module):
+    """(qualname, in a class, the def) for every function of ``tree``, nested ones included."""
+    for name, node in _scoped(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield name, "." in name, node
+
+
+def _calls_and_assignments(tree: ast.Module):
     """(function qualname, what) for every ``place_cache`` call and every ``._cache`` assignment."""
     out = []
-    for name, node in _scoped(path):
+    for name, node in _scoped(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "place_cache":
             out.append((name, "place_cache"))
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
@@ -222,44 +243,243 @@ def _calls_and_assignments(path: Path):
 def test_one_place_sets_a_sequence_cache():
     """``Scheduler._place`` is the one caller of ``Sequence.place_cache``, and nothing outside
     ``Sequence`` writes its ``_cache``: a second place that sets a sequence's cache fails here."""
-    found = []
-    for pkg in ("toolspec_core", "deployments", "benchmarks"):
-        for path in (ROOT / pkg).rglob("*.py"):
-            found += [(str(path.relative_to(ROOT)), *hit) for hit in _calls_and_assignments(path)]
+    found = [(path, *hit) for path, tree in _trees().items() for hit in _calls_and_assignments(tree)]
     calls = sorted({(p, f) for p, f, what in found if what == "place_cache"})
     writes = sorted({(p, f.split(".")[0]) for p, f, what in found if what == "_cache ="})
     assert calls == [("toolspec_core/engine/scheduler.py", "Scheduler._place")]
     assert writes == [("toolspec_core/engine/sequence.py", "Sequence")]
 
 
-def _constructions(path: Path):
-    """(function qualname, name) of every call of a KV cache class or of ``new_cache``."""
-    kinds = {"SeqKV", "HFKV", "PagedKV", "DynamicCache", "new_cache"}
-    out = []
-    for name, node in _scoped(path):
-        if isinstance(node, ast.Call):
-            f = node.func
-            called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
-            if called in kinds:
-                out.append((name, called))
+def _body(fn: ast.AST):
+    """The nodes of a function's own body (not those of the functions and classes inside it)."""
+    todo = list(ast.iter_child_nodes(fn))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            todo += ast.iter_child_nodes(node)
+
+
+def _module_names(tree: ast.Module) -> set[str]:
+    """The names ``import m`` binds in a file: ``os.open(...)`` is a module's call, not a pool's."""
+    return {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+
+def cache_classes(trees: dict[str, ast.Module]) -> set[str]:
+    """The KV cache kinds, read from the source: every class that implements all of the
+    ``KVCache`` protocol (``model/kv.py``), and every ``*Cache`` class taken from transformers."""
+    proto = next(n for n in ast.walk(ast.parse(PROTOCOL.read_text())) if getattr(n, "name", "") == "KVCache")
+    needed = {f.name for f in proto.body if isinstance(f, ast.FunctionDef)}
+    found = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name != "KVCache":
+                if needed <= {f.name for f in node.body if isinstance(f, ast.FunctionDef)}:
+                    found.add(node.name)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "transformers":
+                found |= {a.name for a in node.names if a.name.endswith("Cache")}
+    return found
+
+
+class Makers:
+    """What makes a KV cache: the cache classes, and every function or method that returns one
+    it made or got from another maker (found to a fixed point, so a wrapper of a maker is one)."""
+
+    def __init__(self, trees: dict[str, ast.Module], classes: set[str]):
+        self.classes, self.functions, self.methods = set(classes), set(), set()
+        self.where: set[str] = set()  # the makers' qualnames
+        changed = True
+        while changed:
+            changed = False
+            for tree in trees.values():
+                modules = _module_names(tree)
+                for qual, method, fn in _functions(tree):
+                    if qual not in self.where and self.returns_a_cache(fn, modules):
+                        self.where.add(qual)
+                        (self.methods if method else self.functions).add(fn.name)
+                        changed = True
+
+    def made(self, node: ast.AST, modules: set[str]) -> str | None:
+        """The class or maker ``node`` calls, if it is a call that makes a cache."""
+        if not isinstance(node, ast.Call):
+            return None
+        f = node.func
+        if isinstance(f, ast.Name):
+            return f.id if f.id in self.classes | self.functions else None
+        if isinstance(f, ast.Attribute):
+            if f.attr in self.classes:
+                return f.attr
+            on_module = isinstance(f.value, ast.Name) and f.value.id in modules
+            if f.attr in (self.functions if on_module else self.methods):
+                return f.attr
+        return None
+
+    def returns_a_cache(self, fn: ast.AST, modules: set[str]) -> bool:
+        bound: set[str] = set()
+        for node in sorted(_body(fn), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0))):
+            if isinstance(node, ast.Assign) and any(self.made(n, modules) for n in ast.walk(node.value)):
+                bound |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            if isinstance(node, ast.Return) and node.value is not None:
+                parts = list(ast.walk(node.value))
+                if any(self.made(n, modules) for n in parts) or any(
+                    isinstance(n, ast.Name) and n.id in bound for n in parts
+                ):
+                    return True
+        return False
+
+
+def _constructions(path: str, tree: ast.Module, makers: Makers):
+    """(file, function qualname, what it calls) for every call that makes a KV cache."""
+    modules = _module_names(tree)
+    out = set()
+    for name, node in _scoped(tree):
+        if made := makers.made(node, modules):
+            out.add((path, name, made))
     return out
 
 
-def test_nothing_outside_the_pool_makes_a_kv_cache():
+# what holds a cache by its name (``seq.cache``, a pool's ``kv``, HF's ``past_key_values``)
+CACHE_NAMES = {"cache", "_cache", "caches", "kv", "hf_cache", "past_key_values"}
+
+
+def _copies(path: str, tree: ast.Module, makers: Makers):
+    """(file, function qualname, line, copies a cache) for every copy in ``tree``: ``copy.copy``,
+    ``copy.deepcopy`` (however imported) and ``.clone()`` / ``.copy()``. What is copied holds a
+    cache if it is a maker's call, a name bound from one in the function, a parameter annotated
+    with a cache kind, ``self`` in a cache class, or an expression through a cache's name."""
+    modules = _module_names(tree)
+    copy_fns = {
+        a.asname or a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == "copy"
+        for a in n.names
+        if a.name in ("copy", "deepcopy")
+    }
+    kinds = makers.classes | {"KVCache"}
+    out = []
+    for qual, _, fn in [("", False, tree), *_functions(tree)]:  # the module's own code too
+        cls = qual.rsplit(".", 2)[-2] if "." in qual else ""
+        held = {"self"} if cls in makers.classes else set()
+        params = fn.args.args + fn.args.kwonlyargs if hasattr(fn, "args") else []
+        held |= {a.arg for a in params if a.annotation is not None and _names(a.annotation) & kinds}
+        for node in sorted(_body(fn), key=lambda n: (getattr(n, "lineno", 0), getattr(n, "col_offset", 0))):
+            if isinstance(node, ast.Assign) and any(makers.made(n, modules) for n in ast.walk(node.value)):
+                held |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            if not isinstance(node, ast.Call):
+                continue
+            f, what = node.func, None
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "copy":
+                what = node.args[0] if f.attr in ("copy", "deepcopy") and node.args else None
+            elif isinstance(f, ast.Name) and f.id in copy_fns:
+                what = node.args[0] if node.args else None
+            elif isinstance(f, ast.Attribute) and f.attr in ("clone", "copy"):
+                what = f.value
+            if what is not None:
+                out.append((path, qual, node.lineno, _holds(what, held, makers, modules)))
+    return out
+
+
+def _names(expr: ast.AST) -> set[str]:
+    return {
+        n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(expr) if isinstance(n, (ast.Name, ast.Attribute))
+    }
+
+
+def _holds(expr: ast.AST, held: set[str], makers: Makers, modules: set[str]) -> bool:
+    if any(makers.made(n, modules) for n in ast.walk(expr)):
+        return True
+    names = {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
+    attrs = {n.attr for n in ast.walk(expr) if isinstance(n, ast.Attribute)}
+    return bool(names & (held | CACHE_NAMES) or attrs & CACHE_NAMES)
+
+
+@pytest.fixture(scope="module")
+def source():
+    trees = _trees()
+    return trees, Makers(trees, cache_classes(trees))
+
+
+def test_the_cache_kinds_and_their_makers_are_read_from_the_source(source):
+    """Every KV cache kind and every function that hands one out, found in the source: a new kind
+    or a new maker fails here until it is named (and its callers are held below)."""
+    trees, makers = source
+    assert makers.classes == {"SeqKV", "HFKV", "PagedKV", "DynamicCache"}
+    assert makers.where == {
+        "BlockPool.open",
+        "RemoteBlockPool.open",
+        "Target.hf_cache",
+        "Target.new_cache",
+        "probe_cache",
+    }
+
+
+def test_nothing_outside_the_pool_makes_a_kv_cache(source):
     """A sequence's KV is a block table the pool opens (``BlockPool.open``, the only maker of a
-    ``PagedKV``; a tensor-parallel rank replays the replica's tables through it); a cache of a
-    sequence's own (``Target.new_cache``) is made only where there is no pool -- admission
-    without one (``Scheduler._place``) and the cost probe of a target without one. A prompt
-    prefilled, cloned or copied anywhere else fails here."""
+    ``PagedKV``; a tensor-parallel rank replays the replica's tables through it, and the replica's
+    pool tells the ranks of each table it opens); a cache of a sequence's own (``Target.new_cache``,
+    over HF's ``Target.hf_cache`` for the families the batched forward does not cover) is made only
+    where there is no pool -- admission without one (``Scheduler._place``) and the cost probe of a
+    target without one. A prompt prefilled into a cache of its own anywhere else fails here."""
+    trees, makers = source
     found = set()
-    for pkg in ("toolspec_core", "deployments", "benchmarks"):
-        for path in (ROOT / pkg).rglob("*.py"):
-            found |= {(str(path.relative_to(ROOT)), *hit) for hit in _constructions(path)}
+    for path, tree in trees.items():
+        found |= _constructions(path, tree, makers)
     assert sorted(found) == [
+        ("deployments/tp/target.py", "RemoteBlockPool.open", "open"),
+        ("deployments/tp/worker.py", "apply_ops", "open"),
         ("toolspec_core/engine/cost_probe.py", "probe_cache", "new_cache"),
+        ("toolspec_core/engine/cost_probe.py", "probe_cache", "open"),
+        ("toolspec_core/engine/cost_probe.py", "probe_steps", "probe_cache"),
         ("toolspec_core/engine/scheduler.py", "Scheduler._place", "new_cache"),
+        ("toolspec_core/engine/scheduler.py", "Scheduler._place", "open"),
         ("toolspec_core/model/block_pool.py", "BlockPool.open", "PagedKV"),
         ("toolspec_core/model/target.py", "Target.hf_cache", "DynamicCache"),
         ("toolspec_core/model/target.py", "Target.new_cache", "HFKV"),
         ("toolspec_core/model/target.py", "Target.new_cache", "SeqKV"),
+        ("toolspec_core/model/target.py", "Target.new_cache", "hf_cache"),
     ]
+
+
+def test_no_kv_cache_is_copied(source):
+    """A cache is never copied (``copy.copy``, ``copy.deepcopy``, ``.clone()``, ``.copy()``): a
+    copy would be a second owner of the same rows, outside the pool's count. The copies the source
+    does make (a chat message, a call tracker) are seen and are not of a cache."""
+    trees, makers = source
+    copies = [c for path, tree in trees.items() for c in _copies(path, tree, makers)]
+    assert len(copies) >= 2  # the reader sees copies
+    assert [c for c in copies if c[3]] == []
+
+
+def test_the_cache_checks_see_a_new_maker_and_a_copy(tmp_path, source):
+    """A module written here: a class whose method returns a ``SeqKV`` it made (a new maker,
+    through a local name), its caller, and three copies of a cache -- ``copy.deepcopy`` of what the
+    maker returned, an aliased ``deepcopy`` of ``seq.cache``, a ``.clone()`` of a cache's rows --
+    beside a ``copy.copy`` of a list, which is no cache's."""
+    _, real = source
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "m.py").write_text(
+        "import copy\n"
+        "from copy import deepcopy as dc\n"
+        "from toolspec_core.model.kv import SeqKV\n"
+        "class Store:\n"
+        "    def fresh(self):\n"
+        "        kv = SeqKV(2)\n"
+        "        return kv\n"
+        "def use(store, seq, rows):\n"
+        "    c = store.fresh()\n"
+        "    a = copy.deepcopy(c)\n"
+        "    b = dc(seq.cache)\n"
+        "    d = seq.cache.layers[0].keys.clone()\n"
+        "    e = copy.copy(rows)\n"
+        "    return a, b, d, e\n"
+    )
+    trees = _trees(tmp_path, ("fake",))
+    makers = Makers(trees, real.classes)
+    assert makers.where == {"Store.fresh"} and makers.methods == {"fresh"}
+    tree = trees["fake/m.py"]
+    assert _constructions("fake/m.py", tree, makers) == {
+        ("fake/m.py", "Store.fresh", "SeqKV"),
+        ("fake/m.py", "use", "fresh"),
+    }
+    copies = _copies("fake/m.py", tree, makers)
+    assert [(line, bad) for _, _, line, bad in copies] == [(10, True), (11, True), (12, True), (13, False)]
