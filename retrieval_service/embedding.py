@@ -10,12 +10,13 @@
 * the target's own last-layer states (``retrieval.key: hidden``): of the final prompt token
   (``pooling="last"``, free at serving time: the engine's prefill hands it to the sequence's
   ``on_prompt`` hook) or their mean over the prompt
-  (``"mean"``); ``from_hidden`` makes the key. This package never runs the target: the
-  ``Embedder`` that does is supplied by the caller (``deployments.hidden_keys.HiddenStateEmbedder``).
+  (``"mean"``); ``from_hidden`` makes the key. This package never runs the target: the caller
+  hands it the states (the replica: those its engine's prefill gives ``on_prompt``).
   Its space changes with the target, so replicas of different models cannot share it.
 
-Which key ranks best is measured by ``benchmarks/studies/retrieval_key_eval.py`` on the three dev sets
-(``benchmarks/results/retrieval/retrieval-key-eval-3bench-*``): with the search restricted to the
+Which key ranks best was measured on the three dev sets
+(``benchmarks/results/retrieval/retrieval-key-eval-3bench-*``, which say the command; the study's
+code is in git at ``5afc378``, ``benchmarks/studies/retrieval_key_eval.py``): with the search restricted to the
 offered tools, the top-1 call is of the right tool for about 0.8 of the requests with every key
 (the embedded Qwen read at its 6th layer 0.835, at its top 0.817, lexical 0.788, hidden 0.788, an
 RRF fusion of qwen and lexical searches 0.839; means of the sets and two orders); only RRF beats
@@ -40,7 +41,7 @@ import numpy as np
 @runtime_checkable
 class Embedder(Protocol):
     """What the library keys a request with. Model-free ones live here; one that runs the serving
-    target lives with the caller, which may import the engine (``deployments.hidden_keys``)."""
+    target lives with the caller, which may import the engine."""
 
     name: str
     dim: int

@@ -1,11 +1,6 @@
-"""The studies' tests use the suite's helpers: ``tests/`` folders on the path, as its conftest puts them."""
+"""The studies' tests run as the suite's do: Ray without its auth token, tokenizers single-threaded."""
 
 import os
-import sys
-from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[2] / "tests"
-for folder in (TESTS, TESTS / "benchmarks", TESTS / "drafters" / "toolcall"):
-    sys.path.insert(0, str(folder))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
