@@ -3,7 +3,7 @@
 * ``MemoryStore`` — numpy, per-tenant matrices; tests and single-process runs.
 * ``EdgeStore`` — ``qdrant-edge-py``: Qdrant's engine in-process on a local directory. The
   embedded default (``EMBEDDED_BACKEND``), chosen by measurement
-  (``python -m benchmarks.studies.bench_store`` -> ``benchmarks/results/retrieval/store-bench-cpu-xeon-26a95a4.json``;
+  (``benchmarks/results/retrieval/store-bench-cpu-xeon-26a95a4.json``, with its command;
   10k points, dim 896, 20 tenants x 25 tools, top-10, one search thread, this 2-core CPU shared
   with other jobs). Search filtered by tenant + tool name: edge median 0.38 ms (p95 0.51) vs
   qdrant-client local mode 165 ms (p95 311) — ~440x; tenant-only filter 0.43 vs 148 ms; one add

@@ -43,7 +43,7 @@ def suffix_key(freq: float, match_len: int, seen: int = 2) -> str:
     """Rate key: empirical continuation frequency x match length (short matches are noise) x
     whether the context was seen only once (a frequency of 1/1 is weak evidence).
 
-    Buckets chosen by offline replay of recorded outputs (``benchmarks.studies.offline_sim``): the
+    Buckets chosen by offline replay of recorded outputs (``benchmarks/studies/offline_sim.py``, in git at ``5afc378``): the
     once-seen and long (>= 6) buckets each learn a clearly different rate.
     """
     fb = "hi" if freq >= 0.8 else "mid" if freq >= 0.4 else "lo"

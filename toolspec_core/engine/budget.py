@@ -121,8 +121,8 @@ class Calibration:
     """Running verify cost per forward size, from real decode steps.
 
     A start-up probe can be far off what decoding pays (on a shared CPU its k-token forwards
-    came out ~25-40% cheaper relative to one token than real steps did, ``python -m
-    benchmarks.studies.kernel_ab``), and an accelerator's curve moves with load -- and so does a CPU's
+    came out ~25-40% cheaper relative to one token than real steps did, by the A/B
+    ``benchmarks/studies/kernel_ab.py`` in git at ``5afc378``), and an accelerator's curve moves with load -- and so does a CPU's
     when other work shares its cores. Every step counts, those with a prefill chunk too (a
     chunk's rows cost what other rows do in the linears; the steps that carry one are where
     the budget prices draft rows, ``tree.allocate``). Each step's seconds go to the bucket of

@@ -6,8 +6,8 @@ token); a verify step has a tree mask, so every layer copied its K and V once pe
 that share a KV head are stacked as ``g * T`` query rows of that head and the mask is repeated
 ``g`` times instead (``g * T * S`` values, tiny at verify sizes). Same function; a 2-32-token verify
 step measured 2-6% faster over a 500-token prefix and 6-20% over a 1,500-token one on the dev CPU
-(``benchmarks/results/measurements/attention-grouped-cpu-epyc-*.json``, ``python -m
-benchmarks.studies.attention_ab``); one-token steps never had the copy.
+(``benchmarks/results/measurements/attention-grouped-cpu-epyc-*.json``, each with its command; the
+study's code is in git at ``5afc378``); one-token steps never had the copy.
 """
 
 from __future__ import annotations

@@ -143,8 +143,9 @@ def tune_cpu_linears(
     reordered once at load into its blocked layout (per layer 4-8 rows cost 1.2-1.5x one row,
     against 1.4-1.9x for ``x @ W.T`` on a transposed copy, the fallback where torch has no oneDNN).
     With ``packed_rows=16`` and no rows kernel, 4..16 rows go through MKL's packed GEMM instead of
-    oneDNN (inputs padded; opt-in, one more weight copy). Measured by ``python -m benchmarks.studies.linear_rows`` ->
-    ``results/measurements/linear-rows-cpu-xeon-bc0b02f.json`` and ``python -m benchmarks.studies.kernel_ab``.
+    oneDNN (inputs padded; opt-in, one more weight copy). Measured in
+    ``results/measurements/linear-rows-cpu-xeon-bc0b02f.json`` (with its command) and by the end-to-end A/B
+    ``benchmarks/studies/kernel_ab.py`` (no result file; its code is in git at ``5afc378``).
     Without the rows kernel, at 1-3 rows (plain decoding included) the faster of ``F.linear`` and
     oneDNN is measured once per weight shape (:func:`small_row_kernels`; ``small_kernels``: shape ->
     choices, given or filled here). ``kernel_module``: a built rows kernel to use instead of

@@ -32,7 +32,7 @@ target's ``attention`` setting (:data:`ATTENTION`): "per_sequence" (the loop), "
 "auto" (ragged on CUDA, per_sequence elsewhere). The CPU keeps the loop: there
 a launch costs nothing and the padded read is extra work -- one padded SDPA call took 1.6-9x the
 loop's time at B = 4-16 (``benchmarks/results/measurements/batch-attention-cpu-epyc-0f934ae.json``,
-``python -m benchmarks.studies.batch_attention_ab``), and FlexAttention, uncompiled on the CPU, 15-83x.
+with its command; the study's code is in git at ``5afc378``), and FlexAttention, uncompiled on the CPU, 15-83x.
 """
 
 from __future__ import annotations
