@@ -144,9 +144,9 @@ def test_no_product_module_or_test_imports_a_study():
 def test_the_import_checks_see_a_study_import(tmp_path):
     """``imports_of`` resolves absolute and relative imports of the studies package."""
     src = tmp_path / "m.py"
-    src.write_text(f"from .studies import regions\nimport {STUDIES}.copy_bound\n")
+    src.write_text(f"from .studies import cluster_run\nimport {STUDIES}.tp_handover\n")
     found = imports_of("benchmarks.m", src)
-    assert {f"{STUDIES}.regions", f"{STUDIES}.copy_bound"} <= found
+    assert {f"{STUDIES}.cluster_run", f"{STUDIES}.tp_handover"} <= found
 
 
 def test_every_core_module_imports_on_its_own():
