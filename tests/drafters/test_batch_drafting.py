@@ -14,6 +14,7 @@ from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.loop import DecodeConfig, prefill
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler
 from toolspec_core.engine.sequence import Sequence
+from toolspec_core.spec.proposer import DrafterBase
 
 pytestmark = pytest.mark.skipif(not RECORDING.exists(), reason="no recording")
 N = 48  # tokens decoded an item: enough for a call's name, keys and first values
@@ -83,6 +84,61 @@ def test_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, item
     assert len(seen) > 50 and all(seen)
     assert fast.tool_sets.hits >= 6 and fast.tool_sets.stats()["entries"] > 0
     assert ref.tool_sets.stats()["entries"] == 0  # the reference compiles nothing
+
+
+class BatchTwin(DrafterBase):
+    """The fast drafters of a step drafted together (``SchemaDrafter.propose_batch``: the suffix
+    walks of all in one compiled call), each tree compared with its reference drafter's, alone.
+    Records instead of asserting: the proposer drafts a batch that raises again one by one."""
+
+    prepares = True
+
+    def __init__(self, fast, ref, seen: list, batches: list):
+        self.fast, self.ref, self.seen, self.batches = fast, ref, seen, batches
+
+    def prepare(self, prompt_ids):
+        self.fast.prepare(prompt_ids)
+        self.ref.prepare(prompt_ids)
+
+    def propose(self, ctx):
+        return Twin.propose(self, ctx)
+
+    @classmethod
+    def propose_batch(cls, drafters, ctxs):
+        trees = type(drafters[0].fast).propose_batch([d.fast for d in drafters], ctxs)
+        drafters[0].batches.append(trees is not None and len(trees))
+        for d, ctx, a in zip(drafters, ctxs, trees or []):
+            b = d.ref.propose(ctx)
+            d.seen.append((a.tokens, a.parents, a.labels, a.conf) == (b.tokens, b.parents, b.labels, b.conf))
+        return trees
+
+    def feedback(self, tree, result):
+        Twin.feedback(self, tree, result)
+
+
+def test_batched_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, items):
+    """B = 6, two groups: every step drafts the batch's fast drafters in one ``propose_batch``
+    (one compiled suffix walk for all of them) and each tree equals the reference drafter's,
+    drafted alone with the Python walk, node for node."""
+    fast, ref = make_method("toolspec", replay.tokenizer), make_method("toolspec", replay.tokenizer, reference=True)
+    seen: list[bool] = []
+    batches: list = []
+    for group in (items[:6], items[6:]):
+        sched = Scheduler(replay, CostModel.cpu_reference(), BatchLimits(max_running=6))
+        seqs = []
+        for it, rec in group:
+            pre, req = _req(replay, it, rec)
+            twin = BatchTwin(fast.drafter(req), ref.drafter(req), seen, batches)
+            seq = Sequence(replay, rec["prompt_ids"], twin, DecodeConfig(max_new_tokens=N))
+            seqs.append((seq, req, rec))
+            sched.add(seq)
+        sched.run()
+        for seq, req, rec in seqs:
+            assert seq.result.tokens == rec["tokens"][:N]
+            for m in (fast, ref):
+                m.observe(req, seq.result.tokens, seq.result.text)
+    assert len(seen) > 50 and all(seen)
+    assert batches and all(batches) and max(batches) == 6  # every step drafted as one batch
 
 
 def _serve(replay, items, overlap: bool, monkeypatch, grammar_on=()):
