@@ -1,5 +1,5 @@
 """Drafting CPU time, A/B by part of the drafter: ``bench --batch --target replay`` with the schema
-drafter's compiled tree merge (``tree_kernel``) on and off, run in turn (alternated, ``--rounds`` times), timing the thread CPU time of the batch
+drafter's compiled parts (``tree_kernel``: the tree merge, the batch's suffix walk) on and off, run in turn (alternated, ``--rounds`` times), timing the thread CPU time of the batch
 drafting call only (``Scheduler._propose_all``) per drafted sequence-step. Trees are the same in
 every variant (tests/drafters/test_batch_drafting.py), so MAT and outputs are too; the report
 checks it.
@@ -23,13 +23,19 @@ from toolspec_core.drafters import tree_kernel
 from toolspec_core.drafters.toolcall import drafter as drafter_mod
 from toolspec_core.engine import scheduler as sched_mod
 
-VARIANTS = {"python": dict(compiled=False), "compiled": dict(compiled=True)}
+VARIANTS = {
+    "python": dict(compiled=False, suffix=False),  # both parts in Python
+    "merge": dict(compiled=True, suffix=False),  # the compiled merge, the suffix walk in Python
+    "compiled": dict(compiled=True, suffix=True),  # both compiled (the default where built)
+}
 
 
-def run_variant(a, compiled: bool) -> dict:
-    load = tree_kernel.load
+def run_variant(a, compiled: bool, suffix: bool = True) -> dict:
+    load, load_suffix = tree_kernel.load, tree_kernel.load_suffix
     if not compiled:
         tree_kernel.load = lambda: None
+    if not suffix:
+        tree_kernel.load_suffix = lambda: None
     cpu = {"s": 0.0, "seq_steps": 0}
     batch_propose = sched_mod.Scheduler._propose_all
 
@@ -62,7 +68,7 @@ def run_variant(a, compiled: bool) -> dict:
     finally:
         sched_mod.Scheduler._propose_all = batch_propose
         gc.callbacks.remove(on_gc)
-        tree_kernel.load = load
+        tree_kernel.load, tree_kernel.load_suffix = load, load_suffix
     outs, mats = [], []
     for rec in run.store.records.values():
         for item, o in sorted(rec["outputs"].items()):

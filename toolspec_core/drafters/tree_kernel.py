@@ -1,6 +1,7 @@
 """The drafting kernels compiled (``kernels/*.c``), built once per machine: the schema tree's
-merge loop (``tree_merge.c``, :func:`load`) and suffix drafting's per-step walk for a batch
-(``suffix_walk.c``, :func:`load_suffix`; ``suffix.walk_batch`` says what it does).
+merge loop (``tree_merge.c``, :func:`load`), suffix drafting's per-step walk for a batch
+(``suffix_walk.c``, :func:`load_suffix`; ``suffix.walk_batch`` says what it does) and the
+boundary tokenizer's ASCII encoder (``bpe.c``, :func:`load_bpe`; ``boundary.native_encoder``).
 
 Why: merging a step's candidates into one trie -- a child lookup and a node append per token,
 a rate per new node, the mass of every node on each chain, the stop test over all nodes, each
@@ -13,7 +14,7 @@ back once per distinct (label, parent label)).
 Built with the system C compiler against this Python's headers (no torch) into the project's
 cache (``~/.cache/toolspec/kernels``, or under ``TOOLSPEC_CACHE``), named by the source's hash,
 on first use (a second or two). Where that is impossible -- no compiler or headers, or
-``TOOLSPEC_TREE_KERNEL=0`` (``TOOLSPEC_SUFFIX_KERNEL=0`` for the suffix walk) -- the loader
+``TOOLSPEC_TREE_KERNEL=0`` (``TOOLSPEC_SUFFIX_KERNEL=0``, ``TOOLSPEC_BPE_KERNEL=0`` for the others) -- the loader
 returns None and the drafter runs its Python loop, which is also the reference the tests compare
 the compiled one against.
 """
@@ -36,6 +37,8 @@ SOURCE = Path(__file__).parent / "kernels" / "tree_merge.c"
 NAME = "toolspec_tree_merge"
 SUFFIX_SOURCE = Path(__file__).parent / "kernels" / "suffix_walk.c"
 SUFFIX_NAME = "toolspec_suffix_walk"
+BPE_SOURCE = Path(__file__).parent / "kernels" / "bpe.c"
+BPE_NAME = "toolspec_bpe"
 # IEEE doubles computed in the Python loop's order: no fused multiply-add, no fast-math
 CFLAGS = ["-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
 
@@ -73,6 +76,12 @@ def load():
 def load_suffix():
     """The compiled suffix walk (``walk``), or None where it cannot be built or is switched off."""
     return _load(SUFFIX_SOURCE, SUFFIX_NAME, "TOOLSPEC_SUFFIX_KERNEL", "suffix drafting walks in Python")
+
+
+@functools.lru_cache(maxsize=1)
+def load_bpe():
+    """The compiled ASCII byte-level BPE encoder (``make``, ``encode``), or None."""
+    return _load(BPE_SOURCE, BPE_NAME, "TOOLSPEC_BPE_KERNEL", "the boundary tokenizer encodes with the tokenizer")
 
 
 def _load(source: Path, name: str, switch: str, fallback: str):
