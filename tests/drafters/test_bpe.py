@@ -74,3 +74,18 @@ def test_text_it_does_not_cover_is_left_to_the_tokenizer(tok, enc):
 def test_the_reference_boundary_tokenizer_never_uses_it(tok):
     assert BoundaryTokenizer(tok, cache_candidates=False)._native is None
     assert BoundaryTokenizer(tok)._native is not None
+
+
+def test_compiled_labels_are_the_python_loops(tok):
+    """``_label_tokens`` compiled (``kernels/bpe.c``) against its Python loop: candidates of
+    several segments over random ASCII text, every token's label."""
+    fast, ref = BoundaryTokenizer(tok), BoundaryTokenizer(tok, cache_candidates=False)
+    assert fast._label_kernel is not None and ref._label_kernel is None
+    rng = random.Random(5)
+    for _ in range(3000):
+        segs = tuple(
+            ("".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 9))), rng.choice("abcde"))
+            for _ in range(rng.randint(1, 4))
+        )
+        tail = tuple(rng.randrange(100, 5000) for _ in range(rng.randint(0, 3)))
+        assert fast.tokenize(tail, segs) == ref.tokenize(tail, segs), segs

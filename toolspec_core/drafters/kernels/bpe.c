@@ -238,7 +238,60 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     return tup;
 }
 
+/* label_tokens(toks, text_labels, chars, chars_of): BoundaryTokenizer._label_tokens -- each
+ * token's label, that of the first segment ending after the token's first character (the last
+ * segment's past the end), a token's characters from the dict ``chars`` or, on a miss,
+ * ``chars_of(token)`` (which fills the dict). A list of labels. */
+static PyObject *label_tokens(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *toks, *text_labels, *chars, *chars_of;
+    if (!PyArg_ParseTuple(args, "O!O!O!O", &PyList_Type, &toks, &PyList_Type, &text_labels, &PyDict_Type, &chars,
+                          &chars_of))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(toks), last = PyList_GET_SIZE(text_labels) - 1, j = 0;
+    if (last < 0 && n) {
+        PyErr_SetString(PyExc_ValueError, "tokens without segments");
+        return NULL;
+    }
+    long long pos = 0;
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        while (j < last) {
+            PyObject *end = PyTuple_GetItem(PyList_GET_ITEM(text_labels, j), 0);
+            if (!end) goto fail;
+            long long e = PyLong_AsLongLong(end);
+            if (e == -1 && PyErr_Occurred()) goto fail;
+            if (pos < e) break;
+            j++;
+        }
+        PyObject *lab = PyTuple_GetItem(PyList_GET_ITEM(text_labels, j), 1);
+        if (!lab) goto fail;
+        Py_INCREF(lab);
+        PyList_SET_ITEM(out, i, lab);
+        PyObject *t = PyList_GET_ITEM(toks, i);
+        PyObject *c = PyDict_GetItemWithError(chars, t);
+        long long nc;
+        if (c) {
+            nc = PyLong_AsLongLong(c);
+        } else {
+            if (PyErr_Occurred()) goto fail;
+            PyObject *r = PyObject_CallOneArg(chars_of, t);
+            if (!r) goto fail;
+            nc = PyLong_AsLongLong(r);
+            Py_DECREF(r);
+        }
+        if (nc == -1 && PyErr_Occurred()) goto fail;
+        pos += nc;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"label_tokens", label_tokens, METH_VARARGS, "Each token's segment label (BoundaryTokenizer._label_tokens)."},
     {"make", make, METH_VARARGS, "An encoder from its byte ids, merges and added tokens."},
     {"encode", encode, METH_VARARGS, "The ids of an ASCII text, or None where the tokenizer must answer."},
     {NULL, NULL, 0, NULL},

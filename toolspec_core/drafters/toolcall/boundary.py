@@ -12,6 +12,8 @@ import json
 import logging
 from functools import lru_cache
 
+from toolspec_core.drafters import tree_kernel
+
 log = logging.getLogger(__name__)
 
 TAIL_TOKENS = 3
@@ -57,8 +59,6 @@ def native_encoder(tokenizer):
 
 
 def _native_encoder(tokenizer):
-    from toolspec_core.drafters import tree_kernel
-
     kernel = tree_kernel.load_bpe()
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if kernel is None or backend is None:
@@ -120,6 +120,8 @@ class BoundaryTokenizer:
         # ASCII text through the compiled encoder (the same ids, a microsecond instead of tens);
         # the reference path (``cache_candidates=False``) always asks the tokenizer
         self._native = native_encoder(tokenizer) if cache_candidates else None
+        kernel = tree_kernel.load_bpe() if cache_candidates else None
+        self._label_kernel = kernel.label_tokens if kernel is not None else None
         self._encode = lru_cache(maxsize=cache_size)(self._encode_uncached)
         self._decode = lru_cache(maxsize=4096)(self._decode_uncached)
         self._chars: dict[int, int] = {}
@@ -187,7 +189,10 @@ class BoundaryTokenizer:
 
     def _label_tokens(self, toks: list[int], text_labels: list[tuple[int, str]]) -> list[str]:
         """Each token's label: that of the first segment ending after the token's first character
-        (the last segment's past the end); segment ends only grow, so one pass."""
+        (the last segment's past the end); segment ends only grow, so one pass (compiled where
+        built: ``kernels/bpe.c``, this loop is its reference)."""
+        if self._label_kernel is not None:
+            return self._label_kernel(toks, text_labels, self._chars, self.chars)
         out, pos, j, last = [], 0, 0, len(text_labels) - 1
         for t in toks:
             while j < last and pos >= text_labels[j][0]:
