@@ -55,7 +55,10 @@ def suffix_key(freq: float, match_len: int, seen: int = 2) -> str:
 # every value of ``suffix_key``, in the order the compiled walk indexes them (frequency bucket,
 # match-length bucket, seen once)
 KEYS = tuple(
-    f"suffix:{fb}:{ml}" + (":1" if once else "") for fb in ("hi", "mid", "lo") for ml in ("L", "l", "s") for once in (0, 1)
+    f"suffix:{fb}:{ml}" + (":1" if once else "")
+    for fb in ("hi", "mid", "lo")
+    for ml in ("L", "l", "s")
+    for once in (0, 1)
 )
 MIN_PROB = 0.01  # a node whose path probability falls below this is not drafted (``grow_from_trie``)
 
