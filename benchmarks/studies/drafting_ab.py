@@ -34,13 +34,15 @@ VARIANTS = {
 
 
 def run_variant(a, compiled: bool, suffix: bool = True, bpe: bool = True) -> dict:
-    load, load_suffix, native = tree_kernel.load, tree_kernel.load_suffix, boundary_mod.native_encoder
+    load, load_suffix, load_bpe = tree_kernel.load, tree_kernel.load_suffix, tree_kernel.load_bpe
+    native = boundary_mod.native_encoder
     if not compiled:
         tree_kernel.load = lambda: None
     if not suffix:
         tree_kernel.load_suffix = lambda: None
-    if not bpe:
+    if not bpe:  # the encoder and the labels' loop (the boundary tokenizers made for this run)
         boundary_mod.native_encoder = lambda tokenizer: None
+        tree_kernel.load_bpe = lambda: None
     cpu = {"s": 0.0, "seq_steps": 0}
     batch_propose = sched_mod.Scheduler._propose_all
 
@@ -73,7 +75,8 @@ def run_variant(a, compiled: bool, suffix: bool = True, bpe: bool = True) -> dic
     finally:
         sched_mod.Scheduler._propose_all = batch_propose
         gc.callbacks.remove(on_gc)
-        tree_kernel.load, tree_kernel.load_suffix, boundary_mod.native_encoder = load, load_suffix, native
+        tree_kernel.load, tree_kernel.load_suffix, tree_kernel.load_bpe = load, load_suffix, load_bpe
+        boundary_mod.native_encoder = native
     outs, mats = [], []
     for rec in run.store.records.values():
         for item, o in sorted(rec["outputs"].items()):

@@ -59,6 +59,24 @@ def _req(replay, it, rec):
     return pre, RequestInfo(prompt_ids=rec["prompt_ids"], tools=it.get("tools") or [], embedding=pre.hidden)
 
 
+def _decode_groups(replay, groups, methods, drafter_of) -> None:
+    """Each group decoded together (B = its size) with ``drafter_of(request)``'s drafters: every
+    output the recording's, then observed by each of ``methods`` (the next group retrieves it)."""
+    for group in groups:
+        sched = Scheduler(replay, CostModel.cpu_reference(), BatchLimits(max_running=len(group)))
+        seqs = []
+        for it, rec in group:
+            pre, req = _req(replay, it, rec)
+            seq = Sequence(replay, rec["prompt_ids"], drafter_of(req), DecodeConfig(max_new_tokens=N))
+            seqs.append((seq, req, rec))
+            sched.add(seq)
+        sched.run()
+        for seq, req, rec in seqs:
+            assert seq.result.tokens == rec["tokens"][:N]
+            for m in methods:
+                m.observe(req, seq.result.tokens, seq.result.text)
+
+
 def test_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, items):
     """B = 6 through the batched scheduler, three groups (the second drafts from the library the first
     filled, the third sends the first's tool sets again: compiled tables and token tables from the
@@ -66,21 +84,13 @@ def test_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, item
     drafter (bounded expansion, compiled tool sets, compiled merge where built) against the reference."""
     fast, ref = make_method("toolspec", replay.tokenizer), make_method("toolspec", replay.tokenizer, reference=True)
     seen: list[bool] = []
-    for group in (items[:6], items[6:], items[:6]):
-        sched = Scheduler(replay, CostModel.cpu_reference(), BatchLimits(max_running=6))
-        seqs = []
-        for it, rec in group:
-            pre, req = _req(replay, it, rec)
-            r = ref.drafter(req)
-            r.suffix.context.lazy = False  # the eager subtrie build
-            seq = Sequence(replay, rec["prompt_ids"], Twin(fast.drafter(req), r, seen), DecodeConfig(max_new_tokens=N))
-            seqs.append((seq, req, rec))
-            sched.add(seq)
-        sched.run()
-        for seq, req, rec in seqs:
-            assert seq.result.tokens == rec["tokens"][:N]
-            for m in (fast, ref):
-                m.observe(req, seq.result.tokens, seq.result.text)
+
+    def twin(req):
+        r = ref.drafter(req)
+        r.suffix.context.lazy = False  # the eager subtrie build
+        return Twin(fast.drafter(req), r, seen)
+
+    _decode_groups(replay, (items[:6], items[6:], items[:6]), (fast, ref), twin)
     assert len(seen) > 50 and all(seen)
     assert fast.tool_sets.hits >= 6 and fast.tool_sets.stats()["entries"] > 0
     assert ref.tool_sets.stats()["entries"] == 0  # the reference compiles nothing
@@ -123,20 +133,8 @@ def test_batched_fast_drafter_trees_equal_the_reference_on_recorded_traffic(repl
     fast, ref = make_method("toolspec", replay.tokenizer), make_method("toolspec", replay.tokenizer, reference=True)
     seen: list[bool] = []
     batches: list = []
-    for group in (items[:6], items[6:]):
-        sched = Scheduler(replay, CostModel.cpu_reference(), BatchLimits(max_running=6))
-        seqs = []
-        for it, rec in group:
-            pre, req = _req(replay, it, rec)
-            twin = BatchTwin(fast.drafter(req), ref.drafter(req), seen, batches)
-            seq = Sequence(replay, rec["prompt_ids"], twin, DecodeConfig(max_new_tokens=N))
-            seqs.append((seq, req, rec))
-            sched.add(seq)
-        sched.run()
-        for seq, req, rec in seqs:
-            assert seq.result.tokens == rec["tokens"][:N]
-            for m in (fast, ref):
-                m.observe(req, seq.result.tokens, seq.result.text)
+    twin = lambda req: BatchTwin(fast.drafter(req), ref.drafter(req), seen, batches)  # noqa: E731
+    _decode_groups(replay, (items[:6], items[6:]), (fast, ref), twin)
     assert len(seen) > 50 and all(seen)
     assert batches and all(batches) and max(batches) == 6  # every step drafted as one batch
 
