@@ -252,8 +252,9 @@ class SchemaDrafter(DrafterBase):
     ):
         """``answer``: the output is a structured answer (response_format) whose schema ``tools``
         holds under ``RESPONSE``; ``layouts``: the target's call layouts (``layouts_for``);
-        ``reference``: every step in Python with the full candidate expansion and the Python tree
-        merge -- the drafter the tests hold this one to (the same trees); ``tables``: the tool
+        ``reference``: every step in Python with the full candidate expansion, the Python tree
+        merge and suffix walk and the tokenizer's own encode -- the drafter the tests hold this one
+        to (the same trees); ``tables``: the tool
         set's compiled schema answers and token table (``compiled``; None: none, every step asks
         the schema functions and the method's tokenizer cache)."""
         self.reference = reference
@@ -521,7 +522,7 @@ class SchemaMethod:
     ):
         """``reference``: every schema candidate expanded, tokenized and merged afresh at every step
         in Python (no bounded expansion, no per-candidate token cache, no compiled tool sets, no
-        compiled merge): the drafter the tests hold the fast one to. ``tool_set_bytes``: the bound
+        compiled merge, suffix walk or ASCII encoder): the drafter the tests hold the fast one to. ``tool_set_bytes``: the bound
         on the compiled tool sets kept (``ToolSetCache``, estimated bytes)."""
         self.tok = tokenizer
         self.reference = reference
