@@ -17,4 +17,6 @@ fi
 # Build the few-rows CPU kernel once (~1 min; toolspec_core/model/rows_kernel.py); without a compiler or AVX2
 # the linears keep the oneDNN / F.linear dispatch.
 .venv/bin/python -c "from toolspec_core.model import rows_kernel; print('rows kernel:', 'built' if rows_kernel.load() else 'unavailable (oneDNN / F.linear dispatch)')"
-.venv/bin/python -c "from toolspec_core.drafters import tree_kernel; print('tree merge kernel:', 'built' if tree_kernel.load() else 'unavailable (Python merge)')"
+# The drafting kernels (toolspec_core/drafters/tree_kernel.py, a second each): without a C compiler or
+# Python's headers each part drafts in Python instead -- the same trees, more host time per step.
+.venv/bin/python -c "from toolspec_core.drafters import tree_kernel as k; print('drafting kernels:', ', '.join(f'{n} ' + ('built' if f() else f'unavailable (no C compiler / Python headers: {py})') for n, f, py in [('tree merge', k.load, 'Python merge'), ('suffix walk', k.load_suffix, 'Python walk'), ('ASCII BPE', k.load_bpe, 'the tokenizer encodes')]))"

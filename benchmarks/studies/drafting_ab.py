@@ -1,5 +1,6 @@
 """Drafting CPU time, A/B by part of the drafter: ``bench --batch --target replay`` with the schema
-drafter's compiled tree merge (``tree_kernel``) on and off, run in turn (alternated, ``--rounds`` times), timing the thread CPU time of the batch
+drafter's compiled parts (``tree_kernel``: the tree merge, the batch's suffix walk, the boundary
+tokenizer's ASCII encoder) on and off, run in turn (alternated, ``--rounds`` times), timing the thread CPU time of the batch
 drafting call only (``Scheduler._propose_all``) per drafted sequence-step. Trees are the same in
 every variant (tests/drafters/test_batch_drafting.py), so MAT and outputs are too; the report
 checks it.
@@ -20,16 +21,28 @@ from pathlib import Path
 from benchmarks.batch import BatchRun
 from benchmarks.cli import parse
 from toolspec_core.drafters import tree_kernel
+from toolspec_core.drafters.toolcall import boundary as boundary_mod
 from toolspec_core.drafters.toolcall import drafter as drafter_mod
 from toolspec_core.engine import scheduler as sched_mod
 
-VARIANTS = {"python": dict(compiled=False), "compiled": dict(compiled=True)}
+VARIANTS = {
+    "python": dict(compiled=False, suffix=False, bpe=False),  # every part in Python
+    "merge": dict(compiled=True, suffix=False, bpe=False),  # the compiled merge only
+    "suffix": dict(compiled=True, suffix=True, bpe=False),  # + the batch's suffix walk
+    "compiled": dict(compiled=True, suffix=True, bpe=True),  # + the ASCII encoder (the default where built)
+}
 
 
-def run_variant(a, compiled: bool) -> dict:
-    load = tree_kernel.load
+def run_variant(a, compiled: bool, suffix: bool = True, bpe: bool = True) -> dict:
+    load, load_suffix, load_bpe = tree_kernel.load, tree_kernel.load_suffix, tree_kernel.load_bpe
+    native = boundary_mod.native_encoder
     if not compiled:
         tree_kernel.load = lambda: None
+    if not suffix:
+        tree_kernel.load_suffix = lambda: None
+    if not bpe:  # the encoder and the labels' loop (the boundary tokenizers made for this run)
+        boundary_mod.native_encoder = lambda tokenizer: None
+        tree_kernel.load_bpe = lambda: None
     cpu = {"s": 0.0, "seq_steps": 0}
     batch_propose = sched_mod.Scheduler._propose_all
 
@@ -62,7 +75,8 @@ def run_variant(a, compiled: bool) -> dict:
     finally:
         sched_mod.Scheduler._propose_all = batch_propose
         gc.callbacks.remove(on_gc)
-        tree_kernel.load = load
+        tree_kernel.load, tree_kernel.load_suffix, tree_kernel.load_bpe = load, load_suffix, load_bpe
+        boundary_mod.native_encoder = native
     outs, mats = [], []
     for rec in run.store.records.values():
         for item, o in sorted(rec["outputs"].items()):

@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.replay import RECORDING, replay_target
+from toolspec_core.drafters import tree_kernel
 from toolspec_core.drafters.methods import RequestInfo, make_method
 from toolspec_core.engine import scheduler as sched_mod
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.loop import DecodeConfig, prefill
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler
 from toolspec_core.engine.sequence import Sequence
+from toolspec_core.spec.proposer import DrafterBase
 
 pytestmark = pytest.mark.skipif(not RECORDING.exists(), reason="no recording")
 N = 48  # tokens decoded an item: enough for a call's name, keys and first values
@@ -58,6 +60,24 @@ def _req(replay, it, rec):
     return pre, RequestInfo(prompt_ids=rec["prompt_ids"], tools=it.get("tools") or [], embedding=pre.hidden)
 
 
+def _decode_groups(replay, groups, methods, drafter_of) -> None:
+    """Each group decoded together (B = its size) with ``drafter_of(request)``'s drafters: every
+    output the recording's, then observed by each of ``methods`` (the next group retrieves it)."""
+    for group in groups:
+        sched = Scheduler(replay, CostModel.cpu_reference(), BatchLimits(max_running=len(group)))
+        seqs = []
+        for it, rec in group:
+            pre, req = _req(replay, it, rec)
+            seq = Sequence(replay, rec["prompt_ids"], drafter_of(req), DecodeConfig(max_new_tokens=N))
+            seqs.append((seq, req, rec))
+            sched.add(seq)
+        sched.run()
+        for seq, req, rec in seqs:
+            assert seq.result.tokens == rec["tokens"][:N]
+            for m in methods:
+                m.observe(req, seq.result.tokens, seq.result.text)
+
+
 def test_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, items):
     """B = 6 through the batched scheduler, three groups (the second drafts from the library the first
     filled, the third sends the first's tool sets again: compiled tables and token tables from the
@@ -65,24 +85,60 @@ def test_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, item
     drafter (bounded expansion, compiled tool sets, compiled merge where built) against the reference."""
     fast, ref = make_method("toolspec", replay.tokenizer), make_method("toolspec", replay.tokenizer, reference=True)
     seen: list[bool] = []
-    for group in (items[:6], items[6:], items[:6]):
-        sched = Scheduler(replay, CostModel.cpu_reference(), BatchLimits(max_running=6))
-        seqs = []
-        for it, rec in group:
-            pre, req = _req(replay, it, rec)
-            r = ref.drafter(req)
-            r.suffix.context.lazy = False  # the eager subtrie build
-            seq = Sequence(replay, rec["prompt_ids"], Twin(fast.drafter(req), r, seen), DecodeConfig(max_new_tokens=N))
-            seqs.append((seq, req, rec))
-            sched.add(seq)
-        sched.run()
-        for seq, req, rec in seqs:
-            assert seq.result.tokens == rec["tokens"][:N]
-            for m in (fast, ref):
-                m.observe(req, seq.result.tokens, seq.result.text)
+
+    def twin(req):
+        r = ref.drafter(req)
+        r.suffix.context.lazy = False  # the eager subtrie build
+        return Twin(fast.drafter(req), r, seen)
+
+    _decode_groups(replay, (items[:6], items[6:], items[:6]), (fast, ref), twin)
     assert len(seen) > 50 and all(seen)
     assert fast.tool_sets.hits >= 6 and fast.tool_sets.stats()["entries"] > 0
     assert ref.tool_sets.stats()["entries"] == 0  # the reference compiles nothing
+
+
+class BatchTwin(DrafterBase):
+    """The fast drafters of a step drafted together (``SchemaDrafter.propose_batch``: the suffix
+    walks of all in one compiled call), each tree compared with its reference drafter's, alone.
+    Records instead of asserting: the proposer drafts a batch that raises again one by one."""
+
+    prepares = True
+
+    def __init__(self, fast, ref, seen: list, batches: list):
+        self.fast, self.ref, self.seen, self.batches = fast, ref, seen, batches
+
+    def prepare(self, prompt_ids):
+        self.fast.prepare(prompt_ids)
+        self.ref.prepare(prompt_ids)
+
+    def propose(self, ctx):
+        return Twin.propose(self, ctx)
+
+    @classmethod
+    def propose_batch(cls, drafters, ctxs):
+        trees = type(drafters[0].fast).propose_batch([d.fast for d in drafters], ctxs)
+        drafters[0].batches.append(trees is not None and len(trees))
+        for d, ctx, a in zip(drafters, ctxs, trees or []):
+            b = d.ref.propose(ctx)
+            d.seen.append((a.tokens, a.parents, a.labels, a.conf) == (b.tokens, b.parents, b.labels, b.conf))
+        return trees
+
+    def feedback(self, tree, result):
+        Twin.feedback(self, tree, result)
+
+
+@pytest.mark.skipif(tree_kernel.load_suffix() is None, reason="no compiled suffix walk: each drafter drafts alone")
+def test_batched_fast_drafter_trees_equal_the_reference_on_recorded_traffic(replay, items):
+    """B = 6, two groups: every step drafts the batch's fast drafters in one ``propose_batch``
+    (one compiled suffix walk for all of them) and each tree equals the reference drafter's,
+    drafted alone with the Python walk, node for node."""
+    fast, ref = make_method("toolspec", replay.tokenizer), make_method("toolspec", replay.tokenizer, reference=True)
+    seen: list[bool] = []
+    batches: list = []
+    twin = lambda req: BatchTwin(fast.drafter(req), ref.drafter(req), seen, batches)  # noqa: E731
+    _decode_groups(replay, (items[:6], items[6:]), (fast, ref), twin)
+    assert len(seen) > 50 and all(seen)
+    assert batches and all(batches) and max(batches) == 6  # every step drafted as one batch
 
 
 def _serve(replay, items, overlap: bool, monkeypatch, grammar_on=()):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 from itertools import count
 
+from toolspec_core.drafters import tree_kernel
 from toolspec_core.drafters.base import LabelRates, update_keyed_rates
 from toolspec_core.drafters.history import TenantHistories
 from toolspec_core.drafters.suffix_trie import ContextIndex, SuffixTrie
@@ -51,6 +52,17 @@ def suffix_key(freq: float, match_len: int, seen: int = 2) -> str:
     return f"suffix:{fb}:{ml}" + (":1" if seen == 1 else "")
 
 
+# every value of ``suffix_key``, in the order the compiled walk indexes them (frequency bucket,
+# match-length bucket, seen once)
+KEYS = tuple(
+    f"suffix:{fb}:{ml}" + (":1" if once else "")
+    for fb in ("hi", "mid", "lo")
+    for ml in ("L", "l", "s")
+    for once in (0, 1)
+)
+MIN_PROB = 0.01  # a node whose path probability falls below this is not drafted (``grow_from_trie``)
+
+
 def grow_from_trie(
     tree: DraftTree,
     keys: dict,
@@ -60,7 +72,7 @@ def grow_from_trie(
     rates: LabelRates,
     max_nodes: int,
     max_depth: int,
-    min_prob: float = 0.01,
+    min_prob: float = MIN_PROB,
     label: str = SUFFIX,
     parent: int = ROOT,
     prefix: tuple[int, ...] = (),
@@ -98,6 +110,15 @@ def grow_from_trie(
             heapq.heappush(heap, (-score, next(tie), c, idx, sub, depth + 1))
 
 
+def walk_batch(jobs: list[tuple]) -> None:
+    """The compiled walks of a step's sequences (``SuffixDrafter.walk_job``), in one call: for
+    each, the context's longest match, its lazily built subtrie and the best-first expansion
+    into the sequence's tree, then the expansion from its history trie's match -- the Python
+    path's nodes, confidences and rate keys bit for bit (``kernels/suffix_walk.c``)."""
+    if jobs:
+        tree_kernel.load_suffix().walk(jobs, KEYS, SUFFIX, MIN_PROB)
+
+
 class SuffixDrafter(DrafterBase):
     """Drafts continuations of the longest matching suffix, from the request's own context
     (prompt + generated so far) and from the method's global history of earlier outputs."""
@@ -105,12 +126,22 @@ class SuffixDrafter(DrafterBase):
     label = SUFFIX
 
     def __init__(
-        self, history: SuffixTrie, rates: LabelRates, depth: int = 32, max_match: int = 8, max_nodes: int = 64
+        self,
+        history: SuffixTrie,
+        rates: LabelRates,
+        depth: int = 32,
+        max_match: int = 8,
+        max_nodes: int = 64,
+        compiled: bool = True,
     ):
+        """``compiled``: the per-step walk in C where it is built (``walk_batch``); False: the
+        Python walk, the reference the tests hold the compiled one to."""
         self.history, self.rates = history, rates
         self.context = ContextIndex(depth)
         self.max_match, self.max_nodes = max_match, max_nodes
         self.keys: dict[tuple[int, ...], str] = {}
+        self.compiled = compiled and tree_kernel.load_suffix() is not None
+        self._rate = lambda key: rates.rate(key, SUFFIX_PRIOR.get(key, 0.3))
 
     def _sync(self, tokens: list[int]) -> None:
         """Append the tokens committed since the last step (the prompt on the first step).
@@ -124,17 +155,59 @@ class SuffixDrafter(DrafterBase):
         self.extend(ctx, tree, ROOT, 1.0)
         return tree
 
+    @classmethod
+    def propose_batch(cls, drafters: list, ctxs: list[DraftContext]) -> list[DraftTree] | None:
+        """Every sequence's tree with one compiled walk for the batch (None: no compiled walk)."""
+        if not all(d.compiled for d in drafters):
+            return None
+        trees = [DraftTree() for _ in drafters]
+        walk_batch([j for d, c, t in zip(drafters, ctxs, trees) if (j := d.walk_job(c, t, ROOT, 1.0)) is not None])
+        return trees
+
     def extend(self, ctx: DraftContext, tree: DraftTree, parent: int, prob: float) -> None:
         """Grow continuations of (context + the draft path to ``parent``) below ``parent`` (at the
         root: plain suffix drafting; below a drafted chain, e.g. a value after the schema's key
         text). Starts a step: the rate keys are this step's."""
+        job = self.walk_job(ctx, tree, parent, prob)
+        if job is not None:
+            walk_batch([job])
+
+    def walk_job(self, ctx: DraftContext, tree: DraftTree, parent: int, prob: float) -> tuple | None:
+        """``extend`` up to the walk: the compiled walk's job for ``walk_batch`` (a step's jobs
+        walk together), or None where nothing is left to walk (no depth left, or the Python
+        walk, ``compiled=False``, which is done here)."""
         self._sync(ctx.tokens)
         self.keys = {}
         chain = [tree.tokens[i] for i in tree.path_to(parent)]
         depth = min(ctx.max_depth, self.context.depth) - len(chain)
         if depth <= 0:
-            return
+            return None
         tail = ctx.tokens[-self.max_match :] + chain  # all a match of <= max_match tokens can see
+        if self.compiled:
+            context = self.context
+            pattern = tail if chain else context.tokens  # longest_match / active_match
+            cap = min(self.max_match, len(pattern), context.depth - 1)
+            hist, hm = self.history.longest_match(tail, self.max_match) if len(self.history) > 1 else (-1, 0)
+            tree.child(ROOT, ROOT)  # the child index in step: the walk adds to it
+            return (
+                tree,
+                self.keys,
+                self._rate,
+                parent,
+                tuple(chain),
+                prob,
+                self.max_nodes,
+                depth,
+                context.tokens,
+                context.where,
+                pattern,
+                cap,
+                context.depth,
+                self.history.kids,
+                self.history.count,
+                hist,
+                hm,
+            )
         here = self.context.longest_match(tail, self.max_match) if chain else self.context.active_match(self.max_match)
         found = [(self.context, here)]
         if len(self.history) > 1:
@@ -154,6 +227,7 @@ class SuffixDrafter(DrafterBase):
                     prefix=tuple(chain),
                     prob=prob,
                 )
+        return None
 
     def feedback(self, tree: DraftTree, result: VerifyResult, owned: bool = False) -> None:
         """``owned``: the tree merged other sources' drafts; learn only from the nodes whose conf is

@@ -1,4 +1,7 @@
-"""The schema tree's merge loop compiled (``kernels/tree_merge.c``), built once per machine.
+"""The drafting kernels compiled (``kernels/*.c``), built once per machine: the schema tree's
+merge loop (``tree_merge.c``, :func:`load`), suffix drafting's per-step walk for a batch
+(``suffix_walk.c``, :func:`load_suffix`; ``suffix.walk_batch`` says what it does) and the
+boundary tokenizer's ASCII encoder (``bpe.c``, :func:`load_bpe`; ``boundary.native_encoder``).
 
 Why: merging a step's candidates into one trie -- a child lookup and a node append per token,
 a rate per new node, the mass of every node on each chain, the stop test over all nodes, each
@@ -11,8 +14,9 @@ back once per distinct (label, parent label)).
 Built with the system C compiler against this Python's headers (no torch) into the project's
 cache (``~/.cache/toolspec/kernels``, or under ``TOOLSPEC_CACHE``), named by the source's hash,
 on first use (a second or two). Where that is impossible -- no compiler or headers, or
-``TOOLSPEC_TREE_KERNEL=0`` -- :func:`load` returns None and ``candidates_to_tree`` runs its
-Python loop, which is also the reference the tests compare the compiled one against.
+``TOOLSPEC_TREE_KERNEL=0`` (``TOOLSPEC_SUFFIX_KERNEL=0``, ``TOOLSPEC_BPE_KERNEL=0`` for the others) -- the loader
+returns None and the drafter runs its Python loop, which is also the reference the tests compare
+the compiled one against.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "tree_merge.c"
 NAME = "toolspec_tree_merge"
+SUFFIX_SOURCE = Path(__file__).parent / "kernels" / "suffix_walk.c"
+SUFFIX_NAME = "toolspec_suffix_walk"
+BPE_SOURCE = Path(__file__).parent / "kernels" / "bpe.c"
+BPE_NAME = "toolspec_bpe"
 # IEEE doubles computed in the Python loop's order: no fused multiply-add, no fast-math
 CFLAGS = ["-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
 
@@ -41,13 +49,13 @@ def build_dir() -> Path:
     return cache_root() / "kernels" / f"tree-merge-{sysconfig.get_config_var('SOABI')}"
 
 
-def build(source: Path = SOURCE, directory: Path | None = None) -> Path:
+def build(source: Path = SOURCE, directory: Path | None = None, name: str = NAME) -> Path:
     """Compile ``source`` into ``directory`` (default :func:`build_dir`) unless a build of the same
     source, compiler and flags is there (the flags carry the bit-exactness); the shared object's path."""
     directory = directory or build_dir()
     cc = os.environ.get("CC", "cc")
     digest = hashlib.sha256(source.read_bytes() + repr((cc, CFLAGS)).encode()).hexdigest()[:16]
-    out = directory / f"{NAME}-{digest}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    out = directory / f"{name}-{digest}{sysconfig.get_config_var('EXT_SUFFIX')}"
     if out.exists():
         return out
     directory.mkdir(parents=True, exist_ok=True)
@@ -60,16 +68,32 @@ def build(source: Path = SOURCE, directory: Path | None = None) -> Path:
 
 @functools.lru_cache(maxsize=1)
 def load():
-    """The compiled module (``merge``), or None where it cannot be built or is switched off."""
-    if os.environ.get("TOOLSPEC_TREE_KERNEL", "1") == "0":
+    """The compiled tree merge (``merge``), or None where it cannot be built or is switched off."""
+    return _load(SOURCE, NAME, "TOOLSPEC_TREE_KERNEL", "drafting merges trees in Python")
+
+
+@functools.lru_cache(maxsize=1)
+def load_suffix():
+    """The compiled suffix walk (``walk``), or None where it cannot be built or is switched off."""
+    return _load(SUFFIX_SOURCE, SUFFIX_NAME, "TOOLSPEC_SUFFIX_KERNEL", "suffix drafting walks in Python")
+
+
+@functools.lru_cache(maxsize=1)
+def load_bpe():
+    """The compiled ASCII byte-level BPE encoder (``make``, ``encode``), or None."""
+    return _load(BPE_SOURCE, BPE_NAME, "TOOLSPEC_BPE_KERNEL", "the boundary tokenizer encodes with the tokenizer")
+
+
+def _load(source: Path, name: str, switch: str, fallback: str):
+    if os.environ.get(switch, "1") == "0":
         return None
     try:
-        path = build()
-        loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))
-        spec = importlib.util.spec_from_file_location(NAME, str(path), loader=loader)
+        path = build(source, name=name)
+        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+        spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
         module = importlib.util.module_from_spec(spec)
         loader.exec_module(module)
         return module
     except Exception as exc:  # no compiler / headers: the Python loop, never a failed draft
-        log.warning("tree merge kernel unavailable (%s: %s); drafting merges trees in Python", type(exc).__name__, exc)
+        log.warning("%s unavailable (%s: %s); %s", name, type(exc).__name__, exc, fallback)
         return None

@@ -15,7 +15,7 @@ from toolspec_core.drafters import tree_kernel
 from toolspec_core.drafters.base import LabelRates, add_copies, label_rate_key, rate_key
 from toolspec_core.drafters.history import TenantHistories
 from toolspec_core.drafters.methods import RequestInfo
-from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter
+from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter, walk_batch
 from toolspec_core.drafters.suffix_trie import SuffixTrie
 from toolspec_core.drafters.toolcall.boundary import TAIL_TOKENS, BoundaryTokenizer
 from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
@@ -252,8 +252,9 @@ class SchemaDrafter(DrafterBase):
     ):
         """``answer``: the output is a structured answer (response_format) whose schema ``tools``
         holds under ``RESPONSE``; ``layouts``: the target's call layouts (``layouts_for``);
-        ``reference``: every step in Python with the full candidate expansion and the Python tree
-        merge -- the drafter the tests hold this one to (the same trees); ``tables``: the tool
+        ``reference``: every step in Python with the full candidate expansion, the Python tree
+        merge and suffix walk and the tokenizer's own encode -- the drafter the tests hold this one
+        to (the same trees); ``tables``: the tool
         set's compiled schema answers and token table (``compiled``; None: none, every step asks
         the schema functions and the method's tokenizer cache)."""
         self.reference = reference
@@ -305,6 +306,24 @@ class SchemaDrafter(DrafterBase):
             self.suffix.context.extend(prompt_ids)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
+        tree, job, into = self._draft(ctx)
+        if job is not None:
+            walk_batch([job])
+        return _finish(tree, into)
+
+    @classmethod
+    def propose_batch(cls, drafters: list, ctxs: list[DraftContext]) -> list[DraftTree] | None:
+        """Every sequence's tree of a step, the suffix walks of all of them in one compiled call
+        (``suffix.walk_batch``); None where the walk is not compiled (each drafts alone)."""
+        if not all(d.suffix.compiled for d in drafters):
+            return None
+        drafted = [d._draft(c) for d, c in zip(drafters, ctxs)]
+        walk_batch([job for _, job, _ in drafted if job is not None])
+        return [_finish(tree, into) for tree, _, into in drafted]
+
+    def _draft(self, ctx: DraftContext) -> tuple[DraftTree, tuple | None, DraftTree | None]:
+        """The step's tree up to the suffix walk: (tree, the walk's job or None, the tree the
+        walked one merges into or None) -- ``_finish`` completes it once the walk is done."""
         self._sync(ctx)
         tree = DraftTree()
         if self.schema and (self.tools.names or self.tracker.root is not None):
@@ -320,18 +339,20 @@ class SchemaDrafter(DrafterBase):
         if self.retrieval is not None:
             tree.merge(self.retrieval.tree(ctx, self.tracker.name))
         tree.merge(self._value_tree(ctx))
-        self._generic(ctx, tree)
-        return tree
+        return self._generic(ctx, tree)
 
-    def _generic(self, ctx: DraftContext, tree: DraftTree) -> None:
+    def _generic(self, ctx: DraftContext, tree: DraftTree) -> tuple[DraftTree, tuple | None, DraftTree | None]:
         """Suffix drafts where the schema does not know the text (free text, values, the end of a
-        call); elsewhere only after the schema's most probable chain, where it stops knowing."""
+        call): a tree of their own, merged into ``tree``; elsewhere only after the schema's most
+        probable chain, where it stops knowing, grown into ``tree`` itself. Returns what
+        ``_draft`` returns."""
         if not self.schema or self.tracker.state in lbl.SUFFIX_STATES or not len(tree):
-            tree.merge(self.suffix.propose(ctx))
-            return
+            own = DraftTree()
+            return own, self.suffix.walk_job(ctx, own, ROOT, 1.0), tree
         leaf, prob = _chain_end(tree)
         if leaf != ROOT:
-            self.suffix.extend(ctx, tree, leaf, prob)
+            return tree, self.suffix.walk_job(ctx, tree, leaf, prob), None
+        return tree, None, None
 
     def _continuations(self, ctx: DraftContext, tracker: CallTracker, max_cands: int = 64) -> list[Cand]:
         """What the schemas allow after ``tracker``'s text (this output's tracker, or a fork of it)."""
@@ -448,6 +469,15 @@ class SchemaDrafter(DrafterBase):
         )
 
 
+def _finish(walked: DraftTree, into: DraftTree | None) -> DraftTree:
+    """The step's tree once the suffix walk is done: ``walked`` merged into ``into`` where the
+    suffix drafts had a tree of their own (``_generic``), else ``walked`` itself."""
+    if into is None:
+        return walked
+    into.merge(walked)
+    return into
+
+
 def _word_end(text: str) -> int:
     """Index of the first character of ``text`` that cannot continue a word (an id, a code)."""
     return next((i for i, ch in enumerate(text) if not (ch.isalnum() or ch in "_-")), len(text))
@@ -492,13 +522,14 @@ class SchemaMethod:
     ):
         """``reference``: every schema candidate expanded, tokenized and merged afresh at every step
         in Python (no bounded expansion, no per-candidate token cache, no compiled tool sets, no
-        compiled merge): the drafter the tests hold the fast one to. ``tool_set_bytes``: the bound
+        compiled merge, suffix walk or ASCII encoder): the drafter the tests hold the fast one to. ``tool_set_bytes``: the bound
         on the compiled tool sets kept (``ToolSetCache``, estimated bytes)."""
         self.tok = tokenizer
         self.reference = reference
         self.bt = BoundaryTokenizer(tokenizer, cache_candidates=not reference)
         if not reference:
             tree_kernel.load()  # built (once per machine) now, not inside a step's drafting
+            tree_kernel.load_suffix()
         # acceptance rates are learned per tenant (one tenant's model habits or poisoned library
         # never shape another's trees): (schema rates, suffix rates), least recently used dropped
         self._tenant_rates: dict[str, tuple[LabelRates, LabelRates]] = {}
@@ -561,7 +592,9 @@ class SchemaMethod:
             for c in past:
                 self.history.add(req.tenant, c.token_ids)
             history = self.history.trie(req.tenant)
-        suffix = SuffixDrafter(history, suffix_rates, self.suffix_depth, self.max_match, self.suffix_nodes)
+        suffix = SuffixDrafter(
+            history, suffix_rates, self.suffix_depth, self.max_match, self.suffix_nodes, compiled=not self.reference
+        )
         index, tables = self._tools(req.tools, req.response_schema)
         return SchemaDrafter(
             self.bt,
