@@ -80,11 +80,10 @@ class EngineHost:
             tokens = kv_pool_tokens(cfg, target, limits.tree_rows)
             kv_pool = target.block_pool(tokens, cfg.kv_block_tokens, cfg.prefix_caching)
         self.engine = EngineBridge(target, cost, limits, kv_pool)
-        self.limits = serving_limits(cfg, target, self.engine.scheduler)
-        self.policy = JobPolicy(
+        self.policy = JobPolicy(  # what every job of this replica is held to
             target.tokenizer,
             getattr(target.model.config, "vocab_size", None),
-            self.limits,
+            serving_limits(cfg, target, self.engine.scheduler),
             cfg.default_temperature,
             library=retrieval is not None,
             text_key=self.text_key,

@@ -4,6 +4,7 @@ over an in-process engine (tiny random Qwen2), called with the official openai c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -142,7 +143,11 @@ def test_request_limits_are_4xx_naming_the_limit(local, monkeypatch):
 
     app = make_api(LocalBackend(host), tight)
     monkeypatch.setattr(host, "cfg", tight)
-    monkeypatch.setattr(host, "limits", serving_limits(tight, host.target, host.engine.scheduler))
+    monkeypatch.setattr(
+        host,
+        "policy",
+        dataclasses.replace(host.policy, limits=serving_limits(tight, host.target, host.engine.scheduler)),
+    )
 
     async def go():
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
@@ -186,7 +191,7 @@ def test_every_token_limit_is_the_same_400_over_http(local, monkeypatch):
     pool = window // 4
     limits = TokenLimits(window, pool, 64, tight.max_tokens_limit, tight.max_tokens_default, 300)
     monkeypatch.setattr(host, "cfg", tight)
-    monkeypatch.setattr(host, "limits", limits)
+    monkeypatch.setattr(host, "policy", dataclasses.replace(host.policy, limits=limits))
     app = make_api(LocalBackend(host), tight)
     short = MSG
     long = [{"role": "user", "content": "word " * 250}]
@@ -228,7 +233,7 @@ def test_every_token_limit_is_the_same_400_over_http(local, monkeypatch):
         ]
 
     seen = run(go(cases))
-    monkeypatch.setattr(host, "limits", wide)
+    monkeypatch.setattr(host, "policy", dataclasses.replace(host.policy, limits=wide))
     app = make_api(LocalBackend(host), tight.model_copy(update={"max_tokens_limit": 10**6}))
     seen += run(go(wide_cases))
     codes = []
