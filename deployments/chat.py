@@ -163,7 +163,7 @@ def finished(call: Call, done: Done, model: str) -> dict:
 
 async def sse_events(
     events: AsyncIterator[Event], shaper: StreamShaper, call: Call, gate, release: Callable[[Done | None], None]
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     """The SSE body of a stream whose first event was ``Start``: one body part per engine event
     (every chunk a delta makes, in one write), the last chunk and usage on ``Done``, a ``Failed``
     event or a failure mid-stream told in band, then ``[DONE]``. ``release``: the request's end,
