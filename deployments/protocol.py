@@ -579,7 +579,7 @@ def tool_call_dict(call: ToolCall, cid: str | None = None) -> dict:
 
 
 def split_output(text: str, parse: bool | str) -> ParsedOutput:
-    """Content and calls of a response (``parse``: :func:`parses_tools`); a call cut off by the
+    """Content and calls of a response (``parse``: :func:`parse_mode`); a call cut off by the
     token limit or a stop string is reported with the arguments written so far, as OpenAI does."""
     if not parse:
         return ParsedOutput(text, [])
