@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.engine.limits import TokenLimits, requested_tokens, token_budget
-from toolspec_core.engine.sequence import DecodeConfig
 
 from .protocol import ChatRequest, chosen_tool, offers_tools, response_schema, stop_strings
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch behind them: imported where a job is built, not with this module
+    from toolspec_core.drafters.methods import RequestInfo
     from toolspec_core.engine.grammar import GrammarConstraint
+    from toolspec_core.engine.sequence import DecodeConfig
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,8 @@ class EngineJob:
         """The method's view of the job (:class:`~toolspec_core.drafters.methods.RequestInfo`, the
         drafters' own input): ``retrieved`` the calls found (None: the method searches its own
         library), ``embedding`` the library key the output is filed under."""
+        from toolspec_core.drafters.methods import RequestInfo
+
         return RequestInfo(
             prompt_ids=list(self.prompt_ids),
             tools=list(self.tools),
@@ -89,6 +91,7 @@ def build_job(req: ChatRequest, policy: JobPolicy, tenant: str = "default", time
     body's ``toolspec.timeline`` asks too)."""
     from toolspec_core.engine.grammar import make_tool_constraint
     from toolspec_core.engine.sampling import SamplingParams
+    from toolspec_core.engine.sequence import DecodeConfig
     from toolspec_core.model.prompting import render_prompt
 
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
