@@ -260,6 +260,8 @@ class EngineHost:
         except InvalidRequestError as exc:
             yield error_event(request_error(exc))
             return
+        except Exception:  # building the request failed: the route answers a server error
+            raise
         except BaseException:  # the client went away meanwhile: a sequence queued all the same ends now
             self.stats.cancelled += 1  # counted here, on the event loop: no stream is left to count it
             work.add_done_callback(_cancel_launched)
