@@ -15,11 +15,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 log = logging.getLogger("toolspec.serve")
 
 _END = object()  # posted once the sequence has finished (its result or error is set)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A sequence's output so far, as the engine thread hands it to the event loop: ``text`` a
+    ``str`` snapshot of the sequence's detokenizer (so the loop never reads it half-written),
+    ``logprobs`` how many logprob entries the sequence has."""
+
+    text: str
+    logprobs: int
 
 
 class EngineError(RuntimeError):
@@ -46,11 +57,11 @@ class SequenceStream:
     # ------------------------------------------------------------------ engine thread
     def _on_tokens(self, ids: list[int]) -> bool:
         seq = self.seq
-        self.outbox.put(self, (seq.detok.text, len(seq.logprobs) if seq.logprobs is not None else 0))
+        self.outbox.put(self, Progress(seq.detok.text, len(seq.logprobs) if seq.logprobs is not None else 0))
         return not seq.cancelled
 
     # ------------------------------------------------------------------ event loop
-    async def updates(self) -> AsyncIterator[tuple[str, int]]:
+    async def updates(self) -> AsyncIterator[Progress]:
         while not self.ended:
             item = await self.queue.get()
             while item is not _END and not self.queue.empty():

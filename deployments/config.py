@@ -7,12 +7,33 @@ string values from the command line are coerced (``tensor_parallel_size=2``).
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 # the resource Ray gives the head node alone
 HEAD_RESOURCE = "node:__internal_head__"
+
+
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?)?B?\s*$", re.IGNORECASE)
+
+
+def parse_memory(value: str | int) -> int:
+    """Bytes of a memory size: an int, or "80GiB" / "80Gi" (binary), "141GB" / "141G" (decimal),
+    "1.5TiB", "85899345920". Both spellings because GPU makers quote GB and Kubernetes writes Gi."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        out = value
+    else:
+        m = _MEMORY.match(str(value))
+        if m is None:
+            raise ValueError(f"memory size {value!r}: expected bytes or a number with a unit, e.g. 80GiB, 141GB, 80Gi")
+        number, unit = m.group(1), _UNITS[(m.group(2) or "").upper()]
+        out = int(number) * unit if number.isdigit() else int(float(number) * unit)
+    if out <= 0:
+        raise ValueError(f"memory size {value!r} must be positive")
+    return out
 
 
 class AutoscalingConfig(BaseModel):
@@ -241,8 +262,6 @@ class ServeAppConfig(BaseModel):
     def _gpu_memory(cls, v: str | None) -> str | None:
         """A size the capacity plan can read (e.g. 80GiB, 141GB), refused here rather than when planning."""
         if v is not None:
-            from .plan import parse_memory
-
             parse_memory(v)
         return v
 

@@ -1,11 +1,13 @@
 """The engine inside one replica: target, method, KV block pool, and the request's way through them.
 
-No Ray here (the replica deployment wraps it; unit tests drive it directly). A request is
-prepared in a worker thread (:mod:`deployments.prepare`: prompt, policy), its library search
-runs on the event loop beside the engine's prefill, its sequence goes to the replica's one
-engine thread (:mod:`deployments.bridge`: every running request verified in one target forward
-per step) and its text comes back as events (:mod:`deployments.streaming`). Every sequence's KV
-lives in the replica's block pool, whose cached blocks are the prefix cache.
+No Ray here (the replica deployment wraps it; unit tests drive it directly). A request takes one
+way in: one worker-thread call builds its :class:`~deployments.job.EngineJob` (prompt, limits,
+grammar, decode settings), begins its library search (which runs on the event loop beside the
+engine's prefill, :mod:`deployments.search`), builds its drafter and sequence and hands the
+sequence to the replica's one engine thread (:mod:`deployments.bridge`: every running request
+verified in one target forward per step); its text comes back as typed events
+(:mod:`deployments.events`, :mod:`deployments.streaming`). Every sequence's KV lives in the
+replica's block pool, whose cached blocks are the prefix cache.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from typing import AsyncIterator
 
 from toolspec_core.errors import InvalidRequestError
 
-from .bridge import EngineBridge, EngineError
+from .bridge import EngineBridge, EngineError, SequenceStream
 from .config import ServeAppConfig, served_name
 from .events import Done, Event, Failed, Start
-from .prepare import LateDrafter, Prepared, Search, prepare, search_wanted
-from .protocol import APIError, EngineRequest, request_error
+from .job import EngineJob, JobPolicy, build_job
+from .protocol import APIError, ChatRequest, request_error
+from .search import LateDrafter, Search
 from .streaming import TextStreamer, TokenText, final_text_event, text_events
 
 log = logging.getLogger("toolspec.serve")
@@ -45,6 +48,15 @@ def error_event(err: APIError) -> Failed:
 @dataclass
 class HostStats:
     cancelled: int = 0  # requests whose client went away before their sequence ended
+
+
+@dataclass(frozen=True, eq=False)
+class Launched:
+    """A request in the engine: its job, its sequence's stream, its search (None: none)."""
+
+    job: EngineJob
+    stream: SequenceStream
+    search: Search | None
 
 
 class EngineHost:
@@ -68,7 +80,14 @@ class EngineHost:
             tokens = kv_pool_tokens(cfg, target, limits.tree_rows)
             kv_pool = target.block_pool(tokens, cfg.kv_block_tokens, cfg.prefix_caching)
         self.engine = EngineBridge(target, cost, limits, kv_pool)
-        self.limits = serving_limits(cfg, target, self.engine.scheduler)
+        self.policy = JobPolicy(  # what every job of this replica is held to
+            target.tokenizer,
+            getattr(target.model.config, "vocab_size", None),
+            serving_limits(cfg, target, self.engine.scheduler),
+            cfg.default_temperature,
+            library=retrieval is not None,
+            text_key=self.text_key,
+        )
         self.startup: dict = {}  # what ``build`` took, and the graphs it captured
 
     # ------------------------------------------------------------------ start-up
@@ -156,22 +175,39 @@ class EngineHost:
         }
 
     # ------------------------------------------------------------------ worker-thread steps
-    def _prepare(self, req: EngineRequest) -> Prepared:
-        return prepare(req, self.cfg, self.target, self.limits, self.text_key)
+    def job(self, req: ChatRequest, tenant: str = "default", timeline: bool = False) -> EngineJob:
+        """The request's job under this replica's policy (:func:`~deployments.job.build_job`)."""
+        return build_job(req, self.policy, tenant, timeline)
 
-    def _sequence(self, prep: Prepared, info, late, begin=None):
-        """The request's sequence and drafter. ``late``: the search still running or still to start
-        (a future of its calls): a fallback drafter is built now and the real one, in a worker
-        thread, once the calls are in (see :class:`~deployments.prepare.LateDrafter`) -- no drafter
-        is ever built on the engine thread. ``begin(key)``: the search keyed on the prompt's last
-        hidden state, started when the engine has prefilled the prompt in its pool; the sequence's
-        first draft waits for the drafter built from what it found (``Sequence.on_prompt``)."""
+    def _launch(self, req: ChatRequest, tenant: str, timeline: bool, loop, marks: dict) -> Launched:
+        """A worker thread's whole part of a request: its job built, its search begun, its drafter
+        and sequence built and the sequence handed to the engine -- one hand-over from the event
+        loop, and the engine starts on the prompt while the loop is still waking."""
+        job = self.job(req, tenant, timeline)
+        marks["prepared"] = time.time()
+        search = Search(self.retrieval, job, loop) if job.searches else None
+        if search is not None and job.search_key is not None:
+            search.begin(job.search_key)  # keyed on the text: runs while the engine prefills
+        marks["searched"] = time.time()
+        seq = self._sequence(job, search)
+        marks["submitted"] = time.time()
+        return Launched(job, self.engine.submit(seq, loop), search)
+
+    def _sequence(self, job: EngineJob, search: Search | None):
+        """The job's sequence and drafter. With a search, the calls it finds reach the drafter late:
+        a fallback drafter is built now and the real one, in a worker thread, once the calls are in
+        (:class:`~deployments.search.LateDrafter`) -- no drafter is ever built on the engine
+        thread. A search keyed on the prompt's last hidden state begins when the engine has
+        prefilled the prompt in its pool, and the sequence's first draft waits for the drafter
+        built from what it found (``Sequence.on_prompt``)."""
         from toolspec_core.engine.sequence import Sequence
 
-        if late is None:
-            drafter = self.method.drafter(info)
+        on_prompt = None
+        if search is None:  # with a library, no calls found (None would have the method search it)
+            drafter = self.method.drafter(job.request_info([] if self.retrieval is not None else None))
         else:
             built: concurrent.futures.Future = concurrent.futures.Future()
+            info = job.request_info([], job.search_key)
 
             def build(calls) -> None:
                 if built.set_running_or_notify_cancel():
@@ -180,112 +216,69 @@ class EngineHost:
                     except Exception as exc:
                         built.set_exception(exc)
 
-            fallback = self.method.drafter(dataclasses.replace(info, retrieved=[]))
-            late.add_done_callback(lambda f: self.workers.submit(build, f.result()))
+            fallback = self.method.drafter(info)
+            search.calls.add_done_callback(lambda f: self.workers.submit(build, f.result()))
             drafter = LateDrafter(built, fallback)
-        on_prompt = None
-        if begin is not None:
-            from retrieval_service.embedding import from_hidden
+            if job.search_key is None:
+                from retrieval_service.embedding import from_hidden
 
-            def on_prompt(hidden):  # the engine thread, once the prompt is in the pool
-                begin(from_hidden(hidden))
-                return built
+                def on_prompt(hidden):  # the engine thread, once the prompt is in the pool
+                    search.begin(from_hidden(hidden))
+                    return built
 
         return Sequence(
             self.target,
-            prep.prompt_ids,
+            job.prompt_ids,
             drafter,
-            prep.decode_cfg,
-            prep.constraint,
+            job.decode,
+            job.constraint,
             on_prompt=on_prompt,
-            early_steps=prep.timeline,
+            early_steps=job.timeline,
         )
 
-    @staticmethod
-    def _info(req: EngineRequest, prep: Prepared, embedding, retrieved):
-        """The drafter's view of the request (``retrieved``: the calls found; None: no library)."""
-        from toolspec_core.drafters.methods import RequestInfo
-
-        return RequestInfo(
-            list(prep.prompt_ids),
-            list(req.tools),
-            req.tenant,
-            embedding,
-            req.remember,
-            retrieved,
-            req.response_schema,
-        )
-
-    def _start(self, req: EngineRequest, loop, marks: dict):
-        """A worker thread's whole part of a request that searches nothing: prepared, its sequence
-        and drafter built and handed to the engine -- one hand-over from the event loop, and the
-        engine starts on the prompt while the loop is still waking. Returns (prepared, request
-        info, sequence, stream)."""
-        prep = self._prepare(req)
-        marks["prepared"] = marks["searched"] = time.time()
-        # with a library, no calls found (None would have the method search it); the text key
-        # still files the output's calls
-        info = self._info(req, prep, prep.key, [] if self.retrieval is not None else None)
-        seq = self._sequence(prep, info, None)
-        marks["submitted"] = time.time()
-        return prep, info, seq, self.engine.submit(seq, loop)
-
-    def _observe(self, info, result) -> None:
+    def _observe(self, run: Launched, result) -> None:
+        embedding = run.search.wire_embedding() if run.search is not None else None
+        retrieved = [] if self.retrieval is not None else None
         try:
-            self.method.observe(info, result.tokens, result.text)
+            self.method.observe(run.job.request_info(retrieved, embedding), result.tokens, result.text)
         except Exception:  # learning must never fail a finished request
             log.exception("method.observe failed")
 
     # ------------------------------------------------------------------ the request
-    async def stream(self, req: EngineRequest) -> AsyncIterator[Event]:
+    async def stream(self, req: ChatRequest, tenant: str = "default", timeline: bool = False) -> AsyncIterator[Event]:
         """Events (:mod:`deployments.events`): ``Start`` | ``Failed`` first, then ``Text`` deltas,
-        then ``Done`` (the result) or ``Failed`` (the engine failed the request). Closing the generator early (the client went
-        away) cancels the request's sequence at the engine's next step."""
+        then ``Done`` (the result) or ``Failed`` (the engine failed the request). ``tenant``: the
+        caller's library tenant; ``timeline``: the Done event carries where the request's time went.
+        Closing the generator early (the client went away) cancels the request's sequence at the
+        engine's next step."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         marks = {"replica_in": time.time()}  # where the request's time went (the Done event's ``timeline``)
-        search = stream = None
-        begin = late = None
-        if self.library is not None:  # the request's tool schemas, against which its output's calls are filed
-            self.library.note_tools(req.tenant, req.tools)
-        if not search_wanted(self.retrieval, req):  # prepared, given its drafter and queued in one worker call
-            job = self.workers.submit(self._start, req, loop, marks)
-            try:
-                prep, info, seq, stream = await asyncio.wrap_future(job)
-            except InvalidRequestError as exc:
-                yield error_event(request_error(exc))
-                return
-            except BaseException:  # the client went away meanwhile: a sequence queued all the same ends now
-                self.stats.cancelled += 1  # counted here, on the event loop: no stream is left to count it
-                job.add_done_callback(_cancel_started)
-                raise
-            rinfo = {"status": "disabled"}
-            yield Start(len(prep.prompt_ids))
-        else:
-            try:
-                prep = await loop.run_in_executor(self.workers, self._prepare, req)
-            except InvalidRequestError as exc:
-                yield error_event(request_error(exc))
-                return
-            marks["prepared"] = time.time()
-            yield Start(len(prep.prompt_ids))
-            search = Search(self.retrieval, req, prep.key)  # keyed on the text: runs while the engine prefills
-            if search.needs_state:  # keyed on the prompt's state: the engine prefills it (in the pool), then the search
-                late, begin = search.keyed_later(loop)
-            else:
-                late = search.late()
-            # the calls found reach the drafter late (``LateDrafter``), the search's report at the end
-            info = self._info(req, prep, search.wire_embedding(), [])
-            marks["searched"] = time.time()
-            seq = await loop.run_in_executor(self.workers, self._sequence, prep, info, late, begin)
-            marks["submitted"] = time.time()
-        drafter = seq.drafter
-        streamer = TextStreamer(req.stop, prep.decode_cfg.end_after)
+        work = self.workers.submit(self._launch, req, tenant, timeline, loop, marks)
         try:
-            if stream is None:
-                stream = self.engine.submit(seq)
-            async for ev in text_events(stream.updates(), streamer, self.token_text, seq.logprobs):
-                if req.timeline:
+            run = await asyncio.wrap_future(work)
+        except InvalidRequestError as exc:
+            yield error_event(request_error(exc))
+            return
+        except Exception:  # building the request failed: the route answers a server error
+            raise
+        except BaseException:  # the client went away meanwhile: a sequence queued all the same ends now
+            self.stats.cancelled += 1  # counted here, on the event loop: no stream is left to count it
+            work.add_done_callback(_cancel_launched)
+            raise
+        if self.library is not None:  # the request's tool schemas, against which its output's calls are filed
+            self.library.note_tools(run.job.tenant, run.job.tools)
+        yield Start(len(run.job.prompt_ids))
+        async for ev in self._follow(run, marks, t0):
+            yield ev
+
+    async def _follow(self, run: Launched, marks: dict, t0: float) -> AsyncIterator[Event]:
+        """The launched request's ``Text`` events as the engine commits, then ``Done`` | ``Failed``."""
+        job, stream = run.job, run.stream
+        streamer = TextStreamer(list(job.decode.stop), job.decode.end_after)
+        try:
+            async for ev in text_events(stream.updates(), streamer, self.token_text, stream.seq.logprobs):
+                if job.timeline:
                     marks.setdefault("first_text", time.time())
                 yield ev
             result = await stream.result()
@@ -293,21 +286,23 @@ class EngineHost:
             yield error_event(APIError(f"internal error: {exc}", 500, type="server_error"))
             return
         finally:
-            if stream is not None and not stream.ended:  # the client went away: quietly, no error
+            if not stream.ended:  # the client went away: quietly, no error
                 stream.cancel()
                 self.stats.cancelled += 1
-        if begin is not None:  # the key is known now: the library remembers the output under it
-            info = dataclasses.replace(info, embedding=search.wire_embedding())
         if result.finish_reason != "cancelled":
-            await loop.run_in_executor(self.workers, self._observe, info, result)
-        if late is not None:
-            rinfo = dict((await search.result())[1])
-            rinfo["in_time"] = drafter.in_time
+            await asyncio.get_running_loop().run_in_executor(self.workers, self._observe, run, result)
+        retrieval = {"status": "disabled"}
+        if run.search is not None:
+            retrieval = {**await run.search.report(), "in_time": stream.seq.drafter.in_time}
         last = final_text_event(streamer, self.token_text, result)
         if last is not None:
-            if req.timeline:
+            if job.timeline:
                 marks.setdefault("first_text", time.time())
             yield last
+        yield self._done(job, result, retrieval, marks, t0)
+
+    def _done(self, job: EngineJob, result, retrieval: dict, marks: dict, t0: float) -> Done:
+        """The ``Done`` event of a finished sequence's ``GenerationResult``."""
         stats = result.stats.to_dict()
         marks.update(result.stats.times)
         extra = {
@@ -315,17 +310,17 @@ class EngineHost:
             "prefix_cached_tokens": result.stats.cached_tokens,
             # wall clock of the first generated token: the HTTP route turns it into first_token_ms
             "first_token_at": result.stats.times.get("first_token"),
-            "retrieval": rinfo,
+            "retrieval": retrieval,
             "replica": self.replica_id,
             "latency_s": time.perf_counter() - t0,
-            "constrained": prep.constraint is not None,
+            "constrained": job.constraint is not None,
         }
-        if req.timeline:  # asked for: where its time went (~3 KB), the HTTP route adds its own marks
+        if job.timeline:  # asked for: where its time went (~3 KB), the HTTP route adds its own marks
             extra.update(timeline=marks, early_steps=list(result.stats.early_steps or []))
-        yield Done(
+        return Done(
             result.text,
             result.finish_reason,
-            len(prep.prompt_ids),
+            len(job.prompt_ids),
             len(result.tokens),
             {k: v for k, v in stats.items() if not k.endswith("_per_step") and k != "step_labels"},
             extra,
@@ -359,10 +354,10 @@ class EngineHost:
             return out
         raise ValueError(f"unknown library operation {op!r}")
 
-    async def generate(self, req: EngineRequest) -> Done | Failed:
+    async def generate(self, req: ChatRequest, tenant: str = "default", timeline: bool = False) -> Done | Failed:
         """Non-streaming: the ``Failed`` or ``Done`` event."""
         last = None
-        async for ev in self.stream(req):
+        async for ev in self.stream(req, tenant, timeline):
             if isinstance(ev, (Done, Failed)):
                 last = ev
         return last
@@ -375,10 +370,10 @@ class EngineHost:
         self.workers.shutdown(wait=False, cancel_futures=True)
 
 
-def _cancel_started(job: concurrent.futures.Future) -> None:
-    """Cancel the engine's sequence of a request whose client left while a worker queued it."""
-    if not job.cancelled() and job.exception() is None:
-        job.result()[3].cancel()
+def _cancel_launched(work: concurrent.futures.Future) -> None:
+    """Cancel the engine's sequence of a request whose client left while a worker launched it."""
+    if not work.cancelled() and work.exception() is None:
+        work.result().stream.cancel()
 
 
 def serving_limits(cfg: ServeAppConfig, target, scheduler):

@@ -30,22 +30,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import get_args
 
-from .config import ServeAppConfig
+from .config import ServeAppConfig, parse_memory
 
 GiB = 2**30
 # CUDA context and the cuBLAS / NCCL workspaces (about 0.5-1 GiB a process) plus one forward's
 # transient activations; for Qwen2.5 the largest is the fp32 logits, 4 B x 152064 x rows = 0.58 GiB
 # at 1024 rows (16 sequences verifying 64-row trees). Bytes, per GPU.
 WORKSPACE_RESERVE = 2 * GiB
-
-_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
-_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?)?B?\s*$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -76,22 +72,6 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.concurrency >= 1
-
-
-def parse_memory(value: str | int) -> int:
-    """Bytes of a memory size: an int, or "80GiB" / "80Gi" (binary), "141GB" / "141G" (decimal),
-    "1.5TiB", "85899345920". Both spellings because GPU makers quote GB and Kubernetes writes Gi."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        out = value
-    else:
-        m = _MEMORY.match(str(value))
-        if m is None:
-            raise ValueError(f"memory size {value!r}: expected bytes or a number with a unit, e.g. 80GiB, 141GB, 80Gi")
-        number, unit = m.group(1), _UNITS[(m.group(2) or "").upper()]
-        out = int(number) * unit if number.isdigit() else int(float(number) * unit)
-    if out <= 0:
-        raise ValueError(f"memory size {value!r} must be positive")
-    return out
 
 
 def model_shape(spec: str) -> dict:

@@ -7,7 +7,6 @@ Pure Python (no Ray, no torch) so it is unit-tested directly. Bad input raises
 from __future__ import annotations
 
 import collections
-import dataclasses
 import re
 import threading
 import time
@@ -481,7 +480,7 @@ def parse_request(body: Any, served_model: str, max_tokens_limit: int, limits: A
             param="top_logprobs",
             code="invalid_value",
         )
-    response_schema(req, limits)  # validated here, used by engine_request
+    response_schema(req, limits)  # validated here, read again (unchecked) by the job
     return req
 
 
@@ -527,74 +526,35 @@ def response_schema(req: ChatRequest, limits: Any = None, check: bool = True) ->
     return schema
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineRequest:
-    """What the engine replica gets for one request: validated, normalised, picklable (it crosses a
-    Ray handle). ``tool_choice``: "none" | "auto" | "required" | ``{"type": "function", ...}``;
-    ``temperature`` None: the server's default; ``logprobs`` None: none, k: k alternatives;
-    ``response_schema`` None: free text; ``tenant``: the library tenant (the caller's key's,
-    narrowed by ``user``)."""
-
-    messages: list[dict]
-    tools: list[dict] = dataclasses.field(default_factory=list)
-    tool_choice: str | dict = "none"
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = dataclasses.field(default_factory=list)
-    tenant: str = "default"
-    remember: bool = True
-    parallel_tool_calls: bool = True
-    logprobs: int | None = None
-    response_schema: dict | None = None
-    timeline: bool = False  # the Done event's extra carries the timeline and early steps
-
-    @property
-    def offered_tools(self) -> list[dict]:
-        """The tools the model is shown (none with ``tool_choice`` "none")."""
-        return self.tools if self.tool_choice != "none" else []
-
-
-def engine_request(req: ChatRequest, tenant: str = "default", timeline: bool = False) -> EngineRequest:
-    """The engine's request of a validated ``ChatRequest``. Its timeline is asked for by the body's
-    ``toolspec.timeline`` or by ``timeline`` (the server's option or the request's header)."""
+def chosen_tool(req: ChatRequest) -> str | dict:
+    """The request's ``tool_choice`` as the engine reads it: "none" | "auto" | "required" |
+    ``{"type": "function", "function": {"name": ...}}``; unset: "auto" with tools, else "none"."""
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice):
-        choice = {"type": "function", "function": {"name": choice.function.name}}
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        return {"type": "function", "function": {"name": choice.function.name}}
     if choice is None:
-        choice = "auto" if tools else "none"
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return EngineRequest(
-        messages=[m.model_dump(exclude_none=True) for m in req.messages],
-        tools=tools,
-        tool_choice=choice,
-        max_tokens=requested_tokens(req.max_tokens, req.max_completion_tokens, None),  # parse_request checked it
-        temperature=float(req.temperature) if req.temperature is not None else None,
-        top_p=float(req.top_p) if req.top_p is not None else 1.0,
-        top_k=req.top_k or 0,
-        seed=req.seed,
-        stop=stops,
-        tenant=tenant,
-        remember=req.toolspec.remember if req.toolspec else True,
-        timeline=timeline or bool(req.toolspec and req.toolspec.timeline),
-        parallel_tool_calls=req.parallel_tool_calls is not False,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        response_schema=response_schema(req, check=False),  # parse_request checked it
-    )
+        return "auto" if req.tools else "none"
+    return choice
+
+
+def offers_tools(req: ChatRequest) -> bool:
+    """Whether the model is shown the request's tools (not with ``tool_choice`` "none")."""
+    return bool(req.tools) and chosen_tool(req) != "none"
+
+
+def stop_strings(req: ChatRequest) -> tuple[str, ...]:
+    return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
 
 
 TAGS = "tags"  # parse mode: only <tool_call> blocks are calls (the answer is structured JSON)
 
 
-def parses_tools(ereq: EngineRequest) -> bool | str:
+def parse_mode(req: ChatRequest) -> bool | str:
     """Whether calls are parsed from the output: False, True (every layout), or :data:`TAGS` when
     a structured answer is the other choice (a JSON answer is not a bare call)."""
-    if not ereq.offered_tools:
+    if not offers_tools(req):
         return False
-    if ereq.response_schema is not None and ereq.tool_choice == "auto":
+    if chosen_tool(req) == "auto" and response_schema(req, check=False) is not None:
         return TAGS
     return True
 
@@ -619,7 +579,7 @@ def tool_call_dict(call: ToolCall, cid: str | None = None) -> dict:
 
 
 def split_output(text: str, parse: bool | str) -> ParsedOutput:
-    """Content and calls of a response (``parse``: :func:`parses_tools`); a call cut off by the
+    """Content and calls of a response (``parse``: :func:`parse_mode`); a call cut off by the
     token limit or a stop string is reported with the arguments written so far, as OpenAI does."""
     if not parse:
         return ParsedOutput(text, [])

@@ -18,6 +18,7 @@ import orjson
 
 from toolspec_core.drafters.toolcall.parse import CallScan, raw_arguments, scan_calls, stream_calls
 
+from .bridge import Progress
 from .events import Done, Text
 from .protocol import TAGS, call_id, choice_logprobs, completion_id, finish_reason, split_output, stats_extra, usage
 
@@ -113,13 +114,16 @@ class TokenText:
         ]
 
 
-async def text_events(updates, streamer: TextStreamer, token_text: TokenText, logprobs) -> AsyncIterator[Text]:
-    """``Text`` events of a sequence's progress: ``updates`` yields ``(text, n_logprobs)`` snapshots
-    (the output's text so far and how many logprob entries it has), ``logprobs`` is the sequence's
-    list of ``TokenLogprob`` (None: not asked for). Ends when the updates end; what was sent is
-    then a prefix of the final text and entries (``streamer.sent``, ``streamer.logprobs_sent``)."""
-    async for text, n in updates:
-        delta = streamer.feed(text)
+async def text_events(
+    updates: AsyncIterator[Progress], streamer: TextStreamer, token_text: TokenText, logprobs
+) -> AsyncIterator[Text]:
+    """``Text`` events of a sequence's progress: ``updates`` yields its
+    :class:`~deployments.bridge.Progress` snapshots, ``logprobs`` is the sequence's list of
+    ``TokenLogprob`` (None: not asked for). Ends when the updates end; what was sent is then a
+    prefix of the final text and entries (``streamer.sent``, ``streamer.logprobs_sent``)."""
+    async for progress in updates:
+        n = progress.logprobs
+        delta = streamer.feed(progress.text)
         lps = logprobs[streamer.logprobs_sent : n] if n > streamer.logprobs_sent else None
         if delta or lps:
             streamer.logprobs_sent = max(streamer.logprobs_sent, n)

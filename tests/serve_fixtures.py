@@ -56,6 +56,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
 
 
+def chat_request(messages: list[dict], **fields):
+    """The validated :class:`~deployments.protocol.ChatRequest` of a body with these fields, as the
+    HTTP route hands it to the engine host."""
+    from deployments.protocol import ChatRequest
+
+    return ChatRequest.model_validate({"messages": messages, **fields})
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

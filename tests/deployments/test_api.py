@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from serve_fixtures import TOOLS, WEATHER_MESSAGES
+from serve_fixtures import TOOLS, WEATHER_MESSAGES, chat_request
 
 from deployments.config import ServeAppConfig
 from deployments.engine_host import EngineHost
 from deployments.events import Done, Start, Text
-from deployments.protocol import APIError, EngineRequest, chat_completion, engine_request, parse_request
+from deployments.protocol import APIError, chat_completion, parse_request
 from deployments.streaming import StreamShaper, TextStreamer
 from retrieval_service.embedding import query_text
 
@@ -143,7 +143,11 @@ def test_request_limits_are_4xx_naming_the_limit(local, monkeypatch):
 
     app = make_api(LocalBackend(host), tight)
     monkeypatch.setattr(host, "cfg", tight)
-    monkeypatch.setattr(host, "limits", serving_limits(tight, host.target, host.engine.scheduler))
+    monkeypatch.setattr(
+        host,
+        "policy",
+        dataclasses.replace(host.policy, limits=serving_limits(tight, host.target, host.engine.scheduler)),
+    )
 
     async def go():
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
@@ -187,7 +191,7 @@ def test_every_token_limit_is_the_same_400_over_http(local, monkeypatch):
     pool = window // 4
     limits = TokenLimits(window, pool, 64, tight.max_tokens_limit, tight.max_tokens_default, 300)
     monkeypatch.setattr(host, "cfg", tight)
-    monkeypatch.setattr(host, "limits", limits)
+    monkeypatch.setattr(host, "policy", dataclasses.replace(host.policy, limits=limits))
     app = make_api(LocalBackend(host), tight)
     short = MSG
     long = [{"role": "user", "content": "word " * 250}]
@@ -229,7 +233,7 @@ def test_every_token_limit_is_the_same_400_over_http(local, monkeypatch):
         ]
 
     seen = run(go(cases))
-    monkeypatch.setattr(host, "limits", wide)
+    monkeypatch.setattr(host, "policy", dataclasses.replace(host.policy, limits=wide))
     app = make_api(LocalBackend(host), tight.model_copy(update={"max_tokens_limit": 10**6}))
     seen += run(go(wide_cases))
     codes = []
@@ -400,44 +404,6 @@ def test_a_plainly_valid_schema_is_valid_by_the_metaschema():
     for bad in ({"type": "nope"}, {"required": ["a", "a"]}, {"minLength": -1}, {"items": [{}]}, {"anyOf": []}):
         assert not plainly_valid(bad) and _schema_problem(bad) is not None, bad
     assert plainly_valid({"type": "object", "nullable": True, "x-anything": {"type": 5}})  # unknown keywords: any value
-
-
-def test_engine_request_normalises():
-    req = parse_request(
-        {
-            "messages": MSG,
-            "tools": TOOLS,
-            "tool_choice": {"type": "function", "function": {"name": "send_email"}},
-            "max_completion_tokens": 7,
-            "stop": "x",
-            "user": "acme",
-            "toolspec": {"remember": False},
-            "seed": 3,
-        },
-        "m",
-        100,
-    )
-    from deployments.keys import OPEN
-
-    e = engine_request(req, OPEN.library_tenant(req.user))
-    assert isinstance(e, EngineRequest)
-    assert e.tool_choice == {"type": "function", "function": {"name": "send_email"}}
-    assert e.max_tokens == 7 and e.stop == ["x"] and e.tenant == "default/acme" and e.remember is False
-    assert e.temperature is None and e.seed == 3
-    assert engine_request(parse_request({"messages": MSG, "tools": TOOLS}, "m", 10)).tool_choice == "auto"
-    none = engine_request(parse_request({"messages": MSG, "tools": TOOLS, "tool_choice": "none"}, "m", 10))
-    assert none.tool_choice == "none" and none.offered_tools == [] and none.tools == e.tools
-    assert engine_request(parse_request({"messages": MSG}, "m", 10)).tool_choice == "none"
-
-
-def test_engine_request_is_where_a_timeline_is_asked_for():
-    """The body's ``toolspec.timeline``, or the server's option / the request's header (the
-    route's ``timeline`` argument), ask for it; the typed request holds the one answer."""
-    plain = parse_request({"messages": MSG}, "m", 10)
-    field = parse_request({"messages": MSG, "toolspec": {"timeline": True}}, "m", 10)
-    assert engine_request(plain).timeline is False
-    assert engine_request(field).timeline is True and engine_request(field, timeline=False).timeline is True
-    assert engine_request(plain, timeline=True).timeline is True
 
 
 CALL = '{"name": "get_current_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
@@ -963,12 +929,15 @@ def test_retrieval_down_falls_back_and_is_counted(local):
 
 def test_streamed_deltas_with_stop_strings_are_the_final_text(local):
     host, _, _, _ = local
-    base = EngineRequest(
-        messages=[{"role": "user", "content": "Say something long."}], max_tokens=40, temperature=0.0, remember=False
+    base = chat_request(
+        [{"role": "user", "content": "Say something long."}],
+        max_tokens=40,
+        temperature=0.0,
+        toolspec={"remember": False},
     )
 
     async def events(stop):
-        return [ev async for ev in host.stream(dataclasses.replace(base, stop=stop))]
+        return [ev async for ev in host.stream(base.model_copy(update={"stop": stop}))]
 
     full = run(events([]))[-1].text
     assert len(full) > 24
@@ -987,7 +956,7 @@ def test_a_client_that_leaves_cancels_its_decode_quietly(local, caplog, how):
     import logging
 
     host, _, _, _ = local
-    req = EngineRequest(messages=[{"role": "user", "content": "go on forever"}], max_tokens=1500, temperature=0.0)
+    req = chat_request([{"role": "user", "content": "go on forever"}], max_tokens=1500, temperature=0.0)
     before = host.stats.cancelled
 
     async def go():
@@ -1021,7 +990,7 @@ def test_a_client_that_leaves_cancels_its_decode_quietly(local, caplog, how):
     assert load["running"] == 0 and load["waiting"] == 0  # the sequence left the batch, long before 1500 tokens
     assert load["kv_pool"]["used_blocks"] == 0  # and gave its KV blocks back
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
-    done = run(host.generate(dataclasses.replace(req, max_tokens=4)))
+    done = run(host.generate(req.model_copy(update={"max_tokens": 4})))
     assert isinstance(done, Done) and done.completion_tokens == 4
 
 
@@ -1189,16 +1158,16 @@ def test_hidden_state_retrieval_key(tiny_model_dir):
 
     client.search = recording
     host = EngineHost.build(cfg, client)
-    req = EngineRequest(messages=WEATHER_MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=6, tenant="t")
+    req = chat_request(WEATHER_MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=6)
     pool = host.engine.scheduler.pool
     own = []  # caches made outside the pool
     host.target.new_cache = lambda: own.append(1)
     try:
-        done = run(host.generate(req))
-        again = run(host.generate(req))
+        done = run(host.generate(req, "t"))
+        again = run(host.generate(req, "t"))
         handle.down = True  # the search fails: the held first draft goes on with the fallback drafter
         other = [{"role": "user", "content": "and the weather in Oslo?"}]
-        down = run(host.generate(dataclasses.replace(req, messages=other)))
+        down = run(host.generate(chat_request(other, tools=TOOLS, tool_choice="auto", max_tokens=6), "t"))
     finally:
         del host.target.new_cache
         host.close()
@@ -1251,18 +1220,17 @@ def test_forced_tool_choice_is_a_valid_call_even_from_a_random_model(local, tool
 def test_parallel_tool_calls_false_ends_the_output_after_one_call(local):
     """auto: the output ends with the first call's closer; required: a one-call grammar."""
     host = local[0]
-    base = engine_request(parse_request({"messages": MSG, "tools": TOOLS}, "tiny", 100))
-    assert base.parallel_tool_calls is True and host._prepare(base).decode_cfg.end_after == ()
-    off = engine_request(parse_request({"messages": MSG, "tools": TOOLS, "parallel_tool_calls": False}, "tiny", 100))
-    assert off.parallel_tool_calls is False
-    assert host._prepare(off).decode_cfg.end_after == ("</tool_call>",)
+    base = parse_request({"messages": MSG, "tools": TOOLS}, "tiny", 100)
+    assert host.job(base).decode.end_after == ()
+    off = parse_request({"messages": MSG, "tools": TOOLS, "parallel_tool_calls": False}, "tiny", 100)
+    assert host.job(off).decode.end_after == ("</tool_call>",)
     tok = host.target.tokenizer
     one = '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "Lima"}}\n</tool_call>'
     for parallel, allowed in ((True, True), (False, False)):
-        prep = host._prepare(dataclasses.replace(base, tool_choice="required", parallel_tool_calls=parallel))
+        job = host.job(base.model_copy(update={"tool_choice": "required", "parallel_tool_calls": parallel}))
         for t in tok.encode(one):
-            prep.constraint.consume(t)
-        assert bool(prep.constraint.mask()[tok.encode("\n<tool_call>")[0]]) is allowed
+            job.constraint.consume(t)
+        assert bool(job.constraint.mask()[tok.encode("\n<tool_call>")[0]]) is allowed
 
 
 ANSWER = {
@@ -1377,8 +1345,8 @@ def test_the_bridge_streams_to_the_loop_and_cancels_at_the_next_step():
         left = bridge.submit(Sequence(tg, prompt, None, DecodeConfig(max_new_tokens=400)))
         stays = bridge.submit(Sequence(tg, prompt, None, DecodeConfig(max_new_tokens=40)))
         texts = []
-        async for text, _ in left.updates():
-            texts.append(text)
+        async for progress in left.updates():
+            texts.append(progress.text)
             if len(texts) == 3:
                 left.cancel()
         return texts, await left.result(), await stays.result()
@@ -1432,7 +1400,7 @@ class _CancelledBackend:
     def __init__(self, when: str):
         self.when = when
 
-    async def stream(self, req):
+    async def stream(self, req, *caller):
         from ray.serve.exceptions import RequestCancelledError
 
         if self.when == "mid":
@@ -1440,7 +1408,7 @@ class _CancelledBackend:
             yield Text("Hel")
         raise RequestCancelledError("req-1")
 
-    async def generate(self, req):
+    async def generate(self, req, *caller):
         from ray.serve.exceptions import RequestCancelledError
 
         raise RequestCancelledError("req-1")
@@ -1476,11 +1444,11 @@ def test_a_client_gone_before_its_body_is_read_is_a_quiet_499(caplog):
     from deployments.http import make_api
 
     class Backend(_CancelledBackend):
-        async def stream(self, req):
+        async def stream(self, req, *caller):
             raise AssertionError("a request whose body never arrived reached the backend")
             yield
 
-        async def generate(self, req):
+        async def generate(self, req, *caller):
             raise AssertionError("a request whose body never arrived reached the backend")
 
     app = make_api(Backend("first"), ServeAppConfig(served_model_name="m"))
@@ -1511,7 +1479,7 @@ def test_a_send_cancelled_mid_stream_is_quiet(caplog):
     from deployments.http import make_api
 
     class Backend(_CancelledBackend):
-        async def stream(self, req):
+        async def stream(self, req, *caller):
             for ev in (Start(3), Text("Hel")):
                 yield ev
             await asyncio.sleep(3600)  # the rest never comes: the client is gone
@@ -1669,7 +1637,7 @@ def test_the_scripted_target_writes_its_script_through_the_engine():
     host = EngineHost.build(cfg)
     app = make_api(LocalBackend(host), cfg)
     assert isinstance(host.target, ScriptedTarget)
-    req = EngineRequest(messages=MSG, max_tokens=40)
+    req = chat_request(MSG, max_tokens=40)
 
     async def go():
         done = await host.generate(req)

@@ -50,15 +50,15 @@ def test_done_carries_where_the_first_token_waited():
     import asyncio
 
     from deployments.events import Done
-    from deployments.protocol import engine_request, parse_request
+    from deployments.protocol import parse_request
 
     host = scripted_host()
     queued = record_submits(host)
     try:
         body = {"model": host.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         asked = {**body, "toolspec": {"timeline": True}}  # first: its whole prompt is prefilled
-        done = asyncio.run(host.generate(engine_request(parse_request(asked, host.name, 4096))))
-        plain = asyncio.run(host.generate(engine_request(parse_request(body, host.name, 4096))))
+        done = asyncio.run(host.generate(parse_request(asked, host.name, 4096)))
+        plain = asyncio.run(host.generate(parse_request(body, host.name, 4096)))
     finally:
         host.close()
     assert "timeline" not in plain.extra and "early_steps" not in plain.extra  # only when asked
@@ -107,26 +107,26 @@ def test_available_memory_reads_this_machine():
 
 
 def test_a_client_that_leaves_while_its_request_is_prepared_is_counted_once():
-    """The client goes away while a worker still prepares its request (no search: prepared and
-    queued in one worker call): the sequence queued after it is cancelled and the host counts
-    the request as cancelled, once."""
+    """The client goes away while a worker still builds its job (built and queued in one worker
+    call): the sequence queued after it is cancelled and the host counts the request as
+    cancelled, once."""
     import asyncio
     import threading
     import time
 
-    from deployments.protocol import EngineRequest
+    from serve_fixtures import chat_request
 
     host = scripted_host()
     entered, release = threading.Event(), threading.Event()
-    prepare, queued = host._prepare, record_submits(host)
+    job, queued = host.job, record_submits(host)
 
-    def slow_prepare(req):
+    def slow_job(req, *caller):
         entered.set()
         release.wait(30)
-        return prepare(req)
+        return job(req, *caller)
 
-    host._prepare = slow_prepare
-    req = EngineRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=1000, temperature=0.0)
+    host.job = slow_job
+    req = chat_request([{"role": "user", "content": "hi"}], max_tokens=1000, temperature=0.0)
 
     async def leave_while_prepared():
         async def consume():
@@ -168,15 +168,17 @@ class RecordingRetrieval:
         return [], {"status": "ok"}
 
 
-def test_a_request_that_wants_no_search_takes_the_one_call_way_in():
-    """Under a method that drafts from the library, a request that offers no tools the model may
-    call (none, or ``tool_choice`` "none") searches nothing and is prepared, given its drafter and
-    queued in one worker call; one that offers tools searches the library once."""
+def test_every_request_takes_the_one_call_way_in_and_only_one_with_tools_searches():
+    """Under a method that drafts from the library, every request's job is built, its drafter
+    built and its sequence queued in one worker call; a request that offers no tools the model
+    may call (none, or ``tool_choice`` "none") searches nothing, one that offers tools searches
+    the library once."""
     import asyncio
+
+    from serve_fixtures import chat_request
 
     from deployments.engine_host import EngineHost
     from deployments.events import Done
-    from deployments.protocol import EngineRequest
 
     retrieval = RecordingRetrieval()
     host = EngineHost.build(
@@ -184,17 +186,18 @@ def test_a_request_that_wants_no_search_takes_the_one_call_way_in():
         retrieval,
     )
     assert host.retrieval is retrieval
-    start, started = host._start, []
+    launch, started = host._launch, []
 
-    def recording_start(req, loop, marks):
+    def recording_launch(req, *rest):
         started.append(req)
-        return start(req, loop, marks)
+        return launch(req, *rest)
 
-    host._start = recording_start
+    host._launch = recording_launch
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-    plain = EngineRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0)
-    quiet = EngineRequest(plain.messages, tools=[tool], tool_choice="none", max_tokens=4, temperature=0.0)
-    calls = EngineRequest(plain.messages, tools=[tool], tool_choice="auto", max_tokens=4, temperature=0.0)
+    hi = [{"role": "user", "content": "hi"}]
+    plain = chat_request(hi, max_tokens=4, temperature=0.0)
+    quiet = chat_request(hi, tools=[tool], tool_choice="none", max_tokens=4, temperature=0.0)
+    calls = chat_request(hi, tools=[tool], tool_choice="auto", max_tokens=4, temperature=0.0)
     try:
         for req in (plain, quiet):
             done = asyncio.run(host.generate(req))
@@ -203,7 +206,7 @@ def test_a_request_that_wants_no_search_takes_the_one_call_way_in():
         assert started == [plain, quiet] and retrieval.searches == []
         done = asyncio.run(host.generate(calls))
         assert isinstance(done, Done) and done.completion_tokens > 0
-        assert started == [plain, quiet] and retrieval.searches == [["get_weather"]]
+        assert started == [plain, quiet, calls] and retrieval.searches == [["get_weather"]]
     finally:
         host.close()
 
@@ -212,23 +215,23 @@ def test_the_text_held_back_for_a_stop_string_comes_in_the_last_event():
     """A stop string that never appears holds the output's last characters back while it streams:
     they come in the last ``Text`` event, so the deltas spell the final text, timeline or not."""
     import asyncio
-    import dataclasses
+
+    from serve_fixtures import chat_request
 
     from deployments.events import Done, Text
-    from deployments.protocol import EngineRequest
 
     host = scripted_host()
-    req = EngineRequest(
-        messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0.0, stop=["\x00never\x00 in it"]
+    req = chat_request(
+        [{"role": "user", "content": "hi"}], max_tokens=12, temperature=0.0, stop=["\x00never\x00 in it"]
     )
 
-    async def events(r):
-        return [ev async for ev in host.stream(r)]
+    async def events(timeline):
+        return [ev async for ev in host.stream(req, timeline=timeline)]
 
     try:
-        for r in (req, dataclasses.replace(req, timeline=True)):
-            evs = asyncio.run(events(r))
+        for timeline in (False, True):
+            evs = asyncio.run(events(timeline))
             assert isinstance(evs[-1], Done) and len(evs[-1].text) > 0
-            assert "".join(e.delta for e in evs if isinstance(e, Text)) == evs[-1].text, r.timeline
+            assert "".join(e.delta for e in evs if isinstance(e, Text)) == evs[-1].text, timeline
     finally:
         host.close()

@@ -130,11 +130,9 @@ def scripted_host():
 
 
 def _request(max_tokens: int):
-    from serve_fixtures import TOOLS, WEATHER_MESSAGES
+    from serve_fixtures import TOOLS, WEATHER_MESSAGES, chat_request
 
-    from deployments.protocol import EngineRequest
-
-    return EngineRequest(messages=WEATHER_MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=max_tokens)
+    return chat_request(WEATHER_MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=max_tokens)
 
 
 def test_a_slow_reader_gets_coalesced_events_and_the_engine_never_waits(scripted_host):

@@ -165,7 +165,7 @@ def test_a_bfloat16_replica_loads_and_answers(tiny_model_dir):
     """``dtype: bfloat16`` on the CPU through the replica: a bf16 target (one-row linears padded,
     attention in float32) whose answer is the same as plain greedy's of the same target."""
     from deployments.engine_host import EngineHost
-    from deployments.protocol import engine_request, parse_request
+    from deployments.protocol import parse_request
 
     base = dict(model=tiny_model_dir, device="cpu", dtype="bfloat16", cost_model="none", kv_pool_tokens=4096)
     base["retrieval"] = {"enabled": False}
@@ -175,9 +175,7 @@ def test_a_bfloat16_replica_loads_and_answers(tiny_model_dir):
         host = EngineHost.build(ServeAppConfig(method=method, **base))
         try:
             assert host.target.dtype == torch.bfloat16 and host.info()["startup"]["dtype"] == "bfloat16"
-            done = asyncio.run(
-                host.generate(engine_request(parse_request({**body, "model": host.name}, host.name, 4096)))
-            )
+            done = asyncio.run(host.generate(parse_request({**body, "model": host.name}, host.name, 4096)))
             texts.append((done.text, done.completion_tokens))
         finally:
             host.close()

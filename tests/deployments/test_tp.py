@@ -280,17 +280,16 @@ def test_unplaceable_workers_fail_within_the_timeout(ray_cluster):
 
 
 def _requests(n: int) -> list:
-    from deployments.protocol import EngineRequest
+    from serve_fixtures import chat_request
 
     return [
-        EngineRequest(
-            messages=[{"role": "system", "content": "Shared."}, {"role": "user", "content": f"call {i} " * (i + 1)}],
+        chat_request(
+            [{"role": "system", "content": "Shared."}, {"role": "user", "content": f"call {i} " * (i + 1)}],
             tools=TOOLS if i % 2 else [],
             tool_choice=("required" if i == 3 else "auto") if i % 2 else "none",
             max_tokens=24,
             temperature=0.7 if i == 2 else 0.0,
             seed=11 if i == 2 else None,
-            tenant="t",
         )
         for i in range(n)
     ]
@@ -321,8 +320,8 @@ def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):
         reqs = _requests(4)
 
         async def run(host):
-            one_by_one = [await host.generate(r) for r in reqs]
-            together = await asyncio.gather(*(host.generate(r) for r in reqs))
+            one_by_one = [await host.generate(r, "t") for r in reqs]
+            together = await asyncio.gather(*(host.generate(r, "t") for r in reqs))
             return [r.text for r in one_by_one], [r.text for r in together]
 
         a_seq, a_par = asyncio.run(run(single))

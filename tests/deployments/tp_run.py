@@ -26,27 +26,28 @@ from pathlib import Path
 
 
 def requests_of(items: list[dict], max_tokens: int) -> list:
-    from deployments.protocol import EngineRequest
+    from deployments.protocol import ChatRequest
 
     return [
-        EngineRequest(
-            messages=it["messages"],
-            tools=it.get("tools") or [],
-            tool_choice="auto" if it.get("tools") else "none",
-            max_tokens=max_tokens,
-            temperature=0.0,
-            tenant="tp-check",
-            remember=False,
+        ChatRequest.model_validate(
+            {
+                "messages": it["messages"],
+                "tools": it.get("tools") or [],
+                "tool_choice": "auto" if it.get("tools") else "none",
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "toolspec": {"remember": False},
+            }
         )
         for it in items
     ]
 
 
 async def _run(host, reqs: list, batch: int) -> tuple[list, list]:
-    alone = [await host.generate(r) for r in reqs]
+    alone = [await host.generate(r, "tp-check") for r in reqs]
     together: list = []
     for i in range(0, len(reqs), batch):
-        together += await asyncio.gather(*(host.generate(r) for r in reqs[i : i + batch]))
+        together += await asyncio.gather(*(host.generate(r, "tp-check") for r in reqs[i : i + batch]))
     return alone, together
 
 
