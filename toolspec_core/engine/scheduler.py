@@ -247,7 +247,7 @@ class Scheduler:
         if not chunks and not decoding:
             return None
         decodes = [Decode(seq, tree, seq.cache.get_seq_length()) for seq, tree in zip(decoding, trees)]
-        here = self.device_walk if self.device_walk is not None else self.target.device_walk
+        here = self.device_walk if self.device_walk is not None else getattr(self.target, "device_walk", False)
         plan = plan_step(chunks, decodes, bool(here))
         return _Step(chunks, decodes, plan, root_rows, tb - ta, tc - tb, tc)
 
