@@ -142,12 +142,21 @@ def plan_step(chunks: list[Chunk], decoding: list[Decode], here: bool) -> StepPl
     walked = walked_on_device(decoding, greedy, here)
     walk_at = row_starts([int(w) for w in walked])
     walk_row = [-1] * len(chunks) + [at if w else -1 for at, w in zip(walk_at, walked)]
-    starts = row_starts([len(s) for s in segments])
+    spans = zip(segments, row_starts([len(s) for s in segments]), logit_spans(logits), row_starts(hiddens))
     seqs = [
-        SeqRows(seg, getattr(seg.cache, "sid", 0), seg.cache.get_seq_length(), *rest)
-        for seg, *rest in zip(
-            segments, starts, roots, logit_spans(logits), logits, row_starts(hiddens), hiddens, walk_row
+        SeqRows(
+            seg,
+            sid=getattr(seg.cache, "sid", 0),
+            kv_len=seg.cache.get_seq_length(),
+            start=start,
+            roots=r,
+            logit=logit,
+            logits=m,
+            hidden=hidden,
+            hiddens=h,
+            walk=w,
         )
+        for (seg, start, logit, hidden), r, m, h, w in zip(spans, roots, logits, hiddens, walk_row)
     ]
     hidden_rows = [r for s in seqs for r in range(s.start + s.n - s.hiddens, s.start + s.n)]
     need = host_argmax(chunks, decoding, seqs, walked, greedy, here)
