@@ -25,8 +25,8 @@ from toolspec_core.model.step_runner import StepOutput
 
 STEP, STOP = 1, 0
 # SeqRows as one int row of the message's sequence table (the segment: its rows elsewhere; tree: parents given)
-SEQ_FIELDS = ("sid", "kv_len", "start", "roots", "logit", "logits", "hidden", "hiddens", "walk")
-SEQ_COLS = len(SEQ_FIELDS) + 2  # + n, tree
+SEQ_FIELDS = ("sid", "kv_len", "start", "n", "roots", "logit", "logits", "hidden", "hiddens", "walk")
+SEQ_COLS = len(SEQ_FIELDS) + 1  # + tree
 INDEX_FIELDS = tuple(f.name for f in dataclasses.fields(LogitIndex))
 PLAN_AT = 5  # the plan's arrays follow meta, sent, tables, frees and moves
 
@@ -50,7 +50,7 @@ def plan_arrays(plan: StepPlan) -> list[np.ndarray]:
     """Every field of ``plan`` as int arrays: the sequence table [S, SEQ_COLS], ids [N], pos [N],
     the tree segments' parent rows (concatenated), the :class:`LogitIndex` views in field order,
     the hidden rows and the walk inputs [B, 1 + 2T] ([0, 0]: none)."""
-    seqs = [[getattr(s, f) for f in SEQ_FIELDS] + [s.n, int(s.segment.tree)] for s in plan.seqs]
+    seqs = [[getattr(s, f) for f in SEQ_FIELDS] + [int(s.segment.tree)] for s in plan.seqs]
     segs = plan.segments
     parents = [p for s in segs if s.tree for p in s.parents]
     walk = plan.walk.numpy() if plan.walk is not None else np.zeros((0, 0), dtype=np.int64)
@@ -108,7 +108,7 @@ def decode_plan(arrays: list[np.ndarray], views: dict) -> StepPlan:
     seqs, p = [], 0
     for row in seqs_a.tolist():
         fields = dict(zip(SEQ_FIELDS, row))
-        a, n, tree = fields["start"], row[-2], row[-1]
+        a, n, tree = fields["start"], fields["n"], row[-1]
         rows = parents[p : p + n] if tree else None
         p += n if tree else 0
         seqs.append(SeqRows(Segment(views.get(fields["sid"]), ids[a : a + n], pos[a : a + n], rows), **fields))

@@ -60,8 +60,9 @@ def test_plan_of_a_completed_prompt_a_device_walk_and_a_host_walk(target):
     assert ix.rows == [9] + list(range(10, 18))
     assert ix.full == [5, 6, 7, 8]  # the logprobs sequence's rows
     assert ix.need == [0, 5, 6, 7, 8]  # the first token's argmax, then the host walk's rows
-    assert ix.draft_counts == [3, 2] and ix.root == [1, 6]
-    assert ix.target == [1, 2, 2, 6, 7] and ix.bonus == [3, 4, 8] and ix.bonus_counts == [2, 1]
+    spec = plan.spec
+    assert spec.draft_counts == [3, 2] and spec.root == [1, 6]
+    assert spec.target == [1, 2, 2, 6, 7] and spec.bonus == [3, 4, 8] and spec.bonus_counts == [2, 1]
     assert plan.hidden_rows == [9] and plan.argmax and plan.rows == 18
     assert plan.walk.tolist() == walk_inputs([tc], [1]).tolist()
     assert [s.draft_parents for s in plan.seqs[1:]] == [tc.parents, td.parents]
@@ -81,4 +82,4 @@ def test_a_step_that_reads_no_argmax(target):
     assert not plan.argmax and plan.logits.need == [] and plan.walk is None
     assert plan.logits.rows == [4] and plan.logits.full == [0] and plan.hidden_rows == []
     assert plan.seqs[1].segment.parents is None  # a lone root runs causally
-    assert plan.logits.draft_counts == [0] and plan.logits.bonus == [0]
+    assert plan.spec.draft_counts == [0] and plan.spec.bonus == [0]

@@ -10,12 +10,14 @@ from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.step_plan import (
     LogitIndex,
     SeqRows,
+    SpecIndex,
     bonus_indices,
     draft_parents,
     forward_plan,
     logit_index,
     logit_spans,
     row_starts,
+    spec_index,
     target_indices,
 )
 from toolspec_core.spec.tree import ROOT
@@ -61,21 +63,15 @@ def test_logit_index_of_prompt_chunks_and_decoding_sequences():
     of two roots and a four-node tree, a lone root: rows, full rows, draft counts, root, target and
     bonus indices, each sequence's span."""
     seqs = [
-        SeqRows(_seg(4), 1, 0, 0),
-        SeqRows(_seg(3), 2, 5, 4, 0, 0, 1),
-        SeqRows(_seg(6, row_parents(2, TREE)), 3, 9, 7, 2, 1, 6, walk=0),
-        SeqRows(_seg(1), 4, 12, 13, 1, 7, 1),
+        SeqRows(_seg(4), 1, 0, 0, 4),
+        SeqRows(_seg(3), 2, 5, 4, 3, 0, 0, 1),
+        SeqRows(_seg(6, row_parents(2, TREE)), 3, 9, 7, 6, 2, 1, 6, walk=0),
+        SeqRows(_seg(1), 4, 12, 13, 1, 1, 7, 1),
     ]
     got = logit_index(seqs, [False, True, False, True], [0, 7])
-    assert got == LogitIndex(
-        rows=[6, 7, 8, 9, 10, 11, 12, 13],
-        full=[0, 7],
-        need=[0, 7],
-        draft_counts=[4, 0],
-        root=[2, 7],
-        target=[2, 3, 3, 4],
-        bonus=[5, 6, 7],
-        bonus_counts=[2, 1],
+    assert got == LogitIndex(rows=[6, 7, 8, 9, 10, 11, 12, 13], full=[0, 7], need=[0, 7])
+    assert spec_index(seqs) == SpecIndex(
+        draft_counts=[4, 0], root=[2, 7], target=[2, 3, 3, 4], bonus=[5, 6, 7], bonus_counts=[2, 1]
     )
     assert [s.n for s in seqs] == [4, 3, 6, 1] and [s.decoding for s in seqs] == [False, False, True, True]
     assert seqs[2].draft_parents == TREE
@@ -88,4 +84,4 @@ def test_forward_plan_lays_out_a_step_made_outside_the_scheduler():
     assert [(s.sid, s.kv_len, s.start) for s in prefill.seqs] == [(7, 11, 0)]
     verify = forward_plan([_seg(4, row_parents(1, [ROOT, 0, 1]))], [4], [1], need=[0, 1, 2, 3])
     assert verify.logits.rows == [0, 1, 2, 3] and verify.logits.need == [0, 1, 2, 3] and verify.wants_argmax
-    assert verify.logits.draft_counts == [3] and verify.logits.target == [0, 1, 2] and verify.logits.bonus == [3]
+    assert verify.spec.draft_counts == [3] and verify.spec.target == [0, 1, 2] and verify.spec.bonus == [3]

@@ -104,13 +104,14 @@ def decode_segments(decoding: list[Decode]) -> list[Segment]:
     return out
 
 
-def walked_on_device(decoding: list[Decode], greedy: bool, here: bool) -> list[bool]:
+def walked_on_device(decoding: list[Decode], reads: list[bool], greedy: bool, here: bool) -> list[bool]:
     """Which decoding sequences' greedy walks run where the argmax is (``here``: the target walks
-    there): greedy, unconstrained ones that read nothing but the argmax and whose tree is a trie.
-    Sampling, a grammar, logprobs and drafters that learn from the logits walk on the host."""
+    there): greedy, unconstrained ones that read nothing but the argmax (``reads``: which read
+    their logits, :func:`reads_logits`) and whose tree is a trie. Sampling, a grammar, logprobs
+    and drafters that learn from the logits walk on the host."""
     if not (greedy and here):
         return [False] * len(decoding)
-    return [not reads_logits(d.seq) and d.tree.is_trie() for d in decoding]
+    return [not r and d.tree.is_trie() for d, r in zip(decoding, reads)]
 
 
 def host_argmax(chunks: list[Chunk], decoding: list[Decode], seqs: list[SeqRows], walked, greedy, here) -> list[int]:
@@ -134,21 +135,24 @@ def plan_step(chunks: list[Chunk], decoding: list[Decode], here: bool) -> StepPl
     logit spans, hidden spans), with the walks where the argmax is when ``here`` (the target's or
     scheduler's ``device_walk``)."""
     segments = chunk_segments(chunks) + decode_segments(decoding)
-    logits = [int(c.done) for c in chunks] + [len(s) for s in segments[len(chunks) :]]
+    sizes = [len(s) for s in segments]
+    reads = [reads_logits(d.seq) for d in decoding]
+    logits = [int(c.done) for c in chunks] + sizes[len(chunks) :]
     hiddens = [c.n if c.seq.states is not None else int(c.done) for c in chunks] + [0] * len(decoding)
     roots = [0] * len(chunks) + [len(d.seq.roots) for d in decoding]
-    full = [c.done and reads_logits(c.seq) for c in chunks] + [reads_logits(d.seq) for d in decoding]
+    full = [c.done and reads_logits(c.seq) for c in chunks] + reads
     greedy = any(walks_greedy(d.seq) for d in decoding) or any(not reads_logits(c.seq) for c in chunks if c.done)
-    walked = walked_on_device(decoding, greedy, here)
+    walked = walked_on_device(decoding, reads, greedy, here)
     walk_at = row_starts([int(w) for w in walked])
     walk_row = [-1] * len(chunks) + [at if w else -1 for at, w in zip(walk_at, walked)]
-    spans = zip(segments, row_starts([len(s) for s in segments]), logit_spans(logits), row_starts(hiddens))
+    spans = zip(segments, row_starts(sizes), sizes, logit_spans(logits), row_starts(hiddens))
     seqs = [
         SeqRows(
             seg,
             sid=getattr(seg.cache, "sid", 0),
             kv_len=seg.cache.get_seq_length(),
             start=start,
+            n=n,
             roots=r,
             logit=logit,
             logits=m,
@@ -156,7 +160,7 @@ def plan_step(chunks: list[Chunk], decoding: list[Decode], here: bool) -> StepPl
             hiddens=h,
             walk=w,
         )
-        for (seg, start, logit, hidden), r, m, h, w in zip(spans, roots, logits, hiddens, walk_row)
+        for (seg, start, n, logit, hidden), r, m, h, w in zip(spans, roots, logits, hiddens, walk_row)
     ]
     hidden_rows = [r for s in seqs for r in range(s.start + s.n - s.hiddens, s.start + s.n)]
     need = host_argmax(chunks, decoding, seqs, walked, greedy, here)

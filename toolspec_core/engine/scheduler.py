@@ -278,7 +278,7 @@ class Scheduler:
         if self.cost is not None:  # steps with a prefill chunk too: the curve learns what they cost under load
             self.cost.observe(total_rows, fwd)
         self._reap(finished)
-        draft_rows = sum(st.plan.logits.draft_counts)
+        draft_rows = sum(len(d.tree) for d in st.decodes)
         note_early_steps(st, time.time(), fwd, total_rows, st.root_rows + draft_rows)
         self.steps.append(
             StepRecord(

@@ -6,7 +6,7 @@ every tensor-parallel rank (``deployments/tp``: the step channel carries this ob
 the rank rebuilds the same object over its share of the KV), and the targets without a forward
 (scripted, replay). Per sequence a :class:`SeqRows` (its row span, new tokens, draft tree as
 parent rows, its KV); for the step a :class:`LogitIndex` of named index views, the speculative
-ones in the words of vLLM's ``SpecDecodeMetadata`` (draft counts, target and bonus indices).
+ones (:class:`SpecIndex`) in the words of vLLM's ``SpecDecodeMetadata`` (draft counts, target and bonus indices).
 
 Indices: a *row* is one of the step's N new rows (every sequence's, concatenated in plan order); a
 *logit index* ``j`` is the ``j``-th row whose logits the head computes, row ``logits.rows[j]``.
@@ -15,6 +15,7 @@ The small functions here build the index views from plain ints, so tests call th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -23,14 +24,16 @@ from toolspec_core.model.batch_forward import Segment
 from toolspec_core.spec.tree import ROOT
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SeqRows:
-    """One sequence's part of a step.
+    """One sequence's part of a step (made once by the planner and only read after: not frozen,
+    which would make it three times as slow to build, a step's worth of them every step).
 
     ``segment``: its KV view (``cache``), new tokens ``ids`` [n], positions ``pos`` [n] and, for a
     decoding sequence, each row's parent row ``parents`` [n] (None: causal rows, a prompt chunk or
     a lone root). ``sid``: the block table its KV is in (``PagedKV.sid``; 0: a cache of its own);
-    ``kv_len``: rows its cache holds before the step. Its rows of the step are ``start .. start + n``;
+    ``kv_len``: rows its cache holds before the step. Its rows of the step are ``start .. start + n``
+    (``n``: the segment's length);
     a decoding sequence's first ``roots`` rows are its root chain (the last committed token and any
     tokens a grammar forced), the rest its draft tree's nodes; ``roots`` 0: a prompt chunk. Its
     logit indices are ``logit .. logit + logits`` (a completed prompt: 1, its last row; a decoding
@@ -41,16 +44,13 @@ class SeqRows:
     sid: int
     kv_len: int
     start: int
+    n: int
     roots: int = 0
     logit: int = 0
     logits: int = 0
     hidden: int = 0
     hiddens: int = 0
     walk: int = -1
-
-    @property
-    def n(self) -> int:
-        return len(self.segment)
 
     @property
     def decoding(self) -> bool:
@@ -64,20 +64,25 @@ class SeqRows:
 
 @dataclass(frozen=True)
 class LogitIndex:
-    """The step's named index views (see the module docstring for rows and logit indices).
-
-    ``rows`` [M]: the rows whose logits the head computes. ``full`` [K]: logit indices whose full
-    logits come back (sampling, a grammar, logprobs, a drafter that reads logits). ``need``: logit
-    indices whose argmax the host reads (host walks, greedy first tokens). Per decoding sequence
-    (D of them, in plan order): ``draft_counts`` [D] its draft nodes; ``root`` [D] the logit index
-    of its last root row (where its tree hangs). ``target`` [sum draft_counts]: per draft node the
-    logit index whose argmax its token is checked against, its parent's row; ``bonus``
-    [sum bonus_counts]: per decoding sequence the logit indices where a fully accepted branch reads
-    the target's next token, its leaves' rows (the root's for an empty tree)."""
+    """The logit indices the step's consumers read (see the module docstring for rows and logit
+    indices). ``rows`` [M]: the rows whose logits the head computes. ``full`` [K]: logit indices
+    whose full logits come back (sampling, a grammar, logprobs, a drafter that reads logits).
+    ``need``: logit indices whose argmax the host reads (host walks, greedy first tokens)."""
 
     rows: list[int] = field(default_factory=list)
     full: list[int] = field(default_factory=list)
     need: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SpecIndex:
+    """The step's speculative views, per decoding sequence (D of them, in plan order):
+    ``draft_counts`` [D] its draft nodes; ``root`` [D] the logit index of its last root row (where
+    its tree hangs). ``target`` [sum draft_counts]: per draft node the logit index whose argmax its
+    token is checked against, its parent's row; ``bonus`` [sum bonus_counts]: per decoding sequence
+    the logit indices where a fully accepted branch reads the target's next token, its leaves'
+    rows (the root's for an empty tree)."""
+
     draft_counts: list[int] = field(default_factory=list)
     root: list[int] = field(default_factory=list)
     target: list[int] = field(default_factory=list)
@@ -87,7 +92,7 @@ class LogitIndex:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One verify forward: ``seqs`` in row order, the ``logits`` views, ``hidden_rows`` (rows whose
+    """One verify forward: ``seqs`` in row order, the ``logits`` views (and ``spec``), ``hidden_rows`` (rows whose
     last-layer state comes back: a completed prompt's retrieval key, every prompt row of a sequence
     that keeps them), ``walk`` [B, 1 + 2T] long on the host (the trees walked where the argmax is,
     :func:`~toolspec_core.model.device_walk.walk_inputs`; None: none) and ``argmax`` (False:
@@ -98,6 +103,12 @@ class StepPlan:
     hidden_rows: list[int] = field(default_factory=list)
     walk: torch.Tensor | None = None
     argmax: bool = True
+
+    @functools.cached_property
+    def spec(self) -> SpecIndex:
+        """The speculative views (:func:`spec_index`), made when first read: no consumer of the
+        step needs them to run it."""
+        return spec_index(self.seqs)
 
     @property
     def segments(self) -> list[Segment]:
@@ -150,21 +161,27 @@ def logit_index(seqs: list[SeqRows], full: list[bool], need: list[int]) -> Logit
     logit indices whose argmax the host reads."""
     rows: list[int] = []
     fulls: list[int] = []
-    counts, roots, target, bonus, bonus_counts = [], [], [], [], []
     for s, f in zip(seqs, full):
         first = s.start + s.n - s.logits  # a span's logit rows are its last ``logits`` rows
         rows.extend(range(first, first + s.logits))
         if f:
             fulls.extend(range(s.logit, s.logit + s.logits))
+    return LogitIndex(rows, fulls, list(need))
+
+
+def spec_index(seqs: list[SeqRows]) -> SpecIndex:
+    """The :class:`SpecIndex` of the decoding sequences among ``seqs``."""
+    out = SpecIndex()
+    for s in seqs:
         if s.decoding:
             root, parents = s.logit + s.roots - 1, s.draft_parents
-            counts.append(len(parents))
-            roots.append(root)
-            target += target_indices(root, parents)
+            out.draft_counts.append(len(parents))
+            out.root.append(root)
+            out.target.extend(target_indices(root, parents))
             b = bonus_indices(root, parents)
-            bonus += b
-            bonus_counts.append(len(b))
-    return LogitIndex(rows, fulls, list(need), counts, roots, target, bonus, bonus_counts)
+            out.bonus.extend(b)
+            out.bonus_counts.append(len(b))
+    return out
 
 
 def logit_spans(counts: list[int]) -> list[int]:
@@ -187,7 +204,7 @@ def forward_plan(
     logits = logits or [0] * len(segments)
     roots = roots or [0] * len(segments)
     seqs = [
-        SeqRows(seg, getattr(seg.cache, "sid", 0), seg.cache.get_seq_length(), a, r, j, m)
-        for seg, a, r, j, m in zip(segments, row_starts(sizes), roots, logit_spans(logits), logits)
+        SeqRows(seg, getattr(seg.cache, "sid", 0), seg.cache.get_seq_length(), a, n, r, j, m)
+        for seg, a, n, r, j, m in zip(segments, row_starts(sizes), sizes, roots, logit_spans(logits), logits)
     ]
     return StepPlan(seqs, logit_index(seqs, [False] * len(seqs), list(need)), [], None, argmax)
