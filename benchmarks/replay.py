@@ -49,7 +49,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.step_model import StepModel
-from toolspec_core.model.step_runner import StepOutput, StepRequest, answer
+from toolspec_core.model.step_plan import StepPlan
+from toolspec_core.model.step_runner import StepOutput, answer
 from toolspec_core.model.target import Target, from_model
 
 RECORDING = Path(__file__).parent / "datasets" / "greedy-qwen2.5-coder-0.5b.jsonl.gz"
@@ -137,23 +138,28 @@ class ReplayTarget(Target):
         return self.step_model is not None
 
     # ------------------------------------------------------------------ what the engine calls
-    def launch(self, req: StepRequest, pool=None) -> Launched:
+    def launch(self, plan: StepPlan, pool=None) -> Launched:
         """The step started: its answer looked up now (:meth:`lookup`, the part a GPU step's
         launch stands for), its forward over when the step model says (at once without one)."""
         start = time.perf_counter()
         model = self.step_model
-        ms = 0.0 if model is None else model.forward_ms(len(req.segments), sum(map(len, req.segments)))
-        out = self.lookup(req)
+        ms = 0.0 if model is None else model.forward_ms(len(plan.seqs), plan.rows)
+        out = self.lookup(plan)
         return Launched(out, max(start + ms / 1000, time.perf_counter()))
 
-    def step(self, req: StepRequest, pool=None) -> StepOutput:
+    def step(self, plan: StepPlan, pool=None) -> StepOutput:
         """The step's answer, returned when its modelled forward ends (:meth:`launch`)."""
-        return self.launch(req, pool).result()
+        return self.launch(plan, pool).result()
 
-    def lookup(self, req: StepRequest) -> StepOutput:
+    def lookup(self, plan: StepPlan) -> StepOutput:
         """The step's argmax read from the recordings, then :func:`~toolspec_core.model.step_runner.answer`
         (the greedy walks and the host's rows), as every target's step ends."""
-        segments, logit_rows, full_rows, hidden_rows = req.segments, req.logit_rows, req.full_rows, req.hidden_rows
+        segments, logit_rows, full_rows, hidden_rows = (
+            plan.segments,
+            plan.logits.rows,
+            plan.logits.full,
+            plan.hidden_rows,
+        )
         committed = self._write(segments)  # each segment's cache tokens before its rows
         answers: list[int] = []  # [N] every row's argmax
         hidden_at: dict[int, torch.Tensor] = {}
@@ -193,7 +199,7 @@ class ReplayTarget(Target):
             for k, r in enumerate(hidden_rows):
                 if r in hidden_at:
                     hidden[k] = hidden_at[r]
-        return answer(req, torch.tensor(choice, dtype=torch.long), logits, hidden)
+        return answer(plan, torch.tensor(choice, dtype=torch.long), logits, hidden)
 
     # ------------------------------------------------------------------ bookkeeping
     def _write(self, segments) -> list[list[int]]:

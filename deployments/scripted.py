@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from toolspec_core.model.step_runner import StepOutput, StepRequest, answer
+from toolspec_core.model.step_plan import StepPlan
+from toolspec_core.model.step_runner import StepOutput, answer
 from toolspec_core.model.target import Target, from_model
 from toolspec_core.spec.proposer import DrafterBase
 
@@ -51,22 +52,22 @@ class ScriptedTarget(Target):
     script: tuple[int, ...] = ()
     step_s: float = 0.0  # the time each step takes (what a forward would cost)
 
-    def step(self, req: StepRequest, pool=None) -> StepOutput:
+    def step(self, plan: StepPlan, pool=None) -> StepOutput:
         if self.step_s:
             time.sleep(self.step_s)
-        segments = req.segments
+        segments, index = plan.segments, plan.logits
         pos = torch.cat([s.pos for s in segments])  # [N] every row's position
         for s in segments:  # the rows count as cached (their K/V slots are left as they are)
             s.cache.advance(len(s))
         script = torch.tensor(self.script, dtype=torch.long)
-        choice = script[(pos[req.logit_rows] + 1) % len(script)]  # [M] the argmax of every logit row
+        choice = script[(pos[index.rows] + 1) % len(script)]  # [M] the argmax of every logit row
         full = None
-        if req.full_rows:  # one-hot rows for the sequences that read logits (sampling, a grammar, logprobs)
+        if index.full:  # one-hot rows for the sequences that read logits (sampling, a grammar, logprobs)
             vocab = self.model.config.vocab_size
-            full = torch.full((len(req.full_rows), vocab), -1e4)
-            full[torch.arange(len(req.full_rows)), choice[req.full_rows]] = 0.0
-        hidden = torch.zeros(len(req.hidden_rows), self.model.config.hidden_size) if req.hidden_rows else None
-        return answer(req, choice, full, hidden)  # the walks, as every target's step ends
+            full = torch.full((len(index.full), vocab), -1e4)
+            full[torch.arange(len(index.full)), choice[index.full]] = 0.0
+        hidden = torch.zeros(len(plan.hidden_rows), self.model.config.hidden_size) if plan.hidden_rows else None
+        return answer(plan, choice, full, hidden)  # the walks, as every target's step ends
 
 
 def scripted_target(context: int = 32768, step_s: float = 0.0) -> ScriptedTarget:

@@ -3,13 +3,13 @@
 A tiny random Qwen2 (so the forward does not hide the control path) sharded by DeepSpeed AutoTP
 over Ray actors on the CPU (gloo); B sequences decode with a small draft tree each step
 (:class:`RandomTrees`). Per decode step the scheduler's record carries ``handover_s``: from the
-replica starting to build the plan to the last rank having it decoded (build, encode, write into
-shared memory, doorbell, wake-up, decode; ``replica_send_ms``: the replica's part of it, every
-step's mean, prefill steps included; ``plan_build_ms``: of that, making the plan from the
-scheduler's request; ``replica_send_ms_median`` the replica's part and ``rank_wake_decode_ms``
+replica starting to encode the plan to the last rank having it decoded (encode, write into
+shared memory, doorbell, wake-up, KV operations replayed, decode; ``replica_send_ms``: the
+replica's part of it, every step's mean, prefill steps included; ``plan_build_ms``: of that,
+encoding the scheduler's plan and the KV operations; ``replica_send_ms_median`` the replica's part and ``rank_wake_decode_ms``
 the rest -- the last rank woken and its plan decoded -- over decode steps); the answer's way
 back (rank 0 writes, the replica wakes and decodes) is the transport's ``answer_s``;
-``codec_ms``: the hand-over's own work (encode, write, read, decode) for a decode step's plan in
+``codec_ms``: the hand-over's own work (write, read, decode) for a decode step's message in
 one process, without a wake-up. A Ray call's round trip to a rank (``ping``, no payload) is
 measured beside them: the floor of a step handed over by a Ray call.
 
@@ -82,11 +82,11 @@ def run_level(target, pool, b: int, new_tokens: int) -> dict:
     plans, built, sends, hands = [], [], [], []
     real = target.group.step
 
-    def step(plan, full):
-        built.append(time.perf_counter() - plan.sent)  # the plan made from the scheduler's request
-        plans.append(plan)
+    def step(message, full, sent):
+        built.append(time.perf_counter() - sent)  # the scheduler's plan and the KV operations encoded
+        plans.append(message)
         s0 = t.send_s
-        out = real(plan, full)
+        out = real(message, full, sent)
         sends.append(t.send_s - s0)  # built, encoded, written, rung
         hands.append(out.handover_s)
         return out
@@ -120,11 +120,11 @@ def run_level(target, pool, b: int, new_tokens: int) -> dict:
     }
 
 
-def codec_ms(plan, n: int = 200) -> float:
-    """The hand-over's own work for one decode step's plan, in one process (no wake-up): encode,
-    write into a shared-memory slot, read, decode -- ms, median of ``n``."""
+def codec_ms(message, n: int = 200) -> float:
+    """The hand-over's own work for one decode step's message, in one process (no wake-up): write
+    into a shared-memory slot, read, decode -- ms, median of ``n``."""
     from deployments.tp.channel import Mailbox
-    from deployments.tp.worker import decode_plan, encode_plan
+    from deployments.tp.codec import decode_ops, decode_plan
 
     box = Mailbox()
     reader = Mailbox(box.name)
@@ -132,8 +132,10 @@ def codec_ms(plan, n: int = 200) -> float:
     try:
         for _ in range(n):
             t0 = time.perf_counter()
-            box.send(encode_plan(plan))
-            decode_plan(reader.receive())
+            box.send(message)
+            arrays = reader.receive()
+            decode_ops(arrays)
+            decode_plan(arrays, {})
             times.append(1e3 * (time.perf_counter() - t0))
     finally:
         reader.close()

@@ -4,9 +4,9 @@
 like any other: its block pool (:class:`RemoteBlockPool`) does all the bookkeeping (tables,
 prefix cache, reference counts) with no storage, and queues what the ranks' storage must replay
 -- a sequence's table when the pool opens its cache, its end when it closes, a verify commit's
-slot moves. :meth:`TPTarget.step` turns the scheduler's :class:`~toolspec_core.model.step_runner.StepRequest`
-into one :class:`~deployments.tp.worker.StepPlan` and hands it to every rank through the step
-channel (:mod:`deployments.tp.channel`); rank 0 answers with the walked trees' accepted tokens
+slot moves. :meth:`TPTarget.step` encodes the scheduler's :class:`~toolspec_core.model.step_plan.StepPlan`
+as it is, with those KV operations (:mod:`deployments.tp.codec`), and hands it to every rank
+through the step channel (:mod:`deployments.tp.channel`); rank 0 answers with the walked trees' accepted tokens
 and the few rows the host reads (a completed prompt's last hidden state among them: the
 ``hidden`` retrieval key). The replica holds the tokenizer and the config, never weights, so it
 has no local forward: the config admits a tensor-parallel target only on the batched engine,
@@ -26,11 +26,12 @@ import torch
 
 from toolspec_core.model.batch_forward import FAMILIES
 from toolspec_core.model.block_pool import BlockPool, PagedKV, kv_bytes_per_token, kv_shape
-from toolspec_core.model.step_runner import StepOutput, StepRequest
+from toolspec_core.model.step_plan import StepPlan
+from toolspec_core.model.step_runner import StepOutput
 from toolspec_core.model.target import Target
 
 from .channel import Bell, Mailbox, Stamps, channel_dir, remove_dir
-from .worker import StepPlan, decode_answer, encode_plan, stop_message
+from .codec import KVOps, decode_answer, encode_step, stop_message
 
 WAIT_CHECK_S = 30.0  # how often a replica waiting for an answer checks that its ranks are alive
 
@@ -72,7 +73,7 @@ class TPGroup:
         self.workers, self.reports, self.pg, self.own_pg = workers, reports, pg, own_pg
         self.local = local  # workers are plain objects in this process (one rank, no Ray)
         self.transport = Transport()
-        self.tables: list[tuple[int, list[int], int]] = []
+        self.tables: list[tuple[int, list[int], int]] = []  # KV operations queued for the next step (KVOps)
         self.frees: list[int] = []
         self.moves: tuple[list[int], list[int]] = ([], [])
         self._lock = threading.Lock()
@@ -105,21 +106,22 @@ class TPGroup:
             self._call_all("connect", self.names)
             self.connected = True
 
-    def ops(self) -> tuple[list, list, tuple[list[int], list[int]]]:
-        """The KV operations queued since the last step (tables, frees, moves), taken."""
+    def ops(self) -> KVOps:
+        """The KV operations queued since the last step, taken."""
         with self._lock:
-            out = (self.tables, self.frees, self.moves)
+            tables, frees, (src, dst) = self.tables, self.frees, self.moves
             self.tables, self.frees, self.moves = [], [], ([], [])
-        return out
+        return KVOps(tables, frees, (np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)))
 
-    def step(self, plan: StepPlan, full_rows: list[int]) -> StepOutput:
-        """Hand ``plan`` to every rank, wait for rank 0's answer."""
+    def step(self, message: list[np.ndarray], full_rows: list[int], sent: float) -> StepOutput:
+        """Hand a step ``message`` (:func:`~deployments.tp.codec.encode_step`, begun at ``sent``)
+        to every rank, wait for rank 0's answer."""
         t = self.transport
         self.stamps.values[:] = 0.0
-        t.bytes_out += self.plans.send(encode_plan(plan))
+        t.bytes_out += self.plans.send(message)
         for bell in self.bells:
             bell.ring()
-        t.send_s += time.perf_counter() - plan.sent
+        t.send_s += time.perf_counter() - sent
         while not self.reply.wait(WAIT_CHECK_S):
             self._check_alive()
         t_ans = time.perf_counter()
@@ -127,7 +129,7 @@ class TPGroup:
         t.bytes_in += sum(a.nbytes for a in arrays)
         out, worker_s = decode_answer(arrays, full_rows)
         done = time.perf_counter()
-        out.handover_s = float(self.stamps.values.max()) - plan.sent
+        out.handover_s = float(self.stamps.values.max()) - sent
         t.steps += 1
         t.worker_s += worker_s
         t.handover_s += out.handover_s
@@ -252,38 +254,14 @@ class TPTarget(Target):
         per_rank = kv_bytes_per_token(self.model.config, self.dtype) // self.tp_size
         return int(min(free) * fraction) // per_rank
 
-    def step(self, req: StepRequest, pool=None) -> StepOutput:
+    def step(self, plan: StepPlan, pool=None) -> StepOutput:
+        """The scheduler's plan to every rank as it is, with the KV operations queued since the
+        last step; the replica's view of each cache grows by its rows (the ranks' follow)."""
         sent = time.perf_counter()
-        tables, frees, moves = self.group.ops()
-        rows, parents = [], []
-        for s in req.segments:
-            n = len(s)
-            if s.tree and s.parents is None:
-                raise ValueError("a tree segment of a tensor-parallel step needs its rows' parents (Segment.parents)")
-            rows.append((s.cache.sid, s.cache.length, n, s.tree))
-            if s.tree:
-                parents += s.parents  # [n] each tree's rows among themselves, as the scheduler drew them
-            s.cache.advance(n)  # the ranks' views grow by these rows; the replica's length follows
-        segs = np.array(rows, dtype=np.int64).reshape(-1, 4)
-        ids = torch.cat([s.ids for s in req.segments]).numpy()
-        pos = torch.cat([s.pos for s in req.segments]).numpy()
-        plan = StepPlan(
-            tables,
-            frees,
-            (np.asarray(moves[0], dtype=np.int64), np.asarray(moves[1], dtype=np.int64)),
-            segs,
-            ids,
-            pos,
-            np.array(parents, dtype=np.int64),
-            req.logit_rows,
-            req.full_rows,
-            req.hidden_rows,
-            req.need,
-            None if req.walk is None else req.walk.numpy(),
-            req.argmax,
-            sent,
-        )
-        return self.group.step(plan, req.full_rows)
+        message = encode_step(plan, self.group.ops(), sent)
+        for s in plan.seqs:
+            s.segment.cache.advance(s.n)
+        return self.group.step(message, plan.logits.full, sent)
 
 
 def resolve_model_path(model: str | None) -> Path:

@@ -1,11 +1,13 @@
 """A tensor-parallel rank: its shard of the model, its share of every sequence's KV, the step.
 
 The replica owns drafting, scheduling and the KV block tables; the ranks own the weights and
-the KV storage (each rank its KV heads' share of every block). A step is planned once on the
-replica (:class:`StepPlan`: the KV operations since the last step, each sequence's new rows and
-tree, which rows' logits are needed, the greedy trees to walk) and reaches every rank through
-the step channel (:mod:`deployments.tp.channel`: shared memory and a doorbell per rank, a fixed
-layout of arrays -- no Ray call, no pickling). Every rank runs :func:`run_step` -- the step runner
+the KV storage (each rank its KV heads' share of every block). A step is planned once, by the
+replica's scheduler (:class:`~toolspec_core.model.step_plan.StepPlan`: each sequence's new rows and
+tree, which rows' logits are needed, the greedy trees to walk), and reaches every rank with the
+KV operations since the last step through the step channel (:mod:`deployments.tp.channel`:
+shared memory and a doorbell per rank; :mod:`deployments.tp.codec`: a fixed layout of arrays --
+no Ray call, no pickling). A rank replays the KV operations, rebuilds the same plan over its
+views (:func:`receive_step`) and runs :func:`run_step` -- the step runner
 (:mod:`toolspec_core.model.step_runner`) over its shard and its share of the pool, the same
 ragged attention, CUDA graphs and device-side greedy walk as a single device; the decoder's
 collectives are DeepSpeed's, NCCL on CUDA and gloo on CPU -- and rank 0 answers with the
@@ -27,183 +29,43 @@ import resource
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.block_pool import BlockPool, PagedKV, kv_shape
-from toolspec_core.model.step_runner import StepOutput, StepRequest, StepRunner
+from toolspec_core.model.step_plan import StepPlan
+from toolspec_core.model.step_runner import StepOutput, StepRunner
+
+from .codec import KVOps, decode_ops, decode_plan, encode_answer, error_answer, plan_digest
 
 log = logging.getLogger("toolspec.tp")
 
-STEP, STOP = 1, 0
+REPORT_WAIT_S = 10.0  # the longest a report waits for the step in flight on this rank
 
 
-@dataclass
-class StepPlan:
-    """One verify step as the ranks need it.
-
-    ``tables``: new sequences' block tables ``(sid, table, shared)``; ``frees``: sids whose
-    sequence ended; ``moves``: slot moves of verify commits ``(src, dst)``, each [n] -- the KV
-    operations since the last step, applied in that order. ``segs`` [S, 4]: per sequence
-    ``(sid, kv_length, rows, has_tree)``; ``ids`` / ``pos`` [N] the rows; ``parents``: each tree
-    sequence's rows' parent rows [n] (:func:`~toolspec_core.engine.verify.row_parents`: a row sees
-    itself and its ancestors among its sequence's new rows), concatenated in order.
-    ``logit_rows`` / ``full_rows`` / ``hidden_rows`` / ``need`` / ``walk`` / ``argmax``: as in
-    :class:`~toolspec_core.model.step_runner.StepRequest`. ``sent``: the replica's clock when
-    it began handing the plan over."""
-
-    tables: list[tuple[int, list[int], int]] = field(default_factory=list)
-    frees: list[int] = field(default_factory=list)
-    moves: tuple[np.ndarray, np.ndarray] | None = None
-    segs: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), dtype=np.int64))
-    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    pos: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    parents: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    logit_rows: list[int] = field(default_factory=list)
-    full_rows: list[int] = field(default_factory=list)
-    hidden_rows: list[int] = field(default_factory=list)
-    need: list[int] = field(default_factory=list)
-    walk: np.ndarray | None = None
-    argmax: bool = True
-    sent: float = 0.0
-
-
-def _ints(x) -> np.ndarray:
-    return np.asarray(x, dtype=np.int64).reshape(-1)
-
-
-def encode_plan(plan: StepPlan) -> list[np.ndarray]:
-    """The plan as the channel carries it: fixed-layout arrays (see :func:`decode_plan`)."""
-    tables = [np.concatenate([_ints([sid, shared, len(t)]), _ints(t)]) for sid, t, shared in plan.tables]
-    src, dst = plan.moves if plan.moves is not None else (_ints([]), _ints([]))
-    walk = plan.walk if plan.walk is not None else np.zeros((0, 0), dtype=np.int64)
-    meta = _ints([STEP, int(plan.argmax), len(plan.tables)])
-    return [
-        meta,
-        np.array([plan.sent], dtype=np.float64),
-        np.concatenate(tables) if tables else _ints([]),
-        _ints(plan.frees),
-        np.stack([_ints(src), _ints(dst)]),
-        plan.segs.astype(np.int64, copy=False).reshape(-1, 4),
-        _ints(plan.ids),
-        _ints(plan.pos),
-        _ints(plan.parents),
-        _ints(plan.logit_rows),
-        _ints(plan.full_rows),
-        _ints(plan.hidden_rows),
-        _ints(plan.need),
-        walk.astype(np.int64, copy=False),
-    ]
-
-
-def stop_message() -> list[np.ndarray]:
-    return [_ints([STOP, 0, 0])]
-
-
-def decode_plan(arrays: list[np.ndarray]) -> StepPlan | None:
-    """:func:`encode_plan`'s arrays as a :class:`StepPlan` (None: the stop message)."""
-    meta = arrays[0]
-    if int(meta[0]) == STOP:
-        return None
-    flat, tables, o = arrays[2].tolist(), [], 0
-    for _ in range(int(meta[2])):
-        sid, shared, n = flat[o : o + 3]
-        tables.append((sid, flat[o + 3 : o + 3 + n], shared))
-        o += 3 + n
-    segs = arrays[5]
-    walk = arrays[13]
-    return StepPlan(
-        tables,
-        arrays[3].tolist(),
-        (arrays[4][0], arrays[4][1]),
-        segs,
-        arrays[6],
-        arrays[7],
-        arrays[8],
-        arrays[9].tolist(),
-        arrays[10].tolist(),
-        arrays[11].tolist(),
-        arrays[12].tolist(),
-        walk if walk.size else None,
-        bool(meta[1]),
-        float(arrays[1][0]),
-    )
-
-
-def encode_answer(out: StepOutput, forward_s: float) -> list[np.ndarray]:
-    """Rank 0's answer: the argmax the host reads, the walks, full rows and hidden states."""
-    need = [j for j, c in enumerate(out.choice or []) if c is not None]
-    picked = [out.choice[j] for j in need]
-    walks = np.asarray(out.walks, dtype=np.int64) if out.walks else np.zeros((0, 0), dtype=np.int64)  # [B, 2 + T]
-    full = out.logits.float().cpu().numpy() if out.logits is not None else np.zeros((0, 0), np.float32)
-    hidden = out.hidden.float().cpu().numpy() if out.hidden is not None else np.zeros((0, 0), np.float32)
-    has = [int(out.choice is not None), int(out.logits is not None), int(out.hidden is not None)]
-    return [
-        _ints([0, len(out.choice or [])] + has),
-        _ints(need),
-        _ints(picked),
-        walks,
-        full,
-        hidden,
-        np.array([forward_s], dtype=np.float64),
-    ]
-
-
-def error_answer(exc: BaseException) -> list[np.ndarray]:
-    return [_ints([1]), np.frombuffer(f"{type(exc).__name__}: {exc}".encode()[:4000], dtype=np.uint8)]
-
-
-def decode_answer(arrays: list[np.ndarray], full_rows: list[int]) -> tuple[StepOutput, float]:
-    """(the step's :class:`StepOutput`, rank 0's step seconds); RuntimeError for a rank's error."""
-    meta = arrays[0]
-    if int(meta[0]) != 0:
-        raise RuntimeError(f"tensor-parallel step failed on rank 0: {arrays[1].tobytes().decode(errors='replace')}")
-    m, has_choice, has_full, has_hidden = (int(x) for x in meta[1:5])
-    choice = None
-    if has_choice:
-        choice = [None] * m
-        for j, c in zip(arrays[1].tolist(), arrays[2].tolist()):
-            choice[j] = c
-    full = torch.from_numpy(arrays[4]) if has_full else None
-    hidden = torch.from_numpy(arrays[5]) if has_hidden else None
-    index = {j: i for i, j in enumerate(full_rows)}
-    return StepOutput(choice, arrays[3].tolist(), full, index, hidden), float(arrays[6][0])
-
-
-def apply_ops(pool: BlockPool, views: dict[int, PagedKV], plan: StepPlan) -> None:
+def apply_ops(pool: BlockPool, views: dict[int, PagedKV], ops: KVOps) -> None:
     """Replay the replica's KV operations on this rank's storage: new tables, ended sequences, moves."""
-    for sid, table, shared in plan.tables:
+    for sid, table, shared in ops.tables:
         views[sid] = pool.open(table, shared, sid=sid)
-    for sid in plan.frees:
+    for sid in ops.frees:
         views.pop(sid, None)
-    if plan.moves is not None and len(plan.moves[0]):
+    if len(ops.moves[0]):
         dev = pool.k.device
-        pool.move_slots(torch.from_numpy(plan.moves[0]).to(dev), torch.from_numpy(plan.moves[1]).to(dev))
+        pool.move_slots(torch.from_numpy(ops.moves[0]).to(dev), torch.from_numpy(ops.moves[1]).to(dev))
 
 
-def request_of(plan: StepPlan, views: dict[int, PagedKV]) -> StepRequest:
-    """The step runner's request over this rank's views: each sequence's length set from the plan
-    and each tree's rows' parents (the ragged plan reads them; the per-sequence loop builds its
-    masks from them, :func:`~toolspec_core.model.batch_forward.tree_masks`)."""
-    ids, pos = torch.from_numpy(plan.ids), torch.from_numpy(plan.pos)
-    parents = plan.parents.tolist()
-    segments, o, p = [], 0, 0
-    for sid, length, n, tree in plan.segs.tolist():
-        view = views[sid]
-        view.length = length
-        if tree:
-            segments.append(Segment(view, ids[o : o + n], pos[o : o + n], parents[p : p + n]))
-            p += n
-        else:
-            segments.append(Segment(view, ids[o : o + n], pos[o : o + n]))
-        o += n
-    walk = None if plan.walk is None else torch.from_numpy(plan.walk)
-    return StepRequest(segments, plan.logit_rows, plan.full_rows, plan.hidden_rows, walk, plan.need, argmax=plan.argmax)
+def receive_step(pool: BlockPool, views: dict[int, PagedKV], arrays: list[np.ndarray]) -> StepPlan | None:
+    """A step message on this rank: its KV operations replayed on the storage, then the
+    scheduler's plan over this rank's views (None: the stop message)."""
+    got = decode_ops(arrays)
+    if got is None:
+        return None
+    with torch.inference_mode():
+        apply_ops(pool, views, got[0])
+    return decode_plan(arrays, views)
 
 
 def shard_head(model) -> callable:
@@ -226,12 +88,13 @@ def shard_head(model) -> callable:
     return run
 
 
-def run_step(runner: StepRunner, views: dict[int, PagedKV], plan: StepPlan, rank: int) -> StepOutput | None:
-    """One step on this rank (every rank runs it with the same plan); rank 0 returns the answer."""
+def run_step(runner: StepRunner, plan: StepPlan, rank: int) -> StepOutput | None:
+    """One step on this rank (every rank runs it with the same plan): each sequence's view set to
+    the plan's KV length, then the step runner; rank 0 returns the answer."""
     with torch.inference_mode():
-        apply_ops(runner.pool, views, plan)
-        req = request_of(plan, views)
-        return runner.run(req, reply=rank == 0)
+        for s in plan.seqs:
+            s.segment.cache.length = s.kv_len
+        return runner.run(plan, reply=rank == 0)
 
 
 def rss_bytes() -> int:
@@ -293,6 +156,9 @@ class TPWorker:
         self.views: dict[int, PagedKV] = {}
         self.steps = 0
         self.decode_s = 0.0  # plan decoding, summed
+        self.digest = 0  # plan_digest of every plan run here, chained
+        self.done = 0  # steps whose run and digest are over
+        self._ran = threading.Condition()
         self._loop: threading.Thread | None = None
 
     @classmethod
@@ -303,7 +169,7 @@ class TPWorker:
         w.rank, w.world, w.device = 0, 1, str(next(model.parameters()).device)
         w.attention, w.cuda_graphs, w.model = attention, cuda_graphs, model
         w.pool = w.runner = w._loop = None
-        w.views, w.steps, w.decode_s = {}, 0, 0.0
+        w.views, w.steps, w.decode_s, w.digest, w.done, w._ran = {}, 0, 0.0, 0, 0, threading.Condition()
         return w
 
     def ping(self) -> int:
@@ -396,41 +262,56 @@ class TPWorker:
         return self.rank
 
     def _serve(self) -> None:
-        """Every step that arrives: decode the plan, stamp it, run it; rank 0 answers. A rank >= 1
-        that fails logs it and stays in step (rank 0 meets the same error and reports it)."""
+        """Every step that arrives: replay its KV operations and decode its plan, stamp it, run it;
+        rank 0 answers. A rank >= 1 that fails logs it and stays in step (rank 0 meets the same
+        error and reports it)."""
         while True:
             self.bell.wait()
             arrays = self.plans.receive()
             t = time.perf_counter()
             try:
-                plan = decode_plan(arrays)
+                plan = receive_step(self.pool, self.views, arrays)
             except Exception as exc:  # a malformed message: answer it, never hang the replica
                 log.exception("rank %d: bad step message", self.rank)
-                plan, err = False, exc
+                plan = exc
             self.decode_s += time.perf_counter() - t
             if plan is None:
                 return
             self.stamps.values[self.rank] = time.perf_counter()
             self.steps += 1
-            t0 = time.perf_counter()
-            try:
-                if plan is False:
-                    raise err
-                out = run_step(self.runner, self.views, plan, self.rank)
-                msg = encode_answer(out, time.perf_counter() - t0) if self.rank == 0 else None
-            except Exception as exc:
-                log.exception("rank %d: step failed", self.rank)
-                msg = error_answer(exc) if self.rank == 0 else None
+            msg = self._run(plan)
             if self.rank == 0:
                 self.answers.send(msg)
                 self.replica_bell.ring()
+            with self._ran:
+                if not isinstance(plan, Exception):  # after the answer: off the step's path
+                    self.digest = plan_digest(plan, self.digest)
+                self.done += 1
+                self._ran.notify_all()
+
+    def _run(self, plan: StepPlan | Exception) -> list[np.ndarray] | None:
+        """One step's answer (rank 0; None on the others), an error answer for a failed step."""
+        t0 = time.perf_counter()
+        try:
+            if isinstance(plan, Exception):
+                raise plan
+            out = run_step(self.runner, plan, self.rank)
+            return encode_answer(out, time.perf_counter() - t0) if self.rank == 0 else None
+        except Exception as exc:
+            log.exception("rank %d: step failed", self.rank)
+            return error_answer(exc) if self.rank == 0 else None
 
     def report(self) -> dict:
+        """What this rank ran, once the steps that reached it are over (a rank >= 1 may still be
+        finishing the last one when rank 0 has answered it)."""
+        with self._ran:
+            self._ran.wait_for(lambda: self.done >= self.steps, timeout=REPORT_WAIT_S)
         return {
             "rank": self.rank,
             "steps": self.steps,
             "sequences": len(self.views),
             "decode_s": round(self.decode_s, 4),
+            "plan_digest": self.digest,
             "paths": dict(self.runner.steps) if self.runner is not None else {},
             "rss_bytes": rss_bytes(),
             "peak_rss_bytes": peak_rss_bytes(),

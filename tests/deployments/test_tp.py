@@ -106,42 +106,71 @@ def test_step_protocol_equals_single_process(attention):
     tp.group.shutdown()
 
 
+def _planned(target, **kw) -> tuple[list, list]:
+    """The step plans the scheduler hands ``target`` over a batch of four (greedy with trees,
+    logprobs, sampling, a shared prompt prefix) on its own pool, and the outputs."""
+    plans = []
+    real = target.step
+
+    def step(plan, pool=None):
+        plans.append(plan)
+        return real(plan, pool)
+
+    target.step = step
+    try:
+        pool = target.block_pool(4096, 16, True)
+        prompts = [[5, 9, 2, 44, 17, 3, 8, 60, 12, 7, 1, 33, 20, 4, 6, 2, 9, i] for i in range(3)] + [[3, 1, 4, 1, 5]]
+        cfgs = [
+            DecodeConfig(max_new_tokens=8),
+            DecodeConfig(max_new_tokens=8, logprobs=2),
+            DecodeConfig(max_new_tokens=8, sampling=SamplingParams(temperature=0.8, seed=3)),
+            DecodeConfig(max_new_tokens=8),
+        ]
+        seqs = [Sequence(target, p, OracleDrafter(list(range(1, 40))), c) for p, c in zip(prompts, cfgs)]
+        sched = Scheduler(target, None, BatchLimits(max_running=4, prefill_chunk=24, tree_rows=16), pool, **kw)
+        for s in seqs:
+            sched.add(s)
+        sched.run()
+    finally:
+        del target.step
+    return plans, [s.result.tokens for s in seqs]
+
+
 def test_step_channel_carries_plans_and_large_answers():
-    """A plan through the shared-memory slot comes out as it went in (tables, moves, trees' parent
-    rows, walks); a message larger than the slot goes through a one-off segment."""
+    """The scheduler's plans and a step's KV operations through the shared-memory slot come out as
+    they went in -- every field of every sequence, the index views, the walks, each segment over
+    the rank's view of its table; a message larger than the slot goes through a one-off segment."""
+    from tiny import tiny_target
 
     from deployments.tp.channel import Bell, Mailbox, channel_dir, remove_dir
-    from deployments.tp.worker import StepPlan, decode_plan, encode_plan
+    from deployments.tp.codec import KVOps, decode_ops, decode_plan, encode_step, plan_arrays
 
-    parents = np.array([-1, 0, 0] + [-1, 0, 1, 1, 2, 2, 5])  # a tree of 3 rows, then one of 7
-    plan = StepPlan(
-        [(4, [9, 2, 7], 1), (5, [3], 0)],
-        [1, 2],
-        (np.array([10, 11]), np.array([20, 21])),
-        np.array([[4, 17, 3, 1], [5, 0, 5, 0], [6, 30, 7, 1]]),
-        np.arange(15),
-        np.arange(100, 115),
-        parents,
-        [2, 7, 8, 9],
-        [1],
-        [7],
-        [0, 1],
-        np.array([[3, -1, 0, 5, 6]]),
-        True,
-        12.5,
-    )
+    plans, _ = _planned(tiny_target(vocab=90), device_walk=True)
+    assert any(p.walk is not None for p in plans) and any(p.logits.full for p in plans)
+    assert any(s.segment.tree for p in plans for s in p.seqs) and any(p.hidden_rows for p in plans)
+    ops = KVOps([(4, [9, 2, 7], 1), (5, [3], 0)], [1, 2], (np.array([10, 11]), np.array([20, 21])))
     d = channel_dir()
     box, reader = Mailbox(size=4096), None
     bell = Bell(Bell.make(d, "r0"))
     try:
         reader = Mailbox(box.name)
-        box.send(encode_plan(plan))
-        bell.ring()
-        assert bell.wait(1.0) and not bell.wait(0.01)
-        got = decode_plan(reader.receive())
-        assert got.tables == plan.tables and got.frees == plan.frees and got.sent == plan.sent
-        assert np.array_equal(got.parents, parents)
-        assert np.array_equal(got.walk, plan.walk) and got.need == plan.need and got.moves[1].tolist() == [20, 21]
+        for plan in plans:
+            box.send(encode_step(plan, ops, 12.5))
+            bell.ring()
+            assert bell.wait(1.0) and not bell.wait(0.01)
+            arrays = reader.receive()
+            got_ops, sent = decode_ops(arrays)
+            assert got_ops.tables == ops.tables and got_ops.frees == ops.frees and sent == 12.5
+            assert got_ops.moves[1].tolist() == [20, 21]
+            views = {s.sid: object() for s in plan.seqs}
+            got = decode_plan(arrays, views)
+            assert all(np.array_equal(a, b) for a, b in zip(plan_arrays(got), plan_arrays(plan)))
+            assert got.logits == plan.logits and got.hidden_rows == plan.hidden_rows and got.argmax == plan.argmax
+            assert [s.segment.cache for s in got.seqs] == [views[s.sid] for s in plan.seqs]
+            assert [s.segment.parents for s in got.seqs] == [s.segment.parents for s in plan.seqs]
+            assert [dataclasses.replace(s, segment=None) for s in got.seqs] == [
+                dataclasses.replace(s, segment=None) for s in plan.seqs
+            ]
         big = [np.arange(5000, dtype=np.float32).reshape(50, 100)]  # past the 4 KiB slot
         box.send(big)
         assert np.array_equal(reader.receive()[0], big[0])
@@ -152,6 +181,30 @@ def test_step_channel_carries_plans_and_large_answers():
         box.close()
         bell.close()
         remove_dir(d)
+
+
+def test_the_plan_is_the_same_on_the_single_device_and_the_rank():
+    """The rank runs the scheduler's plan as it is: step by step, the plans the single-device
+    target is handed and those the in-process rank decoded and ran are the same (sids aside:
+    they are of each pool), and so are the outputs."""
+    from tiny import tiny_target
+
+    from deployments.tp.codec import plan_digest
+
+    ref = tiny_target(vocab=90)
+    tp = local_tp(ref)
+    try:
+        single, want = _planned(ref, device_walk=True)
+        on_tp, got = _planned(tp)
+        assert got == want
+        assert len(single) == len(on_tp) > 5
+        chain = 0
+        for a, b in zip(single, on_tp):
+            assert plan_digest(a) == plan_digest(b)
+            chain = plan_digest(a, chain)
+        assert tp.group.worker_reports()[0]["plan_digest"] == chain
+    finally:
+        tp.group.shutdown()
 
 
 def test_vocab_parallel_argmax_and_rows_on_one_rank():
@@ -339,6 +392,34 @@ def test_tensor_parallel_2_equals_single_process(ray_cluster, tiny_model_dir):
         single.close()
 
 
+def planned_digest(target) -> list[int]:
+    """``target.step`` wrapped to chain :func:`~deployments.tp.codec.plan_digest` over the plans it
+    is handed; the one-item list holds the chain."""
+    from deployments.tp.codec import plan_digest
+
+    chain, real = [0], target.step
+
+    def step(plan, pool=None):
+        chain[0] = plan_digest(plan, chain[0])
+        return real(plan, pool)
+
+    target.step = step
+    return chain
+
+
+def digests(target, prompts, want, n, limits, pool) -> int:
+    """The chained plan digest of a batch on the single device, its walks where the argmax is."""
+    chain = planned_digest(target)
+    seqs = [Sequence(target, p, OracleDrafter(w), DecodeConfig(max_new_tokens=n)) for p, w in zip(prompts, want)]
+    sched = Scheduler(target, None, limits, pool, device_walk=True)
+    for s in seqs:
+        sched.add(s)
+    sched.run()
+    del target.step
+    assert [s.result.tokens for s in seqs] == want
+    return chain[0]
+
+
 @needs_deepspeed
 @pytest.mark.serve
 @pytest.mark.timeout(900)
@@ -358,16 +439,21 @@ def test_tp2_ragged_steps_equal_plain_greedy(ray_cluster, tiny_model_dir):
     ]
     n = 10
     want = [generate(ref, p, None, DecodeConfig(max_new_tokens=n)).tokens for p in prompts]
+    limits = BatchLimits(max_running=16, prefill_chunk=256, tree_rows=16)
+    single = digests(ref, prompts, want, n, limits, ref.block_pool(4096, 16))  # the device walk, as the ranks'
     tp = start_tp_target(tiny_model_dir, 2, attention="ragged", timeout_s=600)
     try:
         pool = tp.block_pool(4096, 16)
-        limits = BatchLimits(max_running=16, prefill_chunk=256, tree_rows=16)
         seqs = [Sequence(tp, p, OracleDrafter(w), DecodeConfig(max_new_tokens=n)) for p, w in zip(prompts, want)]
         sched = Scheduler(tp, None, limits, pool)
+        sent = planned_digest(tp)
         for s in seqs:
             sched.add(s)
         sched.run()
+        del tp.step
         assert [s.result.tokens for s in seqs] == want
+        # the plan every rank ran is the one the scheduler made, and the single device's, step by step
+        assert [r["plan_digest"] for r in tp.group.worker_reports()] == [sent[0], sent[0]] == [single, single]
         assert sum(sum(s.result.stats.accepted) for s in seqs) > 0
         assert max(r.sequences for r in sched.steps) >= 12  # decoding together (16 admitted at once)
         assert any(r.prefill_rows and r.sequences for r in sched.steps)  # a prefill chunk beside decoding rows

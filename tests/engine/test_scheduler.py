@@ -10,13 +10,13 @@ from scripted import reference as reference
 from scripted import tiny as tiny
 from tiny import hf_greedy
 
-from toolspec_core.engine import device_walk as device_walk_mod
 from toolspec_core.engine.budget import CostModel
-from toolspec_core.engine.device_walk import accept_rows
 from toolspec_core.engine.loop import DecodeConfig, generate
 from toolspec_core.engine.sampling import SamplingParams
 from toolspec_core.engine.scheduler import BatchLimits, Scheduler, run_batch
 from toolspec_core.engine.sequence import Sequence
+from toolspec_core.model import device_walk as device_walk_mod
+from toolspec_core.model.device_walk import accept_rows
 from toolspec_core.model.step_runner import StepRunner
 from toolspec_core.spec.tree import DraftTree
 

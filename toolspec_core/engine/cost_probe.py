@@ -15,7 +15,7 @@ from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import commit_kv
 from toolspec_core.engine.verify import tree_inputs
 from toolspec_core.model.batch_forward import Segment
-from toolspec_core.model.step_runner import StepRequest
+from toolspec_core.model.step_plan import forward_plan
 from toolspec_core.spec.labels import PROBE
 from toolspec_core.spec.tree import DraftTree
 
@@ -67,7 +67,7 @@ def probe_steps(target, prefix_len: int = 500, ks=DEFAULT_KS) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (prefix_len,), generator=g)
     cache, pool = probe_cache(target, prefix_len + max(ks) + 1)
-    target.step(StepRequest([Segment(cache, ids, torch.arange(prefix_len))], [], argmax=False), pool)
+    target.step(forward_plan([Segment(cache, ids, torch.arange(prefix_len))], argmax=False), pool)
     if cache.get_seq_length() != prefix_len:  # e.g. a cache argument the model ignored: k tokens would be timed alone
         raise RuntimeError(f"the prefill left {cache.get_seq_length()} cached positions, expected {prefix_len}")
 
@@ -75,9 +75,9 @@ def probe_steps(target, prefix_len: int = 500, ks=DEFAULT_KS) -> dict:
         t0 = time.perf_counter()
         kv = cache.get_seq_length()
         tids, pos, parents = tree_inputs([0], tree, kv)
-        rows = list(range(tids.shape[1]))
+        n = tids.shape[1]
         segment = Segment(cache, tids[0], pos[0], parents if tree.tokens else None)
-        target.step(StepRequest([segment], rows, need=rows), pool)
+        target.step(forward_plan([segment], [n], [1], need=list(range(n))), pool)
         commit_kv(cache, kv, [0])
         dt = time.perf_counter() - t0
         cache.crop(-(cache.get_seq_length() - prefix_len))

@@ -7,7 +7,7 @@ asks each decoding sequence's drafter for its tree, cuts all trees together unde
 (:meth:`~toolspec_core.engine.budget.CostModel.allocate`), runs one forward over the rows of all
 sequences (:meth:`~toolspec_core.model.target.Target.forward`), then walks, commits, emits and
 feeds back per sequence. On an accelerator the greedy sequences' walks run there, all at once
-(:mod:`~toolspec_core.engine.device_walk`), and one small copy per step comes back; a pool's KV
+(:mod:`~toolspec_core.model.device_walk`), and one small copy per step comes back; a pool's KV
 commits of a step go as one slot move. A single request is a batch of one through the same step
 (:func:`toolspec_core.engine.loop.decode`).
 
@@ -31,14 +31,15 @@ import torch
 
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.commit import commit_kv, kv_rows
-from toolspec_core.engine.device_walk import read_walks, walk_inputs
 from toolspec_core.engine.limits import target_limits
+from toolspec_core.engine.planner import Chunk, Decode, plan_step, prefill_chunks
 from toolspec_core.engine.sequence import Sequence, cap_depth
 from toolspec_core.engine.stats import EARLY_STEPS, record_step
-from toolspec_core.engine.verify import VerifyResult, tree_inputs, walk
-from toolspec_core.model.batch_forward import Segment
+from toolspec_core.engine.verify import VerifyResult, walk
 from toolspec_core.model.block_pool import BlockPool
-from toolspec_core.model.step_runner import StepOutput, StepRequest
+from toolspec_core.model.device_walk import read_walks
+from toolspec_core.model.step_plan import SeqRows, StepPlan
+from toolspec_core.model.step_runner import StepOutput
 from toolspec_core.spec.proposer import NoDrafter, Proposer
 from toolspec_core.spec.tree import DraftTree, select
 
@@ -102,14 +103,30 @@ class StepRecord:
 
 
 @dataclass
-class _Row:
-    """Where a decoding sequence's rows sit in the step's logits."""
+class _Step:
+    """A step in flight: what was planned (prompt chunks, decoding sequences, the plan) and when
+    its phases ended."""
 
-    seq: Sequence
-    tree: DraftTree
-    kv_len: int
-    start: int  # first logits row
-    n: int
+    chunks: list[Chunk]
+    decodes: list[Decode]
+    plan: StepPlan
+    root_rows: int
+    draft_s: float
+    budget_s: float
+    planned: float  # perf_counter when drafting and the budget were done
+    inputs: float = 0.0  # perf_counter when the plan was made and the forward began
+    forward_s: float = 0.0
+    side_s: float = 0.0
+    hidden_s: float = 0.0
+    inline: bool = False  # the side work ran before the forward, on this thread
+
+    @property
+    def prefill_rows(self) -> int:
+        return sum(c.n for c in self.chunks)
+
+    @property
+    def decoding(self) -> list[tuple[Decode, SeqRows]]:
+        return list(zip(self.decodes, self.plan.seqs[len(self.chunks) :]))
 
 
 class Scheduler:
@@ -184,6 +201,19 @@ class Scheduler:
     def step(self) -> list[Sequence]:
         """One forward over every running sequence; returns the sequences that finished in it."""
         t0 = time.perf_counter()
+        finished = self._admit_step()
+        st = self._plan()
+        if st is None:  # nothing to run
+            self._wait_held()
+            return finished
+        out = self._forward(st)
+        walks, choice = self._accept(st, out)
+        self._commit_step(st, out, walks, choice, finished, t0)
+        return finished
+
+    def _admit_step(self) -> list[Sequence]:
+        """Admit: holds released, cancelled waiting sequences ended, waiting ones admitted while
+        they fit, cancelled or finished running ones reaped; the sequences that ended."""
         for seq in self.running:  # a first draft whose retrieval finished goes ahead this step
             seq.release_hold()
         finished: list[Sequence] = []
@@ -195,22 +225,17 @@ class Scheduler:
                 finished.append(seq)
         self._admit()
         self._reap(finished)
+        return finished
+
+    def _plan(self) -> _Step | None:
+        """Plan: the prompt chunks, every decoding sequence's tree (drafted, fitted to its KV room,
+        cut under the budget) and the step's :class:`~toolspec_core.model.step_plan.StepPlan`
+        (:func:`~toolspec_core.engine.planner.plan_step`). None: no rows to run."""
         wall0 = time.time()  # the step's rows are chosen from here
-
-        segments: list[Segment] = []
-        prefills: list[tuple[Sequence, int, bool]] = []  # (seq, its rows, prompt complete)
-        budget = self.limits.prefill_chunk
-        for seq in self.running:
-            if seq.prefilling and budget > 0:
-                a = seq.filled
-                n = min(budget, len(seq.prompt_ids) - a)
-                segments.append(Segment(seq.cache, torch.tensor(seq.prompt_ids[a : a + n]), torch.arange(a, a + n)))
-                prefills.append((seq, n, a + n == len(seq.prompt_ids)))
-                seq.stats.times.setdefault("prefill_start", wall0)
-                seq.filled += n
-                budget -= n
-        prefill_rows = self.limits.prefill_chunk - budget
-
+        chunks = prefill_chunks(self.running, self.limits.prefill_chunk)
+        for c in chunks:
+            c.seq.stats.times.setdefault("prefill_start", wall0)
+            c.seq.filled += c.n
         decoding = [s for s in self.running if s.decoding]
         root_rows = sum(len(s.roots) for s in decoding)
         ta = time.perf_counter()
@@ -219,116 +244,77 @@ class Scheduler:
         if self.cost is not None and decoding:
             trees = self.cost.allocate(trees, root_rows)  # as in a decode-only step: the chunk rides on top
         tc = time.perf_counter()
+        if not chunks and not decoding:
+            return None
+        decodes = [Decode(seq, tree, seq.cache.get_seq_length()) for seq, tree in zip(decoding, trees)]
+        here = self.device_walk if self.device_walk is not None else getattr(self.target, "device_walk", False)
+        plan = plan_step(chunks, decodes, bool(here))
+        return _Step(chunks, decodes, plan, root_rows, tb - ta, tc - tb, tc)
 
-        rows: list[_Row] = []
-        logit_rows: list[int] = []  # hidden rows whose logits the step needs
-        o = 0
-        for _, n, done in prefills:
-            o += n
-            if done:
-                logit_rows.append(o - 1)
-        kv_lens = [seq.cache.get_seq_length() for seq in decoding]
-        # a sequence with one row (its root, no tree) runs causally, no mask: the rows of all of them
-        # are made as one tensor a step and handed out as views
-        alone = [len(seq.roots) == 1 and not tree.tokens for seq, tree in zip(decoding, trees)]
-        ones = [i for i, a in enumerate(alone) if a]
-        one_rows = iter(
-            zip(
-                torch.tensor([decoding[i].roots[0] for i in ones], dtype=torch.long).split(1),
-                torch.tensor([kv_lens[i] for i in ones], dtype=torch.long).split(1),
-            )
-            if ones
-            else ()
-        )
-        for seq, tree, kv_len, one in zip(decoding, trees, kv_lens, alone):
-            if one:  # [1] each, as tree_inputs would make them
-                segments.append(Segment(seq.cache, *next(one_rows)))
-                n = 1
-            else:
-                # the tree's visibility once, as parent rows: a path that needs a float mask builds it from them
-                ids, pos, parents = tree_inputs(seq.roots, tree, kv_len)
-                segments.append(Segment(seq.cache, ids[0], pos[0], parents))
-                n = ids.shape[1]
-            rows.append(_Row(seq, tree, kv_len, len(logit_rows), n))
-            logit_rows.extend(range(o, o + n))
-            o += n
-        if not segments:
-            self._wait_held()
-            return finished
-        # full logits rows: those of sequences that read more than the argmax (a sampled or
-        # grammar-constrained walk, logprobs, a drafter that learns from logits); a tensor-parallel
-        # target sends back only these and the argmax of the rest
-        full_rows: list[int] = [j for j, (seq, _, _) in enumerate(p for p in prefills if p[2]) if reads_logits(seq)]
-        for r in rows:
-            if reads_logits(r.seq):
-                full_rows.extend(range(r.start, r.start + r.n))
-        hidden_rows, end = [], 0  # rows whose last-layer state comes back: each completed prompt's last
-        for seq, n, done in prefills:
-            if seq.states is not None:  # every prompt row's (Sequence.prompt_states)
-                hidden_rows.extend(range(end, end + n))
-            elif done:
-                hidden_rows.append(end + n - 1)
-            end += n
-        greedy = any(r.seq.cfg.sampling.greedy and r.seq.constraint is None for r in rows) or any(
-            not reads_logits(seq) for seq, _, done in prefills if done
-        )
-        on_device, need, walk = self._walks(rows, sum(done for _, _, done in prefills), greedy)
+    def _forward(self, st: _Step) -> StepOutput:
+        """Forward: the target's step over the plan, with the host work that needs no result of it
+        (:meth:`_side_job`) beside it (``overlap``) or before it."""
         job = self._side_job()
         inline = side_work(*job) if job is not None and not self.overlap else None  # before the forward
         t1 = time.perf_counter()
-        req = StepRequest(segments, logit_rows, full_rows, hidden_rows, walk, need, argmax=greedy)
-        out, beside, ended = self._beside_forward(req, job if self.overlap else None)  # waits for the forward
-        walks, choice = self._accept(on_device, out)
+        out, beside, ended = self._beside_forward(st.plan, job if self.overlap else None)  # waits for the forward
         t2 = time.perf_counter()
         end = t2 if ended is None else min(ended, t2)
-        side_s, hidden_s = side_times(inline or beside, t1, end)
-        fwd = end - t1
+        st.side_s, st.hidden_s = side_times(inline or beside, t1, end)
+        st.inputs, st.forward_s, st.inline = t1, end - t1, inline is not None
+        return out
 
-        j = h = 0  # completed prompts' logit rows; hidden rows
-        for seq, n, done in prefills:
-            seq.stats.prefill_s += fwd
-            if seq.states is not None:
-                seq.states.append(out.hidden[h : h + n].cpu())
-                h += n
-            elif done:
-                h += 1
-            if done:
-                first = out.rows(j, 1)
-                seq.start(None if first is None else first[0].cpu(), None if choice is None else choice[j])
-                seq.stats.times["first_token"] = time.time()
-                self._prompt_done(seq, out.hidden[h - 1].cpu())
-                j += 1
-                seq.cache.register(seq.prompt_ids)  # later prompts that begin with this one reuse its blocks
+    def _commit_step(self, st: _Step, out: StepOutput, walks, choice, finished: list[Sequence], t0: float) -> None:
+        """Commit: completed prompts start their output, every decoding sequence commits its walk
+        (one KV slot move for the batch), finished sequences are reaped and the step recorded."""
+        fwd = st.forward_s
+        self._prompts_done(st, out, choice)
         t3 = time.perf_counter()
         with self.pool.together() if self.pool is not None else nullcontext():  # one KV slot move for the batch
-            for r, result in zip(rows, walks):
-                self._commit(r, out, fwd, result, choice)
+            for (d, rows), result in zip(st.decoding, walks):
+                self._commit(d, rows, out, fwd, result, choice)
         t4 = time.perf_counter()
-        total_rows = sum(len(s) for s in segments)
+        total_rows = st.plan.rows
         if self.cost is not None:  # steps with a prefill chunk too: the curve learns what they cost under load
             self.cost.observe(total_rows, fwd)
         self._reap(finished)
-        draft_rows = sum(len(t) for t in trees)
-        note_early_steps(prefills, rows, time.time(), fwd, total_rows, prefill_rows, root_rows + draft_rows)
+        draft_rows = sum(len(d.tree) for d in st.decodes)
+        note_early_steps(st, time.time(), fwd, total_rows, st.root_rows + draft_rows)
         self.steps.append(
             StepRecord(
                 rows=total_rows,
-                prefill_rows=prefill_rows,
-                sequences=len(rows),
+                prefill_rows=st.prefill_rows,
+                sequences=len(st.decodes),
                 forward_s=fwd,
                 host_s=time.perf_counter() - t0 - fwd,
-                root_rows=root_rows,
+                root_rows=st.root_rows,
                 draft_rows=draft_rows,
-                draft_s=tb - ta,
-                budget_s=tc - tb,
-                inputs_s=t1 - tc - (side_s if inline else 0.0),  # side work run before the forward: its own
+                draft_s=st.draft_s,
+                budget_s=st.budget_s,
+                inputs_s=st.inputs
+                - st.planned
+                - (st.side_s if st.inline else 0.0),  # side work before the forward: its own
                 commit_s=t4 - t3,
                 handover_s=out.handover_s,
-                side_s=side_s,
-                hidden_s=hidden_s,
+                side_s=st.side_s,
+                hidden_s=st.hidden_s,
             )
         )
-        return finished
+
+    def _prompts_done(self, st: _Step, out: StepOutput, choice) -> None:
+        """Each prompt chunk's forward time and kept states; a completed prompt's first token(s),
+        its last state to ``on_prompt`` and its blocks registered for later prompts."""
+        for c, rows in zip(st.chunks, st.plan.seqs):
+            seq = c.seq
+            seq.stats.prefill_s += st.forward_s
+            if seq.states is not None:
+                seq.states.append(out.hidden[rows.hidden : rows.hidden + rows.hiddens].cpu())
+            if c.done:
+                first = out.rows(rows.logit, 1)
+                seq.start(None if first is None else first[0].cpu(), None if choice is None else choice[rows.logit])
+                seq.stats.times["first_token"] = time.time()
+                self._prompt_done(seq, out.hidden[rows.hidden + rows.hiddens - 1].cpu())
+                seq.cache.register(seq.prompt_ids)  # later prompts that begin with this one reuse its blocks
 
     @staticmethod
     def _prompt_done(seq: Sequence, hidden: torch.Tensor) -> None:
@@ -391,9 +377,9 @@ class Scheduler:
             return None
         return [s.drafter for s in todo], [list(s.prompt_ids) for s in todo], unrecorded
 
-    def _beside_forward(self, req: StepRequest, job) -> tuple[StepOutput, tuple[float, float] | None, float | None]:
+    def _beside_forward(self, plan: StepPlan, job) -> tuple[StepOutput, tuple[float, float] | None, float | None]:
         """The step's forward with ``job`` (:meth:`_side_job`; None: nothing beside it) running
-        while it does. A target that launches its step (``launch(req, pool)``, whose ``result()``
+        while it does. A target that launches its step (``launch(plan, pool)``, whose ``result()``
         waits for the forward and whose ``done_at`` is then when it ended: the replay's step model)
         runs the job on this thread between the two; any other target's ``step`` runs while the
         worker thread does the job (its forward must release the GIL: an accelerator's copy back).
@@ -401,18 +387,18 @@ class Scheduler:
         forward ended (None: when it returned)."""
         launch = getattr(self.target, "launch", None) if job is not None else None
         if launch is not None:
-            pending = launch(req, self.pool)
+            pending = launch(plan, self.pool)
             times = side_work(*job)
             out = pending.result()
             return out, times, pending.done_at
         if job is None:
-            return self.target.step(req, self.pool), None, None
+            return self.target.step(plan, self.pool), None, None
         if self._worker is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="toolspec-beside-forward")
         side = self._worker.submit(side_work, *job)
-        out = self.target.step(req, self.pool)
+        out = self.target.step(plan, self.pool)
         return out, side.result(), None
 
     def _record_unrecorded(self) -> None:
@@ -437,49 +423,28 @@ class Scheduler:
             seq.finish()
         return out
 
-    def _walks(self, rows: list[_Row], n_ends: int, greedy: bool) -> tuple[list[bool], list[int], torch.Tensor | None]:
-        """Which sequences' greedy walks run where the argmax is (the step runner's
-        :func:`~toolspec_core.model.step_runner.answer`), the logit rows whose argmax the host
-        reads, and the walked trees' inputs [B, 1 + 2T] (None: no walk there).
-
-        A greedy, unconstrained sequence that reads nothing but the argmax is walked where the
-        argmax is (``device_walk``; None: where the target says, an accelerator or the ranks of a
-        tensor-parallel target); sampling, a grammar, logprobs and drafters that learn from the
-        logits walk on the host."""
-        none = [False] * len(rows)
-        if not greedy:
-            return none, [], None
-        here = self.device_walk if self.device_walk is not None else self.target.device_walk
-        if not here:  # every walk on the host: the argmax of every logit row comes back
-            return none, list(range(sum(r.n for r in rows) + n_ends)), None
-        on_device = [not reads_logits(r.seq) and r.tree.is_trie() for r in rows]
-        need = list(range(n_ends))  # the completed prompts' last rows: a greedy start reads their argmax
-        for r, dev in zip(rows, on_device):
-            if not dev and r.seq.cfg.sampling.greedy and r.seq.constraint is None:  # a greedy walk on the host
-                need.extend(range(r.start, r.start + r.n))
-        mine = [r for r, dev in zip(rows, on_device) if dev]
-        walk = walk_inputs([r.tree for r in mine], [r.start + len(r.seq.roots) - 1 for r in mine]) if mine else None
-        return on_device, need, walk
-
     @staticmethod
-    def _accept(on_device: list[bool], out: StepOutput) -> tuple[list[VerifyResult | None], list[int | None] | None]:
-        """The step's walks done where the argmax is (None: the sequence walks on the host) and the
-        argmax of the logit rows host code reads (None elsewhere)."""
+    def _accept(st: _Step, out: StepOutput) -> tuple[list[VerifyResult | None], list[int | None] | None]:
+        """Accept: the step's walks done where the argmax is, one per decoding sequence (None: it
+        walks on the host, in :meth:`_commit`) and the argmax of the logit indices host code reads
+        (None elsewhere)."""
         it = iter(read_walks(out.walks))
-        return [next(it) if dev else None for dev in on_device], out.choice
+        return [next(it) if rows.walk >= 0 else None for _, rows in st.decoding], out.choice
 
-    def _commit(self, r: _Row, out: StepOutput, fwd: float, result: VerifyResult | None, choice) -> None:
+    def _commit(
+        self, d: Decode, rows: SeqRows, out: StepOutput, fwd: float, result: VerifyResult | None, choice
+    ) -> None:
         """Commit one sequence's step: its walk (``result`` when done on the device), KV commit,
         drafter feedback, statistics and emitted tokens. ``choice``: the argmax on the host of the
-        logit rows a host walk reads (:meth:`_accept`)."""
-        seq, tree = r.seq, r.tree
+        logit indices a host walk reads (:meth:`_accept`)."""
+        seq, tree = d.seq, d.tree
         t = time.perf_counter()
-        own = out.rows(r.start, r.n)  # [R+T, V] this sequence's rows (None: only their argmax came back)
+        own = out.rows(rows.logit, rows.logits)  # [R+T, V] this sequence's rows (None: only their argmax came back)
         root_row = len(seq.roots) - 1
         if result is None:
-            mine = None if choice is None else choice[r.start : r.start + r.n]
+            mine = None if choice is None else choice[rows.logit : rows.logit + rows.logits]
             result = walk(tree, own, seq.cfg.sampling, seq.gen, seq.constraint, root_row, mine)
-        commit_kv(seq.cache, r.kv_len, kv_rows(result.path, len(seq.roots)))
+        commit_kv(seq.cache, d.kv_len, kv_rows(result.path, len(seq.roots)))
         result.logits = own  # for drafters that learn from the target (token recycling)
         try:
             Proposer.feedback(seq.drafter, tree, result)
@@ -590,35 +555,24 @@ def keeps_early_steps(seq: Sequence) -> bool:
     return steps is not None and len(steps) < EARLY_STEPS
 
 
-def note_early_steps(prefills, rows: list[_Row], end: float, fwd: float, total: int, prefill: int, decode: int) -> None:
+def note_early_steps(st: _Step, end: float, fwd: float, total: int, decode: int) -> None:
     """What a step carried, kept on each of its sequences that keeps early steps, for their first
     ``EARLY_STEPS`` steps (``GenerationStats.early_steps``, None where not kept): when it ended (wall clock), its forward's seconds, its rows
     (all / prompt rows / decoding rows), this sequence's own rows and its output tokens after it --
     so a load study can tell where a first token (and a first streamed chunk) waited."""
-    held = [(seq, n, "prefill") for seq, n, _ in prefills if keeps_early_steps(seq)]
-    held += [(r.seq, r.n, "decode") for r in rows if keeps_early_steps(r.seq)]
+    held = [(c.seq, c.n, "prefill") for c in st.chunks if keeps_early_steps(c.seq)]
+    held += [(d.seq, rows.n, "decode") for d, rows in st.decoding if keeps_early_steps(d.seq)]
     if not held:  # no timeline asked (the default)
         return
     step = {
         "end": round(end, 4),
         "forward_s": round(fwd, 4),
         "rows": total,
-        "prefill_rows": prefill,
+        "prefill_rows": st.prefill_rows,
         "decode_rows": decode,
     }
     for seq, n, kind in held:
         seq.stats.early_steps.append({**step, "kind": kind, "own_rows": n, "generated": len(seq.generated)})
-
-
-def reads_logits(seq: Sequence) -> bool:
-    """Whether ``seq`` reads its rows' full logits, not only their argmax: sampling, a grammar,
-    logprobs, or a drafter that learns from the target's logits (``reads_logits`` on the drafter)."""
-    return (
-        not seq.cfg.sampling.greedy
-        or seq.constraint is not None
-        or seq.logprobs is not None
-        or seq.drafter.reads_logits
-    )
 
 
 def fit_room(seq: Sequence, tree: DraftTree) -> DraftTree:

@@ -1,8 +1,8 @@
 """The step runner: the one place that decides how a verify step runs, for every target.
 
-A step is one :class:`StepRequest` (the scheduler's segments, which rows' argmax / logits /
-hidden states it needs, and the greedy trees to walk where the argmax is) and one
-:class:`StepOutput`. Three parts, each in one place:
+A step is one :class:`~toolspec_core.model.step_plan.StepPlan` (the scheduler's segments, which
+rows' argmax / logits / hidden states it needs, and the greedy trees to walk where the argmax is)
+and one :class:`StepOutput`. Three parts, each in one place:
 
 - :meth:`StepRunner.hidden` -- the forward. Which path runs is fixed when the runner is made,
   from the model, the pool and the target's settings, never from the kinds of caches a step
@@ -16,7 +16,7 @@ hidden states it needs, and the greedy trees to walk where the argmax is) and on
   default is the model's ``lm_head``; a tensor-parallel rank passes its vocabulary-parallel head
   (argmax and rows gathered over the ranks).
 - :func:`answer` -- the greedy walks of the asked-for trees on the device that holds the argmax
-  (:mod:`~toolspec_core.engine.device_walk`) and the argmax of the rows the host reads, in one copy
+  (:mod:`~toolspec_core.model.device_walk`) and the argmax of the rows the host reads, in one copy
   back. Targets without a forward (scripted, replay) call it with their own argmax.
 
 The single-device target (:class:`~toolspec_core.model.target.Target`) and each tensor-parallel
@@ -28,48 +28,25 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from toolspec_core.model import device_walk
 from toolspec_core.model.batch_forward import Segment, batched_forward, supports_batched, widen
 from toolspec_core.model.ragged import ragged_forward, resolve_attention
-
-
-@dataclass
-class StepRequest:
-    """One verify forward as the scheduler asks for it.
-
-    ``logit_rows``: rows of the concatenated segments whose logits the step needs; ``full_rows``:
-    indices into ``logit_rows`` whose full logits come back (sampling, a grammar, logprobs, a
-    drafter that reads logits); ``hidden_rows``: rows whose last hidden state comes back (a
-    completed prompt's retrieval key). ``walk`` [B, 1 + 2T] long (host): the greedy trees walked
-    where the argmax is (:func:`~toolspec_core.engine.device_walk.walk_inputs`), None for none;
-    ``need``: logit-row indices whose argmax the host reads (host walks, greedy first tokens).
-    ``argmax``: False when nothing reads an argmax (no greedy sequence in the step)."""
-
-    segments: list[Segment]
-    logit_rows: list[int]
-    full_rows: list[int] = field(default_factory=list)
-    hidden_rows: list[int] = field(default_factory=list)
-    walk: torch.Tensor | None = None
-    need: list[int] = field(default_factory=list)
-    argmax: bool = True
-
-    @property
-    def wants_argmax(self) -> bool:
-        return self.argmax and bool(self.need or (self.walk is not None and self.walk.shape[0]))
+from toolspec_core.model.step_plan import StepPlan
 
 
 @dataclass
 class StepOutput:
     """What one verify forward gives back.
 
-    ``choice``: the argmax of each logit row the host reads (``StepRequest.need``), None at the
-    others; None when none was asked for. ``walks``: per walked tree, ``[L, token, path...]``
-    (:func:`~toolspec_core.engine.device_walk.device_walk`'s row; read with
-    :func:`~toolspec_core.engine.device_walk.read_walks`). ``logits`` [K, V] fp32: the full rows,
+    ``choice``: the argmax of each logit index the host reads (``StepPlan.logits.need``), None at
+    the others; None when none was asked for. ``walks``: per walked tree, ``[L, token, path...]``
+    (:func:`~toolspec_core.model.device_walk.device_walk`'s row; read with
+    :func:`~toolspec_core.model.device_walk.read_walks`). ``logits`` [K, V] fp32: the full rows,
     logit row ``j`` at ``index[j]``. ``hidden`` [len(hidden_rows), H]. ``handover_s``: the time
     the step's plan took to reach every rank (a tensor-parallel target; 0 elsewhere)."""
 
@@ -168,16 +145,16 @@ class StepRunner:
         self.steps["ragged"] += 1
         return ragged_forward(self.model, segments, self.pool)
 
-    def run(self, req: StepRequest, reply: bool = True) -> StepOutput | None:
+    def run(self, plan: StepPlan, reply: bool = True) -> StepOutput | None:
         """One step: forward, head, walks (``reply`` False: a rank that does not answer -- its
         share of the forward and the head's collectives only)."""
-        hidden = self.hidden(req.segments)  # [N, H]
-        rows = req.logit_rows
+        hidden = self.hidden(plan.segments)  # [N, H]
+        rows = plan.logits.rows
         picked = hidden if len(rows) == hidden.shape[0] else hidden[rows]  # [M, H]
-        choice, full = self.head(picked, req.full_rows, req.wants_argmax)
+        choice, full = self.head(picked, plan.logits.full, plan.wants_argmax)
         if not reply:
             return None
-        return answer(req, choice, full, hidden[req.hidden_rows] if req.hidden_rows else None)
+        return answer(plan, choice, full, hidden[plan.hidden_rows] if plan.hidden_rows else None)
 
 
 def check_pool(segments: list[Segment], pool) -> None:
@@ -187,18 +164,16 @@ def check_pool(segments: list[Segment], pool) -> None:
             raise RuntimeError("a sequence's KV is not in the step's block pool: caches are opened by the pool")
 
 
-def answer(req: StepRequest, choice: torch.Tensor | None, full: torch.Tensor | None, hidden) -> StepOutput:
+def answer(plan: StepPlan, choice: torch.Tensor | None, full: torch.Tensor | None, hidden) -> StepOutput:
     """The step's answer from its argmax ``choice`` [M] (long, wherever the head left it): the
-    asked-for greedy walks run there and the argmax of ``req.need`` comes back with them, in one
-    copy; ``full`` [K, V] (the full rows) and ``hidden`` are passed through."""
-    index = {j: i for i, j in enumerate(req.full_rows)}
-    if choice is None or not req.wants_argmax:
+    asked-for greedy walks run there and the argmax of ``plan.logits.need`` comes back with them,
+    in one copy; ``full`` [K, V] (the full rows) and ``hidden`` are passed through."""
+    index = {j: i for i, j in enumerate(plan.logits.full)}
+    if choice is None or not plan.wants_argmax:
         return StepOutput(None, [], full, index, hidden)
-    from toolspec_core.engine.device_walk import accept_rows
-
-    walks, picked = accept_rows(choice, req.walk, req.need)
-    out: list[int | None] = [None] * len(req.logit_rows)
-    for j, c in zip(req.need, picked):
+    walks, picked = device_walk.accept_rows(choice, plan.walk, plan.logits.need)
+    out: list[int | None] = [None] * len(plan.logits.rows)
+    for j, c in zip(plan.logits.need, picked):
         out[j] = c
     return StepOutput(out, walks, full, index, hidden)
 

@@ -16,9 +16,10 @@ from toolspec_core.model.embedded import EMBEDDED_MODEL_NAME, ModelFileError, em
 from toolspec_core.model.kv import HFKV, KVCache, SeqKV
 from toolspec_core.model.prompting import eos_ids_of
 from toolspec_core.model.ragged import resolve_attention
-from toolspec_core.model.step_runner import StepOutput, StepRequest, StepRunner, cache_kwarg, hf_hidden, logits_head
+from toolspec_core.model.step_plan import StepPlan
+from toolspec_core.model.step_runner import StepOutput, StepRunner, cache_kwarg, hf_hidden, logits_head
 
-__all__ = ["StepOutput", "StepRequest", "Target", "cache_kwarg", "from_model", "load_target"]
+__all__ = ["StepOutput", "StepPlan", "Target", "cache_kwarg", "from_model", "load_target"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -199,10 +200,10 @@ class Target:
         hand-over each step."""
         return self.device.type != "cpu"
 
-    def step(self, req: StepRequest, pool=None) -> StepOutput:
-        """One verify forward as the scheduler needs it (:class:`~toolspec_core.model.step_runner.StepRequest`),
+    def step(self, plan: StepPlan, pool=None) -> StepOutput:
+        """One verify forward as the scheduler planned it (:class:`~toolspec_core.model.step_plan.StepPlan`),
         run by the step runner over ``pool``, the pool the segments' caches are in."""
-        return self.runner(pool).run(req)
+        return self.runner(pool).run(plan)
 
 
 def from_model(model, tokenizer, name: str = "model", attention: str = "auto", cuda_graphs: bool = False) -> Target:

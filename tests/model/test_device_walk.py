@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from toolspec_core.engine.device_walk import accept_greedy, device_walk, read_walks, walk_inputs
 from toolspec_core.engine.verify import greedy_walk
+from toolspec_core.model.device_walk import accept_greedy, device_walk, read_walks, walk_inputs
 from toolspec_core.spec.tree import ROOT, DraftTree
 
 hypothesis = pytest.importorskip("hypothesis")

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from toolspec_core.engine.verify import VerifyResult
-from toolspec_core.spec.tree import ROOT, DraftTree
+from toolspec_core.spec.tree import ROOT, DraftTree, VerifyResult
 
 PAD_TOKEN = -1  # a padded node's token: never an argmax, so never accepted
 
