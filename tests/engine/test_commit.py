@@ -66,5 +66,6 @@ def test_every_cache_kind_commits_through_the_protocol(tiny):
     shadow.advance(7)
     commit_kv(shadow, 4, [0, 2])
     moves = group.ops().moves
-    assert (moves[0].tolist(), moves[1].tolist()) == ([30], [29]) and shadow.get_seq_length() == 6  # row 0 is in place already
+    assert (moves[0].tolist(), moves[1].tolist()) == ([30], [29])  # row 0 is in place already
+    assert shadow.get_seq_length() == 6
     group.shutdown()
