@@ -8,7 +8,7 @@ target consumes that object unchanged; the functions here decide only what goes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -20,9 +20,9 @@ from toolspec_core.model.step_plan import SeqRows, StepPlan, logit_index, logit_
 from toolspec_core.spec.tree import DraftTree
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """Prompt rows ``a .. a + n`` of ``seq`` in a step."""
+class Chunk(NamedTuple):
+    """Prompt rows ``a .. a + n`` of ``seq`` in a step (a tuple: made per sequence per step, and a
+    frozen dataclass costs several times more to make)."""
 
     seq: Sequence
     a: int
@@ -34,8 +34,7 @@ class Chunk:
         return self.a + self.n == len(self.seq.prompt_ids)
 
 
-@dataclass(frozen=True)
-class Decode:
+class Decode(NamedTuple):
     """A decoding sequence's part of a step: its draft ``tree`` (cut by the budget) over ``kv_len``
     cached rows, verified after its root chain."""
 
@@ -140,17 +139,19 @@ def plan_step(chunks: list[Chunk], decoding: list[Decode], here: bool) -> StepPl
     logits = [int(c.done) for c in chunks] + sizes[len(chunks) :]
     hiddens = [c.n if c.seq.states is not None else int(c.done) for c in chunks] + [0] * len(decoding)
     roots = [0] * len(chunks) + [len(d.seq.roots) for d in decoding]
-    full = [c.done and reads_logits(c.seq) for c in chunks] + reads
-    greedy = any(walks_greedy(d.seq) for d in decoding) or any(not reads_logits(c.seq) for c in chunks if c.done)
+    read_chunks = [c.done and reads_logits(c.seq) for c in chunks]
+    full = read_chunks + reads
+    greedy = any(walks_greedy(d.seq) for d in decoding) or any(c.done and not r for c, r in zip(chunks, read_chunks))
     walked = walked_on_device(decoding, reads, greedy, here)
     walk_at = row_starts([int(w) for w in walked])
     walk_row = [-1] * len(chunks) + [at if w else -1 for at, w in zip(walk_at, walked)]
-    spans = zip(segments, row_starts(sizes), sizes, logit_spans(logits), row_starts(hiddens))
+    kv_lens = [c.seq.cache.get_seq_length() for c in chunks] + [d.kv_len for d in decoding]
+    spans = zip(segments, row_starts(sizes), sizes, logit_spans(logits), row_starts(hiddens), kv_lens)
     seqs = [
         SeqRows(
             seg,
             sid=getattr(seg.cache, "sid", 0),
-            kv_len=seg.cache.get_seq_length(),
+            kv_len=kv_len,
             start=start,
             n=n,
             roots=r,
@@ -160,7 +161,7 @@ def plan_step(chunks: list[Chunk], decoding: list[Decode], here: bool) -> StepPl
             hiddens=h,
             walk=w,
         )
-        for (seg, start, n, logit, hidden), r, m, h, w in zip(spans, roots, logits, hiddens, walk_row)
+        for (seg, start, n, logit, hidden, kv_len), r, m, h, w in zip(spans, roots, logits, hiddens, walk_row)
     ]
     hidden_rows = [r for s in seqs for r in range(s.start + s.n - s.hiddens, s.start + s.n)]
     need = host_argmax(chunks, decoding, seqs, walked, greedy, here)
