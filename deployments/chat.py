@@ -225,10 +225,12 @@ def cancelled_response():
     return Response(status_code=499)
 
 
-def error_response(status: int, error: dict):
+def error_response(status: int, error: dict, headers: dict[str, str] | None = None):
+    """The OpenAI-style JSON error answer (``error``: the body's ``error`` object) -- every refusal
+    the API makes, from a Failed event or an :class:`~deployments.protocol.APIError`."""
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": error}, status_code=status)
+    return JSONResponse({"error": error}, status_code=status, headers=headers or None)
 
 
 @dataclass(frozen=True)

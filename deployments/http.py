@@ -15,6 +15,7 @@ from .chat import (  # noqa: F401  (first_token_ms, wants_timeline: the route's 
     ChatRoute,
     cancelled_response,
     chat_completions,
+    error_response,
     first_token_ms,
     is_cancellation,
     wants_timeline,
@@ -48,9 +49,7 @@ class LocalBackend:
 
 
 def _error(exc: APIError):
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
+    return error_response(exc.status, exc.body()["error"], exc.headers)
 
 
 class QuietCancellation:
