@@ -105,7 +105,9 @@ class RetrievalConfig(BaseModel):
     max_batch_size: int = Field(16, ge=1, le=256)  # queries of all replicas the encoder embeds at once (1: no batching)
     batch_wait_timeout_s: float = Field(0.005, ge=0, le=1)  # how long the first query of a batch waits for more
     lexical_dim: int = Field(1024, gt=0, le=65536)
-    timeout_s: float = Field(1.0, gt=0, le=30)
+    timeout_s: float = Field(1.0, gt=0, le=30)  # a search's bound: the request is waiting for it
+    # a completed call's write: waited for and sent again until then (nobody waits for it)
+    add_deadline_s: float = Field(120.0, gt=0, le=3600)
     top_k: int = Field(10, ge=1, le=100)
     cache_entries: int = Field(256, ge=0)  # replica-local cache of recent search results
     num_replicas: int = Field(1, ge=1)

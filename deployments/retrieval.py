@@ -2,8 +2,9 @@
 
 ``RetrievalServer`` wraps ``retrieval_service.RetrievalService`` (one store owner for every
 replica). ``RetrievalClient`` lives in each engine replica: one time-bounded search per request,
-a small local cache of results, fire-and-forget adds; when the deployment is slow or down the
-request is served with schema-only drafting and a fallback is counted.
+a small local cache of results, adds nobody waits for; when the deployment is slow or down the
+request is served with schema-only drafting and a fallback is counted, and a completed call's add
+waits or goes again until the deployment takes it (``RetrievalConfig.add_deadline_s``).
 """
 
 from __future__ import annotations
@@ -167,11 +168,12 @@ class RetrievalClient:
             "timeouts": 0,
             "errors": 0,
             "adds": 0,
+            "add_retries": 0,
             "add_errors": 0,
         }
 
     def counters(self) -> dict:
-        return dict(self._counts)
+        return {**self._counts, "adds_pending": len(self._tasks)}
 
     def _remember(self, d: OrderedDict, key, value) -> None:
         if self.cfg.cache_entries <= 0:
@@ -227,12 +229,34 @@ class RetrievalClient:
         task.add_done_callback(self._tasks.discard)
 
     async def _add(self, kwargs: dict) -> None:
-        try:
-            await asyncio.wait_for(_awaitable(self.handle.add.remote(**kwargs)), max(5.0, self.cfg.timeout_s))
-            self._counts["adds"] += 1
-        except Exception as exc:
-            self._counts["add_errors"] += 1
-            log.info("retrieval add dropped (%s)", type(exc).__name__)
+        """One completed call into the library. Nobody waits for it, so it is never cut short the
+        way a search is: a slow write is waited for and one that fails on the way (the deployment's
+        replica lost or restarting, its router backed up) goes again after a backoff, both until
+        ``add_deadline_s``. A write the store refused (bad input: ``ValueError`` / ``TypeError``,
+        also as Ray's task error) is not sent again. The record's id is its content, so a write
+        that reached the store twice is one record."""
+        deadline = time.monotonic() + self.cfg.add_deadline_s
+        delay, reason = 0.25, "deadline"
+        while True:
+            try:
+                left = max(deadline - time.monotonic(), 1e-3)
+                await asyncio.wait_for(_awaitable(self.handle.add.remote(**kwargs)), left)
+                self._counts["adds"] += 1
+                return
+            except (asyncio.TimeoutError, TimeoutError):
+                break
+            except (ValueError, TypeError) as exc:
+                reason = type(exc).__name__
+                break
+            except Exception as exc:
+                reason = type(exc).__name__
+                if time.monotonic() + delay >= deadline:
+                    break
+                self._counts["add_retries"] += 1
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+        self._counts["add_errors"] += 1
+        log.warning("retrieval add dropped after %.0f s (%s)", self.cfg.add_deadline_s, reason)
 
 
 async def _awaitable(resp):

@@ -165,3 +165,72 @@ def test_encoder_depth_is_its_own_vector_space(tiny_model_dir):
     assert RetrievalConfig().encoder.depth() == EMBEDDED_ENCODER_LAYERS
     assert RetrievalConfig(encoder={"model": str(tiny_model_dir)}).encoder.depth() is None
     assert RetrievalConfig(encoder={"layers": 24}).encoder.depth() == 24
+
+
+class _FlakyHandle:
+    """A Serve handle stand-in over a RetrievalServer whose ``add`` first fails ``fail`` times the
+    way a lost or restarting replica does, and then takes ``slow_s`` to answer."""
+
+    def __init__(self, server, fail: int = 0, slow_s: float = 0.0, error=ConnectionError):
+        self.server, self.fail, self.slow_s, self.error, self.sent = server, fail, slow_s, error, 0
+        outer = self
+
+        class _Add:
+            def remote(self, **kw):
+                async def call():
+                    outer.sent += 1
+                    if outer.fail > 0:
+                        outer.fail -= 1
+                        raise outer.error("replica unavailable")
+                    await asyncio.sleep(outer.slow_s)
+                    return await outer.server.add(**kw)
+
+                return call()
+
+        self.add = _Add()
+
+
+def _client_add(handle, cfg: RetrievalConfig, tenant: str = "t"):
+    """One completed call through ``RetrievalClient.add_nowait``, waited for; the client's counters."""
+    from deployments.retrieval import RetrievalClient
+
+    client = RetrievalClient(handle, cfg)
+    kw = dict(tenant=tenant, tool_name="get_weather", schema_hash="h", text='{"city": "Lima"}')
+    kw.update(token_ids=[1, 2], arguments={"city": "Lima"}, embedding=TEXTS[0], remember=True)
+
+    async def run():
+        client.add_nowait(**kw)
+        while client._tasks:
+            await asyncio.gather(*client._tasks)
+        return client.counters()
+
+    return asyncio.run(run())
+
+
+def test_a_library_write_outlives_a_slow_or_lost_retrieval_replica():
+    """A completed call's write is nobody's wait: one slower than a search's ``timeout_s`` is waited
+    for (not cut off at it), one the deployment lost on the way goes again after a backoff, each
+    stored once; a write the store refuses is not sent again, and one past ``add_deadline_s`` is
+    dropped and counted."""
+    cfg = RetrievalConfig(key="lexical", timeout_s=0.05, add_deadline_s=5.0)
+
+    def server():
+        return RetrievalServer({"backend": "memory", "dim": 1024}, cfg)
+
+    slow = _FlakyHandle(server(), slow_s=0.3)  # 6x the search bound
+    counts = _client_add(slow, cfg)
+    assert counts["adds"] == 1 and counts["add_errors"] == 0 and counts["adds_pending"] == 0
+    assert slow.server.svc.tenant_stats("t")["records"] == 1 and slow.sent == 1
+
+    lost = _FlakyHandle(server(), fail=2)
+    counts = _client_add(lost, cfg)
+    assert (counts["adds"], counts["add_retries"], counts["add_errors"]) == (1, 2, 0)
+    assert lost.server.svc.tenant_stats("t")["records"] == 1 and lost.sent == 3
+
+    refused = _FlakyHandle(server(), fail=5, error=ValueError)
+    counts = _client_add(refused, cfg)
+    assert (counts["adds"], counts["add_retries"], counts["add_errors"]) == (0, 0, 1) and refused.sent == 1
+
+    late = _FlakyHandle(server(), slow_s=1.0)
+    counts = _client_add(late, RetrievalConfig(key="lexical", add_deadline_s=0.2))
+    assert (counts["adds"], counts["add_errors"]) == (0, 1)
