@@ -29,6 +29,10 @@ from .retrieval import RetrievalServer
 
 log = logging.getLogger("toolspec.serve")
 
+# how long a replica leaving gracefully waits for its library writes (Serve's default
+# graceful_shutdown_timeout_s, 20 s, bounds the whole shutdown)
+SHUTDOWN_ADDS_S = 10.0
+
 
 @serve.deployment(name="Retrieval", max_ongoing_requests=256, health_check_period_s=5)
 class Retrieval(RetrievalServer):
@@ -66,9 +70,28 @@ class ReplicaServer:
         return self._api
 
     def __del__(self):
+        """Serve's graceful shutdown calls this on the replica's event loop once its requests have
+        ended; the library writes of their calls may still be under way on that loop, so then it
+        returns a coroutine (Serve awaits it) that gives them up to ``SHUTDOWN_ADDS_S`` before the
+        engine closes. Called by the garbage collector, or with nothing left to write, it closes."""
         host = getattr(self, "host", None)
-        if host is not None:
+        if host is None or getattr(self, "_closed", False):
+            return None
+        self._closed = True
+        retrieval = host.retrieval
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            retrieval = None
+        if retrieval is None or not retrieval.pending():
             host.close()
+            return None
+        return self._close_after_writes(host, retrieval)
+
+    @staticmethod
+    async def _close_after_writes(host, retrieval) -> None:
+        await retrieval.drain(SHUTDOWN_ADDS_S)
+        host.close()
 
 
 @serve.deployment(name="Replica")

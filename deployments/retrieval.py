@@ -173,7 +173,7 @@ class RetrievalClient:
         }
 
     def counters(self) -> dict:
-        return {**self._counts, "adds_pending": len(self._tasks)}
+        return {**self._counts, "adds_pending": self.pending()}
 
     def _remember(self, d: OrderedDict, key, value) -> None:
         if self.cfg.cache_entries <= 0:
@@ -221,6 +221,17 @@ class RetrievalClient:
 
     async def tenant_stats(self, tenant: str) -> dict:
         return await _awaitable(self.handle.tenant_stats.remote(tenant))
+
+    def pending(self) -> int:
+        """Library writes under way."""
+        return sum(not t.done() for t in self._tasks)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for the library writes under way (call on their loop); how
+        many are still under way after it."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        return self.pending()
 
     def add_nowait(self, **kwargs) -> None:
         """Send a completed call to the library without waiting (call on the event loop)."""

@@ -10,7 +10,7 @@ once (no prefix-cache hit), alone.
   template + tokenization a prompt; the rest of the time to a first token over HTTP is the
   serving path's (Ray's hops, the replica's queue).
 * ``server``: time to one output token over HTTP (``max_tokens`` 1, not streamed) from a server
-  started fresh: ``toolspec`` (plain greedy, no retrieval: no drafting, no retrieval search, so
+  started fresh, every one in ``--dtype`` (float32 by default): ``toolspec`` (plain greedy, no retrieval: no drafting, no retrieval search, so
   only prefill and the serving path), ``vllm`` (its default thread placement: the model's
   threads on one core, the other left to its API server) and ``vllm+allcores`` (every core for
   its model). Prompt tokens from each server's usage.
@@ -118,20 +118,23 @@ def _post(url: str, body: dict, timeout: float = 600.0) -> dict:
         return json.loads(r.read())
 
 
-def server_rates(items: list[dict], servers: list[str], out_dir: str, port: int, vllm_port: int) -> list[dict]:
+def server_rates(
+    items: list[dict], servers: list[str], out_dir: str, port: int, vllm_port: int, dtype: str = "float32"
+) -> list[dict]:
     from benchmarks.loadtest.client import build_payload
     from benchmarks.studies.loadtest_local import (
         VllmServer,
         app_config,
         base_config,
         vllm_app,
+        vllm_dtype,
         vllm_missing,
         vllm_model_dir,
         vllm_venv,
     )
     from deployments.config import ServeAppConfig, served_name
 
-    ns = argparse.Namespace(port=port, scripted_target=False, set=[])
+    ns = argparse.Namespace(port=port, scripted_target=False, set=[f'dtype="{dtype}"'])
     base = base_config(ns)
     served = served_name(ServeAppConfig.model_validate(base))
     rows = []
@@ -144,7 +147,13 @@ def server_rates(items: list[dict], servers: list[str], out_dir: str, port: int,
                 continue
             _, opts = vllm_app(spec)
             server = VllmServer(
-                vllm_venv(), vllm_model_dir(base), vllm_port, served, opts, os.path.join(out_dir, "prefill-vllm.log")
+                vllm_venv(),
+                vllm_model_dir(base),
+                vllm_port,
+                served,
+                opts,
+                os.path.join(out_dir, "prefill-vllm.log"),
+                vllm_dtype(base),
             )
             server.wait_ready()
             url, stop = server.url, server.stop
@@ -167,6 +176,7 @@ def server_rates(items: list[dict], servers: list[str], out_dir: str, port: int,
             row = {
                 "part": "server",
                 "server": spec,
+                "dtype": vllm_dtype(base),
                 "tokens": tokens,
                 "mean_prompt_tokens": tokens / len(per),
                 "seconds": seconds,
@@ -186,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-chars", default="2000:8000")
     ap.add_argument("--engine", default=ENGINE_CONFIGS, help="DTYPE:THREADS:CHUNK,... (empty: no engine part)")
     ap.add_argument("--servers", default=",".join(SERVERS), help="empty: no server part")
+    ap.add_argument("--dtype", default="float32", help="server part: the dtype every server runs in (vLLM beside)")
     ap.add_argument("--rounds", type=int, default=2, help="engine part: times every prompt runs per configuration")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--vllm-port", type=int, default=8100)
@@ -211,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     configs = [(d, int(t), int(c)) for d, t, c in (x.split(":") for x in args.engine.split(",") if x)]
     ceilings = {}
-    for dtype, threads in dict.fromkeys((d, t) for d, t, _ in configs or [("float32", cores)]):
+    for dtype, threads in dict.fromkeys((d, t) for d, t, _ in configs or [(args.dtype, cores)]):
         g = gemm_gflops(threads, dtype)
         ceilings[(dtype, threads)] = g * 1e9 / FLOP_PER_TOKEN
         out.setdefault("gemm", []).append(
@@ -223,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(cores)
     servers = [s for s in args.servers.split(",") if s]
     if servers:
-        out["rows"] += server_rates(items, servers, str(Path(args.out).parent), args.port, args.vllm_port)
+        out["rows"] += server_rates(items, servers, str(Path(args.out).parent), args.port, args.vllm_port, args.dtype)
     best = ceilings.get(("float32", cores)) or max(ceilings.values())
     for row in out["rows"]:
         ceiling = ceilings.get((row.get("dtype", "float32"), row.get("threads", cores)), best)

@@ -234,3 +234,48 @@ def test_a_library_write_outlives_a_slow_or_lost_retrieval_replica():
     late = _FlakyHandle(server(), slow_s=1.0)
     counts = _client_add(late, RetrievalConfig(key="lexical", add_deadline_s=0.2))
     assert (counts["adds"], counts["add_errors"]) == (0, 1)
+
+
+def test_a_replica_leaving_gracefully_lets_its_library_writes_finish():
+    """Serve's graceful shutdown calls the replica's ``__del__`` on its event loop once its requests
+    have ended: with a write still under way it returns a coroutine (Serve awaits it) that lets the
+    write land before the engine closes; with none, or outside a loop (the garbage collector), it
+    closes at once, and only once."""
+    from deployments.app import ReplicaServer
+    from deployments.retrieval import RetrievalClient
+
+    cfg = RetrievalConfig(key="lexical")
+    handle = _FlakyHandle(RetrievalServer({"backend": "memory", "dim": 1024}, cfg), slow_s=0.3)
+
+    class Host:
+        def __init__(self, retrieval):
+            self.retrieval, self.closed, self.stored_at_close = retrieval, 0, None
+
+        def close(self):
+            self.closed += 1
+            self.stored_at_close = handle.server.svc.tenant_stats("t")["records"]
+
+    def replica(host):
+        r = object.__new__(ReplicaServer)
+        r.host = host
+        return r
+
+    kw = dict(tenant="t", tool_name="get_weather", schema_hash="h", text='{"city": "Lima"}')
+    kw.update(token_ids=[1, 2], arguments={"city": "Lima"}, embedding=TEXTS[0], remember=True)
+
+    async def leave():
+        client = RetrievalClient(handle, cfg)
+        host = Host(client)
+        client.add_nowait(**kw)
+        r = replica(host)
+        pending = r.__del__()
+        assert pending is not None and host.closed == 0  # Serve awaits it
+        await pending
+        assert r.__del__() is None  # once
+        return host
+
+    host = asyncio.run(leave())
+    assert host.closed == 1 and host.stored_at_close == 1
+
+    idle = Host(RetrievalClient(handle, cfg))
+    assert replica(idle).__del__() is None and idle.closed == 1  # outside a loop: closed at once
