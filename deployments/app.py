@@ -78,7 +78,7 @@ class ReplicaServer:
         if host is None or getattr(self, "_closed", False):
             return None
         self._closed = True
-        retrieval = host.retrieval
+        retrieval = getattr(host, "retrieval", None)
         try:
             asyncio.get_running_loop()
         except RuntimeError:

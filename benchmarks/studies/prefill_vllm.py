@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     configs = [(d, int(t), int(c)) for d, t, c in (x.split(":") for x in args.engine.split(",") if x)]
     ceilings = {}
-    for dtype, threads in dict.fromkeys((d, t) for d, t, _ in configs or [(args.dtype, cores)]):
+    for dtype, threads in dict.fromkeys((d, t) for d, t, _ in configs or [(args.dtype, cores, 0)]):
         g = gemm_gflops(threads, dtype)
         ceilings[(dtype, threads)] = g * 1e9 / FLOP_PER_TOKEN
         out.setdefault("gemm", []).append(
