@@ -267,7 +267,7 @@ class RetrievalClient:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 5.0)
         self._counts["add_errors"] += 1
-        log.warning("retrieval add dropped after %.0f s (%s)", self.cfg.add_deadline_s, reason)
+        log.warning("retrieval add dropped (%s)", reason)
 
 
 async def _awaitable(resp):

@@ -134,8 +134,8 @@ def server_rates(
     )
     from deployments.config import ServeAppConfig, served_name
 
-    ns = argparse.Namespace(port=port, scripted_target=False, set=[f'dtype="{dtype}"'])
-    base = base_config(ns)
+    base = {**base_config(argparse.Namespace(port=port, scripted_target=False, set=[])), "dtype": dtype}
+    served_dtype = vllm_dtype(base)  # ``auto`` resolved as a CPU replica resolves it
     served = served_name(ServeAppConfig.model_validate(base))
     rows = []
     for spec in servers:
@@ -153,7 +153,7 @@ def server_rates(
                 served,
                 opts,
                 os.path.join(out_dir, "prefill-vllm.log"),
-                vllm_dtype(base),
+                served_dtype,
             )
             server.wait_ready()
             url, stop = server.url, server.stop
@@ -176,7 +176,7 @@ def server_rates(
             row = {
                 "part": "server",
                 "server": spec,
-                "dtype": vllm_dtype(base),
+                "dtype": served_dtype,
                 "tokens": tokens,
                 "mean_prompt_tokens": tokens / len(per),
                 "seconds": seconds,
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     configs = [(d, int(t), int(c)) for d, t, c in (x.split(":") for x in args.engine.split(",") if x)]
     ceilings = {}
-    for dtype, threads in dict.fromkeys((d, t) for d, t, _ in configs or [(args.dtype, cores, 0)]):
+    for dtype, threads in dict.fromkeys((d, t) for d, t, _ in configs) or [(args.dtype, cores)]:
         g = gemm_gflops(threads, dtype)
         ceilings[(dtype, threads)] = g * 1e9 / FLOP_PER_TOKEN
         out.setdefault("gemm", []).append(

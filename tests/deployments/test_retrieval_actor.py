@@ -167,6 +167,11 @@ def test_encoder_depth_is_its_own_vector_space(tiny_model_dir):
     assert RetrievalConfig(encoder={"layers": 24}).encoder.depth() == 24
 
 
+# one completed call as a replica sends it to the library (tenant "t")
+CALL = dict(tenant="t", tool_name="get_weather", schema_hash="h", text='{"city": "Lima"}', token_ids=[1, 2])
+CALL.update(arguments={"city": "Lima"}, embedding=TEXTS[0], remember=True)
+
+
 class _FlakyHandle:
     """A Serve handle stand-in over a RetrievalServer whose ``add`` first fails ``fail`` times the
     way a lost or restarting replica does, and then takes ``slow_s`` to answer."""
@@ -195,8 +200,7 @@ def _client_add(handle, cfg: RetrievalConfig, tenant: str = "t"):
     from deployments.retrieval import RetrievalClient
 
     client = RetrievalClient(handle, cfg)
-    kw = dict(tenant=tenant, tool_name="get_weather", schema_hash="h", text='{"city": "Lima"}')
-    kw.update(token_ids=[1, 2], arguments={"city": "Lima"}, embedding=TEXTS[0], remember=True)
+    kw = {**CALL, "tenant": tenant}
 
     async def run():
         client.add_nowait(**kw)
@@ -260,13 +264,10 @@ def test_a_replica_leaving_gracefully_lets_its_library_writes_finish():
         r.host = host
         return r
 
-    kw = dict(tenant="t", tool_name="get_weather", schema_hash="h", text='{"city": "Lima"}')
-    kw.update(token_ids=[1, 2], arguments={"city": "Lima"}, embedding=TEXTS[0], remember=True)
-
     async def leave():
         client = RetrievalClient(handle, cfg)
         host = Host(client)
-        client.add_nowait(**kw)
+        client.add_nowait(**CALL)
         r = replica(host)
         pending = r.__del__()
         assert pending is not None and host.closed == 0  # Serve awaits it

@@ -21,8 +21,8 @@ from toolspec_core.spec.tree import DraftTree
 
 
 class Chunk(NamedTuple):
-    """Prompt rows ``a .. a + n`` of ``seq`` in a step (a tuple: made per sequence per step, and a
-    frozen dataclass costs several times more to make)."""
+    """Prompt rows ``a .. a + n`` of ``seq`` in a step (a tuple: made per sequence per step, where
+    a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``)."""
 
     seq: Sequence
     a: int
