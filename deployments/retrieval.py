@@ -70,10 +70,11 @@ class RetrievalServer:
         arguments: dict,
         embedding,
         remember: bool = True,
+        attempt: int = 0,
     ):
         vec = await self.key_of(embedding)
         return await asyncio.to_thread(
-            self.svc.add, tenant, tool_name, schema_hash, text, token_ids, arguments, vec, remember
+            self.svc.add, tenant, tool_name, schema_hash, text, token_ids, arguments, vec, remember, attempt
         )
 
     async def stats(self) -> dict:
@@ -245,13 +246,14 @@ class RetrievalClient:
         replica lost or restarting, its router backed up) goes again after a backoff, both until
         ``add_deadline_s``. A write the store refused (bad input: ``ValueError`` / ``TypeError``,
         also as Ray's task error) is not sent again. The record's id is its content, so a write
-        that reached the store twice is one record."""
+        that reached the store twice is one record; each try names its ``attempt``, so the library
+        counts a resent write whose first try had landed apart from a call written twice."""
         deadline = time.monotonic() + self.cfg.add_deadline_s
-        delay, reason = 0.25, "deadline"
+        delay, reason, attempt = 0.25, "deadline", 0
         while True:
             try:
                 left = max(deadline - time.monotonic(), 1e-3)
-                await asyncio.wait_for(_awaitable(self.handle.add.remote(**kwargs)), left)
+                await asyncio.wait_for(_awaitable(self.handle.add.remote(**kwargs, attempt=attempt)), left)
                 self._counts["adds"] += 1
                 return
             except (asyncio.TimeoutError, TimeoutError):
@@ -264,6 +266,7 @@ class RetrievalClient:
                 if time.monotonic() + delay >= deadline:
                     break
                 self._counts["add_retries"] += 1
+                attempt += 1
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 5.0)
         self._counts["add_errors"] += 1

@@ -25,7 +25,10 @@ class RetrievalService:
         self._stats = {
             "searches": 0,
             "hits": 0,
-            "adds": 0,
+            "adds": 0,  # writes that stored a new record
+            "rewrites": 0,  # first writes of a call the library held (the same call again, or a request run twice)
+            "resends": 0,  # writes a client sent again after a failed try
+            "resends_held": 0,  # ... that found their call held: the failed try had landed
             "not_remembered": 0,
             "errors": 0,
             "search_s": 0.0,
@@ -62,9 +65,12 @@ class RetrievalService:
         arguments: dict[str, Any],
         embedding: Sequence[float],
         remember: bool = True,
+        attempt: int = 0,
     ) -> str | None:
         """Store a completed call; returns its record id, or None when ``remember`` is false
-        (then nothing is written, not even to a log)."""
+        (then nothing is written, not even to a log). ``attempt``: how many times the client sent
+        this write before (a try that failed on the way may still have landed), so a call the
+        library already holds is counted as a resend that had landed, not as a second write of it."""
         if not remember:
             self._bump("not_remembered")
             return None
@@ -79,11 +85,13 @@ class RetrievalService:
                 arguments=dict(arguments or {}),
                 embedding=embedding,
             )
-            self.store.add(rec)
+            new = self.store.add(rec)
         except Exception:
             self._bump("errors")
             raise
-        self._bump("adds", add_s=time.perf_counter() - t0)
+        self._bump("adds" if new else "resends_held" if attempt else "rewrites", add_s=time.perf_counter() - t0)
+        if attempt:
+            self._bump("resends")
         return rec.id
 
     def add_many(self, tenant: str, calls: Sequence[dict]) -> int:
@@ -97,9 +105,10 @@ class RetrievalService:
                 self._bump("not_remembered")
                 continue
             recs.append(CallRecord(tenant=tenant, **c))
-        self.store.add_many(recs)
+        new = self.store.add_many(recs)
         with self._lock:
-            self._stats["adds"] += len(recs)
+            self._stats["adds"] += new
+            self._stats["rewrites"] += len(recs) - new
             self._stats["add_s"] += time.perf_counter() - t0
         return len(recs)
 
@@ -125,7 +134,8 @@ class RetrievalService:
         s["backend"] = self.config.backend
         s["dim"] = self.config.dim
         s["mean_search_ms"] = 1e3 * s["search_s"] / s["searches"] if s["searches"] else 0.0
-        s["mean_add_ms"] = 1e3 * s["add_s"] / s["adds"] if s["adds"] else 0.0
+        writes = s["adds"] + s["rewrites"] + s["resends_held"]
+        s["mean_add_ms"] = 1e3 * s["add_s"] / writes if writes else 0.0
         return s
 
     def close(self) -> None:

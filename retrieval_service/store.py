@@ -43,9 +43,9 @@ ToolFilter = str | Sequence[str] | None
 class CallStore(Protocol):
     dim: int
 
-    def add(self, record: CallRecord) -> None: ...
+    def add(self, record: CallRecord) -> bool: ...
 
-    def add_many(self, records: Sequence[CallRecord]) -> None: ...
+    def add_many(self, records: Sequence[CallRecord]) -> int: ...
 
     def search(
         self, tenant: str, embedding, tool_name: ToolFilter = None, k: int = 10
@@ -179,6 +179,10 @@ class _LimitedStore(ABC):
     def _count(self, tenant: str | None) -> int: ...
 
     @abstractmethod
+    def _held(self, ids: list[str]) -> set[str]:
+        """Which of these record ids the store holds."""
+
+    @abstractmethod
     def _delete_older(self, cutoff: float) -> int: ...
 
     @abstractmethod
@@ -194,25 +198,35 @@ class _LimitedStore(ABC):
     def _delete_tenant(self, tenant: str) -> None: ...
 
     # protocol ---------------------------------------------------------------------------
-    def add(self, record: CallRecord) -> None:
-        self.add_many([record])
+    def add(self, record: CallRecord) -> bool:
+        """Store one record; whether it was new (False: its id was held, the record rewritten)."""
+        return self.add_many([record]) == 1
 
-    def add_many(self, records: Sequence[CallRecord]) -> None:
-        """One backend write for many records (warming a library), then the limits."""
+    def add_many(self, records: Sequence[CallRecord]) -> int:
+        """One backend write for many records (warming a library), then the limits; how many of
+        them were new. A record's id is its content, so writing a call the store holds rewrites
+        that record: the count tells a new call from the same one written again (a resent write,
+        a request run twice), which the record count alone cannot."""
         records = list(records)
         if not records:
-            return
+            return 0
         for r in records:
             check_tenant(r.tenant)
         vecs = [as_vector(r.embedding, self.dim) for r in records]
+        tenants = list(dict.fromkeys(r.tenant for r in records))
+        ids = list(dict.fromkeys(r.id for r in records))
         with self._lock:
+            # looked up by id, not counted before and after: other writers (replicas of the
+            # retrieval deployment on one Qdrant server) may add to the same tenant meanwhile
+            new = len(ids) - len(self._held(ids))
             self._upsert_many(records, vecs)
             now = time.time()
             if self.max_age_s is not None and now - self._last_age_evict >= self.evict_every_s:
                 self._evict_age(now)
             if self.max_records_per_tenant is not None:
-                for tenant in dict.fromkeys(r.tenant for r in records):
+                for tenant in tenants:
                     self._evict_size(tenant, self._count(tenant))
+            return new
 
     def search(
         self, tenant: str, embedding, tool_name: ToolFilter = None, k: int = 10
@@ -330,6 +344,10 @@ class MemoryStore(_LimitedStore):
         top = idx[np.argsort(-scores[idx], kind="stable")[:k]]
         return [(rows.records[ids[j]], float(scores[j])) for j in top]
 
+    def _held(self, ids):
+        wanted = set(ids)
+        return {i for rows in self._tenants.values() for i in wanted & rows.records.keys()}
+
     def _count(self, tenant):
         if tenant is not None:
             rows = self._tenants.get(tenant)
@@ -444,6 +462,9 @@ class EdgeStore(_LimitedStore):
             with_vector=False,
         )
         return [(CallRecord.from_payload(p.id, p.payload), float(p.score)) for p in self.shard.query(req)]
+
+    def _held(self, ids):
+        return {str(p.id) for p in self.shard.retrieve(list(ids), False, False)}
 
     def _count(self, tenant):
         return int(self.shard.count(self.q.CountRequest(exact=True, filter=self._filter(tenant))))
@@ -579,6 +600,10 @@ class QdrantStore(_LimitedStore):
             with_vectors=False,
         )
         return [(CallRecord.from_payload(p.id, p.payload), float(p.score)) for p in res.points]
+
+    def _held(self, ids):
+        points = self.client.retrieve(self.collection, ids=list(ids), with_payload=False, with_vectors=False)
+        return {str(p.id) for p in points}
 
     def _count(self, tenant):
         return int(self.client.count(self.collection, count_filter=self.build_filter(tenant), exact=True).count)

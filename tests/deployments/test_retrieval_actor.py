@@ -176,7 +176,7 @@ class _FlakyHandle:
     """A Serve handle stand-in over a RetrievalServer whose ``add`` first fails ``fail`` times the
     way a lost or restarting replica does, and then takes ``slow_s`` to answer."""
 
-    def __init__(self, server, fail: int = 0, slow_s: float = 0.0, error=ConnectionError):
+    def __init__(self, server, fail: int = 0, slow_s: float = 0.0, error=ConnectionError, landed: bool = False):
         self.server, self.fail, self.slow_s, self.error, self.sent = server, fail, slow_s, error, 0
         outer = self
 
@@ -186,6 +186,8 @@ class _FlakyHandle:
                     outer.sent += 1
                     if outer.fail > 0:
                         outer.fail -= 1
+                        if landed:  # the write reached the store, its answer was lost on the way back
+                            await outer.server.add(**kw)
                         raise outer.error("replica unavailable")
                     await asyncio.sleep(outer.slow_s)
                     return await outer.server.add(**kw)
@@ -230,6 +232,18 @@ def test_a_library_write_outlives_a_slow_or_lost_retrieval_replica():
     counts = _client_add(lost, cfg)
     assert (counts["adds"], counts["add_retries"], counts["add_errors"]) == (1, 2, 0)
     assert lost.server.svc.tenant_stats("t")["records"] == 1 and lost.sent == 3
+    lib = lost.server.svc.stats()
+    assert (lib["adds"], lib["resends"], lib["resends_held"], lib["rewrites"]) == (1, 1, 0, 0)
+
+    # a try that landed but whose answer was lost: sent again, one record, and the library counts
+    # the second write as a resend that found its call held -- not as the call written twice
+    landed = _FlakyHandle(server(), fail=1, landed=True)
+    counts = _client_add(landed, cfg)
+    assert (counts["adds"], counts["add_retries"]) == (1, 1) and landed.sent == 2
+    lib = landed.server.svc.stats()
+    assert lib["records"] == 1 and (lib["adds"], lib["resends"], lib["resends_held"], lib["rewrites"]) == (1, 1, 1, 0)
+    _client_add(landed, cfg)  # the same call written again on a first try: a rewrite
+    assert landed.server.svc.stats()["rewrites"] == 1
 
     refused = _FlakyHandle(server(), fail=5, error=ValueError)
     counts = _client_add(refused, cfg)

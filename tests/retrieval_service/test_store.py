@@ -107,11 +107,14 @@ def test_write_and_filtered_search(store):
 
 
 def test_same_call_upserts_one_record(store):
-    store.add(rec(seed=0, created_at=1e9))
-    store.add(rec(seed=0, emb=vec(5)))  # same tenant/tool/schema/text -> same id, newer key
+    assert store.add(rec(seed=0, created_at=1e9)) is True
+    assert store.add(rec(seed=0, emb=vec(5))) is False  # same tenant/tool/schema/text -> same id, newer key
     assert store.count() == 1
     ((r, score),) = store.search("t1", vec(5), k=5)
     assert score == pytest.approx(1.0, abs=1e-4) and r.created_at > 1e9
+    # a batch says how many of its records were new: the held one and a repeat within it are not
+    assert store.add_many([rec(seed=0, emb=vec(5)), rec(seed=1), rec(seed=1), rec(tenant="t2", seed=0)]) == 2
+    assert store.count() == 3
 
 
 def test_bad_inputs(store):
@@ -415,6 +418,8 @@ def test_service_add_many_warms_and_respects_remember(tmp_path):
     calls.append(dict(calls[0], text="private", remember=False))
     assert svc.add_many("t1", calls) == 3
     st = svc.stats()
-    assert st["records"] == 2 and st["not_remembered"] == 1 and st["adds"] == 3
+    assert st["records"] == 2 and st["not_remembered"] == 1 and st["adds"] == 3 and st["rewrites"] == 0
+    svc.add_many("t1", calls[1:3])  # held: written again, not added
+    assert (svc.stats()["adds"], svc.stats()["rewrites"]) == (3, 2)
     assert {r["text"] for r in svc.search("t1", vec(0).tolist())} == {"call 1", "call 2"}  # oldest evicted
     svc.close()
