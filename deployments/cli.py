@@ -44,7 +44,9 @@ def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int, dest="tensor_parallel_size")
     p.add_argument("--cost-model", dest="cost_model", choices=["measure", "reference", "flat", "none"])
     p.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16", "auto"], help="auto: bfloat16 where the device has it"
+        "--dtype",
+        choices=["float32", "bfloat16", "float16", "auto"],
+        help="auto: bfloat16 where the device has it (faster; greedy output may leave plain greedy's at near-ties, float32 keeps it)",
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--attention", choices=["auto", "ragged", "per_sequence"], help="auto: ragged on cuda")

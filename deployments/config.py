@@ -155,7 +155,8 @@ class ServeAppConfig(BaseModel):
     method: str = "toolspec"  # toolspec_core.drafters.methods.REGISTRY name; fails fast if it cannot be built
     method_options: dict[str, Any] = Field(default_factory=dict)
     # auto: bfloat16 on a GPU that has it and on a CPU that computes it natively (AVX512_BF16 or
-    # AMX), float32 elsewhere (toolspec_core.model.target.resolve_dtype)
+    # AMX), float32 elsewhere (toolspec_core.model.target.resolve_dtype). float32 is the default:
+    # in bf16 / fp16 greedy output can leave plain greedy's at near-ties (README, limitations)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when the replica sees a GPU
     # how a step attends over the pool's sequences: one ragged call a layer, the per-sequence loop,

@@ -1,0 +1,97 @@
+"""Study: does a verify row's attention equal a decode row's, bit for bit? Result:
+benchmarks/results/measurements/attention-rows-cpu-*.json.
+
+Greedy ToolSpec writes plain greedy's tokens only as far as the target computes a token's row
+alike in both: plain greedy computes each row alone (one query row over the keys up to it, no
+mask), a verify step computes it among the tree's rows (one call, every row's queries stacked,
+a mask hiding the keys a row may not see). The linears are made row-invariant on the CPU
+(:mod:`toolspec_core.model.cpu_linears`); this study asks the same of the attention, on the
+layout :func:`toolspec_core.model.batch_forward.segment_attention` uses (Qwen2.5-0.5B: 2 KV
+heads, 7 query heads each, 64 dims; float32, which is also what a bfloat16 CPU model's attention
+runs in): for a chain of ``--rows`` tree rows after ``L`` cached keys, the largest absolute
+difference of each row against the same row computed alone, and -- for a bfloat16 model, whose
+attention output is rounded to bfloat16 -- the share of output elements whose bfloat16 value
+differs. Random inputs (seeded); no model, no timing (it may run beside other work).
+
+    python -m benchmarks.studies.attention_rows --json benchmarks/results/measurements/attention-rows-cpu-HW-<commit>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HKV, G, D = 2, 7, 64  # Qwen2.5-0.5B: KV heads, query heads per KV head, head dim
+SCALE = D**-0.5
+
+
+def chain_rows(length: int, rows: int, seed: int = 0, threads: int = 2) -> dict:
+    """One chain of ``rows`` tree rows after ``length`` cached keys: the masked call's rows against
+    each row alone (the decode call)."""
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(seed)
+    keys = length + rows
+
+    def rand(*shape):  # bfloat16 values held in float32, as a bfloat16 model's attention sees them
+        return torch.randn(*shape, generator=gen).bfloat16().float()
+
+    k, v = rand(1, HKV, keys, D), rand(1, HKV, keys, D)  # [1, H_kv, S, D]
+    q = rand(1, HKV * G, rows, D)  # [1, H, n, D]
+    cols = torch.arange(keys)
+    seen = torch.arange(rows)[:, None] + length
+    mask = torch.where(cols[None] <= seen, 0.0, torch.finfo(torch.float32).min)[None, None]  # [1, 1, n, S]
+    together = F.scaled_dot_product_attention(
+        q.reshape(1, HKV, G * rows, D), k, v, attn_mask=mask.repeat(1, 1, G, 1), scale=SCALE
+    ).reshape(1, HKV * G, rows, D)
+    diff, flips = [], []
+    for i in range(rows):
+        alone = F.scaled_dot_product_attention(
+            q[:, :, i : i + 1].reshape(1, HKV, G, D), k[:, :, : length + i + 1], v[:, :, : length + i + 1], scale=SCALE
+        ).reshape(1, HKV * G, D)
+        row = together[:, :, i]
+        diff.append(float((alone - row).abs().max()))
+        flips.append(float((alone.bfloat16() != row.bfloat16()).float().mean()))
+    return {
+        "cached_keys": length,
+        "rows": rows,
+        "max_abs_diff_per_row": diff,
+        "rows_not_equal": sum(d > 0 for d in diff),
+        "bf16_elements_rounded_apart": sum(flips) / rows,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="300,777,1023,1500,1800")
+    ap.add_argument("--rows", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    runs = [chain_rows(int(n), a.rows, threads=a.threads) for n in a.lengths.split(",")]
+    for r in runs:
+        print(
+            f"L={r['cached_keys']:5d}: {r['rows_not_equal']}/{r['rows']} rows differ, max {max(r['max_abs_diff_per_row']):.1e}; "
+            f"bf16 elements rounded apart {100 * r['bf16_elements_rounded_apart']:.3f}%"
+        )
+    out = {
+        "study": "attention_rows",
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "threads": a.threads,
+        "layout": {"kv_heads": HKV, "query_heads_per_kv": G, "head_dim": D, "dtype": "float32"},
+        "command": "python -m benchmarks.studies.attention_rows " + " ".join(argv or []),
+        "runs": runs,
+    }
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
