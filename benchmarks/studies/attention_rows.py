@@ -11,7 +11,9 @@ heads, 7 query heads each, 64 dims; float32, which is also what a bfloat16 CPU m
 runs in): for a chain of ``--rows`` tree rows after ``L`` cached keys, the largest absolute
 difference of each row against the same row computed alone, and -- for a bfloat16 model, whose
 attention output is rounded to bfloat16 -- the share of output elements whose bfloat16 value
-differs. Random inputs (seeded); no model, no timing (it may run beside other work).
+differs; and whether the float32 GEMMs inside attention give a row the same bits alone as among
+other rows (``gemm_rows``). Random inputs (seeded); no model, no timing (it may run beside other
+work).
 
     python -m benchmarks.studies.attention_rows --json benchmarks/results/measurements/attention-rows-cpu-HW-<commit>.json
 """
@@ -65,6 +67,27 @@ def chain_rows(length: int, rows: int, seed: int = 0, threads: int = 2) -> dict:
     }
 
 
+def gemm_rows(length: int, rows: int, threads: int = 2) -> dict:
+    """The products inside attention, as plain float32 matmuls: the scores of one decode row's
+    query heads (``G`` rows) against ``length`` keys, and the weights times V -- computed alone and
+    as the first ``G`` of ``G * rows`` stacked rows. Whether torch's CPU GEMM gives a row the same
+    bits whatever rows share its call: if not, no arrangement of SDPA or matmul calls makes a
+    verify row equal a decode row, only a kernel with a fixed order per row."""
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(length, D, generator=gen), torch.randn(length, D, generator=gen)
+    q = torch.randn(G * rows, D, generator=gen)
+    scores_all, scores_one = q @ k.T, q[:G] @ k.T  # [G * rows, S], [G, S]
+    weights = torch.softmax(scores_one, -1)
+    pv_all = torch.cat([weights, torch.softmax(scores_all[G:], -1)]) @ v  # [G * rows, D]
+    return {
+        "keys": length,
+        "stacked_rows": G * rows,
+        "scores_equal": bool(torch.equal(scores_all[:G], scores_one)),
+        "weights_times_v_equal": bool(torch.equal(pv_all[:G], weights @ v)),
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="300,777,1023,1500,1800")
@@ -73,6 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     runs = [chain_rows(int(n), a.rows, threads=a.threads) for n in a.lengths.split(",")]
+    gemms = [gemm_rows(int(n), a.rows, threads=a.threads) for n in a.lengths.split(",")]
+    for r in gemms:
+        print(f"GEMM, {r['keys']} keys: scores alone = stacked {r['scores_equal']}, P @ V {r['weights_times_v_equal']}")
     for r in runs:
         print(
             f"L={r['cached_keys']:5d}: {r['rows_not_equal']}/{r['rows']} rows differ, max {max(r['max_abs_diff_per_row']):.1e}; "
@@ -86,6 +112,7 @@ def main(argv=None) -> int:
         "layout": {"kv_heads": HKV, "query_heads_per_kv": G, "head_dim": D, "dtype": "float32"},
         "command": "python -m benchmarks.studies.attention_rows " + " ".join(argv or []),
         "runs": runs,
+        "gemm_rows": gemms,
     }
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
