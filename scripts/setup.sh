@@ -17,6 +17,10 @@ fi
 # Build the few-rows CPU kernel once (~1 min; toolspec_core/model/rows_kernel.py); without a compiler or AVX2
 # the linears keep the oneDNN / F.linear dispatch.
 .venv/bin/python -c "from toolspec_core.model import rows_kernel; print('rows kernel:', 'built' if rows_kernel.load() else 'unavailable (oneDNN / F.linear dispatch)')"
+# The fixed-order attention for a bfloat16 / float16 CPU model's decode and tree rows (~40 s;
+# toolspec_core/model/rows_attention.py); without it those rows keep SDPA and such a model's greedy
+# output equals plain greedy's only up to near-ties.
+.venv/bin/python -c "from toolspec_core.model import rows_attention; print('rows attention:', 'built' if rows_attention.load() else 'unavailable (SDPA: bf16 greedy exact up to near-ties)')"
 # The drafting kernels (toolspec_core/drafters/tree_kernel.py, a second each): without a C compiler or
 # Python's headers each part drafts in Python instead -- the same trees, more host time per step.
 .venv/bin/python -c "from toolspec_core.drafters import tree_kernel as k; print('drafting kernels:', ', '.join(f'{n} ' + ('built' if f() else f'unavailable (no C compiler / Python headers: {py})') for n, f, py in [('tree merge', k.load, 'Python merge'), ('suffix walk', k.load_suffix, 'Python walk'), ('ASCII BPE', k.load_bpe, 'the tokenizer encodes')]))"

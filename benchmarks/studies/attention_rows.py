@@ -11,9 +11,10 @@ heads, 7 query heads each, 64 dims; float32, which is also what a bfloat16 CPU m
 runs in): for a chain of ``--rows`` tree rows after ``L`` cached keys, the largest absolute
 difference of each row against the same row computed alone, and -- for a bfloat16 model, whose
 attention output is rounded to bfloat16 -- the share of output elements whose bfloat16 value
-differs; and whether the float32 GEMMs inside attention give a row the same bits alone as among
-other rows (``gemm_rows``). Random inputs (seeded); no model, no timing (it may run beside other
-work).
+differs; whether the float32 GEMMs inside attention give a row the same bits alone as among
+other rows (``gemm_rows``); and the same chain through the fixed-order kernel that replaces SDPA
+for a reduced-precision model's decode and tree rows (``kernel_rows``). Random inputs (seeded); no
+model; no timing unless ``--time`` (the kernel against SDPA per layer call: run that alone).
 
     python -m benchmarks.studies.attention_rows --json benchmarks/results/measurements/attention-rows-cpu-HW-<commit>.json
 """
@@ -88,17 +89,93 @@ def gemm_rows(length: int, rows: int, threads: int = 2) -> dict:
     }
 
 
+def kernel_rows(length: int, rows: int, threads: int = 2) -> dict:
+    """The fixed-order kernel (:mod:`toolspec_core.model.rows_attention`) on the same chain: each
+    row in the call against the row alone, bit for bit."""
+    from toolspec_core.model import rows_attention as ra
+
+    kernel = ra.load()
+    if kernel is None:
+        return {"cached_keys": length, "rows": rows, "kernel": None}
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(HKV, length + rows, D, generator=gen), torch.randn(HKV, length + rows, D, generator=gen)
+    q = torch.randn(rows, HKV * G, D, generator=gen)
+    chain = torch.tensor(range(-1, rows - 1))
+    together = kernel.rows_attention(q, k, v, chain, length, SCALE)
+    equal = [
+        bool(
+            torch.equal(
+                kernel.rows_attention(q[i : i + 1], k, v, torch.tensor([-1]), length + i, SCALE)[0], together[i]
+            )
+        )
+        for i in range(rows)
+    ]
+    return {"cached_keys": length, "rows": rows, "kernel": "rows_attention", "rows_equal_alone": sum(equal)}
+
+
+def timing(lengths: list[int], row_counts: list[int], threads: int, repeats: int) -> list[dict]:
+    """ms per layer call, the kernel against the grouped masked SDPA call it replaces (float32
+    inputs; a bf16 model's rows are converted to float32 for either). Median of ``repeats``."""
+    import statistics
+    import time
+
+    from toolspec_core.model import rows_attention as ra
+
+    kernel = ra.load()
+    torch.set_num_threads(threads)
+    out = []
+    for length in lengths:
+        for rows in row_counts:
+            gen = torch.Generator().manual_seed(2)
+            keys = length + rows
+            k, v = torch.randn(1, HKV, keys, D, generator=gen), torch.randn(1, HKV, keys, D, generator=gen)
+            q = torch.randn(1, HKV * G, rows, D, generator=gen)
+            mask = torch.zeros(1, 1, G * rows, keys)
+            chain = list(range(-1, rows - 1))
+            calls = {
+                "sdpa": lambda: F.scaled_dot_product_attention(
+                    q.reshape(1, HKV, G * rows, D), k, v, attn_mask=mask if rows > 1 else None, scale=SCALE
+                ),
+            }
+            if kernel is not None:
+                calls["kernel"] = lambda: ra.rows_attention(kernel, q, k, v, chain, length, SCALE)
+            row = {"cached_keys": length, "rows": rows}
+            for name, fn in calls.items():
+                fn()
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                row[f"{name}_ms"] = round(1e3 * statistics.median(times), 4)
+            out.append(row)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="300,777,1023,1500,1800")
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--time", action="store_true", help="also time the kernel against SDPA (run it alone)")
+    ap.add_argument("--time-rows", default="1,4,17,33")
+    ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     runs = [chain_rows(int(n), a.rows, threads=a.threads) for n in a.lengths.split(",")]
     gemms = [gemm_rows(int(n), a.rows, threads=a.threads) for n in a.lengths.split(",")]
     for r in gemms:
         print(f"GEMM, {r['keys']} keys: scores alone = stacked {r['scores_equal']}, P @ V {r['weights_times_v_equal']}")
+    kernels = [kernel_rows(int(n), a.rows, threads=a.threads) for n in a.lengths.split(",")]
+    for r in kernels:
+        print(f"rows_attention, {r['cached_keys']} keys: {r.get('rows_equal_alone')}/{r['rows']} rows equal alone")
+    timed = []
+    if a.time:
+        lengths = [int(n) for n in a.lengths.split(",")]
+        timed = timing(lengths, [int(r) for r in a.time_rows.split(",")], a.threads, a.repeats)
+        for r in timed:
+            print(r)
     for r in runs:
         print(
             f"L={r['cached_keys']:5d}: {r['rows_not_equal']}/{r['rows']} rows differ, max {max(r['max_abs_diff_per_row']):.1e}; "
@@ -113,6 +190,8 @@ def main(argv=None) -> int:
         "command": "python -m benchmarks.studies.attention_rows " + " ".join(argv or []),
         "runs": runs,
         "gemm_rows": gemms,
+        "kernel_rows": kernels,
+        "timing_ms_per_layer_call": timed,
     }
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

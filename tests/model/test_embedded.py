@@ -157,7 +157,9 @@ def test_embedded_bfloat16_toolspec_greedy_equals_plain_greedy():
     """In bfloat16 on the CPU (``dtype: bfloat16``, or ``auto`` where the CPU computes it), greedy
     ToolSpec writes plain greedy's tokens: a tool call drafted many tokens a step, and a text
     answer whose verify steps' rows rounded differently from one-row steps until one-row linears
-    ran as GEMMs and attention in float32 (``tune_reduced_linears``, ``exact_inputs``)."""
+    ran as GEMMs (``tune_reduced_linears``) and decode and tree rows through the fixed-order
+    attention (``rows_attention``); and a long tool prompt of the bf16 load test (unique prefix)
+    whose answer left plain greedy's at token 90 with SDPA's float32 attention."""
     target = load_target(dtype=torch.bfloat16)
     assert target.dtype == torch.bfloat16
     wanted = {"simple_1", "api_bank-L1-DocumentQA-level-1-3-0"}
@@ -182,3 +184,22 @@ def test_embedded_bfloat16_toolspec_greedy_equals_plain_greedy():
         assert spec.tokens == plain.tokens, it["id"]
         accepted += sum(spec.stats.accepted)
     assert accepted > 0
+    # the load test's request: each generate prefills the prompt into a pool of its own, as two
+    # servers do when nothing is cached
+    from benchmarks.loadtest.workloads import request_nonce, with_nonce
+
+    salt = "0:loadtest-unique-bf16-long-fresh-c1-c8-n48-cpu-epyc-5f9285b"
+    (it,) = [it for it in read_jsonl(dev_set("toolalpaca")) if it["id"] == "toolalpaca-simulated-8-9"]
+    it = with_nonce(it, request_nonce(salt, 0, 5, it["id"]))
+    prompt = render_prompt(target.tokenizer, it["messages"], it["tools"])
+    cfg = DecodeConfig(max_new_tokens=100)
+
+    def pool():
+        return target.block_pool(2 * len(prompt) + 2 * (cfg.max_new_tokens + 64))
+
+    pre = prefill(target, prompt, pool())
+    plain = generate(target, prompt, None, cfg, pool=pool())
+    drafter = method.drafter(RequestInfo(prompt, it["tools"], embedding=pre.hidden))
+    spec = generate(target, prompt, drafter, cfg, CostModel.cpu_reference(), pool=pool())
+    assert len(prompt) > 1000 and sum(spec.stats.accepted) > 0
+    assert spec.tokens == plain.tokens

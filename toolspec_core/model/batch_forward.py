@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from toolspec_core.model.kv import KVCache
+from toolspec_core.model.rows_attention import load as load_rows_attention
+from toolspec_core.model.rows_attention import rows_attention
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 CAUSAL_KERNEL = True  # long first prefill chunks attend through causal_attention (False: a causal mask tensor)
@@ -224,6 +226,19 @@ def grouped_mask(mask: torch.Tensor, g: int) -> torch.Tensor:
     return mask.repeat(1, 1, g, 1)
 
 
+ROWS = object()  # a segment's attention through the fixed-order rows kernel
+
+
+def fixed_order_kernel(dtype: torch.dtype, device) -> object | None:
+    """The fixed-order attention kernel where a model's decode and tree rows need it: a bfloat16 /
+    float16 model on the CPU, whose rounding turns SDPA's row-dependent last bits into whole ulps
+    (:mod:`toolspec_core.model.rows_attention` says why); None for float32 models and GPUs (and
+    where the kernel is not built)."""
+    if dtype not in (torch.bfloat16, torch.float16) or torch.device(device).type != "cpu":
+        return None
+    return load_rows_attention()
+
+
 def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Tensor:
     """Last-layer hidden states [N, H] of all segments' rows, in order; every cache grows by its rows.
 
@@ -240,13 +255,18 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
     g = cfg.num_attention_heads // cfg.num_key_value_heads  # query heads per KV head (the same on a TP shard)
     drawn = [s for s in segments if s.tree]
     built = iter(tree_masks([p for s in drawn for p in s.parents], [len(s) for s in drawn], dtype))  # all at once
+    exact = fixed_order_kernel(dtype, dev)
     bounds, masks, prefixes, o = [], [], [], 0
     for s in segments:
         n, prefix = len(s), s.cache.get_seq_length()
         prefixes.append(prefix)
         bounds.append((o, o + n))
         o += n
-        if s.tree:
+        if exact is not None and (s.tree or n == 1):
+            if s.tree:
+                next(built)
+            masks.append(ROWS)  # decode and tree rows: a fixed order per row (rows_attention)
+        elif s.tree:
             m = next(built)  # [1, 1, n, n]
             masks.append(grouped_mask(widen(m.to(dev, dtype, non_blocking=True), prefix), g))
         elif n >= CAUSAL_MIN_ROWS and prefix == 0 and CAUSAL_KERNEL:
@@ -264,7 +284,9 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
         outs = []
         for s, (a, b), m, prefix in zip(segments, bounds, masks, prefixes):
             keys, values = s.cache.write(li, k[:, :, a:b], v[:, :, a:b])  # [1, H_kv, S, D]
-            if isinstance(m, str):  # "causal"
+            if m is ROWS:
+                outs.append(rows_attention(exact, q[:, :, a:b], keys, values, s.parents, prefix, scale))
+            elif isinstance(m, str):  # "causal"
                 outs.append(causal_attention(q[:, :, a:b], keys, values, scale))
             elif isinstance(m, list):  # row blocks of a prefill chunk
                 outs.append(blocked_attention(q[:, :, a:b], keys, values, m, prefix, scale))

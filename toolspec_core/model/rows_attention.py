@@ -1,0 +1,61 @@
+"""Decode and tree-verify attention with one fixed order of arithmetic per row
+(``kernels/rows_attention.cpp``), built once per machine like the rows kernel.
+
+Why: lossless greedy decoding needs a token's row computed alike in a verify step (among the
+tree's rows, in one call) and in plain decoding (alone). The CPU linears give a row the same bits
+whatever rows share its call (:mod:`.rows_kernel`, :func:`.cpu_linears.tune_reduced_linears`);
+torch's attention does not -- SDPA, and even a float32 matmul, put a row ~1e-7 apart depending on
+the rows beside it (``python -m benchmarks.studies.attention_rows``). A float32 model absorbs
+that; a bfloat16 model rounds the attention output into whole ulps, and on long tool prompts its
+greedy ToolSpec output left plain greedy's on 7-8 of 48 requests. This kernel computes each row
+from its query and the keys it sees, in logical order (the cached prefix, then its ancestors in
+the call), in blocks of fixed logical positions, so a row's output is the same bits alone or in
+any tree. :func:`toolspec_core.model.batch_forward.batched_forward` sends a reduced-precision CPU
+model's decode and tree rows through it; prefill chunks keep SDPA (they are computed alike by
+every method: the same chunks of the same prompt).
+
+Built where :func:`.rows_kernel.load` builds (a C++ compiler, AVX2 + FMA); elsewhere, or with
+``TOOLSPEC_ROWS_ATTENTION=0``, :func:`load` returns None and such rows keep SDPA in float32
+(greedy output then equal to plain greedy's up to near-ties, as the README's limitations say).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "rows_attention.cpp"
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """The compiled module (``rows_attention(q, k, v, parents, prefix, scale)``), or None."""
+    from toolspec_core.model import rows_kernel as rk
+
+    if os.environ.get("TOOLSPEC_ROWS_ATTENTION", "1") == "0":
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.info("rows attention: this CPU lacks AVX2; decode and tree rows keep SDPA")
+        return None
+    try:
+        return rk.build(SOURCE, "toolspec_rows_attention", rk.build_dir(source=SOURCE))
+    except Exception as exc:  # no compiler / headers: near-tie exactness only, never a failed load
+        log.warning("rows attention unavailable (%s: %s); decode and tree rows keep SDPA", type(exc).__name__, exc)
+        return None
+
+
+def rows_attention(kernel, q, k, v, parents: list[int] | None, prefix: int, scale: float) -> torch.Tensor:
+    """One sequence's decode or tree rows through the kernel: q [1, H, n, D], k / v [1, H_kv, S, D]
+    (the cache with these rows written, any dtype), ``parents`` [n] (None: causal rows, each the
+    child of the one before) -> [1, n, H * D] in q's dtype. Computed in float32."""
+    _, h, n, d = q.shape
+    qf = q[0].transpose(0, 1).float().contiguous()  # [n, H, D]
+    par = torch.tensor(parents if parents is not None else range(-1, n - 1), dtype=torch.long)  # [n]
+    out = kernel.rows_attention(qf, k[0].float(), v[0].float(), par, prefix, scale)  # [n, H, D]
+    return out.reshape(1, n, h * d).to(q.dtype)
