@@ -160,12 +160,13 @@ def exact_inputs(q, k, v, mask):
     """q, k, v and the mask in float32 where they are a reduced-precision CPU model's, and the
     dtype the output goes back to. SDPA's bfloat16 CPU kernel rounds a block's softmax weights to
     bfloat16 before multiplying them with V, and its query blocks follow the rows of the call, so
-    a row's output depends, by bfloat16 ulps, on how many rows share its call: a verify step's
-    rows would differ from plain decoding's single rows and greedy ToolSpec from plain greedy. In
-    float32 a row in a masked call is still up to ~1e-7 from the row alone
-    (``benchmarks.studies.attention_rows``): rounded back to bfloat16, ~0.01% of the elements land
-    an ulp apart, so this narrows the gap to near-ties, it does not close it. The copies are the
-    rows' K and V, small beside a layer's weights."""
+    a row's output depends, by bfloat16 ulps, on how many rows share its call. In float32 a row in
+    a masked call is still up to ~1e-7 from the row alone (``benchmarks.studies.attention_rows``),
+    which rounding back to bfloat16 turns into ulps on ~0.01% of the elements: so a
+    reduced-precision model's decode and tree rows, where plain greedy and a verify step must
+    agree, go through the fixed-order kernel instead (:func:`fixed_order_kernel`), and only its
+    prefill chunks (the same chunks for every method) and the kernel's fallback come here. The
+    copies are the rows' K and V, small beside a layer's weights."""
     dtype = q.dtype
     if dtype in (torch.float32, torch.float64) or q.device.type != "cpu":
         return q, k, v, mask, dtype
