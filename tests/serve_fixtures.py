@@ -70,23 +70,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_RAY = {"started": False}  # whether this session started the local Ray and has not ended it yet
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray for the session (2 CPUs; every deployment asks for 0)."""
+    """One local Ray for the session (2 CPUs; every deployment asks for 0), ended after the last
+    test that uses it (:func:`end_ray`) or at the session's end."""
     import ray
 
-    started = False
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        started = True
+        _RAY["started"] = True
     yield ray
-    if started:
-        from ray import serve
+    end_ray()
 
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+
+def end_ray() -> None:
+    """Shut down Serve (every app, the embedded model's replica included) and the Ray this session
+    started: the tests after the last one using it would otherwise share the two cores with their
+    idle control loops."""
+    if not _RAY["started"]:
+        return
+    import ray
+    from ray import serve
+
+    _RAY["started"] = False
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -118,9 +118,9 @@ def timing(lengths: list[int], row_counts: list[int], threads: int, repeats: int
     """ms per layer call, the kernel against the grouped masked SDPA call it replaces (float32
     inputs; a bf16 model's rows are converted to float32 for either). Median of ``repeats``."""
     import statistics
-    import time
 
     from toolspec_core.model import rows_attention as ra
+    from toolspec_core.model.cpu_linears import call_seconds
 
     kernel = ra.load()
     torch.set_num_threads(threads)
@@ -142,13 +142,7 @@ def timing(lengths: list[int], row_counts: list[int], threads: int, repeats: int
                 calls["kernel"] = lambda: ra.rows_attention(kernel, q, k, v, chain, length, SCALE)
             row = {"cached_keys": length, "rows": rows}
             for name, fn in calls.items():
-                fn()
-                times = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    fn()
-                    times.append(time.perf_counter() - t0)
-                row[f"{name}_ms"] = round(1e3 * statistics.median(times), 4)
+                row[f"{name}_ms"] = round(1e3 * statistics.median(call_seconds(fn, repeats)), 4)
             out.append(row)
     return out
 

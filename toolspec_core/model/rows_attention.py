@@ -22,13 +22,9 @@ Built where :func:`.rows_kernel.load` builds (a C++ compiler, AVX2 + FMA); elsew
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "rows_attention.cpp"
 
@@ -38,16 +34,9 @@ def load():
     """The compiled module (``rows_attention(q, k, v, parents, prefix, scale)``), or None."""
     from toolspec_core.model import rows_kernel as rk
 
-    if os.environ.get("TOOLSPEC_ROWS_ATTENTION", "1") == "0":
-        return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        log.info("rows attention: this CPU lacks AVX2; decode and tree rows keep SDPA")
-        return None
-    try:
-        return rk.build(SOURCE, "toolspec_rows_attention", rk.build_dir(source=SOURCE))
-    except Exception as exc:  # no compiler / headers: near-tie exactness only, never a failed load
-        log.warning("rows attention unavailable (%s: %s); decode and tree rows keep SDPA", type(exc).__name__, exc)
-        return None
+    return rk.load_kernel(
+        SOURCE, "toolspec_rows_attention", "TOOLSPEC_ROWS_ATTENTION", "rows attention", "decode and tree rows keep SDPA"
+    )
 
 
 def rows_attention(kernel, q, k, v, parents: list[int] | None, prefix: int, scale: float) -> torch.Tensor:

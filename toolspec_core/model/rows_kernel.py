@@ -50,13 +50,16 @@ def build_dir(flavour: str | None = None, source: Path = SOURCE) -> Path:
     """Where a build lives: per torch version, instruction-set flavour (``avx512`` / ``avx2``,
     default this CPU's) and source file (its path and text), so switching flags never reuses
     another build and two checkouts never rebuild over each other's (ninja rebuilds whenever the
-    source's path differs from the one it last built)."""
+    source's path differs from the one it last built). The folder's headers count as part of the source."""
     import hashlib
 
     from toolspec_core.model.embedded import cache_root
 
     flavour = flavour or ("avx512" if wide_registers() else "avx2")
-    key = hashlib.sha256(str(source.resolve()).encode() + b"\0" + source.read_bytes()).hexdigest()[:12]
+    text = source.read_bytes() + b"".join(
+        h.read_bytes() for h in sorted(source.parent.glob("*.h"))
+    )  # headers it may include
+    key = hashlib.sha256(str(source.resolve()).encode() + b"\0" + text).hexdigest()[:12]
     return cache_root() / "kernels" / f"torch-{torch.__version__}-{flavour}-{key}"
 
 
@@ -84,17 +87,28 @@ def clear_stale_lock(directory: Path, now: float | None = None) -> bool:
 @functools.lru_cache(maxsize=1)
 def load():
     """The compiled module (``rows_linear(x, w, bias)``), or None where it cannot be used here."""
-    if os.environ.get("TOOLSPEC_ROWS_KERNEL", "1") == "0":
+    return load_kernel(
+        SOURCE,
+        "toolspec_rows_linear",
+        "TOOLSPEC_ROWS_KERNEL",
+        "rows kernel",
+        "linears keep the oneDNN / F.linear dispatch",
+    )
+
+
+def load_kernel(source: Path, name: str, switch: str, what: str, fallback: str):
+    """A kernel of this folder built (once per machine) and loaded, or None -- with one log line
+    saying ``fallback`` -- where the environment variable ``switch`` is 0, the CPU lacks AVX2 or
+    the build fails (no compiler / headers): a slower path, never a failed load."""
+    if os.environ.get(switch, "1") == "0":
         return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        log.info("rows kernel: this CPU lacks AVX2; linears keep the oneDNN / F.linear dispatch")
+        log.info("%s: this CPU lacks AVX2; %s", what, fallback)
         return None
     try:
-        return build(SOURCE, "toolspec_rows_linear", build_dir())
-    except Exception as exc:  # no compiler / headers: a slower kernel, never a failed load
-        log.warning(
-            "rows kernel unavailable (%s: %s); linears keep the oneDNN / F.linear dispatch", type(exc).__name__, exc
-        )
+        return build(source, name, build_dir(source=source))
+    except Exception as exc:
+        log.warning("%s unavailable (%s: %s); %s", what, type(exc).__name__, exc, fallback)
         return None
 
 

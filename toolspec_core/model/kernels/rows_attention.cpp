@@ -22,6 +22,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -29,16 +31,6 @@
 namespace {
 
 constexpr int64_t BK = 16;  // keys a block, by logical position
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, s);
-  s = _mm_add_ss(s, sh);
-  return _mm_cvtss_f32(s);
-}
 
 // e^x for 8 floats (range reduction by ln 2 and a degree-6 polynomial, Cephes' expf): the same
 // bits for the same input, in every build; x of -inf (or below -88) gives 0

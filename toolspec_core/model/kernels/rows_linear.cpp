@@ -19,19 +19,11 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int64_t DIST = 16;  // prefetch distance in weight rows (56 KB ahead at K = 896)
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, s);
-  s = _mm_add_ss(s, sh);
-  return _mm_cvtss_f32(s);
-}
 
 // NB weight rows (w, stride K) x MB input rows (x, stride K) -> y (stride N), prefetching ``lines``
 // cache lines from ``pf`` into L2 spread evenly over the k loop. Not inlined: gcc 12 compiles some
