@@ -165,7 +165,8 @@ def exact_inputs(q, k, v, mask):
     which rounding back to bfloat16 turns into ulps on ~0.01% of the elements: so a
     reduced-precision model's decode and tree rows, where plain greedy and a verify step must
     agree, go through the fixed-order kernel instead (:func:`fixed_order_kernel`), and only its
-    prefill chunks (the same chunks for every method) and the kernel's fallback come here. The
+    prefill chunks (SDPA: exact only between servers that cut a prompt alike) and the kernel's
+    fallback come here. The
     copies are the rows' K and V, small beside a layer's weights."""
     dtype = q.dtype
     if dtype in (torch.float32, torch.float64) or q.device.type != "cpu":

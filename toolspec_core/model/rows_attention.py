@@ -11,8 +11,9 @@ greedy ToolSpec output left plain greedy's on 7-8 of 48 requests. This kernel co
 from its query and the keys it sees, in logical order (the cached prefix, then its ancestors in
 the call), in blocks of fixed logical positions, so a row's output is the same bits alone or in
 any tree. :func:`toolspec_core.model.batch_forward.batched_forward` sends a reduced-precision CPU
-model's decode and tree rows through it; prefill chunks keep SDPA (they are computed alike by
-every method: the same chunks of the same prompt).
+model's decode and tree rows through it; prefill chunks keep SDPA (alike wherever two servers cut
+a prompt into the same chunks: alone, yes; under concurrency or after a prefix-cache hit a server
+may cut it otherwise, and bf16 answers can then part -- the README's limitations).
 
 Built where :func:`.rows_kernel.load` builds (a C++ compiler, AVX2 + FMA); elsewhere, or with
 ``TOOLSPEC_ROWS_ATTENTION=0``, :func:`load` returns None and such rows keep SDPA in float32
