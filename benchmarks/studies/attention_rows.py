@@ -132,7 +132,7 @@ def timing(lengths: list[int], row_counts: list[int], threads: int, repeats: int
             k, v = torch.randn(1, HKV, keys, D, generator=gen), torch.randn(1, HKV, keys, D, generator=gen)
             q = torch.randn(1, HKV * G, rows, D, generator=gen)
             mask = torch.zeros(1, 1, G * rows, keys)
-            chain = list(range(-1, rows - 1))
+            chain = ra.rows_parents(None, rows)
             calls = {
                 "sdpa": lambda: F.scaled_dot_product_attention(
                     q.reshape(1, HKV, G * rows, D), k, v, attn_mask=mask if rows > 1 else None, scale=SCALE

@@ -83,9 +83,10 @@ def test_a_row_alone_equals_the_row_in_a_tree(prefix):
     finally:
         torch.set_num_threads(threads)
     # causal rows (no parents) are the chain: each row the child of the one before
-    from toolspec_core.model.rows_attention import rows_attention
+    from toolspec_core.model.rows_attention import rows_attention, rows_parents
 
-    chain = rows_attention(kernel, q.transpose(0, 1)[None], k[None], v[None], None, prefix, SCALE)  # [1, n, H * D]
+    causal = rows_parents(None, len(TREE))
+    chain = rows_attention(kernel, q.transpose(0, 1)[None], k[None], v[None], causal, prefix, SCALE)  # [1, n, H * D]
     linked = kernel.rows_attention(q, k, v, torch.tensor(range(-1, len(TREE) - 1)), prefix, SCALE)
     assert torch.equal(chain[0], linked.reshape(len(TREE), H * D))
 

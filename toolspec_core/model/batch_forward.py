@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from toolspec_core.model.kv import KVCache
 from toolspec_core.model.rows_attention import load as load_rows_attention
-from toolspec_core.model.rows_attention import rows_attention
+from toolspec_core.model.rows_attention import rows_attention, rows_parents
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 CAUSAL_KERNEL = True  # long first prefill chunks attend through causal_attention (False: a causal mask tensor)
@@ -267,7 +267,7 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
         if exact is not None and (s.tree or n == 1):
             if s.tree:
                 next(built)
-            masks.append(ROWS)  # decode and tree rows: a fixed order per row (rows_attention)
+            masks.append((ROWS, rows_parents(s.parents, n)))  # decode and tree rows: a fixed order per row
         elif s.tree:
             m = next(built)  # [1, 1, n, n]
             masks.append(grouped_mask(widen(m.to(dev, dtype, non_blocking=True), prefix), g))
@@ -286,8 +286,8 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
         outs = []
         for s, (a, b), m, prefix in zip(segments, bounds, masks, prefixes):
             keys, values = s.cache.write(li, k[:, :, a:b], v[:, :, a:b])  # [1, H_kv, S, D]
-            if m is ROWS:
-                outs.append(rows_attention(exact, q[:, :, a:b], keys, values, s.parents, prefix, scale))
+            if isinstance(m, tuple):  # (ROWS, parents [n]): built once a forward, not once a layer
+                outs.append(rows_attention(exact, q[:, :, a:b], keys, values, m[1], prefix, scale))
             elif isinstance(m, str):  # "causal"
                 outs.append(causal_attention(q[:, :, a:b], keys, values, scale))
             elif isinstance(m, list):  # row blocks of a prefill chunk

@@ -40,12 +40,17 @@ def load():
     )
 
 
-def rows_attention(kernel, q, k, v, parents: list[int] | None, prefix: int, scale: float) -> torch.Tensor:
+def rows_parents(parents: list[int] | None, n: int) -> torch.Tensor:
+    """The kernel's parents [n] (int64) of a segment's rows; None: causal rows, each the child of
+    the one before. Built once a forward (every layer reads it)."""
+    return torch.tensor(parents if parents is not None else range(-1, n - 1), dtype=torch.long)
+
+
+def rows_attention(kernel, q, k, v, parents: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
     """One sequence's decode or tree rows through the kernel: q [1, H, n, D], k / v [1, H_kv, S, D]
-    (the cache with these rows written, any dtype), ``parents`` [n] (None: causal rows, each the
-    child of the one before) -> [1, n, H * D] in q's dtype. Computed in float32."""
+    (the cache with these rows written, any dtype), ``parents`` [n] (:func:`rows_parents`) ->
+    [1, n, H * D] in q's dtype. Computed in float32."""
     _, h, n, d = q.shape
     qf = q[0].transpose(0, 1).float().contiguous()  # [n, H, D]
-    par = torch.tensor(parents if parents is not None else range(-1, n - 1), dtype=torch.long)  # [n]
-    out = kernel.rows_attention(qf, k[0].float(), v[0].float(), par, prefix, scale)  # [n, H, D]
+    out = kernel.rows_attention(qf, k[0].float(), v[0].float(), parents, prefix, scale)  # [n, H, D]
     return out.reshape(1, n, h * d).to(q.dtype)
