@@ -99,6 +99,7 @@ class EngineHost:
         from toolspec_core.drafters.methods import make_method, method_class
         from toolspec_core.engine.cost_probe import cost_model_for
         from toolspec_core.engine.grammar import _lltokenizer
+        from toolspec_core.model.openmp import release_team
 
         t0 = time.perf_counter()
         threads = serving_threads(cfg)
@@ -129,6 +130,7 @@ class EngineHost:
         host = cls(cfg, target, method, cost, library, retrieval)
         built = time.perf_counter()
         graphs = warm_replica_graphs(target, host.engine.scheduler.pool, cfg, host.engine.scheduler.limits)
+        release_team()  # this thread's OpenMP workers, so the engine thread's team is the only one
         done = time.perf_counter()
         host.startup = {
             "total_s": round(done - t0, 3),

@@ -78,6 +78,14 @@ OPTIONS = (  # group titles, each followed by its (flags, add_argument keywords)
             "no two prompts share a prefix, so no prefix cache helps",
         ),
     ),
+    (
+        "--prefix-salt",
+        dict(
+            metavar="NAME",
+            help="with --unique-prefix: salt the nonces with this run name instead of --name, so this run "
+            "sends exactly the prompts of that earlier run (compare with its endpoints' rows)",
+        ),
+    ),
     "endpoints",
     (
         "--endpoint",
@@ -279,7 +287,8 @@ def run(args: argparse.Namespace) -> dict:
     now = dt.datetime.now()
     stamp = now.strftime("%Y%m%d-%H%M%S")
     # the nonces' salt: the run's name (every pass of a resumed run sends the same prompts), else its start
-    args.unique_prefix_salt = f"{args.seed}:{args.name or stamp}" if args.unique_prefix else None
+    salt_name = getattr(args, "prefix_salt", None) or args.name or stamp
+    args.unique_prefix_salt = f"{args.seed}:{salt_name}" if args.unique_prefix else None
     endpoints, baseline = resolve_endpoints(args)
     runner = None
     if args.ray:

@@ -257,6 +257,9 @@ class TPWorker:
                 f"rank {self.rank} cannot reach its replica's step channel ({exc}): the ranks must run on "
                 "the replica's node (placement strategy STRICT_PACK)"
             ) from None
+        from toolspec_core.model.openmp import release_team
+
+        release_team()  # the loading thread's OpenMP workers: the stepping thread's team is the only one
         self._loop = threading.Thread(target=self._serve, daemon=True, name=f"tp-rank-{self.rank}")
         self._loop.start()
         return self.rank

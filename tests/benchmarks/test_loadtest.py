@@ -802,6 +802,16 @@ def test_unique_prefix_gives_every_request_its_own_prefix_the_same_on_every_endp
         *("--warmup", "2", "--unique-prefix", "--name", "uniq"),
     )
     assert code == 0 and sorted(_first_contents(by_mode["cached-a"])) == sorted(firsts)
+    # a run of another name salted by the first one's (--prefix-salt) sends its prompts too; unsalted, others
+    for extra, same in ((("--prefix-salt", "uniq"), True), ((), False)):
+        by_mode.pop("cached-a")
+        code, _, _ = _run(
+            tmp_path,
+            dataset,
+            *("--endpoint", f"a={server['base']}/cached-a/v1", "--concurrency", "1,2", "--requests-per-level", "5"),
+            *("--warmup", "2", "--unique-prefix", "--name", "uniq-again", *extra),
+        )
+        assert code == 0 and (sorted(_first_contents(by_mode["cached-a"])) == sorted(firsts)) is same
 
 
 def test_without_unique_prefix_requests_are_the_datasets_and_no_share_is_claimed(server, dataset, tmp_path):

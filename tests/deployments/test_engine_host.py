@@ -235,3 +235,22 @@ def test_the_text_held_back_for_a_stop_string_comes_in_the_last_event():
             assert "".join(e.delta for e in evs if isinstance(e, Text)) == evs[-1].text, timeline
     finally:
         host.close()
+
+
+def test_build_hands_back_the_building_threads_openmp_team(monkeypatch):
+    """The thread that loads and warms the model gives its OpenMP workers back before the engine
+    thread steps it (toolspec_core/model/openmp.py says why: two teams on two cores made a decode
+    step ~25% slower), after everything that runs the model on the building thread."""
+    import threading
+
+    from toolspec_core.model import openmp
+
+    calls = []
+    monkeypatch.setattr(openmp, "release_team", lambda: calls.append(threading.current_thread()) or True)
+    warm = engine_host.warm_replica_graphs
+    monkeypatch.setattr(engine_host, "warm_replica_graphs", lambda *a: calls.append("warm") or warm(*a))
+    host = scripted_host()
+    try:
+        assert calls == ["warm", threading.current_thread()]
+    finally:
+        host.close()
