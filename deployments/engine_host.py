@@ -163,6 +163,8 @@ class EngineHost:
             "engine": self.engine.load(),
             "tensor_parallel": self._tp_info(),
             "startup": self.startup,
+            # the draft budget's curve (measured at start-up unless configured): how much a tree may cost
+            "cost_model": None if self.cost is None else cost_summary(self.cost),
         }
 
     def _tp_info(self) -> dict | None:
@@ -451,6 +453,12 @@ def available_memory() -> int | None:
             avail = left if avail is None else min(avail, left)
         break
     return avail
+
+
+def cost_summary(cost) -> dict:
+    """A cost model for /health: its source and its points (a k-row forward's time over one row's)."""
+    d = cost.to_dict()
+    return {"source": d["source"], "points": {k: round(v, 3) for k, v in d["points"].items()}}
 
 
 def serving_threads(cfg: ServeAppConfig) -> int | None:

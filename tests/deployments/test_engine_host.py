@@ -254,3 +254,18 @@ def test_build_hands_back_the_building_threads_openmp_team(monkeypatch):
         assert calls == ["warm", threading.current_thread()]
     finally:
         host.close()
+
+
+def test_health_info_names_the_draft_budgets_cost_curve():
+    """/health says which cost curve prices the drafts (a start-up probe's differs run to run)."""
+    host = scripted_host(cost_model="reference")
+    try:
+        cost = host.info()["cost_model"]
+        assert cost["source"] == "reference" and cost["points"]["1"] == 1.0 and cost["points"]["64"] == 6.6
+    finally:
+        host.close()
+    host = scripted_host()
+    try:
+        assert host.info()["cost_model"] is None  # cost_model: none, no budget
+    finally:
+        host.close()

@@ -203,3 +203,39 @@ def test_embedded_bfloat16_toolspec_greedy_equals_plain_greedy():
     spec = generate(target, prompt, drafter, cfg, CostModel.cpu_reference(), pool=pool())
     assert len(prompt) > 1000 and sum(spec.stats.accepted) > 0
     assert spec.tokens == plain.tokens
+
+
+@pytest.mark.slow
+def test_embedded_bfloat16_prompt_reads_alike_however_a_server_cuts_it():
+    """A bfloat16 model reads a prompt into the same bits in any chunks: alone in 512-row chunks,
+    in 200- or 97-row chunks, or sharing each step's prompt rows with another waiting prompt (what
+    a loaded server does; the long load-test prompt whose bf16 answers parted from plain greedy's
+    at c = 8 when prompt chunks took SDPA). Every row goes through the fixed-order attention and the
+    linears give a row the same bits whatever rows share the call, so every prompt token's
+    last-layer state is equal bit for bit."""
+    from benchmarks.loadtest.workloads import request_nonce, with_nonce
+    from toolspec_core.engine.scheduler import BatchLimits, run_batch
+    from toolspec_core.engine.sequence import Sequence
+
+    target = load_target(dtype=torch.bfloat16)
+    salt = "0:loadtest-unique-bf16-long-fresh-c1-c8-n48-cpu-epyc-5f9285b"
+    (it,) = [it for it in read_jsonl(dev_set("toolalpaca")) if it["id"] == "toolalpaca-simulated-8-9"]
+    it = with_nonce(it, request_nonce(salt, 0, 5, it["id"]))
+    prompt = render_prompt(target.tokenizer, it["messages"], it["tools"])
+    (other,) = [it for it in read_jsonl(dev_set("bfcl_v3")) if it["id"] == "simple_1"]
+    first = render_prompt(target.tokenizer, other["messages"], other["tools"])
+    assert len(prompt) > 1000 and 50 < len(first) < 512
+
+    def read(chunk: int, beside: list[int] | None = None) -> torch.Tensor:
+        """Every token's last-layer state [n, H] of ``prompt``, read after ``beside`` in one batch."""
+        prompts = [beside, prompt] if beside else [prompt]
+        limits = BatchLimits(max_running=2, prefill_chunk=chunk)
+        seqs = [Sequence(target, list(p), None, DecodeConfig(max_new_tokens=1), prompt_states=True) for p in prompts]
+        pool = target.block_pool(sum(limits.rows_for(len(p), 1) for p in prompts))
+        run_batch(target, seqs, None, limits, pool)
+        return torch.cat(seqs[-1].states)
+
+    alone = read(512)
+    assert alone.shape[0] == len(prompt) and alone.dtype == torch.bfloat16
+    for chunk, beside in ((200, None), (97, None), (512, first), (300, first)):
+        assert torch.equal(read(chunk, beside), alone), (chunk, beside is not None)

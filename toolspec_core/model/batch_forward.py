@@ -162,12 +162,11 @@ def exact_inputs(q, k, v, mask):
     bfloat16 before multiplying them with V, and its query blocks follow the rows of the call, so
     a row's output depends, by bfloat16 ulps, on how many rows share its call. In float32 a row in
     a masked call is still up to ~1e-7 from the row alone (``benchmarks.studies.attention_rows``),
-    which rounding back to bfloat16 turns into ulps on ~0.01% of the elements: so a
-    reduced-precision model's decode and tree rows, where plain greedy and a verify step must
-    agree, go through the fixed-order kernel instead (:func:`fixed_order_kernel`), and only its
-    prefill chunks (SDPA: exact only between servers that cut a prompt alike) and the kernel's
-    fallback come here. The
-    copies are the rows' K and V, small beside a layer's weights."""
+    which rounding back to bfloat16 turns into ulps on ~0.01% of the elements: so every row of a
+    reduced-precision model -- decode and tree rows, where plain greedy and a verify step must
+    agree, and prompt rows, which a loaded server cuts into other chunks than an idle one -- goes
+    through the fixed-order kernel instead (:func:`fixed_order_kernel`), and only the kernel's
+    fallback comes here. The copies are the rows' K and V, small beside a layer's weights."""
     dtype = q.dtype
     if dtype in (torch.float32, torch.float64) or q.device.type != "cpu":
         return q, k, v, mask, dtype
@@ -232,8 +231,9 @@ ROWS = object()  # a segment's attention through the fixed-order rows kernel
 
 
 def fixed_order_kernel(dtype: torch.dtype, device) -> object | None:
-    """The fixed-order attention kernel where a model's decode and tree rows need it: a bfloat16 /
-    float16 model on the CPU, whose rounding turns SDPA's row-dependent last bits into whole ulps
+    """The fixed-order attention kernel where a model's rows need it (decode, tree and prompt rows
+    alike): a bfloat16 / float16 model on the CPU, whose rounding turns SDPA's row-dependent last
+    bits into whole ulps
     (:mod:`toolspec_core.model.rows_attention` says why); None for float32 models and GPUs (and
     where the kernel is not built)."""
     if dtype not in (torch.bfloat16, torch.float16) or torch.device(device).type != "cpu":
@@ -264,18 +264,19 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
         prefixes.append(prefix)
         bounds.append((o, o + n))
         o += n
-        if exact is not None and (s.tree or n == 1):
+        if exact is not None:
             if s.tree:
                 next(built)
-            masks.append((ROWS, rows_parents(s.parents, n)))  # decode and tree rows: a fixed order per row
+            # every row in a fixed order: decode and tree rows as alone, prompt rows however chunked
+            masks.append((ROWS, rows_parents(s.parents, n)))
         elif s.tree:
             m = next(built)  # [1, 1, n, n]
             masks.append(grouped_mask(widen(m.to(dev, dtype, non_blocking=True), prefix), g))
         elif n >= CAUSAL_MIN_ROWS and prefix == 0 and CAUSAL_KERNEL:
             masks.append("causal")  # a first prefill chunk: causal_attention, no mask tensor
         elif ROW_BLOCK and n > ROW_BLOCK and dtype == torch.float32:
-            # a prefill chunk in row blocks (float32 only: a bf16 model's greedy identity is tested
-            # without them, and with them one embedded prompt diverged from plain greedy)
+            # a float32 model's prefill chunk in row blocks (a reduced-precision CPU model's rows
+            # all take the fixed-order kernel above)
             masks.append(blocked_masks(prefix, n, g, dtype, dev, ROW_BLOCK))
         elif n > 1:
             masks.append(grouped_mask(causal_mask(prefix, n, dtype, dev), g))

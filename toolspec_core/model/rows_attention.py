@@ -10,13 +10,17 @@ that; a bfloat16 model rounds the attention output into whole ulps, and on long 
 greedy ToolSpec output left plain greedy's on 7-8 of 48 requests. This kernel computes each row
 from its query and the keys it sees, in logical order (the cached prefix, then its ancestors in
 the call), in blocks of fixed logical positions, so a row's output is the same bits alone or in
-any tree. :func:`toolspec_core.model.batch_forward.batched_forward` sends a reduced-precision CPU
-model's decode and tree rows through it; prefill chunks keep SDPA (alike wherever two servers cut
-a prompt into the same chunks: alone, yes; under concurrency or after a prefix-cache hit a server
-may cut it otherwise, and bf16 answers can then part -- the README's limitations).
+any tree. :func:`toolspec_core.model.batch_forward.batched_forward` sends every row of a
+reduced-precision CPU model through it, prompt rows too: a loaded server shares a step's prompt
+rows among waiting sequences, so it cuts a prompt into other chunks than an idle one does (or
+finds part of it in the prefix cache), and a prompt row computed by SDPA depends on its chunk --
+in bfloat16 enough to part a greedy answer from plain greedy's (8 of 48 long tool prompts at
+concurrency 8). Through the kernel a prompt row has the same bits in any chunk. It costs prefill
+time: per layer 1.8-2.7x SDPA's attention on 512-row chunks (``prefill_chunk_timing`` in
+``benchmarks/results/measurements/attention-rows-cpu-epyc-9620a45.json``).
 
 Built where :func:`.rows_kernel.load` builds (a C++ compiler, AVX2 + FMA); elsewhere, or with
-``TOOLSPEC_ROWS_ATTENTION=0``, :func:`load` returns None and such rows keep SDPA in float32
+``TOOLSPEC_ROWS_ATTENTION=0``, :func:`load` returns None and rows keep SDPA in float32
 (greedy output then equal to plain greedy's up to near-ties, as the README's limitations say).
 """
 
@@ -36,7 +40,7 @@ def load():
     from toolspec_core.model import rows_kernel as rk
 
     return rk.load_kernel(
-        SOURCE, "toolspec_rows_attention", "TOOLSPEC_ROWS_ATTENTION", "rows attention", "decode and tree rows keep SDPA"
+        SOURCE, "toolspec_rows_attention", "TOOLSPEC_ROWS_ATTENTION", "rows attention", "rows keep SDPA"
     )
 
 
@@ -47,7 +51,7 @@ def rows_parents(parents: list[int] | None, n: int) -> torch.Tensor:
 
 
 def rows_attention(kernel, q, k, v, parents: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
-    """One sequence's decode or tree rows through the kernel: q [1, H, n, D], k / v [1, H_kv, S, D]
+    """One sequence's rows (decode, tree or a prompt chunk) through the kernel: q [1, H, n, D], k / v [1, H_kv, S, D]
     (the cache with these rows written, any dtype), ``parents`` [n] (:func:`rows_parents`) ->
     [1, n, H * D] in q's dtype. Computed in float32."""
     _, h, n, d = q.shape
