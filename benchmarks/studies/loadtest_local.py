@@ -431,9 +431,31 @@ def main(argv: list[str] | None = None) -> int:
         args += passthrough
         name = passthrough[passthrough.index("--name") + 1] if "--name" in passthrough else "loadtest"
         with sampling_rss(ns.sample_rss, os.path.join(ns.out, f"{name}.rss.json")):
-            return loadtest_main(args)
+            rc = loadtest_main(args)
+        for app, url in urls.items():
+            save_health(url, os.path.join(ns.out, f"{name}.{app}.health.json"))
+        return rc
     finally:
         stop_server()
+
+
+def save_health(url: str, path: str) -> bool:
+    """A ToolSpec app's /health after its levels (``url`` the app's base), to ``path``: its start-up,
+    engine and the draft budget's cost curve -- a replica probes that curve at start-up and it
+    decides how much each step drafts, so two runs' MAT compare only beside their curves. False
+    (and nothing written) where the app does not answer with JSON."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=30) as resp:
+            health = json.loads(resp.read())
+    except (OSError, ValueError) as exc:
+        print(f"[loadtest_local] no /health from {url}: {exc}", flush=True)
+        return False
+    with open(path, "w") as f:
+        json.dump(health, f, indent=1)
+    return True
 
 
 def base_config(ns) -> dict:
@@ -542,6 +564,8 @@ def one_at_a_time(ns, specs: list[str], passthrough: list[str]) -> int:
                 print(f"{app}: {server.url}/v1 ({what})", flush=True)
                 with sampling_rss(ns.sample_rss, os.path.join(ns.out, f"{name}.{app}.rss.json"), engine):
                     rc = loadtest_main(common + ["--endpoint", f"{app}={server.url}/v1", "--baseline", app])
+                if not is_vllm(spec):
+                    save_health(server.url, os.path.join(ns.out, f"{name}.{app}.health.json"))
             finally:
                 server.stop()
         else:
@@ -554,6 +578,7 @@ def one_at_a_time(ns, specs: list[str], passthrough: list[str]) -> int:
                 print(f"{app}: {urls[app]}/v1 (method {extra['method']})", flush=True)
                 with sampling_rss(ns.sample_rss, os.path.join(ns.out, f"{name}.{app}.rss.json")):
                     rc = loadtest_main(common + ["--endpoint", f"{app}={urls[app]}/v1", "--baseline", app])
+                save_health(urls[app], os.path.join(ns.out, f"{name}.{app}.health.json"))
             finally:
                 stop_server()
         if rc:

@@ -251,3 +251,37 @@ def test_prefill_forward_parts_of_profiler_operators():
     assert part_of("aten::index_copy_") == "kv_cache"
     assert part_of("aten::silu") == "elementwise"
     assert part_of("aten::empty") == "other ops"
+
+
+def test_loadtest_local_saves_each_apps_health_with_its_cost_curve(tmp_path):
+    """After an app's levels its /health goes beside the report (the draft budget's cost curve,
+    probed at start-up, decides how much each step drafts); an app without JSON there writes
+    nothing and does not fail the run."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from benchmarks.studies.loadtest_local import save_health
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"cost_model": {"source": "measured", "points": {"1": 1.0}}}).encode()
+            ok = self.path == "/toolspec/health"
+            self.send_response(200 if ok else 404)
+            self.end_headers()
+            self.wfile.write(body if ok else b"")
+
+        def log_message(self, *a):
+            pass
+
+    srv = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        path = tmp_path / "run.toolspec.health.json"
+        assert save_health(f"{base}/toolspec", str(path))
+        assert json.loads(path.read_text())["cost_model"]["points"] == {"1": 1.0}
+        missing = tmp_path / "run.other.health.json"
+        assert not save_health(f"{base}/other", str(missing)) and not missing.exists()
+    finally:
+        srv.shutdown()
