@@ -1,4 +1,4 @@
-"""The fixed-order attention of decode and tree rows: SDPA's result to float tolerance, and a row's
+"""The fixed-order attention of decode, tree and prompt rows: SDPA's result to float tolerance, and a row's
 output bit for bit the same alone (plain decoding) as in any tree (a verify step)."""
 
 from __future__ import annotations
@@ -91,6 +91,42 @@ def test_a_row_alone_equals_the_row_in_a_tree(prefix):
     assert torch.equal(chain[0], linked.reshape(len(TREE), H * D))
 
 
+@pytest.mark.parametrize("prefix", [0, 16, 333])
+def test_a_chain_read_directly_equals_its_rows_walked_as_a_tree(prefix):
+    """A chain (a prompt chunk, a decode row) reads its keys where they are stored, without
+    per-row paths; its rows equal bit for bit the same rows in a call whose extra branch makes the
+    kernel walk paths."""
+    kernel = _kernel()
+    n = 9
+    q, k, v = _inputs(prefix, n + 1, seed=2)
+    chain = kernel.rows_attention(
+        q[:n], k[:, : prefix + n], v[:, : prefix + n], torch.tensor(range(-1, n - 1)), prefix, SCALE
+    )
+    branched = kernel.rows_attention(q, k, v, torch.tensor([*range(-1, n - 1), 3]), prefix, SCALE)
+    assert torch.equal(chain, branched[:n])
+
+
+@pytest.mark.parametrize("parents", [TREE, list(range(-1, len(TREE) - 1))])
+def test_a_bfloat16_cache_is_read_in_place_as_its_float32_copy(parents):
+    """A bf16 model's cache goes in as it is (no float32 copy of the whole cache every layer):
+    widening bf16 is exact, so the result is the float32 copy's bit for bit; a float16 cache is
+    widened by the wrapper."""
+    from toolspec_core.model.rows_attention import rows_attention
+
+    kernel = _kernel()
+    q, k, v = _inputs(40, len(TREE), seed=3)
+    kb, vb = k.bfloat16(), v.bfloat16()
+    par = torch.tensor(parents)
+    assert torch.equal(
+        kernel.rows_attention(q, kb, vb, par, 40, SCALE),
+        kernel.rows_attention(q, kb.float(), vb.float(), par, 40, SCALE),
+    )
+    qh = q.transpose(0, 1)[None].half()  # [1, H, n, D]
+    half = rows_attention(kernel, qh, k.half()[None], v.half()[None], par, 40, SCALE)
+    ref = rows_attention(kernel, qh, k.half().float()[None], v.half().float()[None], par, 40, SCALE)
+    assert half.dtype == torch.float16 and torch.equal(half, ref)
+
+
 def test_rows_attention_refuses_bad_input():
     kernel = _kernel()
     q, k, v = _inputs(4, 3)
@@ -100,3 +136,5 @@ def test_rows_attention_refuses_bad_input():
         kernel.rows_attention(q, k, v, torch.tensor([-1, 0, 1]), 5, SCALE)
     with pytest.raises(RuntimeError, match="float32"):
         kernel.rows_attention(q.double(), k, v, torch.tensor([-1, 0, 1]), 4, SCALE)
+    with pytest.raises(RuntimeError, match="the same"):
+        kernel.rows_attention(q, k.bfloat16(), v, torch.tensor([-1, 0, 1]), 4, SCALE)

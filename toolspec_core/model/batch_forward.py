@@ -255,9 +255,9 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
     pos = torch.cat([s.pos for s in segments]).to(dev, non_blocking=True)  # [N]
     cfg = model.config
     g = cfg.num_attention_heads // cfg.num_key_value_heads  # query heads per KV head (the same on a TP shard)
-    drawn = [s for s in segments if s.tree]
-    built = iter(tree_masks([p for s in drawn for p in s.parents], [len(s) for s in drawn], dtype))  # all at once
     exact = fixed_order_kernel(dtype, dev)
+    drawn = [s for s in segments if s.tree] if exact is None else []  # the kernel takes parents, not masks
+    built = iter(tree_masks([p for s in drawn for p in s.parents], [len(s) for s in drawn], dtype))  # all at once
     bounds, masks, prefixes, o = [], [], [], 0
     for s in segments:
         n, prefix = len(s), s.cache.get_seq_length()
@@ -265,8 +265,6 @@ def batched_forward(model: torch.nn.Module, segments: list[Segment]) -> torch.Te
         bounds.append((o, o + n))
         o += n
         if exact is not None:
-            if s.tree:
-                next(built)
             # every row in a fixed order: decode and tree rows as alone, prompt rows however chunked
             masks.append((ROWS, rows_parents(s.parents, n)))
         elif s.tree:

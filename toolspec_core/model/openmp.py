@@ -36,6 +36,8 @@ def _runtime() -> ctypes.CDLL | None:
         except OSError:
             continue
         if hasattr(lib, "omp_pause_resource_all"):
+            lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
+            lib.omp_pause_resource_all.restype = ctypes.c_int
             return lib
     return None
 
@@ -50,8 +52,6 @@ def release_team() -> bool:
     lib = _runtime()
     if lib is None:
         return False
-    lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
-    lib.omp_pause_resource_all.restype = ctypes.c_int
     ok = lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
     if not ok:
         log.debug("OpenMP kept this thread's team (omp_pause_resource_all refused)")

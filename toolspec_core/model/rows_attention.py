@@ -53,8 +53,11 @@ def rows_parents(parents: list[int] | None, n: int) -> torch.Tensor:
 def rows_attention(kernel, q, k, v, parents: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
     """One sequence's rows (decode, tree or a prompt chunk) through the kernel: q [1, H, n, D], k / v [1, H_kv, S, D]
     (the cache with these rows written, any dtype), ``parents`` [n] (:func:`rows_parents`) ->
-    [1, n, H * D] in q's dtype. Computed in float32."""
+    [1, n, H * D] in q's dtype. Computed in float32; a float32 or bfloat16 cache is read in place
+    (a float16 one is widened first)."""
     _, h, n, d = q.shape
     qf = q[0].transpose(0, 1).float().contiguous()  # [n, H, D]
-    out = kernel.rows_attention(qf, k[0].float(), v[0].float(), parents, prefix, scale)  # [n, H, D]
+    if k.dtype not in (torch.float32, torch.bfloat16):
+        k, v = k.float(), v.float()
+    out = kernel.rows_attention(qf, k[0], v[0], parents, prefix, scale)  # [n, H, D]
     return out.reshape(1, n, h * d).to(q.dtype)

@@ -1,4 +1,4 @@
-// Attention of decode and tree-verify rows with one fixed order of arithmetic per row, on AVX2 + FMA.
+// Attention of decode, tree-verify and prompt rows with one fixed order of arithmetic per row, on AVX2 + FMA.
 //
 // Why: greedy ToolSpec writes plain greedy's tokens only if a token's row is computed alike in a
 // verify step (among the tree's rows, in one call) and in plain decoding (alone). torch's CPU
@@ -16,8 +16,12 @@
 //     the weights by one exp routine, the sum and the weighted values accumulated key by key;
 //   * rows and heads are independent tasks; threads split tasks, never a row's sums.
 //
-// Inputs float32: q [n, H, D] (contiguous), k and v [H_kv, S, D] (any strides but the last),
-// parents [n] (a row's parent row in the call, -1 for none: it hangs off the prefix).
+// Inputs: q [n, H, D] float32 (contiguous), k and v [H_kv, S, D] float32 or bfloat16 (the cache as
+// it is: widening bf16 to float32 is exact, so reading it in place gives the bits a float32 copy
+// would, without copying the cache every layer; any strides but the last), parents [n] (a row's
+// parent row in the call, -1 for none: it hangs off the prefix). A chain (each row the child of
+// the one before: a prompt chunk, a single decode row) needs no per-row paths: row i's keys are
+// logical positions 0 .. prefix + i, where they are stored.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -55,13 +59,21 @@ inline __m256 exp8(__m256 x) {
 
 inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
 
+// 8 consecutive keys' / values' elements as float32 (bfloat16 widened exactly: its bits are the
+// top half of a float32's)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // one row's G query heads (qh: G x D, scaled) over the keys key(0 .. last), D a multiple of 8
-template <typename KeyAt>
+template <typename T, typename KeyAt>
 void row_heads(const float* qh, int64_t G, int64_t D, int64_t last, KeyAt key_at, float* out) {
   const int64_t V = D / 8;
   std::vector<float> acc(G * D, 0.0f), m(G, -INFINITY), l(G, 0.0f);
-  const float* ks[BK];
-  const float* vs[BK];
+  const T* ks[BK];
+  const T* vs[BK];
   alignas(32) float s[BK];
   alignas(32) float p[BK];
   for (int64_t x0 = 0; x0 <= last; x0 += BK) {
@@ -72,7 +84,7 @@ void row_heads(const float* qh, int64_t G, int64_t D, int64_t last, KeyAt key_at
       float mb = -INFINITY;
       for (int64_t t = 0; t < cnt; ++t) {
         __m256 d = _mm256_setzero_ps();
-        for (int64_t j = 0; j < V; ++j) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j), _mm256_loadu_ps(ks[t] + 8 * j), d);
+        for (int64_t j = 0; j < V; ++j) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j), load8(ks[t] + 8 * j), d);
         s[t] = hsum(d);
         mb = s[t] > mb ? s[t] : mb;
       }
@@ -91,7 +103,7 @@ void row_heads(const float* qh, int64_t G, int64_t D, int64_t last, KeyAt key_at
         lh += p[t];
         const __m256 w = _mm256_set1_ps(p[t]);
         for (int64_t j = 0; j < V; ++j)
-          _mm256_storeu_ps(a + 8 * j, _mm256_fmadd_ps(w, _mm256_loadu_ps(vs[t] + 8 * j), _mm256_loadu_ps(a + 8 * j)));
+          _mm256_storeu_ps(a + 8 * j, _mm256_fmadd_ps(w, load8(vs[t] + 8 * j), _mm256_loadu_ps(a + 8 * j)));
       }
       l[h] = lh;
     }
@@ -103,13 +115,37 @@ void row_heads(const float* qh, int64_t G, int64_t D, int64_t last, KeyAt key_at
   }
 }
 
+// every (row, KV head) task of the call; ``paths`` empty for a chain
+template <typename T>
+void run_rows(const float* qp, const T* kp, const T* vp, float* op, int64_t n, int64_t H, int64_t G, int64_t D,
+              int64_t Hkv, int64_t prefix, const std::vector<std::vector<int64_t>>& paths, int64_t ks0, int64_t ks1,
+              int64_t vs0, int64_t vs1) {
+  const bool chain = paths.empty();
+  at::parallel_for(0, n * Hkv, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = t / Hkv, hk = t % Hkv;
+      const T* kh = kp + hk * ks0;
+      const T* vh = vp + hk * vs0;
+      const int64_t* path = chain ? nullptr : paths[i].data();
+      auto key_at = [&](int64_t x, const T*& kx, const T*& vx) {
+        const int64_t at = (chain || x < prefix) ? x : prefix + path[x - prefix];
+        kx = kh + at * ks1;
+        vx = vh + at * vs1;
+      };
+      const int64_t last = prefix + (chain ? i : static_cast<int64_t>(paths[i].size()) - 1);
+      row_heads<T>(qp + (i * H + hk * G) * D, G, D, last, key_at, op + (i * H + hk * G) * D);
+    }
+  });
+}
+
 }  // namespace
 
 torch::Tensor rows_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              const torch::Tensor& parents, int64_t prefix, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "rows_attention: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "rows_attention: float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "rows_attention: q float32 only");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
+              "rows_attention: k / v float32 or bfloat16, both the same");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "rows_attention: q [n, H, D], k / v [H_kv, S, D]");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "rows_attention: k / v need a contiguous last dimension");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
@@ -122,36 +158,26 @@ torch::Tensor rows_attention(const torch::Tensor& q, const torch::Tensor& k, con
   const auto qs = (q * static_cast<float>(scale)).contiguous();  // [n, H, D]
   const auto par = parents.contiguous();
   const int64_t* pp = par.data_ptr<int64_t>();
-  // every row's path in the call: its ancestors from the root down, then itself
-  std::vector<std::vector<int64_t>> paths(n);
+  bool chain = true;
   for (int64_t i = 0; i < n; ++i) {
-    for (int64_t r = i; r >= 0; r = pp[r]) {
-      TORCH_CHECK(r < n && pp[r] < r, "rows_attention: a parent must come before its row");
-      paths[i].push_back(r);
-    }
+    TORCH_CHECK(pp[i] < i && pp[i] >= -1, "rows_attention: a parent must come before its row");
+    chain = chain && pp[i] == i - 1;
+  }
+  // a tree's rows: each one's path in the call, its ancestors from the root down, then itself
+  std::vector<std::vector<int64_t>> paths(chain ? 0 : n);
+  for (int64_t i = 0; i < static_cast<int64_t>(paths.size()); ++i) {
+    for (int64_t r = i; r >= 0; r = pp[r]) paths[i].push_back(r);
     std::reverse(paths[i].begin(), paths[i].end());
   }
   auto out = torch::empty({n, H, D}, q.options());
   const float* qp = qs.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
-  at::parallel_for(0, n * Hkv, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t i = t / Hkv, hk = t % Hkv;
-      const auto& path = paths[i];
-      const float* kh = kp + hk * ks0;
-      const float* vh = vp + hk * vs0;
-      auto key_at = [&](int64_t x, const float*& kx, const float*& vx) {
-        const int64_t at = x < prefix ? x : prefix + path[x - prefix];
-        kx = kh + at * ks1;
-        vx = vh + at * vs1;
-      };
-      const int64_t last = prefix + static_cast<int64_t>(path.size()) - 1;
-      row_heads(qp + (i * H + hk * G) * D, G, D, last, key_at, op + (i * H + hk * G) * D);
-    }
-  });
+  if (k.scalar_type() == at::kFloat)
+    run_rows<float>(qp, k.data_ptr<float>(), v.data_ptr<float>(), op, n, H, G, D, Hkv, prefix, paths, k.stride(0),
+                    k.stride(1), v.stride(0), v.stride(1));
+  else
+    run_rows<at::BFloat16>(qp, k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), op, n, H, G, D, Hkv, prefix,
+                           paths, k.stride(0), k.stride(1), v.stride(0), v.stride(1));
   return out;
 }
 
