@@ -287,8 +287,8 @@ def run(args: argparse.Namespace) -> dict:
     now = dt.datetime.now()
     stamp = now.strftime("%Y%m%d-%H%M%S")
     # the nonces' salt: the run's name (every pass of a resumed run sends the same prompts), else its start
-    salt_name = getattr(args, "prefix_salt", None) or args.name or stamp
-    args.unique_prefix_salt = f"{args.seed}:{salt_name}" if args.unique_prefix else None
+    salt = getattr(args, "prefix_salt", None) or args.name or stamp
+    args.unique_prefix_salt = f"{args.seed}:{salt}" if args.unique_prefix else None
     endpoints, baseline = resolve_endpoints(args)
     runner = None
     if args.ray:
@@ -343,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--resume needs --name (the run it continues)")
         if args.unique_prefix and args.warm_prompts:
             parser.error("--warm-prompts sends each prompt once to fill the prefix cache; --unique-prefix keeps it out")
+        if args.prefix_salt and not args.unique_prefix:
+            parser.error("--prefix-salt salts --unique-prefix's nonces; without --unique-prefix there are none")
         if args.timeline is None:  # the records are where a timeline is kept
             args.timeline = args.save_records
         run(args)

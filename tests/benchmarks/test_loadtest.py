@@ -833,6 +833,14 @@ def test_unique_prefix_refuses_warm_prompts(dataset, tmp_path):
     assert code == 2
 
 
+def test_prefix_salt_needs_unique_prefix(dataset, tmp_path):
+    code = main(
+        ["--dataset", str(dataset), "--out", str(tmp_path), "--quiet", "--endpoint", "x=http://127.0.0.1:9/v1"]
+        + ["--prefix-salt", "earlier-run"]
+    )
+    assert code == 2
+
+
 def test_nonce_goes_first_in_the_system_turn():
     from benchmarks.loadtest.workloads import request_nonce, with_nonce
 
