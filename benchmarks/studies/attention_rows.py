@@ -15,6 +15,8 @@ differs; whether the float32 GEMMs inside attention give a row the same bits alo
 other rows (``gemm_rows``); and the same chain through the fixed-order kernel that replaces SDPA
 for a reduced-precision model's decode and tree rows (``kernel_rows``). Random inputs (seeded); no
 model; no timing unless ``--time`` (the kernel against SDPA per layer call: run that alone).
+``--prefill [--baseline REV]`` times only a bf16 prompt chunk's attention per layer: SDPA, this
+checkout's kernel and REV's, interleaved (``prefill_timing``).
 
     python -m benchmarks.studies.attention_rows --json benchmarks/results/measurements/attention-rows-cpu-HW-<commit>.json
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -147,6 +150,71 @@ def timing(lengths: list[int], row_counts: list[int], threads: int, repeats: int
     return out
 
 
+def revision_kernel(rev: str):
+    """``rows_attention.cpp`` as git revision ``rev`` had it (with its headers), built beside this
+    checkout's kernel -- the A/B's baseline -- and its Python wrapper's input conversion."""
+    import subprocess
+    import tempfile
+
+    from toolspec_core.model import rows_kernel as rk
+
+    folder = Path(tempfile.mkdtemp(prefix=f"rows-attention-{rev}-"))
+    for name in ("rows_attention.cpp", "simd.h"):
+        text = subprocess.run(
+            ["git", "show", f"{rev}:toolspec_core/model/kernels/{name}"], capture_output=True, text=True, check=True
+        ).stdout
+        (folder / name).write_text(text)
+    source = folder / "rows_attention.cpp"
+    return rk.build(source, f"toolspec_rows_attention_{rev}", rk.build_dir(source=source))
+
+
+def prefill_timing(baseline: str | None, threads: int, rounds: int) -> dict:
+    """One layer of a bfloat16 prompt chunk, ms per call: the SDPA path (causal_attention for a first
+    chunk, the grouped causal mask after a prefix), this checkout's kernel as ``batched_forward``
+    calls it (causal parents, the bf16 cache read in place) and, with ``baseline``, that revision's
+    kernel fed as its wrapper did (the cache widened to float32 every call). The three interleaved
+    ``rounds`` times, medians."""
+    import statistics
+
+    from toolspec_core.model import rows_attention as ra
+    from toolspec_core.model.batch_forward import causal_attention, causal_mask, grouped_mask, segment_attention
+    from toolspec_core.model.cpu_linears import call_seconds
+
+    torch.set_num_threads(threads)
+    kernel, old = ra.load(), (revision_kernel(baseline) if baseline else None)
+    h = HKV * G
+    rows = []
+    for prefix, n in ((0, 512), (512, 512), (1024, 300)):
+        gen = torch.Generator().manual_seed(prefix + n)
+        q = torch.randn(1, h, n, D, generator=gen).bfloat16()  # [1, H, n, D]
+        k = torch.randn(1, HKV, prefix + n, D, generator=gen).bfloat16()  # [1, H_kv, S, D]
+        v = torch.randn(1, HKV, prefix + n, D, generator=gen).bfloat16()
+        parents = ra.rows_parents(None, n)
+        if prefix == 0:
+            calls = {"sdpa": lambda: causal_attention(q, k, v, SCALE)}
+        else:
+            mask = grouped_mask(causal_mask(prefix, n, torch.bfloat16, "cpu"), G)
+            calls = {"sdpa": lambda: segment_attention(q, k, v, mask, SCALE)}
+        calls["kernel"] = lambda: ra.rows_attention(kernel, q, k, v, parents, prefix, SCALE)
+        if old is not None:
+            qf = q[0].transpose(0, 1).float().contiguous()
+            calls[f"kernel_{baseline}"] = lambda: old.rows_attention(
+                qf, k[0].float(), v[0].float(), parents, prefix, SCALE
+            )
+        times = {name: [] for name in calls}
+        for _ in range(rounds):
+            for name, fn in calls.items():
+                times[name] += call_seconds(fn, 3)
+        rows.append(
+            {
+                "prefix": prefix,
+                "rows": n,
+                **{f"{k_}_ms": round(1e3 * statistics.median(t), 2) for k_, t in times.items()},
+            }
+        )
+    return {"threads": threads, "rounds": rounds, "baseline": baseline, "rows": rows}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="300,777,1023,1500,1800")
@@ -155,8 +223,22 @@ def main(argv=None) -> int:
     ap.add_argument("--time", action="store_true", help="also time the kernel against SDPA (run it alone)")
     ap.add_argument("--time-rows", default="1,4,17,33")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--prefill", action="store_true", help="only time bf16 prompt chunks (run it alone)")
+    ap.add_argument("--baseline", help="with --prefill: also the kernel of this git revision")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    if a.prefill:
+        out = {"study": "attention_rows --prefill", "torch": torch.__version__, "machine": platform.machine()}
+        out["command"] = "python -m benchmarks.studies.attention_rows " + " ".join(
+            sys.argv[1:] if argv is None else argv
+        )
+        out["prefill_chunk_timing"] = prefill_timing(a.baseline, a.threads, max(3, a.repeats // 6))
+        for r in out["prefill_chunk_timing"]["rows"]:
+            print(r)
+        if a.json:
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+        return 0
     runs = [chain_rows(int(n), a.rows, threads=a.threads) for n in a.lengths.split(",")]
     gemms = [gemm_rows(int(n), a.rows, threads=a.threads) for n in a.lengths.split(",")]
     for r in gemms:
@@ -181,7 +263,7 @@ def main(argv=None) -> int:
         "machine": platform.machine(),
         "threads": a.threads,
         "layout": {"kv_heads": HKV, "query_heads_per_kv": G, "head_dim": D, "dtype": "float32"},
-        "command": "python -m benchmarks.studies.attention_rows " + " ".join(argv or []),
+        "command": "python -m benchmarks.studies.attention_rows " + " ".join(sys.argv[1:] if argv is None else argv),
         "runs": runs,
         "gemm_rows": gemms,
         "kernel_rows": kernels,
