@@ -67,3 +67,23 @@ def test_calibration_learns_steps_that_carry_a_prefill_chunk():
     assert before[64] == 4.0 and 4.0 + (530 - 64) * 2.0 / 48 < 24  # what the probe's line says at 530 rows
     assert cm.points[k] > 30 and cm.curve[530] > 30
     assert cm.points[16] == 2.0  # a bucket no step fell in keeps its value
+
+
+def test_a_noisy_probe_point_is_pooled_with_its_neighbours_not_flattened_to():
+    """A probe point above its right neighbour (c(12) > c(16), the f4f2699 replica's start-up
+    curve) is pooled with it into one knot at their mean (centred isotonic regression): the curve
+    still rises through 12..16, so rows there are never free (a running maximum made them so, and
+    the budget filled trees to 16). A point below one row's cost joins the exact anchor c(1) = 1;
+    a curve already in order is interpolated as it is."""
+    from toolspec_core.engine.budget import CPU_REFERENCE_CURVE, centered_isotonic, interpolate
+
+    measured = {1: 1.0, 2: 0.891, 3: 1.098, 4: 1.052, 6: 1.085, 8: 1.355, 12: 1.737, 16: 1.597, 17: 2.172, 24: 2.519}
+    knots = dict(centered_isotonic(measured))
+    assert knots[1.0] == 1.0 and 2 not in knots  # c(2) < c(1) joins the anchor, which keeps its place
+    assert knots[14.0] == pytest.approx((1.737 + 1.597) / 2) and knots[3.5] == pytest.approx((1.098 + 1.052) / 2)
+    curve = interpolate(measured, 24)
+    assert all(a < b for a, b in zip(curve[1:], curve[2:]))  # strictly rising: no row is free
+    assert curve[1] == 1.0 and curve[12] < curve[14] < curve[16] < curve[17] == pytest.approx(2.172)
+    reference = interpolate(CPU_REFERENCE_CURVE, 64)
+    assert [reference[k] for k in CPU_REFERENCE_CURVE] == pytest.approx(list(CPU_REFERENCE_CURVE.values()))
+    assert reference[3] == pytest.approx((2.2 + 2.4) / 2)

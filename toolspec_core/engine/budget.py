@@ -20,19 +20,44 @@ from toolspec_core.spec.tree import DraftTree, allocate
 CPU_REFERENCE_CURVE = {1: 1.0, 2: 2.2, 4: 2.4, 8: 2.7, 16: 3.5, 32: 4.6, 64: 6.6}
 
 
+def centered_isotonic(points: dict[int, float], anchor: int = 1) -> list[tuple[float, float]]:
+    """(k, cost) knots of the increasing curve nearest to measured ``points``: centred isotonic
+    regression (Oron & Flournoy, 2017). Adjacent points out of order are pooled (pool adjacent
+    violators) and the pool becomes one knot at its mean k and mean cost, so the curve stays
+    strictly increasing through it. Why not a running maximum: a probe's noisy point above its
+    right neighbours (c(12) > c(16)) made the curve flat up to them, every row there cost
+    nothing, and the budget filled trees to the flat's end -- steps of 16 rows at the same
+    acceptance as 12. ``anchor``: the exact point (costs are relative to one row's) -- a pool
+    holding it keeps its k and cost."""
+    pools: list[list] = []  # [sum k, sum cost, n, holds the anchor]
+
+    def knot(pool: list) -> tuple[float, float]:
+        if pool[3]:
+            return float(anchor), float(points[anchor])
+        return pool[0] / pool[2], pool[1] / pool[2]
+
+    for k in sorted(points):
+        pools.append([k, points[k], 1, k == anchor])
+        while len(pools) > 1 and knot(pools[-2])[1] > knot(pools[-1])[1]:
+            b = pools.pop()
+            a = pools[-1]
+            a[0], a[1], a[2], a[3] = a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] or b[3]
+    return [knot(pool) for pool in pools]
+
+
 def interpolate(points: dict[int, float], max_k: int) -> list[float]:
-    """Dense cost list ``c[0..max_k]`` (c[0] unused = 0) from measured points, linear in k."""
-    ks = sorted(points)
+    """Dense cost list ``c[0..max_k]`` (c[0] unused = 0) from measured points: linear between the
+    knots of :func:`centered_isotonic` (a forward of more rows never costs less), past the last
+    one along the last two knots' slope."""
+    knots = centered_isotonic(points)
+    ks, cs_at = [k for k, _ in knots], [c for _, c in knots]
     xs = np.arange(max_k + 1)
-    cs = np.interp(xs, ks, [points[k] for k in ks], right=np.nan)
-    # extrapolate past the last point with the last segment's slope
-    if max_k > ks[-1]:
-        k0, k1 = ks[-2], ks[-1]
-        slope = (points[k1] - points[k0]) / (k1 - k0)
-        tail = xs > k1
-        cs[tail] = points[k1] + slope * (xs[tail] - k1)
-    # a forward of more tokens never costs less: make the curve monotone
-    cs = np.maximum.accumulate(np.nan_to_num(cs, nan=float(points[ks[-1]])))
+    cs = np.interp(xs, ks, cs_at)
+    if len(knots) > 1:  # past the last knot: the last segment's slope
+        slope = (cs_at[-1] - cs_at[-2]) / (ks[-1] - ks[-2])
+        tail = xs > ks[-1]
+        cs[tail] = cs_at[-1] + slope * (xs[tail] - ks[-1])
+    cs = np.maximum.accumulate(cs)
     cs[0] = 0.0
     return cs.tolist()
 
