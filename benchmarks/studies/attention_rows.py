@@ -170,10 +170,10 @@ def revision_kernel(rev: str):
 
 def prefill_timing(baseline: str | None, threads: int, rounds: int) -> dict:
     """One layer of a bfloat16 prompt chunk, ms per call: the SDPA path (causal_attention for a first
-    chunk, the grouped causal mask after a prefix), this checkout's kernel as ``batched_forward``
-    calls it (causal parents, the bf16 cache read in place) and, with ``baseline``, that revision's
-    kernel fed as its wrapper did (the cache widened to float32 every call). The three interleaved
-    ``rounds`` times, medians."""
+    chunk, the grouped causal mask after a prefix), this checkout's kernel through its wrapper as
+    ``batched_forward`` calls it and, with ``baseline``, that revision's kernel fed as its wrapper
+    did (q and the cache widened to float32, the output narrowed back, all inside the timed call).
+    The three interleaved ``rounds`` times, medians."""
     import statistics
 
     from toolspec_core.model import rows_attention as ra
@@ -197,9 +197,12 @@ def prefill_timing(baseline: str | None, threads: int, rounds: int) -> dict:
             calls = {"sdpa": lambda: segment_attention(q, k, v, mask, SCALE)}
         calls["kernel"] = lambda: ra.rows_attention(kernel, q, k, v, parents, prefix, SCALE)
         if old is not None:
-            qf = q[0].transpose(0, 1).float().contiguous()
-            calls[f"kernel_{baseline}"] = lambda: old.rows_attention(
-                qf, k[0].float(), v[0].float(), parents, prefix, SCALE
+            calls[f"kernel_{baseline}"] = lambda: (
+                old.rows_attention(
+                    q[0].transpose(0, 1).float().contiguous(), k[0].float(), v[0].float(), parents, prefix, SCALE
+                )
+                .reshape(1, n, h * D)
+                .to(q.dtype)
             )
         times = {name: [] for name in calls}
         for _ in range(rounds):

@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     worker.submit(ms_per_token).result()  # the worker's first parallel regions and allocations, untimed
     times = {"loading_thread": [], "second_thread_two_teams": [], "second_thread_after_release": []}
     for _ in range(a.rounds):
+        worker.submit(release_team).result()  # the worker's team from the round before: one team below
         times["loading_thread"].append(ms_per_token())  # (re)makes the loading thread's team
         times["second_thread_two_teams"].append(worker.submit(ms_per_token).result())
         assert release_team(), "not GNU OpenMP: nothing to measure"
