@@ -5,8 +5,9 @@ a team of its own worker threads, kept until that thread exits. Its workers wait
 region by spinning, but only while the runtime manages no more threads than the process has cores;
 past that they sleep after ~100 spins, and every parallel region (hundreds a forward) then wakes
 them through the kernel. A replica that loads its model on one thread and steps it on another
-has two teams: on a 2-core machine one decode step of the embedded model took ~25% longer
-(in-process: 78 vs 100 ms a token in a second thread, 65 with everything on one thread). So the
+has two teams: on a 2-core machine one decode step of the embedded model took ~20% longer
+(in process, ``benchmarks.studies.openmp_teams``: 98 ms a token on a second thread beside the
+loading thread's team, 81 once that team is handed back or on the loading thread alone). So the
 thread that loads and warms the model hands its team back (:func:`release_team`) before the
 engine thread steps it.
 """
