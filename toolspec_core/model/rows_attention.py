@@ -50,9 +50,9 @@ def rows_parents(parents: list[int] | None, n: int) -> torch.Tensor:
     return torch.tensor(parents if parents is not None else range(-1, n - 1), dtype=torch.long)
 
 
-# Up to this many rows a bfloat16 cache is read in place (measured per layer, 14 / 2 heads of 64:
-# one row over 1,000-3,000 keys 0.13-0.23 ms in place vs 0.28-0.59 widened first; 4-16 rows
-# level; 64 rows 5.2 vs 7.5 ms widened at 1,000 keys)
+# Up to this many rows a bfloat16 cache is read in place: a decode row reads each key once, so
+# widening the whole cache first costs more than the row; a chunk's rows each re-read every key, so
+# one widening pays (a scratch timing put the crossover between 4 and 64 rows; not a committed run)
 IN_PLACE_ROWS = 8
 
 
