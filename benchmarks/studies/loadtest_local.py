@@ -5,7 +5,8 @@ The committed load-test reports: several apps from one config on loopback, side 
 Starts one local Ray cluster with one application per ``--apps`` entry, built from the same config
 except the method and its options (default: ``toolspec`` at /toolspec and plain greedy at
 /greedy; ``+nocache`` serves an app without prefix caching, ``+lexical`` keys the library search
-on hashed n-grams (no encoder on the cores), ``+noretrieval`` has no Retrieval deployment, ``+threadsN`` with ``threads`` N, ``+chunkN`` with ``prefill_chunk_tokens``
+on hashed n-grams (no encoder on the cores), ``+hidden`` on the prompt's last hidden state (no
+encoder either; the search starts after the prefill), ``+noretrieval`` has no Retrieval deployment, ``+threadsN`` with ``threads`` N, ``+chunkN`` with ``prefill_chunk_tokens``
 N), runs ``toolspec loadtest`` against all of them, the last one the baseline, then shuts
 everything down. Arguments it does not know go to
 ``toolspec loadtest`` unchanged (e.g. ``--workload conversations``, ``--request-rate``, ``--slo``).
@@ -53,8 +54,9 @@ OPTIONS = {
     # GPU, device auto, runs them eager and says so)
     "graphs": {"cuda_graphs": True},
 }
-# the call library's search: keyed on hashed n-grams (no encoder on the cores), or none at all
-RETRIEVAL_OPTIONS = {"lexical": {"key": "lexical"}, "noretrieval": {"enabled": False}}
+# the call library's search: keyed on hashed n-grams or the prompt's last hidden state (neither runs
+# an encoder on the cores), or none at all
+RETRIEVAL_OPTIONS = {"lexical": {"key": "lexical"}, "hidden": {"key": "hidden"}, "noretrieval": {"enabled": False}}
 
 
 VLLM_OPTIONS = ("suffix", "allcores")
