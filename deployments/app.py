@@ -140,7 +140,7 @@ def retrieval_dim(cfg: ServeAppConfig) -> int:
     lexical hash, or the target's hidden size."""
     from .retrieval import hidden_size, key_dim
 
-    return key_dim(cfg.retrieval, hidden_size(cfg.model) if cfg.retrieval.key == "hidden" else 0)
+    return key_dim(cfg.retrieval, hidden_size(cfg.model) if cfg.retrieval.concrete_key() == "hidden" else 0)
 
 
 def check_method(name: str) -> None:

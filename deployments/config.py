@@ -99,8 +99,9 @@ class RetrievalConfig(BaseModel):
     # "qwen": the deployment's encoder over the request text (one vector space for every
     # replica); "hybrid": that vector beside the hashed lexical one (mean of the two cosines);
     # "lexical": the hashed n-grams alone; "hidden": the target's last-layer state of the final
-    # prompt token, computed by the replica after the prefill (tied to the target model)
-    key: Literal["qwen", "hybrid", "lexical", "hidden"] = "qwen"
+    # prompt token, computed by the replica after the prefill (tied to the target model);
+    # "auto": hidden where the encoder would share a CPU target's cores, else qwen (resolve_key)
+    key: Literal["auto", "qwen", "hybrid", "lexical", "hidden"] = "auto"
     encoder: EncoderConfig = Field(default_factory=EncoderConfig)
     max_batch_size: int = Field(16, ge=1, le=256)  # queries of all replicas the encoder embeds at once (1: no batching)
     batch_wait_timeout_s: float = Field(0.005, ge=0, le=1)  # how long the first query of a batch waits for more
@@ -118,7 +119,46 @@ class RetrievalConfig(BaseModel):
 
     def text_key(self) -> bool:
         """Whether replicas send request text and the deployment keys it (every key but hidden)."""
-        return self.key != "hidden"
+        return self.concrete_key() != "hidden"
+
+    def concrete_key(self) -> str:
+        """The key this config keys the library with. ``auto`` stands for ``qwen`` here: a retrieval
+        config alone knows no target to take a hidden state from (an app resolves ``auto`` against
+        its target when it is validated: :func:`resolve_key`)."""
+        return "qwen" if self.key == "auto" else self.key
+
+
+def key_collection(key: str, target_model: str) -> str | None:
+    """The store collection of a key's vector space where the store config names none: ``None``
+    (the store's default) for the Qwen encoder's, one of its own for every other key and, for
+    ``hidden``, for every target -- so a library kept on disk is never searched with vectors of
+    another space (the embedded encoder's and the embedded target's are both 896 wide)."""
+    if key == "qwen":
+        return None
+    if key != "hidden":
+        return f"toolspec_calls_{key}"
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", os.path.basename(os.path.normpath(target_model or "embedded")))
+    return f"toolspec_calls_hidden_{name}"[:128]
+
+
+def resolve_key(key: str, target_device: str, encoder_device: str, dedicated: bool, target_model: str) -> str:
+    """The retrieval key ``auto`` stands for in an app.
+
+    ``hidden`` where the Retrieval deployment's encoder would run on the cores of a CPU target:
+    the encoder's forward (~0.5 s a search on two cores) then preempts the engine's OpenMP team,
+    whose every barrier waits on the preempted thread; on the committed cached load test that
+    cost ToolSpec 8-16% of its tokens/s at c = 4-16 for ~4% of the machine's CPU, while the
+    hidden key's drafts are worth the same (MAT within 0.01 of the Qwen key's on every dev set;
+    docs/results.md). ``qwen`` wherever the encoder has cores or a GPU of its own -- the encoder
+    on cuda, the deployment placed by a custom resource (``dedicated``), a target on a GPU --
+    and for the scripted target, which runs no model to take a hidden state from: one vector
+    space for the replicas of any target, and the better ranking of the offered tools (top-1
+    0.835 vs 0.788). ``target_device``: ``cpu`` or ``cuda`` (``auto`` already resolved)."""
+    if key != "auto":
+        return key
+    if encoder_device == "cuda" or dedicated or target_device == "cuda" or target_model == "scripted":
+        return "qwen"
+    return "hidden"
 
 
 class RequestLimits(BaseModel):
@@ -296,6 +336,10 @@ class ServeAppConfig(BaseModel):
                 )
             if self.model == "scripted":
                 raise ValueError("cuda_graphs: the scripted target runs no model (set cuda_graphs: false)")
+        if self.retrieval.key == "auto":
+            r = self.retrieval
+            key = resolve_key("auto", self.target_device(), r.encoder.device, bool(r.resources), self.model)
+            self.retrieval = r.model_copy(update={"key": key})
         backend = self.store_config(1).get("backend", "edge")
         r = self.retrieval
         if r.enabled and r.num_replicas > 1 and backend != "qdrant_url":
@@ -317,6 +361,8 @@ class ServeAppConfig(BaseModel):
             if self.qdrant_api_key_env and os.environ.get(self.qdrant_api_key_env):
                 store.setdefault("api_key", os.environ[self.qdrant_api_key_env])
         store.setdefault("dim", dim)
+        if key_collection(self.retrieval.concrete_key(), self.model) is not None:
+            store.setdefault("collection", key_collection(self.retrieval.concrete_key(), self.model))
         return store
 
     def resolved_api_key(self) -> str | None:
@@ -327,15 +373,20 @@ class ServeAppConfig(BaseModel):
             return os.environ.get(self.api_key_env) or None
         return None
 
+    def target_device(self) -> str:
+        """``cpu`` or ``cuda``: ``device``, with ``auto`` counted as cuda when the cluster building
+        the app has GPUs (what the replica will see)."""
+        if self.device == "auto":
+            return "cuda" if _cluster_gpus() else "cpu"
+        return self.device
+
     def placement_bundles(self) -> list[dict] | None:
         """The replica's placement group when it drives tensor-parallel workers (bundle 0: the
         replica and rank 0; one more per rank), else None. ``device: auto`` counts as cuda when the
         cluster building the app has GPUs."""
         from .tp.placement import placement_bundles, target_placement, worker_gpus
 
-        device = self.device
-        if device == "auto":
-            device = "cuda" if _cluster_gpus() else "cpu"
+        device = self.target_device()
         if target_placement(self.tensor_parallel_size, device, self.replica_num_gpus) == "replica":
             return None
         gpus = worker_gpus(self.tp_worker_num_gpus, device)
@@ -347,7 +398,7 @@ class ServeAppConfig(BaseModel):
         """Ray actor options of the ``Retrieval`` deployment (its encoder's GPU fraction only for
         a key the deployment encodes)."""
         r = self.retrieval
-        gpus = r.encoder.num_gpus if r.key in ("qwen", "hybrid") else 0
+        gpus = r.encoder.num_gpus if r.concrete_key() in ("qwen", "hybrid") else 0
         return {"num_cpus": r.num_cpus, "num_gpus": gpus, "resources": dict(r.resources)}
 
     def gate_actor_options(self) -> dict:

@@ -95,7 +95,8 @@ def make_keyer(cfg: RetrievalConfig):
     """The text keyer of a retrieval config (loads the encoder unless the key is lexical)."""
     from retrieval_service.keys import TextKeyer
 
-    return TextKeyer(cfg.key, None if cfg.key == "lexical" else build_encoder(cfg.encoder), cfg.lexical_dim)
+    key = cfg.concrete_key()
+    return TextKeyer(key, None if key == "lexical" else build_encoder(cfg.encoder), cfg.lexical_dim)
 
 
 def build_encoder(e: EncoderConfig):
@@ -118,10 +119,11 @@ def encoder_dir(model: str) -> str:
 def key_dim(cfg: RetrievalConfig, target_hidden: int) -> int:
     """Size of the store's vectors: the encoder's hidden size (plus the lexical size for hybrid),
     the lexical size, or the target's hidden size (``hidden``), read from configs, nothing loaded."""
-    if cfg.key == "hidden":
+    key = cfg.concrete_key()
+    if key == "hidden":
         return target_hidden
-    lexical = cfg.lexical_dim if cfg.key in ("hybrid", "lexical") else 0
-    if cfg.key == "lexical":
+    lexical = cfg.lexical_dim if key in ("hybrid", "lexical") else 0
+    if key == "lexical":
         return lexical
     return hidden_size(cfg.encoder.model) + lexical
 

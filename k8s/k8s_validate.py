@@ -491,17 +491,25 @@ def _check_retrieval(label: str, args: dict, groups: list[dict]) -> list[str]:
     r = args.get("retrieval") or {}
     if r.get("enabled", True) in (False, "false", "False"):
         return []
+    from deployments.config import resolve_key
+
     problems = []
     try:
         replicas = int(r.get("num_replicas", 1))
         num_cpus = float(r.get("num_cpus", 0))
         enc = r.get("encoder") or {}
-        fraction = float(enc.get("num_gpus", 0)) if r.get("key", "qwen") in ("qwen", "hybrid") else 0.0
+        target = args.get("device", "auto")
+        if target == "auto":  # what build_app sees: cuda when the cluster has GPUs
+            target = "cuda" if any(_group_gpus(g) for g in groups) else "cpu"
+        key = resolve_key(
+            r.get("key", "auto"), target, enc.get("device", "cpu"), bool(r.get("resources")), args.get("model", "")
+        )
+        fraction = float(enc.get("num_gpus", 0)) if key in ("qwen", "hybrid") else 0.0
     except (TypeError, ValueError):
         return []  # the app's own config reports it (validate_app_args)
     if num_cpus > max((_group_cpus(g) for g in groups), default=0):
         problems.append(f"{label}: retrieval.num_cpus {num_cpus:g} is more than any worker pod's Ray CPUs")
-    if r.get("key", "qwen") not in ("qwen", "hybrid"):
+    if key not in ("qwen", "hybrid"):
         return problems
     device = enc.get("device", "cpu")
     if device == "cuda" and fraction <= 0:

@@ -6,7 +6,8 @@ Starts one local Ray cluster with one application per ``--apps`` entry, built fr
 except the method and its options (default: ``toolspec`` at /toolspec and plain greedy at
 /greedy; ``+nocache`` serves an app without prefix caching, ``+lexical`` keys the library search
 on hashed n-grams (no encoder on the cores), ``+hidden`` on the prompt's last hidden state (no
-encoder either; the search starts after the prefill), ``+noretrieval`` has no Retrieval deployment, ``+threadsN`` with ``threads`` N, ``+chunkN`` with ``prefill_chunk_tokens``
+encoder either; the search starts after the prefill; what the default ``auto`` key is on a CPU
+target), ``+qwen`` with the Retrieval deployment's Qwen encoder over the request text, ``+noretrieval`` has no Retrieval deployment, ``+threadsN`` with ``threads`` N, ``+chunkN`` with ``prefill_chunk_tokens``
 N), runs ``toolspec loadtest`` against all of them, the last one the baseline, then shuts
 everything down. Arguments it does not know go to
 ``toolspec loadtest`` unchanged (e.g. ``--workload conversations``, ``--request-rate``, ``--slo``).
@@ -55,8 +56,13 @@ OPTIONS = {
     "graphs": {"cuda_graphs": True},
 }
 # the call library's search: keyed on hashed n-grams or the prompt's last hidden state (neither runs
-# an encoder on the cores), or none at all
-RETRIEVAL_OPTIONS = {"lexical": {"key": "lexical"}, "hidden": {"key": "hidden"}, "noretrieval": {"enabled": False}}
+# an encoder on the cores), on the Qwen encoder's vector of the request text, or none at all
+RETRIEVAL_OPTIONS = {
+    "lexical": {"key": "lexical"},
+    "hidden": {"key": "hidden"},
+    "qwen": {"key": "qwen"},
+    "noretrieval": {"enabled": False},
+}
 
 
 VLLM_OPTIONS = ("suffix", "allcores")

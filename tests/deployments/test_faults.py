@@ -66,7 +66,7 @@ def test_an_app_restarted_over_its_embedded_library_still_holds_its_calls(serve_
     args = {
         "model": tiny_model_dir,
         "method": "toolspec",
-        "retrieval": {"store": {"backend": "edge", "path": str(tmp_path / "library")}, "timeout_s": 5.0},
+        "retrieval": {"store": {"backend": "edge", "path": str(tmp_path / "library")}, "key": "qwen", "timeout_s": 5.0},
     }
     url = deploy("restart", args, serve_port)
     base = url[: -len("/v1")]

@@ -294,3 +294,53 @@ def test_a_replica_leaving_gracefully_lets_its_library_writes_finish():
 
     idle = Host(RetrievalClient(handle, cfg))
     assert replica(idle).__del__() is None and idle.closed == 1  # outside a loop: closed at once
+
+
+@pytest.mark.parametrize(
+    "target,encoder,dedicated,model,want",
+    [
+        ("cpu", "cpu", False, "embedded", "hidden"),  # the encoder would share the CPU target's cores
+        ("cpu", "cuda", False, "embedded", "qwen"),  # the encoder on a GPU of its own
+        ("cpu", "cpu", True, "embedded", "qwen"),  # the deployment placed on its own node group
+        ("cuda", "cpu", False, "embedded", "qwen"),  # the target's forward on a GPU
+        ("cpu", "cpu", False, "scripted", "qwen"),  # no model to take a hidden state from
+    ],
+)
+def test_auto_key_is_hidden_only_where_the_encoder_shares_a_cpu_targets_cores(target, encoder, dedicated, model, want):
+    from deployments.config import resolve_key
+
+    assert resolve_key("auto", target, encoder, dedicated, model) == want
+    for key in ("qwen", "hybrid", "lexical", "hidden"):  # a key written out is kept
+        assert resolve_key(key, target, encoder, dedicated, model) == key
+
+
+def test_app_config_resolves_the_auto_key():
+    """The app's config is validated with ``auto`` resolved (no cluster here: ``device: auto`` is a
+    CPU), so the Retrieval deployment, its actor options and the replicas see one concrete key; a
+    retrieval config alone, with no target, keys text (``qwen``)."""
+    assert RetrievalConfig().key == "auto" and RetrievalConfig().text_key()
+    assert ServeAppConfig().retrieval.key == "hidden" and not ServeAppConfig().retrieval.text_key()
+    assert ServeAppConfig(device="cuda").retrieval.key == "qwen"
+    gpu_encoder = ServeAppConfig(retrieval={"encoder": {"device": "cuda", "num_gpus": 0.25}})
+    assert gpu_encoder.retrieval.key == "qwen" and gpu_encoder.retrieval_actor_options()["num_gpus"] == 0.25
+    assert ServeAppConfig(retrieval={"resources": {"retrieval": 1}}).retrieval.key == "qwen"
+    assert ServeAppConfig(retrieval={"key": "qwen"}).retrieval.key == "qwen"
+
+
+def test_each_key_space_has_its_own_collection():
+    """A library kept on disk is searched only with vectors of the space it was filled in: the
+    embedded encoder's and the embedded target's vectors are both 896 wide, so the store's dim
+    check alone would not tell them apart. The Qwen key keeps the store's default collection."""
+    from retrieval_service.store import StoreConfig
+
+    def collection(**kw):
+        return StoreConfig(**ServeAppConfig(**kw).store_config(896)).collection
+
+    qwen = collection(retrieval={"key": "qwen"})
+    hidden = collection(retrieval={"key": "hidden"})
+    other = collection(retrieval={"key": "hidden"}, model="/models/Qwen2.5-72B-Instruct")
+    assert qwen == StoreConfig().collection
+    assert len({qwen, hidden, other, collection(retrieval={"key": "lexical"})}) == 4
+    assert collection() == hidden  # auto on this CPU
+    named = {"key": "hidden", "store": {"collection": "mine"}}
+    assert collection(retrieval=named) == "mine"  # a collection the config names is kept

@@ -161,7 +161,7 @@ def test_two_engine_replicas_share_one_library(serve_port):
             "model": "embedded",
             "num_replicas": 2,
             "max_tokens_default": 96,
-            "retrieval": {"store": {"backend": "memory"}, "timeout_s": 10.0},
+            "retrieval": {"store": {"backend": "memory"}, "key": "qwen", "timeout_s": 10.0},
         },
         serve_port,
     )

@@ -229,10 +229,31 @@ def test_gpu_prod_encoder_without_a_spare_gpu_fails(rendered, crd_path):
         ("device: cuda\n          num_gpus", "device: cpu\n          num_gpus", "never uses"),
     ],
 )
-def test_gpu_prod_encoder_device_mismatch_fails(rendered, crd_path, old, new, match):
-    broken = k8s_validate.mutated(rendered["gpu-prod"], "RayService", lambda d: _serve(d, old, new))
+@pytest.mark.parametrize("key", ["qwen", "auto"])
+def test_gpu_prod_encoder_device_mismatch_fails(rendered, crd_path, old, new, match, key):
+    """Checked for the key as written and for ``auto``, which the validator resolves as the app
+    does (an encoder on cuda: the Qwen key)."""
+
+    def edit(d):
+        _serve(d, "key: qwen", f"key: {key}")
+        _serve(d, old, new)
+
+    broken = k8s_validate.mutated(rendered["gpu-prod"], "RayService", edit)
     with pytest.raises(ManifestError, match=match):
         k8s_validate.validate_documents(broken, crd_path=crd_path)
+
+
+def test_cpu_dev_auto_key_is_the_hidden_state(rendered, crd_path):
+    """cpu-dev with ``key: auto``: the encoder would share the CPU target's pod, so the app keys on
+    the target's hidden state; an encoder on cuda makes ``auto`` the Qwen key, whose GPU fraction
+    the validator then checks."""
+    auto = k8s_validate.mutated(rendered["cpu-dev"], "RayService", lambda d: _serve(d, "key: qwen", "key: auto"))
+    k8s_validate.validate_documents(auto, crd_path=crd_path)
+    assert k8s_validate.validate_app_args(_args(auto)).retrieval.key == "hidden"
+    groups = list(_groups(auto).values())
+    args = _args(auto)
+    args["retrieval"]["encoder"] |= {"device": "cuda", "num_gpus": 0}
+    assert any("needs num_gpus" in p for p in k8s_validate._check_retrieval("app", args, groups))
 
 
 def test_cpu_dev_encoder_cpus_beyond_the_pod_fail(rendered, crd_path):
