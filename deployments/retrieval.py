@@ -176,7 +176,8 @@ class RetrievalClient:
         }
 
     def counters(self) -> dict:
-        return {**self._counts, "adds_pending": self.pending()}
+        """What /health reports of the replica's searches, with the key they use (``auto`` resolved)."""
+        return {"key": self.cfg.concrete_key(), **self._counts, "adds_pending": self.pending()}
 
     def _remember(self, d: OrderedDict, key, value) -> None:
         if self.cfg.cache_entries <= 0:

@@ -3,8 +3,9 @@
 * ``HFEmbedder`` -- any local HF model directory, mean- (or last-token-) pooled: the Retrieval
   deployment's own encoder (the embedded Qwen2.5-Coder-0.5B by default, a Qwen embedding model
   where one is available) over ``query_text``. Every engine replica, whatever its target, sends
-  text and the deployment keys it, so all replicas search one vector space: the serving default
-  (``retrieval.key: qwen``; ``hybrid`` puts the lexical vector beside it).
+  text and the deployment keys it, so all replicas search one vector space (``retrieval.key:
+  qwen``, what ``auto`` is wherever the encoder has cores or a GPU of its own; ``hybrid`` puts the
+  lexical vector beside it).
 * ``LexicalEmbedder`` -- hashed word / char n-gram TF of the last user message + the offered tool
   names. No model, deterministic across processes (crc32, not Python's salted ``hash``).
 * the target's own last-layer states (``retrieval.key: hidden``): of the final prompt token
@@ -12,7 +13,8 @@
   ``on_prompt`` hook) or their mean over the prompt
   (``"mean"``); ``from_hidden`` makes the key. This package never runs the target: the caller
   hands it the states (the replica: those its engine's prefill gives ``on_prompt``).
-  Its space changes with the target, so replicas of different models cannot share it.
+  Its space changes with the target, so replicas of different models cannot share it. What
+  ``retrieval.key: auto`` is where the encoder would share a CPU target's cores.
 
 Which key ranks best was measured on the three dev sets
 (``benchmarks/results/retrieval/retrieval-key-eval-3bench-*``, which say the command; the study's
@@ -20,9 +22,11 @@ code is in git at ``5afc378``, ``benchmarks/studies/retrieval_key_eval.py``): wi
 offered tools, the top-1 call is of the right tool for about 0.8 of the requests with every key
 (the embedded Qwen read at its 6th layer 0.835, at its top 0.817, lexical 0.788, hidden 0.788, an
 RRF fusion of qwen and lexical searches 0.839; means of the sets and two orders); only RRF beats
-lexical with significance, on one set. The default is the deployment's Qwen encoder at layer 6:
+lexical with significance, on one set. The text key is the deployment's Qwen encoder at layer 6:
 as good as any key, the one model-based key shared across targets, a quarter of the full
-encoder's work (``deployments.config.EMBEDDED_ENCODER_LAYERS``).
+encoder's work (``deployments.config.EMBEDDED_ENCODER_LAYERS``); the serving default ``auto``
+picks it wherever the encoder does not share a CPU target's cores
+(``deployments.config.resolve_key``).
 
 Keys from different embedders live in different vector spaces (and dims): one collection per
 embedder (its ``name``).

@@ -325,6 +325,9 @@ def test_app_config_resolves_the_auto_key():
     assert gpu_encoder.retrieval.key == "qwen" and gpu_encoder.retrieval_actor_options()["num_gpus"] == 0.25
     assert ServeAppConfig(retrieval={"resources": {"retrieval": 1}}).retrieval.key == "qwen"
     assert ServeAppConfig(retrieval={"key": "qwen"}).retrieval.key == "qwen"
+    from deployments.retrieval import RetrievalClient
+
+    assert RetrievalClient(None, ServeAppConfig().retrieval).counters()["key"] == "hidden"  # /health says which
 
 
 def test_each_key_space_has_its_own_collection():
