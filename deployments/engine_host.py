@@ -203,7 +203,7 @@ class EngineHost:
         (:class:`~deployments.search.LateDrafter`) -- no drafter is ever built on the engine
         thread. A search keyed on the prompt's last hidden state begins when the engine has
         prefilled the prompt in its pool, and the sequence's first draft waits for the drafter
-        built from what it found (``Sequence.on_prompt``)."""
+        built from what it found, the sequence decoding undrafted meanwhile (``Sequence.on_prompt``)."""
         from toolspec_core.engine.sequence import Sequence
 
         on_prompt = None
@@ -237,6 +237,7 @@ class EngineHost:
             job.decode,
             job.constraint,
             on_prompt=on_prompt,
+            decode_held=True,
             early_steps=job.timeline,
         )
 
