@@ -269,3 +269,45 @@ def test_health_info_names_the_draft_budgets_cost_curve():
         assert host.info()["cost_model"] is None  # cost_model: none, no budget
     finally:
         host.close()
+
+
+def test_late_drafter_takes_the_found_calls_at_the_first_proposal_after_they_are_in():
+    """``LateDrafter``: the fallback drafts until the drafter built from the search's calls is
+    ready, that one from the next proposal on (feedback goes to whichever drafted); ready before
+    the first proposal, it drafts from the start (``in_time``); a build that failed never joins."""
+    from concurrent.futures import Future
+
+    from deployments.search import LateDrafter
+
+    class Tagged:
+        def __init__(self, tag):
+            self.tag, self.fed = tag, []
+
+        def propose(self, ctx):
+            return self.tag
+
+        def feedback(self, tree, result):
+            self.fed.append(tree)
+
+    built, fallback, real = Future(), Tagged("fallback"), Tagged("real")
+    late = LateDrafter(built, fallback)
+    drafted = []
+    for step in range(5):
+        if step == 2:
+            built.set_result(real)
+        tree = late.propose(None)
+        late.feedback(tree, None)
+        drafted.append(tree)
+    assert drafted == ["fallback", "fallback", "real", "real", "real"]
+    assert fallback.fed == ["fallback", "fallback"] and real.fed == ["real"] * 3
+    assert late.joined_at == 2 and not late.in_time
+
+    ready = Future()
+    ready.set_result(real)
+    early = LateDrafter(ready, fallback)
+    assert early.propose(None) == "real" and early.in_time and early.joined_at == 0
+
+    failed = Future()
+    failed.set_exception(RuntimeError("could not build"))
+    never = LateDrafter(failed, fallback)
+    assert [never.propose(None) for _ in range(3)] == ["fallback"] * 3 and never.joined_at is None
