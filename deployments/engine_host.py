@@ -202,8 +202,8 @@ class EngineHost:
         a fallback drafter is built now and the real one, in a worker thread, once the calls are in
         (:class:`~deployments.search.LateDrafter`) -- no drafter is ever built on the engine
         thread. A search keyed on the prompt's last hidden state begins when the engine has
-        prefilled the prompt in its pool (``Sequence.on_prompt``); the sequence drafts without the
-        calls until the drafter built from them is ready (nothing holds it)."""
+        prefilled the prompt in its pool, and the sequence's first draft waits for the drafter
+        built from what it found, the sequence decoding undrafted meanwhile (``Sequence.on_prompt``)."""
         from toolspec_core.engine.sequence import Sequence
 
         on_prompt = None
@@ -228,6 +228,7 @@ class EngineHost:
 
                 def on_prompt(hidden):  # the engine thread, once the prompt is in the pool
                     search.begin(from_hidden(hidden))
+                    return built
 
         return Sequence(
             self.target,
@@ -236,6 +237,7 @@ class EngineHost:
             job.decode,
             job.constraint,
             on_prompt=on_prompt,
+            decode_held=True,
             early_steps=job.timeline,
         )
 
@@ -296,8 +298,7 @@ class EngineHost:
             await asyncio.get_running_loop().run_in_executor(self.workers, self._observe, run, result)
         retrieval = {"status": "disabled"}
         if run.search is not None:
-            late = stream.seq.drafter
-            retrieval = {**await run.search.report(), "in_time": late.in_time, "joined_at": late.joined_at}
+            retrieval = {**await run.search.report(), "in_time": stream.seq.drafter.in_time}
         last = final_text_event(streamer, self.token_text, result)
         if last is not None:
             if job.timeline:

@@ -4,8 +4,8 @@ No Ray here. :class:`Search` runs one job's search on the request's event loop, 
 thread with :meth:`Search.begin`: keyed on the request's text (begun by the worker thread that
 built the job, so it runs while the engine prefills the prompt) or on the prompt's hidden state
 (begun from the engine thread once the engine has prefilled the prompt in its pool).
-:class:`LateDrafter` drafts with the drafter built (in a worker thread) from whatever the search
-found once it is ready, and without the calls until then.
+:class:`LateDrafter` takes the drafter built (in a worker thread) from whatever the search found
+by the sequence's first proposal.
 """
 
 from __future__ import annotations
@@ -63,34 +63,22 @@ class LateDrafter(DrafterBase):
 
     Both drafters are built in the replica's worker threads, never on the engine thread:
     ``fallback`` (no retrieved calls, as on a search timeout) before the sequence starts, and the
-    real one once the search ends (``built``, a future the host fills). Each proposal takes the
-    real drafter once it is ready and the fallback until then, so the search never holds the
-    engine or the sequence up: a search keyed on the text runs while the prompt is prefilled and
-    is usually in by the first proposal; one keyed on the prompt's hidden state begins only once
-    the prompt is prefilled, so the sequence's first steps draft from the schema and the found
-    calls join a step or two later (under load a step outlasts the search: holding the sequence
-    for them would cost it whole steps). ``in_time``: the first proposal had them; ``joined_at``:
-    the proposal they joined at (0: the first; None: never -- no calls, or the sequence ended first)."""
+    real one once the search ends (``built``, a future the host fills). The sequence's first
+    proposal -- once the engine has prefilled the prompt -- takes the real drafter if it is ready
+    by then, else the fallback. So the search runs while the prompt is prefilled instead of
+    before it, and never holds the engine up."""
 
     def __init__(self, built: concurrent.futures.Future, fallback):
         self.built, self.fallback = built, fallback
         self.inner = None
         self.in_time = False
-        self.joined_at: int | None = None
-        self.proposals = 0
 
     def propose(self, ctx):
-        if (self.inner is None or self.inner is self.fallback) and self._ready():
-            self.inner, self.joined_at = self.built.result(), self.proposals
-        elif self.inner is None:
-            self.inner = self.fallback
-        self.in_time = self.joined_at == 0
-        self.proposals += 1
+        if self.inner is None:
+            self.in_time = self.built.done() and self.built.exception() is None
+            self.inner = self.built.result() if self.in_time else self.fallback
+            self.built.cancel()
         return self.inner.propose(ctx)
-
-    def _ready(self) -> bool:
-        b = self.built
-        return b.done() and not b.cancelled() and b.exception() is None
 
     def feedback(self, tree, result) -> None:
         if self.inner is not None:

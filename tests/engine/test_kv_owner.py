@@ -158,6 +158,36 @@ def test_a_failing_on_prompt_leaves_the_sequence_drafting(ragged_tiny):
     assert seq.result.tokens == want and seq.hold is None
 
 
+def test_a_held_sequence_that_decodes_does_so_undrafted_beside_the_others(ragged_tiny):
+    """``decode_held`` (the server's hidden-key search): held, the sequence takes a token a step
+    without a draft instead of sitting out steps; once its future is done it drafts; outputs are
+    plain greedy's, a held gate's (``decode_held`` off) sitting out as before."""
+    tg = ragged_tiny
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]]
+    want = [hf_greedy(tg, p, 10) for p in prompts]
+    gates = [Future(), Future()]
+    drafters = [Counting(ScriptedDrafter(oracle(w))) for w in want]
+    seqs = [
+        Sequence(tg, p, d, DecodeConfig(max_new_tokens=10), on_prompt=lambda h, g=g: g, decode_held=dh)
+        for p, d, g, dh in zip(prompts, drafters, gates, (True, False))
+    ]
+    sched = Scheduler(tg, None, BatchLimits(tree_rows=8), tg.block_pool(512, 8))
+    for s in seqs:
+        sched.add(s)
+    while not all(s.generated for s in seqs):
+        sched.step()
+    at = [len(s.generated) for s in seqs]
+    for _ in range(3):
+        sched.step()
+    assert all(s.held for s in seqs) and [d.proposals for d in drafters] == [0, 0]
+    assert [len(s.generated) for s in seqs] == [min(at[0] + 3, len(want[0])), at[1]]  # one decodes, the gate waits
+    for g in gates:
+        g.set_result(None)
+    sched.run()
+    assert [s.result.tokens for s in seqs] == want
+    assert drafters[1].proposals > 0
+
+
 def test_a_hold_is_read_purely_and_released_at_the_top_of_a_step(ragged_tiny):
     """``Sequence.held`` reads without side effects (a done future stays until the scheduler drops
     it); the next step drops it at its top and the sequence drafts in that same step."""

@@ -239,7 +239,9 @@ class Scheduler:
         decoding = [s for s in self.running if s.decoding]
         root_rows = sum(len(s.roots) for s in decoding)
         ta = time.perf_counter()
-        trees = [fit_room(seq, tree) for seq, tree in zip(decoding, self._propose_all(decoding))]
+        drafted = iter(self._propose_all([s for s in decoding if not s.held]))
+        # a held sequence that decodes (``Sequence.decode_held``) does so undrafted
+        trees = [fit_room(seq, DraftTree() if seq.held else next(drafted)) for seq in decoding]
         tb = time.perf_counter()
         if self.cost is not None and decoding:
             trees = self.cost.allocate(trees, root_rows)  # as in a decode-only step: the chunk rides on top

@@ -137,7 +137,10 @@ class Sequence:
     prompt, with its last token's last-layer state [H] (a retrieval key); a future it returns
     holds the sequence's first draft until it is done -- the search keyed on that state and the
     drafter built from what it found (the deployment's ``retrieval.key: hidden``) -- while the
-    other sequences step on. ``prompt_states``: keep every prompt token's last-layer state too
+    other sequences step on. ``decode_held``: held, the sequence still decodes, a token a step
+    without a draft (a server's search: under load a step lasts longer than the search, and a
+    sequence left out of steps would start its output a step or more late); else it sits out the
+    steps until the future is done (a gate: the bench holds every sequence at its first token). ``prompt_states``: keep every prompt token's last-layer state too
     (``states``: one [n, H] tensor a prefill chunk; a key pooled over the whole prompt).
     ``on_tokens(new_ids)`` is called after each commit with the newly emitted tokens
     (streaming); returning ``False`` cancels the sequence (finish_reason "cancelled").
@@ -159,6 +162,7 @@ class Sequence:
         on_tokens: Callable[[list[int]], bool | None] | None = None,
         detokenizer: Detokenizer | None = None,
         on_prompt: Callable[[torch.Tensor], Future | None] | None = None,
+        decode_held: bool = False,
         prompt_states: bool = False,
         early_steps: bool = False,
     ):
@@ -187,6 +191,7 @@ class Sequence:
         self.hidden: torch.Tensor | None = None  # [H] the prompt's last state, once prefilled
         self.states: list[torch.Tensor] | None = [] if prompt_states else None  # [n, H] a prefill chunk's states
         self.on_prompt = on_prompt
+        self.decode_held = decode_held
         self.hold: Future | None = None  # the first draft waits for it (on_prompt's future)
         self._cache = None  # set once, at admission (place_cache)
         self.filled = 0  # prompt rows whose KV is in the cache
@@ -214,7 +219,9 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        return bool(self.roots) and self.reason is None and not self.held
+        """Its output has begun and not ended, and it has rows in the next step: not held, or held
+        with ``decode_held`` (then without a draft)."""
+        return bool(self.roots) and self.reason is None and (self.decode_held or not self.held)
 
     @property
     def held(self) -> bool:
