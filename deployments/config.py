@@ -147,7 +147,7 @@ def resolve_key(key: str, target_device: str, encoder_device: str, dedicated: bo
     ``hidden`` where the Retrieval deployment's encoder would run on the cores of a CPU target:
     the encoder's forward (~0.5 s a search on two cores) then preempts the engine's OpenMP team,
     whose every barrier waits on the preempted thread; on the committed cached load test that
-    cost ToolSpec 8-16% of its tokens/s at c = 4-16 for ~4% of the machine's CPU, while the
+    cost ToolSpec 7-14% of its tokens/s at c = 4-16 for ~4% of the machine's CPU, while the
     hidden key's drafts are worth the same (MAT within 0.01 of the Qwen key's on every dev set;
     docs/results.md). ``qwen`` wherever the encoder has cores or a GPU of its own -- the encoder
     on cuda, the deployment placed by a custom resource (``dedicated``), a target on a GPU --
