@@ -361,8 +361,9 @@ class ServeAppConfig(BaseModel):
             if self.qdrant_api_key_env and os.environ.get(self.qdrant_api_key_env):
                 store.setdefault("api_key", os.environ[self.qdrant_api_key_env])
         store.setdefault("dim", dim)
-        if key_collection(self.retrieval.concrete_key(), self.model) is not None:
-            store.setdefault("collection", key_collection(self.retrieval.concrete_key(), self.model))
+        collection = key_collection(self.retrieval.concrete_key(), self.model)
+        if collection is not None:
+            store.setdefault("collection", collection)
         return store
 
     def resolved_api_key(self) -> str | None:

@@ -140,8 +140,9 @@ class Sequence:
     other sequences step on. ``decode_held``: held, the sequence still decodes, a token a step
     without a draft (a server's search: under load a step lasts longer than the search, and a
     sequence left out of steps would start its output a step or more late); else it sits out the
-    steps until the future is done (a gate: the bench holds every sequence at its first token). ``prompt_states``: keep every prompt token's last-layer state too
-    (``states``: one [n, H] tensor a prefill chunk; a key pooled over the whole prompt).
+    steps until the future is done (a gate: the bench holds every sequence at its first token).
+    ``prompt_states``: keep every prompt token's last-layer state too (``states``: one [n, H]
+    tensor a prefill chunk; a key pooled over the whole prompt).
     ``on_tokens(new_ids)`` is called after each commit with the newly emitted tokens
     (streaming); returning ``False`` cancels the sequence (finish_reason "cancelled").
     ``constraint`` (:mod:`toolspec_core.engine.grammar`) restricts the target to a grammar;
