@@ -37,7 +37,27 @@ def _args(tmp_path, data, **kw):
     return argparse.Namespace(**{**base, **kw})
 
 
-def test_batch_run_is_exact_resumable_and_reported(tiny, tmp_path):
+def test_batch_run_is_exact_resumable_and_reported(tiny, tmp_path, monkeypatch):
+    import toolspec_core.drafters.toolcall.drafter as drafter_mod
+    from toolspec_core.spec.proposer import Proposer
+
+    # the drafters' prompt-side work is done before the first step, never inside a step's drafting
+    scans, in_step = [], [False]
+    numbers, propose = drafter_mod.context_numbers, Proposer.propose
+
+    def scan(text):
+        scans.append(in_step[0])
+        return numbers(text)
+
+    def stepping(drafters, ctxs):
+        in_step[0] = True
+        try:
+            return propose(drafters, ctxs)
+        finally:
+            in_step[0] = False
+
+    monkeypatch.setattr(drafter_mod, "context_numbers", scan)
+    monkeypatch.setattr(Proposer, "propose", staticmethod(stepping))
     paths = []
     for bench in ("syn", "two"):
         p = tmp_path / f"{bench}.jsonl"
@@ -48,6 +68,10 @@ def test_batch_run_is_exact_resumable_and_reported(tiny, tmp_path):
     run.run()
     lines = (tmp_path / "run" / "batch.jsonl").read_text().splitlines()
     assert len(lines) == 2 * 3 * (5 + 3 + 2)  # benchmarks x methods x groups of B = 1, 2, 4
+    assert scans and not any(scans)
+    for rec in map(json.loads, lines):  # timed apart from the steps' host time
+        if rec["method"] in ("ar", "toolspec"):
+            assert (rec["prompt_side_s"] > 0) == (rec["method"] == "toolspec"), rec["method"]
     with (tmp_path / "run" / "batch.jsonl").open("a") as f:
         f.write('{"benchmark": "syn", "meth')  # a run stopped while writing a record
     again = BatchRun(args, tiny)
@@ -62,6 +86,7 @@ def test_batch_run_is_exact_resumable_and_reported(tiny, tmp_path):
         assert r["items"] == (10 if r["benchmark"] == "pooled" else 5)
         if r["method"] == "ar":
             assert r["speedup_vs_ar"] == pytest.approx(1.0) and r["mat"] == pytest.approx(1.0)
+            assert r["prompt_side_ms_per_request"] == 0
     four = next(r for r in runs if (r["benchmark"], r["method"], r["batch"]) == ("syn", "ar", 4))
     assert four["rows_per_step"] > 1  # the group's sequences shared forwards
     assert (tmp_path / "results" / "batch-tiny.md").read_text().count("| syn |") == 9
