@@ -53,6 +53,21 @@ def distribution(values) -> dict:
     return {"mean": mean(xs), **{f"p{q}": percentile(xs, q) for q in PERCENTILES}}
 
 
+def first_token_gap_ms(rec: dict) -> float | None:
+    """How long a request sat between its first token and its next step on a ToolSpec server, in
+    ms: from the end of the step that gave it its first token to the start of the forward of its
+    next own step (that step's end less its forward time), read from the early steps of its
+    server timeline (``--timeline``). A sequence that waits after its prefill -- for a held first
+    draft, or behind other sequences' prompt chunks -- shows here, not in TTFT (its first token
+    is out) nor in the server's forward time. None without a timeline or a second step."""
+    timeline = rec.get("server_timeline")
+    steps = (timeline.get("early_steps") if isinstance(timeline, dict) else None) or []
+    for first, after in zip(steps, steps[1:]):
+        if first.get("generated") == 1:
+            return 1e3 * (after["end"] - after["forward_s"] - first["end"])
+    return None
+
+
 def request_timings(sent: float, chunk_times: list[float] | None, finished: float, output_tokens: int | None) -> dict:
     """TTFT, TPOT, ITL samples and E2E (ms) of one request from its client-side timestamps (s).
 
@@ -113,6 +128,7 @@ def summarize(
     accepted = sum(r.get("accepted_tokens") or 0 for r in ok)
     e2e = distribution(r["e2e_ms"] for r in ok)
     reported = [r for r in ok if r.get("cached_tokens") is not None and r.get("prompt_tokens")]
+    gaps = [g for g in map(first_token_gap_ms, ok) if g is not None]
     return {
         "endpoint": endpoint,
         "url": url,
@@ -132,6 +148,10 @@ def summarize(
         "e2e_ms": e2e,
         "server_first_token_ms": distribution(r.get("server_first_token_ms") for r in ok),
         "call_complete_ms": distribution(r.get("call_complete_ms") for r in ok),
+        # first token -> the request's next step on a ToolSpec server (``first_token_gap_ms``): the
+        # distribution and the level's sum (seconds its requests sat after their first token)
+        "first_token_gap_ms": distribution(gaps),
+        "first_token_gap_s_total": sum(gaps) / 1e3 if gaps else None,
         "prefix_cached_share": prefix_cached_share(reported),
         "identical_outputs": None,  # filled in by compare() against the baseline endpoint
         "mat": mean(r["mat"] for r in ok),

@@ -91,6 +91,20 @@ def write_markdown(report: dict, path: Path) -> None:
         head = ["endpoint", "level", "throughput speedup", "p50 latency speedup", "p95 latency speedup"]
         table = md_table(head + ["identical outputs"], rows, ["---"] * 2 + ["---:"] * 4)
         lines += md_section(f"Speedup vs `{report['baseline']}`", None, table)
+    gaps = [lv for lv in report["levels"] if (lv.get("first_token_gap_ms") or {}).get("p50") is not None]
+    if gaps:
+        rows = [
+            [lv["endpoint"], level_label(lv)]
+            + [fmt(lv["first_token_gap_ms"][q]) for q in ("p50", "p90", "p99")]
+            + [fmt(lv["first_token_gap_s_total"], 2)]
+            for lv in gaps
+        ]
+        head = ["endpoint", "level", "p50 ms", "p90 ms", "p99 ms", "sum over the level's requests, s"]
+        intro = (
+            "From the server timelines: the end of the step that gave a request its first token to the "
+            "start of its next step's forward (waiting there is in neither TTFT nor the server's forward time)."
+        )
+        lines += md_section("First token to next step", intro, md_table(head, rows, ["---"] * 2 + ["---:"] * 4))
     failed = [lv for lv in report["levels"] if lv["errors"] or lv["stopped_by_time"] or lv["invalid_calls"]]
     if failed:
         lines += md_section("Errors, invalid calls and time limits", None, [])

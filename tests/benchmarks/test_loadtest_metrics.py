@@ -117,6 +117,38 @@ def test_level_summary_on_a_hand_made_level():
     assert metrics.summarize("ep", "u", 4, None, run, None)["goodput_rps"] is None
 
 
+def _timeline(*steps):
+    """A server timeline's early steps: (end, forward_s, generated) each."""
+    rows = [{"end": e, "forward_s": f, "generated": g, "kind": "decode"} for e, f, g in steps]
+    return {"server_timeline": {"http_in": 0.0, "early_steps": rows}}
+
+
+def test_first_token_gap_from_the_server_timeline(tmp_path):
+    from benchmarks.loadtest.report import write_markdown
+
+    # prompt chunks (nothing generated), the first token at 10.0, the next step's forward starts at 10.5
+    held = _rec(0, e2e=1, **_timeline((9.0, 1.0, 0), (10.0, 1.0, 1), (11.0, 0.5, 3), (11.2, 0.2, 5)))
+    prompt = _rec(1, e2e=1, **_timeline((4.0, 0.5, 1), (4.25, 0.2, 2)))  # at once: 0.05 s
+    alone = _rec(2, e2e=1, **_timeline((4.0, 0.5, 1)))  # one step: no gap known
+    assert metrics.first_token_gap_ms(held) == pytest.approx(500.0)
+    assert metrics.first_token_gap_ms(prompt) == pytest.approx(50.0)
+    assert metrics.first_token_gap_ms(alone) is None and metrics.first_token_gap_ms(_rec(3, e2e=1)) is None
+    run = {"records": [held, prompt, alone], "duration_s": 1.0, "nodes": [], "timed_out": False, "unsent": 0}
+    lv = metrics.summarize("toolspec", "u", 4, None, run, None)
+    assert lv["first_token_gap_ms"]["p50"] == pytest.approx(275.0)
+    assert lv["first_token_gap_s_total"] == pytest.approx(0.55)
+    bare = metrics.summarize("vllm", "u", 4, None, {**run, "records": [_rec(4, e2e=1)]}, None)
+    assert bare["first_token_gap_ms"]["p50"] is None and bare["first_token_gap_s_total"] is None
+    cfg = {"dataset": ["d"], "seed": 0, "max_tokens": 8, "stream": True, "num_requests": 3, "max_seconds": 9}
+    cfg |= {"warmup": 0}
+    report = {"name": "r", "workload": "w", "workload_units": 3, "config": cfg, "runner": "local"}
+    report |= {"hardware": "h", "endpoints": [], "levels": [{**lv, "level_no": 0}, {**bare, "level_no": 0}]}
+    report |= {"speedup": []}
+    write_markdown(report, tmp_path / "r.md")
+    section = (tmp_path / "r.md").read_text().split("## First token to next step")[1]
+    assert "| toolspec | c=4 | 275.0 |" in section and "0.55 |" in section and "vllm" not in section
+
+
 def test_identical_outputs_against_the_baseline():
     levels = [
         metrics.summarize(
