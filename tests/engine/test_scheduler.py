@@ -360,6 +360,37 @@ def test_budget_alone_sizes_a_lone_sequences_tree(tiny, refs):
     assert seq.result.tokens == want[0]
 
 
+def test_drafters_see_the_budgets_floor_from_the_last_step(tiny, refs):
+    """``DraftContext.min_prob``: FLOOR_SHARE of the path probability of the best node the last
+    step's budget left out (0.0 on the first step, and with no budget); output unchanged."""
+    from toolspec_core.engine import scheduler as sched_mod
+
+    prompts, want = refs
+    for cost in (CostModel({1: 1.0, 4: 1.4, 8: 2.5, 16: 6.0}, max_nodes=15), None):
+        floors, cuts = [], []
+
+        def guesses(ctx, ref=want[0]):
+            floors.append(ctx.min_prob)
+            done = len(ctx.generated)
+            tree = DraftTree()
+            tree.add_path(ref[done : done + 6], 0.7, "true")  # path probabilities fall along the chain
+            return tree
+
+        seq = Sequence(tiny, prompts[0], ScriptedDrafter(guesses), DecodeConfig(max_new_tokens=N))
+        sched = Scheduler(tiny, cost, BatchLimits(max_running=1))
+        if cost is not None:
+            allocate = cost.allocate
+            cost.allocate = lambda trees, rows: cuts.append(allocate(trees, rows)) or cuts[-1]
+        sched.add(seq)
+        sched.run()
+        assert seq.result.tokens == want[0] and len(floors) > 2
+        if cost is None:
+            assert set(floors) == {0.0}
+            continue
+        assert floors == [0.0] + [sched_mod.FLOOR_SHARE * c.left_out for c in cuts[: len(floors) - 1]]
+        assert any(f > 0 for f in floors)
+
+
 # ---------------------------------------------------------------------- with a KV block pool
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from toolspec_core.engine.budget import interpolate
@@ -84,3 +85,20 @@ def test_allocate_across_a_batch_on_a_hand_computed_curve():
     assert [len(t) for t in allocate([a, b], bound, base_rows=2)] == [0, 0]
     # a batch of one is prune_to_budget
     assert allocate([a], dear, base_rows=1)[0].tokens == prune_to_budget(a, dear).tokens
+
+
+def test_an_allocation_says_the_best_node_it_left_out():
+    """``allocate_batch``'s ``left_out``: the path probability of the most probable node not kept
+    (the drafters' floor for the next step comes from it); 0.0 when every node is kept."""
+    from toolspec_core.spec.tree import allocate_batch
+
+    a, b = DraftTree(), DraftTree()
+    a.add_path([10, 11], 0.9, "x")
+    b.add(-1, 20, 0.5, "x")
+    dear = [0.0, 1.0, 1.2, 1.3, 1.4, 2.8, 3.0]
+    cut = allocate_batch([a, b], dear, base_rows=2)
+    assert [t.tokens for t in cut.trees] == [[10, 11], []] and cut.left_out == pytest.approx(0.5)
+    assert allocate_batch([a, b], dear[:5] + [1.5, 3.0], base_rows=2).left_out == 0.0
+    bound = [float(k) for k in range(12)]
+    assert allocate_batch([a, b], bound, base_rows=2).left_out == pytest.approx(0.9)  # nothing kept
+    assert allocate_batch([DraftTree()], dear, base_rows=1).left_out == 0.0

@@ -2,7 +2,7 @@
 
 ``cost(k)`` is the time of one target forward of ``k`` new rows over cached prefixes, relative
 to ``k = 1`` (plain decoding of one sequence). A batch's trees are cut together to the node set
-maximising expected tokens per unit cost (:func:`toolspec_core.spec.tree.allocate`; one
+maximising expected tokens per unit cost (:func:`toolspec_core.spec.tree.allocate_batch`; one
 sequence is the batch of one, :func:`~toolspec_core.spec.tree.prune_to_budget`), so the same
 rule applies to every tree method and a step never costs more than it is expected to gain.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from toolspec_core.spec.tree import DraftTree, allocate
+from toolspec_core.spec.tree import Allocation, DraftTree, allocate_batch
 
 # c(k) of Qwen2.5-0.5B in fp32 over a ~500-token prefix on a 2-core x86 CPU through the oneDNN /
 # F.linear dispatch: the budget's curve when none is measured (``cost_model: reference``).
@@ -90,12 +90,12 @@ class CostModel:
             k = min(rows, max(k + 1, int(k * LADDER)))
             self.points.setdefault(k, self.curve[k])
 
-    def allocate(self, trees: list[DraftTree], base_rows: int) -> list[DraftTree]:
-        """The batch's trees cut together (:func:`~toolspec_core.spec.tree.allocate`): ``base_rows``
-        root rows; a prefill chunk sharing the forward does not shrink them. The budget alone
-        decides how many nodes each sequence keeps (the curve covers every row a step can have,
-        :meth:`ensure_rows`)."""
-        return allocate(trees, self.curve, base_rows)
+    def allocate(self, trees: list[DraftTree], base_rows: int) -> Allocation:
+        """The batch's trees cut together (:func:`~toolspec_core.spec.tree.allocate_batch`):
+        ``base_rows`` root rows; a prefill chunk sharing the forward does not shrink them. The
+        budget alone decides how many nodes each sequence keeps (the curve covers every row a step
+        can have, :meth:`ensure_rows`)."""
+        return allocate_batch(trees, self.curve, base_rows)
 
     def observe(self, rows: int, seconds: float) -> None:
         """One verify forward of ``rows`` tokens took ``seconds``; refits the curve from time to time."""

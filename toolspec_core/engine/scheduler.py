@@ -46,6 +46,10 @@ from toolspec_core.spec.tree import DraftTree, select
 log = logging.getLogger("toolspec.engine")
 
 HOLD_WAIT_S = 0.005  # the longest a step with nothing else to run waits for a held sequence
+# The drafters' floor (``DraftContext.min_prob``) is this share of the last step's best left-out
+# path probability: the budget's cut moves from step to step (trees change, sequences come and
+# go), so a drafter still builds nodes down to half of it.
+FLOOR_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.steps: list[StepRecord] = []
         self._worker = None  # the thread that runs host work beside the forward (_beside_forward)
+        self._floor = 0.0  # the drafters' floor for the next step (_plan, DraftContext.min_prob)
         self._unrecorded: list[tuple[Sequence, DraftTree, VerifyResult]] = []  # steps whose stats wait (_commit)
 
     def add(self, seq: Sequence) -> Sequence:
@@ -244,7 +249,8 @@ class Scheduler:
         trees = [fit_room(seq, DraftTree() if seq.held else next(drafted)) for seq in decoding]
         tb = time.perf_counter()
         if self.cost is not None and decoding:
-            trees = self.cost.allocate(trees, root_rows)  # as in a decode-only step: the chunk rides on top
+            cut = self.cost.allocate(trees, root_rows)  # as in a decode-only step: the chunk rides on top
+            trees, self._floor = cut.trees, FLOOR_SHARE * cut.left_out
         tc = time.perf_counter()
         if not chunks and not decoding:
             return None
@@ -346,11 +352,11 @@ class Scheduler:
         (:meth:`~toolspec_core.spec.proposer.Proposer.propose`); a drafter that fails is dropped (the
         sequence decodes on without drafts, its output unchanged) so it cannot stop the batch."""
         t = time.perf_counter()
-        hint = self._node_hint()
+        hint, floor = self._node_hint(), self._floor
         ctxs = []
         for seq in seqs:
             ctx = seq.context()
-            ctx.max_nodes = hint
+            ctx.max_nodes, ctx.min_prob = hint, floor
             ctxs.append(ctx)
         trees = []
         for seq, ctx, tree in zip(seqs, ctxs, Proposer.propose([s.drafter for s in seqs], ctxs)):

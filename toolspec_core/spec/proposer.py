@@ -44,6 +44,10 @@ class DraftContext:
     # nodes of a tree the engine's budget can keep for this sequence (None: no bound): a drafter
     # may stop building there, since the budget drops the rest unverified
     max_nodes: int | None = None
+    # the budget's floor: nodes less probable than this (path probability) were not worth their
+    # row in the batch's last step (``tree.Allocation.left_out``, with a margin); a drafter may
+    # leave unexpanded what could only build such nodes (0.0: no floor)
+    min_prob: float = 0.0
 
     @property
     def generated(self) -> list[int]:

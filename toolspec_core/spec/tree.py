@@ -11,7 +11,7 @@ increasing indices, which lets the KV commit be a gather + crop by index.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -156,12 +156,31 @@ def prune_to_budget(tree: DraftTree, cost: "list[float]", max_nodes: int | None 
     return allocate([tree], cost, base_rows=1, max_nodes=max_nodes)[0]
 
 
+class Allocation(NamedTuple):
+    """A batch's trees cut by :func:`allocate_batch`, and the path probability of the best node
+    it left out (0.0: none was): no node less probable was worth its row in this step, which is
+    what a drafter may skip building in the next (``DraftContext.min_prob``)."""
+
+    trees: "list[DraftTree]"
+    left_out: float
+
+
 def allocate(
     trees: "list[DraftTree]",
     cost: "list[float]",
     base_rows: int,
     max_nodes: int | None = None,
 ) -> "list[DraftTree]":
+    """The trees :func:`allocate_batch` keeps."""
+    return allocate_batch(trees, cost, base_rows, max_nodes).trees
+
+
+def allocate_batch(
+    trees: "list[DraftTree]",
+    cost: "list[float]",
+    base_rows: int,
+    max_nodes: int | None = None,
+) -> Allocation:
     """One budget across a batch: the node sets that maximise expected tokens per unit of cost.
 
     ``cost[k]`` is the relative cost of a forward of ``k`` rows in all. ``base_rows`` rows run
@@ -180,7 +199,7 @@ def allocate(
     decoding sequence keeps its draft while prompts wait.
     """
     if not any(t.tokens for t in trees):
-        return list(trees)
+        return Allocation(list(trees), 0.0)
     ranked = []  # (-prob, tree index, node): stable, parents before children on ties
     for ti, tree in enumerate(trees):
         probs = path_probs(tree)
@@ -202,7 +221,7 @@ def allocate(
                 nodes.add(p)
                 p = tree.parents[p]
         out.append(select(tree, list(nodes)) if len(nodes) < len(tree) else tree)
-    return out
+    return Allocation(out, -ranked[best_n][0] if best_n < len(ranked) else 0.0)
 
 
 def best_prefix(tokens: list[float], cost: list[float], base_rows: int) -> int:

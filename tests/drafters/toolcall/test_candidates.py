@@ -450,6 +450,46 @@ def test_a_call_of_an_unknown_tool_still_gets_its_structure_drafted():
     assert _next_texts('{"name": "calculateSalary", "arguments": {"', idx) == []
 
 
+def test_the_budget_floor_ends_candidates_where_their_branch_falls_below_it():
+    """``min_prob``: a branch less probable than the floor is not expanded; the segments before it
+    end a candidate with its probability (its nodes could not be kept; the mass it adds to the
+    nodes above it is kept). Every such candidate is a prefix of one the full expansion drafts."""
+    idx = ToolIndex.from_tools(TOOLS)
+    t = tracker('<tool_call>\n{"name": "')
+    full = _texts(continuations(t, idx, Priors(), [0], max_cands=10_000, bounded=False))
+    above = continuations(t, idx, Priors(), [0], min_prob=0.4)  # every tool is a third
+    assert sorted(_texts(above)) == ['get_time"', 'get_weather"', 'ping"']
+    assert [c.prob for c in above] == pytest.approx([1 / 3] * 3)
+    between = continuations(t, idx, Priors(), [0], min_prob=0.2)
+    assert 3 < len(between) < len(continuations(t, idx, Priors(), [0]))
+    assert sum(c.prob for c in between) == pytest.approx(1.0)
+    assert all(any(f.startswith(x) for f in full) for x in _texts(between))
+    assert _texts(continuations(t, idx, Priors(), [0], min_prob=0.0)) == _next_texts(
+        '<tool_call>\n{"name": "', levels=3
+    )
+
+
+@pytest.mark.parametrize("min_prob", [0.05, 0.3])
+def test_bounded_expansion_under_a_floor_keeps_the_floored_full_expansions_candidates(min_prob):
+    """The budget's floor changes what is expanded, not the bounded expansion's guarantee: at every
+    character of real gold calls, bounded and full expansion under the same floor agree."""
+    checked = 0
+    for it in _gold_items(3):
+        idx = ToolIndex.from_tools(it["tools"])
+        text = render_calls(it["gold_calls"], layout_by_name("hermes"))
+        past = [(c["name"], c.get("arguments") or {}) for c in it["gold_calls"]]
+        t = CallTracker(idx)
+        for k in range(len(text) + 1):
+            if k:
+                t.feed(text[k - 1])
+            kw = dict(max_cands=64, past=past, min_prob=min_prob)
+            full = continuations(t, idx, Priors(), [7], bounded=False, **kw)
+            cut = continuations(t, idx, Priors(), [7], **kw)
+            assert [(c.segs, c.prob) for c in cut] == [(c.segs, c.prob) for c in full], (it["id"], text[:k])
+            checked += 1
+    assert checked > 500
+
+
 @pytest.mark.parametrize("layout", ["hermes", "fence"])
 def test_bounded_expansion_keeps_the_full_expansions_candidates(layout):
     """At every character of real gold calls (three dev sets, past calls as retrieved values, the

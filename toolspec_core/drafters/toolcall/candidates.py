@@ -140,6 +140,11 @@ class _Builder:
     probability of the leaves expanded so far (``_best``). A cut branch still counts as
     non-empty (``_cuts``): its parent must not become a candidate of its own. The result after
     the cut (``continuations``) is the full expansion's, candidate for candidate and in order.
+
+    The budget's floor (``min_prob``) is another matter: a branch whose bound is below it is not
+    expanded at all, and its parent's segments end a candidate with the branch's probability, as
+    where ``levels`` run out -- its nodes could not be kept, but the mass it adds to the nodes
+    above it counts. The expansion is then that of a shallower tree, bounded or not alike.
     """
 
     def __init__(
@@ -170,6 +175,7 @@ class _Builder:
         self.dates = list(dates)  # dates the conversation mentions (values.context_dates)
         self.objects = ([(context_keys, 1.0)] if context_keys is not None else []) + [(tr.objects, OUTPUT_KEYS_WEIGHT)]
         self.keep = 0  # candidates kept (0: expand every branch)
+        self.min_prob = 0.0  # the budget's floor: branches below it are not expanded (0.0: none)
         self.mult = 1.0  # product of the probability factors above the branch being expanded
         self._best: list[float] = []  # min-heap: the ``keep`` largest leaf probabilities so far
         self._cuts = 0  # branches left out as below the floor
@@ -198,6 +204,8 @@ class _Builder:
         largest of their factors); a ``_Cut`` where all of it was below the floor."""
         if self._below(prob):
             return _Cut()
+        if self.mult * prob < self.min_prob:
+            return []  # below the budget's floor: nothing follows, the caller's segments carry the mass
         outer, cuts = self.mult, self._cuts
         self.mult = outer * prob
         try:
@@ -763,6 +771,7 @@ def continuations(
     bounded: bool = True,
     tables: CompiledTools | None = None,
     past_memo: dict | None = None,
+    min_prob: float = 0.0,
 ) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first.
 
@@ -778,9 +787,12 @@ def continuations(
     own (``tr.objects``), the keys of objects no schema describes (made-up results, records) follow them.
     ``bounded``: expand only branches that can reach the ``max_cands`` kept (the same result;
     ``False`` expands every branch, the reference the tests compare against).
+    ``min_prob``: the budget's floor (``DraftContext.min_prob``): a branch less probable is not
+    expanded; what leads to it ends a candidate there (``_Builder``).
     """
     b = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys, own, numbers, tables, past_memo)
     b.keep = max_cands if bounded else 0
+    b.min_prob = min_prob
     cands = b.build()
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
     cands.sort(key=lambda c: -c.prob)

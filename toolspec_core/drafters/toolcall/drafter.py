@@ -330,7 +330,7 @@ class SchemaDrafter(DrafterBase):
             tree = candidates_to_tree(
                 self.bt,
                 ctx.tokens,
-                self._continuations(ctx, self.tracker),
+                self._continuations(ctx, self.tracker, min_prob=ctx.min_prob),
                 self.rates,
                 max_nodes=ctx.max_nodes,
                 compiled=not self.reference,
@@ -354,8 +354,12 @@ class SchemaDrafter(DrafterBase):
             return tree, self.suffix.walk_job(ctx, tree, leaf, prob), None
         return tree, None, None
 
-    def _continuations(self, ctx: DraftContext, tracker: CallTracker, max_cands: int = 64) -> list[Cand]:
-        """What the schemas allow after ``tracker``'s text (this output's tracker, or a fork of it)."""
+    def _continuations(
+        self, ctx: DraftContext, tracker: CallTracker, max_cands: int = 64, min_prob: float = 0.0
+    ) -> list[Cand]:
+        """What the schemas allow after ``tracker``'s text (this output's tracker, or a fork of it).
+        ``min_prob``: the budget's floor, for the step's own tree only (``_after_value``'s tails
+        are shares of a copied span's probability, normalised there: a floor does not apply)."""
         return continuations(
             tracker,
             self.tools,
@@ -370,6 +374,7 @@ class SchemaDrafter(DrafterBase):
             bounded=not self.reference,
             tables=self.tables,
             past_memo=self._past_memo,
+            min_prob=min_prob,
         )
 
     def _own_calls(self) -> list[tuple[str, dict]]:
