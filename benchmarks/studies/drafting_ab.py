@@ -2,8 +2,9 @@
 drafter's compiled parts (``tree_kernel``: the tree merge, the batch's suffix walk, the boundary
 tokenizer's ASCII encoder) on and off, run in turn (alternated, ``--rounds`` times), timing the thread CPU time of the batch
 drafting call only (``Scheduler._propose_all``) per drafted sequence-step. Trees are the same in
-every variant (tests/drafters/test_batch_drafting.py), so MAT and outputs are too; the report
-checks it.
+every compiled-or-not variant (tests/drafters/test_batch_drafting.py), so MAT and outputs are too;
+the report checks it. ``nofloor`` drafts without the budget's floor (``scheduler.FLOOR_SHARE`` 0:
+every branch expanded as far as ``levels`` go): other trees, so MAT is reported per benchmark.
 
     python -m benchmarks.studies.drafting_ab --batch 16 --rounds 2 --json benchmarks/runs/drafting-ab.json
 """
@@ -30,12 +31,15 @@ VARIANTS = {
     "merge": dict(compiled=True, suffix=False, bpe=False),  # the compiled merge only
     "suffix": dict(compiled=True, suffix=True, bpe=False),  # + the batch's suffix walk
     "compiled": dict(compiled=True, suffix=True, bpe=True),  # + the ASCII encoder (the default where built)
+    "nofloor": dict(compiled=True, suffix=True, bpe=True, floor=False),  # the default without the budget's floor
 }
 
 
-def run_variant(a, compiled: bool, suffix: bool = True, bpe: bool = True) -> dict:
+def run_variant(a, compiled: bool, suffix: bool = True, bpe: bool = True, floor: bool = True) -> dict:
     load, load_suffix, load_bpe = tree_kernel.load, tree_kernel.load_suffix, tree_kernel.load_bpe
-    native = boundary_mod.native_encoder
+    native, share = boundary_mod.native_encoder, sched_mod.FLOOR_SHARE
+    if not floor:
+        sched_mod.FLOOR_SHARE = 0.0
     if not compiled:
         tree_kernel.load = lambda: None
     if not suffix:
@@ -68,7 +72,7 @@ def run_variant(a, compiled: bool, suffix: bool = True, bpe: bool = True) -> dic
     argv = ["--batch", str(a.batch), "--same-batch-reference", "--target", "replay", "--limit", str(a.limit)]
     argv += ["--methods", "toolspec"]  # the bench runs plain greedy (ar) beside it: its steps draft nothing
     out = str(Path(a.out) / f"{len(list(Path(a.out).glob('*')))}" if Path(a.out).exists() else Path(a.out) / "0")
-    argv += ["--cost", "reference", "--max-new-tokens", "128", "--out", out] + (["--cycle"] if a.cycle else [])
+    argv += ["--cost", a.cost, "--max-new-tokens", "128", "--out", out] + (["--cycle"] if a.cycle else [])
     try:
         run = BatchRun(parse(argv))
         run.run()
@@ -77,11 +81,14 @@ def run_variant(a, compiled: bool, suffix: bool = True, bpe: bool = True) -> dic
         gc.callbacks.remove(on_gc)
         tree_kernel.load, tree_kernel.load_suffix, tree_kernel.load_bpe = load, load_suffix, load_bpe
         boundary_mod.native_encoder = native
-    outs, mats = [], []
+        sched_mod.FLOOR_SHARE = share
+    outs, mats, by_bench = [], [], {}
     for rec in run.store.records.values():
         for item, o in sorted(rec["outputs"].items()):
             outs.append((rec["benchmark"], rec["group"], item, tuple(o["tokens"])))
-            mats.append(o["mat"])
+            if rec["method"] != "ar":  # plain greedy's steps, run beside it, draft nothing
+                mats.append(o["mat"])
+                by_bench.setdefault(rec["benchmark"], []).append(o["mat"])
     digest = hashlib.sha1(repr(sorted(outs)).encode()).hexdigest()[:12]
     return {
         "draft_cpu_s": cpu["s"],
@@ -89,6 +96,7 @@ def run_variant(a, compiled: bool, suffix: bool = True, bpe: bool = True) -> dic
         "ms_per_seq_step": 1e3 * cpu["s"] / max(1, cpu["seq_steps"]),
         "outputs_sha1": digest,
         "mean_item_mat": sum(mats) / max(1, len(mats)),
+        "mean_item_mat_by_benchmark": {b: sum(m) / len(m) for b, m in sorted(by_bench.items())},
         "gc_s_by_generation": gc_s,
         "gc_collections_by_generation": gc_n,
     }
@@ -102,6 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cycle", action="store_true")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default="benchmarks/runs/drafting-ab")
+    ap.add_argument("--cost", default="reference", help="the budget's curve (bench --cost)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     rows = []
@@ -115,7 +124,8 @@ def main(argv=None) -> int:
                 flush=True,
             )
             if a.json:
-                Path(a.json).write_text(json.dumps({"batch": a.batch, "limit": a.limit, "rows": rows}, indent=1) + "\n")
+                head = {"batch": a.batch, "limit": a.limit, "cycle": a.cycle, "cost": a.cost}
+                Path(a.json).write_text(json.dumps({**head, "rows": rows}, indent=1) + "\n")
     return 0
 
 
