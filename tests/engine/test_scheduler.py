@@ -10,6 +10,7 @@ from scripted import reference as reference
 from scripted import tiny as tiny
 from tiny import hf_greedy
 
+from toolspec_core.engine import scheduler as sched_mod
 from toolspec_core.engine.budget import CostModel
 from toolspec_core.engine.loop import DecodeConfig, generate
 from toolspec_core.engine.sampling import SamplingParams
@@ -363,8 +364,6 @@ def test_budget_alone_sizes_a_lone_sequences_tree(tiny, refs):
 def test_drafters_see_the_budgets_floor_from_the_last_step(tiny, refs):
     """``DraftContext.min_prob``: FLOOR_SHARE of the path probability of the best node the last
     step's budget left out (0.0 on the first step, and with no budget); output unchanged."""
-    from toolspec_core.engine import scheduler as sched_mod
-
     prompts, want = refs
     for cost in (CostModel({1: 1.0, 4: 1.4, 8: 2.5, 16: 6.0}, max_nodes=15), None):
         floors, cuts = [], []
@@ -389,6 +388,40 @@ def test_drafters_see_the_budgets_floor_from_the_last_step(tiny, refs):
             continue
         assert floors == [0.0] + [sched_mod.FLOOR_SHARE * c.left_out for c in cuts[: len(floors) - 1]]
         assert any(f > 0 for f in floors)
+
+
+def test_the_floor_holds_only_while_the_batch_keeps_its_size(tiny, refs):
+    """A cut depends on how many sequences share the step: after one finishes (or one joins) the
+    next step drafts with no floor, then the new size's cut gives one again."""
+    prompts, want = refs
+    cost = CostModel({1: 1.0, 4: 1.4, 8: 2.5, 16: 6.0}, max_nodes=15)
+    steps, cuts = [], []
+
+    def guesses(ref):
+        def fn(ctx):
+            done = len(ctx.generated)
+            tree = DraftTree()
+            tree.add_path(ref[done : done + 6], 0.7, "true")
+            return tree
+
+        return fn
+
+    seqs = [
+        Sequence(tiny, prompts[i], ScriptedDrafter(guesses(want[i])), DecodeConfig(max_new_tokens=n))
+        for i, n in enumerate((N, N // 2, N))
+    ]
+    sched = Scheduler(tiny, cost, BatchLimits(max_running=3))
+    allocate, propose = cost.allocate, sched._propose_all
+    cost.allocate = lambda trees, rows: cuts.append((len(trees), allocate(trees, rows))) or cuts[-1][1]
+    sched._propose_all = lambda ss: (ss and steps.append((len(ss), sched._floor))) or propose(ss)
+    for s in seqs:
+        sched.add(s)
+    sched.run()
+    assert [s.result.tokens for s in seqs] == [want[0], want[1][: N // 2], want[2]]
+    assert len(steps) == len(cuts) and len({n for n, _ in cuts}) > 1
+    for (n, floor), (n_last, cut) in zip(steps[1:], cuts):
+        assert floor == (sched_mod.FLOOR_SHARE * cut.left_out if n == n_last else 0.0)
+    assert any(floor == 0.0 and n != n_last and cut.left_out > 0 for (n, floor), (n_last, cut) in zip(steps[1:], cuts))
 
 
 # ---------------------------------------------------------------------- with a KV block pool

@@ -47,8 +47,10 @@ log = logging.getLogger("toolspec.engine")
 
 HOLD_WAIT_S = 0.005  # the longest a step with nothing else to run waits for a held sequence
 # The drafters' floor (``DraftContext.min_prob``) is this share of the last step's best left-out
-# path probability: the budget's cut moves from step to step (trees change, sequences come and
-# go), so a drafter still builds nodes down to half of it.
+# path probability, in a step with as many decoding sequences as that one (the cut depends on the
+# batch: with fewer sequences rows are cheaper for what each step yields, so a floor from a fuller
+# batch would drop nodes the budget keeps); the cut still moves with the trees, so a drafter builds
+# nodes down to half of it.
 FLOOR_SHARE = 0.5
 
 
@@ -164,7 +166,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.steps: list[StepRecord] = []
         self._worker = None  # the thread that runs host work beside the forward (_beside_forward)
-        self._floor = 0.0  # the drafters' floor for the next step (_plan, DraftContext.min_prob)
+        self._floor = 0.0  # the drafters' floor in this step (_plan, DraftContext.min_prob)
+        self._last_cut: tuple[int, float] = (0, 0.0)  # (decoding sequences, floor) of the last step's cut
         self._unrecorded: list[tuple[Sequence, DraftTree, VerifyResult]] = []  # steps whose stats wait (_commit)
 
     def add(self, seq: Sequence) -> Sequence:
@@ -244,13 +247,15 @@ class Scheduler:
         decoding = [s for s in self.running if s.decoding]
         root_rows = sum(len(s.roots) for s in decoding)
         ta = time.perf_counter()
+        n, floor = self._last_cut
+        self._floor = floor if n == len(decoding) else 0.0
         drafted = iter(self._propose_all([s for s in decoding if not s.held]))
         # a held sequence that decodes (``Sequence.decode_held``) does so undrafted
         trees = [fit_room(seq, DraftTree() if seq.held else next(drafted)) for seq in decoding]
         tb = time.perf_counter()
         if self.cost is not None and decoding:
             cut = self.cost.allocate(trees, root_rows)  # as in a decode-only step: the chunk rides on top
-            trees, self._floor = cut.trees, FLOOR_SHARE * cut.left_out
+            trees, self._last_cut = cut.trees, (len(decoding), FLOOR_SHARE * cut.left_out)
         tc = time.perf_counter()
         if not chunks and not decoding:
             return None
