@@ -38,11 +38,13 @@ class ScriptedDrafter(DrafterBase):
         self.accepted.append(len(result.path))
 
 
-def oracle(ref):
+def oracle(ref, conf: float = 0.9):
+    """The next 6 reference tokens as a chain, each node at ``conf``."""
+
     def fn(ctx):
         done = len(ctx.generated)
         tree = DraftTree()
-        tree.add_path(ref[done : done + 6], 0.9, "oracle")
+        tree.add_path(ref[done : done + 6], conf, "oracle")
         return tree
 
     return fn

@@ -368,12 +368,9 @@ def test_drafters_see_the_budgets_floor_from_the_last_step(tiny, refs):
     for cost in (CostModel({1: 1.0, 4: 1.4, 8: 2.5, 16: 6.0}, max_nodes=15), None):
         floors, cuts = [], []
 
-        def guesses(ctx, ref=want[0]):
+        def guesses(ctx, chain=oracle(want[0], 0.7)):  # path probabilities fall along the chain
             floors.append(ctx.min_prob)
-            done = len(ctx.generated)
-            tree = DraftTree()
-            tree.add_path(ref[done : done + 6], 0.7, "true")  # path probabilities fall along the chain
-            return tree
+            return chain(ctx)
 
         seq = Sequence(tiny, prompts[0], ScriptedDrafter(guesses), DecodeConfig(max_new_tokens=N))
         sched = Scheduler(tiny, cost, BatchLimits(max_running=1))
@@ -396,18 +393,8 @@ def test_the_floor_holds_only_while_the_batch_keeps_its_size(tiny, refs):
     prompts, want = refs
     cost = CostModel({1: 1.0, 4: 1.4, 8: 2.5, 16: 6.0}, max_nodes=15)
     steps, cuts = [], []
-
-    def guesses(ref):
-        def fn(ctx):
-            done = len(ctx.generated)
-            tree = DraftTree()
-            tree.add_path(ref[done : done + 6], 0.7, "true")
-            return tree
-
-        return fn
-
     seqs = [
-        Sequence(tiny, prompts[i], ScriptedDrafter(guesses(want[i])), DecodeConfig(max_new_tokens=n))
+        Sequence(tiny, prompts[i], ScriptedDrafter(oracle(want[i], 0.7)), DecodeConfig(max_new_tokens=n))
         for i, n in enumerate((N, N // 2, N))
     ]
     sched = Scheduler(tiny, cost, BatchLimits(max_running=3))
