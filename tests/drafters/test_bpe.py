@@ -89,3 +89,30 @@ def test_compiled_labels_are_the_python_loops(tok):
         )
         tail = tuple(rng.randrange(100, 5000) for _ in range(rng.randint(0, 3)))
         assert fast.tokenize(tail, segs) == ref.tokenize(tail, segs), segs
+
+
+def test_compiled_tokenize_is_the_python_one(tok):
+    """``BoundaryTokenizer.tokenize`` in one compiled call against ``tokenize_reference``: segments
+    of random text (ASCII, non-ASCII, added tokens' texts, empty ones), raw id segments between
+    them, after tails of recorded tokens -- special tokens and multi-byte characters split across
+    tokens among them (a tail that decodes to "\\ufffd" is shortened) -- ids and labels alike."""
+    fast = BoundaryTokenizer(tok)
+    assert fast._kernel_tokenize is not None
+    rng = random.Random(11)
+    recorded = [t for rec in replay_target().records[:20] for t in rec["tokens"]]
+    recorded += tok.encode("Zürich 東京 😀 café", add_special_tokens=False)
+    texts = ["", "Zürich", "</tool_call>", '"}', "東京", "x\x0by", " \n", "get_weather"]
+    eos = tuple(tok.encode("<|im_end|>", add_special_tokens=False))
+    for _ in range(3000):
+        segs = []
+        for _ in range(rng.randint(1, 5)):
+            r = rng.random()
+            if r < 0.1:
+                segs.append((eos if rng.random() < 0.8 else (), "end"))
+            elif r < 0.4:
+                segs.append((rng.choice(texts), rng.choice("abc")))
+            else:
+                segs.append(("".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 9))), rng.choice("abcde")))
+        at = rng.randrange(len(recorded))
+        tail = tuple(recorded[max(0, at - rng.randint(0, 3)) : at])
+        assert fast.tokenize(tail, tuple(segs)) == fast.tokenize_reference(tail, tuple(segs)), (tail, segs)

@@ -210,6 +210,33 @@ def test_a_stop_string_counts_at_the_token_that_writes_it_even_inside_a_characte
         assert _stop_at(chars, ids, stop) == _full_decode_stop(chars, ids, stop), (ids, stop)
 
 
+def test_a_steps_tokens_taken_at_once_end_where_token_by_token_would():
+    """Without stop strings a step's tokens go in at once (``Stopper.take``): as many kept, the same
+    reason (EOS first, then the length) and the same text as :meth:`Stopper.done` token by token,
+    over steps of random sizes with EOS and multi-byte characters split across tokens."""
+    eos = 9
+    tok = ByteTok([b"a", b"b\xe5", b"\x81\x9c", b"c", b"\n", b"\xe5", b"\x81", b"\x9c", b"dd", b"<eos>"])
+    rng = random.Random(4)
+    for _ in range(400):
+        cfg = DecodeConfig(max_new_tokens=rng.randint(1, 20))
+        one, many = _Stopper(Detokenizer(tok, (eos,)), (eos,), cfg), _Stopper(Detokenizer(tok, (eos,)), (eos,), cfg)
+        gen_one: list[int] = []
+        gen_many: list[int] = []
+        reason_one = reason_many = None
+        while reason_one is None:
+            step = [rng.choice(range(10)) if rng.random() < 0.9 else eos for _ in range(rng.randint(1, 6))]
+            for t in step:
+                gen_one.append(t)
+                reason_one = one.done(gen_one)
+                if reason_one:
+                    break
+            n, reason_many = many.take(len(gen_many), step)
+            gen_many += step[:n]
+            assert (gen_many, reason_many) == (gen_one, reason_one)
+            assert many.detok.text + many.detok.pending == one.detok.text + one.detok.pending
+        assert many.text() == one.text()
+
+
 def test_decode_stops_where_a_full_decode_first_shows_a_stop_string_and_cuts_before_it():
     tiny = tiny_target()
     plain = generate(tiny, PROMPT, None, DecodeConfig(max_new_tokens=N))

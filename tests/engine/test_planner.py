@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 from tiny import tiny_target
 
-from toolspec_core.engine.planner import Chunk, Decode, plan_step, prefill_chunks
+from toolspec_core.engine.planner import Chunk, Decode, decode_segments, plan_step, prefill_chunks
 from toolspec_core.engine.sampling import SamplingParams
 from toolspec_core.engine.sequence import DecodeConfig, Sequence
+from toolspec_core.engine.verify import tree_inputs
 from toolspec_core.model.device_walk import walk_inputs
 from toolspec_core.spec.tree import ROOT, DraftTree
 
@@ -83,3 +84,20 @@ def test_a_step_that_reads_no_argmax(target):
     assert plan.logits.rows == [4] and plan.logits.full == [0] and plan.hidden_rows == []
     assert plan.seqs[1].segment.parents is None  # a lone root runs causally
     assert plan.spec.draft_counts == [0] and plan.spec.bonus == [0]
+
+
+def test_decode_segments_are_each_sequences_tree_inputs(target):
+    """The decoding sequences' rows made as two tensors for the batch: each sequence's ids,
+    positions and parent rows are what ``tree_inputs`` gives it alone (a lone root: one causal row)."""
+    seqs = [_seq(target, [7, 8], roots=[5]), _seq(target, [9], roots=[3]), _seq(target, [9, 9], roots=[7, 8])]
+    trees = [_tree([11, 12, 13], [ROOT, 0, 0]), DraftTree(), _tree([21, 22, 23], [ROOT, 0, 1])]
+    decodes = [Decode(s, t, kv) for s, t, kv in zip(seqs, trees, (4, 9, 17))]
+    segs = decode_segments(decodes)
+    for d, seg in zip(decodes, segs):
+        if not d.tree.tokens and len(d.seq.roots) == 1:
+            assert seg.ids.tolist() == d.seq.roots and seg.pos.tolist() == [d.kv_len] and seg.parents is None
+            continue
+        ids, pos, parents = tree_inputs(d.seq.roots, d.tree, d.kv_len)
+        assert seg.ids.tolist() == ids[0].tolist() and seg.pos.tolist() == pos[0].tolist() and seg.parents == parents
+        assert seg.cache is d.seq.cache
+    assert decode_segments([]) == []

@@ -1,15 +1,16 @@
 """The drafting kernels compiled (``kernels/*.c``), built once per machine: the schema tree's
 merge loop (``tree_merge.c``, :func:`load`), suffix drafting's per-step walk for a batch
 (``suffix_walk.c``, :func:`load_suffix`; ``suffix.walk_batch`` says what it does) and the
-boundary tokenizer's ASCII encoder (``bpe.c``, :func:`load_bpe`; ``boundary.native_encoder``).
+boundary tokenizer's ASCII encoder and whole-candidate tokenization (``bpe.c``, :func:`load_bpe`;
+``boundary.native_encoder``, ``BoundaryTokenizer.tokenize``).
 
 Why: merging a step's candidates into one trie -- a child lookup and a node append per token,
 a rate per new node, the mass of every node on each chain, the stop test over all nodes, each
 node's confidence -- is per-token Python work that the profile of drafting puts at about a
 quarter of it (docs/design.md, "Where drafting's time goes"); it is plain integers and floats,
-so C does it without the interpreter. The tokenization of each candidate stays in Python (the
-boundary tokenizer and its cache are called back per candidate), as do the learned rates (called
-back once per distinct (label, parent label)).
+so C does it without the interpreter. Each candidate's tokens come from a callback (the tool
+set's token table, on a miss the boundary tokenizer, whose whole-candidate ``tokenize`` is
+``bpe.c``'s), as do the learned rates (called back once per distinct (label, parent label)).
 
 Built with the system C compiler against this Python's headers (no torch) into the project's
 cache (``~/.cache/toolspec/kernels``, or under ``TOOLSPEC_CACHE``), named by the source's hash,

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from toolspec_core.engine.sequence import Sequence
-from toolspec_core.engine.verify import tree_inputs
+from toolspec_core.engine.verify import tree_rows
 from toolspec_core.model.batch_forward import Segment
 from toolspec_core.model.device_walk import walk_inputs
 from toolspec_core.model.step_plan import SeqRows, StepPlan, logit_index, logit_spans, row_starts
@@ -80,27 +80,31 @@ def chunk_segments(chunks: list[Chunk]) -> list[Segment]:
 
 
 def decode_segments(decoding: list[Decode]) -> list[Segment]:
-    """Each decoding sequence's root chain and tree (:func:`~toolspec_core.engine.verify.tree_inputs`,
-    the tree's visibility as parent rows). A sequence with one row (its root, no tree) runs
-    causally, no parents: the rows of all of them are made as one tensor and handed out as views."""
-    alone = [len(d.seq.roots) == 1 and not d.tree.tokens for d in decoding]
-    ones = [d for d, a in zip(decoding, alone) if a]
-    one_rows = iter(
-        zip(
-            torch.tensor([d.seq.roots[0] for d in ones], dtype=torch.long).split(1),
-            torch.tensor([d.kv_len for d in ones], dtype=torch.long).split(1),
-        )
-        if ones
-        else ()
-    )
-    out = []
-    for d, one in zip(decoding, alone):
-        if one:  # [1] each, as tree_inputs would make them
-            out.append(Segment(d.seq.cache, *next(one_rows)))
+    """Each decoding sequence's root chain and tree (:func:`~toolspec_core.engine.verify.tree_rows`,
+    the tree's visibility as parent rows; a sequence with one row -- its root, no tree -- runs
+    causally, no parents). The ids and positions of all of them are made as two tensors and
+    handed out as views: two tensor constructions a step, not two a sequence."""
+    ids: list[int] = []
+    pos: list[int] = []
+    sizes: list[int] = []
+    parents: list[list[int] | None] = []
+    for d in decoding:
+        if len(d.seq.roots) == 1 and not d.tree.tokens:  # [1], as tree_rows would make it
+            ids.append(d.seq.roots[0])
+            pos.append(d.kv_len)
+            sizes.append(1)
+            parents.append(None)
         else:
-            ids, pos, parents = tree_inputs(d.seq.roots, d.tree, d.kv_len)
-            out.append(Segment(d.seq.cache, ids[0], pos[0], parents))
-    return out
+            i, p, par = tree_rows(d.seq.roots, d.tree, d.kv_len)
+            ids += i
+            pos += p
+            sizes.append(len(i))
+            parents.append(par)
+    if not decoding:
+        return []
+    all_ids = torch.tensor(ids, dtype=torch.long).split(sizes)  # [n] views, one per sequence
+    all_pos = torch.tensor(pos, dtype=torch.long).split(sizes)
+    return [Segment(d.seq.cache, i, p, par) for d, i, p, par in zip(decoding, all_ids, all_pos, parents)]
 
 
 def walked_on_device(decoding: list[Decode], reads: list[bool], greedy: bool, here: bool) -> list[bool]:

@@ -140,7 +140,7 @@ class Scheduler:
 
     ``cost``: the budget's curve over total rows of a forward (None: trees as drafted); ``pool``:
     the KV block pool sequences are admitted into (None: each sequence grows its own cache);
-    ``device_walk``: walk greedy trees where the argmax is (None: where that is an accelerator --
+    ``device_walk``: walk greedy trees where the argmax is (None: as the target's ``device_walk`` says, where that is an accelerator --
     on the CPU there is no device-to-host copy to save, so the plain Python walk is kept);
     ``overlap``: run the step's host work that needs no result of it while the forward runs
     (:meth:`_beside_forward`; None: :func:`forward_overlaps_host` -- on where the target's
@@ -158,7 +158,9 @@ class Scheduler:
         overlap: bool | None = None,
     ):
         self.target, self.cost, self.limits, self.pool = target, cost, limits, pool
-        self.device_walk = device_walk
+        # where the walks run: as given, else as the target says (its device does not change under
+        # a scheduler; asked once, not every step -- a model's device is a walk over its parameters)
+        self.device_walk = bool(getattr(target, "device_walk", False)) if device_walk is None else device_walk
         self.overlap = forward_overlaps_host(target) if overlap is None else bool(overlap)
         if cost is not None:
             cost.ensure_rows(limits.max_running * (cost.max_nodes + 2) + limits.prefill_chunk)
@@ -260,8 +262,7 @@ class Scheduler:
         if not chunks and not decoding:
             return None
         decodes = [Decode(seq, tree, seq.cache.get_seq_length()) for seq, tree in zip(decoding, trees)]
-        here = self.device_walk if self.device_walk is not None else getattr(self.target, "device_walk", False)
-        plan = plan_step(chunks, decodes, bool(here))
+        plan = plan_step(chunks, decodes, bool(self.device_walk))
         return _Step(chunks, decodes, plan, root_rows, tb - ta, tc - tb, tc)
 
     def _forward(self, st: _Step) -> StepOutput:

@@ -80,6 +80,23 @@ class Stopper:
             return "length"
         return None
 
+    def take(self, n_generated: int, new: list[int]) -> tuple[int, str | None]:
+        """Without stop strings, what :meth:`done` token by token decides for ``new`` following
+        ``n_generated`` output tokens, decided at once: how many of ``new`` are kept (up to the first
+        EOS, at most ``max_new_tokens`` in all) and the reason the output ends (None: it goes on).
+        The kept tokens' text is decoded in one window (the ``Detokenizer``'s pieces add up to
+        the same text whichever way its tokens come)."""
+        room = self.cfg.max_new_tokens - n_generated
+        n, reason = min(len(new), room), None
+        for k in range(n):
+            if new[k] in self.eos:
+                n, reason = k + 1, "stop"
+                break
+        self.detok.feed(new[:n])
+        if reason is None and n_generated + n >= self.cfg.max_new_tokens:
+            reason = "length"
+        return n, reason
+
     def text(self) -> str:
         """The output's text (EOS is not text), cut before the first stop string or after the first
         ``end_after`` string."""
@@ -263,10 +280,18 @@ class Sequence:
         return token_logprobs(rows, chosen, top) + forced_logprobs(forced, top)
 
     def emit(self, new: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
-        """Append tokens one by one until a stop condition (never past EOS / stop / max tokens), then
-        stream them; ``logprobs``: one entry per token of ``new`` (kept for those appended)."""
+        """Append tokens until a stop condition (never past EOS / stop / max tokens), then stream
+        them; ``logprobs``: one entry per token of ``new`` (kept for those appended). With stop
+        strings each token's text is searched as it comes (a stop string ends the output at the
+        token that writes it); without, the step's tokens go in at once (``Stopper.take``)."""
         before = len(self.generated)
-        for k, tok in enumerate(new):
+        if not self.stopper.ends and new:  # no text to search: the stop decided for all at once
+            n, self.reason = self.stopper.take(before, new)
+            self.tokens += new[:n]
+            self.generated += new[:n]
+            if logprobs is not None and self.logprobs is not None:
+                self.logprobs += logprobs[:n]
+        for k, tok in enumerate(new if self.stopper.ends else ()):
             self.tokens.append(tok)
             self.generated.append(tok)
             if logprobs is not None and self.logprobs is not None:

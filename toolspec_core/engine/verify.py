@@ -25,14 +25,18 @@ def tree_inputs(roots: list[int] | int, tree: DraftTree, prefix_len: int):
     ragged plan as it is, the paths that take an additive float mask build it from it
     (:func:`~toolspec_core.model.batch_forward.tree_masks`).
     """
+    ids, pos, parents = tree_rows(roots, tree, prefix_len)
+    return torch.tensor([ids], dtype=torch.long), torch.tensor([pos], dtype=torch.long), parents
+
+
+def tree_rows(roots: list[int] | int, tree: DraftTree, prefix_len: int) -> tuple[list[int], list[int], list[int]]:
+    """:func:`tree_inputs` as lists (ids, positions, parent rows), for a caller that makes the
+    tensors of many sequences at once (:func:`~toolspec_core.engine.planner.decode_segments`)."""
     roots = [roots] if isinstance(roots, int) else list(roots)
     r = len(roots)
-    ids = torch.tensor([list(roots) + tree.tokens], dtype=torch.long)
-    pos = torch.tensor(
-        [list(range(prefix_len, prefix_len + r)) + [prefix_len + r - 1 + d for d in depths(tree.parents)]],
-        dtype=torch.long,
-    )
-    return ids, pos, row_parents(r, tree.parents)
+    last = prefix_len + r - 1
+    pos = list(range(prefix_len, prefix_len + r)) + [last + d for d in depths(tree.parents)]
+    return roots + tree.tokens, pos, row_parents(r, tree.parents)
 
 
 def row_parents(roots: list[int] | int, parents: list[int]) -> list[int]:

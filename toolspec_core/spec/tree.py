@@ -10,6 +10,7 @@ increasing indices, which lets the KV commit be a gather + crop by index.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -203,8 +204,11 @@ def allocate_batch(
     ranked = []  # (-prob, tree index, node): stable, parents before children on ties
     for ti, tree in enumerate(trees):
         probs = path_probs(tree)
-        order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
-        ranked += [(-probs[i], ti, i) for i in order[: max_nodes if max_nodes is not None else len(order)]]
+        if max_nodes is None or len(probs) <= max_nodes:  # every node ranks: the sort below orders them
+            ranked += [(-p, ti, i) for i, p in enumerate(probs)]
+        else:  # the tree's own best ``max_nodes`` first
+            best = heapq.nsmallest(max_nodes, [(-p, i) for i, p in enumerate(probs)])
+            ranked += [(neg, ti, i) for neg, i in best]
     ranked.sort()
     tokens = [float(len(trees))]  # expected tokens of the step with the top-n nodes: one per root, then theirs
     for neg, _, _ in ranked:

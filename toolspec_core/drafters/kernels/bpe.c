@@ -13,6 +13,9 @@
  * tie (what the tokenizer's merge queue does). Text this does not cover -- a byte >= 0x80, an
  * ASCII control character other than tab / LF / CR, an added token's text -- is answered None and
  * the caller uses the tokenizer itself (tools/tests hold the two equal: tests/drafters/test_bpe.py).
+ * ``tokenize`` runs a whole schema candidate through the boundary tokenizer's steps in one call
+ * (its text runs at their boundaries with the context's tail, raw ids, each token's label), calling
+ * back only the tokenizer's decode of a tail and its encode of text the encoder does not cover.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -198,13 +201,8 @@ static int merge_piece(const Bpe *b, const unsigned char *s, Py_ssize_t n, long 
     return 0;
 }
 
-/* encode(bpe, text: str): the ids (a tuple), or None where the text is not covered. */
-static PyObject *encode(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *capsule, *text;
-    if (!PyArg_ParseTuple(args, "OU", &capsule, &text)) return NULL;
-    Bpe *b = PyCapsule_GetPointer(capsule, "toolspec_bpe");
-    if (!b) return NULL;
+/* The ids of ``text`` (a new tuple), Py_None (new reference) where it is not covered, NULL on error. */
+static PyObject *encode_text(const Bpe *b, PyObject *text) {
     if (!PyUnicode_IS_ASCII(text)) Py_RETURN_NONE;
     const unsigned char *s = (const unsigned char *)PyUnicode_DATA(text);
     Py_ssize_t n = PyUnicode_GET_LENGTH(text);
@@ -236,6 +234,236 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     PyObject *tup = PyList_AsTuple(out);
     Py_DECREF(out);
     return tup;
+}
+
+/* encode(bpe, text: str): the ids (a tuple), or None where the text is not covered. */
+static PyObject *encode(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *capsule, *text;
+    if (!PyArg_ParseTuple(args, "OU", &capsule, &text)) return NULL;
+    Bpe *b = PyCapsule_GetPointer(capsule, "toolspec_bpe");
+    if (!b) return NULL;
+    return encode_text(b, text);
+}
+
+/* The ids of ``text`` as a tuple: the compiled encoder's, or ``fallback(text)``'s where it does
+ * not cover the text (the tokenizer's own encode). New reference, NULL on error. */
+static PyObject *encode_or(const Bpe *b, PyObject *text, PyObject *fallback) {
+    PyObject *ids = encode_text(b, text);
+    if (ids != Py_None) return ids;
+    Py_DECREF(ids);
+    PyObject *r = PyObject_CallOneArg(fallback, text);
+    if (!r) return NULL;
+    PyObject *t = PySequence_Tuple(r);
+    Py_DECREF(r);
+    return t;
+}
+
+/* Whether the first k items of the tuple ``ids`` equal the k items of ``tail`` (a tuple). */
+static int starts_with(PyObject *ids, PyObject *tail, Py_ssize_t k) {
+    if (PyTuple_GET_SIZE(ids) < k) return 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int eq = PyObject_RichCompareBool(PyTuple_GET_ITEM(ids, i), PyTuple_GET_ITEM(tail, i), Py_EQ);
+        if (eq <= 0) return eq;
+    }
+    return 1;
+}
+
+/* BoundaryTokenizer.continuation: the ids that follow the context ``ctx`` (a list of ids) when
+ * ``text`` is written next -- tokenized with the longest of its last ``tail_tokens`` tokens that
+ * decodes to whole characters (``decode(tuple) -> str``) and re-tokenizes to itself, else alone.
+ * A new list, NULL on error. */
+static PyObject *continuation(const Bpe *b, PyObject *ctx, PyObject *text, Py_ssize_t tail_tokens,
+                              PyObject *decode, PyObject *fallback) {
+    Py_ssize_t n = PyList_GET_SIZE(ctx);
+    for (Py_ssize_t k = tail_tokens < n ? tail_tokens : n; k > 0; k--) {
+        PyObject *slice = PyList_GetSlice(ctx, n - k, n);
+        if (!slice) return NULL;
+        PyObject *tail = PyList_AsTuple(slice);
+        Py_DECREF(slice);
+        if (!tail) return NULL;
+        PyObject *tail_text = PyObject_CallOneArg(decode, tail);
+        if (!tail_text) {
+            Py_DECREF(tail);
+            return NULL;
+        }
+        if (!PyUnicode_Check(tail_text)) {
+            PyErr_SetString(PyExc_TypeError, "decode must return str");
+            Py_DECREF(tail);
+            Py_DECREF(tail_text);
+            return NULL;
+        }
+        Py_ssize_t bad = PyUnicode_FindChar(tail_text, 0xFFFD, 0, PyUnicode_GET_LENGTH(tail_text), 1);
+        if (bad == -2) {
+            Py_DECREF(tail);
+            Py_DECREF(tail_text);
+            return NULL;
+        }
+        if (bad >= 0) { /* a split multi-byte character: not a clean boundary */
+            Py_DECREF(tail);
+            Py_DECREF(tail_text);
+            continue;
+        }
+        PyObject *full = PyUnicode_Concat(tail_text, text);
+        Py_DECREF(tail_text);
+        if (!full) {
+            Py_DECREF(tail);
+            return NULL;
+        }
+        PyObject *ids = encode_or(b, full, fallback);
+        Py_DECREF(full);
+        if (!ids) {
+            Py_DECREF(tail);
+            return NULL;
+        }
+        int same = starts_with(ids, tail, k);
+        Py_DECREF(tail);
+        if (same < 0) {
+            Py_DECREF(ids);
+            return NULL;
+        }
+        if (same) {
+            PyObject *rest = PyTuple_GetSlice(ids, k, PyTuple_GET_SIZE(ids));
+            Py_DECREF(ids);
+            if (!rest) return NULL;
+            PyObject *out = PySequence_List(rest);
+            Py_DECREF(rest);
+            return out;
+        }
+        Py_DECREF(ids);
+    }
+    PyObject *ids = encode_or(b, text, fallback);
+    if (!ids) return NULL;
+    PyObject *out = PySequence_List(ids);
+    Py_DECREF(ids);
+    return out;
+}
+
+/* A token's characters: ``chars[token]`` or, on a miss, ``chars_of(token)`` (which fills the dict); -1 on error. */
+static long long token_chars(PyObject *t, PyObject *chars, PyObject *chars_of) {
+    PyObject *c = PyDict_GetItemWithError(chars, t);
+    long long nc;
+    if (c) {
+        nc = PyLong_AsLongLong(c);
+    } else {
+        if (PyErr_Occurred()) return -1;
+        PyObject *r = PyObject_CallOneArg(chars_of, t);
+        if (!r) return -1;
+        nc = PyLong_AsLongLong(r);
+        Py_DECREF(r);
+    }
+    return nc;
+}
+
+/* tokenize(bpe, tail, segs, tail_tokens, decode, fallback, chars, chars_of):
+ * BoundaryTokenizer.tokenize in one call -- a candidate's segments written after ``tail`` (a
+ * tuple of ids): runs of text segments each tokenized at its boundary (``continuation``, the
+ * context being ``tail`` and the ids so far), raw id segments as they are; each text token
+ * labelled by the first segment of its run ending after its first character (the run's last
+ * segment past the end). (ids, labels), two tuples. */
+static PyObject *tokenize(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *capsule, *tail, *segs, *decode, *fallback, *chars, *chars_of;
+    Py_ssize_t tail_tokens;
+    if (!PyArg_ParseTuple(args, "OOOnOOO!O", &capsule, &tail, &segs, &tail_tokens, &decode, &fallback,
+                          &PyDict_Type, &chars, &chars_of))
+        return NULL;
+    Bpe *b = PyCapsule_GetPointer(capsule, "toolspec_bpe");
+    if (!b) return NULL;
+    PyObject *seq = PySequence_Fast(segs, "segs must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t ns = PySequence_Fast_GET_SIZE(seq);
+    PyObject *ids = PyList_New(0), *labels = PyList_New(0), *pieces = PyList_New(0);
+    /* the pending run: its segments' texts (pieces), their end offsets and labels (borrowed) */
+    Py_ssize_t *ends = malloc((ns ? ns : 1) * sizeof(Py_ssize_t));
+    PyObject **labs = malloc((ns ? ns : 1) * sizeof(PyObject *));
+    Py_ssize_t nrun = 0, run_len = 0;
+    PyObject *result = NULL;
+    if (!ids || !labels || !pieces || !ends || !labs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t si = 0; si <= ns; si++) {
+        PyObject *seg = NULL, *lab = NULL;
+        if (si < ns) {
+            PyObject *pair = PySequence_Fast_GET_ITEM(seq, si);
+            if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+                PyErr_SetString(PyExc_TypeError, "a segment is a (text or ids, label) tuple");
+                goto done;
+            }
+            seg = PyTuple_GET_ITEM(pair, 0);
+            lab = PyTuple_GET_ITEM(pair, 1);
+            if (PyUnicode_Check(seg)) {
+                if (PyList_Append(pieces, seg)) goto done;
+                run_len += PyUnicode_GET_LENGTH(seg);
+                ends[nrun] = run_len;
+                labs[nrun] = lab;
+                nrun++;
+                continue;
+            }
+        }
+        if (run_len > 0) { /* the run so far, tokenized after the context */
+            PyObject *empty = PyUnicode_New(0, 0);
+            if (!empty) goto done;
+            PyObject *text = PyUnicode_Join(empty, pieces);
+            Py_DECREF(empty);
+            if (!text) goto done;
+            PyObject *ctx = PySequence_List(tail); /* the context: the tail and the ids so far */
+            if (!ctx || PyList_SetSlice(ctx, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, ids)) {
+                Py_XDECREF(ctx);
+                Py_DECREF(text);
+                goto done;
+            }
+            PyObject *toks = continuation(b, ctx, text, tail_tokens, decode, fallback);
+            Py_DECREF(ctx);
+            Py_DECREF(text);
+            if (!toks) goto done;
+            Py_ssize_t j = 0, last = nrun - 1;
+            long long pos = 0;
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(toks); i++) {
+                PyObject *t = PyList_GET_ITEM(toks, i);
+                while (j < last && pos >= ends[j]) j++;
+                long long nc = token_chars(t, chars, chars_of);
+                if ((nc == -1 && PyErr_Occurred()) || PyList_Append(ids, t) || PyList_Append(labels, labs[j])) {
+                    Py_DECREF(toks);
+                    goto done;
+                }
+                pos += nc;
+            }
+            Py_DECREF(toks);
+            if (PyList_SetSlice(pieces, 0, PyList_GET_SIZE(pieces), NULL)) goto done;
+            nrun = 0;
+            run_len = 0;
+        }
+        if (seg != NULL) { /* raw ids (end of turn) */
+            int truthy = PyObject_IsTrue(seg);
+            if (truthy < 0) goto done;
+            if (truthy) {
+                PyObject *raw = PySequence_Fast(seg, "a segment is text or a sequence of ids");
+                if (!raw) goto done;
+                for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(raw); i++)
+                    if (PyList_Append(ids, PySequence_Fast_GET_ITEM(raw, i)) || PyList_Append(labels, lab)) {
+                        Py_DECREF(raw);
+                        goto done;
+                    }
+                Py_DECREF(raw);
+            }
+        }
+    }
+    {
+        PyObject *ti = PyList_AsTuple(ids), *tl = PyList_AsTuple(labels);
+        if (ti && tl) result = PyTuple_Pack(2, ti, tl);
+        Py_XDECREF(ti);
+        Py_XDECREF(tl);
+    }
+done:
+    Py_DECREF(seq);
+    Py_XDECREF(ids);
+    Py_XDECREF(labels);
+    Py_XDECREF(pieces);
+    free(ends);
+    free(labs);
+    return result;
 }
 
 /* label_tokens(toks, text_labels, chars, chars_of): BoundaryTokenizer._label_tokens -- each
@@ -294,6 +522,7 @@ static PyMethodDef methods[] = {
     {"label_tokens", label_tokens, METH_VARARGS, "Each token's segment label (BoundaryTokenizer._label_tokens)."},
     {"make", make, METH_VARARGS, "An encoder from its byte ids, merges and added tokens."},
     {"encode", encode, METH_VARARGS, "The ids of an ASCII text, or None where the tokenizer must answer."},
+    {"tokenize", tokenize, METH_VARARGS, "A schema candidate's (ids, labels) after a tail (BoundaryTokenizer.tokenize)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -97,7 +97,12 @@ def _native_encoder(tokenizer):
     added = tuple(a["content"].encode() for a in spec.get("added_tokens") or [])
     table = kernel.make(byte_ids, merges, added)
     encode = kernel.encode
-    return lambda text: encode(table, text)
+
+    def native(text: str):
+        return encode(table, text)
+
+    native.table = table  # the compiled tables, for the kernel's whole-candidate ``tokenize``
+    return native
 
 
 class BoundaryTokenizer:
@@ -122,6 +127,11 @@ class BoundaryTokenizer:
         self._native = native_encoder(tokenizer) if cache_candidates else None
         kernel = tree_kernel.load_bpe() if cache_candidates else None
         self._label_kernel = kernel.label_tokens if kernel is not None else None
+        # a whole candidate in one compiled call (its runs' boundaries, encodes and labels), the
+        # tokenizer's decode and encode called back only for tails and text the encoder does not cover
+        table = getattr(self._native, "table", None)
+        self._kernel_tokenize = kernel.tokenize if kernel is not None and table is not None else None
+        self._table = table
         self._encode = lru_cache(maxsize=cache_size)(self._encode_uncached)
         self._decode = lru_cache(maxsize=4096)(self._decode_uncached)
         self._chars: dict[int, int] = {}
@@ -168,7 +178,17 @@ class BoundaryTokenizer:
         return self.tokenize(tail, segs)
 
     def tokenize(self, tail: tuple[int, ...], segs: tuple) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        """``candidate`` without its cache (for callers that keep their own: a tool set's token table)."""
+        """``candidate`` without its cache (for callers that keep their own: a tool set's token
+        table); in one compiled call where the encoder is built (``kernels/bpe.c``: the same ids
+        and labels as :meth:`tokenize_reference`, tests/drafters/test_bpe.py)."""
+        if self._kernel_tokenize is not None:
+            return self._kernel_tokenize(
+                self._table, tail, segs, TAIL_TOKENS, self._decode, self._encode, self._chars, self.chars
+            )
+        return self.tokenize_reference(tail, segs)
+
+    def tokenize_reference(self, tail: tuple[int, ...], segs: tuple) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """:meth:`tokenize` in Python, segment by segment (the compiled one's reference)."""
         ids: list[int] = []
         labels: list[str] = []
         text, text_labels = "", []  # pending text and (end offset, label) per segment
