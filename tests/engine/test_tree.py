@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -102,3 +104,26 @@ def test_an_allocation_says_the_best_node_it_left_out():
     bound = [float(k) for k in range(12)]
     assert allocate_batch([a, b], bound, base_rows=2).left_out == pytest.approx(0.9)  # nothing kept
     assert allocate_batch([DraftTree()], dear, base_rows=1).left_out == 0.0
+
+
+def _random_tree(rng, n: int, vocab: int = 6) -> DraftTree:
+    tree = DraftTree()
+    for _ in range(n):
+        tree.add(rng.randrange(-1, len(tree)), rng.randrange(vocab), rng.random(), rng.choice("abc"))
+    return tree
+
+
+def test_merge_is_adding_each_node_in_order():
+    """``merge`` (one loop) against ``add`` node by node: shared prefixes found, new nodes appended
+    in order, a node already there keeping the higher conf and its label; under the root or a node."""
+    rng = random.Random(8)
+    for _ in range(500):
+        a, b = _random_tree(rng, rng.randrange(0, 12)), _random_tree(rng, rng.randrange(0, 12))
+        parent = rng.randrange(-1, len(a)) if len(a) else -1
+        ref = DraftTree(list(a.tokens), list(a.parents), list(a.conf), list(a.labels))
+        remap = {-1: parent}
+        for i, tok in enumerate(b.tokens):
+            remap[i] = ref.add(remap[b.parents[i]], tok, b.conf[i], b.labels[i])
+        a.merge(b, parent)
+        assert (a.tokens, a.parents, a.conf, a.labels) == (ref.tokens, ref.parents, ref.conf, ref.labels)
+        assert a.is_trie()

@@ -114,8 +114,11 @@ def choose(logits: torch.Tensor, params: SamplingParams, gen) -> int:
 
 
 def cap_depth(tree: DraftTree, max_depth: int) -> DraftTree:
+    """``tree`` without the nodes deeper than ``max_depth`` (the tokens the sequence has left)."""
     if not tree.tokens or max_depth <= 0:
         return DraftTree()
+    if len(tree.tokens) <= max_depth:  # no node is deeper than the tree has nodes
+        return tree
     d = depths(tree.parents)
     if max(d) <= max_depth:
         return tree

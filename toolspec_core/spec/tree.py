@@ -89,10 +89,29 @@ class DraftTree:
         return out
 
     def merge(self, other: "DraftTree", parent: int = ROOT) -> None:
-        """Trie-merge every node of ``other`` under ``parent`` of this tree."""
-        remap: dict[int, int] = {ROOT: parent}
-        for i, tok in enumerate(other.tokens):
-            remap[i] = self.add(remap[other.parents[i]], tok, other.conf[i], other.labels[i])
+        """Trie-merge every node of ``other`` under ``parent`` of this tree: :meth:`add` of each
+        node in order (a node already here keeps the higher conf and its label), in one loop --
+        drafting merges the suffix, value and retrieval trees into the schema tree every step."""
+        if not other.tokens:
+            return
+        self.child(ROOT, ROOT)  # index a tree built field by field
+        kids, tokens, parents, conf, labels = self._kids, self.tokens, self.parents, self.conf, self.labels
+        remap: list[int] = []
+        for tok, p, c, lab in zip(other.tokens, other.parents, other.conf, other.labels):
+            at = parent if p == ROOT else remap[p]
+            tok, c = int(tok), float(c)
+            j = kids.get((at, tok), -1)
+            if j < 0:
+                j = len(tokens)
+                tokens.append(tok)
+                parents.append(at)
+                conf.append(c)
+                labels.append(lab)
+                kids[(at, tok)] = j
+            elif c > conf[j]:
+                conf[j] = c
+                labels[j] = lab
+            remap.append(j)
 
     def children(self, node: int) -> list[int]:
         return [i for i in range(max(node + 1, 0), len(self.tokens)) if self.parents[i] == node]

@@ -477,7 +477,7 @@ class SchemaDrafter(DrafterBase):
 def _finish(walked: DraftTree, into: DraftTree | None) -> DraftTree:
     """The step's tree once the suffix walk is done: ``walked`` merged into ``into`` where the
     suffix drafts had a tree of their own (``_generic``), else ``walked`` itself."""
-    if into is None:
+    if into is None or not into.tokens:  # nothing to merge into: the walked tree is the step's
         return walked
     into.merge(walked)
     return into
