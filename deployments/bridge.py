@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from .gc_clock import gc_clock
+
 log = logging.getLogger("toolspec.serve")
 
 _END = object()  # posted once the sequence has finished (its result or error is set)
@@ -118,6 +120,7 @@ class EngineBridge:
         from toolspec_core.engine.scheduler import Scheduler
 
         self.scheduler = Scheduler(target, cost, limits, pool)
+        self.gc = gc_clock()  # the process's collections: they stop this engine's thread too
         self._cv = threading.Condition()
         self._incoming: list = []
         self._streams: dict[int, SequenceStream] = {}
@@ -140,7 +143,8 @@ class EngineBridge:
         return stream
 
     def load(self) -> dict:
-        """What /health and /metrics report: sequences, the last steps' shape and time, the pool.
+        """What /health and /metrics report: sequences, the last steps' shape and time, the
+        process's garbage collections (``gc_clock``), the pool.
         Read without the engine's lock (counts may be a step apart)."""
         s = self.scheduler
         recent = s.steps[-64:]
@@ -153,6 +157,7 @@ class EngineBridge:
             "step_rows": sum(r.rows for r in recent) / n,
             "step_sequences": sum(r.sequences for r in recent) / n,
             "step_s": sum(r.forward_s + r.host_s for r in recent) / n,
+            "gc": self.gc.snapshot(),
         }
         if s.pool is not None:
             st = s.pool.stats()

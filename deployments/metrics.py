@@ -64,6 +64,9 @@ class Metrics:
         self.step_rows = g("toolspec_engine_step_rows", "Rows per engine forward, mean of the last 64 steps")
         self.step_seqs = g("toolspec_engine_step_sequences", "Sequences per engine step, mean of the last 64 steps")
         self.step_s = g("toolspec_engine_step_seconds", "Seconds per engine step, mean of the last 64 steps")
+        self.gc_collections = g("toolspec_gc_collections", "Garbage collections of the replica process", "generation")
+        self.gc_seconds = g("toolspec_gc_seconds", "Seconds the replica process spent in collections", "generation")
+        self.gc_longest = g("toolspec_gc_longest_seconds", "The replica process's longest collection", "generation")
         self.kv_usage = g("toolspec_kv_pool_usage", "Fraction of KV blocks referenced by running sequences")
         self.kv_blocks = g("toolspec_kv_pool_blocks", "KV blocks by state", "state")
         self.prefix_hit = g("toolspec_prefix_cache_hit_rate", "Prompt tokens found in the KV prefix cache / looked up")
@@ -118,6 +121,12 @@ class Metrics:
         self.step_rows.labels(rep).set(eng.get("step_rows", 0.0))
         self.step_seqs.labels(rep).set(eng.get("step_sequences", 0.0))
         self.step_s.labels(rep).set(eng.get("step_s", 0.0))
+        collected = eng.get("gc")
+        if collected:
+            for g in range(3):
+                self.gc_collections.labels(rep, str(g)).set(collected["collections"][g])
+                self.gc_seconds.labels(rep, str(g)).set(collected["seconds"][g])
+                self.gc_longest.labels(rep, str(g)).set(collected["longest_ms"][g] / 1e3)
         pool = eng.get("kv_pool")
         if pool:
             self.kv_usage.labels(rep).set(pool["usage"])

@@ -876,9 +876,14 @@ def test_models_health_metrics(local):
         "toolspec_kv_pool_usage",
         'toolspec_kv_pool_blocks{replica="',
         "toolspec_prefix_cache_hit_rate",
+        'toolspec_gc_collections{generation="2",replica="',
+        "toolspec_gc_seconds",
+        "toolspec_gc_longest_seconds",
     ):
         assert name in text, name
     assert health.json()["engine"]["engine"]["kv_pool"]["blocks"] > 0
+    collected = health.json()["engine"]["engine"]["gc"]
+    assert len(collected["collections"]) == len(collected["seconds"]) == len(collected["longest_ms"]) == 3
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
