@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from collections import deque
 
 
 class GcClock:
@@ -22,10 +23,13 @@ class GcClock:
     The callbacks run on whichever thread a collection starts on, under the GIL, one collection at
     a time, so a start is always followed by its own stop."""
 
+    RECENT = 16  # full collections kept with their time (``recent_full``)
+
     def __init__(self):
         self.collections = [0, 0, 0]
         self.seconds = [0.0, 0.0, 0.0]
         self.longest = [0.0, 0.0, 0.0]
+        self.recent_full: deque[tuple[float, float, int]] = deque(maxlen=self.RECENT)  # (wall clock, s, frozen)
         self._started: float | None = None
 
     def __call__(self, phase: str, info: dict) -> None:
@@ -40,14 +44,21 @@ class GcClock:
         self.collections[g] += 1
         self.seconds[g] += spent
         self.longest[g] = max(self.longest[g], spent)
+        if g == 2:  # when, how long, and whether the heap was frozen yet (a replica's init collects once, then freezes)
+            self.recent_full.append((time.time(), spent, gc.get_freeze_count()))
 
     def snapshot(self) -> dict:
         """What /health reports: per generation 0 / 1 / 2, counts, seconds, the longest pause in
-        ms; the objects frozen out of every collection and the collector's thresholds."""
+        ms; the last full collections (when, how long, the objects frozen out of them then); the
+        objects frozen out of every collection now and the collector's thresholds."""
         return {
             "collections": list(self.collections),
             "seconds": [round(s, 4) for s in self.seconds],
             "longest_ms": [round(1e3 * s, 3) for s in self.longest],
+            "recent_full": [
+                {"at": round(at, 3), "ms": round(1e3 * spent, 3), "frozen_objects": frozen}
+                for at, spent, frozen in self.recent_full
+            ],
             "frozen_objects": gc.get_freeze_count(),
             "thresholds": list(gc.get_threshold()),
         }

@@ -20,6 +20,9 @@ def test_a_full_collection_is_counted_and_timed():
     assert after["collections"][2] == before["collections"][2] + 1
     assert after["seconds"][2] > before["seconds"][2] and after["longest_ms"][2] > 0
     assert after["thresholds"] == list(gc.get_threshold())
+    last = after["recent_full"][-1]
+    assert last["ms"] > 0 and last["frozen_objects"] == gc.get_freeze_count() and last["at"] > 0
+    assert len(after["recent_full"]) <= GcClock.RECENT
 
 
 def test_a_stop_without_its_start_is_not_counted():
