@@ -17,7 +17,7 @@ def test_a_full_collection_is_counted_and_timed():
     del garbage
     gc.collect(2)
     after = clock.snapshot()
-    assert after["collections"][2] == before["collections"][2] + 1
+    assert after["collections"][2] >= before["collections"][2] + 1  # other threads may collect too
     assert after["seconds"][2] > before["seconds"][2] and after["longest_ms"][2] > 0
     assert after["thresholds"] == list(gc.get_threshold())
     last = after["recent_full"][-1]
