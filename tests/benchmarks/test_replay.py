@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -119,29 +118,3 @@ def test_committed_recording_replays_through_the_batch_bench(tmp_path):
     for rec in recs:
         for item, out in rec["outputs"].items():
             assert out["tokens"] == rows[(rec["benchmark"], item)][:64]
-
-
-@pytest.mark.skipif(not RECORDING.exists(), reason="no recording")
-def test_drafting_parts_are_timed_on_the_replay_and_put_back(tmp_path):
-    """``draft_profile --parts``: every part of a drafter's step timed per drafted sequence-step on
-    the replay, the expansion's candidate objects counted against those it returns, and the
-    drafting functions it wrapped put back afterwards."""
-    from benchmarks.studies import draft_profile
-    from toolspec_core.drafters.toolcall import drafter
-
-    before = (drafter.SchemaDrafter._draft, drafter.candidates_to_tree, drafter.continuations)
-    out = tmp_path / "parts.json"
-    assert (
-        draft_profile.main(
-            ["--parts", "--batch", "2", "--limit", "2", "--max-new-tokens", "32", "--out", str(tmp_path / "run")]
-            + ["--data", str(RECORDING.parent / "toolalpaca.dev.jsonl.gz"), "--json", str(out)]
-        )
-        == 0
-    )
-    res = json.loads(out.read_text())
-    assert res["drafted_sequence_steps"] > 0
-    ms = res["ms_per_drafted_sequence_step"]
-    assert {name for _, name in draft_profile.PARTS} >= set(ms) and ms[draft_profile.PARTS[0][1]] > 0
-    assert ms[draft_profile.PARTS[0][1]] >= ms["schema candidates (continuations)"]
-    assert res["candidate_objects_per_expansion"] >= res["candidates_returned_per_expansion"] > 0
-    assert (drafter.SchemaDrafter._draft, drafter.candidates_to_tree, drafter.continuations) == before
