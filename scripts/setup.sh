@@ -21,6 +21,18 @@ fi
 # toolspec_core/model/rows_attention.py); without it those rows keep SDPA and such a model's greedy
 # output equals plain greedy's only up to near-ties.
 .venv/bin/python -c "from toolspec_core.model import rows_attention; print('rows attention:', 'built' if rows_attention.load() else 'unavailable (SDPA: bf16 greedy exact up to near-ties)')"
-# The drafting kernels (toolspec_core/drafters/tree_kernel.py, a second each): without a C compiler or
-# Python's headers each part drafts in Python instead -- the same trees, more host time per step.
-.venv/bin/python -c "from toolspec_core.drafters import tree_kernel as k; print('drafting kernels:', ', '.join(f'{n} ' + ('built' if f() else f'unavailable (no C compiler / Python headers: {py})') for n, f, py in [('tree merge', k.load, 'Python merge'), ('suffix walk', k.load_suffix, 'Python walk'), ('ASCII BPE', k.load_bpe, 'the tokenizer encodes')]))"
+# The C kernels (toolspec_core/native.py, a second each): the drafters' (drafters/tree_kernel.py) and the
+# budget's cut (spec/tree.py). Without a C compiler or Python's headers each part runs in Python
+# instead -- the same trees and cuts, more host time per step.
+.venv/bin/python - <<'PY'
+from toolspec_core.drafters import tree_kernel as k
+from toolspec_core.spec.tree import cut_kernel
+
+parts = [
+    ("tree merge", k.load, "Python merge"),
+    ("suffix walk", k.load_suffix, "Python walk"),
+    ("ASCII BPE", k.load_bpe, "the tokenizer encodes"),
+    ("budget cut", cut_kernel, "Python cut"),
+]
+print("C kernels:", ", ".join(f"{n} " + ("built" if f() else f"unavailable (no C compiler / Python headers: {py})") for n, f, py in parts))
+PY

