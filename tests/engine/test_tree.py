@@ -161,6 +161,9 @@ def test_the_compiled_cut_is_the_python_one():
             curve = curve[: rng.randint(1, len(curve))]  # a curve shorter than the rows
         base = rng.randint(len(trees), len(trees) + 3)
         cap = rng.choice([None, None, 1, 3, 8])
+        if rng.random() < 0.1:  # a tree built from tuples (fields a caller made)
+            t = trees[0]
+            trees[0] = DraftTree(tuple(t.tokens), tuple(t.parents), tuple(t.conf), tuple(t.labels))
         fast = allocate_batch(trees, curve, base, cap)
         ref = allocate_batch(trees, curve, base, cap, compiled=False)
         assert fast.left_out == ref.left_out

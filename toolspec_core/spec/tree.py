@@ -241,7 +241,7 @@ def allocate_batch(
     kernel = cut_kernel() if compiled else None
     if kernel is not None:
         kept, left_out = kernel.cut(
-            [(t.parents, t.conf) for t in trees],
+            [(_as_list(t.parents), _as_list(t.conf)) for t in trees],
             cost if isinstance(cost, list) else [float(c) for c in cost],
             base_rows,
             -1 if max_nodes is None else max_nodes,
@@ -272,6 +272,11 @@ def allocate_batch(
                 p = tree.parents[p]
         out.append(select(tree, list(nodes)) if len(nodes) < len(tree) else tree)
     return Allocation(out, -ranked[best_n][0] if best_n < len(ranked) else 0.0)
+
+
+def _as_list(xs) -> list:
+    """``xs`` itself where it is a list (a tree's fields are), else a list of it (the C cut reads lists)."""
+    return xs if type(xs) is list else list(xs)
 
 
 def best_prefix(tokens: list[float], cost: list[float], base_rows: int) -> int:
