@@ -31,7 +31,7 @@ def cache_root() -> Path:
 
 
 def build_dir() -> Path:
-    return cache_root() / "kernels" / f"tree-merge-{sysconfig.get_config_var('SOABI')}"
+    return cache_root() / "kernels" / f"c-{sysconfig.get_config_var('SOABI')}"
 
 
 def build(source: Path, directory: Path | None = None, name: str | None = None) -> Path:

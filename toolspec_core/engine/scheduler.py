@@ -140,8 +140,9 @@ class Scheduler:
 
     ``cost``: the budget's curve over total rows of a forward (None: trees as drafted); ``pool``:
     the KV block pool sequences are admitted into (None: each sequence grows its own cache);
-    ``device_walk``: walk greedy trees where the argmax is (None: as the target's ``device_walk`` says, where that is an accelerator --
-    on the CPU there is no device-to-host copy to save, so the plain Python walk is kept);
+    ``device_walk``: walk greedy trees where the argmax is (None: as the target's ``device_walk``
+    says, asked once: on an accelerator; on the CPU there is no device-to-host copy to save, so the
+    plain Python walk is kept);
     ``overlap``: run the step's host work that needs no result of it while the forward runs
     (:meth:`_beside_forward`; None: :func:`forward_overlaps_host` -- on where the target's
     forward runs elsewhere, an accelerator's; False runs it inline before the forward).

@@ -288,20 +288,22 @@ class Sequence:
         strings each token's text is searched as it comes (a stop string ends the output at the
         token that writes it); without, the step's tokens go in at once (``Stopper.take``)."""
         before = len(self.generated)
-        if not self.stopper.ends and new:  # no text to search: the stop decided for all at once
+        keep = logprobs is not None and self.logprobs is not None
+        if self.stopper.ends:  # stop strings: each token's text searched as it comes
+            for k, tok in enumerate(new):
+                self.tokens.append(tok)
+                self.generated.append(tok)
+                if keep:
+                    self.logprobs.append(logprobs[k])
+                self.reason = self.stopper.done(self.generated)
+                if self.reason:
+                    break
+        elif new:  # no text to search: the stop decided for all of them at once
             n, self.reason = self.stopper.take(before, new)
             self.tokens += new[:n]
             self.generated += new[:n]
-            if logprobs is not None and self.logprobs is not None:
+            if keep:
                 self.logprobs += logprobs[:n]
-        for k, tok in enumerate(new if self.stopper.ends else ()):
-            self.tokens.append(tok)
-            self.generated.append(tok)
-            if logprobs is not None and self.logprobs is not None:
-                self.logprobs.append(logprobs[k])
-            self.reason = self.stopper.done(self.generated)
-            if self.reason:
-                break
         if self.on_tokens is not None and self.on_tokens(self.generated[before:]) is False:
             self.reason = self.reason or "cancelled"
 

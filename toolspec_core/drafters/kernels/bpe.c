@@ -497,18 +497,7 @@ static PyObject *label_tokens(PyObject *self, PyObject *args) {
         if (!lab) goto fail;
         Py_INCREF(lab);
         PyList_SET_ITEM(out, i, lab);
-        PyObject *t = PyList_GET_ITEM(toks, i);
-        PyObject *c = PyDict_GetItemWithError(chars, t);
-        long long nc;
-        if (c) {
-            nc = PyLong_AsLongLong(c);
-        } else {
-            if (PyErr_Occurred()) goto fail;
-            PyObject *r = PyObject_CallOneArg(chars_of, t);
-            if (!r) goto fail;
-            nc = PyLong_AsLongLong(r);
-            Py_DECREF(r);
-        }
+        long long nc = token_chars(PyList_GET_ITEM(toks, i), chars, chars_of);
         if (nc == -1 && PyErr_Occurred()) goto fail;
         pos += nc;
     }
