@@ -32,6 +32,7 @@ parts = [
     ("tree merge", k.load, "Python merge"),
     ("suffix walk", k.load_suffix, "Python walk"),
     ("ASCII BPE", k.load_bpe, "the tokenizer encodes"),
+    ("candidate walk", k.load_walk, "Python walk of the expansion graph"),
     ("budget cut", cut_kernel, "Python cut"),
 ]
 print("C kernels:", ", ".join(f"{n} " + ("built" if f() else f"unavailable (no C compiler / Python headers: {py})") for n, f, py in parts))

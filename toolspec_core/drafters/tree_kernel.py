@@ -33,6 +33,8 @@ SUFFIX_SOURCE = Path(__file__).parent / "kernels" / "suffix_walk.c"
 SUFFIX_NAME = "toolspec_suffix_walk"
 BPE_SOURCE = Path(__file__).parent / "kernels" / "bpe.c"
 BPE_NAME = "toolspec_bpe"
+WALK_SOURCE = Path(__file__).parent / "kernels" / "cand_walk.c"
+WALK_NAME = "toolspec_cand_walk"
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,3 +53,9 @@ def load_suffix():
 def load_bpe():
     """The compiled ASCII byte-level BPE encoder (``make``, ``encode``), or None."""
     return load_module(BPE_SOURCE, BPE_NAME, "TOOLSPEC_BPE_KERNEL", "the boundary tokenizer encodes with the tokenizer")
+
+
+@functools.lru_cache(maxsize=1)
+def load_walk():
+    """The compiled walk of the schema candidates' expansion graph (``walk``), or None."""
+    return load_module(WALK_SOURCE, WALK_NAME, "TOOLSPEC_WALK_KERNEL", "schema candidates are walked in Python")

@@ -19,6 +19,7 @@ from toolspec_core.drafters.toolcall.objkeys import CLOSE, KeyIndex, key_candida
 from toolspec_core.drafters.toolcall.schema import enum_values, variants
 from toolspec_core.drafters.toolcall.schema import properties as schema_properties
 from toolspec_core.drafters.toolcall.values import date_values, numbers_for, wants_date
+from toolspec_core.drafters.tree_kernel import load_walk
 from toolspec_core.spec.labels import (
     ARG_NAME,
     CALL_KEY,
@@ -84,6 +85,7 @@ class Priors:
 
     tool_counts: dict[str, float] = field(default_factory=dict)
     layout_counts: dict[str, float] = field(default_factory=dict)
+    version: int = 0  # counts the changes (``SchemaMethod.observe``): expansion graphs are per version
     # P(an output opens with a call), P(text follows a call's closer that is text): learned from the
     # outputs served (``SchemaMethod.observe``), starting from these priors
     events: LabelRates = field(
@@ -123,28 +125,224 @@ def _past_values(past: list[tuple[str, dict]], name: str, key: str) -> list[tupl
 
 
 class _Cut(list):
-    """No continuations because all were left out as below the floor (``_Builder.under``): unlike
+    """No continuations because all were left out as below the floor (``_Walk.under``): unlike
     an empty list, not "nothing follows"."""
 
 
+_NO_SCHEMA: dict = {}  # an argument without a schema: one object, so its nodes are shared
+
 SLACK = 1e-9  # relative margin on the floor: a bound multiplies in another order than the candidate's prob
 
+# The expansion as a graph (``Graph``): a node is a tuple of instructions, each
+# (kind, prob, child, slot, segs, nonempty) -- ``segs`` the segments it writes (a tuple of Seg),
+# ``nonempty`` whether any of them writes something, ``child`` the node it expands (a node id).
+SEQ = 0  # segs, then each candidate of ``child`` expanded under factor prob; segs alone (a leaf) if none
+SEQ_LEAF = 1  # segs alone, a leaf with prob (nothing follows)
+SHARED = 2  # ``child`` expanded under prob once, kept in ``slot`` for the SEQ_SHAREDs after it
+SEQ_SHARED = 3  # as SEQ, with the candidates kept in ``slot``
+LEAF = 4  # a leaf: one of the floor's probabilities
+CAND = 5  # a candidate that is not one of the floor's (keys of undescribed objects)
+MUL = 6  # ``child`` expanded under prob, each candidate's probability times prob
+DIV = 7  # ``child`` expanded under 1 / prob, each candidate's probability divided by prob (a count)
+INLINE = 8  # ``child``'s candidates as they are
 
-class _Builder:
-    """Expands continuations for one tracker position; small recursive helpers, one per structure.
+
+class _Shared:
+    """An expansion several branches follow with (``_Builder.shared``): emitted once, before the
+    first of them."""
+
+    __slots__ = ("prob", "child", "slot", "emitted")
+
+    def __init__(self, prob: float, child: int, slot: int):
+        self.prob, self.child, self.slot, self.emitted = prob, child, slot, False
+
+
+class Graph:
+    """The expansion graph of one request's candidate builder, built as walks reach its nodes.
+
+    Node ``i`` is ``nodes[i]`` (a tuple of instructions), or None until a walk first reaches it:
+    ``build(i)`` then runs the builder method it stands for (``thunks[i]``). A node is named by
+    its method and arguments (``index``), so every branch that leads to the same structure (the
+    arguments after a value, whichever value it was) shares it, and a later step finds it built:
+    the schemas, the request's past calls, values and the priors are expanded once, each step
+    only walks. Valid while what the builder reads of the tracker stays the same (``style_key``).
+    """
+
+    __slots__ = ("nodes", "thunks", "index", "slots")
+
+    def __init__(self):
+        self.nodes: list[tuple | None] = []
+        self.thunks: list[tuple] = []  # (bound builder method, its arguments) per node
+        self.index: dict[tuple, int] = {}
+        self.slots = 0  # SHARED slots handed out
+
+    def node(self, fn, args: tuple) -> int:
+        # a schema is a dict: named by identity (the thunk holds it, so the id is not reused)
+        key = (fn.__name__,) + tuple(id(a) if a.__class__ is dict else a for a in args)
+        i = self.index.get(key)
+        if i is None:
+            i = self.index[key] = len(self.nodes)
+            self.nodes.append(None)
+            self.thunks.append((fn, args))
+        return i
+
+    def build(self, i: int) -> tuple:
+        instrs = self.nodes[i]
+        if instrs is None:
+            fn, args = self.thunks[i]
+            instrs = self.nodes[i] = tuple(fn(*args))
+        return instrs
+
+
+def style_key(tr: CallTracker, priors: Priors, own) -> tuple:
+    """What the builder's node methods read of the tracker and the request beside their arguments:
+    the output's JSON style, the call being written (its indent; inside a calls array or not;
+    calls finished), this output's finished calls (``own``, by identity) and the priors' version.
+    A graph built under one key serves every position with the same key."""
+    call = tr.frame("call")
+    return (
+        tr.pretty,
+        tr.indent_unit,
+        tr.kv_sep,
+        tr.item_sep,
+        tr.root,
+        call.indent if call is not None else None,
+        tr.frame("calls") is not None,
+        bool(tr.calls),
+        id(own),
+        priors.version,
+    )
+
+
+class Graphs:
+    """A request's expansion graphs by ``style_key`` (a few: the style moves with the output;
+    the least recently used is dropped)."""
+
+    SIZE = 4
+
+    def __init__(self):
+        self._by_key: dict[tuple, tuple[Graph, object]] = {}
+
+    def get(self, tr: CallTracker, priors: Priors, own) -> Graph:
+        key = style_key(tr, priors, own)
+        hit = self._by_key.pop(key, None)
+        if hit is None:
+            hit = (Graph(), own)  # holds ``own``: its id in the key is not reused while the graph lives
+            if len(self._by_key) >= self.SIZE:
+                self._by_key.pop(next(iter(self._by_key)))
+        self._by_key[key] = hit
+        return hit[0]
+
+
+class _Walk:
+    """Walks a graph from a root: the candidates, expanded under the floors (the Python
+    reference of ``cand_walk.c``'s ``walk``, bit for bit).
 
     Bounded expansion (``keep``): only the ``keep`` most probable candidates are returned, so a
     branch whose candidates are all less probable than ``keep`` candidates already expanded is
     not expanded. Every factor of a candidate's probability is at most 1, so a branch's bound is
     the product of the factors above it (``mult``); the floor is the ``keep``-th largest
-    probability of the leaves expanded so far (``_best``). A cut branch still counts as
-    non-empty (``_cuts``): its parent must not become a candidate of its own. The result after
+    probability of the leaves expanded so far (``best``). A cut branch still counts as
+    non-empty (``cuts``): its parent must not become a candidate of its own. The result after
     the cut (``continuations``) is the full expansion's, candidate for candidate and in order.
 
     The budget's floor (``min_prob``) is another matter: a branch whose bound is below it is not
     expanded at all, and its parent's segments end a candidate with the branch's probability, as
     where ``levels`` run out -- its nodes could not be kept, but the mass it adds to the nodes
     above it counts. The expansion is then that of a shallower tree, bounded or not alike.
+    """
+
+    def __init__(self, graph: Graph, keep: int, min_prob: float):
+        self.graph, self.keep, self.min_prob = graph, keep, min_prob
+        self.mult = 1.0  # product of the probability factors above the branch being expanded
+        self.best: list[float] = []  # min-heap: the ``keep`` largest leaf probabilities so far
+        self.cuts = 0  # branches left out as below the floor
+
+    def below(self, prob: float) -> bool:
+        """Whether every candidate of a branch with factor ``prob`` here is below the floor."""
+        if not self.keep:
+            return False
+        floor = self.best[0] if len(self.best) >= self.keep else 0.0
+        if self.mult * prob * (1.0 + SLACK) < floor:
+            self.cuts += 1
+            return True
+        return False
+
+    def leaf(self, segs: tuple, nonempty: bool, prob: float) -> Cand:
+        """A candidate nothing follows; its probability (times ``mult``, the factors above it) is
+        one of the floor's, so every factor a caller multiplies in later is in ``mult`` already."""
+        if self.keep and nonempty:
+            p = self.mult * prob
+            if p > 0:
+                (heapq.heappush if len(self.best) < self.keep else heapq.heappushpop)(self.best, p)
+        return Cand(list(segs), prob)
+
+    def under(self, prob: float, child: int) -> list:
+        """``child`` expanded with factor ``prob`` above it (for a list several branches share, the
+        largest of their factors); a ``_Cut`` where all of it was below the floor."""
+        if self.below(prob):
+            return _Cut()
+        if self.mult * prob < self.min_prob:
+            return []  # below the budget's floor: nothing follows, the caller's segments carry the mass
+        outer, cuts = self.mult, self.cuts
+        self.mult = outer * prob
+        out = self.run(self.graph.build(child))
+        self.mult = outer
+        return out if out or self.cuts == cuts else _Cut()
+
+    def then(self, segs: tuple, nonempty: bool, prob: float, tails: list) -> list[Cand]:
+        if not tails:
+            if tails.__class__ is _Cut:
+                return []  # what follows was cut: every candidate here is below the floor
+            return [self.leaf(segs, nonempty, prob)]
+        return [Cand(list(segs) + t.segs, prob * t.prob) for t in tails]
+
+    def run(self, instrs) -> list[Cand]:
+        out: list[Cand] = []
+        shared: dict[int, list] = {}
+        for kind, prob, child, slot, segs, nonempty in instrs:
+            if kind == SEQ:
+                out += self.then(segs, nonempty, prob, self.under(prob, child))
+            elif kind == SEQ_LEAF:
+                if not self.below(prob):
+                    out.append(self.leaf(segs, nonempty, prob))
+            elif kind == SHARED:
+                shared[slot] = self.under(prob, child)
+            elif kind == SEQ_SHARED:
+                if not self.below(prob):
+                    out += self.then(segs, nonempty, prob, shared[slot])
+            elif kind == LEAF:
+                out.append(self.leaf(segs, nonempty, prob))
+            elif kind == CAND:
+                out.append(Cand(list(segs), prob))
+            elif kind == MUL:
+                out += [Cand(c.segs, c.prob * prob) for c in self.under(prob, child)]
+            elif kind == DIV:
+                out += [Cand(c.segs, c.prob / prob) for c in self.under(1.0 / prob, child)]
+            else:  # INLINE
+                out += self.run(self.graph.build(child))
+        return out
+
+
+def walk(graph: Graph, root, keep: int, min_prob: float, max_cands: int) -> list[Cand]:
+    """The candidates of ``root`` (instructions) over ``graph``: non-empty, most probable first,
+    at most ``max_cands`` (``_Walk``; ``cand_walk.c`` is its compiled twin)."""
+    cands = _Walk(graph, keep, min_prob).run(root)
+    cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
+    cands.sort(key=lambda c: -c.prob)
+    return cands[:max_cands]
+
+
+def _instr(kind: int, prob: float = 1.0, segs=(), child: int = -1, slot: int = -1) -> tuple:
+    segs = tuple(segs)
+    return (kind, prob, child, slot, segs, any(s[0] for s in segs))
+
+
+class _Builder:
+    """Emits the expansion graph for one tracker position; small helpers, one per structure, each
+    returning its node's instructions. What follows a structure is a node of its own
+    (``node``: built when a walk first reaches it, shared by every branch that leads to it), so
+    a step builds only the instructions of its own position (``build``) and walks the rest.
     """
 
     def __init__(
@@ -161,6 +359,7 @@ class _Builder:
         numbers=(),
         tables: CompiledTools | None = None,
         past_memo: dict | None = None,
+        graph: Graph | None = None,
     ):
         self.tr, self.tools, self.priors, self.eos = tr, tools, priors, eos
         # the tool set's compiled schema answers (None: the schema functions, every step)
@@ -174,45 +373,31 @@ class _Builder:
         self.own = list(own)  # (tool name, arguments) of the calls this output has finished
         self.dates = list(dates)  # dates the conversation mentions (values.context_dates)
         self.objects = ([(context_keys, 1.0)] if context_keys is not None else []) + [(tr.objects, OUTPUT_KEYS_WEIGHT)]
-        self.keep = 0  # candidates kept (0: expand every branch)
-        self.min_prob = 0.0  # the budget's floor: branches below it are not expanded (0.0: none)
-        self.mult = 1.0  # product of the probability factors above the branch being expanded
-        self._best: list[float] = []  # min-heap: the ``keep`` largest leaf probabilities so far
-        self._cuts = 0  # branches left out as below the floor
+        self.graph = graph if graph is not None else Graph()
 
-    def _floor(self) -> float:
-        return self._best[0] if len(self._best) >= self.keep else 0.0
+    # ---- instructions ----
+    def node(self, fn, *args) -> int:
+        """The node of ``fn(*args)`` (a method of this builder), built when a walk reaches it."""
+        return self.graph.node(fn, args)
 
-    def _below(self, prob: float) -> bool:
-        """Whether every candidate of a branch with factor ``prob`` here is below the floor."""
-        if self.keep and self.mult * prob * (1.0 + SLACK) < self._floor():
-            self._cuts += 1
-            return True
-        return False
+    def leaf(self, segs: list[Seg], prob: float) -> tuple:
+        return _instr(LEAF, prob, segs)
 
-    def leaf(self, segs: list[Seg], prob: float) -> Cand:
-        """A candidate nothing follows; its probability (times ``mult``, the factors above it) is
-        one of the floor's, so every factor a caller multiplies in later is in ``mult`` already."""
-        if self.keep and any(s[0] for s in segs):
-            p = self.mult * prob
-            if p > 0:
-                (heapq.heappush if len(self._best) < self.keep else heapq.heappushpop)(self._best, p)
-        return Cand(segs, prob)
+    def cand(self, segs: list[Seg], prob: float) -> tuple:
+        return _instr(CAND, prob, segs)
 
-    def under(self, prob: float, fn) -> list:
-        """``fn()`` expanded with factor ``prob`` above it (for a list several branches share, the
-        largest of their factors); a ``_Cut`` where all of it was below the floor."""
-        if self._below(prob):
-            return _Cut()
-        if self.mult * prob < self.min_prob:
-            return []  # below the budget's floor: nothing follows, the caller's segments carry the mass
-        outer, cuts = self.mult, self._cuts
-        self.mult = outer * prob
-        try:
-            out = fn()
-        finally:
-            self.mult = outer
-        return out if out or self._cuts == cuts else _Cut()
+    def shared(self, prob: float, child: int) -> _Shared:
+        """``child`` expanded once under ``prob`` (the largest factor of the branches that follow
+        with it: ``seq`` with this as ``tails``)."""
+        self.graph.slots += 1
+        return _Shared(prob, child, self.graph.slots)
+
+    def scaled(self, prob: float, child: int) -> list[tuple]:
+        """``child``'s candidates, expanded under ``prob`` and their probabilities times it."""
+        return [_instr(MUL, prob, child=child)]
+
+    def inline(self, child: int) -> list[tuple]:
+        return [_instr(INLINE, child=child)]
 
     def tool_weights(self, names: list[str]) -> list[float]:
         """Learned tool frequencies, half the mass moved to the tools this output already called."""
@@ -273,45 +458,43 @@ class _Builder:
     def rest(expected_ws: str, since: str) -> str:
         return expected_ws[len(since) :] if expected_ws.startswith(since) else ""
 
-    # ---- structures (each returns list[Cand]) ----
-    def seq(self, segs: list[Seg], tails, prob: float = 1.0) -> list[Cand]:
-        """``segs`` then each of ``tails`` (a list, or a function that expands them, called with
-        ``prob`` above it), or ``segs`` alone when nothing follows."""
-        if callable(tails):
-            tails = self.under(prob, tails)
-        elif self._below(prob):
-            return []
-        if not tails:
-            if tails.__class__ is _Cut:
-                return []  # what follows was cut: every candidate here is below the floor
-            return [self.leaf(list(segs), prob)]
-        return [Cand(segs + t.segs, prob * t.prob) for t in tails]  # ``segs + ...``: a new list each
+    # ---- structures (each returns its instructions) ----
+    def seq(self, segs: list[Seg], tails, prob: float = 1.0) -> list[tuple]:
+        """``segs`` then each candidate of ``tails`` (a node, expanded with ``prob`` above it, or a
+        ``shared`` expansion), or ``segs`` alone when nothing follows (``tails`` None)."""
+        if tails is None:
+            return [_instr(SEQ_LEAF, prob, segs)]
+        if tails.__class__ is _Shared:
+            out = [] if tails.emitted else [_instr(SHARED, tails.prob, child=tails.child, slot=tails.slot)]
+            tails.emitted = True
+            return out + [_instr(SEQ_SHARED, prob, segs, slot=tails.slot)]
+        return [_instr(SEQ, prob, segs, child=tails)]
 
     def call_body(
         self, layout: Layout, call_indent: int, lv: int, label: str | None = None, key: str | None = None
-    ) -> list[Cand]:
+    ) -> list[tuple]:
         """From just after the call's '{': "name": "<tool>", "arguments": {...}. ``key``: the text
         still to write up to the end of the "name" key (default: all of it, after the opening
         whitespace). The head is labelled as the tracker's position says (``head_label``) unless
         ``label`` is given."""
         key = self.ws_in(call_indent, layout) + '"name"' if key is None else key
         head = [(key + self.tr.kv_sep + '"', label or self.head_label())]
-        return self.seq(head, lambda: self.tool_names("", layout, call_indent, lv))
+        return self.seq(head, self.node(self.tool_names, "", layout, call_indent, lv))
 
-    def tool_names(self, prefix: str, layout: Layout, call_indent: int, lv: int) -> list[Cand]:
+    def tool_names(self, prefix: str, layout: Layout, call_indent: int, lv: int) -> list[tuple]:
         names = [n for n in self.tools.names if n.startswith(prefix)]
         if not names:
             return []
         out = []
         for name, w in zip(names, self.tool_weights(names)):
             segs = [(name[len(prefix) :] + '"', TOOL_NAME)]
-            tail = (lambda n=name: self.after_name(n, layout, call_indent, lv - 1)) if lv > 0 else None
+            tail = self.node(self.after_name, name, layout, call_indent, lv - 1) if lv > 0 else None
             out += self.seq(segs, tail, w)
         return out
 
     def after_name(
         self, name: str, layout: Layout, call_indent: int, lv: int, since: str = "", after_comma: bool = False
-    ) -> list[Cand]:
+    ) -> list[tuple]:
         """From after the tool name's closing quote (or, ``after_comma``, the comma that follows it)."""
         key = layout.args_key if layout else "arguments"
         text = (
@@ -320,21 +503,19 @@ class _Builder:
             else self.sep(call_indent, layout)
         )
         segs = [(text + '"' + key + '"' + self.tr.kv_sep + "{", CALL_KEY)]
-        return self.seq(
-            segs,
-            lambda: self.args_open(name, layout, call_indent + self.tr.indent_unit if self.pretty(layout) else 0, lv),
-        )
+        indent = call_indent + self.tr.indent_unit if self.pretty(layout) else 0
+        return self.seq(segs, self.node(self.args_open, name, layout, indent, lv))
 
-    def args_open(self, name: str, layout: Layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
+    def args_open(self, name: str, layout: Layout, args_indent: int, lv: int, since: str = "") -> list[tuple]:
         free = self.tools.free(name)  # a tool the request does not offer: a key of unknown name, most likely
         if not free and not self.tools.properties(name):
-            return self.seq([("}", CALL_KEY)], lambda: self.close_call(layout, lv)) if lv >= 0 else []
+            return self.seq([("}", CALL_KEY)], self.node(self.close_call, layout, lv)) if lv >= 0 else []
         ws = self.rest(self.ws_in(args_indent, layout), since)
         if free:
             return [self.leaf([(ws + '"', CALL_KEY)], FREE_MORE)]
-        return self.seq([(ws + '"', CALL_KEY)], lambda: self.arg_names(name, [], "", layout, args_indent, lv))
+        return self.seq([(ws + '"', CALL_KEY)], self.node(self.arg_names, name, (), "", layout, args_indent, lv))
 
-    def arg_weights(self, name: str, used: list[str], cands: list[str]) -> list[float]:
+    def arg_weights(self, name: str, used: tuple[str, ...], cands: list[str]) -> list[float]:
         props = list(self.tools.properties(name))
         req = set(self.tools.required(name))
         last = props.index(used[-1]) if used and used[-1] in props else -1
@@ -349,7 +530,7 @@ class _Builder:
         s = sum(w)
         return [x / s for x in w]
 
-    def _past_next_args(self, name: str, used: list[str]) -> dict[str, float]:
+    def _past_next_args(self, name: str, used: tuple[str, ...]) -> dict[str, float]:
         """Share of past calls of ``name`` whose next argument after ``used`` was each name."""
         nxt: dict[str, float] = {}
         calls = [list(a) for n, a in self.past + self.own if n == name and isinstance(a, dict)]
@@ -359,7 +540,7 @@ class _Builder:
                 nxt[rest[0]] = nxt.get(rest[0], 0.0) + 1.0 / len(calls)
         return nxt
 
-    def arg_names(self, name: str, used: list[str], prefix: str, layout, args_indent: int, lv: int) -> list[Cand]:
+    def arg_names(self, name: str, used: tuple, prefix: str, layout, args_indent: int, lv: int) -> list[tuple]:
         if self.tools.free(name):  # unknown names: the one being typed may end here (as in ``in_object``)
             return [self.leaf([('"' + self.tr.kv_sep, ARG_NAME)], FREE_KEY_END)] if prefix else []
         props = self.tools.properties(name)
@@ -368,50 +549,50 @@ class _Builder:
         for a, w in zip(cands, self.arg_weights(name, used, cands)):
             segs = [(a[len(prefix) :] + '"' + self.tr.kv_sep, ARG_NAME)]
             tail = (
-                (lambda a=a: self.value_start(name, used + [a], props.get(a) or {}, layout, args_indent, lv - 1))
+                self.node(self.value_start, name, used + (a,), props.get(a) or _NO_SCHEMA, layout, args_indent, lv - 1)
                 if lv > 0
                 else None
             )
             out += self.seq(segs, tail, w)
         return out
 
-    def value_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
+    def value_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[tuple]:
         """Values earlier calls of this tool passed here, then the typed openings."""
         seen = self.seen_values(name, used[-1]) if used else []
         out = []
         for v, share, label in seen:
             out += self.seq(
-                [(_json_scalar(v), label)], lambda: self.after_value(name, used, layout, args_indent, lv - 1), share
+                [(_json_scalar(v), label)], self.node(self.after_value, name, used, layout, args_indent, lv - 1), share
             )
         rest = 1.0 - sum(sh for _, sh, _ in seen)
         derived = self.derived(used[-1], schema) if used else []
         if derived:
             shares = _rank_shares(len(derived), DATE_SHARE * rest)
-            after = self.under(shares[0], lambda: self.after_value(name, used, layout, args_indent, lv - 1))
+            after = self.shared(shares[0], self.node(self.after_value, name, used, layout, args_indent, lv - 1))
             for v, share in zip(derived, shares):
                 out += self.seq([('"', VALUE), (v, DERIVED), ('"', VALUE)], after, share)
             rest *= 1.0 - DATE_SHARE
-        typed = self.under(rest, lambda: self.typed_start(name, used, schema, layout, args_indent, lv))
-        return out + [Cand(c.segs, c.prob * rest) for c in typed]
+        return out + self.scaled(rest, self.node(self.typed_start, name, used, schema, layout, args_indent, lv))
 
-    def typed_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
+    def typed_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[tuple]:
         """Typed value openings, the schema's alternatives (``anyOf`` / ``oneOf`` branches, type
         lists) sharing the mass: enum values, booleans, null, numbers from the context, the quote of
         a string, an array's or object's opening."""
         alts = self.tables.variants(schema) if self.tables is not None else variants(schema)
-        out = []
-        for v in alts:
-            start = self.under(1.0 / len(alts), lambda v=v: self._typed_start(name, used, v, layout, args_indent, lv))
-            out += [Cand(c.segs, c.prob / len(alts)) for c in start]
-        return out
+        n = float(len(alts))
+        return [
+            _instr(DIV, n, child=self.node(self._typed_start, name, used, v, layout, args_indent, lv)) for v in alts
+        ]
 
-    def _typed_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[Cand]:
+    def _typed_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[tuple]:
         typ = schema.get("type")
         enum = schema.get("enum")
 
         def after(top: float):  # what follows the value, shared by its branches (top: their largest factor)
             return (
-                self.under(top, lambda: self.after_value(name, used, layout, args_indent, lv - 1)) if lv > 0 else None
+                self.shared(top, self.node(self.after_value, name, used, layout, args_indent, lv - 1))
+                if lv > 0
+                else None
             )
 
         if self.tables is not None:  # the opening kind and the enum's JSON, compiled once per tool set
@@ -444,7 +625,7 @@ class _Builder:
             return [self.leaf([("{", VALUE)], BRACKET_OPENS)]
         return []
 
-    def after_value(self, name, used, layout, args_indent: int, lv: int, since: str = "") -> list[Cand]:
+    def after_value(self, name, used, layout, args_indent: int, lv: int, since: str = "") -> list[tuple]:
         """After an argument value: the next argument, or close arguments + call + layout."""
         if lv < 0:
             return []
@@ -463,14 +644,14 @@ class _Builder:
             sep = self.sep(args_indent, layout)
             sep = "," + self.rest(sep[1:], since) if since else sep
             out += self.seq(
-                [(sep + '"', CALL_KEY)], lambda: self.arg_names(name, used, "", layout, args_indent, lv), p_more
+                [(sep + '"', CALL_KEY)], self.node(self.arg_names, name, used, "", layout, args_indent, lv), p_more
             )
         if p_more < 1:
             ws = self.rest(self.ws_close(args_indent, layout), since)
-            out += self.seq([(ws + "}", END)], lambda: self.close_call(layout, lv), 1 - p_more)
+            out += self.seq([(ws + "}", END)], self.node(self.close_call, layout, lv), 1 - p_more)
         return out
 
-    def close_call(self, layout: Layout | None, lv: int, since: str = "") -> list[Cand]:
+    def close_call(self, layout: Layout | None, lv: int, since: str = "") -> list[tuple]:
         """From after the arguments' '}' (and ``since``, whitespace already written after it): the
         call's '}', the layout closer, then end of turn (a structured answer: the end of turn)."""
         if self.tr.root is not None:
@@ -479,13 +660,15 @@ class _Builder:
         call_indent = call.indent if call is not None else 0
         text = self.rest(self.ws_close(call_indent, layout), since) + "}"
         if self.tr.frame("calls") is None and layout is not None:
-            return self.seq(
-                [(text, END)],
-                lambda: self.after_closer(layout.closer) if layout.closer else self.after_bare_call(layout, ""),
+            after = (
+                self.node(self.after_closer, layout.closer)
+                if layout.closer
+                else self.node(self.after_bare_call, layout, "")
             )
+            return self.seq([(text, END)], after)
         return [self.leaf([(text, END)], 1.0)]
 
-    def after_closer(self, rest: str) -> list[Cand]:
+    def after_closer(self, rest: str) -> list[tuple]:
         """The rest of the layout's closer, then the end of the turn -- or, for a closer that is
         text, a paragraph of prose: its first token differs ("``" + "`\\n\\n", not "```"), so
         both are drafted."""
@@ -494,20 +677,20 @@ class _Builder:
         p = self.priors.prose_after
         return [self.leaf([(rest, END), (tuple(self.eos[:1]), END)], 1.0 - p), self.leaf([(rest + "\n\n", END)], p)]
 
-    def end_turn(self) -> list[Cand]:
+    def end_turn(self) -> list[tuple]:
         return [self.leaf([(tuple(self.eos[:1]), END)], 1.0)]
 
-    def answer_open(self) -> list[Cand]:
+    def answer_open(self) -> list[tuple]:
         """A structured answer from its start: '{' and its keys, compact or pretty-printed."""
         if self.tr.text_since_json.strip():
             return []
         out = []
         for lay in (BARE, BARE_PRETTY):
-            out += self.seq([("{", OPENER)], lambda lay=lay: self.args_open(self.tr.root, lay, 0, self.levels), 0.5)
+            out += self.seq([("{", OPENER)], self.node(self.args_open, self.tr.root, lay, 0, self.levels), 0.5)
         return out
 
     # ---- entry: from the tracker's current position ----
-    def build(self) -> list[Cand]:
+    def build(self) -> list[tuple]:
         tr = self.tr
         if not tr.stack and tr.root is not None:
             return self.end_turn() if tr.after_json else self.answer_open()
@@ -520,7 +703,7 @@ class _Builder:
             return self.in_args(top)
         return self.in_object(top) if top.kind == "obj" else self.in_array(top)
 
-    def opener(self) -> list[Cand]:
+    def opener(self) -> list[tuple]:
         text = self.tr.text_since_json
         at_line_start = text == "" or text.endswith("\n")
         # after prose a call starts on a new line, most often once the prose has announced it ("...:\n\n")
@@ -537,10 +720,10 @@ class _Builder:
                 continue
             segs = [(full[j:], OPENER)]
             p = w * (self.priors.call_start if text == "" else (1.0 if j > 0 else p_line))
-            out += self.seq(segs, lambda lay=lay: self.call_body(lay, 0, self.levels), p)
+            out += self.seq(segs, self.node(self.call_body, lay, 0, self.levels), p)
         return out
 
-    def closer(self) -> list[Cand]:
+    def closer(self) -> list[tuple]:
         lay = self.tr.layout
         if lay is None:
             return []
@@ -548,11 +731,10 @@ class _Builder:
         if not lay.closer:
             return self.after_bare_call(lay, written)
         if lay.closer.startswith(written):
-            after = self.under(CLOSER_GOES_ON, lambda: self.after_closer(lay.closer[len(written) :]))
-            return [Cand(c.segs, CLOSER_GOES_ON * c.prob) for c in after]
+            return self.scaled(CLOSER_GOES_ON, self.node(self.after_closer, lay.closer[len(written) :]))
         return []
 
-    def after_bare_call(self, layout: Layout, written: str) -> list[Cand]:
+    def after_bare_call(self, layout: Layout, written: str) -> list[tuple]:
         """After a bare call's '}' and the ``written`` whitespace: the end of the turn, or a new line
         and another object -- a next call (its head learned apart: ``next_call``) or, small models, a
         made-up tool result; both begin with '{"'. Qwen writes "}}\n" as one token, so the new line
@@ -561,10 +743,10 @@ class _Builder:
         if line not in ("", "\n"):
             return []
         p = NEXT_OBJECT_AFTER_NEWLINE if line else NEXT_OBJECT
-        nxt = self.seq([(self.rest("\n", line) + "{", END)], lambda: self.call_body(layout, 0, 0, NEXT_CALL), p)
+        nxt = self.seq([(self.rest("\n", line) + "{", END)], self.node(self.call_body, layout, 0, 0, NEXT_CALL), p)
         return [self.leaf([(tuple(self.eos[:1]), END)], 1.0 - p)] + nxt
 
-    def in_call(self, f: Frame) -> list[Cand]:
+    def in_call(self, f: Frame) -> list[tuple]:
         tr, lay = self.tr, self.tr.layout
         lv = self.levels
         if tr.in_str == "key":
@@ -575,7 +757,7 @@ class _Builder:
                 return self.call_body(lay, f.indent, lv, key=need[len(tr.buf) :] + '"')
             return self.seq(
                 [(need[len(tr.buf) :] + '"' + tr.kv_sep + "{", CALL_KEY)],
-                lambda: self.args_open(tr.name, lay, self._args_indent(f, lay), lv),
+                self.node(self.args_open, tr.name, lay, self._args_indent(f, lay), lv),
             )
         if tr.in_str == "value" and f.key == "name":
             return self.tool_names(tr.buf, lay, f.indent, lv)
@@ -586,13 +768,13 @@ class _Builder:
                 tr.name or "", lay, f.indent, lv, since=tr.since, after_comma=True
             )  # a step may end on the comma
         if f.expect in ("colon", "value") and f.key == "name":
-            return self.seq([(self.after_colon(f) + '"', CALL_KEY)], lambda: self.tool_names("", lay, f.indent, lv))
+            return self.seq([(self.after_colon(f) + '"', CALL_KEY)], self.node(self.tool_names, "", lay, f.indent, lv))
         if f.expect == "next" and f.key == "name":
             return self.after_name(tr.name or "", lay, f.indent, lv, since=tr.since)
         if f.expect in ("colon", "value") and f.key in ("arguments", "parameters"):
             return self.seq(
                 [(self.after_colon(f) + "{", CALL_KEY)],
-                lambda: self.args_open(tr.name, lay, self._args_indent(f, lay), lv),
+                self.node(self.args_open, tr.name, lay, self._args_indent(f, lay), lv),
             )
         if f.expect == "next":
             return self.close_call(lay, lv, since=tr.since) if self.tr.frame("args") is None else []
@@ -608,40 +790,46 @@ class _Builder:
         props = schema_properties(f.schema) if isinstance(f.schema, dict) else {}
         return key_candidates(self.objects, f.parent_key, list(f.keys), prefix, list(props))
 
-    def in_object(self, f: Frame) -> list[Cand]:
+    def in_object(self, f: Frame) -> list[tuple]:
         """An object no tool schema describes: its next key (or its end), as the objects seen so far
         suggest. The value is left to value drafting."""
         tr, lay = self.tr, self.tr.layout
         if tr.in_str == "key":
             # a key seen before, or (keys end at token boundaries more often than not) this one ends here
             out = [
-                Cand([(k[len(tr.buf) :] + '"' + tr.kv_sep, OBJ_KEY)], SEEN_KEY * p)
+                self.cand([(k[len(tr.buf) :] + '"' + tr.kv_sep, OBJ_KEY)], SEEN_KEY * p)
                 for k, p in self.object_keys(f, tr.buf)
             ]
-            return out + ([Cand([('"' + tr.kv_sep, OBJ_KEY)], KEY_ENDS if out else KEY_ENDS_UNSEEN)] if tr.buf else [])
+            return out + (
+                [self.cand([('"' + tr.kv_sep, OBJ_KEY)], KEY_ENDS if out else KEY_ENDS_UNSEEN)] if tr.buf else []
+            )
         if f.expect == "key":
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
-            return [Cand([(ws + '"' + k + '"' + tr.kv_sep, OBJ_KEY)], p) for k, p in self.object_keys(f) if k != CLOSE]
+            return [
+                self.cand([(ws + '"' + k + '"' + tr.kv_sep, OBJ_KEY)], p) for k, p in self.object_keys(f) if k != CLOSE
+            ]
         return self.object_next(f, tr.since) if f.expect == "next" else []
 
-    def object_next(self, f: Frame, since: str) -> list[Cand]:
+    def object_next(self, f: Frame, since: str) -> list[tuple]:
         """After a value: the separator and the next key, or the object's end."""
         out = []
         for k, p in self.object_keys(f):
             if k == CLOSE:
-                out.append(Cand([(self.rest(self.ws_close(f.indent, self.tr.layout), since) + "}", OBJ_KEY)], p))
+                out.append(self.cand([(self.rest(self.ws_close(f.indent, self.tr.layout), since) + "}", OBJ_KEY)], p))
             elif not since:
-                out.append(Cand([(self.sep(f.indent, self.tr.layout) + '"' + k + '"' + self.tr.kv_sep, OBJ_KEY)], p))
+                out.append(
+                    self.cand([(self.sep(f.indent, self.tr.layout) + '"' + k + '"' + self.tr.kv_sep, OBJ_KEY)], p)
+                )
         return out
 
-    def in_array(self, f: Frame) -> list[Cand]:
+    def in_array(self, f: Frame) -> list[tuple]:
         """After an array's object element: the next record with the same first key, or the end."""
         tr, lay = self.tr, self.tr.layout
         if f.expect != "next" or tr.since or f.parent_key not in tr.objects.first:
             return []
         firsts = [(k, p) for k, p in key_candidates([(tr.objects, 1.0)], f.parent_key, []) if k != CLOSE]
         out = [
-            Cand(
+            self.cand(
                 [
                     (
                         self.sep(f.indent, lay)
@@ -658,7 +846,7 @@ class _Builder:
             )
             for k, p in firsts
         ]
-        return out + [Cand([(self.ws_close(f.indent, lay) + "]", OBJ_KEY)], 1.0 - NEXT_RECORD)]
+        return out + [self.cand([(self.ws_close(f.indent, lay) + "]", OBJ_KEY)], 1.0 - NEXT_RECORD)]
 
     def head_label(self) -> str:
         """Label of a call's opening key: a second object after a finished call is learned apart
@@ -675,20 +863,20 @@ class _Builder:
     def _args_indent(self, call: Frame, lay) -> int:
         return call.indent + self.tr.indent_unit if self.pretty(lay) else 0
 
-    def in_args(self, f: Frame) -> list[Cand]:
+    def in_args(self, f: Frame) -> list[tuple]:
         tr, lay, lv = self.tr, self.tr.layout, self.levels
         name = tr.name or ""
-        used = [k for k in f.keys if k is not None]
+        used = tuple(k for k in f.keys if k is not None)
         if tr.in_str == "key":
             return self.arg_names(name, used, tr.buf, lay, f.indent, lv)  # the key being typed is not in f.keys yet
         if f.expect == "key":
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
-            return self.seq([(ws + '"', CALL_KEY)], lambda: self.arg_names(name, used, "", lay, f.indent, lv))
-        schema = self.tools.properties(name).get(f.key or "") or {}
+            return self.seq([(ws + '"', CALL_KEY)], self.node(self.arg_names, name, used, "", lay, f.indent, lv))
+        schema = self.tools.properties(name).get(f.key or "") or _NO_SCHEMA
         if f.expect == "colon" or (f.expect == "value" and not tr.in_str and not tr.in_scalar):
             ws = self.after_colon(f)  # the separator, or (a step may end on the colon) its space still to come
-            starts = lambda: self.value_start(name, used, schema, lay, f.indent, lv)  # noqa: E731
-            return self.seq([(ws, CALL_KEY)], starts) if ws else starts()
+            starts = self.node(self.value_start, name, used, schema, lay, f.indent, lv)
+            return self.seq([(ws, CALL_KEY)], starts) if ws else self.inline(starts)
         if tr.in_str == "value":
             return self.string_value(name, used, schema, lay, f.indent, lv)
         if tr.in_scalar:
@@ -697,7 +885,7 @@ class _Builder:
             return self.after_value(name, used, lay, f.indent, lv, since=tr.since)
         return []
 
-    def string_value(self, name, used, schema, lay, indent, lv) -> list[Cand]:
+    def string_value(self, name, used, schema, lay, indent, lv) -> list[tuple]:
         buf = self.tr.buf
         enum = self.tables.enum_values(schema) if self.tables is not None else enum_values(schema)
         if isinstance(enum, list):
@@ -706,7 +894,7 @@ class _Builder:
             for v in vals:
                 out += self.seq(
                     [(v[len(buf) :] + '"', VALUE)],
-                    lambda: self.after_value(name, used, lay, indent, lv - 1),
+                    self.node(self.after_value, name, used, lay, indent, lv - 1),
                     1.0 / len(vals),
                 )
             return out
@@ -719,7 +907,7 @@ class _Builder:
         derived = [v for v in self.derived(used[-1], schema) if v.startswith(buf) and len(v) > len(buf)] if used else []
         shares = _rank_shares(len(derived), DATE_TEXT_SHARE)
         top = max([STRING_ENDS] + [sh for _, _, sh in seen] + shares)
-        after = self.under(top, lambda: self.after_value(name, used, lay, indent, lv - 1))
+        after = self.shared(top, self.node(self.after_value, name, used, lay, indent, lv - 1))
         out = self.seq([('"', VALUE)], after, STRING_ENDS)
         for text, label, share in seen:
             out += self.seq([(text, label)], after, share)
@@ -727,13 +915,14 @@ class _Builder:
             out += self.seq([(v[len(buf) :], DERIVED), ('"', VALUE)], after, share)
         return out
 
-    def scalar_value(self, name, used, schema, lay, indent, lv) -> list[Cand]:
+    def scalar_value(self, name, used, schema, lay, indent, lv) -> list[tuple]:
         buf = self.tr.buf
         for word in ("true", "false", "null"):
             if word.startswith(buf) and word != buf:
-                return self.seq([(word[len(buf) :], VALUE)], lambda: self.after_value(name, used, lay, indent, lv - 1))
-        after = self.under(NUMBER_ENDS, lambda: self.after_value(name, used, lay, indent, lv - 1))
-        return [Cand(c.segs, c.prob * NUMBER_ENDS) for c in after]
+                return self.seq(
+                    [(word[len(buf) :], VALUE)], self.node(self.after_value, name, used, lay, indent, lv - 1)
+                )
+        return self.scaled(NUMBER_ENDS, self.node(self.after_value, name, used, lay, indent, lv - 1))
 
 
 def _rank_shares(n: int, total: float) -> list[float]:
@@ -772,6 +961,8 @@ def continuations(
     tables: CompiledTools | None = None,
     past_memo: dict | None = None,
     min_prob: float = 0.0,
+    graphs: Graphs | None = None,
+    compiled: bool = True,
 ) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first.
 
@@ -788,12 +979,17 @@ def continuations(
     ``bounded``: expand only branches that can reach the ``max_cands`` kept (the same result;
     ``False`` expands every branch, the reference the tests compare against).
     ``min_prob``: the budget's floor (``DraftContext.min_prob``): a branch less probable is not
-    expanded; what leads to it ends a candidate there (``_Builder``).
+    expanded; what leads to it ends a candidate there (``_Walk``).
+    ``graphs``: the request's expansion graphs, kept across its steps (None: one for this call;
+    the caller passes the same ``past``, ``dates``, ``numbers``, ``tables``, ``levels`` and ``eos``
+    every step, and ``own`` as a new list whenever it changes). ``compiled``: walk the graph in
+    ``cand_walk.c`` where it is built (else, and as the reference, ``walk``).
     """
-    b = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys, own, numbers, tables, past_memo)
-    b.keep = max_cands if bounded else 0
-    b.min_prob = min_prob
-    cands = b.build()
-    cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
-    cands.sort(key=lambda c: -c.prob)
-    return cands[:max_cands]
+    graph = graphs.get(tr, priors, own) if graphs is not None else Graph()
+    b = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys, own, numbers, tables, past_memo, graph)
+    root = b.build()
+    keep = max_cands if bounded else 0
+    kernel = load_walk() if compiled else None
+    if kernel is None:
+        return walk(graph, root, keep, min_prob, max_cands)
+    return [Cand(segs, prob) for prob, segs in kernel.walk(root, graph.nodes, graph.build, keep, min_prob, max_cands)]

@@ -18,7 +18,7 @@ from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter, walk_batch
 from toolspec_core.drafters.suffix_trie import SuffixTrie
 from toolspec_core.drafters.toolcall.boundary import TAIL_TOKENS, BoundaryTokenizer
-from toolspec_core.drafters.toolcall.candidates import Cand, Priors, continuations
+from toolspec_core.drafters.toolcall.candidates import Cand, Graphs, Priors, continuations
 from toolspec_core.drafters.toolcall.compiled import CompiledTools, ToolSetCache
 from toolspec_core.drafters.toolcall.fsm import RESPONSE, CallTracker, ToolIndex
 from toolspec_core.drafters.toolcall.library import CallLibrary, MemoryLibrary, PastCall, as_past_call
@@ -263,6 +263,8 @@ class SchemaDrafter(DrafterBase):
         # values of them: fixed for the request, so built once, not every step
         self._past = [(c.tool_name, c.arguments) for c in retrieval.calls] if retrieval is not None else []
         self._past_memo: dict | None = None if reference else {}
+        # the schema candidates' expansion, kept across steps (None: expanded afresh every step)
+        self._graphs: Graphs | None = None if reference else Graphs()
         self._tokenize = (lambda tail, segs: tables.candidate(bt.tokenize, tail, segs)) if tables else None
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
         self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
@@ -375,6 +377,8 @@ class SchemaDrafter(DrafterBase):
             tables=self.tables,
             past_memo=self._past_memo,
             min_prob=min_prob,
+            graphs=self._graphs,
+            compiled=not self.reference,
         )
 
     def _own_calls(self) -> list[tuple[str, dict]]:
@@ -625,17 +629,21 @@ class SchemaMethod:
             return
         parsed = parse_tool_calls(text)
         spans = parsed.spans
-        with self._lock:  # drafters only read the counts (.get): each change is one dict store
+        # drafters only read the counts (.get): each change is one dict store; the version moves
+        # after them, so a drafter's expansion graph (``candidates.Graphs``) is rebuilt on them
+        with self._lock:
             self.priors.events.count("call_start", bool(spans) and not text[: spans[0][0]].strip())
-            if not parsed.calls:
-                return
-            for _, end in spans:  # after a closer that is text (a fence, a tag): does the output go on?
-                if text[:end].rstrip().endswith(TEXT_CLOSERS):
-                    self.priors.events.count("prose_after", bool(text[end:].strip()))
-            for c in parsed.calls:
-                self.priors.tool_counts[c.name] = self.priors.tool_counts.get(c.name, 0.0) + 1.0
-            lay = layout_of(text).name
-            self.priors.layout_counts[lay] = self.priors.layout_counts.get(lay, 0.0) + 1.0
+            if parsed.calls:
+                for _, end in spans:  # after a closer that is text (a fence, a tag): does the output go on?
+                    if text[:end].rstrip().endswith(TEXT_CLOSERS):
+                        self.priors.events.count("prose_after", bool(text[end:].strip()))
+                for c in parsed.calls:
+                    self.priors.tool_counts[c.name] = self.priors.tool_counts.get(c.name, 0.0) + 1.0
+                lay = layout_of(text).name
+                self.priors.layout_counts[lay] = self.priors.layout_counts.get(lay, 0.0) + 1.0
+            self.priors.version += 1
+        if not parsed.calls:
+            return
         if self.library is not None and req.remember:
             for c in parsed.calls:
                 self.library.add(

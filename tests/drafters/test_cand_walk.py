@@ -1,0 +1,146 @@
+"""The schema candidates' expansion graph (``candidates.Graph``) and its compiled walk
+(``kernels/cand_walk.c``): the compiled walk is the Python walk bit for bit, on random graphs
+(every instruction kind, cuts under both floors, ties, empty segments, shared slots, nodes built
+as the walk reaches them) and at every character of real gold calls; graphs kept across an
+output's positions give what a fresh one gives, and are rebuilt when the priors change."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from benchmarks.datasets import dev_set, read_jsonl
+from toolspec_core.drafters import tree_kernel
+from toolspec_core.drafters.toolcall import candidates as cd
+from toolspec_core.drafters.toolcall.candidates import Graph, Graphs, Priors, continuations
+from toolspec_core.drafters.toolcall.compiled import compile_tools
+from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
+from toolspec_core.drafters.toolcall.values import context_dates, context_numbers
+from toolspec_core.spec.layouts import layout_by_name, render_calls
+
+kernel = tree_kernel.load_walk()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler / Python headers here")
+
+SEGS = [(), (("", "v"),), (("a", "k"),), (("b", "v"), ("", "v")), ((("x",), "end"),), (("c", "k"), ("d", "v"))]
+
+
+def _random_graph(rng: random.Random, n_nodes: int) -> tuple[Graph, list]:
+    """A graph of ``n_nodes`` nodes (children always later nodes: acyclic), built on demand, and a
+    root; probabilities from a few values (ties) and random ones, some zero."""
+    g = Graph()
+    probs = [1.0, 0.5, 0.25, 0.0, 1 / 3]
+
+    def prob():
+        return rng.choice(probs) if rng.random() < 0.4 else rng.random()
+
+    def instrs(i: int) -> list:
+        out, slot = [], None
+        for _ in range(rng.randrange(0, 6)):
+            later = rng.randrange(i + 1, n_nodes) if i + 1 < n_nodes else None
+            kinds = [cd.SEQ_LEAF, cd.LEAF, cd.CAND] + ([cd.SEQ, cd.SHARED, cd.MUL, cd.DIV, cd.INLINE] if later else [])
+            kinds += [cd.SEQ_SHARED] * 2 if slot is not None else []
+            kind = rng.choice(kinds)
+            segs = rng.choice(SEGS)
+            if kind == cd.SHARED:
+                g.slots += 1
+                slot = g.slots
+                out.append(cd._instr(cd.SHARED, prob(), child=later, slot=slot))
+            elif kind == cd.SEQ_SHARED:
+                out.append(cd._instr(cd.SEQ_SHARED, prob(), segs, slot=slot))
+            elif kind == cd.DIV:
+                out.append(cd._instr(cd.DIV, float(rng.randrange(1, 4)), child=later))
+            else:
+                out.append(cd._instr(kind, prob(), segs, child=later if later is not None else -1))
+        return out
+
+    for i in range(n_nodes):
+        g.node(instrs, (i,))
+    return g, instrs(-1) if n_nodes else []
+
+
+def _walk_both(g_args, keep, min_prob, max_cands):
+    seed, n = g_args
+    g1, root1 = _random_graph(random.Random(seed), n)
+    g2, root2 = _random_graph(random.Random(seed), n)
+    py = [(c.prob, c.segs) for c in cd.walk(g1, root1, keep, min_prob, max_cands)]
+    c = kernel.walk(root2, g2.nodes, g2.build, keep, min_prob, max_cands)
+    built = [i for i, x in enumerate(g2.nodes) if x is not None]
+    return py, c, built, [i for i, x in enumerate(g1.nodes) if x is not None]
+
+
+@needs_kernel
+@pytest.mark.parametrize("keep", [0, 1, 3, 8])
+@pytest.mark.parametrize("min_prob", [0.0, 0.05, 0.3])
+def test_the_compiled_walk_is_the_python_walk_on_random_graphs(keep, min_prob):
+    nonempty = 0
+    for seed in range(300):
+        py, c, built_c, built_py = _walk_both((seed, 1 + seed % 12), keep, min_prob, 5 + seed % 7)
+        assert c == py, seed
+        assert built_c == built_py, seed  # the same nodes reached, so the same ones built
+        nonempty += bool(py)
+    assert nonempty > 100
+
+
+def _gold_walk(n_per: int):
+    """(tracker at every character, tools, request extras, tables) along real gold calls."""
+    for bench in ("api_bank", "bfcl_v3", "toolalpaca"):
+        for it in read_jsonl(dev_set(bench), n_per):
+            idx = ToolIndex.from_tools(it["tools"])
+            prose = " ".join(str(m.get("content") or "") for m in it["messages"])
+            past = [(c["name"], c.get("arguments") or {}) for c in it["gold_calls"]]
+            extra = dict(past=past, numbers=context_numbers(prose), dates=context_dates(prose))
+            for layout in ("hermes", "fence"):
+                text = render_calls(it["gold_calls"], layout_by_name(layout))
+                yield idx, extra, compile_tools(it["tools"], None), text
+
+
+@needs_kernel
+def test_kept_graphs_walked_compiled_give_a_fresh_python_expansions_candidates():
+    """At every character of gold calls: the drafter's way (graphs kept across the output's
+    positions, the compiled walk) and a fresh graph walked in Python agree candidate for candidate
+    (segments, probability, order) at the cuts and floors the drafter uses."""
+    checked = 0
+    for idx, extra, tables, text in _gold_walk(3):
+        graphs, own, pri = Graphs(), [], Priors()
+        t = CallTracker(idx)
+        for k in range(len(text) + 1):
+            if k:
+                t.feed(text[k - 1])
+            if len(t.calls) != len(own):
+                own = extra["past"][: len(t.calls)]  # a new list whenever it changes, as the drafter's
+            for keep, floor in ((64, 0.0), (64, 0.02), (8, 0.0)):
+                kw = dict(max_cands=keep, min_prob=floor, own=own, tables=tables, **extra)
+                kept = continuations(t, idx, pri, [7], graphs=graphs, **kw)
+                fresh = continuations(t, idx, pri, [7], compiled=False, **kw)
+                assert [(c.segs, c.prob) for c in kept] == [(c.segs, c.prob) for c in fresh], text[:k]
+                checked += 1
+    assert checked > 3000
+
+
+def test_a_graph_is_rebuilt_when_the_priors_change():
+    """Tool frequencies are read when a node is built: after ``observe`` moves them (and the
+    version), a kept graph must not serve the old weights."""
+    idx = ToolIndex.from_tools([{"name": n, "parameters": {"type": "object", "properties": {}}} for n in "ab"])
+    t = CallTracker(idx)
+    t.feed('<tool_call>\n{"name"')  # the names are a node of the graph, not the step's own instructions
+    pri, graphs = Priors(), Graphs()
+    before = {c.segs[-1][0]: c.prob for c in continuations(t, idx, pri, [0], levels=0, graphs=graphs)}
+    assert before == pytest.approx({'a"': 0.5, 'b"': 0.5})
+    pri.tool_counts["a"] = 2.0
+    pri.version += 1
+    after = {c.segs[-1][0]: c.prob for c in continuations(t, idx, pri, [0], levels=0, graphs=graphs)}
+    assert after == pytest.approx({'a"': 0.75, 'b"': 0.25})
+
+
+def test_graphs_keep_a_few_styles_and_drop_the_least_recently_used():
+    idx = ToolIndex.from_tools([])
+    pri, graphs = Priors(), Graphs()
+    t = CallTracker(idx)
+    owns = [[] for _ in range(Graphs.SIZE + 2)]  # a new ``own`` list: a new style key
+    first = graphs.get(t, pri, owns[0])
+    for own in owns[1:]:
+        graphs.get(t, pri, own)
+    assert len(graphs._by_key) == Graphs.SIZE
+    assert graphs.get(t, pri, owns[-1]) is graphs.get(t, pri, owns[-1])
+    assert graphs.get(t, pri, owns[0]) is not first  # dropped, built anew
