@@ -1,8 +1,9 @@
 """The schema candidates' expansion graph (``candidates.Graph``) and its compiled walk
 (``kernels/cand_walk.c``): the compiled walk is the Python walk bit for bit, on random graphs
-(every instruction kind, cuts under both floors, ties, empty segments, shared slots, nodes built
-as the walk reaches them) and at every character of real gold calls; graphs kept across an
-output's positions give what a fresh one gives, and are rebuilt when the priors change."""
+(every instruction kind and level op, cuts under both floors and the levels, ties, empty
+segments, shared slots, nodes built as the walk reaches them) and at every character of real
+gold calls; a graph kept across an output's positions gives what a fresh one gives, and builds
+again exactly the nodes that read what changed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from benchmarks.datasets import dev_set, read_jsonl
 from toolspec_core.drafters import tree_kernel
 from toolspec_core.drafters.toolcall import candidates as cd
-from toolspec_core.drafters.toolcall.candidates import Graph, Graphs, Priors, continuations
+from toolspec_core.drafters.toolcall.candidates import Graph, Priors, _Ref, continuations
 from toolspec_core.drafters.toolcall.compiled import compile_tools
 from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
 from toolspec_core.drafters.toolcall.values import context_dates, context_numbers
@@ -34,37 +35,43 @@ def _random_graph(rng: random.Random, n_nodes: int) -> tuple[Graph, list]:
     def prob():
         return rng.choice(probs) if rng.random() < 0.4 else rng.random()
 
-    def instrs(i: int) -> list:
-        out, slot = [], None
-        for _ in range(rng.randrange(0, 6)):
-            later = rng.randrange(i + 1, n_nodes) if i + 1 < n_nodes else None
-            kinds = [cd.SEQ_LEAF, cd.LEAF, cd.CAND] + ([cd.SEQ, cd.SHARED, cd.MUL, cd.DIV, cd.INLINE] if later else [])
-            kinds += [cd.SEQ_SHARED] * 2 if slot is not None else []
-            kind = rng.choice(kinds)
-            segs = rng.choice(SEGS)
-            if kind == cd.SHARED:
-                g.slots += 1
-                slot = g.slots
-                out.append(cd._instr(cd.SHARED, prob(), child=later, slot=slot))
-            elif kind == cd.SEQ_SHARED:
-                out.append(cd._instr(cd.SEQ_SHARED, prob(), segs, slot=slot))
-            elif kind == cd.DIV:
-                out.append(cd._instr(cd.DIV, float(rng.randrange(1, 4)), child=later))
-            else:
-                out.append(cd._instr(kind, prob(), segs, child=later if later is not None else -1))
-        return out
+    class Builder:
+        def instrs(self, i: int) -> list:
+            out, slot = [], None
+            for _ in range(rng.randrange(0, 6)):
+                later = rng.randrange(i + 1, n_nodes) if i + 1 < n_nodes else None
+                kinds = [cd.SEQ_LEAF, cd.LEAF, cd.CAND, cd.GUARD]
+                kinds += [cd.SEQ, cd.SHARED, cd.MUL, cd.DIV, cd.INLINE] if later is not None else []
+                kinds += [cd.SEQ_SHARED] * 2 if slot is not None else []
+                kind = rng.choice(kinds)
+                segs = rng.choice(SEGS)
+                ref = _Ref(later if later is not None else -1, rng.choice([cd.SAME, cd.DOWN, cd.DOWN_IF, cd.ZERO]))
+                if kind == cd.SHARED:
+                    g.slots += 1
+                    slot = g.slots
+                    out.append(cd._instr(cd.SHARED, prob(), child=ref, slot=slot))
+                elif kind == cd.SEQ_SHARED:
+                    out.append(cd._instr(cd.SEQ_SHARED, prob(), segs, slot=slot))
+                elif kind == cd.DIV:
+                    out.append(cd._instr(cd.DIV, float(rng.randrange(1, 4)), child=ref))
+                elif kind == cd.INLINE:
+                    out.append(cd._instr(cd.INLINE, child=_Ref(later, cd.SAME)))
+                else:
+                    out.append(cd._instr(kind, prob(), segs, child=ref))
+            return out
 
+    g.builder, g.style = Builder(), {}
     for i in range(n_nodes):
-        g.node(instrs, (i,))
-    return g, instrs(-1) if n_nodes else []
+        g.node("instrs", (i,))
+    return g, g.builder.instrs(-1)
 
 
-def _walk_both(g_args, keep, min_prob, max_cands):
+def _walk_both(g_args, keep, min_prob, max_cands, levels):
     seed, n = g_args
     g1, root1 = _random_graph(random.Random(seed), n)
     g2, root2 = _random_graph(random.Random(seed), n)
-    py = [(c.prob, c.segs) for c in cd.walk(g1, root1, keep, min_prob, max_cands)]
-    c = kernel.walk(root2, g2.nodes, g2.build, keep, min_prob, max_cands)
+    py = [(c.prob, c.segs) for c in cd.walk(g1, root1, keep, min_prob, max_cands, levels)]
+    c = kernel.walk(root2, g2.nodes, g2.build, keep, min_prob, max_cands, levels)
     built = [i for i, x in enumerate(g2.nodes) if x is not None]
     return py, c, built, [i for i, x in enumerate(g1.nodes) if x is not None]
 
@@ -75,7 +82,7 @@ def _walk_both(g_args, keep, min_prob, max_cands):
 def test_the_compiled_walk_is_the_python_walk_on_random_graphs(keep, min_prob):
     nonempty = 0
     for seed in range(300):
-        py, c, built_c, built_py = _walk_both((seed, 1 + seed % 12), keep, min_prob, 5 + seed % 7)
+        py, c, built_c, built_py = _walk_both((seed, 1 + seed % 12), keep, min_prob, 5 + seed % 7, seed % 4)
         assert c == py, seed
         assert built_c == built_py, seed  # the same nodes reached, so the same ones built
         nonempty += bool(py)
@@ -102,7 +109,7 @@ def test_kept_graphs_walked_compiled_give_a_fresh_python_expansions_candidates()
     (segments, probability, order) at the cuts and floors the drafter uses."""
     checked = 0
     for idx, extra, tables, text in _gold_walk(3):
-        graphs, own, pri = Graphs(), [], Priors()
+        graph, own, pri = Graph(), [], Priors()
         t = CallTracker(idx)
         for k in range(len(text) + 1):
             if k:
@@ -111,36 +118,60 @@ def test_kept_graphs_walked_compiled_give_a_fresh_python_expansions_candidates()
                 own = extra["past"][: len(t.calls)]  # a new list whenever it changes, as the drafter's
             for keep, floor in ((64, 0.0), (64, 0.02), (8, 0.0)):
                 kw = dict(max_cands=keep, min_prob=floor, own=own, tables=tables, **extra)
-                kept = continuations(t, idx, pri, [7], graphs=graphs, **kw)
+                kept = continuations(t, idx, pri, [7], graph=graph, **kw)
                 fresh = continuations(t, idx, pri, [7], compiled=False, **kw)
                 assert [(c.segs, c.prob) for c in kept] == [(c.segs, c.prob) for c in fresh], text[:k]
                 checked += 1
     assert checked > 3000
 
 
-def test_a_graph_is_rebuilt_when_the_priors_change():
+def test_a_node_is_built_again_when_what_it_read_changes():
     """Tool frequencies are read when a node is built: after ``observe`` moves them (and the
-    version), a kept graph must not serve the old weights."""
-    idx = ToolIndex.from_tools([{"name": n, "parameters": {"type": "object", "properties": {}}} for n in "ab"])
+    version), a kept graph must not serve the old weights -- and only the nodes that read the
+    priors are built again."""
+    tools = [{"name": n, "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}} for n in "ab"]
+    idx = ToolIndex.from_tools(tools)
     t = CallTracker(idx)
     t.feed('<tool_call>\n{"name"')  # the names are a node of the graph, not the step's own instructions
-    pri, graphs = Priors(), Graphs()
-    before = {c.segs[-1][0]: c.prob for c in continuations(t, idx, pri, [0], levels=0, graphs=graphs)}
-    assert before == pytest.approx({'a"': 0.5, 'b"': 0.5})
+    pri, graph = Priors(), Graph()
+
+    def names():
+        return {c.segs[1][0]: c.prob for c in continuations(t, idx, pri, [0], levels=0, graph=graph)}
+
+    assert names() == pytest.approx({'a"': 0.5, 'b"': 0.5})
+    continuations(t, idx, pri, [0], levels=3, graph=graph)  # the calls' structure below the names
+    built = {i for i, n in enumerate(graph.nodes) if n is not None}
     pri.tool_counts["a"] = 2.0
     pri.version += 1
-    after = {c.segs[-1][0]: c.prob for c in continuations(t, idx, pri, [0], levels=0, graphs=graphs)}
-    assert after == pytest.approx({'a"': 0.75, 'b"': 0.25})
+    graph.sync(cd.style(t, pri, ()))
+    dropped = {graph.thunks[i][0] for i in built if graph.nodes[i] is None}
+    kept = {graph.thunks[i][0] for i in built if graph.nodes[i] is not None}
+    assert dropped == {"tool_names"}
+    assert {"args_open", "arg_names", "value_start", "typed_start"} <= kept
+    assert names() == pytest.approx({'a"': 0.75, 'b"': 0.25})
 
 
-def test_graphs_keep_a_few_styles_and_drop_the_least_recently_used():
-    idx = ToolIndex.from_tools([])
-    pri, graphs = Priors(), Graphs()
-    t = CallTracker(idx)
-    owns = [[] for _ in range(Graphs.SIZE + 2)]  # a new ``own`` list: a new style key
-    first = graphs.get(t, pri, owns[0])
-    for own in owns[1:]:
-        graphs.get(t, pri, own)
-    assert len(graphs._by_key) == Graphs.SIZE
-    assert graphs.get(t, pri, owns[-1]) is graphs.get(t, pri, owns[-1])
-    assert graphs.get(t, pri, owns[0]) is not first  # dropped, built anew
+def test_a_kept_graph_follows_the_priors_and_this_outputs_calls_along_gold_calls():
+    """Along gold calls with the priors moving every few characters (as other requests finish)
+    and this output's calls growing: a kept graph walked compiled == a fresh graph in Python."""
+    rng = random.Random(7)
+    checked = 0
+    for idx, extra, tables, text in _gold_walk(2):
+        graph, own, pri = Graph(), [], Priors()
+        t = CallTracker(idx)
+        for k in range(len(text) + 1):
+            if k:
+                t.feed(text[k - 1])
+            if len(t.calls) != len(own):
+                own = extra["past"][: len(t.calls)]
+            if rng.random() < 0.2:
+                name = rng.choice(idx.names) if idx.names else "x"
+                pri.tool_counts[name] = pri.tool_counts.get(name, 0.0) + 1.0
+                pri.events.count("prose_after", rng.random() < 0.5)
+                pri.version += 1
+            kw = dict(max_cands=64, min_prob=0.01, own=own, tables=tables, **extra)
+            kept = continuations(t, idx, pri, [7], graph=graph, compiled=kernel is not None, **kw)
+            fresh = continuations(t, idx, pri, [7], compiled=False, **kw)
+            assert [(c.segs, c.prob) for c in kept] == [(c.segs, c.prob) for c in fresh], text[:k]
+            checked += 1
+    assert checked > 1000

@@ -3,8 +3,9 @@
  * The candidate builder emits the expansion as a graph of nodes, each a tuple of instructions
  * (kind, prob, child, slot, segs, nonempty); a node not yet built is None in the node list and a
  * Python callable builds it (``Graph.build``) the first time the walk reaches it. This walks the
- * graph from a root under the two floors -- the bounded expansion's (the ``keep``-th largest
- * leaf probability so far, a min-heap) and the budget's (``min_prob``) -- and returns the
+ * graph from a root under the levels (``levels`` at the root; each child at the level its
+ * instruction's ``op`` says) and the two floors -- the bounded expansion's (the ``keep``-th
+ * largest leaf probability so far, a min-heap) and the budget's (``min_prob``) -- and returns the
  * non-empty candidates, most probable first (stable), at most ``max_cands``, as
  * (prob, list of segments). A candidate is a chain of cells (its segments are its cells'
  * ``segs`` tuples in chain order), so a branch's prefix is shared, not copied. Every float is
@@ -16,7 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { SEQ, SEQ_LEAF, SHARED, SEQ_SHARED, LEAF, CAND, MUL, DIV, INLINE };
+enum { SEQ, SEQ_LEAF, SHARED, SEQ_SHARED, LEAF, CAND, MUL, DIV, INLINE, GUARD };
+enum { SAME, DOWN, DOWN_IF, ZERO }; /* a child's level: the parent's, one less, one less if above 0, 0 */
 #define SLACK 1e-9
 #define MAX_SLOTS 16 /* SHARED slots live at once in one node's instructions */
 
@@ -37,6 +39,7 @@ typedef struct {
     PyObject *nodes, *build;
     Py_ssize_t keep;
     double min_prob, mult;
+    long lv; /* levels left below the node being walked */
     double *heap;
     Py_ssize_t hn;
     long cuts;
@@ -152,7 +155,7 @@ static int run(W *w, PyObject *instrs);
 
 /* ``child`` expanded with factor prob above it: its candidates appended to out from the returned
  * start; *cut when all of it was below the floor (-1: error) */
-static Py_ssize_t under(W *w, double prob, Py_ssize_t child, int *cut) {
+static Py_ssize_t under(W *w, double prob, Py_ssize_t child, long op, int *cut) {
     Py_ssize_t s = w->out.n;
     *cut = 0;
     if (below(w, prob)) {
@@ -161,11 +164,13 @@ static Py_ssize_t under(W *w, double prob, Py_ssize_t child, int *cut) {
     }
     if (w->mult * prob < w->min_prob) return s;
     double outer = w->mult;
-    long cuts = w->cuts;
+    long cuts = w->cuts, lv = w->lv;
     w->mult = outer * prob;
+    w->lv = op == SAME ? lv : op == ZERO ? 0 : lv - 1;
     PyObject *ins = node(w, child);
     if (!ins || run(w, ins) < 0) return -1;
     w->mult = outer;
+    w->lv = lv;
     if (w->out.n == s && w->cuts != cuts) *cut = 1;
     return s;
 }
@@ -193,28 +198,44 @@ static int run(W *w, PyObject *instrs) {
     int slot_cut[MAX_SLOTS], nslots = 0, rc = -1;
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *ins = items[k];
-        if (!PyTuple_Check(ins) || PyTuple_GET_SIZE(ins) != 6) {
-            PyErr_SetString(PyExc_TypeError, "cand_walk: an instruction is a 6-tuple");
+        if (!PyTuple_Check(ins) || PyTuple_GET_SIZE(ins) != 7) {
+            PyErr_SetString(PyExc_TypeError, "cand_walk: an instruction is a 7-tuple");
             goto done;
         }
         long kind = PyLong_AsLong(PyTuple_GET_ITEM(ins, 0));
         double prob = PyFloat_AsDouble(PyTuple_GET_ITEM(ins, 1));
         Py_ssize_t child = PyLong_AsSsize_t(PyTuple_GET_ITEM(ins, 2));
-        long slot = PyLong_AsLong(PyTuple_GET_ITEM(ins, 3));
-        PyObject *segs = PyTuple_GET_ITEM(ins, 4);
-        char ne = (char)(PyTuple_GET_ITEM(ins, 5) == Py_True);
+        long op = PyLong_AsLong(PyTuple_GET_ITEM(ins, 3));
+        long slot = PyLong_AsLong(PyTuple_GET_ITEM(ins, 4));
+        PyObject *segs = PyTuple_GET_ITEM(ins, 5);
+        char ne = (char)(PyTuple_GET_ITEM(ins, 6) == Py_True);
         if (PyErr_Occurred()) goto done;
-        int cut;
+        if (!PyTuple_Check(segs)) {
+            PyErr_SetString(PyExc_TypeError, "cand_walk: an instruction's segments are a tuple");
+            goto done;
+        }
+        int cut, spent = op == DOWN_IF && w->lv <= 0; /* the branch ends here: no levels left below */
         Py_ssize_t s;
+        if (kind == GUARD) {
+            if (w->lv < 0) break;
+            continue;
+        }
         switch (kind) {
         case SEQ:
-            if ((s = under(w, prob, child, &cut)) < 0 || then(w, s, cut, segs, ne, prob) < 0) goto done;
+            if (spent) {
+                if (!below(w, prob) && leaf(w, segs, ne, prob) < 0) goto done;
+            } else if ((s = under(w, prob, child, op, &cut)) < 0 || then(w, s, cut, segs, ne, prob) < 0)
+                goto done;
             break;
         case SEQ_LEAF:
             if (!below(w, prob) && leaf(w, segs, ne, prob) < 0) goto done;
             break;
         case SHARED:
-            if ((s = under(w, prob, child, &cut)) < 0) goto done;
+            if (spent) {
+                s = w->out.n;
+                cut = 0;
+            } else if ((s = under(w, prob, child, op, &cut)) < 0)
+                goto done;
             if (nslots == MAX_SLOTS) {
                 PyErr_SetString(PyExc_RuntimeError, "cand_walk: too many shared slots in one node");
                 goto done;
@@ -251,7 +272,7 @@ static int run(W *w, PyObject *instrs) {
         }
         case MUL:
         case DIV:
-            if ((s = under(w, kind == MUL ? prob : 1.0 / prob, child, &cut)) < 0) goto done;
+            if ((s = under(w, kind == MUL ? prob : 1.0 / prob, child, op, &cut)) < 0) goto done;
             for (Py_ssize_t i = s; i < w->out.n; i++) {
                 Py_ssize_t t = w->out.v[i];
                 double p = kind == MUL ? w->c.prob[t] * prob : w->c.prob[t] / prob;
@@ -294,7 +315,9 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     PyObject *root, *nodes, *build;
     Py_ssize_t keep, max_cands;
     double min_prob;
-    if (!PyArg_ParseTuple(args, "OO!Ondn", &root, &PyList_Type, &nodes, &build, &keep, &min_prob, &max_cands))
+    long levels;
+    if (!PyArg_ParseTuple(args, "OO!Ondnl", &root, &PyList_Type, &nodes, &build, &keep, &min_prob, &max_cands,
+                          &levels))
         return NULL;
     W w;
     memset(&w, 0, sizeof w);
@@ -303,6 +326,7 @@ static PyObject *walk(PyObject *self, PyObject *args) {
     w.keep = keep > 0 ? keep : 0;
     w.min_prob = min_prob;
     w.mult = 1.0;
+    w.lv = levels;
     PyObject *result = NULL;
     Py_ssize_t *order = NULL, *pos = NULL;
     double *probs = NULL;
@@ -366,7 +390,7 @@ out:
 
 static PyMethodDef methods[] = {
     {"walk", walk, METH_VARARGS,
-     "walk(root, nodes, build, keep, min_prob, max_cands): the candidates of root, most probable first."},
+     "walk(root, nodes, build, keep, min_prob, max_cands, levels): the candidates of root, most probable first."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from toolspec_core.drafters.base import LabelRates
 from toolspec_core.drafters.toolcall.compiled import CompiledTools
@@ -134,8 +135,11 @@ _NO_SCHEMA: dict = {}  # an argument without a schema: one object, so its nodes 
 SLACK = 1e-9  # relative margin on the floor: a bound multiplies in another order than the candidate's prob
 
 # The expansion as a graph (``Graph``): a node is a tuple of instructions, each
-# (kind, prob, child, slot, segs, nonempty) -- ``segs`` the segments it writes (a tuple of Seg),
-# ``nonempty`` whether any of them writes something, ``child`` the node it expands (a node id).
+# (kind, prob, child, op, slot, segs, nonempty) -- ``segs`` the segments it writes (a tuple of
+# Seg), ``nonempty`` whether any of them writes something, ``child`` the node it expands (a node
+# id) at the level ``op`` says. The walk carries the levels left (``levels`` at the root): what a
+# node drafts does not depend on them, only how far down the walk goes, so a node serves every
+# depth it is reached at.
 SEQ = 0  # segs, then each candidate of ``child`` expanded under factor prob; segs alone (a leaf) if none
 SEQ_LEAF = 1  # segs alone, a leaf with prob (nothing follows)
 SHARED = 2  # ``child`` expanded under prob once, kept in ``slot`` for the SEQ_SHAREDs after it
@@ -145,6 +149,18 @@ CAND = 5  # a candidate that is not one of the floor's (keys of undescribed obje
 MUL = 6  # ``child`` expanded under prob, each candidate's probability times prob
 DIV = 7  # ``child`` expanded under 1 / prob, each candidate's probability divided by prob (a count)
 INLINE = 8  # ``child``'s candidates as they are
+GUARD = 9  # at level -1 the rest of the node is nothing (the levels are spent)
+
+# the level a child is walked at (``op``)
+SAME = 0  # the parent's
+DOWN = 1  # one less
+DOWN_IF = 2  # one less where the parent's is above 0; at 0 the branch ends there (SEQ: a leaf; SHARED: no tails)
+ZERO = 3  # 0
+
+
+class _Ref(NamedTuple):
+    node: int
+    op: int
 
 
 class _Shared:
@@ -153,90 +169,105 @@ class _Shared:
 
     __slots__ = ("prob", "child", "slot", "emitted")
 
-    def __init__(self, prob: float, child: int, slot: int):
+    def __init__(self, prob: float, child: _Ref, slot: int):
         self.prob, self.child, self.slot, self.emitted = prob, child, slot, False
+
+
+def style(tr: CallTracker, priors: Priors, own) -> dict:
+    """What the builder reads of the tracker and the request beyond a node's arguments, by field:
+    the output's JSON style, the call being written (its indent, whether inside a calls array,
+    whether a call has finished), the separator just written, this output's finished calls
+    (``own``) and the priors' version. A node records the fields it read (``Graph.sync``)."""
+    call = tr.frame("call")
+    return {
+        "pretty": tr.pretty,
+        "indent_unit": tr.indent_unit,
+        "kv_sep": tr.kv_sep,
+        "item_sep": tr.item_sep,
+        "event": tr.event,
+        "root": tr.root,
+        "call_indent": call.indent if call is not None else None,
+        "in_calls": tr.frame("calls") is not None,
+        "calls": bool(tr.calls),
+        "own": own,
+        "priors": priors.version,
+    }
+
+
+def _same(a, b) -> bool:
+    return a is b or a == b
 
 
 class Graph:
     """The expansion graph of one request's candidate builder, built as walks reach its nodes.
 
-    Node ``i`` is ``nodes[i]`` (a tuple of instructions), or None until a walk first reaches it:
-    ``build(i)`` then runs the builder method it stands for (``thunks[i]``). A node is named by
-    its method and arguments (``index``), so every branch that leads to the same structure (the
-    arguments after a value, whichever value it was) shares it, and a later step finds it built:
-    the schemas, the request's past calls, values and the priors are expanded once, each step
-    only walks. Valid while what the builder reads of the tracker stays the same (``style_key``).
+    Node ``i`` is ``nodes[i]`` (a tuple of instructions), or None until a walk reaches it:
+    ``build(i)`` then runs the builder method it stands for (``thunks[i]``) with the step's
+    builder. A node is named by its method and arguments (``index``), so every branch that leads
+    to the same structure (the arguments after a value, whichever value it was; the same
+    structure at another depth) shares it, and later steps find it built: the schemas, the
+    request's past calls, values and the priors are expanded once, each step only walks. A node
+    also records the ``style`` fields it read; when one of them changes (``sync``: the call
+    closes, the priors move), only the nodes that read it are built again.
     """
 
-    __slots__ = ("nodes", "thunks", "index", "slots")
+    __slots__ = ("nodes", "thunks", "index", "slots", "builder", "style", "reads", "deps", "readers")
 
     def __init__(self):
         self.nodes: list[tuple | None] = []
-        self.thunks: list[tuple] = []  # (bound builder method, its arguments) per node
+        self.thunks: list[tuple[str, tuple]] = []  # (builder method's name, its arguments) per node
         self.index: dict[tuple, int] = {}
         self.slots = 0  # SHARED slots handed out
+        self.builder: _Builder | None = None  # the step's: nodes are built with it
+        self.style: dict | None = None  # the step's ``style``
+        self.reads: set | None = None  # the fields the node being built has read
+        self.deps: list[dict] = []  # per node: the fields it read, with their values then
+        self.readers: dict[str, set[int]] = {}  # per field: the nodes that read it
 
-    def node(self, fn, args: tuple) -> int:
+    def node(self, name: str, args: tuple) -> int:
         # a schema is a dict: named by identity (the thunk holds it, so the id is not reused)
-        key = (fn.__name__,) + tuple(id(a) if a.__class__ is dict else a for a in args)
+        key = (name,) + tuple(id(a) if a.__class__ is dict else a for a in args)
         i = self.index.get(key)
         if i is None:
             i = self.index[key] = len(self.nodes)
             self.nodes.append(None)
-            self.thunks.append((fn, args))
+            self.thunks.append((name, args))
+            self.deps.append({})
         return i
 
     def build(self, i: int) -> tuple:
         instrs = self.nodes[i]
         if instrs is None:
-            fn, args = self.thunks[i]
-            instrs = self.nodes[i] = tuple(fn(*args))
+            name, args = self.thunks[i]
+            self.reads = reads = set()
+            try:
+                instrs = tuple(getattr(self.builder, name)(*args))
+            finally:
+                self.reads = None
+            self.deps[i] = {f: self.style[f] for f in reads}
+            for f in reads:
+                self.readers.setdefault(f, set()).add(i)
+            self.nodes[i] = instrs
         return instrs
 
-
-def style_key(tr: CallTracker, priors: Priors, own) -> tuple:
-    """What the builder's node methods read of the tracker and the request beside their arguments:
-    the output's JSON style, the call being written (its indent; inside a calls array or not;
-    calls finished), this output's finished calls (``own``, by identity) and the priors' version.
-    A graph built under one key serves every position with the same key."""
-    call = tr.frame("call")
-    return (
-        tr.pretty,
-        tr.indent_unit,
-        tr.kv_sep,
-        tr.item_sep,
-        tr.root,
-        call.indent if call is not None else None,
-        tr.frame("calls") is not None,
-        bool(tr.calls),
-        id(own),
-        priors.version,
-    )
-
-
-class Graphs:
-    """A request's expansion graphs by ``style_key`` (a few: the style moves with the output;
-    the least recently used is dropped)."""
-
-    SIZE = 4
-
-    def __init__(self):
-        self._by_key: dict[tuple, tuple[Graph, object]] = {}
-
-    def get(self, tr: CallTracker, priors: Priors, own) -> Graph:
-        key = style_key(tr, priors, own)
-        hit = self._by_key.pop(key, None)
-        if hit is None:
-            hit = (Graph(), own)  # holds ``own``: its id in the key is not reused while the graph lives
-            if len(self._by_key) >= self.SIZE:
-                self._by_key.pop(next(iter(self._by_key)))
-        self._by_key[key] = hit
-        return hit[0]
+    def sync(self, style: dict) -> None:
+        """The step's ``style``: nodes built under another value of a field they read are built
+        again when next reached."""
+        old, self.style = self.style, style
+        if old is None:
+            return
+        for f, v in style.items():
+            if _same(old[f], v):
+                continue
+            for i in self.readers.get(f, ()):
+                dep = self.deps[i]
+                if self.nodes[i] is not None and f in dep and not _same(dep[f], v):
+                    self.nodes[i] = None
 
 
 class _Walk:
-    """Walks a graph from a root: the candidates, expanded under the floors (the Python
-    reference of ``cand_walk.c``'s ``walk``, bit for bit).
+    """Walks a graph from a root: the candidates, expanded under the floors and the levels (the
+    Python reference of ``cand_walk.c``'s ``walk``, bit for bit).
 
     Bounded expansion (``keep``): only the ``keep`` most probable candidates are returned, so a
     branch whose candidates are all less probable than ``keep`` candidates already expanded is
@@ -248,12 +279,13 @@ class _Walk:
 
     The budget's floor (``min_prob``) is another matter: a branch whose bound is below it is not
     expanded at all, and its parent's segments end a candidate with the branch's probability, as
-    where ``levels`` run out -- its nodes could not be kept, but the mass it adds to the nodes
+    where the levels run out -- its nodes could not be kept, but the mass it adds to the nodes
     above it counts. The expansion is then that of a shallower tree, bounded or not alike.
     """
 
-    def __init__(self, graph: Graph, keep: int, min_prob: float):
+    def __init__(self, graph: Graph, keep: int, min_prob: float, levels: int):
         self.graph, self.keep, self.min_prob = graph, keep, min_prob
+        self.lv = levels  # levels left below the node being walked
         self.mult = 1.0  # product of the probability factors above the branch being expanded
         self.best: list[float] = []  # min-heap: the ``keep`` largest leaf probabilities so far
         self.cuts = 0  # branches left out as below the floor
@@ -277,17 +309,18 @@ class _Walk:
                 (heapq.heappush if len(self.best) < self.keep else heapq.heappushpop)(self.best, p)
         return Cand(list(segs), prob)
 
-    def under(self, prob: float, child: int) -> list:
+    def under(self, prob: float, child: int, op: int) -> list:
         """``child`` expanded with factor ``prob`` above it (for a list several branches share, the
         largest of their factors); a ``_Cut`` where all of it was below the floor."""
         if self.below(prob):
             return _Cut()
         if self.mult * prob < self.min_prob:
             return []  # below the budget's floor: nothing follows, the caller's segments carry the mass
-        outer, cuts = self.mult, self.cuts
+        outer, cuts, lv = self.mult, self.cuts, self.lv
         self.mult = outer * prob
+        self.lv = lv if op == SAME else 0 if op == ZERO else lv - 1
         out = self.run(self.graph.build(child))
-        self.mult = outer
+        self.mult, self.lv = outer, lv
         return out if out or self.cuts == cuts else _Cut()
 
     def then(self, segs: tuple, nonempty: bool, prob: float, tails: list) -> list[Cand]:
@@ -300,14 +333,19 @@ class _Walk:
     def run(self, instrs) -> list[Cand]:
         out: list[Cand] = []
         shared: dict[int, list] = {}
-        for kind, prob, child, slot, segs, nonempty in instrs:
+        for kind, prob, child, op, slot, segs, nonempty in instrs:
+            spent = op == DOWN_IF and self.lv <= 0  # the branch ends here: no levels left below
             if kind == SEQ:
-                out += self.then(segs, nonempty, prob, self.under(prob, child))
+                if spent:
+                    if not self.below(prob):
+                        out.append(self.leaf(segs, nonempty, prob))
+                else:
+                    out += self.then(segs, nonempty, prob, self.under(prob, child, op))
             elif kind == SEQ_LEAF:
                 if not self.below(prob):
                     out.append(self.leaf(segs, nonempty, prob))
             elif kind == SHARED:
-                shared[slot] = self.under(prob, child)
+                shared[slot] = [] if spent else self.under(prob, child, op)
             elif kind == SEQ_SHARED:
                 if not self.below(prob):
                     out += self.then(segs, nonempty, prob, shared[slot])
@@ -316,26 +354,28 @@ class _Walk:
             elif kind == CAND:
                 out.append(Cand(list(segs), prob))
             elif kind == MUL:
-                out += [Cand(c.segs, c.prob * prob) for c in self.under(prob, child)]
+                out += [Cand(c.segs, c.prob * prob) for c in self.under(prob, child, op)]
             elif kind == DIV:
-                out += [Cand(c.segs, c.prob / prob) for c in self.under(1.0 / prob, child)]
-            else:  # INLINE
+                out += [Cand(c.segs, c.prob / prob) for c in self.under(1.0 / prob, child, op)]
+            elif kind == INLINE:
                 out += self.run(self.graph.build(child))
+            elif self.lv < 0:  # GUARD
+                break
         return out
 
 
-def walk(graph: Graph, root, keep: int, min_prob: float, max_cands: int) -> list[Cand]:
+def walk(graph: Graph, root, keep: int, min_prob: float, max_cands: int, levels: int) -> list[Cand]:
     """The candidates of ``root`` (instructions) over ``graph``: non-empty, most probable first,
     at most ``max_cands`` (``_Walk``; ``cand_walk.c`` is its compiled twin)."""
-    cands = _Walk(graph, keep, min_prob).run(root)
+    cands = _Walk(graph, keep, min_prob, levels).run(root)
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
     cands.sort(key=lambda c: -c.prob)
     return cands[:max_cands]
 
 
-def _instr(kind: int, prob: float = 1.0, segs=(), child: int = -1, slot: int = -1) -> tuple:
+def _instr(kind: int, prob: float = 1.0, segs=(), child: _Ref = _Ref(-1, SAME), slot: int = -1) -> tuple:
     segs = tuple(segs)
-    return (kind, prob, child, slot, segs, any(s[0] for s in segs))
+    return (kind, prob, child.node, child.op, slot, segs, any(s[0] for s in segs))
 
 
 class _Builder:
@@ -343,6 +383,9 @@ class _Builder:
     returning its node's instructions. What follows a structure is a node of its own
     (``node``: built when a walk first reaches it, shared by every branch that leads to it), so
     a step builds only the instructions of its own position (``build``) and walks the rest.
+    Every read of the tracker's style, this output's calls or the priors goes through ``read``
+    (the node's dependencies); the request's fixed inputs (tools, past calls, dates, numbers,
+    tables, ``eos``) are the same every step.
     """
 
     def __init__(
@@ -351,7 +394,6 @@ class _Builder:
         tools: ToolIndex,
         priors: Priors,
         eos: list[int],
-        levels: int,
         past=(),
         dates=(),
         context_keys: KeyIndex | None = None,
@@ -368,17 +410,32 @@ class _Builder:
         # its whole decode, so the drafter keeps this across steps (None: computed every time)
         self.past_memo = past_memo
         self.numbers = list(numbers)  # numbers the conversation mentions (values.context_numbers)
-        self.levels = levels
         self.past = list(past)  # (tool name, arguments) of retrieved past calls
         self.own = list(own)  # (tool name, arguments) of the calls this output has finished
         self.dates = list(dates)  # dates the conversation mentions (values.context_dates)
         self.objects = ([(context_keys, 1.0)] if context_keys is not None else []) + [(tr.objects, OUTPUT_KEYS_WEIGHT)]
         self.graph = graph if graph is not None else Graph()
+        self.graph.builder = self
+        self.graph.sync(style(tr, priors, own))
 
     # ---- instructions ----
-    def node(self, fn, *args) -> int:
-        """The node of ``fn(*args)`` (a method of this builder), built when a walk reaches it."""
-        return self.graph.node(fn, args)
+    def node(self, fn, *args, op: int = SAME) -> _Ref:
+        """The node of ``fn(*args)`` (a method of this builder), built when a walk reaches it, and
+        the level it is walked at (``op``: the walk's levels, ``SAME`` ... ``ZERO``)."""
+        return _Ref(self.graph.node(fn.__name__, args), op)
+
+    def down(self, fn, *args) -> _Ref:
+        """``node`` one level down (unconditionally: the node itself ends at level -1, ``guard``)."""
+        return self.node(fn, *args, op=DOWN)
+
+    def deeper(self, fn, *args) -> _Ref:
+        """``node`` one level down where levels are left; where not, the branch ends (a leaf)."""
+        return self.node(fn, *args, op=DOWN_IF)
+
+    @staticmethod
+    def guard() -> list[tuple]:
+        """Nothing of this node at level -1 (the levels are spent)."""
+        return [_instr(GUARD)]
 
     def leaf(self, segs: list[Seg], prob: float) -> tuple:
         return _instr(LEAF, prob, segs)
@@ -386,22 +443,31 @@ class _Builder:
     def cand(self, segs: list[Seg], prob: float) -> tuple:
         return _instr(CAND, prob, segs)
 
-    def shared(self, prob: float, child: int) -> _Shared:
+    def shared(self, prob: float, child: _Ref) -> _Shared:
         """``child`` expanded once under ``prob`` (the largest factor of the branches that follow
         with it: ``seq`` with this as ``tails``)."""
         self.graph.slots += 1
         return _Shared(prob, child, self.graph.slots)
 
-    def scaled(self, prob: float, child: int) -> list[tuple]:
+    def scaled(self, prob: float, child: _Ref) -> list[tuple]:
         """``child``'s candidates, expanded under ``prob`` and their probabilities times it."""
         return [_instr(MUL, prob, child=child)]
 
-    def inline(self, child: int) -> list[tuple]:
+    def inline(self, child: _Ref) -> list[tuple]:
         return [_instr(INLINE, child=child)]
+
+    def read(self, field: str):
+        """A field of the step's ``style``, recorded as read by the node being built (``Graph.sync``)."""
+        reads = self.graph.reads
+        if reads is not None:
+            reads.add(field)
+        return self.graph.style[field]
 
     def tool_weights(self, names: list[str]) -> list[float]:
         """Learned tool frequencies, half the mass moved to the tools this output already called."""
+        self.read("priors")
         w = self.priors.tool_weights(names)
+        self.read("own")
         own = [n for n, _ in self.own if n in names]
         if not own:
             return w
@@ -418,6 +484,7 @@ class _Builder:
             if past is None:
                 past = memo[(name, key)] = _past_values(self.past, name, key)
         seen = [(v, s, RETRIEVAL) for v, s in past]
+        self.read("own")
         seen += [(v, s, OWN_CALL) for v, s in _past_values(self.own, name, key)]
         total = sum(s for _, s, _ in seen)
         scale = SEEN_SHARE / total if total > SEEN_SHARE else 1.0
@@ -437,22 +504,31 @@ class _Builder:
 
     # ---- style ----
     def pretty(self, layout: Layout | None) -> bool:
-        if self.tr.pretty is not None:
-            return self.tr.pretty
+        pretty = self.read("pretty")
+        if pretty is not None:
+            return pretty
         return bool(layout and layout.pretty)
 
+    @property
+    def indent_unit(self) -> int:
+        return self.read("indent_unit")
+
+    @property
+    def kv_sep(self) -> str:
+        return self.read("kv_sep")
+
     def ws_in(self, indent: int, layout=None) -> str:
-        return "\n" + " " * (indent + self.tr.indent_unit) if self.pretty(layout) else ""
+        return "\n" + " " * (indent + self.indent_unit) if self.pretty(layout) else ""
 
     def ws_key(self, indent: int, layout=None) -> str:
         """Whitespace before a key: after '{' (ws_in) or after ',' (the item separator's)."""
-        return self.sep(indent, layout)[1:] if self.tr.event == "," else self.ws_in(indent, layout)
+        return self.sep(indent, layout)[1:] if self.read("event") == "," else self.ws_in(indent, layout)
 
     def ws_close(self, indent: int, layout=None) -> str:
         return "\n" + " " * indent if self.pretty(layout) else ""
 
     def sep(self, indent: int, layout=None) -> str:
-        return "," + ("\n" + " " * (indent + self.tr.indent_unit) if self.pretty(layout) else self.tr.item_sep[1:])
+        return "," + ("\n" + " " * (indent + self.indent_unit) if self.pretty(layout) else self.read("item_sep")[1:])
 
     @staticmethod
     def rest(expected_ws: str, since: str) -> str:
@@ -471,29 +547,29 @@ class _Builder:
         return [_instr(SEQ, prob, segs, child=tails)]
 
     def call_body(
-        self, layout: Layout, call_indent: int, lv: int, label: str | None = None, key: str | None = None
+        self, layout: Layout, call_indent: int, label: str | None = None, key: str | None = None
     ) -> list[tuple]:
         """From just after the call's '{': "name": "<tool>", "arguments": {...}. ``key``: the text
         still to write up to the end of the "name" key (default: all of it, after the opening
         whitespace). The head is labelled as the tracker's position says (``head_label``) unless
         ``label`` is given."""
         key = self.ws_in(call_indent, layout) + '"name"' if key is None else key
-        head = [(key + self.tr.kv_sep + '"', label or self.head_label())]
-        return self.seq(head, self.node(self.tool_names, "", layout, call_indent, lv))
+        head = [(key + self.kv_sep + '"', label or self.head_label())]
+        return self.seq(head, self.node(self.tool_names, "", layout, call_indent))
 
-    def tool_names(self, prefix: str, layout: Layout, call_indent: int, lv: int) -> list[tuple]:
+    def tool_names(self, prefix: str, layout: Layout, call_indent: int) -> list[tuple]:
         names = [n for n in self.tools.names if n.startswith(prefix)]
         if not names:
             return []
         out = []
         for name, w in zip(names, self.tool_weights(names)):
             segs = [(name[len(prefix) :] + '"', TOOL_NAME)]
-            tail = self.node(self.after_name, name, layout, call_indent, lv - 1) if lv > 0 else None
+            tail = self.deeper(self.after_name, name, layout, call_indent)
             out += self.seq(segs, tail, w)
         return out
 
     def after_name(
-        self, name: str, layout: Layout, call_indent: int, lv: int, since: str = "", after_comma: bool = False
+        self, name: str, layout: Layout, call_indent: int, since: str = "", after_comma: bool = False
     ) -> list[tuple]:
         """From after the tool name's closing quote (or, ``after_comma``, the comma that follows it)."""
         key = layout.args_key if layout else "arguments"
@@ -502,18 +578,18 @@ class _Builder:
             if since or after_comma
             else self.sep(call_indent, layout)
         )
-        segs = [(text + '"' + key + '"' + self.tr.kv_sep + "{", CALL_KEY)]
-        indent = call_indent + self.tr.indent_unit if self.pretty(layout) else 0
-        return self.seq(segs, self.node(self.args_open, name, layout, indent, lv))
+        segs = [(text + '"' + key + '"' + self.kv_sep + "{", CALL_KEY)]
+        indent = call_indent + self.indent_unit if self.pretty(layout) else 0
+        return self.seq(segs, self.node(self.args_open, name, layout, indent))
 
-    def args_open(self, name: str, layout: Layout, args_indent: int, lv: int, since: str = "") -> list[tuple]:
+    def args_open(self, name: str, layout: Layout, args_indent: int, since: str = "") -> list[tuple]:
         free = self.tools.free(name)  # a tool the request does not offer: a key of unknown name, most likely
         if not free and not self.tools.properties(name):
-            return self.seq([("}", CALL_KEY)], self.node(self.close_call, layout, lv)) if lv >= 0 else []
+            return self.guard() + self.seq([("}", CALL_KEY)], self.node(self.close_call, layout))
         ws = self.rest(self.ws_in(args_indent, layout), since)
         if free:
             return [self.leaf([(ws + '"', CALL_KEY)], FREE_MORE)]
-        return self.seq([(ws + '"', CALL_KEY)], self.node(self.arg_names, name, (), "", layout, args_indent, lv))
+        return self.seq([(ws + '"', CALL_KEY)], self.node(self.arg_names, name, (), "", layout, args_indent))
 
     def arg_weights(self, name: str, used: tuple[str, ...], cands: list[str]) -> list[float]:
         props = list(self.tools.properties(name))
@@ -533,6 +609,7 @@ class _Builder:
     def _past_next_args(self, name: str, used: tuple[str, ...]) -> dict[str, float]:
         """Share of past calls of ``name`` whose next argument after ``used`` was each name."""
         nxt: dict[str, float] = {}
+        self.read("own")
         calls = [list(a) for n, a in self.past + self.own if n == name and isinstance(a, dict)]
         for keys in calls:
             rest = [k for k in keys if k not in used]
@@ -540,60 +617,50 @@ class _Builder:
                 nxt[rest[0]] = nxt.get(rest[0], 0.0) + 1.0 / len(calls)
         return nxt
 
-    def arg_names(self, name: str, used: tuple, prefix: str, layout, args_indent: int, lv: int) -> list[tuple]:
+    def arg_names(self, name: str, used: tuple, prefix: str, layout, args_indent: int) -> list[tuple]:
         if self.tools.free(name):  # unknown names: the one being typed may end here (as in ``in_object``)
-            return [self.leaf([('"' + self.tr.kv_sep, ARG_NAME)], FREE_KEY_END)] if prefix else []
+            return [self.leaf([('"' + self.kv_sep, ARG_NAME)], FREE_KEY_END)] if prefix else []
         props = self.tools.properties(name)
         cands = [a for a in props if a not in used and a.startswith(prefix)]
         out = []
         for a, w in zip(cands, self.arg_weights(name, used, cands)):
-            segs = [(a[len(prefix) :] + '"' + self.tr.kv_sep, ARG_NAME)]
-            tail = (
-                self.node(self.value_start, name, used + (a,), props.get(a) or _NO_SCHEMA, layout, args_indent, lv - 1)
-                if lv > 0
-                else None
-            )
+            segs = [(a[len(prefix) :] + '"' + self.kv_sep, ARG_NAME)]
+            tail = self.deeper(self.value_start, name, used + (a,), props.get(a) or _NO_SCHEMA, layout, args_indent)
             out += self.seq(segs, tail, w)
         return out
 
-    def value_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[tuple]:
+    def value_start(self, name, used, schema: dict, layout, args_indent: int) -> list[tuple]:
         """Values earlier calls of this tool passed here, then the typed openings."""
         seen = self.seen_values(name, used[-1]) if used else []
         out = []
         for v, share, label in seen:
             out += self.seq(
-                [(_json_scalar(v), label)], self.node(self.after_value, name, used, layout, args_indent, lv - 1), share
+                [(_json_scalar(v), label)], self.down(self.after_value, name, used, layout, args_indent), share
             )
         rest = 1.0 - sum(sh for _, sh, _ in seen)
         derived = self.derived(used[-1], schema) if used else []
         if derived:
             shares = _rank_shares(len(derived), DATE_SHARE * rest)
-            after = self.shared(shares[0], self.node(self.after_value, name, used, layout, args_indent, lv - 1))
+            after = self.shared(shares[0], self.down(self.after_value, name, used, layout, args_indent))
             for v, share in zip(derived, shares):
                 out += self.seq([('"', VALUE), (v, DERIVED), ('"', VALUE)], after, share)
             rest *= 1.0 - DATE_SHARE
-        return out + self.scaled(rest, self.node(self.typed_start, name, used, schema, layout, args_indent, lv))
+        return out + self.scaled(rest, self.node(self.typed_start, name, used, schema, layout, args_indent))
 
-    def typed_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[tuple]:
+    def typed_start(self, name, used, schema: dict, layout, args_indent: int) -> list[tuple]:
         """Typed value openings, the schema's alternatives (``anyOf`` / ``oneOf`` branches, type
         lists) sharing the mass: enum values, booleans, null, numbers from the context, the quote of
         a string, an array's or object's opening."""
         alts = self.tables.variants(schema) if self.tables is not None else variants(schema)
         n = float(len(alts))
-        return [
-            _instr(DIV, n, child=self.node(self._typed_start, name, used, v, layout, args_indent, lv)) for v in alts
-        ]
+        return [_instr(DIV, n, child=self.node(self._typed_start, name, used, v, layout, args_indent)) for v in alts]
 
-    def _typed_start(self, name, used, schema: dict, layout, args_indent: int, lv: int) -> list[tuple]:
+    def _typed_start(self, name, used, schema: dict, layout, args_indent: int) -> list[tuple]:
         typ = schema.get("type")
         enum = schema.get("enum")
 
         def after(top: float):  # what follows the value, shared by its branches (top: their largest factor)
-            return (
-                self.shared(top, self.node(self.after_value, name, used, layout, args_indent, lv - 1))
-                if lv > 0
-                else None
-            )
+            return self.shared(top, self.deeper(self.after_value, name, used, layout, args_indent))
 
         if self.tables is not None:  # the opening kind and the enum's JSON, compiled once per tool set
             start = self.tables.start(schema)
@@ -625,10 +692,8 @@ class _Builder:
             return [self.leaf([("{", VALUE)], BRACKET_OPENS)]
         return []
 
-    def after_value(self, name, used, layout, args_indent: int, lv: int, since: str = "") -> list[tuple]:
+    def after_value(self, name, used, layout, args_indent: int, since: str = "") -> list[tuple]:
         """After an argument value: the next argument, or close arguments + call + layout."""
-        if lv < 0:
-            return []
         props = self.tools.properties(name)
         req = set(self.tools.required(name))
         left = [a for a in props if a not in used]
@@ -639,27 +704,26 @@ class _Builder:
             p_more = 0.0
         else:
             p_more = MORE_REQUIRED if missing_req else MORE_OPTIONAL
-        out = []
+        out = self.guard()
         if p_more > 0:
             sep = self.sep(args_indent, layout)
             sep = "," + self.rest(sep[1:], since) if since else sep
             out += self.seq(
-                [(sep + '"', CALL_KEY)], self.node(self.arg_names, name, used, "", layout, args_indent, lv), p_more
+                [(sep + '"', CALL_KEY)], self.node(self.arg_names, name, used, "", layout, args_indent), p_more
             )
         if p_more < 1:
             ws = self.rest(self.ws_close(args_indent, layout), since)
-            out += self.seq([(ws + "}", END)], self.node(self.close_call, layout, lv), 1 - p_more)
+            out += self.seq([(ws + "}", END)], self.node(self.close_call, layout), 1 - p_more)
         return out
 
-    def close_call(self, layout: Layout | None, lv: int, since: str = "") -> list[tuple]:
+    def close_call(self, layout: Layout | None, since: str = "") -> list[tuple]:
         """From after the arguments' '}' (and ``since``, whitespace already written after it): the
         call's '}', the layout closer, then end of turn (a structured answer: the end of turn)."""
-        if self.tr.root is not None:
+        if self.read("root") is not None:
             return self.end_turn()
-        call = self.tr.frame("call")
-        call_indent = call.indent if call is not None else 0
+        call_indent = self.read("call_indent") or 0
         text = self.rest(self.ws_close(call_indent, layout), since) + "}"
-        if self.tr.frame("calls") is None and layout is not None:
+        if not self.read("in_calls") and layout is not None:
             after = (
                 self.node(self.after_closer, layout.closer)
                 if layout.closer
@@ -674,6 +738,7 @@ class _Builder:
         both are drafted."""
         if not rest:
             return [self.leaf([(tuple(self.eos[:1]), END)], 1.0)]
+        self.read("priors")
         p = self.priors.prose_after
         return [self.leaf([(rest, END), (tuple(self.eos[:1]), END)], 1.0 - p), self.leaf([(rest + "\n\n", END)], p)]
 
@@ -686,7 +751,7 @@ class _Builder:
             return []
         out = []
         for lay in (BARE, BARE_PRETTY):
-            out += self.seq([("{", OPENER)], self.node(self.args_open, self.tr.root, lay, 0, self.levels), 0.5)
+            out += self.seq([("{", OPENER)], self.node(self.args_open, self.tr.root, lay, 0), 0.5)
         return out
 
     # ---- entry: from the tracker's current position ----
@@ -720,7 +785,7 @@ class _Builder:
                 continue
             segs = [(full[j:], OPENER)]
             p = w * (self.priors.call_start if text == "" else (1.0 if j > 0 else p_line))
-            out += self.seq(segs, self.node(self.call_body, lay, 0, self.levels), p)
+            out += self.seq(segs, self.node(self.call_body, lay, 0), p)
         return out
 
     def closer(self) -> list[tuple]:
@@ -743,41 +808,42 @@ class _Builder:
         if line not in ("", "\n"):
             return []
         p = NEXT_OBJECT_AFTER_NEWLINE if line else NEXT_OBJECT
-        nxt = self.seq([(self.rest("\n", line) + "{", END)], self.node(self.call_body, layout, 0, 0, NEXT_CALL), p)
+        nxt = self.seq(
+            [(self.rest("\n", line) + "{", END)], self.node(self.call_body, layout, 0, NEXT_CALL, op=ZERO), p
+        )
         return [self.leaf([(tuple(self.eos[:1]), END)], 1.0 - p)] + nxt
 
     def in_call(self, f: Frame) -> list[tuple]:
         tr, lay = self.tr, self.tr.layout
-        lv = self.levels
         if tr.in_str == "key":
             need = "name" if "name" not in f.keys else (lay.args_key if lay else "arguments")
             if not need.startswith(tr.buf):
                 return []
             if need == "name":
-                return self.call_body(lay, f.indent, lv, key=need[len(tr.buf) :] + '"')
+                return self.call_body(lay, f.indent, key=need[len(tr.buf) :] + '"')
             return self.seq(
-                [(need[len(tr.buf) :] + '"' + tr.kv_sep + "{", CALL_KEY)],
-                self.node(self.args_open, tr.name, lay, self._args_indent(f, lay), lv),
+                [(need[len(tr.buf) :] + '"' + self.kv_sep + "{", CALL_KEY)],
+                self.node(self.args_open, tr.name, lay, self._args_indent(f, lay)),
             )
         if tr.in_str == "value" and f.key == "name":
-            return self.tool_names(tr.buf, lay, f.indent, lv)
+            return self.tool_names(tr.buf, lay, f.indent)
         if f.expect == "key" and "name" not in f.keys:
-            return self.call_body(lay, f.indent, lv, key=self.rest(self.ws_key(f.indent, lay), tr.since) + '"name"')
+            return self.call_body(lay, f.indent, key=self.rest(self.ws_key(f.indent, lay), tr.since) + '"name"')
         if f.expect == "key" and not any(k in f.keys for k in ("arguments", "parameters")):
             return self.after_name(
-                tr.name or "", lay, f.indent, lv, since=tr.since, after_comma=True
+                tr.name or "", lay, f.indent, since=tr.since, after_comma=True
             )  # a step may end on the comma
         if f.expect in ("colon", "value") and f.key == "name":
-            return self.seq([(self.after_colon(f) + '"', CALL_KEY)], self.node(self.tool_names, "", lay, f.indent, lv))
+            return self.seq([(self.after_colon(f) + '"', CALL_KEY)], self.node(self.tool_names, "", lay, f.indent))
         if f.expect == "next" and f.key == "name":
-            return self.after_name(tr.name or "", lay, f.indent, lv, since=tr.since)
+            return self.after_name(tr.name or "", lay, f.indent, since=tr.since)
         if f.expect in ("colon", "value") and f.key in ("arguments", "parameters"):
             return self.seq(
                 [(self.after_colon(f) + "{", CALL_KEY)],
-                self.node(self.args_open, tr.name, lay, self._args_indent(f, lay), lv),
+                self.node(self.args_open, tr.name, lay, self._args_indent(f, lay)),
             )
         if f.expect == "next":
-            return self.close_call(lay, lv, since=tr.since) if self.tr.frame("args") is None else []
+            return self.close_call(lay, since=tr.since) if self.tr.frame("args") is None else []
         return []
 
     def free_object(self, f: Frame) -> bool:
@@ -797,16 +863,18 @@ class _Builder:
         if tr.in_str == "key":
             # a key seen before, or (keys end at token boundaries more often than not) this one ends here
             out = [
-                self.cand([(k[len(tr.buf) :] + '"' + tr.kv_sep, OBJ_KEY)], SEEN_KEY * p)
+                self.cand([(k[len(tr.buf) :] + '"' + self.kv_sep, OBJ_KEY)], SEEN_KEY * p)
                 for k, p in self.object_keys(f, tr.buf)
             ]
             return out + (
-                [self.cand([('"' + tr.kv_sep, OBJ_KEY)], KEY_ENDS if out else KEY_ENDS_UNSEEN)] if tr.buf else []
+                [self.cand([('"' + self.kv_sep, OBJ_KEY)], KEY_ENDS if out else KEY_ENDS_UNSEEN)] if tr.buf else []
             )
         if f.expect == "key":
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
             return [
-                self.cand([(ws + '"' + k + '"' + tr.kv_sep, OBJ_KEY)], p) for k, p in self.object_keys(f) if k != CLOSE
+                self.cand([(ws + '"' + k + '"' + self.kv_sep, OBJ_KEY)], p)
+                for k, p in self.object_keys(f)
+                if k != CLOSE
             ]
         return self.object_next(f, tr.since) if f.expect == "next" else []
 
@@ -817,9 +885,7 @@ class _Builder:
             if k == CLOSE:
                 out.append(self.cand([(self.rest(self.ws_close(f.indent, self.tr.layout), since) + "}", OBJ_KEY)], p))
             elif not since:
-                out.append(
-                    self.cand([(self.sep(f.indent, self.tr.layout) + '"' + k + '"' + self.tr.kv_sep, OBJ_KEY)], p)
-                )
+                out.append(self.cand([(self.sep(f.indent, self.tr.layout) + '"' + k + '"' + self.kv_sep, OBJ_KEY)], p))
         return out
 
     def in_array(self, f: Frame) -> list[tuple]:
@@ -834,11 +900,11 @@ class _Builder:
                     (
                         self.sep(f.indent, lay)
                         + "{"
-                        + self.ws_in(f.indent + self.tr.indent_unit, lay)
+                        + self.ws_in(f.indent + self.indent_unit, lay)
                         + '"'
                         + k
                         + '"'
-                        + tr.kv_sep,
+                        + self.kv_sep,
                         OBJ_KEY,
                     )
                 ],
@@ -851,41 +917,41 @@ class _Builder:
     def head_label(self) -> str:
         """Label of a call's opening key: a second object after a finished call is learned apart
         (a parallel call for some models, an invented tool result for others)."""
-        return NEXT_CALL if self.tr.calls and self.tr.frame("calls") is None else CALL_KEY
+        return NEXT_CALL if self.read("calls") and not self.read("in_calls") else CALL_KEY
 
     def after_colon(self, f: Frame) -> str:
         """What of the key-value separator (``": "``) is still to come: all of it before the colon,
         the whitespace not yet written after it (a step often ends on a ``":`` token)."""
         if f.expect == "colon":
-            return self.tr.kv_sep
-        return self.rest(self.tr.kv_sep[1:], self.tr.since)
+            return self.kv_sep
+        return self.rest(self.kv_sep[1:], self.tr.since)
 
     def _args_indent(self, call: Frame, lay) -> int:
-        return call.indent + self.tr.indent_unit if self.pretty(lay) else 0
+        return call.indent + self.indent_unit if self.pretty(lay) else 0
 
     def in_args(self, f: Frame) -> list[tuple]:
-        tr, lay, lv = self.tr, self.tr.layout, self.levels
+        tr, lay = self.tr, self.tr.layout
         name = tr.name or ""
         used = tuple(k for k in f.keys if k is not None)
         if tr.in_str == "key":
-            return self.arg_names(name, used, tr.buf, lay, f.indent, lv)  # the key being typed is not in f.keys yet
+            return self.arg_names(name, used, tr.buf, lay, f.indent)  # the key being typed is not in f.keys yet
         if f.expect == "key":
             ws = self.rest(self.ws_key(f.indent, lay), tr.since)
-            return self.seq([(ws + '"', CALL_KEY)], self.node(self.arg_names, name, used, "", lay, f.indent, lv))
+            return self.seq([(ws + '"', CALL_KEY)], self.node(self.arg_names, name, used, "", lay, f.indent))
         schema = self.tools.properties(name).get(f.key or "") or _NO_SCHEMA
         if f.expect == "colon" or (f.expect == "value" and not tr.in_str and not tr.in_scalar):
             ws = self.after_colon(f)  # the separator, or (a step may end on the colon) its space still to come
-            starts = self.node(self.value_start, name, used, schema, lay, f.indent, lv)
+            starts = self.node(self.value_start, name, used, schema, lay, f.indent)
             return self.seq([(ws, CALL_KEY)], starts) if ws else self.inline(starts)
         if tr.in_str == "value":
-            return self.string_value(name, used, schema, lay, f.indent, lv)
+            return self.string_value(name, used, schema, lay, f.indent)
         if tr.in_scalar:
-            return self.scalar_value(name, used, schema, lay, f.indent, lv)
+            return self.scalar_value(name, used, schema, lay, f.indent)
         if f.expect == "next":
-            return self.after_value(name, used, lay, f.indent, lv, since=tr.since)
+            return self.after_value(name, used, lay, f.indent, since=tr.since)
         return []
 
-    def string_value(self, name, used, schema, lay, indent, lv) -> list[tuple]:
+    def string_value(self, name, used, schema, lay, indent) -> list[tuple]:
         buf = self.tr.buf
         enum = self.tables.enum_values(schema) if self.tables is not None else enum_values(schema)
         if isinstance(enum, list):
@@ -894,7 +960,7 @@ class _Builder:
             for v in vals:
                 out += self.seq(
                     [(v[len(buf) :] + '"', VALUE)],
-                    self.node(self.after_value, name, used, lay, indent, lv - 1),
+                    self.down(self.after_value, name, used, lay, indent),
                     1.0 / len(vals),
                 )
             return out
@@ -907,7 +973,7 @@ class _Builder:
         derived = [v for v in self.derived(used[-1], schema) if v.startswith(buf) and len(v) > len(buf)] if used else []
         shares = _rank_shares(len(derived), DATE_TEXT_SHARE)
         top = max([STRING_ENDS] + [sh for _, _, sh in seen] + shares)
-        after = self.shared(top, self.node(self.after_value, name, used, lay, indent, lv - 1))
+        after = self.shared(top, self.down(self.after_value, name, used, lay, indent))
         out = self.seq([('"', VALUE)], after, STRING_ENDS)
         for text, label, share in seen:
             out += self.seq([(text, label)], after, share)
@@ -915,14 +981,12 @@ class _Builder:
             out += self.seq([(v[len(buf) :], DERIVED), ('"', VALUE)], after, share)
         return out
 
-    def scalar_value(self, name, used, schema, lay, indent, lv) -> list[tuple]:
+    def scalar_value(self, name, used, schema, lay, indent) -> list[tuple]:
         buf = self.tr.buf
         for word in ("true", "false", "null"):
             if word.startswith(buf) and word != buf:
-                return self.seq(
-                    [(word[len(buf) :], VALUE)], self.node(self.after_value, name, used, lay, indent, lv - 1)
-                )
-        return self.scaled(NUMBER_ENDS, self.node(self.after_value, name, used, lay, indent, lv - 1))
+                return self.seq([(word[len(buf) :], VALUE)], self.down(self.after_value, name, used, lay, indent))
+        return self.scaled(NUMBER_ENDS, self.down(self.after_value, name, used, lay, indent))
 
 
 def _rank_shares(n: int, total: float) -> list[float]:
@@ -961,7 +1025,7 @@ def continuations(
     tables: CompiledTools | None = None,
     past_memo: dict | None = None,
     min_prob: float = 0.0,
-    graphs: Graphs | None = None,
+    graph: Graph | None = None,
     compiled: bool = True,
 ) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first.
@@ -980,16 +1044,17 @@ def continuations(
     ``False`` expands every branch, the reference the tests compare against).
     ``min_prob``: the budget's floor (``DraftContext.min_prob``): a branch less probable is not
     expanded; what leads to it ends a candidate there (``_Walk``).
-    ``graphs``: the request's expansion graphs, kept across its steps (None: one for this call;
-    the caller passes the same ``past``, ``dates``, ``numbers``, ``tables``, ``levels`` and ``eos``
-    every step, and ``own`` as a new list whenever it changes). ``compiled``: walk the graph in
-    ``cand_walk.c`` where it is built (else, and as the reference, ``walk``).
+    ``graph``: the request's expansion graph, kept across its steps (None: one for this call; the
+    caller passes the same ``past``, ``dates``, ``numbers``, ``tables`` and ``eos`` every step).
+    ``compiled``: walk the graph in ``cand_walk.c`` where it is built (else, and as the reference,
+    ``walk``).
     """
-    graph = graphs.get(tr, priors, own) if graphs is not None else Graph()
-    b = _Builder(tr, tools, priors, eos, levels, past, dates, context_keys, own, numbers, tables, past_memo, graph)
+    graph = graph if graph is not None else Graph()
+    b = _Builder(tr, tools, priors, eos, past, dates, context_keys, own, numbers, tables, past_memo, graph)
     root = b.build()
     keep = max_cands if bounded else 0
     kernel = load_walk() if compiled else None
     if kernel is None:
-        return walk(graph, root, keep, min_prob, max_cands)
-    return [Cand(segs, prob) for prob, segs in kernel.walk(root, graph.nodes, graph.build, keep, min_prob, max_cands)]
+        return walk(graph, root, keep, min_prob, max_cands, levels)
+    found = kernel.walk(root, graph.nodes, graph.build, keep, min_prob, max_cands, levels)
+    return [Cand(segs, prob) for prob, segs in found]

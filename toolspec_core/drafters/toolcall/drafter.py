@@ -18,7 +18,7 @@ from toolspec_core.drafters.methods import RequestInfo
 from toolspec_core.drafters.suffix import SUFFIX_PRIOR, SuffixDrafter, walk_batch
 from toolspec_core.drafters.suffix_trie import SuffixTrie
 from toolspec_core.drafters.toolcall.boundary import TAIL_TOKENS, BoundaryTokenizer
-from toolspec_core.drafters.toolcall.candidates import Cand, Graphs, Priors, continuations
+from toolspec_core.drafters.toolcall.candidates import Cand, Graph, Priors, continuations
 from toolspec_core.drafters.toolcall.compiled import CompiledTools, ToolSetCache
 from toolspec_core.drafters.toolcall.fsm import RESPONSE, CallTracker, ToolIndex
 from toolspec_core.drafters.toolcall.library import CallLibrary, MemoryLibrary, PastCall, as_past_call
@@ -263,8 +263,8 @@ class SchemaDrafter(DrafterBase):
         # values of them: fixed for the request, so built once, not every step
         self._past = [(c.tool_name, c.arguments) for c in retrieval.calls] if retrieval is not None else []
         self._past_memo: dict | None = None if reference else {}
-        # the schema candidates' expansion, kept across steps (None: expanded afresh every step)
-        self._graphs: Graphs | None = None if reference else Graphs()
+        # the schema candidates' expansion graph, kept across steps (None: expanded afresh every step)
+        self._graph: Graph | None = None if reference else Graph()
         self._tokenize = (lambda tail, segs: tables.candidate(bt.tokenize, tail, segs)) if tables else None
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
         self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
@@ -377,7 +377,7 @@ class SchemaDrafter(DrafterBase):
             tables=self.tables,
             past_memo=self._past_memo,
             min_prob=min_prob,
-            graphs=self._graphs,
+            graph=self._graph,
             compiled=not self.reference,
         )
 
