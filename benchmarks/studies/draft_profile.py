@@ -37,6 +37,7 @@ PARTS = (  # (module attribute path, name): what --parts times
     ("drafter.walk_batch", "suffix walk (the batch)"),
     ("drafter._finish", "finish (merge the walked tree)"),
     ("drafter.RetrievalDrafter.tree", "retrieval tree"),
+    ("drafter.SchemaDrafter.prepare", "prompt side (beside the prefill, not a step's)"),
 )
 
 

@@ -60,7 +60,7 @@ def _random_graph(rng: random.Random, n_nodes: int) -> tuple[Graph, list]:
                     out.append(cd._instr(kind, prob(), segs, child=ref))
             return out
 
-    g.builder, g.style = Builder(), {}
+    g.builder, g.style = Builder(), ()
     for i in range(n_nodes):
         g.node("instrs", (i,))
     return g, g.builder.instrs(-1)

@@ -173,29 +173,63 @@ class _Shared:
         self.prob, self.child, self.slot, self.emitted = prob, child, slot, False
 
 
-def style(tr: CallTracker, priors: Priors, own) -> dict:
-    """What the builder reads of the tracker and the request beyond a node's arguments, by field:
-    the output's JSON style, the call being written (its indent, whether inside a calls array,
-    whether a call has finished), the separator just written, this output's finished calls
-    (``own``) and the priors' version. A node records the fields it read (``Graph.sync``)."""
+STYLE = ("pretty", "indent_unit", "kv_sep", "item_sep", "root", "call_indent", "in_calls", "calls", "own", "priors")
+
+
+def style(tr: CallTracker, priors: Priors, own) -> tuple:
+    """What the builder's nodes read of the tracker and the request beyond their arguments, the
+    fields ``STYLE`` names: the output's JSON style, the call being written (its indent, whether
+    inside a calls array, whether a call has finished), this output's finished calls (``own``)
+    and the priors' version. A node records what it read (``Graph.sync``). The step's own
+    position (the text being typed, the separator just written) is read by the step's
+    instructions only, never a node's."""
     call = tr.frame("call")
-    return {
-        "pretty": tr.pretty,
-        "indent_unit": tr.indent_unit,
-        "kv_sep": tr.kv_sep,
-        "item_sep": tr.item_sep,
-        "event": tr.event,
-        "root": tr.root,
-        "call_indent": call.indent if call is not None else None,
-        "in_calls": tr.frame("calls") is not None,
-        "calls": bool(tr.calls),
-        "own": own,
-        "priors": priors.version,
-    }
+    return (
+        tr.pretty,
+        tr.indent_unit,
+        tr.kv_sep,
+        tr.item_sep,
+        tr.root,
+        call.indent if call is not None else None,
+        tr.frame("calls") is not None,
+        bool(tr.calls),
+        own,
+        priors.version,
+    )
+
+
+_FIELD = {f: k for k, f in enumerate(STYLE)}
 
 
 def _same(a, b) -> bool:
     return a is b or a == b
+
+
+def _base(key) -> str:
+    """The ``style`` field a read (``_Builder.read``) depends on."""
+    return key if key.__class__ is str else "pretty" if key[0] == "pretty" else "own"
+
+
+def style_value(style: tuple, key):
+    """What a node read (``_Builder.read``): a ``style`` field, or a value derived from one --
+    ("pretty", layout): whether the layout is written pretty-printed (the output's own style once
+    it shows, else the layout's); ("own_tools", names): how often this output called each of
+    ``names``; ("own_values", tool, key): the values its calls of ``tool`` passed as ``key``;
+    ("own_next", tool): the argument orders of its calls of ``tool``. A node depends on no more
+    than it used, so an output that turns out compact, or a finished call of another tool, does
+    not build it again."""
+    if key.__class__ is str:
+        return style[_FIELD[key]]
+    kind = key[0]
+    if kind == "pretty":
+        pretty = style[0]
+        return pretty if pretty is not None else bool(key[1] and key[1].pretty)
+    own = style[8]
+    if kind == "own_tools":
+        return tuple(sum(1 for n, _ in own if n == x) for x in key[1])
+    if kind == "own_values":
+        return tuple((_json_scalar(v), share) for v, share in _past_values(own, key[1], key[2]))
+    return tuple(tuple(a) for n, a in own if n == key[1] and isinstance(a, dict))  # own_next
 
 
 class Graph:
@@ -219,10 +253,10 @@ class Graph:
         self.index: dict[tuple, int] = {}
         self.slots = 0  # SHARED slots handed out
         self.builder: _Builder | None = None  # the step's: nodes are built with it
-        self.style: dict | None = None  # the step's ``style``
-        self.reads: set | None = None  # the fields the node being built has read
-        self.deps: list[dict] = []  # per node: the fields it read, with their values then
-        self.readers: dict[str, set[int]] = {}  # per field: the nodes that read it
+        self.style: tuple | None = None  # the step's ``style``
+        self.reads: dict | None = None  # what the node being built has read (``style_value``'s keys), with the values
+        self.deps: list[dict] = []  # per node: what it read, with the values then
+        self.readers: dict[str, set[int]] = {}  # per ``style`` field: the nodes that read it or a value derived from it
 
     def node(self, name: str, args: tuple) -> int:
         # a schema is a dict: named by identity (the thunk holds it, so the id is not reused)
@@ -239,29 +273,30 @@ class Graph:
         instrs = self.nodes[i]
         if instrs is None:
             name, args = self.thunks[i]
-            self.reads = reads = set()
+            self.reads = reads = {}
             try:
                 instrs = tuple(getattr(self.builder, name)(*args))
             finally:
                 self.reads = None
-            self.deps[i] = {f: self.style[f] for f in reads}
-            for f in reads:
-                self.readers.setdefault(f, set()).add(i)
+            self.deps[i] = reads
+            for key in reads:
+                self.readers.setdefault(_base(key), set()).add(i)
             self.nodes[i] = instrs
         return instrs
 
-    def sync(self, style: dict) -> None:
-        """The step's ``style``: nodes built under another value of a field they read are built
+    def sync(self, style: tuple) -> None:
+        """The step's ``style``: nodes built under another value of what they read are built
         again when next reached."""
         old, self.style = self.style, style
-        if old is None:
+        if old is None or old == style:
             return
-        for f, v in style.items():
-            if _same(old[f], v):
+        for f, before, v in zip(STYLE, old, style):
+            if _same(before, v):
                 continue
             for i in self.readers.get(f, ()):
-                dep = self.deps[i]
-                if self.nodes[i] is not None and f in dep and not _same(dep[f], v):
+                if self.nodes[i] is not None and any(
+                    _base(key) == f and not _same(style_value(style, key), was) for key, was in self.deps[i].items()
+                ):
                     self.nodes[i] = None
 
 
@@ -456,18 +491,20 @@ class _Builder:
     def inline(self, child: _Ref) -> list[tuple]:
         return [_instr(INLINE, child=child)]
 
-    def read(self, field: str):
-        """A field of the step's ``style``, recorded as read by the node being built (``Graph.sync``)."""
+    def read(self, key):
+        """A field of the step's ``style`` or a value derived from one (``style_value``), recorded
+        as read by the node being built (``Graph.sync``)."""
+        value = style_value(self.graph.style, key)
         reads = self.graph.reads
         if reads is not None:
-            reads.add(field)
-        return self.graph.style[field]
+            reads[key] = value
+        return value
 
     def tool_weights(self, names: list[str]) -> list[float]:
         """Learned tool frequencies, half the mass moved to the tools this output already called."""
         self.read("priors")
         w = self.priors.tool_weights(names)
-        self.read("own")
+        self.read(("own_tools", tuple(names)))
         own = [n for n, _ in self.own if n in names]
         if not own:
             return w
@@ -484,7 +521,7 @@ class _Builder:
             if past is None:
                 past = memo[(name, key)] = _past_values(self.past, name, key)
         seen = [(v, s, RETRIEVAL) for v, s in past]
-        self.read("own")
+        self.read(("own_values", name, key))
         seen += [(v, s, OWN_CALL) for v, s in _past_values(self.own, name, key)]
         total = sum(s for _, s, _ in seen)
         scale = SEEN_SHARE / total if total > SEEN_SHARE else 1.0
@@ -504,10 +541,7 @@ class _Builder:
 
     # ---- style ----
     def pretty(self, layout: Layout | None) -> bool:
-        pretty = self.read("pretty")
-        if pretty is not None:
-            return pretty
-        return bool(layout and layout.pretty)
+        return self.read(("pretty", layout))
 
     @property
     def indent_unit(self) -> int:
@@ -521,8 +555,10 @@ class _Builder:
         return "\n" + " " * (indent + self.indent_unit) if self.pretty(layout) else ""
 
     def ws_key(self, indent: int, layout=None) -> str:
-        """Whitespace before a key: after '{' (ws_in) or after ',' (the item separator's)."""
-        return self.sep(indent, layout)[1:] if self.read("event") == "," else self.ws_in(indent, layout)
+        """Whitespace before a key: after '{' (ws_in) or after ',' (the item separator's). Reads
+        the separator just written: the step's own instructions only, never a node's (``style``)."""
+        assert self.graph.reads is None, "ws_key: the step's position, not a node's"
+        return self.sep(indent, layout)[1:] if self.tr.event == "," else self.ws_in(indent, layout)
 
     def ws_close(self, indent: int, layout=None) -> str:
         return "\n" + " " * indent if self.pretty(layout) else ""
@@ -609,7 +645,7 @@ class _Builder:
     def _past_next_args(self, name: str, used: tuple[str, ...]) -> dict[str, float]:
         """Share of past calls of ``name`` whose next argument after ``used`` was each name."""
         nxt: dict[str, float] = {}
-        self.read("own")
+        self.read(("own_next", name))
         calls = [list(a) for n, a in self.past + self.own if n == name and isinstance(a, dict)]
         for keys in calls:
             rest = [k for k in keys if k not in used]

@@ -296,14 +296,23 @@ class SchemaDrafter(DrafterBase):
 
     def prepare(self, prompt_ids: list[int]) -> None:
         """The prompt's side of drafting, before the first step: its text, numbers, dates and
-        objects, and the suffix index over it. Depends on nothing a forward computes, so the
-        scheduler runs it beside one (``propose`` does whatever is left undone)."""
+        objects, the suffix index over it, and the schema candidates' expansion graph as far as
+        an empty output's walk reaches (every layout's opener, every tool, their first arguments:
+        the nodes the first steps walk, most of those a request ever builds). Depends on nothing a
+        forward computes, so the scheduler runs it beside one -- the prefill's, whose first token
+        the first step drafts after (``propose`` does whatever is left undone)."""
         ctx = DraftContext(list(prompt_ids), len(prompt_ids), 0)
         self._prompt(ctx)
         if self.schema:
             self._context_numbers(ctx)
             self._context_dates(ctx)
             self._context_keys(ctx)
+            if (
+                self._graph is not None
+                and not self._graph.nodes
+                and (self.tools.names or self.tracker.root is not None)
+            ):
+                self._expand(ctx, self.tracker)  # the graph's first nodes: the walk from an empty output
         if self.suffix.context.length == 0:
             self.suffix.context.extend(prompt_ids)
 
@@ -362,11 +371,17 @@ class SchemaDrafter(DrafterBase):
         """What the schemas allow after ``tracker``'s text (this output's tracker, or a fork of it).
         ``min_prob``: the budget's floor, for the step's own tree only (``_after_value``'s tails
         are shares of a copied span's probability, normalised there: a floor does not apply)."""
+        return self._expand(ctx, tracker, max_cands=max_cands, min_prob=min_prob)
+
+    def _expand(
+        self, ctx: DraftContext, tracker: CallTracker, max_cands: int = 64, min_prob: float = 0.0, levels: int = 3
+    ) -> list[Cand]:
         return continuations(
             tracker,
             self.tools,
             self.priors,
             self.eos,
+            levels=levels,
             max_cands=max_cands,
             past=self._past,
             dates=self._context_dates(ctx),
