@@ -147,7 +147,7 @@ def test_a_node_is_built_again_when_what_it_read_changes():
     dropped = {graph.thunks[i][0] for i in built if graph.nodes[i] is None}
     kept = {graph.thunks[i][0] for i in built if graph.nodes[i] is not None}
     assert dropped == {"tool_names"}
-    assert {"args_open", "arg_names", "value_start", "typed_start"} <= kept
+    assert {"args_open", "arg_names", "value_start", "_typed_start"} <= kept
     assert names() == pytest.approx({'a"': 0.75, 'b"': 0.25})
 
 

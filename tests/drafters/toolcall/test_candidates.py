@@ -129,6 +129,34 @@ def test_the_drafter_passes_the_calls_this_output_finished(qwen_tok):
     assert len(res.path) >= len(truth) - 1  # the repeat drafted whole (the budget decides what is kept)
 
 
+def test_prepare_builds_the_first_nodes_and_changes_no_tree(qwen_tok):
+    """``prepare`` builds the expansion graph's first nodes beside the prefill: the first step
+    then builds few, and every step's tree is the one an unprepared drafter drafts. Once the
+    priors have learned the outputs' layout, it builds that layout's part only."""
+    from toolspec_core.model.prompting import render_prompt
+    from toolspec_core.spec.layouts import FENCE, HERMES
+
+    prompt = render_prompt(qwen_tok, [{"role": "user", "content": "Time in UTC."}], TOOLS)
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+    out = qwen_tok.encode(text)
+    method = SchemaMethod(qwen_tok)
+    ready, cold = method.drafter(RequestInfo(prompt, TOOLS)), method.drafter(RequestInfo(prompt, TOOLS))
+    ready.prepare(prompt)
+    prebuilt = sum(n is not None for n in ready._graph.nodes)
+    assert prebuilt > 20 and not cold._graph.nodes
+    for k in range(1, len(out)):
+        a = ready.propose(DraftContext(prompt + out[:k], len(prompt), 40))
+        b = cold.propose(DraftContext(prompt + out[:k], len(prompt), 40))
+        assert (a.tokens, a.parents, a.conf, a.labels) == (b.tokens, b.parents, b.conf, b.labels), k
+        if k == 1:
+            assert sum(n is not None for n in ready._graph.nodes) - prebuilt < len(cold._graph.nodes) / 2
+    for _ in range(20):
+        method.observe(RequestInfo(prompt, TOOLS), out, text)
+    learned = method.drafter(RequestInfo(prompt, TOOLS))
+    learned.prepare(prompt)
+    assert {r.name for r in learned._graph.refs if r.__class__ is FENCE.__class__} == {HERMES.name}
+
+
 def test_an_object_after_a_finished_call_is_labelled_apart():
     from toolspec_core.spec.labels import NEXT_CALL
 

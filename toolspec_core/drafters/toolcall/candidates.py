@@ -163,6 +163,9 @@ class _Ref(NamedTuple):
     op: int
 
 
+_REF = "\x00ref"  # (_REF, k): an object of a node's arguments, ``Graph.refs[k]`` (a plain tuple: see ``Graph``)
+
+
 class _Shared:
     """An expansion several branches follow with (``_Builder.shared``): emitted once, before the
     first of them."""
@@ -205,6 +208,9 @@ def _same(a, b) -> bool:
     return a is b or a == b
 
 
+_PLAIN = (str, int, float, bool, tuple)  # node arguments kept as they are (``used``: a tuple of names)
+
+
 def _base(key) -> str:
     """The ``style`` field a read (``_Builder.read``) depends on."""
     return key if key.__class__ is str else "pretty" if key[0] == "pretty" else "own"
@@ -212,8 +218,8 @@ def _base(key) -> str:
 
 def style_value(style: tuple, key):
     """What a node read (``_Builder.read``): a ``style`` field, or a value derived from one --
-    ("pretty", layout): whether the layout is written pretty-printed (the output's own style once
-    it shows, else the layout's); ("own_tools", names): how often this output called each of
+    ("pretty", default): whether a layout is written pretty-printed (the output's own style once
+    it shows, else the layout's ``default``); ("own_tools", names): how often this output called each of
     ``names``; ("own_values", tool, key): the values its calls of ``tool`` passed as ``key``;
     ("own_next", tool): the argument orders of its calls of ``tool``. A node depends on no more
     than it used, so an output that turns out compact, or a finished call of another tool, does
@@ -223,7 +229,7 @@ def style_value(style: tuple, key):
     kind = key[0]
     if kind == "pretty":
         pretty = style[0]
-        return pretty if pretty is not None else bool(key[1] and key[1].pretty)
+        return pretty if pretty is not None else key[1]
     own = style[8]
     if kind == "own_tools":
         return tuple(sum(1 for n, _ in own if n == x) for x in key[1])
@@ -243,14 +249,32 @@ class Graph:
     request's past calls, values and the priors are expanded once, each step only walks. A node
     also records the ``style`` fields it read; when one of them changes (``sync``: the call
     closes, the priors move), only the nodes that read it are built again.
+
+    Its tables hold plain tuples, strings and numbers only (the objects nodes' arguments name
+    sit in ``refs``), which the garbage collector stops following once it has seen them, so a
+    request's graph adds little to a full collection however long the request lives.
     """
 
-    __slots__ = ("nodes", "thunks", "index", "slots", "builder", "style", "reads", "deps", "readers")
+    __slots__ = (
+        "nodes",
+        "thunks",
+        "index",
+        "refs",
+        "ref_index",
+        "slots",
+        "builder",
+        "style",
+        "reads",
+        "deps",
+        "readers",
+    )
 
     def __init__(self):
         self.nodes: list[tuple | None] = []
-        self.thunks: list[tuple[str, tuple]] = []  # (builder method's name, its arguments) per node
+        self.thunks: list[tuple] = []  # (builder method's name, *its arguments) per node
         self.index: dict[tuple, int] = {}
+        self.refs: list = []  # the objects nodes' arguments name (schemas, layouts), each once
+        self.ref_index: dict[int, int] = {}  # id(object) -> its index in ``refs`` (which holds it)
         self.slots = 0  # SHARED slots handed out
         self.builder: _Builder | None = None  # the step's: nodes are built with it
         self.style: tuple | None = None  # the step's ``style``
@@ -259,20 +283,34 @@ class Graph:
         self.readers: dict[str, set[int]] = {}  # per ``style`` field: the nodes that read it or a value derived from it
 
     def node(self, name: str, args: tuple) -> int:
-        # a schema is a dict: named by identity (the thunk holds it, so the id is not reused)
-        key = (name,) + tuple(id(a) if a.__class__ is dict else a for a in args)
+        key = [name]
+        for a in args:
+            if a.__class__ not in _PLAIN and a is not None:
+                a = self._ref(a)
+            key.append(a)
+        key = tuple(key)
         i = self.index.get(key)
         if i is None:
             i = self.index[key] = len(self.nodes)
             self.nodes.append(None)
-            self.thunks.append((name, args))
+            self.thunks.append(key)
             self.deps.append({})
         return i
+
+    def _ref(self, obj) -> tuple:
+        k = self.ref_index.get(id(obj))
+        if k is None:
+            k = self.ref_index[id(obj)] = len(self.refs)
+            self.refs.append(obj)
+        return (_REF, k)
 
     def build(self, i: int) -> tuple:
         instrs = self.nodes[i]
         if instrs is None:
-            name, args = self.thunks[i]
+            name, *args = self.thunks[i]
+            for k, a in enumerate(args):
+                if a.__class__ is tuple and a and a[0] is _REF:
+                    args[k] = self.refs[a[1]]
             self.reads = reads = {}
             try:
                 instrs = tuple(getattr(self.builder, name)(*args))
@@ -408,9 +446,18 @@ def walk(graph: Graph, root, keep: int, min_prob: float, max_cands: int, levels:
     return cands[:max_cands]
 
 
-def _instr(kind: int, prob: float = 1.0, segs=(), child: _Ref = _Ref(-1, SAME), slot: int = -1) -> tuple:
+def _listed(xs) -> list:
+    return xs if xs.__class__ is list else list(xs)
+
+
+def _instr(kind: int, prob: float = 1.0, segs=(), child: tuple = (-1, SAME), slot: int = -1) -> tuple:
     segs = tuple(segs)
-    return (kind, prob, child.node, child.op, slot, segs, any(s[0] for s in segs))
+    nonempty = False
+    for s in segs:
+        if s[0]:
+            nonempty = True
+            break
+    return (kind, prob, child[0], child[1], slot, segs, nonempty)
 
 
 class _Builder:
@@ -437,6 +484,7 @@ class _Builder:
         tables: CompiledTools | None = None,
         past_memo: dict | None = None,
         graph: Graph | None = None,
+        layouts: tuple | None = None,
     ):
         self.tr, self.tools, self.priors, self.eos = tr, tools, priors, eos
         # the tool set's compiled schema answers (None: the schema functions, every step)
@@ -444,11 +492,12 @@ class _Builder:
         # ``_past_values`` of ``past`` by (tool, key): the past calls are the request's, fixed for
         # its whole decode, so the drafter keeps this across steps (None: computed every time)
         self.past_memo = past_memo
-        self.numbers = list(numbers)  # numbers the conversation mentions (values.context_numbers)
-        self.past = list(past)  # (tool name, arguments) of retrieved past calls
-        self.own = list(own)  # (tool name, arguments) of the calls this output has finished
-        self.dates = list(dates)  # dates the conversation mentions (values.context_dates)
+        self.numbers = _listed(numbers)  # numbers the conversation mentions (values.context_numbers)
+        self.past = _listed(past)  # (tool name, arguments) of retrieved past calls
+        self.own = _listed(own)  # (tool name, arguments) of the calls this output has finished
+        self.dates = _listed(dates)  # dates the conversation mentions (values.context_dates)
         self.objects = ([(context_keys, 1.0)] if context_keys is not None else []) + [(tr.objects, OUTPUT_KEYS_WEIGHT)]
+        self.layouts = layouts  # the layouts an output may open with (None: the tracker's family)
         self.graph = graph if graph is not None else Graph()
         self.graph.builder = self
         self.graph.sync(style(tr, priors, own))
@@ -494,8 +543,9 @@ class _Builder:
     def read(self, key):
         """A field of the step's ``style`` or a value derived from one (``style_value``), recorded
         as read by the node being built (``Graph.sync``)."""
-        value = style_value(self.graph.style, key)
-        reads = self.graph.reads
+        graph = self.graph
+        value = graph.style[_FIELD[key]] if key.__class__ is str else style_value(graph.style, key)
+        reads = graph.reads
         if reads is not None:
             reads[key] = value
         return value
@@ -541,7 +591,7 @@ class _Builder:
 
     # ---- style ----
     def pretty(self, layout: Layout | None) -> bool:
-        return self.read(("pretty", layout))
+        return self.read(("pretty", bool(layout and layout.pretty)))
 
     @property
     def indent_unit(self) -> int:
@@ -681,6 +731,9 @@ class _Builder:
             for v, share in zip(derived, shares):
                 out += self.seq([('"', VALUE), (v, DERIVED), ('"', VALUE)], after, share)
             rest *= 1.0 - DATE_SHARE
+        alts = self.tables.variants(schema) if self.tables is not None else variants(schema)
+        if len(alts) == 1:  # its openings as they are: a 1/1 share (``typed_start``) changes no float and no cut
+            return out + self.scaled(rest, self.node(self._typed_start, name, used, alts[0], layout, args_indent))
         return out + self.scaled(rest, self.node(self.typed_start, name, used, schema, layout, args_indent))
 
     def typed_start(self, name, used, schema: dict, layout, args_indent: int) -> list[tuple]:
@@ -812,6 +865,8 @@ class _Builder:
         out = []
         family = self.tr.layouts
         for lay, w in zip(family, self.priors.layout_weights(family)):
+            if self.layouts is not None and lay not in self.layouts:
+                continue
             full = lay.opener + "{"
             j = _overlap(text, full) if lay.opener else 0
             if j and not (text[:-j] == "" or text[:-j].endswith("\n")):
@@ -1063,6 +1118,7 @@ def continuations(
     min_prob: float = 0.0,
     graph: Graph | None = None,
     compiled: bool = True,
+    layouts: tuple | None = None,
 ) -> list[Cand]:
     """Candidate continuations from the tracker's position, most probable first.
 
@@ -1083,10 +1139,11 @@ def continuations(
     ``graph``: the request's expansion graph, kept across its steps (None: one for this call; the
     caller passes the same ``past``, ``dates``, ``numbers``, ``tables`` and ``eos`` every step).
     ``compiled``: walk the graph in ``cand_walk.c`` where it is built (else, and as the reference,
-    ``walk``).
+    ``walk``). ``layouts``: at an output's start, draft the openers of these only (None: every
+    layout of the tracker's family; each keeps its share of the family's).
     """
     graph = graph if graph is not None else Graph()
-    b = _Builder(tr, tools, priors, eos, past, dates, context_keys, own, numbers, tables, past_memo, graph)
+    b = _Builder(tr, tools, priors, eos, past, dates, context_keys, own, numbers, tables, past_memo, graph, layouts)
     root = b.build()
     keep = max_cands if bounded else 0
     kernel = load_walk() if compiled else None

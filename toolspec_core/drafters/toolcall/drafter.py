@@ -234,6 +234,7 @@ class SchemaDrafter(DrafterBase):
     prepares = True  # ``prepare``: the prompt's text, values and suffix index, beside a forward
     TAILS = 8  # most probable continuations drafted after a copied value (each is tokenized with the span)
     WORD_END = 0.3  # share of a prose span's mass on the value ending where the source's word ends
+    AHEAD_SHARE = 0.1  # a layout's least share of the outputs for ``prepare`` to build its part of the graph
 
     def __init__(
         self,
@@ -296,25 +297,32 @@ class SchemaDrafter(DrafterBase):
 
     def prepare(self, prompt_ids: list[int]) -> None:
         """The prompt's side of drafting, before the first step: its text, numbers, dates and
-        objects, the suffix index over it, and the schema candidates' expansion graph as far as
-        an empty output's walk reaches (every layout's opener, every tool, their first arguments:
-        the nodes the first steps walk, most of those a request ever builds). Depends on nothing a
-        forward computes, so the scheduler runs it beside one -- the prefill's, whose first token
-        the first step drafts after (``propose`` does whatever is left undone)."""
+        objects, the suffix index over it, and the schema candidates' expansion graph's first nodes
+        (``_expand_ahead``). Depends on nothing a forward computes, so the scheduler runs it beside
+        one -- the prefill's, whose first token the first step drafts after (``propose`` does
+        whatever is left undone)."""
         ctx = DraftContext(list(prompt_ids), len(prompt_ids), 0)
         self._prompt(ctx)
         if self.schema:
             self._context_numbers(ctx)
             self._context_dates(ctx)
             self._context_keys(ctx)
-            if (
-                self._graph is not None
-                and not self._graph.nodes
-                and (self.tools.names or self.tracker.root is not None)
-            ):
-                self._expand(ctx, self.tracker)  # the graph's first nodes: the walk from an empty output
+            if self._graph is not None and not self._graph.nodes:
+                self._expand_ahead(ctx)
         if self.suffix.context.length == 0:
             self.suffix.context.extend(prompt_ids)
+
+    def _expand_ahead(self, ctx: DraftContext) -> None:
+        """The expansion graph's first nodes: the walk from an empty output, as the first step
+        would make it -- the layouts' openers, the tool names, each tool's arguments and their
+        first values -- for the layouts the priors give at least ``AHEAD_SHARE`` of the outputs
+        (every one until they have learned). The first token (the prefill's) picks one of them."""
+        tr = self.tracker
+        if not self.tools.names and tr.root is None:
+            return
+        family = list(tr.layouts)
+        layouts = tuple(lay for lay, w in zip(family, self.priors.layout_weights(family)) if w >= self.AHEAD_SHARE)
+        self._expand(ctx, tr, layouts=layouts)
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         tree, job, into = self._draft(ctx)
@@ -374,14 +382,13 @@ class SchemaDrafter(DrafterBase):
         return self._expand(ctx, tracker, max_cands=max_cands, min_prob=min_prob)
 
     def _expand(
-        self, ctx: DraftContext, tracker: CallTracker, max_cands: int = 64, min_prob: float = 0.0, levels: int = 3
+        self, ctx: DraftContext, tracker: CallTracker, max_cands: int = 64, min_prob: float = 0.0, layouts=None
     ) -> list[Cand]:
         return continuations(
             tracker,
             self.tools,
             self.priors,
             self.eos,
-            levels=levels,
             max_cands=max_cands,
             past=self._past,
             dates=self._context_dates(ctx),
@@ -394,6 +401,7 @@ class SchemaDrafter(DrafterBase):
             min_prob=min_prob,
             graph=self._graph,
             compiled=not self.reference,
+            layouts=layouts,
         )
 
     def _own_calls(self) -> list[tuple[str, dict]]:
