@@ -149,6 +149,26 @@ def test_a_step_model_run_s_report_is_labelled_a_projection(tmp_path):
     table = [line for line in md if line.startswith("| ") and not line.startswith("| kind")]
     assert table and all(line.startswith("| projection |") for line in table)
     assert all(r["hidden_share"] is not None for r in rep["runs"])
+    ts = [r for r in rep["runs"] if r["method"] == "toolspec"]
+    assert ts and all(0 < r["prompt_hidden_ms_per_request"] <= r["prompt_side_ms_per_request"] for r in ts)
+
+
+def test_prompt_side_work_is_hidden_behind_the_modelled_prefill_only_with_overlap(tmp_path):
+    """Where a step model prices the forward and host work runs beside it, each prompt's
+    prompt-side work hides behind its prefill's forward (a step of one sequence with the prompt's
+    rows) and leaves decode time; without overlap or without a step model nothing is hidden."""
+    from benchmarks.batch import BatchRun
+    from benchmarks.cli import parse
+
+    sm = tmp_path / "step.json"
+    sm.write_text(json.dumps({"gpu": "g", "points": [{"batch": 1, "rows": 1, "forward_ms": 5.0}]}))
+    base = ["--batch", "2", "--target", "replay", "--cost", "reference", "--max-new-tokens", "32"]
+    base += ["--out", str(tmp_path / "r")]
+    prompts = [[1] * 300, [2] * 40]
+    on = BatchRun(parse(base + ["--step-model", str(sm), "--overlap", "on"]))
+    assert on._prefill_s(prompts) == pytest.approx(2 * 5.0 / 1000)  # a one-row step's time at least each
+    assert BatchRun(parse(base + ["--step-model", str(sm), "--overlap", "off"]))._prefill_s(prompts) == 0.0
+    assert BatchRun(parse(base))._prefill_s(prompts) == 0.0
 
 
 def test_step_model_flags_are_checked():
