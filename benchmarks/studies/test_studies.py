@@ -313,3 +313,15 @@ def test_drafting_parts_are_timed_on_the_replay_and_put_back(tmp_path):
     assert ms[draft_profile.PARTS[0][1]] >= ms["schema candidates (continuations)"]
     assert res["candidate_objects_per_expansion"] >= res["candidates_returned_per_expansion"] > 0
     assert (drafter.SchemaDrafter._draft, drafter.candidates_to_tree, drafter.continuations) == before
+
+
+def test_expansion_equal_finds_a_difference_and_passes_on_equal_code(monkeypatch):
+    """The study compares for real: against this tree's own module it passes; with one branch
+    factor of the other side changed it reports the first difference."""
+    from benchmarks.studies import expansion_equal as ee
+
+    old = ee.load_revision("HEAD")
+    assert ee.compare(old, 1)["positions_checked"] > 1000
+    monkeypatch.setattr(old, "MORE_OPTIONAL", old.MORE_OPTIONAL * 0.5)
+    with pytest.raises(AssertionError, match="differs"):
+        ee.compare(old, 1)
