@@ -36,7 +36,7 @@ def _random_graph(rng: random.Random, n_nodes: int) -> tuple[Graph, list]:
         return rng.choice(probs) if rng.random() < 0.4 else rng.random()
 
     class Builder:
-        def instrs(self, i: int) -> list:
+        def instrs(self, i: int) -> list:  # a node's instructions (``Graph.build`` flattens them)
             out, slot = [], None
             for _ in range(rng.randrange(0, 6)):
                 later = rng.randrange(i + 1, n_nodes) if i + 1 < n_nodes else None
@@ -63,7 +63,7 @@ def _random_graph(rng: random.Random, n_nodes: int) -> tuple[Graph, list]:
     g.builder, g.style = Builder(), ()
     for i in range(n_nodes):
         g.node("instrs", (i,))
-    return g, g.builder.instrs(-1)
+    return g, cd.flat(g.builder.instrs(-1))
 
 
 def _walk_both(g_args, keep, min_prob, max_cands, levels):

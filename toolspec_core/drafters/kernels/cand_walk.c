@@ -1,7 +1,7 @@
 /* The schema candidates' expansion walk (drafters/toolcall/candidates.py: _Walk, walk) in C.
  *
- * The candidate builder emits the expansion as a graph of nodes, each a tuple of instructions
- * (kind, prob, child, slot, segs, nonempty); a node not yet built is None in the node list and a
+ * The candidate builder emits the expansion as a graph of nodes, each a flat tuple of instructions
+ * of WIDTH fields (kind, prob, child, op, slot, segs, nonempty); a node not yet built is None in the node list and a
  * Python callable builds it (``Graph.build``) the first time the walk reaches it. This walks the
  * graph from a root under the levels (``levels`` at the root; each child at the level its
  * instruction's ``op`` says) and the two floors -- the bounded expansion's (the ``keep``-th
@@ -21,6 +21,7 @@ enum { SEQ, SEQ_LEAF, SHARED, SEQ_SHARED, LEAF, CAND, MUL, DIV, INLINE, GUARD };
 enum { SAME, DOWN, DOWN_IF, ZERO }; /* a child's level: the parent's, one less, one less if above 0, 0 */
 #define SLACK 1e-9
 #define MAX_SLOTS 16 /* SHARED slots live at once in one node's instructions */
+#define WIDTH 7      /* fields an instruction */
 
 typedef struct {
     double *prob;
@@ -189,26 +190,24 @@ static int then(W *w, Py_ssize_t s, int cut, PyObject *segs, char ne, double pro
 }
 
 static int run(W *w, PyObject *instrs) {
-    PyObject *fast = PySequence_Fast(instrs, "cand_walk: a node is a sequence of instructions");
-    if (!fast) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), shared0 = w->shared.n;
-    PyObject **items = PySequence_Fast_ITEMS(fast);
+    if (!PyTuple_Check(instrs) || PyTuple_GET_SIZE(instrs) % WIDTH) {
+        PyErr_SetString(PyExc_TypeError, "cand_walk: a node is a flat tuple of instructions");
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(instrs) / WIDTH, shared0 = w->shared.n;
+    PyObject **items = ((PyTupleObject *)instrs)->ob_item;
     long slot_id[MAX_SLOTS];
     Py_ssize_t slot_start[MAX_SLOTS], slot_n[MAX_SLOTS];
     int slot_cut[MAX_SLOTS], nslots = 0, rc = -1;
     for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *ins = items[k];
-        if (!PyTuple_Check(ins) || PyTuple_GET_SIZE(ins) != 7) {
-            PyErr_SetString(PyExc_TypeError, "cand_walk: an instruction is a 7-tuple");
-            goto done;
-        }
-        long kind = PyLong_AsLong(PyTuple_GET_ITEM(ins, 0));
-        double prob = PyFloat_AsDouble(PyTuple_GET_ITEM(ins, 1));
-        Py_ssize_t child = PyLong_AsSsize_t(PyTuple_GET_ITEM(ins, 2));
-        long op = PyLong_AsLong(PyTuple_GET_ITEM(ins, 3));
-        long slot = PyLong_AsLong(PyTuple_GET_ITEM(ins, 4));
-        PyObject *segs = PyTuple_GET_ITEM(ins, 5);
-        char ne = (char)(PyTuple_GET_ITEM(ins, 6) == Py_True);
+        PyObject **ins = items + k * WIDTH;
+        long kind = PyLong_AsLong(ins[0]);
+        double prob = PyFloat_AsDouble(ins[1]);
+        Py_ssize_t child = PyLong_AsSsize_t(ins[2]);
+        long op = PyLong_AsLong(ins[3]);
+        long slot = PyLong_AsLong(ins[4]);
+        PyObject *segs = ins[5];
+        char ne = (char)(ins[6] == Py_True);
         if (PyErr_Occurred()) goto done;
         if (!PyTuple_Check(segs)) {
             PyErr_SetString(PyExc_TypeError, "cand_walk: an instruction's segments are a tuple");
@@ -297,7 +296,6 @@ nomem:
     PyErr_NoMemory();
 done:
     w->shared.n = shared0;
-    Py_DECREF(fast);
     return rc;
 }
 

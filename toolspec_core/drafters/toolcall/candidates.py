@@ -134,7 +134,7 @@ _NO_SCHEMA: dict = {}  # an argument without a schema: one object, so its nodes 
 
 SLACK = 1e-9  # relative margin on the floor: a bound multiplies in another order than the candidate's prob
 
-# The expansion as a graph (``Graph``): a node is a tuple of instructions, each
+# The expansion as a graph (``Graph``): a node is a flat tuple of instructions (``flat``), each
 # (kind, prob, child, op, slot, segs, nonempty) -- ``segs`` the segments it writes (a tuple of
 # Seg), ``nonempty`` whether any of them writes something, ``child`` the node it expands (a node
 # id) at the level ``op`` says. The walk carries the levels left (``levels`` at the root): what a
@@ -150,6 +150,7 @@ MUL = 6  # ``child`` expanded under prob, each candidate's probability times pro
 DIV = 7  # ``child`` expanded under 1 / prob, each candidate's probability divided by prob (a count)
 INLINE = 8  # ``child``'s candidates as they are
 GUARD = 9  # at level -1 the rest of the node is nothing (the levels are spent)
+WIDTH = 7  # fields an instruction
 
 # the level a child is walked at (``op``)
 SAME = 0  # the parent's
@@ -313,7 +314,7 @@ class Graph:
                     args[k] = self.refs[a[1]]
             self.reads = reads = {}
             try:
-                instrs = tuple(getattr(self.builder, name)(*args))
+                instrs = flat(getattr(self.builder, name)(*args))
             finally:
                 self.reads = None
             self.deps[i] = reads
@@ -406,7 +407,8 @@ class _Walk:
     def run(self, instrs) -> list[Cand]:
         out: list[Cand] = []
         shared: dict[int, list] = {}
-        for kind, prob, child, op, slot, segs, nonempty in instrs:
+        for j in range(0, len(instrs), WIDTH):
+            kind, prob, child, op, slot, segs, nonempty = instrs[j : j + WIDTH]
             spent = op == DOWN_IF and self.lv <= 0  # the branch ends here: no levels left below
             if kind == SEQ:
                 if spent:
@@ -444,6 +446,12 @@ def walk(graph: Graph, root, keep: int, min_prob: float, max_cands: int, levels:
     cands = [c for c in cands if c.prob > 0 and any(s[0] for s in c.segs)]
     cands.sort(key=lambda c: -c.prob)
     return cands[:max_cands]
+
+
+def flat(instrs: list[tuple]) -> tuple:
+    """A node's instructions as one tuple, ``WIDTH`` fields each: one object a node, not one an
+    instruction, for the garbage collector to count and walk."""
+    return tuple(x for ins in instrs for x in ins)
 
 
 def _listed(xs) -> list:
@@ -1144,7 +1152,7 @@ def continuations(
     """
     graph = graph if graph is not None else Graph()
     b = _Builder(tr, tools, priors, eos, past, dates, context_keys, own, numbers, tables, past_memo, graph, layouts)
-    root = b.build()
+    root = flat(b.build())
     keep = max_cands if bounded else 0
     kernel = load_walk() if compiled else None
     if kernel is None:
