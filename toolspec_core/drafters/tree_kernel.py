@@ -2,7 +2,9 @@
 merge loop (``tree_merge.c``, :func:`load`), suffix drafting's per-step walk for a batch
 (``suffix_walk.c``, :func:`load_suffix`; ``suffix.walk_batch`` says what it does) and the
 boundary tokenizer's ASCII encoder and whole-candidate tokenization (``bpe.c``, :func:`load_bpe`;
-``boundary.native_encoder``, ``BoundaryTokenizer.tokenize``).
+``boundary.native_encoder``, ``BoundaryTokenizer.tokenize``), and the walk of the schema
+candidates' expansion graph (``cand_walk.c``, :func:`load_walk`; ``candidates.walk`` is its
+Python reference).
 
 Why: merging a step's candidates into one trie -- a child lookup and a node append per token,
 a rate per new node, the mass of every node on each chain, the stop test over all nodes, each
@@ -15,7 +17,7 @@ set's token table, on a miss the boundary tokenizer, whose whole-candidate ``tok
 Built with the system C compiler against this Python's headers (no torch) into the project's
 cache (``~/.cache/toolspec/kernels``, or under ``TOOLSPEC_CACHE``), named by the source's hash,
 on first use (a second or two; ``toolspec_core.native``). Where that is impossible -- no compiler or headers, or
-``TOOLSPEC_TREE_KERNEL=0`` (``TOOLSPEC_SUFFIX_KERNEL=0``, ``TOOLSPEC_BPE_KERNEL=0`` for the others) -- the loader
+``TOOLSPEC_TREE_KERNEL=0`` (``TOOLSPEC_SUFFIX_KERNEL=0``, ``TOOLSPEC_BPE_KERNEL=0``, ``TOOLSPEC_WALK_KERNEL=0`` for the others) -- the loader
 returns None and the drafter runs its Python loop, which is also the reference the tests compare
 the compiled one against.
 """

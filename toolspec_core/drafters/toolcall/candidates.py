@@ -4,7 +4,9 @@
 ids, with the FSM state as label) and a probability. Shared prefixes are merged later, when the
 candidates are tokenized into one draft tree. Fixed text (braces, keys, separators, closers)
 has probability 1 inside a candidate; branch points (which tool, which argument, which enum
-value, close or continue) split the probability.
+value, close or continue) split the probability. The expansion is a graph (``Graph``) a request
+builds as its steps reach it (``_Builder``) and each step walks from its FSM position (``_Walk``;
+``drafters/kernels/cand_walk.c`` is its compiled twin).
 """
 
 from __future__ import annotations
@@ -160,6 +162,8 @@ ZERO = 3  # 0
 
 
 class _Ref(NamedTuple):
+    """A child of an instruction: its node id and the level it is walked at (``SAME`` ... ``ZERO``)."""
+
     node: int
     op: int
 

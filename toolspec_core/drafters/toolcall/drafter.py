@@ -231,7 +231,7 @@ class SchemaDrafter(DrafterBase):
     context and, with retrieval, the tenant's history; argument values copied from the context) +
     retrieved past calls, one tree."""
 
-    prepares = True  # ``prepare``: the prompt's text, values and suffix index, beside a forward
+    prepares = True  # ``prepare``: the prompt's text, values, suffix index and first graph nodes, beside a forward
     TAILS = 8  # most probable continuations drafted after a copied value (each is tokenized with the span)
     WORD_END = 0.3  # share of a prose span's mass on the value ending where the source's word ends
     AHEAD_SHARE = 0.1  # a layout's least share of the outputs for ``prepare`` to build its part of the graph
@@ -384,6 +384,7 @@ class SchemaDrafter(DrafterBase):
     def _expand(
         self, ctx: DraftContext, tracker: CallTracker, max_cands: int = 64, min_prob: float = 0.0, layouts=None
     ) -> list[Cand]:
+        """``continuations`` with this request's inputs and its expansion graph."""
         return continuations(
             tracker,
             self.tools,
@@ -653,7 +654,8 @@ class SchemaMethod:
         parsed = parse_tool_calls(text)
         spans = parsed.spans
         # drafters only read the counts (.get): each change is one dict store; the version moves
-        # after them, so a drafter's expansion graph (``candidates.Graphs``) is rebuilt on them
+        # after them, so the nodes of a drafter's expansion graph that read them are built again
+        # (``candidates.Graph.sync``)
         with self._lock:
             self.priors.events.count("call_start", bool(spans) and not text[: spans[0][0]].strip())
             if parsed.calls:
