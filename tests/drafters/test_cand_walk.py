@@ -89,17 +89,26 @@ def test_the_compiled_walk_is_the_python_walk_on_random_graphs(keep, min_prob):
     assert nonempty > 100
 
 
-def _gold_walk(n_per: int):
-    """(tracker at every character, tools, request extras, tables) along real gold calls."""
+def _gold_positions(n_per: int):
+    """Every character of real gold calls (both layouts): (a new output's first position?, the
+    tracker there, tools, request extras with this output's finished calls as ``own`` -- a new
+    list whenever it changes, as the drafter's -- and the compiled tables, the text so far)."""
     for bench in ("api_bank", "bfcl_v3", "toolalpaca"):
         for it in read_jsonl(dev_set(bench), n_per):
             idx = ToolIndex.from_tools(it["tools"])
             prose = " ".join(str(m.get("content") or "") for m in it["messages"])
             past = [(c["name"], c.get("arguments") or {}) for c in it["gold_calls"]]
             extra = dict(past=past, numbers=context_numbers(prose), dates=context_dates(prose))
+            tables = compile_tools(it["tools"], None)
             for layout in ("hermes", "fence"):
                 text = render_calls(it["gold_calls"], layout_by_name(layout))
-                yield idx, extra, compile_tools(it["tools"], None), text
+                t, own = CallTracker(idx), []
+                for k in range(len(text) + 1):
+                    if k:
+                        t.feed(text[k - 1])
+                    if len(t.calls) != len(own):
+                        own = past[: len(t.calls)]
+                    yield k == 0, t, idx, dict(extra, own=own, tables=tables), text[:k]
 
 
 @needs_kernel
@@ -108,20 +117,15 @@ def test_kept_graphs_walked_compiled_give_a_fresh_python_expansions_candidates()
     positions, the compiled walk) and a fresh graph walked in Python agree candidate for candidate
     (segments, probability, order) at the cuts and floors the drafter uses."""
     checked = 0
-    for idx, extra, tables, text in _gold_walk(3):
-        graph, own, pri = Graph(), [], Priors()
-        t = CallTracker(idx)
-        for k in range(len(text) + 1):
-            if k:
-                t.feed(text[k - 1])
-            if len(t.calls) != len(own):
-                own = extra["past"][: len(t.calls)]  # a new list whenever it changes, as the drafter's
-            for keep, floor in ((64, 0.0), (64, 0.02), (8, 0.0)):
-                kw = dict(max_cands=keep, min_prob=floor, own=own, tables=tables, **extra)
-                kept = continuations(t, idx, pri, [7], graph=graph, **kw)
-                fresh = continuations(t, idx, pri, [7], compiled=False, **kw)
-                assert [(c.segs, c.prob) for c in kept] == [(c.segs, c.prob) for c in fresh], text[:k]
-                checked += 1
+    for first, t, idx, extra, text in _gold_positions(3):
+        if first:
+            graph, pri = Graph(), Priors()
+        for keep, floor in ((64, 0.0), (64, 0.02), (8, 0.0)):
+            kw = dict(max_cands=keep, min_prob=floor, **extra)
+            kept = continuations(t, idx, pri, [7], graph=graph, **kw)
+            fresh = continuations(t, idx, pri, [7], compiled=False, **kw)
+            assert [(c.segs, c.prob) for c in kept] == [(c.segs, c.prob) for c in fresh], text
+            checked += 1
     assert checked > 3000
 
 
@@ -156,22 +160,17 @@ def test_a_kept_graph_follows_the_priors_and_this_outputs_calls_along_gold_calls
     and this output's calls growing: a kept graph walked compiled == a fresh graph in Python."""
     rng = random.Random(7)
     checked = 0
-    for idx, extra, tables, text in _gold_walk(2):
-        graph, own, pri = Graph(), [], Priors()
-        t = CallTracker(idx)
-        for k in range(len(text) + 1):
-            if k:
-                t.feed(text[k - 1])
-            if len(t.calls) != len(own):
-                own = extra["past"][: len(t.calls)]
-            if rng.random() < 0.2:
-                name = rng.choice(idx.names) if idx.names else "x"
-                pri.tool_counts[name] = pri.tool_counts.get(name, 0.0) + 1.0
-                pri.events.count("prose_after", rng.random() < 0.5)
-                pri.version += 1
-            kw = dict(max_cands=64, min_prob=0.01, own=own, tables=tables, **extra)
-            kept = continuations(t, idx, pri, [7], graph=graph, compiled=kernel is not None, **kw)
-            fresh = continuations(t, idx, pri, [7], compiled=False, **kw)
-            assert [(c.segs, c.prob) for c in kept] == [(c.segs, c.prob) for c in fresh], text[:k]
-            checked += 1
+    for first, t, idx, extra, text in _gold_positions(2):
+        if first:
+            graph, pri = Graph(), Priors()
+        if rng.random() < 0.2:
+            name = rng.choice(idx.names) if idx.names else "x"
+            pri.tool_counts[name] = pri.tool_counts.get(name, 0.0) + 1.0
+            pri.events.count("prose_after", rng.random() < 0.5)
+            pri.version += 1
+        kw = dict(max_cands=64, min_prob=0.01, **extra)
+        kept = continuations(t, idx, pri, [7], graph=graph, compiled=kernel is not None, **kw)
+        fresh = continuations(t, idx, pri, [7], compiled=False, **kw)
+        assert [(c.segs, c.prob) for c in kept] == [(c.segs, c.prob) for c in fresh], text
+        checked += 1
     assert checked > 1000
