@@ -171,3 +171,21 @@ def warm_documents(tokenizer, items: list[dict], eos_ids=(), layout: str = "fenc
         emb = embed(item, ids) if embed is not None else None
         docs.append((RequestInfo(prompt_ids=ids, tools=item.get("tools") or [], embedding=emb), out, text))
     return docs
+
+
+def gold_requests(per_set: int, sets=("api_bank", "bfcl_v3", "toolalpaca")):
+    """The first ``per_set`` dev items of each set with what a request's drafter derives from
+    them: (item, its ``ToolIndex``, the candidate builder's request inputs -- the gold calls as
+    retrieved past calls, the conversation's numbers and dates). For the checks that expand
+    schema candidates along the gold calls."""
+    from toolspec_core.drafters.toolcall.fsm import ToolIndex
+    from toolspec_core.drafters.toolcall.values import context_dates, context_numbers
+
+    from .datasets import dev_set, read_jsonl
+
+    for name in sets:
+        for it in read_jsonl(dev_set(name), per_set):
+            prose = " ".join(str(m.get("content") or "") for m in it["messages"])
+            past = [(c["name"], c.get("arguments") or {}) for c in it["gold_calls"]]
+            inputs = dict(past=past, numbers=context_numbers(prose), dates=context_dates(prose))
+            yield it, ToolIndex.from_tools(it["tools"]), inputs

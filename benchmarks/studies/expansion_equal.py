@@ -26,11 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.datasets import dev_set, read_jsonl
+from benchmarks.data import gold_requests
 from toolspec_core.drafters.toolcall import candidates as new
 from toolspec_core.drafters.toolcall.compiled import compile_tools
-from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
-from toolspec_core.drafters.toolcall.values import context_dates, context_numbers
+from toolspec_core.drafters.toolcall.fsm import CallTracker
 from toolspec_core.spec.layouts import layout_by_name, render_calls
 
 CUTS = ((64, 0.0), (64, 0.01), (8, 0.0), (64, 0.2), (4, 0.05))  # (max_cands, min_prob)
@@ -52,39 +51,33 @@ def load_revision(rev: str):
 
 def compare(old, per_set: int) -> dict:
     checked, t_old, t_new = 0, 0.0, 0.0
-    for bench in ("api_bank", "bfcl_v3", "toolalpaca"):
-        for it in read_jsonl(dev_set(bench), per_set):
-            idx = ToolIndex.from_tools(it["tools"])
-            prose = " ".join(str(m.get("content") or "") for m in it["messages"])
-            past = [(c["name"], c.get("arguments") or {}) for c in it["gold_calls"]]
-            extra = dict(past=past, numbers=context_numbers(prose), dates=context_dates(prose))
-            for layout in ("hermes", "fence", "bare"):
-                text = render_calls(it["gold_calls"], layout_by_name(layout))
-                for tables in (None, compile_tools(it["tools"], None)):
-                    memo_old, memo_new, graph, own = {}, {}, new.Graph(), []
-                    pri_old, pri_new = old.Priors(), new.Priors()
-                    tr = CallTracker(idx)
-                    for k in range(len(text) + 1):
-                        if k:
-                            tr.feed(text[k - 1])
-                        if len(tr.calls) != len(own):
-                            own = past[: len(tr.calls)]  # a new list whenever it changes, as the drafter's
-                        for keep, floor in CUTS:
-                            kw = dict(max_cands=keep, min_prob=floor, own=own, tables=tables, **extra)
-                            s0 = time.perf_counter()
-                            a = old.continuations(tr, idx, pri_old, [7], past_memo=memo_old, **kw)
-                            s1 = time.perf_counter()
-                            b = new.continuations(tr, idx, pri_new, [7], past_memo=memo_new, graph=graph, **kw)
-                            s2 = time.perf_counter()
-                            c = new.continuations(tr, idx, pri_new, [7], compiled=False, **kw)
-                            t_old, t_new = t_old + s1 - s0, t_new + s2 - s1
-                            want = [(x.segs, x.prob) for x in a]
-                            for way, got in (("kept graph, compiled walk", b), ("fresh graph, Python walk", c)):
-                                if [(x.segs, x.prob) for x in got] != want:
-                                    raise AssertionError(
-                                        f"{way} differs: {it['id']} {layout} {keep} {floor} {text[:k]!r}"
-                                    )
-                            checked += 1
+    for it, idx, extra in gold_requests(per_set):
+        past = extra["past"]
+        for layout in ("hermes", "fence", "bare"):
+            text = render_calls(it["gold_calls"], layout_by_name(layout))
+            for tables in (None, compile_tools(it["tools"], None)):
+                memo_old, memo_new, graph, own = {}, {}, new.Graph(), []
+                pri_old, pri_new = old.Priors(), new.Priors()
+                tr = CallTracker(idx)
+                for k in range(len(text) + 1):
+                    if k:
+                        tr.feed(text[k - 1])
+                    if len(tr.calls) != len(own):
+                        own = past[: len(tr.calls)]  # a new list whenever it changes, as the drafter's
+                    for keep, floor in CUTS:
+                        kw = dict(max_cands=keep, min_prob=floor, own=own, tables=tables, **extra)
+                        s0 = time.perf_counter()
+                        a = old.continuations(tr, idx, pri_old, [7], past_memo=memo_old, **kw)
+                        s1 = time.perf_counter()
+                        b = new.continuations(tr, idx, pri_new, [7], past_memo=memo_new, graph=graph, **kw)
+                        s2 = time.perf_counter()
+                        c = new.continuations(tr, idx, pri_new, [7], compiled=False, **kw)
+                        t_old, t_new = t_old + s1 - s0, t_new + s2 - s1
+                        want = [(x.segs, x.prob) for x in a]
+                        for way, got in (("kept graph, compiled walk", b), ("fresh graph, Python walk", c)):
+                            if [(x.segs, x.prob) for x in got] != want:
+                                raise AssertionError(f"{way} differs: {it['id']} {layout} {keep} {floor} {text[:k]!r}")
+                        checked += 1
     return {"positions_checked": checked, "revision_s": t_old, "graph_s": t_new}
 
 

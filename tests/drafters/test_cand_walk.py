@@ -11,13 +11,12 @@ import random
 
 import pytest
 
-from benchmarks.datasets import dev_set, read_jsonl
+from benchmarks.data import gold_requests
 from toolspec_core.drafters import tree_kernel
 from toolspec_core.drafters.toolcall import candidates as cd
 from toolspec_core.drafters.toolcall.candidates import Graph, Priors, _Ref, continuations
 from toolspec_core.drafters.toolcall.compiled import compile_tools
 from toolspec_core.drafters.toolcall.fsm import CallTracker, ToolIndex
-from toolspec_core.drafters.toolcall.values import context_dates, context_numbers
 from toolspec_core.spec.layouts import layout_by_name, render_calls
 
 kernel = tree_kernel.load_walk()
@@ -93,22 +92,18 @@ def _gold_positions(n_per: int):
     """Every character of real gold calls (both layouts): (a new output's first position?, the
     tracker there, tools, request extras with this output's finished calls as ``own`` -- a new
     list whenever it changes, as the drafter's -- and the compiled tables, the text so far)."""
-    for bench in ("api_bank", "bfcl_v3", "toolalpaca"):
-        for it in read_jsonl(dev_set(bench), n_per):
-            idx = ToolIndex.from_tools(it["tools"])
-            prose = " ".join(str(m.get("content") or "") for m in it["messages"])
-            past = [(c["name"], c.get("arguments") or {}) for c in it["gold_calls"]]
-            extra = dict(past=past, numbers=context_numbers(prose), dates=context_dates(prose))
-            tables = compile_tools(it["tools"], None)
-            for layout in ("hermes", "fence"):
-                text = render_calls(it["gold_calls"], layout_by_name(layout))
-                t, own = CallTracker(idx), []
-                for k in range(len(text) + 1):
-                    if k:
-                        t.feed(text[k - 1])
-                    if len(t.calls) != len(own):
-                        own = past[: len(t.calls)]
-                    yield k == 0, t, idx, dict(extra, own=own, tables=tables), text[:k]
+    for it, idx, extra in gold_requests(n_per):
+        past = extra["past"]
+        tables = compile_tools(it["tools"], None)
+        for layout in ("hermes", "fence"):
+            text = render_calls(it["gold_calls"], layout_by_name(layout))
+            t, own = CallTracker(idx), []
+            for k in range(len(text) + 1):
+                if k:
+                    t.feed(text[k - 1])
+                if len(t.calls) != len(own):
+                    own = past[: len(t.calls)]
+                yield k == 0, t, idx, dict(extra, own=own, tables=tables), text[:k]
 
 
 @needs_kernel
