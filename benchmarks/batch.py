@@ -37,7 +37,7 @@ from .cost import hardware_string
 from .data import load_items, prompt_ids, select_items
 from .datasets import JsonlStore
 from .metrics import first_mismatch
-from .plots import md_table, pyplot
+from .plots import md_section, md_table, pyplot
 from .prompts import BLOCK_TOKENS, PromptPool
 from .runner import MethodPool, bench_target, log, resolve_cost
 
@@ -239,6 +239,7 @@ class BatchRun:
         steps = [s for s in sched.steps[first:] if s.sequences]
         sums = {f: sum(getattr(s, f) for s in steps) for f in ("rows", "forward_s", "host_s", "side_s", "hidden_s")}
         head = {"benchmark": bench, "method": name, "batch": b, "group": gi, "items": [it["id"] for it in group]}
+        tool_sets = getattr(method, "tool_sets", None)  # the compiled tool-set cache (``ToolSetCache``)
         return {
             **head,
             "decode_s": decode_s,
@@ -249,6 +250,7 @@ class BatchRun:
             "prompt_side_s": prompt_side_s,
             "prompt_hidden_s": prompt_hidden_s,
             "host_parts_s": {p: sum(getattr(s, p + "_s") for s in steps) for p in HOST_PARTS},
+            "tool_sets": tool_sets.stats() if tool_sets is not None else None,  # the method's so far
             "outputs": outputs,
         }
 
@@ -388,6 +390,7 @@ def build_report(out: Path, name: str, results: Path, hardware: str, model: str,
         "cost_model": cost,
         "exact_reference": "ar at B = 1" if reference_batch(records) == 1 else "ar at the same B",
         "runs": summarize(records),
+        "tool_sets": tool_set_rows(records),
     }
     step_model = report["config"].get("step_model")
     if step_model:  # the forward was modelled: every figure of the run is a projection
@@ -406,6 +409,47 @@ def build_report(out: Path, name: str, results: Path, hardware: str, model: str,
     if plots:
         plot(report, results / f"{name}.png")
     return report
+
+
+def tool_set_rows(records: list[dict]) -> list[dict]:
+    """Each (benchmark, method, B)'s compiled tool-set cache after its last group: the method
+    sees that benchmark's stream (cycled copies included) once per B, so lookups are its
+    requests; counts cover the groups decoded in one process (a resumed run's start afresh)."""
+    last: dict[tuple, dict] = {}
+    for r in records:
+        if r.get("tool_sets"):
+            k = (r["benchmark"], r["method"], r["batch"])
+            if k not in last or r["group"] > last[k]["group"]:
+                last[k] = r
+    rows = []
+    for (bench, method, b), r in sorted(last.items(), key=lambda kv: (kv[0][0], _order(kv[0][1]), kv[0][2])):
+        st = r["tool_sets"]
+        rows.append({"benchmark": bench, "method": method, "batch": b, **st})
+    return rows
+
+
+def tool_set_markdown(report: dict) -> list[str]:
+    """The compiled tool-set cache's table (``ToolSetCache.stats``), where a method keeps one."""
+    rows = report.get("tool_sets") or []
+    if not rows:
+        return []
+    intro = (
+        "Each method's cache of compiled tool sets (`ToolSetCache`) after the benchmark's stream at that B: "
+        "requests looked up, sets compiled (misses), hit rate, compile time per set, estimated bytes per "
+        "set held (schema tables at compile plus the token table as drafting filled it) and the token "
+        "tables' hit rate (a schema candidate's tokens at a boundary already tokenized)."
+    )
+    head = ["benchmark", "method", "B", "requests", "sets", "hit rate", "compile ms p50 / p99"]
+    head += ["KiB per set mean / max", "token-table entries", "token-table hit rate"]
+    cells = []
+    for r in rows:
+        cells.append(
+            [r["benchmark"], r["method"], r["batch"], r["hits"] + r["misses"], r["misses"], _f(r["hit_rate"], ".3f")]
+            + [f"{r['compile_ms_p50']:.2f} / {r['compile_ms_p99']:.2f}"]
+            + [f"{r['bytes_per_entry_mean'] / 1024:.1f} / {r['bytes_per_entry_max'] / 1024:.1f}"]
+            + [r.get("token_entries", "-"), _f(r.get("token_hit_rate"), ".3f")]
+        )
+    return md_section("Compiled tool sets", intro, md_table(head, cells, ["---"] * 2 + ["---:"] * 8))
 
 
 def _f(x, spec=".2f") -> str:
@@ -453,7 +497,8 @@ def markdown(report: dict) -> str:
         head_cells, tail_cells = _run_cells(r)
         mid = [_f(r["rows_per_step"], ".1f"), _f(r["forward_ms_per_step"], ".0f"), _f(r["host_ms_per_step"], ".1f")]
         rows.append(head_cells + mid + tail_cells)
-    return "\n".join(lines + md_table(head, rows, ["---"] * 2 + ["---:"] * 10 + ["---", "---:"])) + "\n"
+    table = md_table(head, rows, ["---"] * 2 + ["---:"] * 10 + ["---", "---:"])
+    return "\n".join(lines + table + tool_set_markdown(report)) + "\n"
 
 
 def projection_markdown(report: dict) -> str:
@@ -490,7 +535,7 @@ def projection_markdown(report: dict) -> str:
         mid += [_f(r.get("hidden_ms_per_step"), ".2f"), _f(share, ".0f") + "%"]
         rows.append(["projection"] + head_cells + mid + tail_cells)
     align = ["---"] * 3 + ["---:"] * 13 + ["---", "---:"]
-    return "\n".join(lines + md_table(head, rows, align)) + "\n"
+    return "\n".join(lines + md_table(head, rows, align) + tool_set_markdown(report)) + "\n"
 
 
 def plot(report: dict, path: Path) -> None:

@@ -325,3 +325,18 @@ def test_expansion_equal_finds_a_difference_and_passes_on_equal_code(monkeypatch
     monkeypatch.setattr(old, "MORE_OPTIONAL", old.MORE_OPTIONAL * 0.5)
     with pytest.raises(AssertionError, match="differs"):
         ee.compare(old, 1)
+
+
+def test_tool_set_cache_study_streams_sets_and_measures_their_memory():
+    """Resent tool sets hit; the bytes the cache's bound counts are no fewer than a compiled set holds."""
+    from benchmarks.studies import tool_set_cache as tsc
+
+    def tool(name):
+        props = {"q": {"type": "string"}, "n": {"enum": [1, 2, 3]}}
+        return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": props}}}
+
+    items = [{"tools": [tool("a")]}, {"tools": [tool("b")]}, {"tools": [tool("a")]}, {"tools": [tool("a")]}]
+    st = tsc.stream_stats(items, None, 1 << 20)
+    assert (st["items"], st["hits"], st["misses"]) == (4, 2, 2)
+    mem = tsc.measured_bytes(items)
+    assert mem["sets"] == 2 and mem["measured_bytes_mean"] > 0 and mem["estimate_over_measured_min"] >= 1.0

@@ -89,7 +89,12 @@ def test_batch_run_is_exact_resumable_and_reported(tiny, tmp_path, monkeypatch):
             assert r["prompt_side_ms_per_request"] == 0
     four = next(r for r in runs if (r["benchmark"], r["method"], r["batch"]) == ("syn", "ar", 4))
     assert four["rows_per_step"] > 1  # the group's sequences shared forwards
-    assert (tmp_path / "results" / "batch-tiny.md").read_text().count("| syn |") == 9
+    # the compiled tool-set cache of each (benchmark, B)'s stream: one lookup a request
+    sets = {(r["benchmark"], r["method"], r["batch"]): r for r in rep["tool_sets"]}
+    assert set(sets) == {(b, "toolspec", n) for b in ("syn", "two") for n in (1, 2, 4)}
+    assert all(r["hits"] + r["misses"] == 5 and r["misses"] >= 1 and r["bytes"] > 0 for r in sets.values())
+    md = (tmp_path / "results" / "batch-tiny.md").read_text()
+    assert md.count("| syn |") == 9 + 3 and "## Compiled tool sets" in md
     assert (tmp_path / "results" / "batch-tiny.png").stat().st_size > 0
 
 

@@ -110,6 +110,9 @@ def test_a_growing_token_table_counts_against_the_bound():
         b.candidate(lambda tail, segs: ((1, 2, 3), ("x", "x", "x")), (i,), (("t", "x"),))
     assert b.nbytes > before and (b.token_hits, b.token_misses) == (0, 200)
     assert b.candidate(lambda tail, segs: 1 / 0, (5,), (("t", "x"),)) == ((1, 2, 3), ("x", "x", "x"))
+    st = cache.stats()  # the token table's share of the bytes and its lookups
+    assert (st["token_entries"], st["token_lookups"]) == (200, 201) and st["token_hit_rate"] == 1 / 201
+    assert st["schema_bytes"] + st["token_bytes"] == st["bytes"] and st["token_bytes"] == b.token_bytes > 0
     cache.get(_tool(2), None, None)  # the next lookup restores the bound
     assert cache.nbytes <= cache.max_bytes and b.key not in cache.keys()
 

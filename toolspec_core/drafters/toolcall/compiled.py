@@ -264,10 +264,14 @@ class ToolSetCache:
             return list(self._entries)
 
     def stats(self) -> dict:
-        """Hits, misses, hit rate, compile time per set (p50 / p99, ms), bytes per entry."""
+        """Hits, misses, hit rate, compile time per set (p50 / p99, ms), bytes per entry (schema
+        tables and token tables apart), and the token tables' lookups of the sets held."""
         with self._lock:
-            sizes = [e.nbytes for e in self._entries.values()]
+            entries = list(self._entries.values())
+            sizes = [e.nbytes for e in entries]
             n = self.hits + self.misses
+            token_hits = sum(e.token_hits for e in entries)
+            token_lookups = token_hits + sum(e.token_misses for e in entries)
             return {
                 "entries": len(sizes),
                 "hits": self.hits,
@@ -279,4 +283,9 @@ class ToolSetCache:
                 "bytes_per_entry_mean": sum(sizes) / len(sizes) if sizes else 0.0,
                 "bytes_per_entry_max": max(sizes, default=0),
                 "max_bytes": self.max_bytes,
+                "schema_bytes": sum(e.schema_bytes for e in entries),
+                "token_bytes": sum(e.token_bytes for e in entries),
+                "token_entries": sum(len(e.tokens) for e in entries),
+                "token_lookups": token_lookups,
+                "token_hit_rate": token_hits / token_lookups if token_lookups else 0.0,
             }
