@@ -340,3 +340,33 @@ def test_tool_set_cache_study_streams_sets_and_measures_their_memory():
     assert (st["items"], st["hits"], st["misses"]) == (4, 2, 2)
     mem = tsc.measured_bytes(items)
     assert mem["sets"] == 2 and mem["measured_bytes_mean"] > 0 and mem["estimate_over_measured_min"] >= 1.0
+
+
+def test_token_miss_kinds_say_where_a_candidates_tokens_are_its_own():
+    """``split`` exactly where the candidate tokenized after the tail equals its text tokenized alone."""
+    import regex
+    from transformers import AutoTokenizer
+
+    from benchmarks.studies.tool_set_cache import miss_kind
+    from toolspec_core.drafters.toolcall.boundary import QWEN2_SPLIT, BoundaryTokenizer
+    from toolspec_core.model.embedded import embedded_model_dir
+
+    bt = BoundaryTokenizer(AutoTokenizer.from_pretrained(str(embedded_model_dir())))
+    pattern = regex.compile(QWEN2_SPLIT)
+    cases = [
+        ('{"name": "get', 'Weather", "arguments": {'),  # a word run on: BPE may merge across
+        ('{"city": "Paris', '", "days": 3}}'),
+        ('{"city":', ' "Paris"'),  # ' "' would merge
+        ('{"n": 1', "2, "),  # digits are pieces of their own
+        ('{"city": "Paris",', ' "days": '),
+        ("<tool_call>\n", '{"name": "'),
+    ]
+    kinds = []
+    for context, text in cases:
+        tail = tuple(bt.tok.encode(context, add_special_tokens=False))[-3:]
+        kind = miss_kind(bt, pattern, tail, ((text, "x"),))
+        kinds.append(kind)
+        own = tuple(bt.continuation(tail, text)) == tuple(bt._encode(text))
+        assert kind != "split" or own, (context, text)
+    assert "split" in kinds and "nosplit" in kinds
+    assert miss_kind(bt, pattern, (1, 2, 3), (("a", "x"), ((7,), "end"), ("b", "x"))) == "runs"

@@ -8,6 +8,14 @@ after drafting) and the bytes a compiled set actually holds (``tracemalloc``: wh
 allocated and kept), so the estimate the bound uses is checked against memory.
 
     python -m benchmarks.studies.tool_set_cache --json benchmarks/runs/tool-set-cache.json
+
+``--misses B``: also the token tables' misses on the replay target at batch B (the three dev sets,
+16 items each, each once: fresh requests), each classified by whether its tokens depend on the
+context tail at all. BPE never merges across a pre-token boundary, and the Qwen2 pre-tokenizer's
+regex has no look-behind, so where a pre-token ends exactly at the boundary after a tail that
+re-tokenizes to itself, the candidate's tokens are its text's own (``split``): a table keyed by the
+candidate alone could answer it. Reported with how many misses resend a candidate already
+tokenized after another tail -- the share such a table would turn into hits.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from pathlib import Path
 
 from benchmarks.data import load_items
 from benchmarks.datasets import dev_set
+from toolspec_core.drafters.toolcall.boundary import TAIL_TOKENS
 from toolspec_core.drafters.toolcall.compiled import ToolSetCache, compile_tools, percentile, tool_set_key
 
 SETS = ("api_bank", "bfcl_v3", "toolalpaca", "bfcl_v3_multi_turn")
@@ -63,11 +72,85 @@ def measured_bytes(items: list[dict]) -> dict:
     }
 
 
+def miss_kind(bt, pattern, tail: tuple[int, ...], segs: tuple) -> str:
+    """Whether a candidate's tokens after ``tail`` are its text's own: ``split`` (a pre-token
+    ends at the boundary after the tail ``BoundaryTokenizer.continuation`` settles on, or it settles
+    on none), ``nosplit`` (BPE may merge across it), ``nonascii`` (the encoder's regex rules are
+    checked on ASCII only), ``runs`` (text after raw ids: later runs' tails include the first's)."""
+    text = [isinstance(seg, str) for seg, _ in segs]
+    first_raw = text.index(False) if False in text else len(text)
+    if any(text[first_raw:]):
+        return "runs"
+    x = "".join(seg for seg, _ in segs[:first_raw])
+    for k in range(min(TAIL_TOKENS, len(tail)), 0, -1):
+        t = bt._decode(tuple(tail[-k:]))
+        if "\ufffd" in t:
+            continue
+        if not (t + x).isascii():
+            return "nonascii"
+        if not any(m.end() == len(t) for m in pattern.finditer(t + x)):
+            return "nosplit"
+        if tuple(bt._encode(t)) == tuple(tail[-k:]):
+            return "split"  # continuation returns encode(x): the tail's tokens re-tokenize to themselves
+    return "split"  # no clean tail: encode(x) as well
+
+
+def token_misses(batch: int) -> dict:
+    """The schema candidates the tool sets' token tables miss on a replay run at ``batch``."""
+    import collections
+    import tempfile
+
+    import regex
+
+    from benchmarks.batch import BatchRun
+    from benchmarks.cli import parse
+    from toolspec_core.drafters.toolcall import compiled
+
+    missed: list[tuple] = []
+    lookup = compiled.CompiledTools.candidate
+
+    def recording(self, tokenize, tail, segs):
+        if (tail, segs) not in self.tokens:
+            missed.append((self, tail, segs))
+        return lookup(self, tokenize, tail, segs)
+
+    argv = ["--batch", str(batch), "--same-batch-reference", "--target", "replay", "--limit", "16"]
+    argv += ["--methods", "ar,toolspec", "--cost", "benchmarks/results/curves/cost-h200-qwen2.5-7b.json"]
+    compiled.CompiledTools.candidate = recording
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            run = BatchRun(parse(argv + ["--max-new-tokens", "128", "--out", out]))
+            run.run()
+    finally:
+        compiled.CompiledTools.candidate = lookup
+    from toolspec_core.drafters.toolcall.boundary import QWEN2_SPLIT, BoundaryTokenizer
+
+    bt, pattern = BoundaryTokenizer(run.target.tokenizer), regex.compile(QWEN2_SPLIT)
+    kinds, seen, again, again_split = collections.Counter(), set(), 0, 0
+    for table, tail, segs in missed:
+        kind = miss_kind(bt, pattern, tail, segs)
+        kinds[kind] += 1
+        if (id(table), segs) in seen:
+            again += 1
+            again_split += kind == "split"
+        seen.add((id(table), segs))
+    n = len(missed)
+    return {
+        "batch": batch,
+        "misses": n,
+        "kinds": dict(kinds),
+        "split_share": kinds["split"] / max(1, n),
+        "resent_share": again / max(1, n),
+        "resent_split_share": again_split / max(1, n),
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sets", default=",".join(SETS))
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
     ap.add_argument("--json")
+    ap.add_argument("--misses", type=int, metavar="B", help="also classify the token tables' misses at batch B")
     a = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -85,6 +168,13 @@ def main(argv=None) -> int:
             f"bytes/set mean {st['bytes_per_entry_mean'] / 1024:.1f} KiB max {st['bytes_per_entry_max'] / 1024:.1f} KiB  "
             f"measured mean {mem['measured_bytes_mean'] / 1024:.1f} KiB (estimate / measured p50 "
             f"{mem['estimate_over_measured_p50']:.2f}, min {mem['estimate_over_measured_min']:.2f})"
+        )
+    if a.misses:
+        m = out["token_misses"] = token_misses(a.misses)
+        print(
+            f"token-table misses at B = {a.misses}: {m['misses']}, kinds {m['kinds']}; tail-free (split) "
+            f"{m['split_share']:.3f}, resending a candidate seen after another tail {m['resent_share']:.3f}, "
+            f"both {m['resent_split_share']:.3f}"
         )
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -116,3 +116,44 @@ def test_compiled_tokenize_is_the_python_one(tok):
         at = rng.randrange(len(recorded))
         tail = tuple(recorded[max(0, at - rng.randint(0, 3)) : at])
         assert fast.tokenize(tail, tuple(segs)) == fast.tokenize_reference(tail, tuple(segs)), (tail, segs)
+
+
+def test_split_at_compares_the_heads_pieces_with_the_whole_texts():
+    """A pre-token ending at the boundary is not enough: ``"a  1"`` splits as a, ' ', ' ', 1 while
+    its head ``"a  "`` alone is a, '  ' -- the ids of the whole are not the head's then the rest's."""
+    kernel, table = tree_kernel.load_bpe(), native_encoder(replay_target().tokenizer).table
+    assert kernel.split_at(table, "a  1", 3) is False
+    assert kernel.split_at(table, "a 1", 2) is True  # a, ' ', 1 either way
+    assert kernel.split_at(table, '{"n": 12', 7) is True  # digits are pieces of their own
+    assert kernel.split_at(table, '"city": "Paris', 8) is False  # ' "' is one piece
+    assert kernel.split_at(table, "get_weather", 4) is False  # '_weather' runs on
+    assert kernel.split_at(table, "x", 0) is True and kernel.split_at(table, "x", 1) is True
+    assert kernel.split_at(table, "Zürich", 2) is None  # not covered: the caller tokenizes
+
+
+def test_a_tail_free_answer_is_what_the_tokenizer_gives_after_the_tail(tok):
+    """``BoundaryTokenizer.tail_free``: where it says a text after a tail is tokenized as the text
+    alone, the reference (the tokenizer itself, the tail tried longest first) agrees -- random
+    texts after tails of recorded tokens, special tokens and split multi-byte characters among
+    them, and after tails written a character a token; and it says so for a good share of them (a check that never answers would pass)."""
+    fast, ref = BoundaryTokenizer(tok), BoundaryTokenizer(tok, cache_candidates=False)
+    assert fast.tail_free is not None and ref.tail_free is None
+    rng = random.Random(7)
+    recorded = [t for rec in replay_target().records[:20] for t in rec["tokens"]]
+    recorded += tok.encode("Zürich 東京 😀 café <tool_call>\n", add_special_tokens=False)
+    words = ['"', '", "', '": ', "get_weather", " 12", "  ", "\n", "'s", "'ll", "Paris", "}}", "é"]
+    free = 0
+    for _ in range(6000):
+        text = "".join(
+            rng.choice(ALPHABET) if rng.random() < 0.5 else rng.choice(words) for _ in range(rng.randint(0, 6))
+        )
+        if rng.random() < 0.4:  # a tail the model wrote a character a token: not re-tokenizing to itself
+            chars = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 3)))
+            tail = tuple(i for ch in chars for i in tok.encode(ch, add_special_tokens=False))
+        else:
+            at = rng.randrange(len(recorded))
+            tail = tuple(recorded[max(0, at - rng.randint(0, 3)) : at])
+        if fast.tail_free(tail, text):
+            free += 1
+            assert ref.continuation(list(tail), text) == list(_hf(tok, text)), (tail, text)
+    assert 1000 < free < 5500
