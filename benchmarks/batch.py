@@ -436,26 +436,20 @@ def tool_set_markdown(report: dict) -> list[str]:
     intro = (
         "Each method's cache of compiled tool sets (`ToolSetCache`) after the benchmark's stream at that B: "
         "requests looked up, sets compiled (misses), hit rate, compile time per set, estimated bytes per "
-        "set held (schema tables at compile plus the token tables as drafting filled them), the token "
-        "tables' hit rate (a schema candidate's tokens answered without tokenizing) and the share of "
-        "lookups answered by a candidate's own tokens (the boundary after the tail does not merge)."
+        "set held (schema tables at compile plus the token table as drafting filled it) and the token "
+        "tables' hit rate (a schema candidate's tokens at a boundary already tokenized)."
     )
     head = ["benchmark", "method", "B", "requests", "sets", "hit rate", "compile ms p50 / p99"]
-    head += ["KiB per set mean / max", "token-table entries", "token-table hit rate", "own tokens"]
+    head += ["KiB per set mean / max", "token-table entries", "token-table hit rate"]
     cells = []
     for r in rows:
         cells.append(
             [r["benchmark"], r["method"], r["batch"], r["hits"] + r["misses"], r["misses"], _f(r["hit_rate"], ".3f")]
             + [f"{r['compile_ms_p50']:.2f} / {r['compile_ms_p99']:.2f}"]
             + [f"{r['bytes_per_entry_mean'] / 1024:.1f} / {r['bytes_per_entry_max'] / 1024:.1f}"]
-            + [r.get("token_entries", "-"), _f(r.get("token_hit_rate"), ".3f"), _own_share(r)]
+            + [r.get("token_entries", "-"), _f(r.get("token_hit_rate"), ".3f")]
         )
-    return md_section("Compiled tool sets", intro, md_table(head, cells, ["---"] * 2 + ["---:"] * 9))
-
-
-def _own_share(r: dict) -> str:
-    n = r.get("token_lookups")
-    return _f(r["own_answers"] / n, ".3f") if n and r.get("own_answers") is not None else "-"
+    return md_section("Compiled tool sets", intro, md_table(head, cells, ["---"] * 2 + ["---:"] * 8))
 
 
 def _f(x, spec=".2f") -> str:

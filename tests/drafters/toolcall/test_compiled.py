@@ -11,7 +11,6 @@ from toolspec_core.drafters.toolcall.compiled import (
     ToolSetCache,
     compile_tools,
     percentile,
-    run_text,
     tokenizer_identity,
     value_start,
 )
@@ -128,29 +127,3 @@ def test_percentile_by_nearest_rank():
     assert percentile([], 0.5) == 0.0
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert percentile(list(range(1, 101)), 0.99) == 99
-
-
-def test_a_candidate_the_boundary_does_not_merge_with_is_tokenized_once_for_every_tail():
-    """With ``tail_free``, one text run (raw ids after it) is tokenized with no tail the first time
-    and answered from its own tokens after any tail the check allows; other tails, and text after
-    raw ids, go through the per-tail table."""
-    c = compile_tools(_tool(0), None)
-    calls = []
-
-    def tokenize(tail, segs):
-        calls.append(tail)
-        return (len(tail), 9), ("x", "end")
-
-    def free(tail, text):
-        return tail[-1] != 0  # a tail ending in 0 merges with what follows
-
-    segs = (("ab", "x"), ("c", "x"), ((9,), "end"))
-    assert c.candidate(tokenize, (1, 2, 3), segs, free) == ((0, 9), ("x", "end"))
-    assert c.candidate(tokenize, (4, 5), segs, free) == ((0, 9), ("x", "end"))
-    assert calls == [()]
-    assert c.candidate(tokenize, (4, 0), segs, free) == ((2, 9), ("x", "end"))  # tokenized after it
-    after_raw = (((9,), "end"), ("ab", "x"))
-    assert c.candidate(tokenize, (1, 2, 3), after_raw, free) == ((3, 9), ("x", "end"))
-    assert calls == [(), (4, 0), (1, 2, 3)]
-    assert (c.token_hits, c.token_misses, c.own_answers) == (1, 3, 2)
-    assert run_text(segs) == "abc" and run_text(after_raw) is None and run_text((((9,), "end"),)) == ""

@@ -201,28 +201,19 @@ static int merge_piece(const Bpe *b, const unsigned char *s, Py_ssize_t n, long 
     return 0;
 }
 
-/* Whether the encoder covers ``text`` (a str): ASCII, no control character but tab / LF / CR, no
- * added token's text. */
-static int covered(const Bpe *b, PyObject *text) {
-    if (!PyUnicode_IS_ASCII(text)) return 0;
+/* The ids of ``text`` (a new tuple), Py_None (new reference) where it is not covered, NULL on error. */
+static PyObject *encode_text(const Bpe *b, PyObject *text) {
+    if (!PyUnicode_IS_ASCII(text)) Py_RETURN_NONE;
     const unsigned char *s = (const unsigned char *)PyUnicode_DATA(text);
     Py_ssize_t n = PyUnicode_GET_LENGTH(text);
     for (Py_ssize_t i = 0; i < n; i++)
-        if ((s[i] < 0x20 && s[i] != '\t' && s[i] != '\n' && s[i] != '\r') || s[i] == 0x7f) return 0;
+        if ((s[i] < 0x20 && s[i] != '\t' && s[i] != '\n' && s[i] != '\r') || s[i] == 0x7f) Py_RETURN_NONE;
     Py_ssize_t na = PyTuple_GET_SIZE(b->added);
     for (Py_ssize_t k = 0; k < na; k++) {
         PyObject *a = PyTuple_GET_ITEM(b->added, k);
         Py_ssize_t la = PyBytes_GET_SIZE(a);
-        if (la && la <= n && memmem(s, n, PyBytes_AS_STRING(a), la)) return 0;
+        if (la && la <= n && memmem(s, n, PyBytes_AS_STRING(a), la)) Py_RETURN_NONE;
     }
-    return 1;
-}
-
-/* The ids of ``text`` (a new tuple), Py_None (new reference) where it is not covered, NULL on error. */
-static PyObject *encode_text(const Bpe *b, PyObject *text) {
-    if (!covered(b, text)) Py_RETURN_NONE;
-    const unsigned char *s = (const unsigned char *)PyUnicode_DATA(text);
-    Py_ssize_t n = PyUnicode_GET_LENGTH(text);
     PyObject *out = PyList_New(0);
     long *sym = malloc((n ? n : 1) * sizeof(long));
     if (!out || !sym) {
@@ -253,30 +244,6 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     Bpe *b = PyCapsule_GetPointer(capsule, "toolspec_bpe");
     if (!b) return NULL;
     return encode_text(b, text);
-}
-
-/* split_at(bpe, text, at): whether ``text``'s pre-tokens are those of ``text[:at]`` followed by
- * those of ``text[at:]`` -- then, BPE running within a pre-token, its ids are theirs end to end
- * (the regex has no look-behind, so the pieces from ``at`` on are the rest's alone; those before
- * are compared with the head's alone, as a look-ahead or a greedy run may see past ``at``). None
- * where the encoder does not cover the text. */
-static PyObject *split_at(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *capsule, *text;
-    Py_ssize_t at;
-    if (!PyArg_ParseTuple(args, "OUn", &capsule, &text, &at)) return NULL;
-    Bpe *b = PyCapsule_GetPointer(capsule, "toolspec_bpe");
-    if (!b) return NULL;
-    if (!covered(b, text)) Py_RETURN_NONE;
-    const unsigned char *s = (const unsigned char *)PyUnicode_DATA(text);
-    Py_ssize_t n = PyUnicode_GET_LENGTH(text);
-    if (at <= 0 || at >= n) Py_RETURN_TRUE;
-    for (Py_ssize_t i = 0; i < at;) {
-        Py_ssize_t len = piece(s, at, i); /* the head alone */
-        if (piece(s, n, i) != len) Py_RETURN_FALSE;
-        i += len;
-    }
-    Py_RETURN_TRUE;
 }
 
 /* The ids of ``text`` as a tuple: the compiled encoder's, or ``fallback(text)``'s where it does
@@ -545,7 +512,6 @@ static PyMethodDef methods[] = {
     {"make", make, METH_VARARGS, "An encoder from its byte ids, merges and added tokens."},
     {"encode", encode, METH_VARARGS, "The ids of an ASCII text, or None where the tokenizer must answer."},
     {"tokenize", tokenize, METH_VARARGS, "A schema candidate's (ids, labels) after a tail (BoundaryTokenizer.tokenize)."},
-    {"split_at", split_at, METH_VARARGS, "Whether a text's pre-tokens are its head's then its rest's (None: not covered)."},
     {NULL, NULL, 0, NULL},
 };
 

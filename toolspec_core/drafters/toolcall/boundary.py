@@ -135,10 +135,6 @@ class BoundaryTokenizer:
         self._encode = lru_cache(maxsize=cache_size)(self._encode_uncached)
         self._decode = lru_cache(maxsize=4096)(self._decode_uncached)
         self._chars: dict[int, int] = {}
-        self._split_at = kernel.split_at if kernel is not None and table is not None else None
-        self._heads = lru_cache(maxsize=4096)(self._heads_uncached)
-        # ``tail_free`` where the compiled pre-tokenizer can answer it, else None (callers tokenize)
-        self.tail_free = self._tail_free if self._split_at is not None else None
 
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         if self._native is not None:
@@ -172,35 +168,6 @@ class BoundaryTokenizer:
             if ids[:k] == tail:
                 return list(ids[k:])
         return list(self._encode(text))
-
-    def _heads_uncached(self, tail: tuple[int, ...]) -> tuple[tuple[str, bool], ...]:
-        """The tails ``continuation`` tries after ``tail``, longest first: (text, whether it
-        re-tokenizes to itself) for each of its last ``TAIL_TOKENS``..1 tokens decoding to whole
-        characters."""
-        out = []
-        for k in range(min(TAIL_TOKENS, len(tail)), 0, -1):
-            head = self._decode(tail[-k:])
-            if "\ufffd" not in head:
-                out.append((head, tuple(self._encode(head)) == tail[-k:]))
-        return tuple(out)
-
-    def _tail_free(self, tail: tuple[int, ...], text: str) -> bool:
-        """Whether ``continuation(tail, text)`` is ``text``'s own ids, known without tokenizing.
-
-        ``continuation`` takes the first tail (longest first) whose ids start ``encode(head +
-        text)``. Where the compiled pre-tokenizer splits ``head + text`` into the head's pieces
-        and the text's (``bpe.c``'s ``split_at``), those ids are ``encode(head)`` then
-        ``encode(text)``, and they start with the tail's exactly when the head re-tokenizes to
-        them (a token never decodes to nothing): then the answer is ``encode(text)``, else that
-        tail is passed over as ``continuation`` passes it. Any tail whose boundary the encoder
-        cannot split (or does not cover) answers False: the caller tokenizes as usual."""
-        split = self._split_at
-        for head, same in self._heads(tail):
-            if not split(self._table, head + text, len(head)):
-                return False
-            if same:
-                return True
-        return True
 
     def candidate(self, tail: tuple[int, ...], segs: tuple) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """Token ids of a candidate's segments written after ``tail`` (text segments tokenized

@@ -104,14 +104,10 @@ class CompiledTools:
     _dates: dict[tuple[str, int], dict | None] = field(default_factory=dict, repr=False)
     _held: list = field(default_factory=list, repr=False)  # every dict keyed by id above
     tokens: OrderedDict = field(default_factory=OrderedDict, repr=False)  # (tail, segs) -> (ids, labels)
-    # segs -> [its one text run or None, (ids, labels) tokenized with no tail or None]: ``candidate``'s
-    # answers that hold after any tail the boundary does not merge with
-    own: OrderedDict = field(default_factory=OrderedDict, repr=False)
     schema_bytes: int = 0
     token_bytes: int = 0
-    token_hits: int = 0  # lookups answered from either table
-    token_misses: int = 0  # lookups that tokenized
-    own_answers: int = 0  # lookups answered by a candidate's own tokens (``own``; first ones included)
+    token_hits: int = 0
+    token_misses: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -137,40 +133,14 @@ class CompiledTools:
             return self._dates[k]
         return _date_string(key, schema, variants(schema))
 
-    def candidate(
-        self, tokenize, tail: tuple[int, ...], segs: tuple, tail_free=None
-    ) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    def candidate(self, tokenize, tail: tuple[int, ...], segs: tuple) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """A schema candidate's (ids, labels) after ``tail`` from the token table; ``tokenize(tail,
-        segs)`` on a miss, kept (the oldest boundaries dropped past ``TOKEN_TABLE_ENTRIES``).
-
-        ``tail_free(tail, text) -> bool`` (``BoundaryTokenizer.tail_free``): whether ``text``
-        written after ``tail`` is tokenized as ``text`` alone. The table's key moves with every
-        step of an output (the tail and the candidate's remaining text both change), so on fresh
-        requests it rarely hits; a candidate whose segments are one text run (raw ids after it)
-        is instead answered, where the boundary allows, by its own tokens -- tokenized once per
-        tool set with no tail, whatever tail it later follows."""
+        segs)`` on a miss, kept (the oldest boundaries dropped past ``TOKEN_TABLE_ENTRIES``)."""
         k = (tail, segs)
         out = self.tokens.get(k)
         if out is not None:
             self.token_hits += 1
             return out
-        if tail_free is not None:
-            entry = self.own.get(segs)
-            if entry is None:
-                entry = self.own[segs] = [run_text(segs), None]
-                self.token_bytes += TOKEN_ENTRY_BYTES
-                if len(self.own) > TOKEN_TABLE_ENTRIES:
-                    _, old = self.own.popitem(last=False)
-                    self.token_bytes -= TOKEN_ENTRY_BYTES + (token_entry_bytes(old[1]) if old[1] else 0)
-            if entry[0] is not None and tail_free(tail, entry[0]):
-                self.own_answers += 1
-                if entry[1] is None:
-                    self.token_misses += 1
-                    entry[1] = tokenize((), segs)
-                    self.token_bytes += token_entry_bytes(entry[1])
-                else:
-                    self.token_hits += 1
-                return entry[1]
         self.token_misses += 1
         out = tokenize(tail, segs)
         self.tokens[k] = out
@@ -179,17 +149,6 @@ class CompiledTools:
             _, old = self.tokens.popitem(last=False)
             self.token_bytes -= token_entry_bytes(old)
         return out
-
-
-def run_text(segs: tuple) -> str | None:
-    """A candidate's text where its segments are text then raw ids only (one run whose tokens
-    start at the boundary), else None (a later run's tokens follow earlier ones as a tail)."""
-    parts = []
-    for i, (seg, _) in enumerate(segs):
-        if not isinstance(seg, str):
-            return "".join(parts) if all(not isinstance(s, str) for s, _ in segs[i:]) else None
-        parts.append(seg)
-    return "".join(parts)
 
 
 def token_entry_bytes(entry: tuple) -> int:
@@ -311,7 +270,7 @@ class ToolSetCache:
             entries = list(self._entries.values())
             sizes = [e.nbytes for e in entries]
             n = self.hits + self.misses
-            token_hits = sum(e.token_hits for e in entries)  # answered from the tables
+            token_hits = sum(e.token_hits for e in entries)
             token_lookups = token_hits + sum(e.token_misses for e in entries)
             return {
                 "entries": len(sizes),
@@ -329,6 +288,4 @@ class ToolSetCache:
                 "token_entries": sum(len(e.tokens) for e in entries),
                 "token_lookups": token_lookups,
                 "token_hit_rate": token_hits / token_lookups if token_lookups else 0.0,
-                "own_entries": sum(len(e.own) for e in entries),
-                "own_answers": sum(e.own_answers for e in entries),
             }

@@ -266,8 +266,7 @@ class SchemaDrafter(DrafterBase):
         self._past_memo: dict | None = None if reference else {}
         # the schema candidates' expansion graph, kept across steps (None: expanded afresh every step)
         self._graph: Graph | None = None if reference else Graph()
-        free = bt.tail_free
-        self._tokenize = (lambda tail, segs: tables.candidate(bt.tokenize, tail, segs, free)) if tables else None
+        self._tokenize = (lambda tail, segs: tables.candidate(bt.tokenize, tail, segs)) if tables else None
         self.bt, self.tools, self.priors, self.rates, self.eos = bt, tools, priors, rates, eos
         self.suffix, self.retrieval, self.schema = suffix, retrieval, schema
         self.tracker = CallTracker(tools, RESPONSE if answer else None, layouts)
