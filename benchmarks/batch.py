@@ -535,7 +535,9 @@ def projection_markdown(report: dict) -> str:
         mid += [_f(r.get("hidden_ms_per_step"), ".2f"), _f(share, ".0f") + "%"]
         rows.append(["projection"] + head_cells + mid + tail_cells)
     align = ["---"] * 3 + ["---:"] * 13 + ["---", "---:"]
-    return "\n".join(lines + md_table(head, rows, align) + tool_set_markdown(report)) + "\n"
+    # no "Compiled tool sets" table here: every row of a projection says so, and the cache's counts
+    # are the CPU replay's (its report has them)
+    return "\n".join(lines + md_table(head, rows, align)) + "\n"
 
 
 def plot(report: dict, path: Path) -> None:
