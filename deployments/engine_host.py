@@ -161,6 +161,8 @@ class EngineHost:
             "tensor_parallel_size": self.cfg.tensor_parallel_size,
             "retrieval": self.retrieval.counters() if self.retrieval is not None else None,
             "engine": self.engine.load(),
+            # the compiled tool sets (``ToolSetCache``: hit rate, compile ms, bytes), where the method keeps them
+            "tool_sets": tool_sets.stats() if (tool_sets := getattr(self.method, "tool_sets", None)) else None,
             "tensor_parallel": self._tp_info(),
             "startup": self.startup,
             # the draft budget's curve (measured at start-up unless configured): how much a tree may cost

@@ -70,6 +70,12 @@ class Metrics:
         self.kv_usage = g("toolspec_kv_pool_usage", "Fraction of KV blocks referenced by running sequences")
         self.kv_blocks = g("toolspec_kv_pool_blocks", "KV blocks by state", "state")
         self.prefix_hit = g("toolspec_prefix_cache_hit_rate", "Prompt tokens found in the KV prefix cache / looked up")
+        self.tool_set_hit = g("toolspec_tool_sets_hit_rate", "Tool-set lookups that found the set compiled / lookups")
+        self.tool_set_entries = g("toolspec_tool_sets_entries", "Compiled tool sets kept")
+        self.tool_set_bytes = g("toolspec_tool_sets_bytes", "Estimated bytes of the compiled tool sets kept (bounded)")
+        self.token_table_hit = g(
+            "toolspec_tool_sets_token_hit_rate", "Schema candidates' tokens found in the kept sets' token tables"
+        )
         self.startup_s = g(
             "toolspec_replica_startup_seconds", "Seconds the replica took to start (weights, KV pool, CUDA graphs)"
         )
@@ -114,6 +120,12 @@ class Metrics:
         startup = (info.get("startup") or {}).get("total_s")
         if startup is not None:
             self.startup_s.labels(rep).set(startup)
+        sets = info.get("tool_sets")
+        if sets:
+            self.tool_set_hit.labels(rep).set(sets["hit_rate"])
+            self.tool_set_entries.labels(rep).set(sets["entries"])
+            self.tool_set_bytes.labels(rep).set(sets["bytes"])
+            self.token_table_hit.labels(rep).set(sets["token_hit_rate"])
         if eng.get("mode") != "batched":
             return
         self.running.labels(rep).set(eng.get("running", 0))

@@ -855,9 +855,11 @@ def test_models_health_metrics(local):
     async def go():
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
         await http.post("/v1/chat/completions", json={"messages": WEATHER_MESSAGES, "tools": TOOLS, "max_tokens": 8})
-        return [await http.get(p) for p in ("/v1/models", "/health", "/metrics", "/v1/models/other")]
+        before = (await http.get("/health")).json()["engine"]["tool_sets"]
+        await http.post("/v1/chat/completions", json={"messages": WEATHER_MESSAGES, "tools": TOOLS, "max_tokens": 8})
+        return [before] + [await http.get(p) for p in ("/v1/models", "/health", "/metrics", "/v1/models/other")]
 
-    models, health, metrics, missing = run(go())
+    before, models, health, metrics, missing = run(go())
     assert models.json()["data"][0]["id"] == "tiny"
     assert health.json()["status"] == "ok"
     text = metrics.text
@@ -879,8 +881,15 @@ def test_models_health_metrics(local):
         'toolspec_gc_collections{generation="2",replica="',
         "toolspec_gc_seconds",
         "toolspec_gc_longest_seconds",
+        'toolspec_tool_sets_hit_rate{replica="',
+        "toolspec_tool_sets_entries",
+        "toolspec_tool_sets_bytes",
+        "toolspec_tool_sets_token_hit_rate",
     ):
         assert name in text, name
+    sets = health.json()["engine"]["tool_sets"]  # the same tools again: compiled once, found the second time
+    assert sets["hits"] > before["hits"] and sets["misses"] == before["misses"] >= 1
+    assert sets["entries"] >= 1 and 0 < sets["bytes"] <= sets["max_bytes"]
     assert health.json()["engine"]["engine"]["kv_pool"]["blocks"] > 0
     collected = health.json()["engine"]["engine"]["gc"]
     assert len(collected["collections"]) == len(collected["seconds"]) == len(collected["longest_ms"]) == 3
