@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import NamedTuple
 
 from toolspec_core.drafters.base import LabelRates
@@ -455,7 +456,7 @@ def walk(graph: Graph, root, keep: int, min_prob: float, max_cands: int, levels:
 def flat(instrs: list[tuple]) -> tuple:
     """A node's instructions as one tuple, ``WIDTH`` fields each: one object a node, not one an
     instruction, for the garbage collector to count and walk."""
-    return tuple(x for ins in instrs for x in ins)
+    return tuple(chain.from_iterable(instrs))
 
 
 def _listed(xs) -> list:
