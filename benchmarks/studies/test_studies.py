@@ -369,4 +369,7 @@ def test_token_miss_kinds_say_where_a_candidates_tokens_are_its_own():
         own = tuple(bt.continuation(tail, text)) == tuple(bt._encode(text))
         assert kind != "split" or own, (context, text)
     assert "split" in kinds and "nosplit" in kinds
+    # a piece ends at the boundary, yet the head alone is cut otherwise (a, '  ' against a, ' ', ' ', 1)
+    spaced = tuple(bt.tok.encode("a  ", add_special_tokens=False))
+    assert bt._encode("a  ") == spaced and miss_kind(bt, pattern, spaced, (("1", "x"),)) == "nosplit"
     assert miss_kind(bt, pattern, (1, 2, 3), (("a", "x"), ((7,), "end"), ("b", "x"))) == "runs"

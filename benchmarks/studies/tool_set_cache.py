@@ -12,8 +12,8 @@ allocated and kept), so the estimate the bound uses is checked against memory.
 ``--misses B``: also the token tables' misses on the replay target at batch B (the three dev sets,
 16 items each, each once: fresh requests), each classified by whether its tokens depend on the
 context tail at all. BPE never merges across a pre-token boundary, and the Qwen2 pre-tokenizer's
-regex has no look-behind, so where a pre-token ends exactly at the boundary after a tail that
-re-tokenizes to itself, the candidate's tokens are its text's own (``split``): a table keyed by the
+regex has no look-behind, so where head + text pre-tokenizes as the head's pieces then the text's,
+after a tail that re-tokenizes to itself, the candidate's tokens are its text's own (``split``): a table keyed by the
 candidate alone could answer it. Reported with how many misses resend a candidate already
 tokenized after another tail -- the share such a table would turn into hits.
 """
@@ -73,10 +73,12 @@ def measured_bytes(items: list[dict]) -> dict:
 
 
 def miss_kind(bt, pattern, tail: tuple[int, ...], segs: tuple) -> str:
-    """Whether a candidate's tokens after ``tail`` are its text's own: ``split`` (a pre-token
-    ends at the boundary after the tail ``BoundaryTokenizer.continuation`` settles on, or it settles
-    on none), ``nosplit`` (BPE may merge across it), ``nonascii`` (the encoder's regex rules are
-    checked on ASCII only), ``runs`` (text after raw ids: later runs' tails include the first's)."""
+    """Whether a candidate's tokens after ``tail`` are its text's own: ``split`` (the head +
+    text pre-tokenizes as the head alone, then the text, for the tail ``BoundaryTokenizer.continuation``
+    settles on, or it settles on none), ``nosplit`` (BPE may merge across the boundary, or a
+    look-ahead past it cuts the head otherwise: ``"a  "`` alone is a, '  ' but ``"a  1"`` is a, ' ',
+    ' ', 1), ``nonascii`` (the regex rules are checked on ASCII only), ``runs`` (text after raw
+    ids: later runs' tails include the first's)."""
     text = [isinstance(seg, str) for seg, _ in segs]
     first_raw = text.index(False) if False in text else len(text)
     if any(text[first_raw:]):
@@ -88,7 +90,8 @@ def miss_kind(bt, pattern, tail: tuple[int, ...], segs: tuple) -> str:
             continue
         if not (t + x).isascii():
             return "nonascii"
-        if not any(m.end() == len(t) for m in pattern.finditer(t + x)):
+        head = [m.end() for m in pattern.finditer(t)]
+        if [m.end() for m in pattern.finditer(t + x) if m.start() < len(t)] != head:
             return "nosplit"
         if tuple(bt._encode(t)) == tuple(tail[-k:]):
             return "split"  # continuation returns encode(x): the tail's tokens re-tokenize to themselves
